@@ -1,0 +1,86 @@
+"""What one forward pass costs depends on its shape, not on which requests are in it.
+
+`BatchShape` is the contract between the schedulers (which build batches) and whatever prices
+or runs them: the simulator's cost models read only these aggregates, so pricing a batch is
+O(1) however many requests it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdsim.core.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """Aggregate shape of one forward on one attention rank.
+
+    prefill_tokens: new tokens computed by prefill/extend segments (chunked prefill included).
+    prefill_attn_pairs: causal (query, key) pairs those segments attend over, summed over
+        requests: a segment of n new tokens after c cached ones contributes n * c + n * (n + 1) / 2.
+    decode_reqs: requests that decode one token each.
+    decode_context_tokens: KV tokens read by those decode requests (sum of their context lengths).
+    """
+
+    prefill_tokens: int = 0
+    prefill_attn_pairs: float = 0.0
+    decode_reqs: int = 0
+    decode_context_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens that pass through the dense/MoE layers."""
+        return self.prefill_tokens + self.decode_reqs
+
+    @property
+    def is_empty(self) -> bool:
+        return self.num_tokens == 0
+
+
+def extend_attn_pairs(new_tokens: int, cached_tokens: int) -> float:
+    """Causal attention pairs of an extend segment of `new_tokens` after `cached_tokens`."""
+    return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2
+
+
+@dataclass(slots=True)
+class ExtendSegment:
+    """Tokens `[start, end)` of a request's fill sequence computed by one extend forward."""
+
+    req: Request
+    start: int
+    end: int
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this chunk completes the request's prefill (and so yields a token)."""
+        return self.end == self.req.fill_len
+
+
+@dataclass(slots=True)
+class Batch:
+    """A forward the scheduler has planned; a driver runs it and hands back a `BatchResult`.
+
+    `extend` batches carry segments (prefill, chunked prefill or recompute); `decode` batches carry
+    the running requests in order and `step`, the running batch's step the forward computes (a
+    request's KV length in it is `req.kv_at_join + step - 1 - req.join_step`).
+    """
+
+    kind: str  # "extend" or "decode"
+    shape: BatchShape
+    start_s: float
+    segments: list[ExtendSegment] | None = None
+    reqs: list[Request] | None = None
+    step: int = 0
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """What an executor returns. The simulator's executors produce no token ids (`None`):
+    lengths drive it. A real executor returns one id and logprob per extend segment (only those
+    of last chunks are used) or per decode request."""
+
+    duration_s: float
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+

@@ -1,0 +1,40 @@
+"""Scheduler knobs, the same for a simulated and a real instance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Sizes and limits of one scheduler (one attention-DP rank of one instance).
+
+    num_pages × page_size is the KV pool in tokens. `max_prefill_tokens` caps the new tokens of
+    one extend batch; `chunked_prefill_size` cuts longer prompts into chunks (0 disables chunking,
+    so a prompt longer than the budget runs alone). `num_reserved_decode_tokens` is set aside per
+    running or queued request when admitting new ones, so admitted requests can keep decoding.
+    """
+
+    num_pages: int
+    page_size: int = 16
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int = 8192
+    num_reserved_decode_tokens: int = 512
+    pre_alloc_size: int = 64  # decode: extra request slots for requests waiting for their KV
+    metadata_slots: int = 512
+    bootstrap_timeout_s: float = 300.0
+    waiting_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "page_size", "max_running_requests", "max_prefill_tokens",
+                     "metadata_slots"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}")
+        for name in ("chunked_prefill_size", "num_reserved_decode_tokens", "pre_alloc_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_pages * self.page_size

@@ -1,0 +1,142 @@
+"""The decode instance's scheduler.
+
+Queues, in the order a request passes them:
+
+- **prealloc**: a `KVReceiver` per request; it handshakes with the prefill rank
+  (`Bootstrapping` → `WaitingForInput`). When a request slot and a metadata slot are free and
+  the token budget allows, allocate its KV pages and `send_metadata` (page indices and metadata
+  slot) to the prefill side. Budget = free tokens − `num_reserved_decode_tokens` per request that
+  is running or holds preallocated KV. Request slots number `max_running_requests +
+  pre_alloc_size`, so preallocation never takes the slots the running batch needs.
+- **transfer**: poll the receiver. On `Success` read the metadata; its room id must be this
+  request's (else the buffer was crossed: abort), then append the first token. `Failed`, or no
+  KV within `waiting_timeout_s`, aborts.
+- **prebuilt**: the KV is in place, so no prefill forward runs; the request merges into the
+  running batch as soon as it has room (`max_running_requests`).
+- **running**: continuous-batching decode; when the pool runs out a request is retracted and
+  later recomputed by a local extend (the shared waiting queue).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pdsim.core.config import SchedulerConfig
+from pdsim.core.kvpoll import KVPoll
+from pdsim.core.pages import num_pages
+from pdsim.core.pool import IndexPool
+from pdsim.core.request import Request
+from pdsim.core.scheduler import InstanceScheduler
+from pdsim.core.transfer import KVManager
+
+
+class DecodeScheduler(InstanceScheduler):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVManager, instance_id: int = 0):
+        super().__init__(
+            config, instance_id, req_slots=config.max_running_requests + config.pre_alloc_size
+        )
+        self.kv = kv_manager
+        self.metadata_slots = IndexPool(config.metadata_slots, "metadata slot")
+        self.prealloc: list[Request] = []
+        self.transfer: list[Request] = []
+        self.prebuilt: deque[Request] = deque()
+
+    def add_request(self, req: Request, now: float) -> None:
+        self.num_active += 1
+        req.decode_instance = self.instance_id
+        req.queued_s = now
+        req.receiver = self.kv.create_receiver(req)
+        if self._reject_if_too_long(req, req.input_len + req.max_new_tokens, now):
+            req.receiver.abort("decode instance cannot hold the request")
+            return
+        self.prealloc.append(req)
+
+    def step(self, now: float):
+        self._pop_preallocated(now)
+        self._pop_transferred(now)
+        self._merge_prebuilt(now)
+        # Retracted requests recompute first; decode otherwise.
+        return self._plan_extend(now) or self._plan_decode(now)
+
+    def _num_decoding(self) -> int:
+        return len(self.running) + len(self.transfer) + len(self.prebuilt) + len(self.waiting)
+
+    # ----- prealloc --------------------------------------------------------------------------
+
+    def _pop_preallocated(self, now: float) -> None:
+        still = []
+        blocked = False
+        for req in self.prealloc:
+            poll = req.receiver.poll()
+            if poll is KVPoll.Failed:
+                self._fail(req, f"handshake failed: {req.receiver.failure_reason()}", now)
+            elif blocked or poll is KVPoll.Bootstrapping:
+                still.append(req)
+            elif not self._preallocate(req):
+                blocked = True  # first come, first served: later requests wait behind it
+                still.append(req)
+            else:
+                req.queued_s = now
+                self.transfer.append(req)
+        self.prealloc = still
+
+    def _preallocate(self, req: Request) -> bool:
+        cfg = self.config
+        pages_needed = num_pages(req.input_len, cfg.page_size)
+        budget = self.pool.free_tokens - self._reserved_tokens()
+        if pages_needed * cfg.page_size + cfg.num_reserved_decode_tokens > budget and self._num_decoding():
+            return False
+        if self.req_slots.num_free == 0 or self.metadata_slots.num_free == 0:
+            return False
+        pages = self.pool.alloc_many(pages_needed)
+        if pages is None:
+            return False
+        req.pages = pages
+        req.req_slot = self.req_slots.alloc()
+        req.metadata_slot = self.metadata_slots.alloc()
+        req.receiver.send_metadata(pages, req.metadata_slot)
+        return True
+
+    # ----- transfer --------------------------------------------------------------------------
+
+    def _pop_transferred(self, now: float) -> None:
+        still = []
+        for req in self.transfer:
+            poll = req.receiver.poll()
+            if poll is KVPoll.Success:
+                self._commit_transfer(req, now)
+            elif poll is KVPoll.Failed:
+                self._fail(req, f"KV transfer failed: {req.receiver.failure_reason()}", now)
+            elif now - req.queued_s > self.config.waiting_timeout_s:
+                reason = f"KV did not arrive within {self.config.waiting_timeout_s} s"
+                req.receiver.abort(reason)
+                self._fail(req, reason, now)
+            else:
+                still.append(req)
+        self.transfer = still
+
+    def _commit_transfer(self, req: Request, now: float) -> None:
+        meta = self.kv.metadata.read(req.metadata_slot)
+        if meta is None or meta.bootstrap_room != req.bootstrap_room:
+            got = None if meta is None else meta.bootstrap_room
+            self._fail(
+                req,
+                f"metadata room {got} does not match request room {req.bootstrap_room}: "
+                "the metadata buffer was crossed",
+                now,
+            )
+            return
+        self.metadata_slots.free(req.metadata_slot)
+        req.metadata_slot = -1
+        req.transfer_done_s = now
+        req.computed_tokens = req.input_len
+        req.cached_tokens = meta.cached_tokens
+        req.first_logprob = meta.first_logprob
+        token = meta.first_token_id if req.prompt_ids is not None else None
+        self._emit(req, token, meta.first_logprob, now)
+        self.prebuilt.append(req)
+
+    def _merge_prebuilt(self, now: float) -> None:
+        cap = self.config.max_running_requests
+        while self.prebuilt and len(self.running) < cap:
+            self._start_decoding(self.prebuilt.popleft(), now)

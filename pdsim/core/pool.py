@@ -1,0 +1,95 @@
+"""Index pools: KV pages, request slots and metadata slots.
+
+Every pool hands out integers and takes them back; `check_full()` is how tests and drivers prove
+that a run leaked nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class IndexPool:
+    """A free list of the integers `0 .. size-1`; lowest indices are handed out first."""
+
+    def __init__(self, size: int, name: str):
+        if size <= 0:
+            raise ValueError(f"{name} pool size must be positive, got {size}")
+        self.name = name
+        self.size = size
+        self._free = list(range(size - 1, -1, -1))  # pop() from the end yields 0, 1, 2, ...
+        self._in_use = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.size - len(self._free)
+
+    def alloc(self) -> int | None:
+        """One index, or None when the pool is empty."""
+        if not self._free:
+            return None
+        idx = self._free.pop()
+        self._in_use.add(idx)
+        return idx
+
+    def alloc_many(self, n: int) -> list[int] | None:
+        """`n` indices, or None (and nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return []
+        taken = self._free[-n:][::-1]
+        del self._free[-n:]
+        self._in_use.update(taken)
+        return taken
+
+    def free(self, idx: int) -> None:
+        try:
+            self._in_use.remove(idx)
+        except KeyError:
+            raise ValueError(f"{self.name} index {idx} freed but not in use") from None
+        self._free.append(idx)
+
+    def free_many(self, indices: Iterable[int]) -> None:
+        for idx in indices:
+            self.free(idx)
+
+    def check_full(self) -> None:
+        """Raise if anything is still handed out."""
+        if self._in_use:
+            shown = sorted(self._in_use)[:10]
+            raise AssertionError(f"{self.name} pool leaked {len(self._in_use)} indices, e.g. {shown}")
+
+
+class PagePool(IndexPool):
+    """KV-cache pages of `page_size` tokens each."""
+
+    def __init__(self, num_pages: int, page_size: int, name: str = "kv page"):
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        super().__init__(num_pages, name)
+        self.page_size = page_size
+
+    @property
+    def free_tokens(self) -> int:
+        return self.num_free * self.page_size
+
+
+class ReqSlotPool(IndexPool):
+    """Request slots; `reserve` of them are kept for requests that wait for their KV.
+
+    The decode side sizes this `max_running + pre_alloc_size`: the running batch is capped at
+    `max_running` elsewhere, so the extra `pre_alloc_size` slots always remain for preallocation
+    and requests whose KV is still in flight never starve the running batch.
+    """
+
+    def __init__(self, max_running: int, pre_alloc_size: int = 0, name: str = "request slot"):
+        if pre_alloc_size < 0:
+            raise ValueError(f"pre_alloc_size must be >= 0, got {pre_alloc_size}")
+        super().__init__(max_running + pre_alloc_size, name)
+        self.max_running = max_running
+        self.pre_alloc_size = pre_alloc_size

@@ -1,0 +1,129 @@
+"""The prefill instance's scheduler.
+
+Queues, in the order a request passes them:
+
+- **bootstrap**: a `KVSender` per request, polled until the decode side has said where to write
+  (`WaitingForInput`). Then, if a metadata slot and a request slot are free, `init` the sender
+  with the page count and move on. `Failed` aborts; staying in `Bootstrapping` longer than
+  `bootstrap_timeout_s` aborts too. Prefill forces `max_new_tokens = 1`.
+- **waiting**: the shared extend planner (token budget per batch, chunked prefill). After each
+  chunk its complete pages are handed to the sender; the last chunk also writes the metadata
+  (first token, logprob, cached tokens, room) and sends the remaining pages.
+- **inflight**: poll the sender; `Success` frees the KV, `Failed` aborts.
+"""
+
+from __future__ import annotations
+
+from pdsim.core.config import SchedulerConfig
+from pdsim.core.kvpoll import KVPoll
+from pdsim.core.pages import num_pages
+from pdsim.core.pool import IndexPool
+from pdsim.core.request import Request
+from pdsim.core.scheduler import InstanceScheduler
+from pdsim.core.transfer import FirstTokenMetadata, KVManager
+
+
+class PrefillScheduler(InstanceScheduler):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVManager, instance_id: int = 0):
+        super().__init__(config, instance_id)
+        self.kv = kv_manager
+        self.metadata_slots = IndexPool(config.metadata_slots, "metadata slot")
+        self.bootstrap: list[Request] = []
+        self.inflight: list[Request] = []
+        self.pending_tokens = 0  # prompt tokens not yet computed (the router's load signal)
+
+    def add_request(self, req: Request, now: float) -> None:
+        self.num_active += 1
+        req.max_new_tokens = 1
+        req.prefill_instance = self.instance_id
+        req.queued_s = now
+        req.sender = self.kv.create_sender(req)
+        if self._reject_if_too_long(req, req.input_len, now):
+            return
+        self.pending_tokens += req.input_len
+        self.bootstrap.append(req)
+
+    def step(self, now: float):
+        self._pop_bootstrapped(now)
+        self._poll_inflight(now)
+        return self._plan_extend(now)
+
+    def _num_decoding(self) -> int:
+        return 0  # nothing decodes here: no tokens need reserving
+
+    def _pop_bootstrapped(self, now: float) -> None:
+        still = []
+        for i, req in enumerate(self.bootstrap):
+            poll = req.sender.poll()
+            if poll is KVPoll.Failed:
+                self._drop_bootstrapping(req, f"bootstrap failed: {req.sender.failure_reason()}", now)
+            elif poll is KVPoll.Bootstrapping:
+                if now - req.queued_s > self.config.bootstrap_timeout_s:
+                    reason = f"bootstrap timed out after {self.config.bootstrap_timeout_s} s"
+                    req.sender.abort(reason)
+                    self._drop_bootstrapping(req, reason, now)
+                else:
+                    still.append(req)
+            elif not self._take_slots(req):
+                still.extend(r for r in self.bootstrap[i:] if not r.finished)
+                break
+            else:
+                req.sender.init(num_pages(req.input_len, self.config.page_size), req.metadata_slot)
+                req.bootstrap_done_s = now
+                self.waiting.append(req)
+        self.bootstrap = still
+
+    def _drop_bootstrapping(self, req: Request, reason: str, now: float) -> None:
+        self.pending_tokens -= req.input_len
+        self._fail(req, reason, now)
+
+    def _take_slots(self, req: Request) -> bool:
+        meta = self.metadata_slots.alloc()
+        if meta is None:
+            return False
+        slot = self.req_slots.alloc()
+        if slot is None:
+            self.metadata_slots.free(meta)
+            return False
+        req.metadata_slot, req.req_slot = meta, slot
+        return True
+
+    def _admit_extend(self, req: Request, tokens: int) -> bool:
+        return True  # slots were taken when it left the bootstrap queue; pages are per chunk
+
+    def on_batch_done(self, batch, result, now: float) -> None:
+        self.pending_tokens -= batch.shape.prefill_tokens
+        super().on_batch_done(batch, result, now)
+
+    def _chunk_done(self, req: Request, now: float) -> None:
+        full = req.computed_tokens // self.config.page_size
+        if full > req.sent_pages:
+            req.sender.send(req.pages[req.sent_pages : full], last=False)
+            req.sent_pages = full
+
+    def _prefilled(self, req: Request, token: int | None, logprob: float, now: float) -> None:
+        req.prefill_end_s = now
+        req.first_logprob = logprob
+        self._emit(req, token, logprob, now)
+        meta = FirstTokenMetadata(
+            bootstrap_room=req.bootstrap_room,
+            first_token_id=token if token is not None else 0,
+            first_logprob=logprob,
+            cached_tokens=req.cached_tokens,
+        )
+        self.kv.metadata.write(req.metadata_slot, meta)
+        req.sender.send(req.pages[req.sent_pages :], last=True)
+        req.sent_pages = len(req.pages)
+        self.inflight.append(req)
+
+    def _poll_inflight(self, now: float) -> None:
+        still = []
+        for req in self.inflight:
+            poll = req.sender.poll()
+            if poll is KVPoll.Success:
+                self._finish(req, now)
+            elif poll is KVPoll.Failed:
+                self._fail(req, f"KV transfer failed: {req.sender.failure_reason()}", now)
+            else:
+                still.append(req)
+        self.inflight = still

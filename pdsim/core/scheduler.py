@@ -1,0 +1,233 @@
+"""The part every instance shares: a waiting queue that extend batches draw from (prefill,
+chunked prefill, recompute after retraction) and, where tokens are generated locally, the
+continuous-batching running batch.
+
+`ColocatedScheduler` is that alone: the non-disaggregated baseline. The prefill and decode
+schedulers add their transfer queues around it.
+
+Drivers call `step(now)` to let the queues advance and get the next forward to run (or None),
+run it, then `on_batch_done(batch, result, now)`. Finished and failed requests collect in
+`done`, which the driver drains.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pdsim.core.batch import Batch, BatchResult, BatchShape, ExtendSegment, extend_attn_pairs
+from pdsim.core.config import SchedulerConfig
+from pdsim.core.pages import num_pages
+from pdsim.core.pool import IndexPool, PagePool
+from pdsim.core.request import Request
+from pdsim.core.running import RunningBatch
+
+
+class InstanceScheduler:
+    def __init__(self, config: SchedulerConfig, instance_id: int = 0, req_slots: int | None = None):
+        self.config = config
+        self.instance_id = instance_id
+        self.pool = PagePool(config.num_pages, config.page_size)
+        self.req_slots = IndexPool(req_slots or config.max_running_requests, "request slot")
+        self.waiting: deque[Request] = deque()
+        self.running = RunningBatch(self.pool)
+        self.metadata_slots: IndexPool | None = None  # PD instances only
+        self.done: list[Request] = []
+        self.num_active = 0  # requests added and not yet done (the router's load signal)
+
+    # ----- admission -------------------------------------------------------------------------
+
+    def _reject_if_too_long(self, req: Request, tokens: int, now: float) -> bool:
+        if tokens > self.config.pool_tokens:
+            self._fail(
+                req,
+                f"request needs {tokens} KV tokens but the instance's pool holds "
+                f"{self.config.pool_tokens} ({self.config.num_pages} pages of {self.config.page_size})",
+                now,
+            )
+            return True
+        return False
+
+    def _reserved_tokens(self) -> int:
+        """KV tokens set aside so that admitted requests can keep decoding."""
+        return self.config.num_reserved_decode_tokens * self._num_decoding()
+
+    def _num_decoding(self) -> int:
+        return len(self.running)
+
+    def _admit_extend(self, req: Request, tokens: int) -> bool:
+        """Whether a request that has no KV yet may start its extend of `tokens` new tokens."""
+        if req.req_slot < 0:
+            if self.pool.free_tokens - self._reserved_tokens() < req.fill_len - req.computed_tokens:
+                return False
+            slot = self.req_slots.alloc()
+            if slot is None:
+                return False
+            req.req_slot = slot
+        return True
+
+    # ----- planning --------------------------------------------------------------------------
+
+    def step(self, now: float) -> Batch | None:
+        """Advance the queues and plan the next forward: prefill first, else decode."""
+        return self._plan_extend(now) or self._plan_decode(now)
+
+    def _plan_extend(self, now: float) -> Batch | None:
+        cfg = self.config
+        budget = cfg.max_prefill_tokens
+        segments: list[ExtendSegment] = []
+        tokens = 0
+        pairs = 0.0
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            take = req.fill_len - req.computed_tokens
+            if cfg.chunked_prefill_size:
+                take = min(take, cfg.chunked_prefill_size, budget)
+            elif take > budget and segments:
+                break  # without chunking a long prompt runs alone
+            if not self._admit_extend(req, take):
+                break
+            new_pages = num_pages(req.computed_tokens + take, cfg.page_size) - len(req.pages)
+            pages = self.pool.alloc_many(new_pages)
+            if pages is None:
+                break
+            req.pages.extend(pages)
+            self.waiting.popleft()
+            if req.computed_tokens == 0 and req.prefill_start_s != req.prefill_start_s:
+                req.prefill_start_s = now
+            segments.append(ExtendSegment(req, req.computed_tokens, req.computed_tokens + take))
+            tokens += take
+            pairs += extend_attn_pairs(take, req.computed_tokens)
+            budget -= take
+        if not segments:
+            return None
+        shape = BatchShape(prefill_tokens=tokens, prefill_attn_pairs=pairs)
+        return Batch("extend", shape, now, segments=segments)
+
+    def _plan_decode(self, now: float) -> Batch | None:
+        running = self.running
+        if not running.reqs:
+            return None
+        for req in running.pages_due():
+            if req not in running.reqs:
+                continue  # retracted for an earlier request of this step
+            page = self.pool.alloc()
+            while page is None:
+                if not self._retract_one():
+                    raise RuntimeError("KV pool exhausted with nothing left to retract")
+                if req not in running.reqs:
+                    break  # it was the victim itself
+                page = self.pool.alloc()
+            if page is not None:
+                running.add_page(req, page)
+        if not running.reqs:
+            return None
+        return running.plan(now)
+
+    def _retract_one(self) -> bool:
+        """Free the KV of the running request with the most tokens left to generate; it goes
+        back to the front of the waiting queue and is recomputed (prompt + generated tokens)."""
+        if not self.running.reqs:
+            return False
+        victim = max(self.running.reqs, key=lambda r: (r.max_new_tokens - r.out_at_join + r.join_step, r.arrival_s))
+        self.running.leave(victim)
+        self.pool.free_many(victim.pages)
+        victim.pages = []
+        victim.computed_tokens = 0
+        self.waiting.appendleft(victim)
+        return True
+
+    # ----- results ---------------------------------------------------------------------------
+
+    def on_batch_done(self, batch: Batch, result: BatchResult, now: float) -> None:
+        if batch.kind == "extend":
+            self._extend_done(batch, result, now)
+        else:
+            for req in self.running.complete(batch, result, now):
+                self.running.leave(req)
+                self._finish(req, now)
+
+    def _extend_done(self, batch: Batch, result: BatchResult, now: float) -> None:
+        unfinished = []
+        for i, seg in enumerate(batch.segments):
+            req = seg.req
+            req.computed_tokens = seg.end
+            if seg.is_last:
+                token = result.token_ids[i] if result.token_ids is not None else None
+                logprob = result.logprobs[i] if result.logprobs is not None else float("nan")
+                self._prefilled(req, token, logprob, now)
+            else:
+                self._chunk_done(req, now)
+                unfinished.append(req)
+        self.waiting.extendleft(reversed(unfinished))
+
+    def _chunk_done(self, req: Request, now: float) -> None:
+        """A non-final chunk of `req` has its KV (the prefill side starts sending it)."""
+
+    def _prefilled(self, req: Request, token: int | None, logprob: float, now: float) -> None:
+        """The extend that completes `req`'s fill produced its next token."""
+        if req.num_output == 0:
+            req.prefill_end_s = now
+            req.first_logprob = logprob
+        self._emit(req, token, logprob, now)
+        self._start_decoding(req, now)
+
+    def _emit(self, req: Request, token: int | None, logprob: float, now: float) -> None:
+        req.num_output += 1
+        req.token_times_s.append(now)
+        if token is not None:
+            req.output_ids.append(token)
+            req.output_logprobs.append(logprob)
+
+    def _start_decoding(self, req: Request, now: float) -> None:
+        stopped = req.output_ids and req.output_ids[-1] in req.stop_token_ids
+        if req.num_output >= req.max_new_tokens or stopped:
+            self._finish(req, now)
+        else:
+            self.running.join(req)
+
+    # ----- endings ---------------------------------------------------------------------------
+
+    def _release(self, req: Request) -> None:
+        if req.pages:
+            self.pool.free_many(req.pages)
+            req.pages = []
+        if req.req_slot >= 0:
+            self.req_slots.free(req.req_slot)
+            req.req_slot = -1
+        if req.metadata_slot >= 0:
+            self.metadata_slots.free(req.metadata_slot)
+            req.metadata_slot = -1
+
+    def _finish(self, req: Request, now: float) -> None:
+        self._release(req)
+        req.finish_s = now
+        req.finished = True
+        self.num_active -= 1
+        self.done.append(req)
+
+    def _fail(self, req: Request, reason: str, now: float) -> None:
+        req.error = reason
+        self._finish(req, now)
+
+    def check_pools_full(self) -> None:
+        """Raise unless every page and slot is back (call when the instance is idle)."""
+        self.pool.check_full()
+        self.req_slots.check_full()
+        if self.metadata_slots is not None:
+            self.metadata_slots.check_full()
+
+    @property
+    def is_idle(self) -> bool:
+        return self.num_active == 0
+
+
+class ColocatedScheduler(InstanceScheduler):
+    """Prefill and decode on the same instance: the baseline PD disaggregation is compared with."""
+
+    def add_request(self, req: Request, now: float) -> None:
+        self.num_active += 1
+        req.decode_instance = self.instance_id
+        req.queued_s = now
+        if self._reject_if_too_long(req, req.input_len + req.max_new_tokens, now):
+            return
+        self.waiting.append(req)

@@ -1,0 +1,242 @@
+"""Drive the core schedulers with SimPy: one process per instance, one for arrivals.
+
+An instance process asks each of its schedulers (one per attention-DP rank) for the next
+forward, charges the cost model's time for the step (the slowest rank sets it), and hands the
+results back. With nothing to run it sleeps until the transfer backend or the router wakes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+
+from pdsim.core.batch import BatchResult, BatchShape
+from pdsim.core.config import SchedulerConfig
+from pdsim.core.decode import DecodeScheduler
+from pdsim.core.prefill import PrefillScheduler
+from pdsim.core.records import RequestRecord
+from pdsim.core.request import Request
+from pdsim.core.router import Router, dp_rank_for_room
+from pdsim.core.scheduler import ColocatedScheduler, InstanceScheduler
+from pdsim.sim.cost import CostModel
+from pdsim.sim.network import Link, NetworkModel, SimFabric, SimKVManager
+
+EMPTY = BatchShape()
+IDLE_RECHECK_S = 1.0  # an idle instance with queued work re-checks its timeouts this often
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """The instances of one role (prefill, decode or colocated)."""
+
+    instances: int
+    dp_attention: int
+    gpus_per_instance: int
+    scheduler: SchedulerConfig
+    cost: Callable[[], CostModel]  # one cost model per instance
+    nic_bytes_per_s: float = math.inf  # the instance's NIC bandwidth, all its GPUs together
+    kv_bytes_per_page: float = 0.0  # bytes a page of this role's KV weighs on the wire
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    mode: str  # "disaggregated" or "colocated"
+    router_policy: str
+    network: NetworkModel
+    prefill: RoleSpec | None = None
+    decode: RoleSpec | None = None
+    colocated: RoleSpec | None = None
+
+    @property
+    def num_gpus(self) -> int:
+        roles = [r for r in (self.prefill, self.decode, self.colocated) if r is not None]
+        return sum(r.instances * r.gpus_per_instance for r in roles)
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    sim_time_s: float
+    instances: list["SimInstance"] = field(repr=False)
+
+    def check_pools_full(self) -> None:
+        for inst in self.instances:
+            for sched in inst.schedulers:
+                sched.check_pools_full()
+
+
+class SimInstance:
+    def __init__(self, env: simpy.Environment, schedulers: Sequence[InstanceScheduler],
+                 cost: CostModel, on_done: Callable[[Request], None]):
+        self.env = env
+        self.schedulers = list(schedulers)
+        self.cost = cost
+        self.on_done = on_done
+        self.busy_s = 0.0
+        self.steps = 0
+        self._wake: simpy.Event | None = None
+        env.process(self._run())
+
+    def notify(self) -> None:
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _drain(self) -> None:
+        for sched in self.schedulers:
+            if sched.done:
+                for req in sched.done:
+                    self.on_done(req)
+                sched.done.clear()
+
+    def _run(self):
+        env = self.env
+        scheds = self.schedulers
+        single = len(scheds) == 1
+        while True:
+            now = env.now
+            batches = [s.step(now) for s in scheds]
+            self._drain()
+            if not any(batches):
+                self._wake = env.event()
+                if any(not s.is_idle for s in scheds):
+                    yield self._wake | env.timeout(IDLE_RECHECK_S)
+                else:
+                    yield self._wake
+                self._wake = None
+                continue
+            if single:
+                duration = self.cost.step_time_s((batches[0].shape,))
+            else:
+                duration = self.cost.step_time_s([b.shape if b else EMPTY for b in batches])
+            yield env.timeout(duration)
+            self.busy_s += duration
+            self.steps += 1
+            result = BatchResult(duration)
+            now = env.now
+            for sched, batch in zip(scheds, batches):
+                if batch is not None:
+                    sched.on_batch_done(batch, result, now)
+            self._drain()
+
+
+class Simulation:
+    """One simulated run of a cluster on a workload."""
+
+    def __init__(self, cluster: ClusterSpec, seed: int, max_duration_s: float = math.inf):
+        self.cluster = cluster
+        self.env = simpy.Environment()
+        self.fabric = SimFabric(self.env, cluster.network)
+        self.router_seed = seed
+        self.max_duration_s = max_duration_s
+        self.final: dict[str, Request] = {}
+        self.prefill_side: dict[str, Request] = {}
+        self.instances: list[SimInstance] = []
+        if cluster.mode == "colocated":
+            self.serving = self._build_role(cluster.colocated, "colocated", 0)
+            self.prefills: list[SimInstance] = []
+        else:
+            self.prefills = self._build_role(cluster.prefill, "prefill", 0)
+            self.serving = self._build_role(cluster.decode, "decode", len(self.prefills))
+
+    def _build_role(self, role: RoleSpec, kind: str, key_base: int) -> list[SimInstance]:
+        insts = []
+        for i in range(role.instances):
+            holder: list[SimInstance] = []
+            notify = lambda h=holder: h[0].notify()  # noqa: E731  (bound once the instance exists)
+            scheds: list[InstanceScheduler] = []
+            link = Link(role.nic_bytes_per_s)  # the instance's NICs, shared by its DP ranks
+            for _ in range(role.dp_attention):
+                if kind == "colocated":
+                    scheds.append(ColocatedScheduler(role.scheduler, i))
+                    continue
+                kv = SimKVManager(self.fabric, key_base + i, link, role.kv_bytes_per_page, notify)
+                cls = PrefillScheduler if kind == "prefill" else DecodeScheduler
+                scheds.append(cls(role.scheduler, kv, i))
+            on_done = self._prefill_done if kind == "prefill" else self._request_done
+            inst = SimInstance(self.env, scheds, role.cost(), on_done)
+            holder.append(inst)
+            insts.append(inst)
+        self.instances.extend(insts)
+        return insts
+
+    def _prefill_done(self, req: Request) -> None:
+        self.prefill_side[req.rid] = req
+
+    def _request_done(self, req: Request) -> None:
+        self.final[req.rid] = req
+        if len(self.final) == self._num_requests:
+            self._all_done.succeed()
+
+    def _arrivals(self, arrival_s: np.ndarray, input_tokens: np.ndarray, output_tokens: np.ndarray):
+        env = self.env
+        cluster = self.cluster
+        router = Router(
+            cluster.router_policy,
+            max(len(self.prefills), 1),
+            len(self.serving),
+            self.router_seed,
+        )
+        prefill_load = lambda i: sum(s.pending_tokens for s in self.prefills[i].schedulers)  # noqa: E731
+        decode_load = lambda i: sum(s.num_active for s in self.serving[i].schedulers)  # noqa: E731
+        for i, (t, n_in, n_out) in enumerate(
+            zip(arrival_s.tolist(), input_tokens.tolist(), output_tokens.tolist())
+        ):
+            if t > env.now:
+                yield env.timeout(t - env.now)
+            now = env.now
+            rid = str(i)
+            p, d, room = router.route(prefill_load, decode_load)
+            dec = self.serving[d]
+            dreq = Request(rid, n_in, n_out, arrival_s=now, bootstrap_room=room, prefill_instance=p)
+            if self.prefills:
+                pre = self.prefills[p]
+                preq = Request(rid, n_in, n_out, arrival_s=now, bootstrap_room=room)
+                pre.schedulers[dp_rank_for_room(room, len(pre.schedulers))].add_request(preq, now)
+                pre.notify()
+            else:
+                dreq.prefill_instance = -1
+            dec.schedulers[dp_rank_for_room(room, len(dec.schedulers))].add_request(dreq, now)
+            dec.notify()
+
+    def run(self, arrival_s: np.ndarray, input_tokens: np.ndarray, output_tokens: np.ndarray) -> SimResult:
+        self._num_requests = len(arrival_s)
+        self._all_done = self.env.event()
+        if self._num_requests == 0:
+            return SimResult([], 0.0, self.instances)
+        self.env.process(self._arrivals(arrival_s, input_tokens, output_tokens))
+        limit = float(arrival_s[-1]) + self.max_duration_s
+        self.env.run(until=self._all_done | self.env.timeout(limit) if math.isfinite(limit) else self._all_done)
+        return SimResult(self._records(arrival_s, input_tokens, output_tokens), self.env.now, self.instances)
+
+    def _records(self, arrival_s, input_tokens, output_tokens) -> list[RequestRecord]:
+        records = []
+        for i in range(self._num_requests):
+            rid = str(i)
+            req = self.final.get(rid)
+            if req is None:
+                records.append(RequestRecord(
+                    rid=rid, input_tokens=int(input_tokens[i]), output_tokens=0, status="failed",
+                    error="did not finish before the simulation's time limit",
+                    arrival_s=float(arrival_s[i]),
+                ))
+                continue
+            rec = req.to_record("failed" if req.error else "ok")
+            pre = self.prefill_side.get(rid)
+            if pre is not None:
+                rec.prefill_instance = pre.prefill_instance
+                rec.bootstrap_done_s = pre.bootstrap_done_s
+                rec.prefill_start_s = pre.prefill_start_s
+                rec.prefill_end_s = pre.prefill_end_s
+            records.append(rec)
+        return records
+
+
+def simulate(cluster: ClusterSpec, arrival_s, input_tokens, output_tokens, *, seed: int = 0,
+             max_duration_s: float = math.inf) -> SimResult:
+    return Simulation(cluster, seed, max_duration_s).run(
+        np.asarray(arrival_s, dtype=float), np.asarray(input_tokens), np.asarray(output_tokens)
+    )

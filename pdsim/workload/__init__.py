@@ -1,0 +1,131 @@
+"""Seeded workloads: the requests a run serves, as arrays of arrival times and token counts.
+
+A `Workload` is what the simulator and the load generator against the real server both consume,
+so this package knows nothing about simpy or any backend. `generate(config)` builds one from the
+config under an experiment YAML's `workload:` key, in one of two shapes (a mapping with a
+`trace` key is a trace replay, anything else is synthetic):
+
+```yaml
+workload:                     # synthetic
+  num_requests: 2000
+  seed: 7
+  arrival: {process: gamma, rate_rps: 4.0, cv: 2.0}   # poisson | gamma (cv) | constant
+  input_len: {dist: lognormal, mean: 2048, cv: 1.0, min: 16, max: 32768}
+  output_len: {dist: empirical, path: ../shared/traces/conversation_trace.jsonl, column: output}
+  # also {dist: fixed, value: 128} and {dist: uniform, low: 16, high: 512} (both ends included)
+
+workload:                     # trace replay
+  trace: ../shared/traces/AzureLLMInferenceTrace_conv.csv
+  format: auto                # auto | mooncake | azure
+  num_requests: 5000          # first N kept requests (optional)
+  start_s: 600                # skip the trace's first 600 s (optional)
+  target_rate_rps: 8.0        # or rate_scale: 1.5 (optional; stretch or compress time)
+  max_input_tokens: 32768     # drop longer requests, counted in Workload.num_dropped (optional)
+```
+
+Modules: `arrays` (the Workload value), `registry` (names to spec classes), `synthetic`
+(arrival processes, length distributions), `traces` (reading Mooncake and Azure files),
+`replay` (windowing and rescaling a trace). A new arrival process or length distribution is a
+subclass of `ArrivalProcess` / `LengthDistribution` with `process: Literal["name"] = "name"`
+(or `dist: ...`) decorated with `ARRIVAL_PROCESSES.register` / `LENGTH_DISTRIBUTIONS.register`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, ConfigDict, TypeAdapter
+
+from pdsim.workload.arrays import TraceNotFoundError, Workload, WorkloadError
+from pdsim.workload.registry import Registry, Spec
+from pdsim.workload.replay import TraceWorkload
+from pdsim.workload.synthetic import (
+    ARRIVAL_PROCESSES,
+    LENGTH_DISTRIBUTIONS,
+    ArrivalProcess,
+    ConstantArrival,
+    EmpiricalLength,
+    FixedLength,
+    GammaArrival,
+    LengthDistribution,
+    LognormalLength,
+    PoissonArrival,
+    SyntheticWorkload,
+    UniformLength,
+)
+from pdsim.workload.traces import (
+    TraceFormat,
+    detect_format,
+    read_azure,
+    read_mooncake,
+    read_mooncake_hash_ids,
+    read_trace,
+    resolve_path,
+)
+
+__all__ = [
+    "ARRIVAL_PROCESSES",
+    "LENGTH_DISTRIBUTIONS",
+    "ArrivalProcess",
+    "ConstantArrival",
+    "EmpiricalLength",
+    "FixedLength",
+    "GammaArrival",
+    "LengthDistribution",
+    "LognormalLength",
+    "PoissonArrival",
+    "Registry",
+    "Spec",
+    "SyntheticWorkload",
+    "TraceFormat",
+    "TraceNotFoundError",
+    "TraceWorkload",
+    "UniformLength",
+    "Workload",
+    "WorkloadConfig",
+    "WorkloadError",
+    "detect_format",
+    "generate",
+    "parse_workload_config",
+    "read_azure",
+    "read_mooncake",
+    "read_mooncake_hash_ids",
+    "read_trace",
+    "resolve_path",
+]
+
+
+def _workload_shape(value: Any) -> Any:
+    if not isinstance(value, Mapping):
+        return value
+    shape = TraceWorkload if "trace" in value else SyntheticWorkload
+    return shape.model_validate(dict(value))
+
+
+WorkloadConfig = Annotated[SyntheticWorkload | TraceWorkload, BeforeValidator(_workload_shape)]
+"""The type of an experiment's `workload:` field: a mapping with `trace` is a replay."""
+
+_ADAPTER: TypeAdapter[SyntheticWorkload | TraceWorkload] = TypeAdapter(
+    WorkloadConfig, config=ConfigDict(title="workload")
+)
+
+
+def parse_workload_config(data: Any) -> SyntheticWorkload | TraceWorkload:
+    """Validate the mapping found under `workload:` (raises pydantic's ValidationError)."""
+    return _ADAPTER.validate_python(data)
+
+
+def generate(
+    config: SyntheticWorkload | TraceWorkload | Mapping[str, Any], base_dir: str | Path | None = None
+) -> Workload:
+    """Build the workload a config describes; the same config gives the same arrays.
+
+    `config` may be the raw mapping under `workload:`; `base_dir` is the experiment YAML's folder.
+    """
+    if isinstance(config, Mapping):
+        config = parse_workload_config(config)
+    if not isinstance(config, (SyntheticWorkload, TraceWorkload)):
+        raise TypeError(f"generate: expected a workload config, got {type(config).__name__}")
+    return config.build(base_dir)

@@ -1,0 +1,210 @@
+"""Synthetic workloads: an arrival process and two length distributions, drawn from one seed.
+
+Each component draws from its own `numpy.random.Generator`, spawned from the config's seed in
+the order arrival, input_len, output_len; changing one distribution leaves the others' draws
+as they were. Nothing is seeded globally.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, ClassVar, Literal
+
+import numpy as np
+from pydantic import BeforeValidator, Field, SerializeAsAny, model_validator
+
+from pdsim.workload.arrays import TraceNotFoundError, Workload, WorkloadError
+from pdsim.workload.registry import Registry, Spec
+from pdsim.workload.traces import TraceFormat, read_trace, resolve_path
+
+# --------------------------------------------------------------------------------------------
+# Arrival processes
+
+
+class ArrivalProcess(Spec):
+    """A renewal process at `rate_rps`; the first request arrives at 0 s."""
+
+    process: str
+    rate_rps: float = Field(gt=0, allow_inf_nan=False, description="mean arrivals per second")
+
+    def arrival_times(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        times = np.zeros(n, dtype=np.float64)
+        if n > 1:
+            np.cumsum(self.gaps(n - 1, rng), out=times[1:])
+        return times
+
+    def gaps(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """`n` inter-arrival times in seconds."""
+        raise NotImplementedError
+
+
+ARRIVAL_PROCESSES: Registry[ArrivalProcess] = Registry("arrival process", "process")
+
+
+@ARRIVAL_PROCESSES.register
+class PoissonArrival(ArrivalProcess):
+    """Exponential gaps: inter-arrival CV 1."""
+
+    process: Literal["poisson"] = "poisson"
+
+    def gaps(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return rng.exponential(1.0 / self.rate_rps, n)
+
+
+@ARRIVAL_PROCESSES.register
+class GammaArrival(ArrivalProcess):
+    """Gamma gaps with coefficient of variation `cv`: 1 is Poisson, > 1 bursty, < 1 regular."""
+
+    process: Literal["gamma"] = "gamma"
+    cv: float = Field(gt=0, allow_inf_nan=False, description="std / mean of the inter-arrival time")
+
+    def gaps(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        shape = 1.0 / self.cv**2
+        return rng.gamma(shape, 1.0 / (self.rate_rps * shape), n)
+
+
+@ARRIVAL_PROCESSES.register
+class ConstantArrival(ArrivalProcess):
+    """One request every 1 / rate_rps seconds."""
+
+    process: Literal["constant"] = "constant"
+
+    def gaps(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return np.full(n, 1.0 / self.rate_rps)
+
+
+# --------------------------------------------------------------------------------------------
+# Length distributions (token counts, always >= 1)
+
+
+class LengthDistribution(Spec):
+    dist: str
+
+    def sample(self, n: int, rng: np.random.Generator, base_dir: str | Path | None = None) -> np.ndarray:
+        """`n` token counts (int64, >= 1). `base_dir` resolves relative file paths."""
+        raise NotImplementedError
+
+
+LENGTH_DISTRIBUTIONS: Registry[LengthDistribution] = Registry("length distribution", "dist")
+
+_NO_UPPER_CLIP = 2**62  # lognormal without `max`: keeps the float-to-int64 cast defined
+
+
+@LENGTH_DISTRIBUTIONS.register
+class FixedLength(LengthDistribution):
+    dist: Literal["fixed"] = "fixed"
+    value: int = Field(ge=1)
+
+    def sample(self, n: int, rng: np.random.Generator, base_dir: str | Path | None = None) -> np.ndarray:
+        return np.full(n, self.value, dtype=np.int64)
+
+
+@LENGTH_DISTRIBUTIONS.register
+class UniformLength(LengthDistribution):
+    """Integers from `low` to `high`, both included."""
+
+    dist: Literal["uniform"] = "uniform"
+    low: int = Field(ge=1)
+    high: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> UniformLength:
+        if self.low > self.high:
+            raise ValueError(f"low ({self.low}) must be <= high ({self.high})")
+        return self
+
+    def sample(self, n: int, rng: np.random.Generator, base_dir: str | Path | None = None) -> np.ndarray:
+        return rng.integers(self.low, self.high, size=n, endpoint=True, dtype=np.int64)
+
+
+@LENGTH_DISTRIBUTIONS.register
+class LognormalLength(LengthDistribution):
+    """Lognormal with the given `mean` and spread, rounded to integers, clipped to [min, max].
+
+    `mean` is the mean of the distribution before rounding and clipping (not the mean of the
+    underlying normal). Give the spread as `cv` (std / mean) or as `sigma` (std of log length);
+    they relate by sigma**2 = log(1 + cv**2). Clipping moves the mean when much mass lies
+    outside [min, max]; without `max` there is no upper clip.
+    """
+
+    dist: Literal["lognormal"] = "lognormal"
+    mean: float = Field(gt=0, allow_inf_nan=False)
+    sigma: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    cv: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    min: int = Field(default=1, ge=1)
+    max: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_spread(self) -> LognormalLength:
+        if (self.sigma is None) == (self.cv is None):
+            raise ValueError("give exactly one of sigma or cv")
+        if self.max is not None and self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+        return self
+
+    @property
+    def log_sigma(self) -> float:
+        return self.sigma if self.sigma is not None else float(np.sqrt(np.log1p(self.cv**2)))
+
+    def sample(self, n: int, rng: np.random.Generator, base_dir: str | Path | None = None) -> np.ndarray:
+        sigma = self.log_sigma
+        mu = np.log(self.mean) - sigma**2 / 2  # E[exp(N(mu, sigma))] = exp(mu + sigma^2 / 2)
+        upper = self.max if self.max is not None else _NO_UPPER_CLIP
+        values = np.clip(np.rint(rng.lognormal(mu, sigma, n)), self.min, upper)
+        return values.astype(np.int64)
+
+
+@LENGTH_DISTRIBUTIONS.register
+class EmpiricalLength(LengthDistribution):
+    """Draws with replacement from one column of a trace file (input or output lengths).
+
+    Input and output are drawn independently, so a pair of empirical distributions keeps each
+    marginal but not their correlation; replay the trace itself to keep it.
+    """
+
+    dist: Literal["empirical"] = "empirical"
+    path: str = Field(min_length=1)
+    column: Literal["input", "output"]
+    format: TraceFormat = "auto"
+
+    def sample(self, n: int, rng: np.random.Generator, base_dir: str | Path | None = None) -> np.ndarray:
+        trace = read_trace(resolve_path(self.path, base_dir), self.format)
+        values = trace.input_tokens if self.column == "input" else trace.output_tokens
+        if not len(values):
+            raise WorkloadError(f"trace {self.path!r} has no rows to sample from")
+        return values[rng.integers(0, len(values), size=n)]
+
+
+# --------------------------------------------------------------------------------------------
+# The config
+
+
+ArrivalSpec = SerializeAsAny[Annotated[ArrivalProcess, BeforeValidator(ARRIVAL_PROCESSES.parse)]]
+LengthSpec = SerializeAsAny[Annotated[LengthDistribution, BeforeValidator(LENGTH_DISTRIBUTIONS.parse)]]
+
+
+class SyntheticWorkload(Spec):
+    """`num_requests` requests from an arrival process and two length distributions."""
+
+    num_requests: int = Field(ge=1)
+    seed: int = Field(ge=0)
+    arrival: ArrivalSpec
+    input_len: LengthSpec
+    output_len: LengthSpec
+
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("arrival", "input_len", "output_len")
+
+    def build(self, base_dir: str | Path | None = None) -> Workload:
+        """Draw the workload; `base_dir` resolves an empirical distribution's relative path."""
+        seeds = np.random.SeedSequence(self.seed).spawn(len(self.COMPONENTS))
+        arrival_rng, input_rng, output_rng = (np.random.default_rng(s) for s in seeds)
+        arrival_s = self.arrival.arrival_times(self.num_requests, arrival_rng)
+        input_tokens = self._lengths("input_len", input_rng, base_dir)
+        output_tokens = self._lengths("output_len", output_rng, base_dir)
+        return Workload(arrival_s, input_tokens, output_tokens)
+
+    def _lengths(self, field: str, rng: np.random.Generator, base_dir: str | Path | None) -> np.ndarray:
+        try:
+            return getattr(self, field).sample(self.num_requests, rng, base_dir)
+        except WorkloadError as exc:
+            raise exc.in_field(f"{field}.path" if isinstance(exc, TraceNotFoundError) else field) from None
