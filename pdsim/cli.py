@@ -1,0 +1,97 @@
+"""The `pdsim` command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pdsim.config import ConfigError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Simulate and run prefill/decode disaggregated LLM serving.")
+console = Console()
+
+TABLE_COLUMNS = (
+    ("P:D", None), ("rate", "request_rate"), ("GPUs", "num_gpus"), ("done", "completed"),
+    ("failed", "failed"), ("TTFT p50 ms", "ttft_p50_s"), ("TTFT p99 ms", "ttft_p99_s"),
+    ("ITL p50 ms", "itl_p50_s"), ("ITL p99 ms", "itl_p99_s"),
+    ("out tok/s/GPU", "output_tok_s_per_gpu"), ("goodput req/s", "goodput_req_s"),
+    ("SLO", "slo_attainment"),
+)
+
+
+def _fmt(col: str | None, row) -> str:
+    if col is None:
+        if row["mode"] == "colocated":
+            return f"colo×{row['decode_instances']}"
+        return f"{row['prefill_instances']}P:{row['decode_instances']}D"
+    v = row[col]
+    if col.endswith("_s") and col != "goodput_req_s":
+        return f"{v * 1e3:.1f}"
+    if col == "slo_attainment":
+        return f"{v:.1%}"
+    if isinstance(v, float):
+        return f"{v:,.1f}" if abs(v) >= 10 else f"{v:.2f}"
+    return str(v)
+
+
+@app.command()
+def run(
+    experiment: Path = typer.Argument(..., help="experiment YAML, e.g. experiments/ratio_sweep.yaml"),
+    out: Optional[Path] = typer.Option(None, help="output directory (default results/<name>)"),
+    jobs: Optional[int] = typer.Option(None, help="sweep points run in parallel (default: CPUs)"),
+    quiet: bool = typer.Option(False, help="no progress bar or table"),
+) -> None:
+    """Simulate every point of an experiment and write tables, plots and a report."""
+    from pdsim.runner import run_experiment
+
+    try:
+        summary, out_dir = run_experiment(experiment, out, jobs, progress=not quiet)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
+        raise typer.Exit(2) from None
+    if not quiet:
+        table = Table(title=f"{experiment.stem}: {len(summary)} points")
+        for name, _ in TABLE_COLUMNS:
+            table.add_column(name, justify="right")
+        for _, row in summary.iterrows():
+            table.add_row(*(_fmt(col, row) for _, col in TABLE_COLUMNS))
+        console.print(table)
+    console.print(f"wrote {out_dir}/summary.csv, requests.parquet, report.md and plots")
+
+
+@app.command()
+def validate(experiment: Path = typer.Argument(..., help="experiment YAML")) -> None:
+    """Check an experiment config and list its sweep points without simulating."""
+    from pdsim.config import expand_sweep, load_experiment
+    from pdsim.sim.build import build_cluster
+
+    try:
+        cfg, raw = load_experiment(experiment)
+        points = expand_sweep(cfg, raw, str(experiment))
+        for _, pcfg in points:
+            build_cluster(pcfg)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    console.print(f"{experiment}: valid, {len(points)} point(s)")
+    for swept, _ in points:
+        console.print("  " + (", ".join(f"{k}={v}" for k, v in swept.items()) or "(no sweep)"))
+
+
+@app.command()
+def presets() -> None:
+    """List the model and hardware presets."""
+    from pdsim.specs.hardware import hardware_preset_names
+    from pdsim.specs.models import model_preset_names
+
+    console.print("models:   " + ", ".join(model_preset_names()))
+    console.print("hardware: " + ", ".join(hardware_preset_names()))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,234 @@
+"""Experiment YAML → one frozen, validated config tree.
+
+Unknown keys are rejected; every error names the file, the field path, the bad value and what
+is allowed. A `sweep:` maps dotted field paths to lists of values and runs their grid; a key of
+several comma-separated paths takes tuples, so fields can move together:
+
+    sweep:
+      cluster.prefill.instances,cluster.decode.instances: [[1, 3], [2, 2], [3, 1]]
+      workload.arrival.rate_rps: [4, 8]
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pdsim.core.router import POLICIES
+
+from pdsim.metrics import SLO
+from pdsim.workload import WorkloadConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message says where and why."""
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SchedulerKnobs(_Spec):
+    """Per-scheduler limits (see pdsim.core.config.SchedulerConfig); the KV pool is sized from
+    the GPU memory left after the weights unless `num_pages` is given."""
+
+    page_size: int = Field(16, ge=1)
+    max_running_requests: int = Field(256, ge=1)
+    max_prefill_tokens: int = Field(16384, ge=1)
+    chunked_prefill_size: int = Field(8192, ge=0)
+    num_reserved_decode_tokens: int = Field(512, ge=0)
+    pre_alloc_size: int = Field(64, ge=0)
+    metadata_slots: int = Field(512, ge=1)
+    bootstrap_timeout_s: float = Field(300.0, gt=0)
+    waiting_timeout_s: float = Field(300.0, gt=0)
+    mem_fraction_static: float = Field(0.88, gt=0, le=1)
+    num_pages: int | None = Field(None, ge=1)
+
+
+class RoleConfig(_Spec):
+    instances: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    dp_attention: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    scheduler: SchedulerKnobs = SchedulerKnobs()
+
+    @model_validator(mode="after")
+    def _divides(self) -> RoleConfig:
+        for name in ("dp_attention", "ep"):
+            if self.tp % getattr(self, name):
+                raise ValueError(f"{name}={getattr(self, name)} must divide tp={self.tp}")
+        return self
+
+    @property
+    def gpus(self) -> int:
+        return self.instances * self.tp
+
+
+class ClusterConfig(_Spec):
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    prefill: RoleConfig = RoleConfig()
+    decode: RoleConfig = RoleConfig()
+    colocated: RoleConfig = RoleConfig(instances=2)
+
+    @model_validator(mode="after")
+    def _same_page_size(self) -> ClusterConfig:
+        if self.mode == "disaggregated":
+            p, d = self.prefill.scheduler.page_size, self.decode.scheduler.page_size
+            if p != d:
+                raise ValueError(
+                    f"prefill page_size {p} != decode page_size {d}: a decode instance "
+                    "cannot pair with a prefill instance of another page size"
+                )
+        return self
+
+    @property
+    def num_gpus(self) -> int:
+        if self.mode == "colocated":
+            return self.colocated.gpus
+        return self.prefill.gpus + self.decode.gpus
+
+
+class NetworkConfig(_Spec):
+    """The KV path between instances. Bandwidths are GB/s (gigabytes) per GPU."""
+
+    enabled: bool = True
+    bandwidth_gbps: float | None = Field(None, gt=0, description="default: the hardware's NIC")
+    message_latency_s: float = Field(50e-6, ge=0)
+    first_contact_s: float = Field(2e-3, ge=0)
+    transfer_setup_s: float = Field(100e-6, ge=0)
+
+
+class CostModelConfig(_Spec):
+    name: str = "roofline"
+    params: dict[str, float] = {}
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        from pdsim.sim.cost import cost_model_names
+
+        if name not in cost_model_names():
+            raise ValueError(f"unknown cost model {name!r}; allowed: {', '.join(cost_model_names())}")
+        return name
+
+
+class RouterConfig(_Spec):
+    policy: str = "round_robin"
+
+    @field_validator("policy")
+    @classmethod
+    def _known(cls, policy: str) -> str:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown router policy {policy!r}; allowed: {', '.join(sorted(POLICIES))}")
+        return policy
+
+
+class ExperimentConfig(_Spec):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    seed: int = 0
+    model: str = "llama-3.1-8b"
+    hardware: str = "h100"
+    kv_dtype_bytes: float = Field(2, gt=0)
+    cluster: ClusterConfig = ClusterConfig()
+    router: RouterConfig = RouterConfig()
+    network: NetworkConfig = NetworkConfig()
+    cost_model: CostModelConfig = CostModelConfig()
+    workload: WorkloadConfig
+    slo: SLO = SLO()
+    max_duration_s: float = Field(
+        3600.0, gt=0, description="simulated seconds after the last arrival before giving up"
+    )
+    sweep: dict[str, list[Any]] = {}
+
+
+def _format_errors(exc: ValidationError, source: str, data: Any) -> str:
+    lines = [f"{source}: invalid experiment config"]
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown key (allowed: {', '.join(_allowed_keys(err['loc']))})"
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"  {path}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    model: Any = ExperimentConfig
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return ["see docs/experiments.md"]
+        model = field.annotation
+    fields = getattr(model, "model_fields", None)
+    return sorted(fields) if fields else ["see docs/experiments.md"]
+
+
+def parse_experiment(data: Any, source: str = "<config>") -> ExperimentConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: an experiment is a mapping of keys, got {type(data).__name__}")
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source, data)) from None
+
+
+def load_experiment(path: str | Path) -> tuple[ExperimentConfig, dict]:
+    """The validated config and the raw mapping (sweeps re-validate edited copies of it)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such experiment file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_experiment(data, str(path)), data
+
+
+def _set_dotted(data: dict, dotted: str, value: Any, source: str) -> None:
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{source}: sweep field {dotted!r}: {part!r} is not a mapping")
+        node = child
+    node[parts[-1]] = value
+
+
+def expand_sweep(config: ExperimentConfig, raw: dict, source: str = "<config>") -> list[tuple[dict, ExperimentConfig]]:
+    """Every point of the sweep grid: (the swept values by field path, the point's config)."""
+    if not config.sweep:
+        return [({}, config)]
+    axes = []
+    for key, values in config.sweep.items():
+        fields = [k.strip() for k in key.split(",")]
+        if not values:
+            raise ConfigError(f"{source}: sweep.{key}: needs at least one value")
+        if len(fields) > 1:
+            for v in values:
+                if not isinstance(v, (list, tuple)) or len(v) != len(fields):
+                    raise ConfigError(
+                        f"{source}: sweep.{key}: each value must be a list of {len(fields)} "
+                        f"(one per field), got {v!r}"
+                    )
+            axes.append([dict(zip(fields, v)) for v in values])
+        else:
+            axes.append([{fields[0]: v} for v in values])
+    points = []
+    base = {k: v for k, v in raw.items() if k != "sweep"}
+    for combo in itertools.product(*axes):
+        values = {k: v for part in combo for k, v in part.items()}
+        data = copy.deepcopy(base)
+        for field, value in values.items():
+            _set_dotted(data, field, value, source)
+        label = ", ".join(f"{k}={v}" for k, v in values.items())
+        points.append((values, parse_experiment(data, f"{source} [sweep point {label}]")))
+    return points

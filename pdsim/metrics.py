@@ -1,0 +1,242 @@
+"""Metrics over per-request records: latency percentiles, throughput, goodput, SLO attainment.
+
+Everything here reads `RequestRecord`s only, so the simulator and the real backend share one path.
+Token times are flattened once into a NumPy array (`_TokenTimes`); per-request and per-gap
+statistics are then vectorised, which keeps 10k requests x 256 tokens well under a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from itertools import chain
+from operator import attrgetter
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdsim.core.records import RequestRecord
+
+NAN = math.nan
+
+# Columns of `records_frame`, in the order of `RequestRecord.to_row()`.
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord) if f.name != "token_times_s")
+_DERIVED_FIELDS = ("ttft_s", "e2e_s", "itl_mean_s", "itl_max_s")
+RECORD_COLUMNS = _RECORD_FIELDS + _DERIVED_FIELDS
+_EMPTY_DTYPES = {  # field annotations are strings under `from __future__ import annotations`
+    f.name: {"int": np.int64, int: np.int64, "str": str, str: str}.get(f.type, np.float64)
+    for f in dataclasses.fields(RequestRecord)
+    if f.name in _RECORD_FIELDS
+}
+
+
+class SLO(BaseModel):
+    """Latency service-level objective of one request.
+
+    A request *meets the SLO* when all of these hold:
+
+    - it completed (``status == "ok"``); a failed request is always a miss;
+    - its TTFT (``first_token_s - arrival_s``) is at most ``ttft_s``;
+    - its mean inter-token latency (TPOT: the mean gap between consecutive delivered tokens,
+      i.e. ``(token_times_s[-1] - token_times_s[0]) / (len(token_times_s) - 1)``) is at most
+      ``itl_s``. A request that delivered a single token has no gap and meets this part.
+
+    Both bounds are inclusive: a latency exactly equal to its bound meets it.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_s: float = Field(default=2.0, gt=0, description="bound on time to first token, seconds")
+    itl_s: float = Field(default=0.1, gt=0, description="bound on a request's mean ITL, seconds")
+
+
+class _TokenTimes(NamedTuple):
+    """All records' token times flattened, with per-record and per-gap views."""
+
+    gaps: np.ndarray  # every inter-token gap of every record, record by record
+    gap_counts: np.ndarray  # gaps per record: max(count - 1, 0)
+
+    def per_record(self, ufunc: np.ufunc) -> np.ndarray:
+        """`ufunc.reduce` of each record's gaps (NaN for a record without gaps)."""
+        out = np.full(len(self.gap_counts), NAN)
+        has = self.gap_counts > 0
+        if has.any():
+            starts = (np.cumsum(self.gap_counts) - self.gap_counts)[has]
+            out[has] = ufunc.reduceat(self.gaps, starts)
+        return out
+
+    def mean_gap(self) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.per_record(np.add) / self.gap_counts
+
+
+def _token_times(records: Sequence[RequestRecord]) -> _TokenTimes:
+    lists = [r.token_times_s for r in records]
+    counts = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    total = int(counts.sum())
+    flat = np.fromiter(chain.from_iterable(lists), dtype=np.float64, count=total)
+    diffs = np.diff(flat)
+    # diffs[j] = flat[j+1] - flat[j]; it crosses a record boundary when flat[j+1] starts a record.
+    starts = np.cumsum(counts) - counts
+    boundary = starts[(counts > 0) & (starts > 0)] - 1
+    keep = np.ones(len(diffs), dtype=bool)
+    keep[boundary] = False
+    return _TokenTimes(diffs[keep], np.maximum(counts - 1, 0))
+
+
+def records_frame(records: Iterable[RequestRecord]) -> pd.DataFrame:
+    """One row per request, the columns and values of `RequestRecord.to_row()`, in that order.
+
+    Built column by column from lists rather than by calling `to_row()` per record, which is
+    about a hundred times slower on long token lists.
+    """
+    records = list(records)
+    columns: dict[str, object] = {name: list(map(attrgetter(name), records)) for name in _RECORD_FIELDS}
+    arrival = np.asarray(columns["arrival_s"], dtype=np.float64)
+    columns["ttft_s"] = np.asarray(columns["first_token_s"], dtype=np.float64) - arrival
+    columns["e2e_s"] = np.asarray(columns["finish_s"], dtype=np.float64) - arrival
+    times = _token_times(records)
+    columns["itl_mean_s"] = times.mean_gap()
+    columns["itl_max_s"] = times.per_record(np.maximum)
+    frame = pd.DataFrame(columns, columns=list(RECORD_COLUMNS))
+    if not records:  # give the empty frame the dtypes a populated one would have
+        frame = frame.astype({name: _EMPTY_DTYPES.get(name, np.float64) for name in RECORD_COLUMNS})
+    return frame
+
+
+def _percentiles(values: np.ndarray, prefix: str, qs: Sequence[int]) -> dict[str, float]:
+    """Mean and the given percentiles (NumPy's default linear interpolation); NaN when empty."""
+    out = {f"{prefix}_mean_s": float(values.mean()) if len(values) else NAN}
+    points = np.percentile(values, qs) if len(values) else [NAN] * len(qs)
+    out.update({f"{prefix}_p{q}_s": float(v) for q, v in zip(qs, points)})
+    return out
+
+
+def meets_slo(records: Sequence[RequestRecord], slo: SLO) -> np.ndarray:
+    """Boolean per record: does it meet `slo` (see `SLO` for the definition)."""
+    records = list(records)
+    ok = np.fromiter((r.ok for r in records), dtype=bool, count=len(records))
+    ttft = np.fromiter((r.ttft_s for r in records), dtype=np.float64, count=len(records))
+    return ok & _latencies_meet(ttft, _token_times(records).mean_gap(), slo)
+
+
+def _latencies_meet(ttft: np.ndarray, tpot: np.ndarray, slo: SLO) -> np.ndarray:
+    return (ttft <= slo.ttft_s) & (np.isnan(tpot) | (tpot <= slo.itl_s))
+
+
+def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO) -> dict:
+    """Summary metrics of one run, as a flat dict of plain Python numbers.
+
+    Definitions:
+
+    - ``num_requests`` counts all records, ``completed`` those with status "ok", ``failed`` the rest.
+    - Latencies (``ttft_*``, ``itl_*``, ``tpot_mean_s``, ``e2e_*``) cover completed requests only.
+      Percentiles use NumPy's default linear interpolation. TTFT = first token - arrival;
+      E2E = finish - arrival.
+    - ``itl_*`` are over every inter-token gap of every completed request pooled together (so
+      long outputs weigh more); ``tpot_mean_s`` is the mean over requests of each one's mean gap.
+    - ``duration_s`` = last finish - first arrival over all requests, failed ones included.
+    - ``input_tok_s`` / ``output_tok_s`` = input / output tokens of completed requests divided by
+      ``duration_s``; ``output_tok_s_per_gpu`` divides that by ``num_gpus``.
+    - ``request_throughput_req_s`` = completed requests / duration.
+    - ``goodput_req_s`` = completed requests meeting `slo` / duration (``_per_gpu``: / num_gpus).
+    - ``slo_attainment`` = requests meeting `slo` / all requests; failed requests are misses.
+
+    No records gives NaN rates and latencies; no completed request gives NaN latencies and zero
+    throughputs. A zero or undefined duration gives NaN rates.
+    """
+    if num_gpus <= 0:
+        raise ValueError(f"num_gpus must be positive, got {num_gpus}")
+    records = list(records)
+    done = [r for r in records if r.ok]
+    n, n_done = len(records), len(done)
+
+    arrivals = np.fromiter((r.arrival_s for r in records), dtype=np.float64, count=n)
+    finishes = np.fromiter((r.finish_s for r in records), dtype=np.float64, count=n)
+    duration = NAN
+    if n and not np.isnan(arrivals).all() and not np.isnan(finishes).all():
+        duration = float(np.nanmax(finishes) - np.nanmin(arrivals))
+
+    def rate(amount: float) -> float:
+        return amount / duration if duration > 0 else NAN
+
+    times = _token_times(done)
+    ttft = np.fromiter((r.ttft_s for r in done), dtype=np.float64, count=n_done)
+    e2e = np.fromiter((r.e2e_s for r in done), dtype=np.float64, count=n_done)
+    tpot = times.mean_gap()
+    met = int(_latencies_meet(ttft, tpot, slo).sum())  # failed requests never meet it
+    input_tokens = sum(r.input_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+
+    summary: dict = {"num_requests": n, "completed": n_done, "failed": n - n_done, "num_gpus": num_gpus}
+    summary |= _percentiles(ttft, "ttft", (50, 90, 99))
+    summary |= _percentiles(times.gaps, "itl", (50, 90, 99))
+    tpot = tpot[~np.isnan(tpot)]
+    summary["tpot_mean_s"] = float(tpot.mean()) if len(tpot) else NAN
+    summary |= _percentiles(e2e, "e2e", (50, 90, 99))
+    summary |= {
+        "input_tok_s": rate(input_tokens),
+        "output_tok_s": rate(output_tokens),
+        "output_tok_s_per_gpu": rate(output_tokens) / num_gpus,
+        "request_throughput_req_s": rate(n_done),
+        "goodput_req_s": rate(met),
+        "goodput_req_s_per_gpu": rate(met) / num_gpus,
+        "slo_attainment": met / n if n else NAN,
+        "duration_s": duration,
+    }
+    return summary
+
+
+class LittlesLaw(NamedTuple):
+    """Both sides of Little's law L = lambda * W over one window."""
+
+    time_avg_in_system: float  # L: integral of the number in system over the window / its length
+    lambda_w: float  # arrivals in the window / its length * their mean time in system
+
+
+def littles_law(
+    arrivals_s: Sequence[float] | np.ndarray,
+    departures_s: Sequence[float] | np.ndarray,
+    *,
+    window_s: tuple[float, float] | None = None,
+) -> LittlesLaw:
+    """Time-average number in system and lambda*W, to check a queue against Little's law.
+
+    L is computed exactly by sweeping the sorted arrival (+1) and departure (-1) events and
+    integrating the piecewise-constant count over the window. lambda counts the arrivals inside
+    the window per second and W is those customers' mean time in system.
+
+    The default window, [first arrival, last departure], holds every customer whole, so the two
+    sides agree to rounding error: a mismatch means inconsistent records. A narrower window (say,
+    skipping warm-up and drain) tests the steady state; there the sides differ by edge effects.
+    """
+    arr = np.asarray(arrivals_s, dtype=np.float64)
+    dep = np.asarray(departures_s, dtype=np.float64)
+    if arr.shape != dep.shape or arr.ndim != 1:
+        raise ValueError(
+            f"arrivals and departures must be 1-D and equal length, got {arr.shape}, {dep.shape}")
+    if len(arr) == 0:
+        return LittlesLaw(NAN, NAN)
+    if not (np.isfinite(arr).all() and np.isfinite(dep).all()):
+        raise ValueError("arrival and departure times must be finite (drop requests that never left)")
+    if (dep < arr).any():
+        i = int(np.argmax(dep < arr))
+        raise ValueError(f"departure before arrival at index {i}: {dep[i]} < {arr[i]}")
+    start, end = window_s if window_s is not None else (float(arr.min()), float(dep.max()))
+    if not end > start:
+        return LittlesLaw(NAN, NAN)
+
+    times = np.clip(np.concatenate([arr, dep]), start, end)
+    steps = np.concatenate([np.ones(len(arr)), -np.ones(len(dep))])
+    order = np.argsort(times, kind="stable")
+    times, in_system = times[order], np.cumsum(steps[order])
+    area = float(np.sum(in_system[:-1] * np.diff(times)))
+    length = end - start
+
+    inside = (arr >= start) & (arr <= end)
+    lam = inside.sum() / length
+    w = float((dep - arr)[inside].mean()) if inside.any() else 0.0
+    return LittlesLaw(area / length, float(lam * w))

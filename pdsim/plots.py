@@ -1,0 +1,307 @@
+"""Plots of an experiment: metrics across a P:D sweep, and latency CDFs per configuration.
+
+Figures are built on `matplotlib.figure.Figure` and saved as PNG through the Agg renderer, never
+through pyplot: nothing is shown, no global backend is switched, and no figure outlives its call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+PD_RATIO = "pd_ratio"
+_LOG_SPREAD = 100.0  # use a log axis when the largest positive value is this many times the smallest
+_DPI = 120
+
+
+@dataclass(frozen=True)
+class _Series:
+    column: str
+    label: str  # "" when the panel has a single series
+    linestyle: str
+    marker: str
+
+
+@dataclass(frozen=True)
+class _Panel:
+    name: str  # file stem
+    title: str
+    ylabel: str
+    series: tuple[_Series, ...]
+    scale: float = 1.0  # multiply values by this before plotting (1e3: seconds to ms)
+
+
+_P50 = ("p50", "-", "o")
+_P99 = ("p99", "--", "s")
+_SWEEP_PANELS = (
+    _Panel("ttft", "Time to first token", "TTFT (ms)",
+           (_Series("ttft_p50_s", *_P50), _Series("ttft_p99_s", *_P99)), 1e3),
+    _Panel("itl", "Inter-token latency", "ITL (ms)",
+           (_Series("itl_p50_s", *_P50), _Series("itl_p99_s", *_P99)), 1e3),
+    _Panel("output_throughput_per_gpu", "Output throughput per GPU", "output tokens/s per GPU",
+           (_Series("output_tok_s_per_gpu", "", "-", "o"),)),
+    _Panel("goodput_per_gpu", "Goodput per GPU (requests meeting the SLO)", "requests/s per GPU",
+           (_Series("goodput_req_s_per_gpu", "", "-", "o"),)),
+)
+
+
+def pd_label(prefill_instances: int, decode_instances: int) -> str:
+    """Short name of a P:D configuration, e.g. "1P:3D"."""
+    return f"{int(prefill_instances)}P:{int(decode_instances)}D"
+
+
+def with_pd_ratio(summary: pd.DataFrame) -> pd.DataFrame:
+    """A copy of `summary` with a `pd_ratio` label column and `prefill_share` = P / (P + D)."""
+    out = summary.copy()
+    p, d = out["prefill_instances"].astype(int), out["decode_instances"].astype(int)
+    out[PD_RATIO] = [pd_label(a, b) for a, b in zip(p, d)]
+    out["prefill_share"] = p / (p + d).where(p + d > 0, 1)
+    return out
+
+
+def _with_per_gpu(summary: pd.DataFrame) -> pd.DataFrame:
+    if "goodput_req_s_per_gpu" not in summary and {"goodput_req_s", "num_gpus"} <= set(summary):
+        summary = summary.assign(goodput_req_s_per_gpu=summary["goodput_req_s"] / summary["num_gpus"])
+    return summary
+
+
+def _wide_spread(values: np.ndarray) -> bool:
+    """Whether `values` span enough orders of magnitude to need a log axis."""
+    positive = values[np.isfinite(values) & (values > 0)]
+    return bool(len(positive)) and positive.max() / positive.min() > _LOG_SPREAD
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=_DPI, format="png")
+    return path
+
+
+def _colors(n: int) -> list:
+    if n <= 10:
+        return [colormaps["tab10"](i) for i in range(n)]
+    return [colormaps["viridis"](v) for v in np.linspace(0.0, 0.95, n)]
+
+
+def plot_sweep(
+    summary: pd.DataFrame,
+    out_dir: str | Path,
+    x: str = PD_RATIO,
+    group: str = "request_rate",
+) -> list[Path]:
+    """Plot TTFT, ITL (p50 and p99), output throughput per GPU and goodput per GPU of a sweep.
+
+    `summary` holds one row per (configuration, request rate): `prefill_instances`,
+    `decode_instances`, `request_rate` and the columns of `pdsim.metrics.summarize`.
+    With ``x="pd_ratio"`` the x axis lists configurations as "1P:3D", ordered by prefill share;
+    any other `x` must be a numeric column. One line per value of `group`. When the sweep holds
+    a single configuration, the metrics are plotted against `group` instead. Rows repeating the
+    same (x, group) pair (several seeds, say) are averaged. Returns the PNG paths written (one per
+    metric whose columns are present).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if summary.empty:
+        return []
+    frame = _with_per_gpu(summary)
+    if x == PD_RATIO:
+        if {"prefill_instances", "decode_instances"} <= set(frame):
+            frame = with_pd_ratio(frame)
+        elif PD_RATIO in frame:
+            frame = frame.assign(prefill_share=frame.get("prefill_share", 0.0))
+        else:
+            raise ValueError("plot_sweep(x='pd_ratio') needs columns prefill_instances and "
+                             f"decode_instances (or pd_ratio); the summary has {list(frame.columns)}")
+    elif x not in frame:
+        raise ValueError(f"plot_sweep: no column {x!r} in the summary; it has {list(frame.columns)}")
+    has_groups = group in frame and frame[group].notna().any()
+    if frame[x].nunique() == 1 and has_groups and frame[group].nunique() > 1:
+        # One configuration: nothing to compare across it, so plot against the group instead.
+        frame = frame.assign(_line=str(frame[x].iloc[0]))
+        x, group = group, "_line"
+    elif not has_groups:
+        frame = frame.assign(_line="all")
+        group = "_line"
+
+    numeric = [s.column for panel in _SWEEP_PANELS for s in panel.series if s.column in frame]
+    keys = [x, group] + (["prefill_share"] if x == PD_RATIO else [])
+    table = frame.groupby(keys, sort=False, dropna=False)[numeric].mean().reset_index()
+
+    if x == PD_RATIO:  # categorical axis ordered by prefill share, then by label
+        order = (table[[PD_RATIO, "prefill_share"]].drop_duplicates(PD_RATIO)
+                 .sort_values(["prefill_share", PD_RATIO]))[PD_RATIO].tolist()
+        position = {label: i for i, label in enumerate(order)}
+        table["_x"] = table[PD_RATIO].map(position).astype(float)
+        xlabel, ticks = "P:D configuration (prefill:decode instances)", order
+    else:
+        table["_x"] = table[x].astype(float)
+        xlabel, ticks = _axis_label(x), None
+
+    line_values = sorted(table[group].unique(), key=_sort_key)
+    colors = dict(zip(line_values, _colors(len(line_values))))
+    written = []
+    for panel in _SWEEP_PANELS:
+        series = [s for s in panel.series if s.column in table]
+        if not series:
+            continue
+        fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+        ax = fig.add_subplot()
+        for value in line_values:
+            rows = table[table[group] == value].sort_values("_x")
+            for s in series:
+                ax.plot(rows["_x"], rows[s.column] * panel.scale, color=colors[value],
+                        linestyle=s.linestyle, marker=s.marker, markersize=4, linewidth=1.6)
+        if _wide_spread(np.concatenate([table[s.column].to_numpy(float) for s in series])):
+            ax.set_yscale("log")
+        if ticks is not None:
+            ax.set_xticks(range(len(ticks)), ticks, rotation=30 if len(ticks) > 6 else 0)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(panel.ylabel)
+        ax.set_title(panel.title)
+        ax.grid(True, which="major", alpha=0.35)
+        ax.grid(True, which="minor", alpha=0.12)
+        handles = [Line2D([], [], color=colors[v], linewidth=2, label=_line_label(group, v))
+                   for v in line_values]
+        if len(series) > 1:
+            handles += [Line2D([], [], color="0.3", linestyle=s.linestyle, marker=s.marker,
+                               markersize=4, label=s.label) for s in series]
+        ax.legend(handles=handles, fontsize="small", loc="best", framealpha=0.85)
+        written.append(_save(fig, out_dir / f"{panel.name}.png"))
+    return written
+
+
+def _sort_key(value):
+    return (0, float(value), "") if isinstance(value, (int, float, np.number)) else (1, 0.0, str(value))
+
+
+def _axis_label(column: str) -> str:
+    return {"request_rate": "request rate (req/s)"}.get(column, column.replace("_", " "))
+
+
+def _line_label(group: str, value) -> str:
+    if group == "request_rate":
+        return f"{value:g} req/s"
+    if group == "_line":
+        return str(value)
+    return f"{group} = {value}"
+
+
+_CDF_METRICS = (
+    ("ttft_s", "ttft_cdf", "TTFT", "TTFT (ms)"),
+    ("itl_mean_s", "itl_cdf", "per-request mean inter-token latency", "mean ITL of a request (ms)"),
+)
+
+
+def _pick_curves(requests: pd.DataFrame, by: str, max_curves: int) -> tuple[list, int]:
+    """Up to `max_curves` of the most distinct curve names, ordered by median TTFT.
+
+    Each point is described by log10 of its TTFT p50 and p99 and its mean-ITL p50, each scaled to
+    [0, 1] over all points; starting from the lowest median TTFT, the point farthest from those
+    already chosen is added until `max_curves` are chosen (so best, worst and the spread between
+    are kept, near-duplicates dropped).
+    """
+    grouped = requests.groupby(by, sort=False)
+    features = pd.DataFrame({
+        "ttft_p50": grouped["ttft_s"].median(),
+        "ttft_p99": grouped["ttft_s"].quantile(0.99),
+        "itl_p50": grouped["itl_mean_s"].median() if "itl_mean_s" in requests else 0.0,
+    })
+    median = features["ttft_p50"].fillna(np.inf)
+    ordered = sorted(features.index, key=lambda k: (median[k], str(k)))
+    if len(ordered) <= max_curves:
+        return ordered, len(ordered)
+    values = np.log10(features.loc[ordered].to_numpy(float).clip(min=1e-9))
+    values = np.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+    span = values.max(axis=0) - values.min(axis=0)
+    values = (values - values.min(axis=0)) / np.where(span > 0, span, 1.0)
+    chosen = [0]
+    distance = np.linalg.norm(values - values[0], axis=1)
+    while len(chosen) < max_curves:
+        distance[chosen] = -np.inf
+        nxt = int(np.argmax(distance))  # ties: the lower median TTFT
+        chosen.append(nxt)
+        distance = np.minimum(distance, np.linalg.norm(values - values[nxt], axis=1))
+    return [ordered[i] for i in sorted(chosen)], len(ordered)
+
+
+def plot_latency_cdfs(
+    requests: pd.DataFrame,
+    out_dir: str | Path,
+    by: str = "point",
+    *,
+    max_curves: int = 8,
+    split: str | None = None,
+) -> list[Path]:
+    """Plot CDFs of TTFT and of each request's mean ITL, one curve per value of `by`.
+
+    `requests` is `pdsim.metrics.records_frame` output of several runs with a `by` column naming
+    each run's configuration point; only completed requests are used. With more than
+    `max_curves` points the most distinct ones are kept (see `_pick_curves`) and the title says
+    how many. With `split` (a column such as
+    `request_rate`) one pair of figures is drawn per value of that column. Returns the PNG paths.
+    """
+    if max_curves < 1:
+        raise ValueError(f"max_curves must be at least 1, got {max_curves}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    frame = requests
+    if "status" in frame:
+        frame = frame[frame["status"] == "ok"]
+    if by not in frame:
+        frame = frame.assign(**{by: "all"})
+    if frame.empty:
+        return []
+
+    parts = [(None, frame)] if split is None else [
+        (value, frame[frame[split] == value]) for value in sorted(frame[split].unique(), key=_sort_key)
+    ]
+    written = []
+    for split_value, part in parts:
+        names, total = _pick_curves(part, by, max_curves)
+        colors = _colors(len(names))
+        suffix = "" if split is None else f"_{_slug(split)}-{_slug(split_value)}"
+        for column, stem, title, xlabel in _CDF_METRICS:
+            if column not in part:
+                continue
+            fig = Figure(figsize=(9.0, 4.8), layout="constrained")
+            ax = fig.add_subplot()
+            drawn = []
+            for name, color in zip(names, colors):
+                values = np.sort(part.loc[part[by] == name, column].to_numpy(float))
+                values = values[np.isfinite(values)] * 1e3
+                if not len(values):
+                    continue
+                y = np.arange(1, len(values) + 1) / len(values)
+                ax.plot(values, y, drawstyle="steps-post", color=color, linewidth=1.6,
+                        label=f"{name} (n={len(values)})")
+                drawn.append(values)
+            if not drawn:
+                continue
+            if _wide_spread(np.concatenate(drawn)):
+                ax.set_xscale("log")
+            for level in (0.5, 0.99):
+                ax.axhline(level, color="0.5", linewidth=0.8, linestyle=":")
+            full_title = f"CDF of {title}"
+            if split is not None:
+                full_title += f", {_line_label(split, split_value)}"
+            if len(names) < total:
+                full_title += f"\n({len(names)} of {total} points, most distinct shown)"
+            ax.set_title(full_title)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("fraction of completed requests")
+            ax.set_ylim(0, 1.01)
+            ax.grid(True, which="major", alpha=0.35)
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), title=by)
+            written.append(_save(fig, out_dir / f"{stem}{suffix}.png"))
+    return written
+
+
+def _slug(value) -> str:
+    text = f"{value:g}" if isinstance(value, (float, np.floating)) else str(value)
+    return "".join(c if c.isalnum() or c in ".-" else "_" for c in text)
+

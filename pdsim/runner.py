@@ -1,0 +1,134 @@
+"""Run an experiment: every sweep point simulated, then tables, plots and a report written.
+
+Outputs in `results/<experiment>/`: summary.csv (one row per point), requests.parquet (one row
+per request of every point), PNG plots, report.md and the config that produced them.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from pdsim.config import ExperimentConfig, expand_sweep, load_experiment
+from pdsim.metrics import records_frame, summarize
+from pdsim.plots import plot_latency_cdfs, plot_sweep
+from pdsim.report import write_report
+from pdsim.sim.build import build_cluster
+from pdsim.sim.cluster import simulate
+from pdsim.workload import generate
+
+
+@dataclass
+class PointResult:
+    index: int
+    summary: dict[str, Any]
+    requests: pd.DataFrame
+
+
+def point_columns(cfg: ExperimentConfig, request_rate: float) -> dict[str, Any]:
+    """The configuration columns of a summary row."""
+    c = cfg.cluster
+    if c.mode == "colocated":
+        p_inst, d_inst, p_tp, d_tp = 0, c.colocated.instances, 0, c.colocated.tp
+    else:
+        p_inst, d_inst, p_tp, d_tp = c.prefill.instances, c.decode.instances, c.prefill.tp, c.decode.tp
+    return {
+        "mode": c.mode,
+        "prefill_instances": p_inst,
+        "decode_instances": d_inst,
+        "prefill_tp": p_tp,
+        "decode_tp": d_tp,
+        "prefill_dp_attention": c.prefill.dp_attention if c.mode != "colocated" else 0,
+        "decode_dp_attention": (c.colocated if c.mode == "colocated" else c.decode).dp_attention,
+        "request_rate": request_rate,
+        "router_policy": cfg.router.policy,
+        "network_enabled": cfg.network.enabled,
+    }
+
+
+def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir: str | None) -> PointResult:
+    """Simulate one configuration; also the unit of work of a parallel sweep."""
+    workload = generate(cfg.workload, base_dir=base_dir)
+    cluster = build_cluster(cfg)
+    result = simulate(
+        cluster, workload.arrival_s, workload.input_tokens, workload.output_tokens,
+        seed=cfg.seed, max_duration_s=cfg.max_duration_s,
+    )
+    if all(r.ok for r in result.records):
+        result.check_pools_full()  # an idle cluster must have every page and slot back
+    rate = getattr(getattr(cfg.workload, "arrival", None), "rate_rps", None)
+    if rate is None:
+        rate = round(workload.mean_rate_rps, 3)
+    row = {"point": index, **point_columns(cfg, rate), **{f"sweep.{k}": v for k, v in swept.items()}}
+    row.update(summarize(result.records, num_gpus=cluster.num_gpus, slo=cfg.slo))
+    row["sim_time_s"] = result.sim_time_s
+    frame = records_frame(result.records)
+    frame.insert(0, "point", index)
+    return PointResult(index, row, frame)
+
+
+def _run_point_job(args) -> PointResult:
+    return run_point(*args)
+
+
+def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: int | None = None,
+                   progress: bool = True) -> tuple[pd.DataFrame, Path]:
+    """Run every sweep point of the experiment at `path`; return the summary and the output dir."""
+    path = Path(path)
+    cfg, raw = load_experiment(path)
+    points = expand_sweep(cfg, raw, str(path))
+    for _, point_cfg in points:
+        build_cluster(point_cfg)  # fail on a bad point before simulating any
+    out = Path(out_dir) if out_dir else Path("results") / cfg.name
+    out.mkdir(parents=True, exist_ok=True)
+    base_dir = str(path.parent.resolve())
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(points)))
+    args = [(i, pcfg, swept, base_dir) for i, (swept, pcfg) in enumerate(points)]
+    results = _execute(args, jobs, progress, cfg.name)
+    results.sort(key=lambda r: r.index)
+    summary = pd.DataFrame([r.summary for r in results])
+    requests = pd.concat([r.requests for r in results], ignore_index=True)
+    labels = {r.index: _point_label(r.summary) for r in results}
+    requests.insert(1, "label", requests["point"].map(labels))
+    summary.to_csv(out / "summary.csv", index=False)
+    requests.to_parquet(out / "requests.parquet", index=False)
+    (out / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    plots = plot_sweep(summary, out) + plot_latency_cdfs(requests, out, by="label")
+    write_report(summary, out, title=cfg.name, config_text=path.read_text(), plots=plots, slo=cfg.slo)
+    return summary, out
+
+
+def _point_label(row: dict) -> str:
+    if row["mode"] == "colocated":
+        pd_part = f"colocated×{row['decode_instances']}"
+    else:
+        pd_part = f"{row['prefill_instances']}P:{row['decode_instances']}D"
+    return f"{pd_part} @ {row['request_rate']:g} req/s"
+
+
+def _execute(args: list, jobs: int, show: bool, name: str) -> list[PointResult]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, disable=not show, transient=False) as bar:
+        task = bar.add_task(f"simulating {name}", total=len(args))
+        if jobs == 1:
+            results = []
+            for a in args:
+                results.append(run_point(*a))
+                bar.advance(task)
+            return results
+        results = []
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = [pool.submit(_run_point_job, a) for a in args]
+            for fut in as_completed(futures):
+                results.append(fut.result())
+                bar.advance(task)
+        return results

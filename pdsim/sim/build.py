@@ -1,0 +1,74 @@
+"""Experiment config → the simulator's cluster: specs looked up, pools sized, costs bound."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from pdsim.config import ConfigError, ExperimentConfig, RoleConfig
+from pdsim.core.config import SchedulerConfig
+from pdsim.sim.cluster import ClusterSpec, RoleSpec
+from pdsim.sim.cost import Parallelism, kv_capacity_tokens, make_cost_model
+from pdsim.sim.network import NetworkModel
+from pdsim.specs.hardware import HardwareSpec, load_hardware_spec
+from pdsim.specs.models import ModelSpec, load_model_spec
+
+
+def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelSpec,
+               hw: HardwareSpec) -> RoleSpec:
+    par = Parallelism(tp=role.tp, dp_attention=role.dp_attention, ep=role.ep)
+    knobs = role.scheduler
+    try:
+        num_pages = knobs.num_pages or (
+            kv_capacity_tokens(model, hw, par, knobs.mem_fraction_static, cfg.kv_dtype_bytes)
+            // knobs.page_size
+        )
+        make_cost_model(cfg.cost_model.name, model, hw, par, **cfg.cost_model.params)
+    except ValueError as exc:
+        raise ConfigError(f"cluster.{name}: {exc}") from None
+    if num_pages < 1:
+        raise ConfigError(f"cluster.{name}: no room for a single KV page after the weights")
+    sched = SchedulerConfig(
+        num_pages=num_pages,
+        page_size=knobs.page_size,
+        max_running_requests=knobs.max_running_requests,
+        max_prefill_tokens=knobs.max_prefill_tokens,
+        chunked_prefill_size=knobs.chunked_prefill_size,
+        num_reserved_decode_tokens=knobs.num_reserved_decode_tokens,
+        pre_alloc_size=knobs.pre_alloc_size,
+        metadata_slots=knobs.metadata_slots,
+        bootstrap_timeout_s=knobs.bootstrap_timeout_s,
+        waiting_timeout_s=knobs.waiting_timeout_s,
+    )
+    attn_tp = role.tp // role.dp_attention
+    # What a page weighs on the wire: every attention-TP rank of the receiving side needs its
+    # own slice (GQA) or its own replica (MLA).
+    kv_page_bytes = knobs.page_size * model.kv_bytes_per_token_per_rank(attn_tp, cfg.kv_dtype_bytes) * attn_tp
+    nic = (cfg.network.bandwidth_gbps or hw.rdma_gbps) * 1e9 * role.tp
+    cost = partial(make_cost_model, cfg.cost_model.name, model, hw, par, **cfg.cost_model.params)
+    return RoleSpec(role.instances, role.dp_attention, role.tp, sched, cost, nic, kv_page_bytes)
+
+
+def build_cluster(cfg: ExperimentConfig) -> ClusterSpec:
+    try:
+        model = load_model_spec(cfg.model)
+        hw = load_hardware_spec(cfg.hardware)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(str(exc)) from None
+    net = cfg.network
+    network = NetworkModel(
+        enabled=net.enabled,
+        message_latency_s=net.message_latency_s,
+        first_contact_s=net.first_contact_s,
+        transfer_setup_s=net.transfer_setup_s,
+    )
+    c = cfg.cluster
+    if c.mode == "colocated":
+        return ClusterSpec("colocated", cfg.router.policy, network,
+                           colocated=build_role(cfg, c.colocated, "colocated", model, hw))
+    return ClusterSpec(
+        "disaggregated",
+        cfg.router.policy,
+        network,
+        prefill=build_role(cfg, c.prefill, "prefill", model, hw),
+        decode=build_role(cfg, c.decode, "decode", model, hw),
+    )

@@ -1,0 +1,195 @@
+"""Plots and the markdown report, drawn from small summaries and request tables built here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pdsim import plots
+from pdsim.core.records import RequestRecord
+from pdsim.metrics import SLO, records_frame, summarize
+from pdsim.plots import plot_latency_cdfs, plot_sweep, with_pd_ratio
+from pdsim.report import write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SWEEP_FILES = ["ttft.png", "itl.png", "output_throughput_per_gpu.png", "goodput_per_gpu.png"]
+
+
+def run(prefill, decode, rate, n=40):
+    """Records of a toy run: TTFT shrinks with prefill instances, ITL with decode instances."""
+    rng = np.random.default_rng(prefill * 100 + decode * 10 + rate)
+    records = []
+    for i, arrival in enumerate(np.cumsum(rng.exponential(1.0 / rate, n))):
+        ttft = rng.exponential(0.3 * rate / prefill)
+        tpot = 0.02 * (1.0 + rate / (2.0 * decode))
+        times = list(arrival + ttft + tpot * np.arange(int(rng.integers(4, 20))))
+        records.append(RequestRecord(
+            rid=f"{i}", input_tokens=int(rng.integers(50, 500)), output_tokens=len(times), status="ok",
+            arrival_s=float(arrival), first_token_s=times[0], finish_s=times[-1], token_times_s=times))
+    return records
+
+
+CONFIGS = [(3, 1), (1, 3), (1, 1), (2, 2)]
+RATES = [1, 4]
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    rows, frames = [], []
+    for p, d in CONFIGS:
+        for rate in RATES:
+            records = run(p, d, rate)
+            summary = summarize(records, num_gpus=2 * (p + d), slo=SLO(ttft_s=0.5, itl_s=0.05))
+            rows.append({"prefill_instances": p, "decode_instances": d, "request_rate": rate, **summary})
+            frame = records_frame(records)
+            frames.append(frame.assign(point=f"{p}P:{d}D @ {rate} req/s", request_rate=rate))
+    return pd.DataFrame(rows), pd.concat(frames, ignore_index=True)
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """Figures as saved, keyed by file name, to check what was drawn."""
+    figures = {}
+    save = plots._save
+
+    def keep(fig, path):
+        figures[Path(path).name] = fig
+        return save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return figures
+
+
+def assert_pngs(paths, names):
+    assert [p.name for p in paths] == names
+    for path in paths:
+        data = path.read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000, path
+
+
+def test_pd_ratio_labels_and_prefill_share():
+    frame = with_pd_ratio(pd.DataFrame({"prefill_instances": [1, 3], "decode_instances": [3, 1]}))
+    assert frame["pd_ratio"].tolist() == ["1P:3D", "3P:1D"]
+    assert frame["prefill_share"].tolist() == [0.25, 0.75]
+
+
+def test_plot_sweep_multi_point(sweep, tmp_path, captured):
+    summary, _ = sweep
+    paths = plot_sweep(summary, tmp_path / "sweep")
+    assert_pngs(paths, SWEEP_FILES)
+    ax = captured["ttft.png"].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1P:3D", "1P:1D", "2P:2D", "3P:1D"]
+    assert "ms" in ax.get_ylabel() and ax.get_title()
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["1 req/s", "4 req/s", "p50", "p99"]
+    assert len(ax.get_lines()) == len(RATES) * 2
+    # Values are plotted in ms, in prefill-share order.
+    p50_rate1 = ax.get_lines()[0].get_ydata()
+    expected = [summary.set_index(["prefill_instances", "decode_instances", "request_rate"])
+                .loc[(p, d, 1), "ttft_p50_s"] * 1e3 for p, d in [(1, 3), (1, 1), (2, 2), (3, 1)]]
+    np.testing.assert_allclose(p50_rate1, expected)
+    goodput = captured["goodput_per_gpu.png"].axes[0]
+    assert "per GPU" in goodput.get_ylabel() and len(goodput.get_lines()) == len(RATES)
+
+
+def test_plot_sweep_single_configuration_uses_request_rate(sweep, tmp_path, captured):
+    summary, _ = sweep
+    one = summary[(summary.prefill_instances == 1) & (summary.decode_instances == 3)]
+    paths = plot_sweep(one, tmp_path / "single")
+    assert_pngs(paths, SWEEP_FILES)
+    ax = captured["itl.png"].axes[0]
+    assert ax.get_xlabel() == "request rate (req/s)"
+    np.testing.assert_allclose(ax.get_lines()[0].get_xdata(), RATES)
+    assert [t.get_text() for t in ax.get_legend().get_texts()][0] == "1P:3D"
+
+
+def test_plot_sweep_single_row_and_empty(sweep, tmp_path):
+    summary, _ = sweep
+    assert_pngs(plot_sweep(summary.iloc[:1], tmp_path / "row"), SWEEP_FILES)
+    assert plot_sweep(summary.iloc[:0], tmp_path / "none") == []
+
+
+def test_plot_sweep_averages_repeated_points(sweep, tmp_path, captured):
+    summary, _ = sweep
+    twice = pd.concat([summary, summary.assign(ttft_p50_s=summary["ttft_p50_s"] + 1.0)])
+    plot_sweep(twice, tmp_path)
+    ax = captured["ttft.png"].axes[0]
+    assert len(ax.get_lines()) == len(RATES) * 2
+    assert len(ax.get_lines()[0].get_xdata()) == len(CONFIGS)
+
+
+def test_plot_sweep_names_missing_columns(sweep, tmp_path):
+    summary, _ = sweep
+    with pytest.raises(ValueError, match="prefill_instances"):
+        plot_sweep(summary.drop(columns=["prefill_instances"]), tmp_path)
+
+
+def test_plot_latency_cdfs(sweep, tmp_path, captured):
+    _, requests = sweep
+    paths = plot_latency_cdfs(requests, tmp_path, max_curves=3)
+    assert_pngs(paths, ["ttft_cdf.png", "itl_cdf.png"])
+    ax = captured["ttft_cdf.png"].axes[0]
+    assert len(ax.get_legend().get_texts()) == 3
+    assert "3 of 8 points" in ax.get_title()
+    line = ax.get_lines()[0]
+    assert line.get_ydata()[-1] == 1.0 and np.all(np.diff(line.get_xdata()) >= 0)
+
+
+def test_plot_latency_cdfs_split_by_rate(sweep, tmp_path):
+    _, requests = sweep
+    paths = plot_latency_cdfs(requests, tmp_path, split="request_rate")
+    assert_pngs(paths, ["ttft_cdf_request_rate-1.png", "itl_cdf_request_rate-1.png",
+                        "ttft_cdf_request_rate-4.png", "itl_cdf_request_rate-4.png"])
+
+
+def test_cdf_curves_kept_are_the_most_distinct():
+    # Four near-copies at 10 ms, one at 100 ms, one at 1 s: three curves keep 10 ms, 100 ms, 1 s.
+    medians = {"a": 0.010, "b": 0.0101, "c": 0.0102, "d": 0.0103, "e": 0.1, "f": 1.0}
+    frame = pd.DataFrame([{"point": k, "ttft_s": v * f, "itl_mean_s": 0.02}
+                          for k, v in medians.items() for f in (0.5, 1.0, 1.5)])
+    names, total = plots._pick_curves(frame, "point", 3)
+    assert total == 6 and names[1:] == ["e", "f"] and names[0] in "abcd"
+
+
+def test_write_report(sweep, tmp_path):
+    summary, _ = sweep
+    summary = summary.copy()
+    # Rate 1: 1P:1D has the best goodput per GPU, 3P:1D the best SLO attainment.
+    at = {(p, d): (summary.prefill_instances == p) & (summary.decode_instances == d)
+          & (summary.request_rate == 1) for p, d in CONFIGS}
+    summary.loc[at[1, 1], ["goodput_req_s_per_gpu", "slo_attainment"]] = [0.9, 0.80]
+    summary.loc[at[3, 1], ["goodput_req_s_per_gpu", "slo_attainment"]] = [0.5, 0.99]
+    summary.loc[at[1, 3], ["goodput_req_s_per_gpu", "slo_attainment"]] = [0.1, 0.50]
+    summary.loc[at[2, 2], ["goodput_req_s_per_gpu", "slo_attainment", "ttft_p50_s"]] = [0.2, 0.60, 0.25]
+    figures = plot_sweep(summary, tmp_path / "plots")
+
+    path = write_report(summary, tmp_path, title="Ratio sweep", config_text="seed: 1\nrates: [1, 4]\n",
+                        plots=figures, slo=SLO(ttft_s=0.5, itl_s=0.05))
+    assert path == tmp_path / "report.md"
+    text = path.read_text()
+    assert text.startswith("# Ratio sweep\n")
+    assert "| 1 | 1P:1D | 0.900 | 3P:1D | 99.0% |" in text
+    header = next(line for line in text.splitlines() if line.startswith("| P:D |"))
+    assert "TTFT p50 (ms)" in header and "goodput/GPU (req/s)" in header
+    row = next(line for line in text.splitlines() if line.startswith("| 2P:2D | 1 |"))
+    assert "| 250 |" in row  # 0.25 s shown in ms
+    assert len([line for line in text.splitlines() if re.match(r"\| \dP:\dD \|", line)]) == len(summary)
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert links == [f"plots/{name}" for name in SWEEP_FILES]
+    assert all((tmp_path / link).is_file() for link in links)
+    assert "```yaml\nseed: 1\nrates: [1, 4]\n```" in text
+    assert "TTFT ≤ 500 ms" in text
+    # Same input, same bytes.
+    assert write_report(summary, tmp_path, title="Ratio sweep", config_text="seed: 1\nrates: [1, 4]\n",
+                        plots=figures, slo=SLO(ttft_s=0.5, itl_s=0.05)).read_text() == text
+
+
+def test_write_report_without_winners_or_plots(sweep, tmp_path):
+    summary, _ = sweep
+    hopeless = summary.assign(goodput_req_s=0.0, goodput_req_s_per_gpu=0.0, slo_attainment=0.0)
+    text = write_report(hopeless, tmp_path, title="t", config_text=None, plots=[]).read_text()
+    assert "| 1 | – | – | – | – |" in text and "## Plots" not in text and "## Configuration" not in text
