@@ -1,0 +1,459 @@
+"""What a decoder LLM looks like to a cost model: its shapes, and the sizes derived from them.
+
+`ModelSpec` is a frozen description built from a preset or a Hugging Face `config.json`. Every
+size the simulator needs (parameters, weight bytes per GPU, KV bytes per token per rank) is a
+method of it, computed from the shapes, so one spec serves the cost model, the KV-capacity
+planner and the transfer model alike.
+
+Counting conventions (they decide the "published size" tests):
+
+- A linear layer of `in` -> `out` features has `in * out` parameters; biases are not modelled
+  (Qwen2's QKV bias is < 0.01 % of its parameters).
+- RMSNorm weights are counted (two per layer, one final; MLA adds its q/kv latent norms).
+- The input embedding and the LM head are separate tables unless `tie_word_embeddings`.
+- DeepSeek's multi-token-prediction module is not part of the model (the published 671B
+  excludes it too).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+MOE_FIELDS = ("num_experts", "experts_per_token", "moe_intermediate_size")
+
+
+class ModelSpec(BaseModel):
+    """Shapes of a decoder-only transformer (GQA/MHA or MLA attention, dense or MoE MLP).
+
+    For MLA models `head_dim` is the query/key head size `qk_nope_head_dim + qk_rope_head_dim`
+    and `num_kv_heads` is what the HF config says (unused: the KV cache holds one latent).
+    For MoE models the first `first_k_dense_layers` layers have a dense MLP of
+    `intermediate_size`; the others have `num_experts` routed experts (top `experts_per_token`)
+    plus `num_shared_experts` always-on experts, all of `moe_intermediate_size`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    attention: Literal["gqa", "mla"] = "gqa"
+    # MLA (DeepSeek-V2/V3) only
+    kv_lora_rank: int | None = Field(default=None, gt=0)
+    qk_rope_head_dim: int | None = Field(default=None, gt=0)
+    qk_nope_head_dim: int | None = Field(default=None, gt=0)
+    v_head_dim: int | None = Field(default=None, gt=0)
+    q_lora_rank: int | None = Field(default=None, gt=0)
+    # MoE only
+    num_experts: int | None = Field(default=None, gt=0)
+    experts_per_token: int | None = Field(default=None, gt=0)
+    moe_intermediate_size: int | None = Field(default=None, gt=0)
+    num_shared_experts: int = Field(default=0, ge=0)
+    first_k_dense_layers: int = Field(default=0, ge=0)
+    weight_dtype_bytes: float = Field(default=2, gt=0)
+    tie_word_embeddings: bool = False
+
+    @model_validator(mode="after")
+    def _check_consistent(self) -> ModelSpec:
+        mla_set = [f for f in MLA_FIELDS if getattr(self, f) is not None]
+        if self.attention == "mla":
+            missing = [f for f in MLA_FIELDS if getattr(self, f) is None]
+            if missing:
+                raise ValueError(f"attention 'mla' needs {', '.join(missing)}")
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            if self.head_dim != qk:
+                raise ValueError(
+                    f"MLA head_dim must be qk_nope_head_dim + qk_rope_head_dim = {qk}, "
+                    f"got {self.head_dim}"
+                )
+        else:
+            if mla_set or self.q_lora_rank is not None:
+                raise ValueError(
+                    f"{', '.join(mla_set or ['q_lora_rank'])} only apply to attention 'mla'"
+                )
+            if self.num_attention_heads % self.num_kv_heads:
+                raise ValueError(
+                    f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                    f"num_kv_heads ({self.num_kv_heads})"
+                )
+        moe_set = [f for f in MOE_FIELDS if getattr(self, f) is not None]
+        if moe_set and len(moe_set) != len(MOE_FIELDS):
+            missing = [f for f in MOE_FIELDS if getattr(self, f) is None]
+            raise ValueError(f"a MoE model needs {', '.join(missing)} as well")
+        if not moe_set and (self.num_shared_experts or self.first_k_dense_layers):
+            raise ValueError("num_shared_experts and first_k_dense_layers need num_experts")
+        if moe_set and self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"experts_per_token ({self.experts_per_token}) exceeds num_experts "
+                f"({self.num_experts})"
+            )
+        if self.first_k_dense_layers > self.num_layers:
+            raise ValueError(
+                f"first_k_dense_layers ({self.first_k_dense_layers}) exceeds num_layers "
+                f"({self.num_layers})"
+            )
+        return self
+
+    # ----- structure -------------------------------------------------------------------------
+
+    @property
+    def is_mla(self) -> bool:
+        return self.attention == "mla"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense_layers if self.is_moe else 0
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    @property
+    def attn_v_head_dim(self) -> int:
+        """Size of one head of the attention output (MLA: `v_head_dim`)."""
+        return self.v_head_dim if self.is_mla else self.head_dim
+
+    # ----- parameters ------------------------------------------------------------------------
+
+    @property
+    def attn_params_per_layer(self) -> int:
+        """Projection weights of one attention block (QKV + output; MLA: all its low-rank parts)."""
+        h, nh = self.hidden_size, self.num_attention_heads
+        if not self.is_mla:
+            return h * (nh + 2 * self.num_kv_heads) * self.head_dim + nh * self.head_dim * h
+        q_out = nh * self.head_dim
+        q = h * self.q_lora_rank + self.q_lora_rank * q_out if self.q_lora_rank else h * q_out
+        kv_a = h * (self.kv_lora_rank + self.qk_rope_head_dim)
+        kv_b = self.kv_lora_rank * nh * (self.qk_nope_head_dim + self.v_head_dim)
+        o = nh * self.v_head_dim * h
+        return q + kv_a + kv_b + o
+
+    @property
+    def norm_params_per_layer(self) -> int:
+        extra = (self.q_lora_rank or 0) + self.kv_lora_rank if self.is_mla else 0
+        return 2 * self.hidden_size + extra
+
+    @property
+    def dense_mlp_params(self) -> int:
+        """Gated MLP (gate, up, down) of one dense layer."""
+        return 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def expert_params(self) -> int:
+        """One routed or shared expert (a gated MLP of `moe_intermediate_size`)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size if self.is_moe else 0
+
+    @property
+    def router_params(self) -> int:
+        return self.hidden_size * self.num_experts if self.is_moe else 0
+
+    @property
+    def moe_layer_params(self) -> int:
+        if not self.is_moe:
+            return 0
+        experts = (self.num_experts + self.num_shared_experts) * self.expert_params
+        return experts + self.router_params
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        """Parameters of the output projection that are not shared with the embedding."""
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        """Total parameter count."""
+        per_layer = self.attn_params_per_layer + self.norm_params_per_layer
+        return (
+            self.num_layers * per_layer
+            + self.num_dense_layers * self.dense_mlp_params
+            + self.num_moe_layers * self.moe_layer_params
+            + self.embedding_params
+            + self.lm_head_params
+            + self.hidden_size
+        )
+
+    @property
+    def active_params_per_token(self) -> int:
+        """Parameters one token multiplies by: all but the embedding table (a lookup) and, in
+        MoE layers, the routed experts it is not sent to. The LM head counts even when tied."""
+        moe_active = 0
+        if self.is_moe:
+            moe_active = (
+                self.experts_per_token + self.num_shared_experts
+            ) * self.expert_params + self.router_params
+        per_layer = self.attn_params_per_layer + self.norm_params_per_layer
+        return (
+            self.num_layers * per_layer
+            + self.num_dense_layers * self.dense_mlp_params
+            + self.num_moe_layers * moe_active
+            + self.vocab_size * self.hidden_size
+            + self.hidden_size
+        )
+
+    # ----- bytes -----------------------------------------------------------------------------
+
+    @property
+    def weight_bytes(self) -> int:
+        return round(self.num_params * self.weight_dtype_bytes)
+
+    def weight_bytes_per_rank(self, tp: int = 1, ep: int = 1, dp_attention: int = 1) -> int:
+        """Weight bytes one GPU of a `tp`-GPU instance holds (SGLang's sharding).
+
+        Embedding, LM head, dense MLPs and shared experts are split over `tp`; attention
+        weights over the attention-TP group `tp // dp_attention` (each DP-attention rank holds a
+        copy); routed experts over `ep` (whole experts) and then over `tp // ep` (slices);
+        norms and the router are replicated.
+        """
+        _check_divides("dp_attention", dp_attention, tp)
+        if ep != 1 and not self.is_moe:
+            raise ValueError(f"ep={ep} needs a MoE model; {self.name} is dense")
+        _check_divides("ep", ep, tp)
+        attn_tp = tp // dp_attention
+        params = (
+            self.num_layers * self.attn_params_per_layer / attn_tp
+            + self.num_layers * self.norm_params_per_layer
+            + self.num_dense_layers * self.dense_mlp_params / tp
+            + (self.embedding_params + self.lm_head_params) / tp
+            + self.hidden_size
+        )
+        if self.is_moe:
+            routed = self.num_experts * self.expert_params / ep / (tp // ep)
+            shared = self.num_shared_experts * self.expert_params / tp
+            params += self.num_moe_layers * (routed + shared + self.router_params)
+        return round(params * self.weight_dtype_bytes)
+
+    @property
+    def kv_elems_per_token_per_layer(self) -> int:
+        """KV-cache elements one token stores in one layer (whole model, no sharding)."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, kv_dtype_bytes: float = 2) -> int:
+        """KV-cache bytes of one token over all layers, unsharded."""
+        return round(self.num_layers * self.kv_elems_per_token_per_layer * kv_dtype_bytes)
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """KV heads one attention-TP rank holds: `max(1, num_kv_heads // tp)` (heads replicate
+        when tp exceeds them). MLA's latent is one "head", replicated on every rank."""
+        if tp < 1:
+            raise ValueError(f"tp must be >= 1, got {tp}")
+        if self.is_mla:
+            return 1
+        return max(1, self.num_kv_heads // tp)
+
+    def kv_bytes_per_token_per_rank(self, tp: int, kv_dtype_bytes: float = 2) -> int:
+        """KV bytes one attention-TP rank stores per token over all layers (MLA: full latent)."""
+        if self.is_mla:
+            return self.kv_bytes_per_token(kv_dtype_bytes)
+        elems = 2 * self.kv_heads_per_rank(tp) * self.head_dim
+        return round(self.num_layers * elems * kv_dtype_bytes)
+
+
+def _check_divides(label: str, part: int, tp: int) -> None:
+    if part < 1 or tp < 1 or tp % part:
+        raise ValueError(f"{label}={part} must be >= 1 and divide tp={tp}")
+
+
+# ----- presets ---------------------------------------------------------------------------------
+# Numbers from each model's public Hugging Face config.json (the repo named in the comment).
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    # meta-llama/Llama-3.1-8B config.json
+    "llama-3.1-8b": dict(
+        num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=8, head_dim=128,
+        intermediate_size=14336, vocab_size=128256,
+    ),
+    # meta-llama/Llama-3.1-70B config.json
+    "llama-3.1-70b": dict(
+        num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8, head_dim=128,
+        intermediate_size=28672, vocab_size=128256,
+    ),
+    # Qwen/Qwen3-32B config.json (head_dim 128 is explicit there; 64 * 128 != hidden 5120)
+    "qwen3-32b": dict(
+        num_layers=64, hidden_size=5120, num_attention_heads=64, num_kv_heads=8, head_dim=128,
+        intermediate_size=25600, vocab_size=151936,
+    ),
+    # deepseek-ai/DeepSeek-V3 config.json; its weights are published in FP8 (block-wise
+    # quantization_config), which is how SGLang serves them, hence 1 byte per weight.
+    "deepseek-v3": dict(
+        num_layers=61, hidden_size=7168, num_attention_heads=128, num_kv_heads=128,
+        head_dim=192, intermediate_size=18432, vocab_size=129280, attention="mla",
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        q_lora_rank=1536, num_experts=256, experts_per_token=8, moe_intermediate_size=2048,
+        num_shared_experts=1, first_k_dense_layers=3, weight_dtype_bytes=1,
+    ),
+    # Small stand-ins for tests and CPU runs (not real checkpoints); the same shapes as the
+    # real backend's presets of these names (runtime/model/config.py).
+    "tiny-llama": dict(
+        num_layers=2, hidden_size=128, num_attention_heads=4, num_kv_heads=2, head_dim=32,
+        intermediate_size=256, vocab_size=512,
+    ),
+    # DeepSeek-V3 in miniature: MLA attention, one dense layer, then MoE layers.
+    "tiny-mla": dict(
+        num_layers=2, hidden_size=128, num_attention_heads=4, num_kv_heads=4, head_dim=48,
+        intermediate_size=256, vocab_size=512, attention="mla", kv_lora_rank=64,
+        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=64,
+        num_experts=4, experts_per_token=2, moe_intermediate_size=64, num_shared_experts=1,
+        first_k_dense_layers=1,
+    ),
+}
+
+
+def model_preset_names() -> list[str]:
+    return sorted(_PRESETS)
+
+
+def model_preset(name: str) -> ModelSpec:
+    """The preset called `name`; ValueError listing the presets otherwise."""
+    try:
+        fields = _PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown model preset {name!r}; presets: {', '.join(model_preset_names())}"
+        ) from None
+    return ModelSpec(name=name, **fields)
+
+
+# ----- Hugging Face config.json ----------------------------------------------------------------
+
+_GQA_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_MLA_ARCHS = {
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+SUPPORTED_ARCHITECTURES = tuple(sorted({**_GQA_ARCHS, **_MLA_ARCHS}))
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec:
+    """A spec from the dict of an HF `config.json` (Llama, Mistral, Qwen2/3, DeepSeek-V2/V3)."""
+    arch = _architecture_of(config)
+    h = _req(config, "hidden_size")
+    heads = _req(config, "num_attention_heads")
+    fields: dict[str, Any] = dict(
+        name=name,
+        num_layers=_req(config, "num_hidden_layers"),
+        hidden_size=h,
+        num_attention_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        intermediate_size=_req(config, "intermediate_size"),
+        vocab_size=_req(config, "vocab_size"),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        weight_dtype_bytes=_weight_dtype_bytes(config),
+    )
+    if arch in _MLA_ARCHS:
+        nope, rope = _req(config, "qk_nope_head_dim"), _req(config, "qk_rope_head_dim")
+        fields.update(
+            attention="mla",
+            head_dim=nope + rope,
+            kv_lora_rank=_req(config, "kv_lora_rank"),
+            qk_rope_head_dim=rope,
+            qk_nope_head_dim=nope,
+            v_head_dim=_req(config, "v_head_dim"),
+            q_lora_rank=config.get("q_lora_rank"),
+        )
+        if config.get("n_routed_experts"):
+            if config.get("moe_layer_freq", 1) != 1:
+                raise ValueError(f"{name}: moe_layer_freq != 1 is not supported")
+            fields.update(
+                num_experts=config["n_routed_experts"],
+                experts_per_token=_req(config, "num_experts_per_tok"),
+                moe_intermediate_size=_req(config, "moe_intermediate_size"),
+                num_shared_experts=config.get("n_shared_experts") or 0,
+                first_k_dense_layers=config.get("first_k_dense_replace", 0),
+            )
+    else:
+        fields["head_dim"] = config.get("head_dim") or h // heads
+    return ModelSpec(**fields)
+
+
+def load_model_spec(name_or_path: str | Path) -> ModelSpec:
+    """A preset by name, or a spec read from an HF `config.json` (or a directory holding one).
+
+    A spec read from a file is named after its directory (or the file's stem if the file is
+    not called config.json).
+    """
+    if isinstance(name_or_path, str) and name_or_path in _PRESETS:
+        return model_preset(name_or_path)
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"unknown model {str(name_or_path)!r}: not a preset "
+            f"({', '.join(model_preset_names())}) nor a config.json file or directory"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    name = path.parent.name if path.name == "config.json" else path.stem
+    try:
+        return model_spec_from_hf_config(config, name=name or path.stem)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+def _architecture_of(config: Mapping[str, Any]) -> str:
+    archs = config.get("architectures") or []
+    known = {**_GQA_ARCHS, **_MLA_ARCHS}
+    for arch in archs:
+        if arch in known:
+            return arch
+    if not archs:  # no architectures list: fall back on model_type
+        by_type = {mtype: arch for arch, mtype in known.items()}
+        if config.get("model_type") in by_type:
+            return by_type[config["model_type"]]
+    model_type = config.get("model_type")
+    raise ValueError(
+        f"unsupported architecture {archs or model_type!r}; supported: "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _req(config: Mapping[str, Any], key: str) -> Any:
+    if config.get(key) is None:
+        raise ValueError(f"config.json lacks {key!r}")
+    return config[key]
+
+
+def _weight_dtype_bytes(config: Mapping[str, Any]) -> float:
+    quant = config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method")
+        if method == "fp8":
+            return 1
+        if isinstance(quant.get("bits"), int):
+            return quant["bits"] / 8
+        raise ValueError(f"unsupported quantization_config quant_method {method!r}")
+    dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"unsupported torch_dtype {dtype!r}; known: {', '.join(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[dtype]
