@@ -14,13 +14,15 @@ from pdsim.config import ConfigError
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Simulate and run prefill/decode disaggregated LLM serving.")
 console = Console()
+# Piped or captured output gets a table wide enough to read, not the 80-column fallback.
+table_console = console if console.is_terminal else Console(width=140)
 
 TABLE_COLUMNS = (
-    ("P:D", None), ("rate", "request_rate"), ("GPUs", "num_gpus"), ("done", "completed"),
-    ("failed", "failed"), ("TTFT p50 ms", "ttft_p50_s"), ("TTFT p99 ms", "ttft_p99_s"),
-    ("ITL p50 ms", "itl_p50_s"), ("ITL p99 ms", "itl_p99_s"),
-    ("out tok/s/GPU", "output_tok_s_per_gpu"), ("goodput req/s", "goodput_req_s"),
-    ("SLO", "slo_attainment"),
+    ("P:D", None), ("req/s", "request_rate"), ("GPUs", "num_gpus"), ("ok", "completed"),
+    ("failed", "failed"), ("TTFT p50", "ttft_p50_s"), ("TTFT p99", "ttft_p99_s"),
+    ("ITL p50", "itl_p50_s"), ("ITL p99", "itl_p99_s"),
+    ("tok/s/GPU", "output_tok_s_per_gpu"), ("goodput/GPU", "goodput_req_s_per_gpu"),
+    ("SLO met", "slo_attainment"),
 )
 
 
@@ -30,7 +32,7 @@ def _fmt(col: str | None, row) -> str:
             return f"colo×{row['decode_instances']}"
         return f"{row['prefill_instances']}P:{row['decode_instances']}D"
     v = row[col]
-    if col.endswith("_s") and col != "goodput_req_s":
+    if col.endswith("_s") and not col.startswith("goodput"):
         return f"{v * 1e3:.1f}"
     if col == "slo_attainment":
         return f"{v:.1%}"
@@ -55,12 +57,13 @@ def run(
         console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
         raise typer.Exit(2) from None
     if not quiet:
-        table = Table(title=f"{experiment.stem}: {len(summary)} points")
+        table = Table(title=f"{experiment.stem}: {len(summary)} points",
+                      caption="latencies in ms; goodput: requests/s meeting the SLO")
         for name, _ in TABLE_COLUMNS:
             table.add_column(name, justify="right")
         for _, row in summary.iterrows():
             table.add_row(*(_fmt(col, row) for _, col in TABLE_COLUMNS))
-        console.print(table)
+        table_console.print(table)
     console.print(f"wrote {out_dir}/summary.csv, requests.parquet, report.md and plots")
 
 

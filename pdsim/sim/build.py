@@ -17,12 +17,14 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
                hw: HardwareSpec) -> RoleSpec:
     par = Parallelism(tp=role.tp, dp_attention=role.dp_attention, ep=role.ep)
     knobs = role.scheduler
+    # Every cost model prices KV reads in the experiment's KV dtype unless told otherwise.
+    params = {"kv_dtype_bytes": cfg.kv_dtype_bytes, **cfg.cost_model.params}
     try:
         num_pages = knobs.num_pages or (
             kv_capacity_tokens(model, hw, par, knobs.mem_fraction_static, cfg.kv_dtype_bytes)
             // knobs.page_size
         )
-        make_cost_model(cfg.cost_model.name, model, hw, par, **cfg.cost_model.params)
+        make_cost_model(cfg.cost_model.name, model, hw, par, **params)
     except ValueError as exc:
         raise ConfigError(f"cluster.{name}: {exc}") from None
     if num_pages < 1:
@@ -44,7 +46,7 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     # own slice (GQA) or its own replica (MLA).
     kv_page_bytes = knobs.page_size * model.kv_bytes_per_token_per_rank(attn_tp, cfg.kv_dtype_bytes) * attn_tp
     nic = (cfg.network.bandwidth_gbps or hw.rdma_gbps) * 1e9 * role.tp
-    cost = partial(make_cost_model, cfg.cost_model.name, model, hw, par, **cfg.cost_model.params)
+    cost = partial(make_cost_model, cfg.cost_model.name, model, hw, par, **params)
     return RoleSpec(role.instances, role.dp_attention, role.tp, sched, cost, nic, kv_page_bytes)
 
 

@@ -63,7 +63,10 @@ _REGISTRY: dict[str, CostModelFactory] = {}
 
 
 def register_cost_model(name: str) -> Callable[[CostModelFactory], CostModelFactory]:
-    """Register a factory `(model, hardware, parallel, **params) -> CostModel` under `name`."""
+    """Register a factory `(model, hardware, parallel, **params) -> CostModel` under `name`.
+
+    Every factory accepts `kv_dtype_bytes` among its params: the simulator passes the
+    experiment's KV dtype size that way."""
 
     def add(factory: CostModelFactory) -> CostModelFactory:
         if name in _REGISTRY:
