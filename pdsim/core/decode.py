@@ -40,6 +40,10 @@ class DecodeScheduler(InstanceScheduler):
         self.prealloc: list[Request] = []
         self.transfer: list[Request] = []
         self.prebuilt: deque[Request] = deque()
+        # What the last scan of each queue saw; an unchanged key means a rescan would find
+        # nothing new (see KVManager.poll_epoch).
+        self._prealloc_seen: tuple | None = None
+        self._transfer_seen = -1
 
     def add_request(self, req: Request, now: float) -> None:
         self.num_active += 1
@@ -50,10 +54,21 @@ class DecodeScheduler(InstanceScheduler):
             req.receiver.abort("decode instance cannot hold the request")
             return
         self.prealloc.append(req)
+        self._prealloc_seen = None
 
     def step(self, now: float):
-        self._pop_preallocated(now)
-        self._pop_transferred(now)
+        epoch = self.kv.poll_epoch()
+        if self.prealloc:
+            seen = (epoch, self.pool.num_free, self.req_slots.num_free,
+                    self.metadata_slots.num_free, self._num_decoding())
+            if seen != self._prealloc_seen:
+                self._prealloc_seen = seen
+                self._pop_preallocated(now)
+        if self.transfer:
+            overdue = now - self.transfer[0].queued_s > self.config.waiting_timeout_s
+            if epoch != self._transfer_seen or overdue:
+                self._transfer_seen = epoch
+                self._pop_transferred(now)
         self._merge_prebuilt(now)
         # Retracted requests recompute first; decode otherwise.
         return self._plan_extend(now) or self._plan_decode(now)
@@ -78,6 +93,7 @@ class DecodeScheduler(InstanceScheduler):
             else:
                 req.queued_s = now
                 self.transfer.append(req)
+                self._transfer_seen = -1
         self.prealloc = still
 
     def _preallocate(self, req: Request) -> bool:
@@ -137,6 +153,7 @@ class DecodeScheduler(InstanceScheduler):
         self.prebuilt.append(req)
 
     def _merge_prebuilt(self, now: float) -> None:
-        cap = self.config.max_running_requests
+        # Retracted requests (in `waiting`, to be recomputed) rejoin the batch: keep their places.
+        cap = self.config.max_running_requests - len(self.waiting)
         while self.prebuilt and len(self.running) < cap:
             self._start_decoding(self.prebuilt.popleft(), now)

@@ -29,6 +29,7 @@ class FakeWire:
     """Shared state of all fake endpoints: what each room has seen."""
 
     def __init__(self) -> None:
+        self.epoch = 0  # bumped on every change any endpoint could observe
         self.rooms: dict[int, _Room] = {}
         self.sent_pages: dict[int, list[tuple[int, int]]] = {}  # room → (src, dst) page pairs
 
@@ -36,6 +37,7 @@ class FakeWire:
         return self.rooms.setdefault(room_id, _Room())
 
     def fail_room(self, room_id: int, reason: str = "injected failure") -> None:
+        self.epoch += 1
         r = self.room(room_id)
         r.state = KVPoll.Failed
         r.reason = reason
@@ -64,6 +66,7 @@ class FakeKVSender:
         self._metadata_slot = metadata_slot
 
     def send(self, page_indices: Sequence[int], last: bool) -> None:
+        self._wire.epoch += 1
         r = self._room()
         if r.state is KVPoll.Failed:
             return
@@ -98,6 +101,7 @@ class FakeKVReceiver:
         return self._wire.room(self._room_id).state
 
     def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
+        self._wire.epoch += 1
         r = self._wire.room(self._room_id)
         r.dst_pages = list(page_indices)
         r.dst_metadata_slot = metadata_slot
@@ -115,6 +119,9 @@ class FakeKVManager:
     def __init__(self, wire: FakeWire):
         self.wire = wire
         self.metadata = DictMetadataStore()
+
+    def poll_epoch(self) -> int:
+        return self.wire.epoch
 
     def create_sender(self, req) -> FakeKVSender:
         return FakeKVSender(self.wire, req.bootstrap_room, self)

@@ -55,8 +55,15 @@ class IndexPool:
         self._free.append(idx)
 
     def free_many(self, indices: Iterable[int]) -> None:
-        for idx in indices:
-            self.free(idx)
+        indices = list(indices)
+        if not self._in_use.issuperset(indices):
+            bad = sorted(set(indices) - self._in_use)[:10]
+            raise ValueError(f"{self.name} indices {bad} freed but not in use")
+        before = len(self._in_use)
+        self._in_use.difference_update(indices)
+        if before - len(self._in_use) != len(indices):
+            raise ValueError(f"{self.name} indices freed twice in one call: {indices}")
+        self._free.extend(indices)
 
     def check_full(self) -> None:
         """Raise if anything is still handed out."""

@@ -31,6 +31,10 @@ class PrefillScheduler(InstanceScheduler):
         self.bootstrap: list[Request] = []
         self.inflight: list[Request] = []
         self.pending_tokens = 0  # prompt tokens not yet computed (the router's load signal)
+        # What the last scan of each queue saw; an unchanged key means a rescan would find
+        # nothing new (see KVManager.poll_epoch).
+        self._bootstrap_seen: tuple | None = None
+        self._inflight_seen = -1
 
     def add_request(self, req: Request, now: float) -> None:
         self.num_active += 1
@@ -39,13 +43,23 @@ class PrefillScheduler(InstanceScheduler):
         req.queued_s = now
         req.sender = self.kv.create_sender(req)
         if self._reject_if_too_long(req, req.input_len, now):
+            req.sender.abort("prefill instance cannot hold the request")  # tell the decode side
             return
         self.pending_tokens += req.input_len
         self.bootstrap.append(req)
+        self._bootstrap_seen = None
 
     def step(self, now: float):
-        self._pop_bootstrapped(now)
-        self._poll_inflight(now)
+        epoch = self.kv.poll_epoch()
+        if self.bootstrap:
+            seen = (epoch, self.metadata_slots.num_free, self.req_slots.num_free)
+            overdue = now - self.bootstrap[0].queued_s > self.config.bootstrap_timeout_s
+            if seen != self._bootstrap_seen or overdue:
+                self._bootstrap_seen = seen
+                self._pop_bootstrapped(now)
+        if self.inflight and epoch != self._inflight_seen:
+            self._inflight_seen = epoch
+            self._poll_inflight(now)
         return self._plan_extend(now)
 
     def _num_decoding(self) -> int:
@@ -115,6 +129,7 @@ class PrefillScheduler(InstanceScheduler):
         req.sender.send(req.pages[req.sent_pages :], last=True)
         req.sent_pages = len(req.pages)
         self.inflight.append(req)
+        self._inflight_seen = -1
 
     def _poll_inflight(self, now: float) -> None:
         still = []

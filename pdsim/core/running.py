@@ -65,7 +65,8 @@ class RunningBatch:
         due = self._grow_at.pop(self.step, None)
         if not due:
             return []
-        return [r for r in due if r.grow_step == self.step and r in self.reqs]
+        # A request retracted and re-joined can sit in one bucket twice: list it once.
+        return list(dict.fromkeys(r for r in due if r.grow_step == self.step and r in self.reqs))
 
     def add_page(self, req: Request, page: int) -> None:
         req.pages.append(page)
@@ -81,11 +82,12 @@ class RunningBatch:
         self.step += 1
         self.step_end_s.append(now)
         self.context_tokens += len(self.reqs)
-        done = [
+        # dict.fromkeys: a request retracted and re-joined can sit in one bucket twice.
+        done = list(dict.fromkeys(
             r
             for r in self._finish_at.pop(self.step, ())
             if r in self.reqs and r.out_at_join + self.step - r.join_step >= r.max_new_tokens
-        ]
+        ))
         if result.token_ids is not None:
             for req, tok, lp in zip(batch.reqs, result.token_ids, result.logprobs or _nones()):
                 if req not in self.reqs:

@@ -72,6 +72,8 @@ class InstanceScheduler:
         return self._plan_extend(now) or self._plan_decode(now)
 
     def _plan_extend(self, now: float) -> Batch | None:
+        if not self.waiting:
+            return None
         cfg = self.config
         budget = cfg.max_prefill_tokens
         segments: list[ExtendSegment] = []
@@ -86,7 +88,9 @@ class InstanceScheduler:
                 break  # without chunking a long prompt runs alone
             if not self._admit_extend(req, take):
                 break
-            new_pages = num_pages(req.computed_tokens + take, cfg.page_size) - len(req.pages)
+            # All of the fill's pages at its first chunk: a half-prefilled request then never
+            # waits for pages, so requests holding partial KV cannot deadlock the pool.
+            new_pages = num_pages(req.fill_len, cfg.page_size) - len(req.pages)
             pages = self.pool.alloc_many(new_pages)
             if pages is None:
                 break

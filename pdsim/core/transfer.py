@@ -81,6 +81,12 @@ class KVManager(Protocol):
 
     metadata: MetadataStore
 
+    def poll_epoch(self) -> int:
+        """A counter that changes whenever a poll of any of this manager's endpoints may answer
+        differently. Schedulers skip re-polling a queue while it is unchanged, so a backend
+        that cannot tell should return a fresh value on every call."""
+        ...
+
     def create_sender(self, req) -> KVSender: ...
 
     def create_receiver(self, req) -> KVReceiver: ...

@@ -108,11 +108,12 @@ class SimFabric:
         r.sender_state = r.receiver_state = KVPoll.Failed
         for m in (r.src_manager, r.dst_manager):
             if m is not None:
-                m.notify()
+                m.changed()
 
 
 class SimKVManager:
-    """One per instance; `notify` wakes the instance's driver when a poll would change."""
+    """One per instance rank; `changed()` marks that a poll may answer differently and wakes
+    the instance's driver."""
 
     def __init__(self, fabric: SimFabric, instance_key: int, link: Link, bytes_per_page: float,
                  notify: Callable[[], None]):
@@ -120,8 +121,16 @@ class SimKVManager:
         self.instance_key = instance_key
         self.link = link
         self.bytes_per_page = bytes_per_page
-        self.notify = notify
+        self._notify = notify
+        self.epoch = 0
         self.metadata = DictMetadataStore()
+
+    def changed(self) -> None:
+        self.epoch += 1
+        self._notify()
+
+    def poll_epoch(self) -> int:
+        return self.epoch
 
     def create_sender(self, req) -> "SimKVSender":
         return SimKVSender(self, self.fabric.join(req.bootstrap_room, sender=self))
@@ -184,7 +193,7 @@ class SimKVSender(_Endpoint):
             return
         room.dst_manager.metadata.write(room.dst_slot, room.metadata_sent)
         room.sender_state = KVPoll.Success
-        self.manager.notify()
+        self.manager.changed()
         # The status message reaches the decode side one latency later.
         self.fabric.later(self.fabric.model.message_latency_s, self._receiver_success)
 
@@ -192,7 +201,7 @@ class SimKVSender(_Endpoint):
         room = self.room
         if room.receiver_state is not KVPoll.Failed:
             room.receiver_state = KVPoll.Success
-            room.dst_manager.notify()
+            room.dst_manager.changed()
 
 
 class SimKVReceiver(_Endpoint):
@@ -202,7 +211,7 @@ class SimKVReceiver(_Endpoint):
     def _handshake_done(self) -> None:
         room = self.room
         room.receiver_state = advance(room.receiver_state, KVPoll.WaitingForInput)
-        self.manager.notify()
+        self.manager.changed()
 
     def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
         room = self.room
@@ -214,4 +223,4 @@ class SimKVReceiver(_Endpoint):
         room = self.room
         room.sender_state = advance(room.sender_state, KVPoll.WaitingForInput)
         if room.src_manager is not None:
-            room.src_manager.notify()
+            room.src_manager.changed()

@@ -1,0 +1,252 @@
+"""Small stand-ins for driving the core schedulers in tests, with time given by hand.
+
+- `StubKV`: a transfer backend whose endpoints do only what the test tells them (set `state`),
+  and record every call made on them.
+- `FixedExecutor`: every extend forward takes `extend_s`, every decode step `decode_s`; it can
+  also hand back token ids, like a real executor.
+- `Driver`: steps any number of schedulers on one manual clock, event by event, the way the SimPy
+  driver does (an instance is stepped only when it is not running a forward), and logs each
+  request's queue transitions as `(event, time)` tuples, e.g. `("r0 P:extend", 0.0)`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from pdsim.core.batch import Batch, BatchResult
+from pdsim.core.kvpoll import KVPoll
+from pdsim.core.request import Request
+from pdsim.core.transfer import DictMetadataStore, FirstTokenMetadata
+
+# ----- a scripted transfer backend -----------------------------------------------------------
+
+
+class StubEndpoint:
+    """A sender or receiver whose poll result the test sets; every call is recorded."""
+
+    def __init__(self, req: Request, state: KVPoll):
+        self.room = req.bootstrap_room
+        self.state = state
+        self.reason = ""
+        self.calls: list[tuple] = []
+
+    def poll(self) -> KVPoll:
+        return self.state
+
+    def fail(self, reason: str) -> None:
+        self.state = KVPoll.Failed
+        self.reason = reason
+
+    # sender side
+    def init(self, num_pages: int, metadata_slot: int) -> None:
+        self.calls.append(("init", num_pages, metadata_slot))
+
+    def send(self, page_indices: Sequence[int], last: bool) -> None:
+        self.calls.append(("send", list(page_indices), last))
+
+    # receiver side
+    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
+        self.calls.append(("send_metadata", list(page_indices), metadata_slot))
+
+    def abort(self, reason: str) -> None:
+        self.calls.append(("abort", reason))
+        self.fail(reason)
+
+    def failure_reason(self) -> str:
+        return self.reason
+
+    def sends(self) -> list[tuple[list[int], bool]]:
+        return [(c[1], c[2]) for c in self.calls if c[0] == "send"]
+
+
+class StubKV:
+    """A KV manager handing out `StubEndpoint`s, kept by rid so the test can script them."""
+
+    def __init__(self, initial: KVPoll = KVPoll.Bootstrapping):
+        self.initial = initial
+        self.metadata = DictMetadataStore()
+        self.endpoints: dict[str, StubEndpoint] = {}
+        self._epoch = 0
+
+    def _create(self, req: Request) -> StubEndpoint:
+        ep = StubEndpoint(req, self.initial)
+        self.endpoints[req.rid] = ep
+        return ep
+
+    create_sender = _create
+    create_receiver = _create
+
+    def poll_epoch(self) -> int:
+        """Tests flip endpoint states behind the manager's back: every poll may differ."""
+        self._epoch += 1
+        return self._epoch
+
+    def __getitem__(self, rid: str) -> StubEndpoint:
+        return self.endpoints[rid]
+
+    def deliver(self, req: Request, first_token: int = 7, room: int | None = None,
+                logprob: float = -0.5, cached_tokens: int = 0) -> None:
+        """Decode side: the prefill side wrote the KV and the metadata slot of `req`."""
+        room = req.bootstrap_room if room is None else room
+        self.metadata.write(req.metadata_slot, FirstTokenMetadata(room, first_token, logprob, cached_tokens))
+        self.endpoints[req.rid].state = KVPoll.Success
+
+
+# ----- executors -----------------------------------------------------------------------------
+
+
+class FixedExecutor:
+    """Fixed forward durations. With `token_fn(batch, i)` it also returns one token id per
+    extend segment or decode request (logprob -1.0 each), like a real executor."""
+
+    def __init__(self, extend_s: float = 1.0, decode_s: float = 0.25,
+                 token_fn: Callable[[Batch, int], int] | None = None):
+        self.extend_s = extend_s
+        self.decode_s = decode_s
+        self.token_fn = token_fn
+        self.batches: list[Batch] = []
+
+    def execute(self, batch: Batch) -> BatchResult:
+        self.batches.append(batch)
+        duration = self.extend_s if batch.kind == "extend" else self.decode_s
+        if self.token_fn is None:
+            return BatchResult(duration)
+        n = len(batch.segments) if batch.kind == "extend" else len(batch.reqs)
+        ids = [self.token_fn(batch, i) for i in range(n)]
+        return BatchResult(duration, token_ids=ids, logprobs=[-1.0] * n)
+
+
+# ----- an event-by-event driver on a manual clock --------------------------------------------
+
+_QUEUES = ("bootstrap", "prealloc", "transfer", "prebuilt", "waiting", "inflight")
+
+
+class _Slot:
+    def __init__(self, name: str, sched, executor):
+        self.name = name
+        self.sched = sched
+        self.executor = executor
+        self.batch: Batch | None = None
+        self.result: BatchResult | None = None
+        self.end_s = math.inf
+        self.reqs: dict[str, Request] = {}
+        self.state: dict[str, str] = {}
+        self.done: list[Request] = []
+
+
+class Driver:
+    """Runs schedulers the way the SimPy driver does, but on a plain float clock.
+
+    At each event time: finish the forwards that end now, add the arrivals due now, then step
+    every idle instance, again and again while that changes anything (one instance's step can
+    unblock another's, as decode's `send_metadata` unblocks prefill's bootstrap queue). Time then
+    jumps to the next forward end or arrival; with neither left but work pending it moves by
+    `tick_s` (so timeouts can fire), or raises when `tick_s` is None: the schedulers are stuck.
+    """
+
+    def __init__(self, executor=None, log: bool = True, tick_s: float | None = None):
+        self.executor = executor or FixedExecutor()
+        self.now = 0.0
+        self.log_enabled = log
+        self.log: list[tuple[str, float]] = []
+        self.tick_s = tick_s
+        self.slots: dict[str, _Slot] = {}
+        self._arrivals: list[tuple[float, int, str, Request]] = []
+
+    def add_instance(self, name: str, sched, executor=None) -> None:
+        self.slots[name] = _Slot(name, sched, executor or self.executor)
+
+    def submit(self, at_s: float, name: str, req: Request) -> None:
+        """Hand `req` to instance `name` at time `at_s` (submission order breaks ties)."""
+        self._arrivals.append((at_s, len(self._arrivals), name, req))
+        self._arrivals.sort(key=lambda a: (a[0], a[1]))
+
+    def done(self, name: str) -> list[Request]:
+        return self.slots[name].done
+
+    # --- observation ---
+
+    def _states(self, slot: _Slot) -> dict[int, str]:
+        """id(request) → the queue it is in, for every request the scheduler holds."""
+        sched = slot.sched
+        states: dict[int, str] = {}
+        for q in _QUEUES:
+            for r in getattr(sched, q, ()):
+                states[id(r)] = q
+        for r in sched.running.reqs:
+            states[id(r)] = "running"
+        if slot.batch is not None and slot.batch.kind == "extend":
+            for seg in slot.batch.segments:
+                states[id(seg.req)] = "extend"
+        return states
+
+    def _observe(self, slot: _Slot) -> bool:
+        for req in slot.sched.done:
+            slot.done.append(req)
+        slot.sched.done.clear()
+        states = self._states(slot)
+        changed = False
+        for rid, req in slot.reqs.items():
+            if req.finished:
+                state = "failed" if req.error else "done"
+            else:
+                state = states.get(id(req), "?")
+            if slot.state.get(rid) != state:
+                slot.state[rid] = state
+                changed = True
+                if self.log_enabled:
+                    self.log.append((f"{rid} {slot.name}:{state}", self.now))
+        return changed
+
+    # --- time ---
+
+    def _idle(self) -> bool:
+        return not self._arrivals and all(s.sched.is_idle and s.batch is None for s in self.slots.values())
+
+    def run(self, until_s: float = math.inf, max_events: int = 1_000_000) -> None:
+        for _ in range(max_events):
+            t = self.now
+            for slot in self.slots.values():
+                if slot.batch is not None and slot.end_s <= t:
+                    batch, result = slot.batch, slot.result
+                    slot.batch, slot.result, slot.end_s = None, None, math.inf
+                    slot.sched.on_batch_done(batch, result, t)
+                    self._observe(slot)
+            while self._arrivals and self._arrivals[0][0] <= t:
+                _, _, name, req = self._arrivals.pop(0)
+                slot = self.slots[name]
+                slot.reqs[req.rid] = req
+                slot.sched.add_request(req, t)
+                self._observe(slot)
+            for _pass in range(1000):
+                changed = False
+                for slot in self.slots.values():
+                    if slot.batch is not None:
+                        continue
+                    batch = slot.sched.step(t)
+                    if batch is not None:
+                        slot.batch = batch
+                        slot.result = slot.executor.execute(batch)
+                        slot.end_s = t + slot.result.duration_s
+                        changed = True
+                    changed |= self._observe(slot)
+                if not changed:
+                    break
+            else:
+                raise RuntimeError(f"the schedulers did not settle at t={t}")
+            if self._idle():
+                return
+            ends = [s.end_s for s in self.slots.values() if s.batch is not None]
+            if self._arrivals:
+                ends.append(self._arrivals[0][0])
+            if ends:
+                nxt = min(ends)
+            elif self.tick_s is not None:
+                nxt = t + self.tick_s
+            else:
+                raise RuntimeError(f"stuck at t={t}: work is queued but nothing can run")
+            if nxt > until_s:
+                return
+            self.now = nxt
+        raise RuntimeError(f"no quiescence after {max_events} events")

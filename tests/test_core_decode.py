@@ -1,0 +1,335 @@
+"""The decode scheduler's queues, stepped by hand with scripted receivers and a manual clock."""
+
+from __future__ import annotations
+
+from core_harness import StubKV
+
+from pdsim.core.batch import BatchResult
+from pdsim.core.config import SchedulerConfig
+from pdsim.core.decode import DecodeScheduler
+from pdsim.core.kvpoll import KVPoll
+from pdsim.core.request import Request
+
+
+def cfg(**kw) -> SchedulerConfig:
+    base = dict(num_pages=64, page_size=4, max_running_requests=8, pre_alloc_size=2,
+                metadata_slots=8, num_reserved_decode_tokens=0, waiting_timeout_s=10.0)
+    base.update(kw)
+    return SchedulerConfig(**base)
+
+
+def req(rid: str, n_in: int, n_out: int, **kw) -> Request:
+    return Request(rid, n_in, n_out, arrival_s=0.0, bootstrap_room=1000 + int(rid[1:]), **kw)
+
+
+def used(s: DecodeScheduler) -> tuple[int, int, int]:
+    return s.pool.num_used, s.req_slots.num_used, s.metadata_slots.num_used
+
+
+class Loop:
+    """Steps one decode scheduler: each decode step takes `decode_s`, each extend `extend_s`;
+    `deliver_all` makes the prefill side answer every preallocated request at once."""
+
+    def __init__(self, s: DecodeScheduler, kv: StubKV, decode_s=1.0, extend_s=2.0, deliver_all=True):
+        self.s, self.kv = s, kv
+        self.t = 0.0
+        self.decode_s, self.extend_s = decode_s, extend_s
+        self.deliver_all = deliver_all
+        self.batches = []
+
+    def _deliver(self) -> bool:
+        todo = [r for r in self.s.transfer if self.kv[r.rid].state is not KVPoll.Success]
+        if self.deliver_all:
+            for r in todo:
+                self.kv.deliver(r)
+        return bool(todo) and self.deliver_all
+
+    def once(self):
+        s = self.s
+        self._deliver()
+        batch = s.step(self.t)
+        if batch is None and self._deliver():
+            batch = s.step(self.t)  # what was just preallocated arrives at once
+        if batch is None:
+            return None
+        self.batches.append(batch)
+        self.t += self.extend_s if batch.kind == "extend" else self.decode_s
+        s.on_batch_done(batch, BatchResult(0.0), self.t)
+        return batch
+
+    def run(self, check=lambda s: None, max_steps=10_000):
+        for _ in range(max_steps):
+            check(self.s)
+            if self.s.is_idle:
+                return
+            if self.once() is None and self.s.step(self.t) is None:
+                self.t += 1.0
+        raise AssertionError("did not finish")
+
+
+def test_prealloc_waits_while_the_receiver_is_bootstrapping():
+    kv = StubKV()
+    s = DecodeScheduler(cfg(), kv)
+    r = req("r0", 10, 4)
+    s.add_request(r, 0.0)
+    for t in (0.0, 1.0):
+        assert s.step(t) is None
+        assert s.prealloc == [r] and used(s) == (0, 0, 0) and kv["r0"].calls == []
+    kv["r0"].state = KVPoll.WaitingForInput
+    assert s.step(2.0) is None
+    assert s.prealloc == [] and s.transfer == [r] and r.queued_s == 2.0
+    assert kv["r0"].calls == [("send_metadata", [0, 1, 2], 0)]
+    assert (r.pages, r.req_slot, r.metadata_slot) == ([0, 1, 2], 0, 0)
+    assert used(s) == (3, 1, 1)
+
+
+def test_admission_by_token_budget_is_first_come_first_served():
+    # 8 pages of 4 = 32 tokens; 8 tokens reserved per request that decodes or holds KV.
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = DecodeScheduler(cfg(num_pages=8, num_reserved_decode_tokens=8), kv)
+    r0, r1, r2 = req("r0", 8, 2), req("r1", 12, 2), req("r2", 4, 2)
+    for r in (r0, r1, r2):
+        s.add_request(r, 0.0)
+    s.step(0.0)
+    # r0 took 8 tokens; budget = 24 free - 8 reserved = 16 < r1's 12 + 8; r2 would fit but waits.
+    assert s.transfer == [r0] and s.prealloc == [r1, r2]
+    kv.deliver(r0)
+    batch = s.step(1.0)
+    assert s.running.reqs.keys() == {r0} and s.prealloc == [r1, r2]  # r0 still reserves its 8
+    s.on_batch_done(batch, BatchResult(1.0), 2.0)
+    assert r0.finished and r0.num_output == 2
+    s.step(2.0)
+    assert s.transfer == [r1, r2] and s.prealloc == []
+    assert r1.queued_s == r2.queued_s == 2.0
+
+
+def test_the_first_request_goes_even_when_it_needs_more_than_the_budget():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = DecodeScheduler(cfg(num_pages=8, num_reserved_decode_tokens=64), kv)
+    r = req("r0", 20, 4)
+    s.add_request(r, 0.0)
+    s.step(0.0)
+    assert s.transfer == [r]  # nothing else decodes, so it cannot starve anyone
+
+
+def test_request_slot_reserve_caps_running_at_max_running():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = DecodeScheduler(cfg(max_running_requests=2, pre_alloc_size=1), kv)
+    assert s.req_slots.size == 3
+    reqs = [req(f"r{i}", 6, 3 + i) for i in range(6)]
+    for r in reqs:
+        s.add_request(r, 0.0)
+    s.step(0.0)
+    assert len(s.transfer) == 3 and len(s.prealloc) == 3  # slots, not pages, hold the rest
+    seen = {"running": 0, "slots": 0}
+
+    def check(s):
+        assert len(s.running) <= 2
+        assert s.req_slots.num_used <= 3
+        assert s.req_slots.num_used == sum(r.req_slot >= 0 for r in reqs)
+        seen["running"] = max(seen["running"], len(s.running))
+        seen["slots"] = max(seen["slots"], s.req_slots.num_used)
+
+    Loop(s, kv).run(check)
+    assert seen == {"running": 2, "slots": 3}
+    assert [r.num_output for r in reqs] == [3, 4, 5, 6, 7, 8]
+    s.check_pools_full()
+
+
+def test_prebuilt_waits_for_room_in_the_running_batch():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = DecodeScheduler(cfg(max_running_requests=1, pre_alloc_size=2), kv)
+    r0, r1 = req("r0", 4, 3), req("r1", 4, 3)
+    s.add_request(r0, 0.0)
+    s.add_request(r1, 0.0)
+    s.step(0.0)
+    kv.deliver(r0)
+    kv.deliver(r1)
+    batch = s.step(1.0)
+    assert list(s.running.reqs) == [r0] and list(s.prebuilt) == [r1]
+    assert r1.transfer_done_s == 1.0 and r1.token_times_s == [1.0]  # its first token is out
+    assert batch.reqs == [r0]
+
+
+def test_crossed_metadata_fails_the_request_and_frees_everything():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = DecodeScheduler(cfg(), kv)
+    r0, r1 = req("r0", 10, 4), req("r1", 10, 4)
+    s.add_request(r0, 0.0)
+    s.add_request(r1, 0.0)
+    s.step(0.0)
+    kv.deliver(r0, room=r1.bootstrap_room)  # r1's metadata landed in r0's slot
+    s.step(1.0)
+    assert r0.finished and "crossed" in r0.error
+    assert f"metadata room {r1.bootstrap_room} does not match request room {r0.bootstrap_room}" in r0.error
+    assert r0.num_output == 0 and r0.token_times_s == []
+    assert (r0.pages, r0.req_slot, r0.metadata_slot) == ([], -1, -1)
+    assert used(s) == (3, 1, 1)  # only r1's
+    assert s.transfer == [r1]
+
+
+def test_missing_metadata_counts_as_crossed():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = DecodeScheduler(cfg(), kv)
+    r = req("r0", 10, 4)
+    s.add_request(r, 0.0)
+    s.step(0.0)
+    kv["r0"].state = KVPoll.Success  # success reported, but no metadata written
+    s.step(1.0)
+    assert "metadata room None does not match" in r.error and "crossed" in r.error
+    s.check_pools_full()
+
+
+def test_receiver_failure_in_either_queue():
+    kv = StubKV()
+    s = DecodeScheduler(cfg(), kv)
+    r0, r1 = req("r0", 10, 4), req("r1", 10, 4)
+    s.add_request(r0, 0.0)
+    s.add_request(r1, 0.0)
+    kv["r0"].fail("prefill rank unknown")
+    kv["r1"].state = KVPoll.WaitingForInput
+    s.step(0.0)
+    assert r0.error == "handshake failed: prefill rank unknown"
+    assert s.transfer == [r1]
+    kv["r1"].fail("connection reset")
+    s.step(0.5)
+    assert r1.error == "KV transfer failed: connection reset"
+    s.check_pools_full()
+    assert s.is_idle
+
+
+def test_waiting_timeout():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = DecodeScheduler(cfg(waiting_timeout_s=10.0), kv)
+    r = req("r0", 10, 4)
+    s.add_request(r, 0.0)
+    s.step(1.0)
+    assert s.transfer == [r] and r.queued_s == 1.0
+    kv["r0"].state = KVPoll.Transferring
+    s.step(11.0)
+    assert s.transfer == [r]  # exactly at the limit: not yet
+    s.step(11.5)
+    assert r.error == "KV did not arrive within 10.0 s" and r.finish_s == 11.5
+    assert kv["r0"].calls[-1] == ("abort", "KV did not arrive within 10.0 s")
+    s.check_pools_full()
+
+
+def test_a_request_too_big_for_the_pool_fails_and_tells_the_prefill_side():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = DecodeScheduler(cfg(num_pages=4, page_size=4), kv)
+    r = req("r0", 10, 7)
+    s.add_request(r, 0.0)
+    assert r.finished and "needs 17 KV tokens" in r.error
+    assert kv["r0"].calls == [("abort", "decode instance cannot hold the request")]
+    assert s.prealloc == [] and s.is_idle
+
+
+def test_first_token_comes_from_the_metadata():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = DecodeScheduler(cfg(), kv)
+    r = req("r0", 4, 1, prompt_ids=[1, 2, 3, 4])
+    sim = req("r1", 4, 1)  # the simulator's requests carry no ids
+    s.add_request(r, 0.0)
+    s.add_request(sim, 0.0)
+    s.step(0.0)
+    kv.deliver(r, first_token=77, logprob=-0.75, cached_tokens=2)
+    kv.deliver(sim, first_token=77)
+    assert s.step(3.5) is None  # max_new_tokens=1: done on arrival, nothing to decode
+    assert r.output_ids == [77] and r.first_logprob == -0.75 and r.output_logprobs == [-0.75]
+    assert r.cached_tokens == 2
+    assert r.token_times_s == [3.5] and r.transfer_done_s == 3.5 and r.finish_s == 3.5
+    assert r.num_output == 1 and r.finished and r.error == ""
+    assert sim.output_ids == [] and sim.token_times_s == [3.5]
+    rec = r.to_record("ok")
+    assert rec.first_token_s == 3.5 and rec.output_tokens == 1
+    s.check_pools_full()
+
+
+def test_running_batch_makes_exactly_max_new_tokens():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = DecodeScheduler(cfg(), kv)
+    reqs = [req(f"r{i}", 5 + 3 * i, n) for i, n in enumerate([1, 2, 5, 9, 17])]
+    for r in reqs:
+        s.add_request(r, 0.0)
+    loop = Loop(s, kv, decode_s=0.5)
+    loop.run()
+    for r in reqs:
+        assert r.error == "" and r.num_output == r.max_new_tokens
+        assert len(r.token_times_s) == r.max_new_tokens
+        # The first token at the transfer (t=0), then one per decode step of 0.5 s.
+        assert r.token_times_s == [0.5 * k for k in range(r.max_new_tokens)]
+        assert r.finish_s == r.token_times_s[-1]
+        assert r.computed_tokens == r.input_len + r.max_new_tokens - 1
+    assert all(b.kind == "decode" for b in loop.batches)
+    assert [len(b.reqs) for b in loop.batches] == [4, 3, 3, 3, 2, 2, 2, 2] + [1] * 8
+    # Context tokens read by the first step: each request's prompt plus its first token.
+    assert loop.batches[0].shape.decode_context_tokens == sum(r.input_len + 1 for r in reqs[1:])
+    s.check_pools_full()
+
+
+def test_running_requests_take_a_page_each_time_they_fill_one():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = DecodeScheduler(cfg(page_size=4), kv)
+    r = req("r0", 4, 10)
+    s.add_request(r, 0.0)
+    s.step(0.0)
+    kv.deliver(r)
+    planned = []  # (KV tokens before the step, pages held for it)
+    t = 0.0
+    while (batch := s.step(t)) is not None:
+        planned.append((s.running.kv_len(r), len(r.pages)))
+        t += 1.0
+        s.on_batch_done(batch, BatchResult(1.0), t)
+    # Each step writes one token; the page is taken just before the step that needs it.
+    assert planned == [(4, 2), (5, 2), (6, 2), (7, 2), (8, 3), (9, 3), (10, 3), (11, 3), (12, 4)]
+    assert r.num_output == 10 and r.pages == []
+    s.check_pools_full()
+
+
+def test_retraction_recomputes_and_still_finishes_every_request():
+    # 12 pages of 4 tokens; three requests that each grow to 8 + 11 = 19 tokens (5 pages).
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = DecodeScheduler(cfg(num_pages=12, page_size=4, pre_alloc_size=0, max_running_requests=4), kv)
+    reqs = [req(f"r{i}", 8, 12) for i in range(3)]
+    for r in reqs:
+        s.add_request(r, 0.0)
+    loop = Loop(s, kv)
+    recomputes = []
+
+    def check(s):
+        assert s.pool.num_used <= 12 and len(s.running) + len(s.waiting) <= 3
+        for r in s.waiting:  # retracted: no KV left, back to the waiting queue
+            assert r.pages == [] and r.computed_tokens == 0 and r.req_slot >= 0
+            recomputes.append((r.rid, r.fill_len, r.num_output))
+
+    loop.run(check)
+    extends = [(g.req.rid, g.start, g.end) for b in loop.batches if b.kind == "extend" for g in b.segments]
+    assert extends, "the pool was too small for all three, something must have been retracted"
+    # Each recompute covers the prompt and every token generated before the retraction.
+    assert extends == [(rid, 0, fill) for rid, fill, n_out in dict.fromkeys(recomputes)]
+    assert all(n_out > 0 for _, _, n_out in recomputes)
+    for r in reqs:
+        assert r.error == "" and r.num_output == 12 and len(r.token_times_s) == 12
+        assert r.token_times_s == sorted(r.token_times_s)
+    s.check_pools_full()
+
+
+def test_retracted_requests_keep_their_places_in_the_running_batch():
+    # max_running 2, and two more requests preallocated: while a retracted request waits for its
+    # recompute, a prebuilt one must not take its place, or the batch would grow to 3.
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = DecodeScheduler(cfg(num_pages=12, page_size=4, max_running_requests=2, pre_alloc_size=2), kv)
+    reqs = [req(f"r{i}", 8, 12) for i in range(5)]
+    for r in reqs:
+        s.add_request(r, 0.0)
+    loop = Loop(s, kv)
+    retracted = []
+
+    def check(s):
+        assert len(s.running) + len(s.waiting) <= 2
+        retracted.extend(s.waiting)
+
+    loop.run(check)
+    assert retracted
+    assert [r.num_output for r in reqs] == [12] * 5
+    s.check_pools_full()

@@ -1,0 +1,295 @@
+"""The prefill scheduler's queues, stepped by hand with scripted senders and a manual clock."""
+
+from __future__ import annotations
+
+import pytest
+from core_harness import StubKV
+
+from pdsim.core.batch import BatchResult
+from pdsim.core.config import SchedulerConfig
+from pdsim.core.fake_transfer import FakeKVManager, FakeWire
+from pdsim.core.kvpoll import KVPoll
+from pdsim.core.prefill import PrefillScheduler
+from pdsim.core.request import Request
+
+ROOM = 1234567890123
+
+
+def cfg(**kw) -> SchedulerConfig:
+    base = dict(num_pages=64, page_size=4, max_running_requests=8, metadata_slots=8,
+                bootstrap_timeout_s=5.0)
+    base.update(kw)
+    return SchedulerConfig(**base)
+
+
+def req(rid: str, n_in: int, n_out: int = 8, room: int | None = None) -> Request:
+    return Request(rid, n_in, n_out, arrival_s=0.0, bootstrap_room=ROOM + int(rid[1:]) if room is None else room)
+
+
+def used(s: PrefillScheduler) -> tuple[int, int, int]:
+    return s.pool.num_used, s.req_slots.num_used, s.metadata_slots.num_used
+
+
+def run_batch(s: PrefillScheduler, now: float, duration: float = 1.0):
+    """Step at `now`; run the planned forward; hand it back at `now + duration`."""
+    batch = s.step(now)
+    if batch is not None:
+        s.on_batch_done(batch, BatchResult(duration), now + duration)
+    return batch
+
+
+def test_prefill_forces_one_new_token():
+    s = PrefillScheduler(cfg(), StubKV())
+    r = req("r0", 10, n_out=200)
+    s.add_request(r, 0.0)
+    assert r.max_new_tokens == 1
+    assert r.prefill_instance == 0 and r.queued_s == 0.0
+    assert s.bootstrap == [r] and s.pending_tokens == 10 and s.num_active == 1
+
+
+def test_sits_in_bootstrap_until_the_decode_side_has_sent_where_to_write():
+    kv = StubKV()
+    s = PrefillScheduler(cfg(), kv)
+    r = req("r0", 10)
+    s.add_request(r, 0.0)
+    for t in (0.0, 1.0, 2.0):
+        assert s.step(t) is None
+        assert s.bootstrap == [r] and not s.waiting
+        assert used(s) == (0, 0, 0)
+        assert kv["r0"].calls == []
+    kv["r0"].state = KVPoll.WaitingForInput
+    batch = s.step(3.0)
+    assert r.bootstrap_done_s == 3.0
+    assert kv["r0"].calls == [("init", 3, 0)]  # 10 tokens on pages of 4, metadata slot 0
+    assert s.bootstrap == []
+    assert batch.kind == "extend" and [(g.req, g.start, g.end) for g in batch.segments] == [(r, 0, 10)]
+    assert r.prefill_start_s == 3.0
+    assert used(s) == (3, 1, 1)
+
+
+def test_moves_to_waiting_only_when_a_metadata_slot_is_free():
+    kv = StubKV(initial=KVPoll.WaitingForInput)  # the receivers are ready at once
+    s = PrefillScheduler(cfg(metadata_slots=1), kv)
+    r0, r1 = req("r0", 8), req("r1", 8)
+    s.add_request(r0, 0.0)
+    s.add_request(r1, 0.0)
+    batch = s.step(0.0)
+    assert [g.req for g in batch.segments] == [r0]
+    assert s.bootstrap == [r1]  # ready, but the only metadata slot is r0's
+    assert r1.metadata_slot == -1 and r1.req_slot == -1
+    s.on_batch_done(batch, BatchResult(1.0), 1.0)
+    assert s.inflight == [r0]
+    assert s.step(1.0) is None and s.bootstrap == [r1]  # r0's transfer is still going
+    kv["r0"].state = KVPoll.Success
+    assert s.step(2.0) is None  # the bootstrap queue is polled before the inflight one...
+    assert [x.rid for x in s.done] == ["r0"] and s.bootstrap == [r1]
+    batch = s.step(2.0)  # ...so r1 takes the freed slot at the next step
+    assert [g.req for g in batch.segments] == [r1]
+    assert r1.metadata_slot == 0 and r1.bootstrap_done_s == 2.0
+    assert kv["r1"].calls == [("init", 2, 0)]
+
+
+def test_a_request_slot_shortage_also_holds_the_queue_and_returns_the_metadata_slot():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = PrefillScheduler(cfg(max_running_requests=1), kv)
+    r0, r1, r2 = req("r0", 4), req("r1", 4), req("r2", 4)
+    for r in (r0, r1, r2):
+        s.add_request(r, 0.0)
+    s.step(0.0)
+    assert s.bootstrap == [r1, r2]  # FIFO: both wait behind the first that cannot go
+    assert s.metadata_slots.num_used == 1 and s.req_slots.num_used == 1
+
+
+def test_chunked_prefill_sends_complete_pages_after_each_chunk():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = PrefillScheduler(cfg(page_size=6, chunked_prefill_size=16), kv)
+    r = req("r0", 40)
+    s.add_request(r, 0.0)
+    sender = kv["r0"]
+
+    b1 = s.step(0.0)
+    assert [(g.start, g.end) for g in b1.segments] == [(0, 16)]
+    assert b1.shape.prefill_tokens == 16 and not b1.segments[0].is_last
+    assert r.pages == list(range(7))  # the whole prompt's pages at the first chunk
+    s.on_batch_done(b1, BatchResult(1.0), 1.0)
+    assert sender.sends() == [([0, 1], False)]  # page 2 is only partly written (12 of 16 tokens)
+    assert s.waiting[0] is r and r.computed_tokens == 16 and s.pending_tokens == 24
+
+    b2 = s.step(1.0)
+    assert [(g.start, g.end) for g in b2.segments] == [(16, 32)]
+    assert b2.shape.prefill_tokens == 16
+    s.on_batch_done(b2, BatchResult(1.0), 2.0)
+    assert sender.sends()[1:] == [([2, 3, 4], False)]  # 32 tokens fill 5 pages
+
+    b3 = s.step(2.0)
+    assert [(g.start, g.end) for g in b3.segments] == [(32, 40)]
+    assert b3.shape.prefill_tokens == 8 and b3.segments[0].is_last
+    s.on_batch_done(b3, BatchResult(1.0, token_ids=[42], logprobs=[-0.25]), 3.0)
+    assert sender.sends()[2:] == [([5, 6], True)]  # the rest, with the metadata
+    assert sum((p for p, _ in sender.sends()), []) == r.pages == list(range(7))
+    meta = kv.metadata.read(r.metadata_slot)
+    assert meta.bootstrap_room == r.bootstrap_room
+    assert (meta.first_token_id, meta.first_logprob, meta.cached_tokens) == (42, -0.25, 0)
+    assert s.inflight == [r] and s.pending_tokens == 0
+    assert (r.prefill_start_s, r.prefill_end_s, r.num_output, r.token_times_s) == (0.0, 3.0, 1, [3.0])
+    # Chunk attention pairs: each chunk attends over everything before it.
+    assert b2.shape.prefill_attn_pairs == 16 * 16 + 16 * 17 / 2
+
+
+def test_inflight_success_frees_pages_and_slots():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = PrefillScheduler(cfg(), kv)
+    r = req("r0", 10)
+    s.add_request(r, 0.0)
+    run_batch(s, 0.0)
+    assert used(s) == (3, 1, 1) and s.inflight == [r]
+    kv["r0"].state = KVPoll.Transferring
+    s.step(1.5)
+    assert used(s) == (3, 1, 1) and s.inflight == [r]
+    kv["r0"].state = KVPoll.Success
+    s.step(2.0)
+    assert used(s) == (0, 0, 0)
+    assert s.done == [r] and r.finished and r.error == "" and r.finish_s == 2.0
+    assert s.is_idle
+    s.check_pools_full()
+
+
+def test_sender_failure_in_flight_aborts_and_frees_everything():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = PrefillScheduler(cfg(), kv)
+    r0, r1 = req("r0", 10), req("r1", 6)
+    s.add_request(r0, 0.0)
+    s.add_request(r1, 0.0)
+    run_batch(s, 0.0)
+    kv["r0"].fail("decode side went away")
+    kv["r1"].state = KVPoll.Success
+    s.step(1.0)
+    assert r0.error == "KV transfer failed: decode side went away"
+    assert r1.error == "" and {x.rid for x in s.done} == {"r0", "r1"}
+    assert r0.to_record("failed").error == r0.error
+    s.check_pools_full()
+
+
+def test_sender_failure_in_bootstrap_aborts_that_request_only():
+    kv = StubKV()
+    s = PrefillScheduler(cfg(), kv)
+    r0, r1 = req("r0", 10), req("r1", 6)
+    s.add_request(r0, 0.0)
+    s.add_request(r1, 0.0)
+    kv["r0"].fail("no route to decode rank")
+    s.step(0.5)
+    assert r0.finished and r0.error == "bootstrap failed: no route to decode rank"
+    assert s.bootstrap == [r1] and s.pending_tokens == 6 and s.num_active == 1
+    s.check_pools_full()
+
+
+def test_bootstrap_timeout():
+    kv = StubKV()
+    s = PrefillScheduler(cfg(bootstrap_timeout_s=5.0), kv)
+    r0, r1 = req("r0", 10), req("r1", 6)
+    s.add_request(r0, 0.0)
+    s.add_request(r1, 2.0)
+    s.step(5.0)
+    assert s.bootstrap == [r0, r1]  # exactly at the limit: not yet
+    s.step(5.25)
+    assert s.bootstrap == [r1]
+    assert r0.error == "bootstrap timed out after 5.0 s" and r0.finish_s == 5.25
+    assert kv["r0"].calls == [("abort", "bootstrap timed out after 5.0 s")]  # decode is told
+    assert s.pending_tokens == 6
+    kv["r1"].state = KVPoll.WaitingForInput  # r1's decode side answers in time
+    assert s.step(7.0) is not None
+    assert not r1.finished
+    s.step(100.0)
+    assert not r1.finished  # past the handshake, no bootstrap timeout applies
+
+
+def test_token_budget_caps_each_extend_batch_with_chunking():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = PrefillScheduler(cfg(max_prefill_tokens=20, chunked_prefill_size=64), kv)
+    reqs = [req(f"r{i}", 12) for i in range(3)]
+    for r in reqs:
+        s.add_request(r, 0.0)
+    plans = []
+    t = 0.0
+    while (b := run_batch(s, t)) is not None:
+        plans.append([(g.req.rid, g.start, g.end) for g in b.segments])
+        assert b.shape.prefill_tokens <= 20
+        t += 1.0
+    assert plans == [
+        [("r0", 0, 12), ("r1", 0, 8)],
+        [("r1", 8, 12), ("r2", 0, 12)],
+    ]
+
+
+def test_token_budget_without_chunking_runs_a_long_prompt_alone():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = PrefillScheduler(cfg(max_prefill_tokens=20, chunked_prefill_size=0), kv)
+    for rid, n in [("r0", 12), ("r1", 12), ("r2", 30), ("r3", 5)]:
+        s.add_request(req(rid, n), 0.0)
+    plans = []
+    t = 0.0
+    while (b := run_batch(s, t)) is not None:
+        plans.append([(g.req.rid, g.end - g.start) for g in b.segments])
+        t += 1.0
+    assert plans == [[("r0", 12)], [("r1", 12)], [("r2", 30)], [("r3", 5)]]
+
+
+def test_a_prompt_larger_than_the_pool_fails_at_once():
+    kv = StubKV()
+    s = PrefillScheduler(cfg(num_pages=4, page_size=4), kv)
+    r = req("r0", 17)
+    s.add_request(r, 1.0)
+    assert r.finished and s.done == [r]
+    assert "needs 17 KV tokens" in r.error and "holds 16" in r.error
+    assert s.bootstrap == [] and s.pending_tokens == 0 and s.is_idle
+    assert kv["r0"].calls == [("abort", "prefill instance cannot hold the request")]  # decode is told
+
+
+def test_with_the_fake_backend_end_to_end():
+    wire = FakeWire()
+    s = PrefillScheduler(cfg(page_size=4), FakeKVManager(wire))
+    decode_side = FakeKVManager(wire)
+    r = req("r0", 10)
+    s.add_request(r, 0.0)
+    receiver = decode_side.create_receiver(r)
+    assert s.step(0.0) is None and s.bootstrap == [r]
+    receiver.send_metadata([20, 21, 22], 5)
+    batch = s.step(0.0)
+    s.on_batch_done(batch, BatchResult(1.0, token_ids=[9], logprobs=[-0.1]), 1.0)
+    assert receiver.poll() is KVPoll.Success
+    assert wire.sent_pages[r.bootstrap_room] == [(0, 20), (1, 21), (2, 22)]
+    meta = decode_side.metadata.read(5)  # landed in the decode side's slot
+    assert (meta.bootstrap_room, meta.first_token_id) == (r.bootstrap_room, 9)
+    s.step(1.0)
+    assert s.done == [r] and r.error == ""
+    s.check_pools_full()
+
+
+@pytest.mark.parametrize("field", ["num_pages", "page_size", "max_prefill_tokens", "metadata_slots"])
+def test_config_rejects_non_positive_sizes(field):
+    with pytest.raises(ValueError, match=f"SchedulerConfig.{field} must be positive"):
+        cfg(**{field: 0})
+
+
+def test_half_prefilled_requests_cannot_deadlock_the_pool():
+    # 8 pages of 4 tokens; two 30-token prompts whose first chunks fit in one batch. Had each
+    # taken pages chunk by chunk, both would hold 4 pages and wait for more forever.
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = PrefillScheduler(cfg(num_pages=8, page_size=4, max_prefill_tokens=32, chunked_prefill_size=16), kv)
+    r0, r1 = req("r0", 30), req("r1", 30)
+    s.add_request(r0, 0.0)
+    s.add_request(r1, 0.0)
+    plans = []
+    t = 0.0
+    for _ in range(20):
+        b = run_batch(s, t)
+        t += 1.0
+        if b is not None:
+            plans.append([(g.req.rid, g.start, g.end) for g in b.segments])
+        for r in s.inflight:
+            kv[r.rid].state = KVPoll.Success
+        if s.is_idle:
+            break
+    assert plans == [[("r0", 0, 16)], [("r0", 16, 30)], [("r1", 0, 16)], [("r1", 16, 30)]]
+    assert r0.error == r1.error == "" and s.is_idle
+    s.check_pools_full()
