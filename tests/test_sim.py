@@ -58,8 +58,9 @@ def test_same_seed_gives_identical_summary_and_requests():
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_every_arrival_completes_and_pools_return(mode):
-    sim, wl, result = simulate_cfg(experiment(cluster__mode=mode))
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "power_of_two", "random"])
+def test_every_arrival_completes_and_pools_return(mode, policy):
+    sim, wl, result = simulate_cfg(experiment(cluster__mode=mode, router__policy=policy))
     assert len(result.records) == len(wl)
     assert all(r.ok for r in result.records)
     for rec, n_out in zip(result.records, wl.output_tokens):

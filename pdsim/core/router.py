@@ -101,13 +101,17 @@ def make_policy(name: str, rng: random.Random) -> Policy:
 
 
 class Router:
-    """Pairs a prefill and a decode instance per request, each picked by its own policy state."""
+    """Pairs a prefill and a decode instance per request, each picked by its own policy state.
+
+    With no prefill instances (colocated serving) it picks only the serving instance and
+    returns -1 for the prefill side.
+    """
 
     def __init__(self, policy: str, num_prefill: int, num_decode: int, seed: int):
-        if num_prefill < 1 or num_decode < 1:
+        if num_prefill < 0 or num_decode < 1:
             raise ValueError(
-                f"a router needs at least one prefill and one decode instance, got "
-                f"{num_prefill} and {num_decode}"
+                f"a router needs at least one decode (or colocated) instance and no negative "
+                f"count, got {num_prefill} prefill and {num_decode} decode"
             )
         self.rng = random.Random(seed)
         self.policy_name = policy
@@ -120,6 +124,6 @@ class Router:
         self, prefill_load: Callable[[int], float], decode_load: Callable[[int], float]
     ) -> tuple[int, int, int]:
         """(prefill instance, decode instance, bootstrap room)."""
-        p = self.prefill_policy.pick(self.num_prefill, prefill_load)
+        p = self.prefill_policy.pick(self.num_prefill, prefill_load) if self.num_prefill else -1
         d = self.decode_policy.pick(self.num_decode, decode_load)
         return p, d, new_bootstrap_room(self.rng)

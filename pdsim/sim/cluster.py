@@ -176,12 +176,7 @@ class Simulation:
     def _arrivals(self, arrival_s: np.ndarray, input_tokens: np.ndarray, output_tokens: np.ndarray):
         env = self.env
         cluster = self.cluster
-        router = Router(
-            cluster.router_policy,
-            max(len(self.prefills), 1),
-            len(self.serving),
-            self.router_seed,
-        )
+        router = Router(cluster.router_policy, len(self.prefills), len(self.serving), self.router_seed)
         prefill_load = lambda i: sum(s.pending_tokens for s in self.prefills[i].schedulers)  # noqa: E731
         decode_load = lambda i: sum(s.num_active for s in self.serving[i].schedulers)  # noqa: E731
         for i, (t, n_in, n_out) in enumerate(
@@ -199,8 +194,6 @@ class Simulation:
                 preq = Request(rid, n_in, n_out, arrival_s=now, bootstrap_room=room)
                 pre.schedulers[dp_rank_for_room(room, len(pre.schedulers))].add_request(preq, now)
                 pre.notify()
-            else:
-                dreq.prefill_instance = -1
             dec.schedulers[dp_rank_for_room(room, len(dec.schedulers))].add_request(dreq, now)
             dec.notify()
 
