@@ -22,8 +22,8 @@ def cfg(**kw) -> SchedulerConfig:
     return SchedulerConfig(**base)
 
 
-def req(rid: str, n_in: int, n_out: int = 8, room: int | None = None) -> Request:
-    return Request(rid, n_in, n_out, arrival_s=0.0, bootstrap_room=ROOM + int(rid[1:]) if room is None else room)
+def req(rid: str, n_in: int, n_out: int = 8) -> Request:
+    return Request(rid, n_in, n_out, arrival_s=0.0, bootstrap_room=ROOM + int(rid[1:]))
 
 
 def used(s: PrefillScheduler) -> tuple[int, int, int]:

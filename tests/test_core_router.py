@@ -166,9 +166,18 @@ def test_router_least_loaded_uses_each_sides_load():
     assert (p, d) == (1, 0)
 
 
-def test_router_needs_both_roles():
-    with pytest.raises(ValueError, match="at least one prefill and one decode instance, got 0 and 2"):
-        Router("random", 0, 2, seed=0)
+def test_router_without_prefill_instances_serves_colocated():
+    r = Router("round_robin", 0, 2, seed=0)
+    routes = [r.route(NO_LOAD, NO_LOAD) for _ in range(3)]
+    assert [(p, d) for p, d, _ in routes] == [(-1, 0), (-1, 1), (-1, 0)]
+    assert all(0 <= room < 2**63 for _, _, room in routes)
+
+
+def test_router_needs_a_decode_instance_and_no_negative_count():
+    with pytest.raises(ValueError, match="at least one decode .* got 1 prefill and 0 decode"):
+        Router("random", 1, 0, seed=0)
+    with pytest.raises(ValueError, match="got -1 prefill and 2 decode"):
+        Router("random", -1, 2, seed=0)
     with pytest.raises(ValueError, match="unknown router policy"):
         Router("nope", 1, 1, seed=0)
 

@@ -152,8 +152,17 @@ class DecodeScheduler(InstanceScheduler):
         self._emit(req, token, meta.first_logprob, now)
         self.prebuilt.append(req)
 
+    def _prefilled(self, req: Request, token: int | None, logprob: float, now: float) -> None:
+        """A retracted request is recomputed: like a prebuilt one, it joins the running batch only
+        when there is room (else first in the prebuilt line), so the batch stays within
+        `max_running_requests`."""
+        self._emit(req, token, logprob, now)
+        if len(self.running) < self.config.max_running_requests or req.num_output >= req.max_new_tokens:
+            self._start_decoding(req, now)
+        else:
+            self.prebuilt.appendleft(req)
+
     def _merge_prebuilt(self, now: float) -> None:
-        # Retracted requests (in `waiting`, to be recomputed) rejoin the batch: keep their places.
-        cap = self.config.max_running_requests - len(self.waiting)
+        cap = self.config.max_running_requests
         while self.prebuilt and len(self.running) < cap:
             self._start_decoding(self.prebuilt.popleft(), now)

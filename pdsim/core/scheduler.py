@@ -213,6 +213,23 @@ class InstanceScheduler:
         req.error = reason
         self._finish(req, now)
 
+    def abort(self, rid: str, reason: str, now: float) -> bool:
+        """Fail request `rid` if it is in the waiting queue or the running batch (its client went
+        away, say): its pages and slots return to their pools and it goes to `done`. Returns
+        whether it was found. Call it between forwards, never while a batch holding the request
+        is being executed. PD schedulers' own queues are not searched."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self._fail(req, reason, now)
+                return True
+        for req in self.running.reqs:
+            if req.rid == rid:
+                self.running.leave(req)
+                self._fail(req, reason, now)
+                return True
+        return False
+
     def check_pools_full(self) -> None:
         """Raise unless every page and slot is back (call when the instance is idle)."""
         self.pool.check_full()
