@@ -87,6 +87,32 @@ def validate(experiment: Path = typer.Argument(..., help="experiment YAML")) -> 
 
 
 @app.command()
+def serve(
+    config: Optional[Path] = typer.Argument(
+        None, help="serve config YAML, e.g. experiments/real_colocated.yaml (default: built-in)"),
+    model: Optional[str] = typer.Option(
+        None, help="model preset (tiny-llama, tiny-mla) or local checkpoint directory"),
+    host: Optional[str] = typer.Option(None, help="address to bind (default 127.0.0.1)"),
+    port: Optional[int] = typer.Option(None, help="port to bind; 0 picks a free one"),
+) -> None:
+    """Serve a real model with an OpenAI-compatible HTTP API until Ctrl-C or SIGTERM."""
+    from runtime.serve_config import load_serve_config
+
+    try:
+        cfg = load_serve_config(config, model=model, host=host, port=port)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    from runtime.server import serve as run_server
+
+    def ready(server) -> None:
+        print(f"pdsim serve: {cfg.model_name} ({cfg.mode}) at {server.url}/v1", flush=True)
+
+    run_server(cfg, on_ready=ready)
+    print("pdsim serve: stopped", flush=True)
+
+
+@app.command()
 def presets() -> None:
     """List the model and hardware presets."""
     from pdsim.specs.hardware import hardware_preset_names

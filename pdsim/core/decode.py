@@ -26,7 +26,7 @@ from pdsim.core.kvpoll import KVPoll
 from pdsim.core.pages import num_pages
 from pdsim.core.pool import IndexPool
 from pdsim.core.request import Request
-from pdsim.core.scheduler import InstanceScheduler
+from pdsim.core.scheduler import InstanceScheduler, next_deadline
 from pdsim.core.transfer import KVManager
 
 
@@ -72,6 +72,9 @@ class DecodeScheduler(InstanceScheduler):
         self._merge_prebuilt(now)
         # Retracted requests recompute first; decode otherwise.
         return self._plan_extend(now) or self._plan_decode(now)
+
+    def next_deadline_s(self, now: float) -> float | None:
+        return next_deadline(self.transfer, self.config.waiting_timeout_s, now)
 
     def _num_decoding(self) -> int:
         return len(self.running) + len(self.transfer) + len(self.prebuilt) + len(self.waiting)

@@ -19,7 +19,7 @@ from pdsim.core.kvpoll import KVPoll
 from pdsim.core.pages import num_pages
 from pdsim.core.pool import IndexPool
 from pdsim.core.request import Request
-from pdsim.core.scheduler import InstanceScheduler
+from pdsim.core.scheduler import InstanceScheduler, next_deadline
 from pdsim.core.transfer import FirstTokenMetadata, KVManager
 
 
@@ -61,6 +61,9 @@ class PrefillScheduler(InstanceScheduler):
             self._inflight_seen = epoch
             self._poll_inflight(now)
         return self._plan_extend(now)
+
+    def next_deadline_s(self, now: float) -> float | None:
+        return next_deadline(self.bootstrap, self.config.bootstrap_timeout_s, now)
 
     def _num_decoding(self) -> int:
         return 0  # nothing decodes here: no tokens need reserving

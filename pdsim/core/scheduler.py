@@ -237,6 +237,11 @@ class InstanceScheduler:
         if self.metadata_slots is not None:
             self.metadata_slots.check_full()
 
+    def next_deadline_s(self, now: float) -> float | None:
+        """The next time after `now` at which a queued request may time out (None: none may),
+        so an idle driver knows when to call `step` even if nothing else happens."""
+        return None
+
     @property
     def is_idle(self) -> bool:
         return self.num_active == 0
@@ -252,3 +257,13 @@ class ColocatedScheduler(InstanceScheduler):
         if self._reject_if_too_long(req, req.input_len + req.max_new_tokens, now):
             return
         self.waiting.append(req)
+
+
+def next_deadline(queue, timeout_s: float, now: float) -> float | None:
+    """The first deadline after `now` in a queue ordered by `queued_s`. Entries already past
+    theirs were looked at by the last `step(now)` and are not waiting to time out."""
+    for req in queue:
+        deadline = req.queued_s + timeout_s
+        if deadline > now:
+            return deadline
+    return None

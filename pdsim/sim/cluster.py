@@ -28,7 +28,6 @@ from pdsim.sim.cost import CostModel
 from pdsim.sim.network import Link, NetworkModel, SimFabric, SimKVManager
 
 EMPTY = BatchShape()
-IDLE_RECHECK_S = 1.0  # an idle instance with queued work re-checks its timeouts this often
 
 
 @dataclass(frozen=True)
@@ -81,11 +80,26 @@ class SimInstance:
         self.busy_s = 0.0
         self.steps = 0
         self._wake: simpy.Event | None = None
+        self._timer_at = math.inf  # when the pending timeout wake-up fires
         env.process(self._run())
 
     def notify(self) -> None:
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
+
+    def _arm_timer(self, now: float) -> None:
+        """Make sure the instance wakes for the earliest queue timeout of its schedulers."""
+        deadlines = [d for d in (s.next_deadline_s(now) for s in self.schedulers) if d is not None]
+        if not deadlines:
+            return
+        deadline = min(deadlines)
+        if deadline < self._timer_at:
+            self._timer_at = deadline
+            self.env.timeout(deadline - now).callbacks.append(self._timer_fired)
+
+    def _timer_fired(self, _event) -> None:
+        self._timer_at = math.inf
+        self.notify()
 
     def _drain(self) -> None:
         for sched in self.schedulers:
@@ -103,11 +117,9 @@ class SimInstance:
             batches = [s.step(now) for s in scheds]
             self._drain()
             if not any(batches):
+                self._arm_timer(now)
                 self._wake = env.event()
-                if any(not s.is_idle for s in scheds):
-                    yield self._wake | env.timeout(IDLE_RECHECK_S)
-                else:
-                    yield self._wake
+                yield self._wake
                 self._wake = None
                 continue
             if single:
