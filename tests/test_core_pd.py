@@ -167,7 +167,7 @@ def test_kv_that_never_comes_times_out_on_the_decode_side():
     lost = Request("r0", 8, 4, arrival_s=0.0, bootstrap_room=1000)
     drv.submit(0.0, "D", lost)
     drv.run()
-    assert drv.log == [("r0 D:prealloc", 0.0), ("r0 D:transfer", 0.0), ("r0 D:failed", 6.0)]
+    assert drv.log == [("r0 D:prealloc", 0.0), ("r0 D:transfer", 0.0), ("r0 D:failed", 5.0)]
     assert lost.error == "KV did not arrive within 5.0 s"
     d.check_pools_full()
 

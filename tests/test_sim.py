@@ -177,3 +177,26 @@ def test_summary_counts_gpus_of_both_roles():
     assert res.summary["num_gpus"] == 8
     s = summarize([], num_gpus=1, slo=parse_experiment(experiment()).slo)
     assert s["completed"] == 0
+
+
+def test_bootstrap_timeout_fails_waiting_requests_and_the_rest_complete():
+    """A decode instance with room for ~one request at a time keeps later requests in its
+    prealloc queue; their prefill senders stay Bootstrapping past the timeout and fail."""
+    data = experiment(
+        workload__num_requests=30,
+        workload__arrival={"process": "poisson", "rate_rps": 50},
+        workload__input_len={"dist": "fixed", "value": 1000},
+        workload__output_len={"dist": "fixed", "value": 400},
+    )
+    data["cluster"]["decode"]["scheduler"] = {"num_pages": 100, "page_size": 16,
+                                              "num_reserved_decode_tokens": 0}
+    data["cluster"]["prefill"]["scheduler"] = {"bootstrap_timeout_s": 3.0}
+    sim, wl, result = simulate_cfg(data)
+    failed = [r for r in result.records if not r.ok]
+    ok = [r for r in result.records if r.ok]
+    assert failed and ok
+    assert all("bootstrap timed out after 3.0 s" in r.error for r in failed)
+    # The prefill side gives up at exactly 3 s; the decode side hears of it by the end of its
+    # current forward step.
+    assert all(3.0 <= r.finish_s - r.arrival_s < 3.05 for r in failed)
+    result.check_pools_full()

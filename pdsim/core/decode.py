@@ -65,7 +65,7 @@ class DecodeScheduler(InstanceScheduler):
                 self._prealloc_seen = seen
                 self._pop_preallocated(now)
         if self.transfer:
-            overdue = now - self.transfer[0].queued_s > self.config.waiting_timeout_s
+            overdue = now - self.transfer[0].queued_s >= self.config.waiting_timeout_s
             if epoch != self._transfer_seen or overdue:
                 self._transfer_seen = epoch
                 self._pop_transferred(now)
@@ -126,7 +126,7 @@ class DecodeScheduler(InstanceScheduler):
                 self._commit_transfer(req, now)
             elif poll is KVPoll.Failed:
                 self._fail(req, f"KV transfer failed: {req.receiver.failure_reason()}", now)
-            elif now - req.queued_s > self.config.waiting_timeout_s:
+            elif now - req.queued_s >= self.config.waiting_timeout_s:
                 reason = f"KV did not arrive within {self.config.waiting_timeout_s} s"
                 req.receiver.abort(reason)
                 self._fail(req, reason, now)

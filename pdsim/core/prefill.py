@@ -53,7 +53,7 @@ class PrefillScheduler(InstanceScheduler):
         epoch = self.kv.poll_epoch()
         if self.bootstrap:
             seen = (epoch, self.metadata_slots.num_free, self.req_slots.num_free)
-            overdue = now - self.bootstrap[0].queued_s > self.config.bootstrap_timeout_s
+            overdue = now - self.bootstrap[0].queued_s >= self.config.bootstrap_timeout_s
             if seen != self._bootstrap_seen or overdue:
                 self._bootstrap_seen = seen
                 self._pop_bootstrapped(now)
@@ -75,7 +75,7 @@ class PrefillScheduler(InstanceScheduler):
             if poll is KVPoll.Failed:
                 self._drop_bootstrapping(req, f"bootstrap failed: {req.sender.failure_reason()}", now)
             elif poll is KVPoll.Bootstrapping:
-                if now - req.queued_s > self.config.bootstrap_timeout_s:
+                if now - req.queued_s >= self.config.bootstrap_timeout_s:
                     reason = f"bootstrap timed out after {self.config.bootstrap_timeout_s} s"
                     req.sender.abort(reason)
                     self._drop_bootstrapping(req, reason, now)
