@@ -169,6 +169,7 @@ class SimKVSender(_Endpoint):
         if room.sender_state is KVPoll.Failed:
             return
         room.sender_state = advance(room.sender_state, KVPoll.Transferring)
+        self.manager.epoch += 1
         room.sent_pages += len(page_indices)
         if last:
             room.last_sent = True
@@ -217,6 +218,7 @@ class SimKVReceiver(_Endpoint):
         room = self.room
         room.dst_slot = metadata_slot
         room.receiver_state = advance(room.receiver_state, KVPoll.Transferring)
+        self.manager.epoch += 1
         self.fabric.later(self.fabric.model.message_latency_s, self._metadata_arrived)
 
     def _metadata_arrived(self) -> None:
