@@ -1,0 +1,11 @@
+"""The real backend's model: config, GQA/MLA decoder, weights."""
+
+from runtime.model.attention import AttentionMetadata
+from runtime.model.config import PRESETS, ModelConfig, RopeScaling
+from runtime.model.loader import build_model, load_model, load_safetensors, save_safetensors
+from runtime.model.model import CausalLM
+
+__all__ = [
+    "PRESETS", "AttentionMetadata", "CausalLM", "ModelConfig", "RopeScaling", "build_model",
+    "load_model", "load_safetensors", "save_safetensors",
+]
