@@ -111,7 +111,13 @@ class InstanceScheduler:
         running = self.running
         if not running.reqs:
             return None
-        for req in running.pages_due():
+        due = running.pages_due()
+        pages = self.pool.alloc_many(len(due)) if due else None
+        if pages is not None:  # the common case: one page each, no retraction needed
+            for req, page in zip(due, pages):
+                running.add_page(req, page)
+            due = []
+        for req in due:
             if req not in running.reqs:
                 continue  # retracted for an earlier request of this step
             page = self.pool.alloc()
