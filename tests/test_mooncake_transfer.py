@@ -31,8 +31,8 @@ INFO = m.TransferInfo(room=2**62 + 5, session_id="127.0.0.1:1234", decode_tp_ran
 REGISTER = m.RegisterDecode(
     session_id="127.0.0.1:1", endpoint="tcp://127.0.0.1:2", tp_rank=0, tp_size=2,
     kv_data_ptrs=[2**40, 2**40 + 4096], kv_data_lens=[4096, 4096], kv_item_lens=[512, 512],
-    metadata_ptr=2**41, metadata_len=256, metadata_item_len=32, page_size=16, kv_dtype="bfloat16", is_mla=False, total_kv_heads=8,
-    kv_heads_per_rank=4)
+    metadata_ptr=2**41, metadata_len=256, metadata_item_len=32, page_size=16,
+    kv_dtype="bfloat16", is_mla=False, total_kv_heads=8, kv_heads_per_rank=4)
 
 
 @pytest.mark.parametrize("msg", [
@@ -172,6 +172,21 @@ def test_registration_is_once_per_region(engines):
         engine.unregister(buf.ctypes.data)
 
 
+def test_registered_memory_stays_alive_until_unregistered(engines):
+    import gc
+    import weakref
+
+    buf = np.zeros(4096, dtype=np.uint8)
+    addr, alive = buf.ctypes.data, weakref.ref(buf)
+    engines[1].register(addr, buf.nbytes, owner=buf)
+    del buf
+    gc.collect()
+    assert alive() is not None  # a peer may still write there
+    engines[1].unregister(addr)
+    gc.collect()
+    assert alive() is None
+
+
 def test_write_to_an_unreachable_peer_raises(engines):
     buf = np.zeros(64, dtype=np.uint8)
     engines[0].register(buf.ctypes.data, buf.nbytes)
@@ -211,7 +226,8 @@ class Rank:
             kv_item_lens=[b[0].nbytes for b in buffers], metadata_ptr=md.ptr,
             metadata_len=md.nbytes, metadata_item_len=md.item_len, page_size=page_size,
             kv_dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
-            total_kv_heads=1 if mla else total_heads, kv_heads_per_rank=heads, is_mla=mla)
+            total_kv_heads=1 if mla else total_heads, kv_heads_per_rank=heads, is_mla=mla,
+            owners=(buffers, md))
         return cls(buffers, md, args)
 
 

@@ -49,17 +49,16 @@ def mooncake_pair() -> Pair:
     from runtime.transfer.mooncake import MooncakeKVManager
 
     server = BootstrapServer().start()
-    keep = []  # the numpy buffers must outlive the managers
 
     def manager() -> MooncakeKVManager:
         buffers = [np.zeros((32, 4, 2, 8), dtype=np.float16) for _ in range(4)]
         md = MetadataBuffer.allocate(8)
-        keep.append((buffers, md))
         return MooncakeKVManager(KVArgs(
             kv_data_ptrs=[b.ctypes.data for b in buffers],
             kv_data_lens=[b.nbytes for b in buffers], kv_item_lens=[b[0].nbytes for b in buffers],
             metadata_ptr=md.ptr, metadata_len=md.nbytes, metadata_item_len=md.item_len,
-            page_size=4, kv_dtype="float16", total_kv_heads=2, kv_heads_per_rank=2))
+            page_size=4, kv_dtype="float16", total_kv_heads=2, kv_heads_per_rank=2,
+            owners=(buffers, md)))  # registered memory must live as long as the manager
 
     prefill, decode = manager(), manager()
     prefill.register_with_bootstrap("127.0.0.1", server.port)
@@ -73,7 +72,23 @@ def mooncake_pair() -> Pair:
                 step=lambda: time.sleep(0.001), close=close)
 
 
-BACKENDS: dict[str, Callable[[], Pair]] = {"fake": fake_pair, "mooncake": mooncake_pair}
+def sim_pair() -> Pair:
+    import simpy
+
+    from pdsim.sim.network import Link, NetworkModel, SimFabric, SimKVManager
+
+    env = simpy.Environment()
+    fabric = SimFabric(env, NetworkModel())
+
+    def manager(key: int) -> SimKVManager:
+        return SimKVManager(fabric, key, Link(50e9), bytes_per_page=4096.0, notify=lambda: None)
+
+    return Pair(manager(0), manager(1), _request, step=lambda: env.run(until=env.now + 1e-3))
+
+
+BACKENDS: dict[str, Callable[[], Pair]] = {
+    "fake": fake_pair, "sim": sim_pair, "mooncake": mooncake_pair,
+}
 
 _rooms = itertools.count(1000)
 

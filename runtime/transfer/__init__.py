@@ -1,0 +1,12 @@
+"""The real transfer backend: Mooncake transfer engine + ZMQ + the HTTP bootstrap server.
+
+- `layout`: `KVArgs` (one rank's registered buffers) and the TP-mismatch arithmetic.
+- `messages`: the versioned msgpack wire format.
+- `engine`: a checked wrapper of Mooncake's `TransferEngine`.
+- `metadata`: first-token metadata slots in registered memory.
+- `channel`: ZMQ PULL/PUSH sockets carrying those messages.
+- `state`: a room's forward-only state and the manager's poll epoch.
+- `prefill`, `decode`: the two halves of the protocol; `mooncake`: the manager, sender, receiver.
+
+Importing this package does not import mooncake; constructing a manager does.
+"""

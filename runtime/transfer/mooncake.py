@@ -1,0 +1,199 @@
+"""The Mooncake transfer backend: `KVManager`, `KVSender`, `KVReceiver` over a Mooncake transfer
+engine (P2P handshake; "tcp" here, "rdma" with a device name on clusters), ZMQ and the HTTP
+bootstrap server.
+
+One `MooncakeKVManager` per rank owns the engine (with this rank's KV and metadata buffers
+registered once), a ZMQ PULL socket, and a service thread that dispatches incoming messages and
+sends heartbeats. A prefill rank uses its senders (see `prefill.py`), a decode rank its receivers
+(see `decode.py`); one manager can do both, so no role flag is needed.
+
+    metadata = MetadataBuffer.allocate(num_slots)
+    args = KVArgs.for_cache(cache, metadata, tp_rank=r, tp_size=n, total_kv_heads=heads)
+    manager = MooncakeKVManager(args, MooncakeConfig(host=this_hosts_ip))
+    manager.register_with_bootstrap(bootstrap_host, bootstrap_port)   # prefill ranks only
+
+`config.host` is both the ZMQ bind address and the engine's hostname that peers connect to, so on
+a cluster it must be this host's routable IP. The caller keeps the KV and metadata memory alive
+until `close()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdsim.core.kvpoll import KVPoll
+from runtime.bootstrap import BootstrapClient, RankRegistration
+from runtime.transfer.channel import ZmqChannel
+from runtime.transfer.decode import DecodeSide
+from runtime.transfer.engine import MooncakeEngine
+from runtime.transfer.layout import KVArgs
+from runtime.transfer.messages import Abort, Heartbeat, RegisterDecode, Status, TransferInfo
+from runtime.transfer.metadata import SLOT_BYTES, MetadataBuffer
+from runtime.transfer.prefill import PrefillSide
+from runtime.transfer.state import Epoch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    host: str = "127.0.0.1"  # ZMQ bind address and transfer-engine hostname
+    protocol: str = "tcp"  # "rdma" on clusters
+    device_name: str = ""  # e.g. "mlx5_0" for rdma
+    num_workers: int = 2  # transfer threads per prefill rank
+    bootstrap_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 2.0  # 0 disables heartbeats and liveness checks
+    heartbeat_timeout_s: float = 20.0
+    max_batch: int = 512  # descriptors per batch_transfer_sync_write call
+    max_inflight: int = 1024  # descriptors in flight over all workers
+
+
+class MooncakeKVManager:
+    def __init__(self, args: KVArgs, config: MooncakeConfig = MooncakeConfig()) -> None:
+        self.args = args
+        self.config = config
+        if args.metadata_item_len != SLOT_BYTES:
+            raise ValueError(f"metadata_item_len must be {SLOT_BYTES} (one MetadataBuffer slot), "
+                             f"got {args.metadata_item_len}")
+        self.engine = MooncakeEngine(config.host, config.protocol, config.device_name,
+                                     max_batch=config.max_batch, max_inflight=config.max_inflight)
+        for ptr, length in zip(args.kv_data_ptrs, args.kv_data_lens):
+            self.engine.register(ptr, length, owner=args.owners)
+        self.engine.register(args.metadata_ptr, args.metadata_len, owner=args.owners)
+        self.metadata = MetadataBuffer.at_address(args.metadata_ptr, args.metadata_len)
+        self.channel = ZmqChannel(config.host)
+        self._epoch = Epoch()
+        self.prefill = PrefillSide(args, self.engine, self.channel, self._epoch,
+                                   config.num_workers)
+        self.decode = DecodeSide(args, self.engine.session_id, self.channel, self._epoch,
+                                 bootstrap_timeout_s=config.bootstrap_timeout_s)
+        self._stop = threading.Event()
+        self._service = threading.Thread(target=self._serve, name="kv-service", daemon=True)
+        self._service.start()
+
+    @property
+    def session_id(self) -> str:
+        return self.engine.session_id
+
+    def register_with_bootstrap(self, host: str, port: int, *, pp_rank: int = 0,
+                                pp_size: int = 1) -> RankRegistration:
+        """Announce this prefill rank to its instance's bootstrap server."""
+        a = self.args
+        reg = RankRegistration(
+            ip=self.channel.host, zmq_port=self.channel.port, tp_rank=a.tp_rank,
+            tp_size=a.tp_size, dp_rank=a.dp_rank, dp_size=a.dp_size, pp_rank=pp_rank,
+            pp_size=pp_size, page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla,
+            total_kv_heads=a.total_kv_heads, session_id=self.session_id)
+        BootstrapClient(host, port, timeout_s=self.config.bootstrap_timeout_s).register(reg)
+        return reg
+
+    def poll_epoch(self) -> int:
+        """Changes (after the fact) whenever any sender's or receiver's poll may answer anew."""
+        return self._epoch.value
+
+    def create_sender(self, req) -> MooncakeKVSender:
+        return MooncakeKVSender(self.prefill, req.bootstrap_room)
+
+    def create_receiver(self, req) -> MooncakeKVReceiver:
+        self.decode.start(req.bootstrap_room, req.bootstrap_host, req.bootstrap_port)
+        return MooncakeKVReceiver(self.decode, req.bootstrap_room)
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._service.join(timeout=10)
+        self.prefill.close()
+        self.decode.close()
+        self.channel.close()
+        self.engine.unregister_all()
+
+    def __enter__(self) -> MooncakeKVManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _serve(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        next_beat = time.monotonic()
+        handlers = {
+            RegisterDecode: self.prefill.on_register,
+            TransferInfo: self.prefill.on_transfer_info,
+            Abort: self.prefill.on_abort,
+            Status: self.decode.on_status,
+        }
+        while not self._stop.is_set():
+            msg = self.channel.recv(timeout_ms=20)
+            if isinstance(msg, Heartbeat):
+                handler = self.decode.on_heartbeat if msg.reply else self.prefill.on_heartbeat
+            else:
+                handler = handlers.get(type(msg))
+            if handler is not None:
+                try:
+                    handler(msg)
+                except Exception:  # a bad message must not stop the service thread
+                    log.exception("handling %s", type(msg).__name__)
+            if interval > 0 and time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + interval
+                self.decode.send_heartbeats()
+                self.decode.check_liveness(self.config.heartbeat_timeout_s)
+                self.prefill.check_liveness(self.config.heartbeat_timeout_s)
+
+
+class MooncakeKVSender:
+    """Prefill side of one request; see `prefill.PrefillSide` for the states."""
+
+    def __init__(self, side: PrefillSide, room: int) -> None:
+        self._side = side
+        self.room = room
+        self._forget = weakref.finalize(self, side.forget, room)  # on close() or when dropped
+
+    def poll(self) -> KVPoll:
+        return self._side.poll(self.room)
+
+    def init(self, num_pages: int, metadata_slot: int) -> None:
+        self._side.init(self.room, num_pages, metadata_slot)
+
+    def send(self, page_indices: Sequence[int], last: bool) -> None:
+        self._side.send(self.room, page_indices, last)
+
+    def abort(self, reason: str) -> None:
+        self._side.abort(self.room, reason)
+
+    def failure_reason(self) -> str:
+        return self._side.failure_reason(self.room)
+
+    def close(self) -> None:
+        """Forget the room (after Success or Failed has been handled)."""
+        self._forget()
+
+
+class MooncakeKVReceiver:
+    """Decode side of one request; see `decode.DecodeSide` for the states."""
+
+    def __init__(self, side: DecodeSide, room: int) -> None:
+        self._side = side
+        self.room = room
+        self._forget = weakref.finalize(self, side.forget, room)  # on close() or when dropped
+
+    def poll(self) -> KVPoll:
+        return self._side.poll(self.room)
+
+    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
+        self._side.send_metadata(self.room, page_indices, metadata_slot)
+
+    def abort(self, reason: str) -> None:
+        self._side.abort(self.room, reason)
+
+    def failure_reason(self) -> str:
+        return self._side.failure_reason(self.room)
+
+    def close(self) -> None:
+        """Forget the room (after Success or Failed has been handled)."""
+        self._forget()

@@ -1,0 +1,325 @@
+"""The prefill half of the Mooncake backend: per-room transfer info from decode, and the workers
+that write KV pages into the decode side's registered buffers.
+
+A room waits in `Bootstrapping` until every decode rank that will read from this rank has sent
+its `TransferInfo` (one, or decode_tp / prefill_tp of them), then `WaitingForInput`. Each `send`
+queues one chunk on the room's worker (rooms are pinned to a worker, so chunks run in order);
+the worker writes the chunk to every real target and, on the last chunk, the metadata slot too,
+then reports `Success` (or `Failed`) to every target over ZMQ.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdsim.core.kvpoll import KVPoll
+from runtime.transfer.channel import ChannelError, ZmqChannel
+from runtime.transfer.engine import MooncakeEngine
+from runtime.transfer.layout import (
+    HeadSlice, KVArgs, decode_ranks_per_prefill_rank, head_range, head_slice,
+    head_slice_descriptors, page_descriptors,
+)
+from runtime.transfer.messages import Abort, Heartbeat, RegisterDecode, Status, TransferInfo
+from runtime.transfer.state import Epoch, RoomState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerPlan:
+    """How this prefill rank writes into one registered decode rank."""
+
+    reg: RegisterDecode
+    piece: HeadSlice | None  # None: whole pages (same heads, or MLA)
+
+
+def plan_peer(local: KVArgs, reg: RegisterDecode) -> PeerPlan:
+    """Check that a decode rank's layout is compatible with ours; `ValueError` says why not."""
+    problems = []
+    for name in ("page_size", "kv_dtype", "is_mla"):
+        if getattr(local, name) != getattr(reg, name):
+            problems.append(f"{name}: prefill {getattr(local, name)!r}, decode "
+                            f"{getattr(reg, name)!r}")
+    if not local.is_mla and local.total_kv_heads != reg.total_kv_heads:
+        problems.append(f"total_kv_heads: prefill {local.total_kv_heads}, decode "
+                        f"{reg.total_kv_heads}")
+    n = len(reg.kv_data_ptrs)
+    if n != len(local.kv_data_ptrs) or len(reg.kv_item_lens) != n or len(reg.kv_data_lens) != n:
+        problems.append(f"KV buffers: prefill {len(local.kv_data_ptrs)}, decode {n} pointers, "
+                        f"{len(reg.kv_data_lens)} lengths, {len(reg.kv_item_lens)} item lens")
+    if reg.metadata_item_len != local.metadata_item_len:
+        problems.append(f"metadata slot: prefill {local.metadata_item_len} bytes, decode "
+                        f"{reg.metadata_item_len}")
+    if problems:
+        raise ValueError("incompatible decode rank " + reg.session_id + ": " + "; ".join(problems))
+    src_heads = (0, 1) if local.is_mla else head_range(local.tp_rank, local.tp_size,
+                                                       local.total_kv_heads)
+    dst_heads = (0, 1) if reg.is_mla else head_range(reg.tp_rank, reg.tp_size, reg.total_kv_heads)
+    if src_heads == dst_heads:
+        if tuple(reg.kv_item_lens) != local.kv_item_lens:
+            raise ValueError(f"decode rank {reg.session_id} has pages of {reg.kv_item_lens} bytes, "
+                             f"prefill {list(local.kv_item_lens)}")
+        return PeerPlan(reg, None)
+    head_bytes = {item // local.page_size // src_heads[1] for item in local.kv_item_lens}
+    dst_bytes = {item // reg.page_size // dst_heads[1] for item in reg.kv_item_lens}
+    if len(head_bytes) != 1 or head_bytes != dst_bytes:
+        raise ValueError(f"head sizes differ: prefill {sorted(head_bytes)} bytes, decode "
+                         f"{sorted(dst_bytes)}")
+    piece = head_slice(src_heads, dst_heads, head_bytes.pop())
+    if piece is None:
+        raise ValueError(f"prefill heads {src_heads} and decode rank {reg.tp_rank} heads "
+                         f"{dst_heads} do not overlap")
+    return PeerPlan(reg, piece)
+
+
+def _out_of_range(pages: np.ndarray, slot: int, data_lens, item_lens, metadata_len: int,
+                  metadata_item_len: int) -> str:
+    """Why `pages` / `slot` fall outside one side's buffers, or "" if they do not."""
+    num_pages = min(length // item for length, item in zip(data_lens, item_lens))
+    if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
+        return f"pages {pages.min()}..{pages.max()} outside 0..{num_pages - 1}"
+    if not 0 <= slot < metadata_len // metadata_item_len:
+        return f"metadata slot {slot} outside 0..{metadata_len // metadata_item_len - 1}"
+    return ""
+
+
+@dataclass
+class _Room(RoomState):
+    room: int = -1
+    expected: int = 0  # decode ranks that will send transfer info (0: not known yet)
+    infos: dict[int, TransferInfo] = field(default_factory=dict)  # decode tp rank → info
+    num_pages: int = -1
+    metadata_slot: int = -1
+    queued_pages: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    room: int
+    src_pages: np.ndarray
+    offset: int  # index of the chunk's first page in the request's page list
+    last: bool
+
+
+class PrefillSide:
+    def __init__(self, args: KVArgs, engine: MooncakeEngine, channel: ZmqChannel, epoch: Epoch,
+                 num_workers: int = 2) -> None:
+        self.args = args
+        self._engine = engine
+        self._channel = channel
+        self._epoch = epoch
+        self._lock = threading.Lock()  # guards everything below; never held across a KV write
+        self._rooms: dict[int, _Room] = {}
+        self._peers: dict[str, PeerPlan] = {}  # decode session id → plan
+        self._peer_errors: dict[str, str] = {}
+        self._last_seen: dict[str, float] = {}
+        self._queues = [queue.SimpleQueue() for _ in range(num_workers)]
+        self._workers = [threading.Thread(target=self._work, args=(q,), daemon=True,
+                                          name=f"kv-send-{i}") for i, q in enumerate(self._queues)]
+        for t in self._workers:
+            t.start()
+
+    # ---- the sender's view -----------------------------------------------------------------
+
+    def poll(self, room: int) -> KVPoll:
+        with self._lock:
+            return self._room(room).state
+
+    def failure_reason(self, room: int) -> str:
+        with self._lock:
+            return self._room(room).reason
+
+    def init(self, room: int, num_pages: int, metadata_slot: int) -> None:
+        with self._lock:
+            r = self._room(room)
+            if r.state is KVPoll.Failed:
+                return
+            if r.state is KVPoll.Bootstrapping:
+                raise RuntimeError(f"room {room}: init before the decode side sent where to write")
+            r.num_pages, r.metadata_slot = num_pages, metadata_slot
+            a = self.args
+            if bad := _out_of_range(np.empty(0), metadata_slot, a.kv_data_lens, a.kv_item_lens,
+                                    a.metadata_len, a.metadata_item_len):
+                self._fail(r, f"prefill side: {bad}")
+                return
+            for info in r.infos.values():
+                n = len(info.pages())
+                if not info.is_dummy and n != num_pages:
+                    self._fail(r, f"decode rank {info.decode_tp_rank} allocated {n} pages, "
+                                  f"prefill sends {num_pages}")
+                    return
+
+    def send(self, room: int, pages, last: bool) -> None:
+        src = np.asarray(pages, dtype=np.int64)
+        with self._lock:
+            r = self._room(room)
+            if r.state is KVPoll.Failed:
+                return
+            if r.num_pages < 0:
+                raise RuntimeError(f"room {room}: send before init")
+            if r.queued_pages + len(src) > r.num_pages:
+                self._fail(r, f"sent {r.queued_pages + len(src)} pages, init said {r.num_pages}")
+                return
+            a = self.args
+            if bad := _out_of_range(src, r.metadata_slot, a.kv_data_lens, a.kv_item_lens,
+                                    a.metadata_len, a.metadata_item_len):
+                self._fail(r, f"prefill side: {bad}")
+                return
+            chunk = _Chunk(room, src, r.queued_pages, last)
+            r.queued_pages += len(src)
+            self._update(r, KVPoll.Transferring)
+        self._queues[hash(room) % len(self._queues)].put(chunk)
+
+    def abort(self, room: int, reason: str) -> None:
+        with self._lock:
+            self._fail(self._room(room), reason)
+
+    def forget(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+
+    # ---- messages from decode ranks ----------------------------------------------------------
+
+    def on_register(self, msg: RegisterDecode) -> None:
+        try:
+            plan = plan_peer(self.args, msg)
+        except ValueError as exc:
+            with self._lock:
+                self._peer_errors[msg.session_id] = str(exc)
+            log.warning("%s", exc)
+            return
+        with self._lock:
+            self._peers[msg.session_id] = plan
+            self._peer_errors.pop(msg.session_id, None)
+            self._last_seen[msg.session_id] = time.monotonic()
+
+    def on_transfer_info(self, msg: TransferInfo) -> None:
+        with self._lock:
+            r = self._room(msg.room)
+            r.infos[msg.decode_tp_rank] = msg
+            self._last_seen[msg.session_id] = time.monotonic()
+            peer = self._peers.get(msg.session_id)
+            if peer is None:
+                self._fail(r, self._peer_errors.get(
+                    msg.session_id, f"decode session {msg.session_id} never registered"))
+            elif r.state is KVPoll.Failed:
+                self._report(r, [msg])  # it arrived after this side gave up: tell it
+            elif not msg.is_dummy and (bad := _out_of_range(
+                    msg.pages(), msg.metadata_slot, peer.reg.kv_data_lens, peer.reg.kv_item_lens,
+                    peer.reg.metadata_len, peer.reg.metadata_item_len)):
+                self._fail(r, f"decode rank {msg.decode_tp_rank}: {bad}")
+            else:
+                r.expected = decode_ranks_per_prefill_rank(self.args.tp_size, peer.reg.tp_size)
+                if len(r.infos) >= r.expected:
+                    self._update(r, KVPoll.WaitingForInput)
+
+    def on_abort(self, msg: Abort) -> None:
+        with self._lock:
+            r = self._room(msg.room)
+            if not r.done:  # the decode side already knows: no status back
+                self._update(r, KVPoll.Failed, f"decode side aborted: {msg.reason}")
+
+    def on_heartbeat(self, msg: Heartbeat) -> None:
+        with self._lock:
+            self._last_seen[msg.session_id] = time.monotonic()
+        try:
+            self._channel.send(msg.endpoint, Heartbeat(session_id=self._engine.session_id,
+                                                       endpoint=self._channel.endpoint, reply=True))
+        except ChannelError:
+            pass
+
+    def check_liveness(self, timeout_s: float) -> None:
+        """Fail unfinished rooms whose decode session has been silent for `timeout_s`."""
+        now = time.monotonic()
+        with self._lock:
+            for r in self._rooms.values():
+                silent = max((now - self._last_seen.get(i.session_id, now)
+                              for i in r.infos.values()), default=0.0)
+                if not r.done and silent > timeout_s:
+                    self._fail(r, f"decode side silent for {silent:.1f} s (heartbeat timeout "
+                                  f"{timeout_s} s)")
+
+    # ---- internals (the caller holds the lock) -----------------------------------------------
+
+    def _room(self, room: int) -> _Room:
+        r = self._rooms.get(room)
+        if r is None:
+            r = self._rooms[room] = _Room(room=room)
+        return r
+
+    def _update(self, r: _Room, new: KVPoll, reason: str = "") -> None:
+        if r.update(new, reason):
+            self._epoch.bump()
+
+    def _fail(self, r: _Room, reason: str) -> None:
+        """Fail an unfinished room and tell every decode rank we know of."""
+        if not r.done:
+            self._update(r, KVPoll.Failed, reason)
+            self._report(r, list(r.infos.values()))
+
+    def _report(self, r: _Room, infos: list[TransferInfo]) -> None:
+        for info in infos:
+            peer = self._peers.get(info.session_id)
+            if peer is None:
+                continue
+            try:
+                self._channel.send(peer.reg.endpoint, Status(
+                    room=r.room, poll=int(r.state), reason=r.reason,
+                    prefill_tp_rank=self.args.tp_rank))
+            except ChannelError as exc:
+                log.warning("room %d: could not report %s: %s", r.room, r.state.name, exc)
+
+    # ---- the workers -------------------------------------------------------------------------
+
+    def _work(self, q: queue.SimpleQueue) -> None:
+        while (chunk := q.get()) is not None:
+            with self._lock:
+                r = self._rooms.get(chunk.room)
+                if r is None or r.state is KVPoll.Failed:
+                    continue
+                targets = [(i, self._peers[i.session_id]) for i in r.infos.values()]
+                slot = r.metadata_slot
+            try:
+                for info, peer in targets:
+                    if not info.is_dummy:
+                        self._write(chunk, info, peer, slot)
+            except Exception as exc:  # any failure fails the room, never the worker
+                with self._lock:
+                    self._fail(r, f"KV write failed: {exc}")
+                continue
+            if chunk.last:
+                with self._lock:
+                    if r.state is not KVPoll.Failed:
+                        self._update(r, KVPoll.Success)
+                        self._report(r, list(r.infos.values()))
+
+    def _write(self, chunk: _Chunk, info: TransferInfo, peer: PeerPlan, slot: int) -> None:
+        a, reg = self.args, peer.reg
+        dst = info.pages()[chunk.offset:chunk.offset + len(chunk.src_pages)]
+        if len(dst) != len(chunk.src_pages):
+            raise ValueError(f"decode rank {info.decode_tp_rank} has {len(info.pages())} pages, "
+                             f"chunk needs {chunk.offset + len(chunk.src_pages)}")
+        if peer.piece is None:
+            srcs, dsts, lens = page_descriptors(a.kv_data_ptrs, reg.kv_data_ptrs,
+                                                a.kv_item_lens, chunk.src_pages, dst)
+        else:
+            srcs, dsts, lens = head_slice_descriptors(
+                a.kv_data_ptrs, a.kv_item_lens, reg.kv_data_ptrs, reg.kv_item_lens, a.page_size,
+                chunk.src_pages, dst, peer.piece)
+        if chunk.last:
+            srcs.append(a.metadata_ptr + slot * a.metadata_item_len)
+            dsts.append(reg.metadata_ptr + info.metadata_slot * reg.metadata_item_len)
+            lens.append(a.metadata_item_len)
+        self._engine.write(reg.session_id, srcs, dsts, lens)
+
+    def close(self) -> None:
+        for q in self._queues:
+            q.put(None)
+        for t in self._workers:
+            t.join(timeout=10)
