@@ -108,7 +108,12 @@ def serve(
     def ready(server) -> None:
         print(f"pdsim serve: {cfg.model_name} ({cfg.mode}) at {server.url}/v1", flush=True)
 
-    run_server(cfg, on_ready=ready)
+    try:
+        run_server(cfg, on_ready=ready)
+    except OSError as exc:  # cannot bind
+        console.print(f"[red]error:[/red] cannot serve on {cfg.host}:{cfg.port}: {exc}",
+                      highlight=False)
+        raise typer.Exit(1) from None
     print("pdsim serve: stopped", flush=True)
 
 

@@ -1,0 +1,321 @@
+"""The serving engine: one thread drives the core `ColocatedScheduler` with a `ModelExecutor`.
+
+The loop is the core's driver contract, on a monotonic wall clock whose zero is `start()`:
+
+    batch = sched.step(now)            # None: nothing to run, sleep until a request arrives
+    result = executor.execute(batch)   # a torch forward, measured
+    sched.on_batch_done(batch, result, now)
+
+Other threads talk to the engine only through its inbox (`submit`, `abort`, `call`), which the
+loop drains between forwards, so the scheduler and the executor are touched by the engine
+thread alone. After every forward each affected request's new tokens go to its *sink*, a
+callable the submitter gives (the HTTP server's puts them on an asyncio queue with
+`loop.call_soon_threadsafe`); a finished request's last event carries its finish reason
+("stop": it generated a stop token; "length": it reached `max_new_tokens`) or its error. Sinks
+are called on the engine thread and must not block.
+
+Finished and failed requests leave a `RequestRecord` (the simulator's schema) in `records`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdsim.core.batch import Batch
+from pdsim.core.config import SchedulerConfig
+from pdsim.core.records import RequestRecord
+from pdsim.core.request import Request
+from pdsim.core.scheduler import ColocatedScheduler
+from runtime.executor import ModelExecutor, save_table
+from runtime.sampling import SamplingParams
+from runtime.serve_metrics import ServeMetrics
+
+log = logging.getLogger(__name__)
+
+TopLogprobs = tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    """New tokens of one request; the last event of a request has `finished` set."""
+
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # one entry per token when they were asked for
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" or "length" when finished without error
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # tokens generated in all, on the last event
+
+
+Sink = Callable[[StreamEvent], None]
+
+
+class EngineStopped(RuntimeError):
+    """The engine no longer takes requests."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    req: Request
+    sink: Sink
+    pushed: int = 0  # output tokens already sent to the sink
+
+
+class Engine:
+    def __init__(self, executor: ModelExecutor, config: SchedulerConfig, *, instance_id: int = 0,
+                 max_records: int = 100_000, metrics: ServeMetrics | None = None) -> None:
+        if (config.num_pages, config.page_size) != (executor.kv.num_pages, executor.page_size):
+            raise ValueError(
+                f"scheduler pool {config.num_pages} pages x {config.page_size} tokens differs from "
+                f"the executor's KV cache {executor.kv.num_pages} x {executor.page_size}")
+        self.executor = executor
+        self.config = config
+        self.sched = ColocatedScheduler(config, instance_id)
+        self.metrics = metrics or ServeMetrics()
+        self.records: deque[RequestRecord] = deque(maxlen=max_records)
+        self._streams: dict[str, _Stream] = {}
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._t0 = 0.0
+        self._update_gauges()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        if self._thread is not None:
+            raise RuntimeError("the engine is already started")
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="pdsim-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def now(self) -> float:
+        """Seconds since `start()` on the monotonic clock (the records' time base)."""
+        return time.monotonic() - self._t0
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop taking requests, fail the unfinished ones ("server shutting down") and join."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError(f"the engine thread did not stop within {timeout} s")
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # ---- the inbox (any thread) --------------------------------------------------------------
+
+    def _post(self, kind: str, item: Any) -> None:
+        with self._cond:
+            if self._stopping or self._thread is None:
+                raise EngineStopped("the engine is not running")
+            self._inbox.append((kind, item))
+            self._cond.notify()
+
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, sink: Sink, *,
+               sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = (),
+               top_logprobs: int = 0, rid: str | None = None) -> str:
+        """Queue a request; its tokens go to `sink`. Returns its id. Raises ValueError for a
+        malformed request and `EngineStopped` once the engine stops."""
+        rid = rid or uuid.uuid4().hex
+        req = Request(rid, len(prompt_ids), max_new_tokens, arrival_s=self.now(),
+                      prompt_ids=list(prompt_ids), stop_token_ids=frozenset(stop_token_ids),
+                      sampling=sampling)
+        self._post("add", (req, sink, top_logprobs))
+        return rid
+
+    def abort(self, rid: str, reason: str = "aborted by the client") -> None:
+        """Fail `rid` (no-op if it already finished); its sink gets the error event."""
+        try:
+            self._post("abort", (rid, reason))
+        except EngineStopped:
+            pass  # shutting down fails every request anyway
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = 30.0) -> Any:
+        """Run `fn()` on the engine thread between two forwards and return its result."""
+        fut: Future = Future()
+        self._post("call", (fn, fut))
+        return fut.result(timeout)
+
+    def check_pools_full(self, timeout: float = 30.0) -> None:
+        """Wait until no request is active, then check that every page and slot is back."""
+        deadline = time.monotonic() + timeout
+        while not self.call(lambda: self.sched.is_idle):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine is still busy after {timeout} s")
+            time.sleep(0.01)
+        self.call(self.sched.check_pools_full)
+
+    # ---- the loop (engine thread) ------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._drain_inbox()
+            if self._stopping:
+                break
+            try:
+                batch = self.sched.step(self.now())
+            except Exception as exc:  # a core invariant broke: fail what is there, go on
+                log.exception("scheduler step failed")
+                self._fail_all(f"scheduler error: {exc}")
+                continue
+            if batch is None:
+                self._finish_done()
+                self._update_gauges()
+                with self._cond:
+                    if not self._inbox and not self._stopping:
+                        self._cond.wait(None if self.sched.is_idle else 0.01)
+                continue
+            try:
+                result = self.executor.execute(batch)
+            except Exception as exc:
+                log.exception("forward failed")
+                self._batch_failed(batch, f"forward failed: {exc}")
+                continue
+            self.sched.on_batch_done(batch, result, self.now())
+            self.metrics.observe_forward(batch.kind, result.duration_s)
+            if batch.kind == "extend":
+                self._push_new(seg.req for seg in batch.segments if seg.is_last)
+            else:
+                self._push_new(batch.reqs)
+            self._finish_done()
+            self._update_gauges()
+        self._fail_all("server shutting down")
+        self._update_gauges()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            with self._cond:
+                if not self._inbox:
+                    return
+                kind, item = self._inbox.popleft()
+            if kind == "add":
+                self._add(*item)
+            elif kind == "abort":
+                rid, reason = item
+                if rid in self._streams:
+                    self.sched.abort(rid, reason, self.now())
+                    self._finish_done()
+            else:
+                fn, fut = item
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as exc:  # handed to the caller
+                        fut.set_exception(exc)
+
+    def _add(self, req: Request, sink: Sink, top_logprobs: int) -> None:
+        if req.rid in self._streams:
+            _send(sink, StreamEvent(finished=True, error=f"request id {req.rid!r} is in use",
+                                    prompt_tokens=req.input_len))
+            return
+        self._streams[req.rid] = _Stream(req, sink)
+        if top_logprobs:
+            self.executor.want_top_logprobs(req.rid, top_logprobs)
+        self.sched.add_request(req, self.now())
+        self._finish_done()  # the core rejects requests longer than the KV pool at once
+
+    def _batch_failed(self, batch: Batch, reason: str) -> None:
+        """Fail the requests of a batch whose forward raised; the others go on."""
+        now = self.now()
+        if batch.kind == "extend":
+            reqs = [seg.req for seg in batch.segments]
+            self.sched.waiting.extendleft(reversed(reqs))  # where the planner took them from
+        else:
+            reqs = batch.reqs
+        for req in reqs:
+            self.sched.abort(req.rid, reason, now)
+        self._finish_done()
+        self._update_gauges()
+
+    def _fail_all(self, reason: str) -> None:
+        now = self.now()
+        for rid in [r.rid for r in self.sched.waiting] + [r.rid for r in self.sched.running.reqs]:
+            self.sched.abort(rid, reason, now)
+        self._finish_done()
+
+    def _push_new(self, reqs) -> None:
+        for req in reqs:
+            stream = self._streams.get(req.rid)
+            if stream is not None and not req.finished:
+                event = self._new_tokens(stream)
+                if event.token_ids:
+                    _send(stream.sink, event)
+
+    def _new_tokens(self, stream: _Stream, **final: Any) -> StreamEvent:
+        req = stream.req
+        ids = tuple(req.output_ids[stream.pushed:])
+        lps = tuple(req.output_logprobs[stream.pushed:])
+        top = tuple(tuple(t) for t in self.executor.take_top_logprobs(req.rid))
+        stream.pushed = len(req.output_ids)
+        return StreamEvent(ids, lps, top, prompt_tokens=req.input_len, **final)
+
+    def _finish_done(self) -> None:
+        if not self.sched.done:
+            return
+        done = list(self.sched.done)
+        self.sched.done.clear()
+        for req in done:
+            record = req.to_record("failed" if req.error else "ok")
+            self.records.append(record)
+            self.metrics.observe_request(record)
+            stream = self._streams.pop(req.rid, None)
+            if stream is not None:
+                if req.error:
+                    reason = None
+                elif req.output_ids and req.output_ids[-1] in req.stop_token_ids:
+                    reason = "stop"
+                else:
+                    reason = "length"
+                _send(stream.sink, self._new_tokens(
+                    stream, finished=True, finish_reason=reason, error=req.error or None,
+                    completion_tokens=req.num_output))
+            self.executor.release(req.rid)
+
+    def _update_gauges(self) -> None:
+        s = self.sched
+        used = s.pool.num_used
+        self.metrics.set_gauges({
+            "pdsim_num_requests_running": len(s.running),
+            "pdsim_num_requests_waiting": len(s.waiting),
+            "pdsim_kv_pages_used": used,
+            "pdsim_kv_pages_total": s.pool.size,
+            "pdsim_kv_usage_ratio": used / s.pool.size,
+            "pdsim_request_slots_used": s.req_slots.num_used,
+        })
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def records_frame(self):
+        """The finished requests' records as the simulator's per-request table."""
+        from pdsim.metrics import records_frame
+
+        return records_frame(list(self.records))
+
+    def save_records(self, path: str | Path) -> Path:
+        """Write the records to `.csv` or `.parquet` (by the file's suffix)."""
+        return save_table(self.records_frame(), path, "records")
+
+
+def _send(sink: Sink, event: StreamEvent) -> None:
+    try:
+        sink(event)
+    except Exception:  # a consumer gone (its event loop closed, say) must not stop the engine
+        log.debug("dropping an event for a closed sink", exc_info=True)

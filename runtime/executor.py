@@ -1,0 +1,234 @@
+"""The real backend's executor: runs the core's planned batches through the torch model.
+
+`ModelExecutor` implements the core's `Executor` port (`execute(batch) -> BatchResult`). It owns
+the model, the paged KV cache (sized like the scheduler's page pool, whose page indices it is
+handed) and one sampling generator per non-greedy request. The core's conventions:
+
+- `extend` batch: segment `ExtendSegment(req, start, end)` computes tokens `[start, end)` of
+  `req.fill_ids()` (the prompt, plus the generated tokens when a retracted request is recomputed);
+  the first `start` are already cached and `req.pages` covers every slot below `end`. One token is
+  returned per segment; only those of last chunks (`seg.is_last`) are sampled, so chunking never
+  moves a request's random stream.
+- `decode` batch: request `req` feeds `req.output_ids[-1]` at position
+  `req.kv_at_join + batch.step - 1 - req.join_step` (its KV length before the step).
+
+`req.sampling` is a `runtime.sampling.SamplingParams` (None means greedy). A seeded request draws
+from its own generator, so its tokens never depend on what else is batched with it; an unseeded
+one gets a seed from the executor's own seeded stream.
+
+Every forward is timed (wall clock, the device synchronised) and recorded with its `BatchShape`,
+the inputs of the simulator's cost model: `timings_frame()` / `save_timings(path)`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from pdsim.core.batch import Batch, BatchResult
+from pdsim.core.request import Request
+from runtime.kv_cache import PagedKVCache
+from runtime.model import AttentionMetadata, CausalLM
+from runtime.sampling import SamplingParams, make_generator, sample
+
+GREEDY = SamplingParams()
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardTiming:
+    """One measured forward: the batch's shape (`BatchShape` fields) and its wall time."""
+
+    kind: str  # "extend" or "decode"
+    prefill_tokens: int
+    prefill_attn_pairs: float
+    decode_reqs: int
+    decode_context_tokens: int
+    duration_s: float
+
+
+TIMING_COLUMNS = tuple(ForwardTiming.__dataclass_fields__)
+
+
+class ModelExecutor:
+    """Runs `Batch`es on `model` against a `PagedKVCache` of `num_pages` x `page_size` tokens.
+
+    vocab_limit: sample only among the first `vocab_limit` ids (the tokenizer's vocabulary, when
+        the model's embedding table is larger); None samples over the whole vocabulary.
+    max_timings: forwards whose timing is kept (the oldest are dropped beyond it).
+    """
+
+    def __init__(self, model: CausalLM, *, num_pages: int, page_size: int, seed: int = 0,
+                 vocab_limit: int | None = None, kv_dtype: torch.dtype | None = None,
+                 max_timings: int = 1_000_000) -> None:
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.page_size = page_size
+        self.kv = PagedKVCache.for_model(self.config, num_pages=num_pages, page_size=page_size,
+                                         dtype=kv_dtype, device=self.device)
+        if vocab_limit is not None and not 0 < vocab_limit <= self.config.vocab_size:
+            raise ValueError(f"vocab_limit={vocab_limit}; must be in 1..{self.config.vocab_size}")
+        self.vocab_limit = vocab_limit
+        self.timings: deque[ForwardTiming] = deque(maxlen=max_timings)
+        self._seeds = random.Random(seed)
+        self._generators: dict[str, torch.Generator] = {}
+        self._top_k: dict[str, int] = {}
+        self._top: dict[str, list[list[tuple[int, float]]]] = {}
+
+    # ---- per-request state -----------------------------------------------------------------
+
+    def want_top_logprobs(self, rid: str, k: int) -> None:
+        """Also keep the `k` most likely tokens of every token `rid` generates."""
+        if not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top logprobs k={k}; must be in 0..{MAX_TOP_LOGPROBS}")
+        if k:
+            self._top_k[rid] = k
+            self._top.setdefault(rid, [])
+
+    def take_top_logprobs(self, rid: str) -> list[list[tuple[int, float]]]:
+        """The top-k (token id, logprob) lists gathered for `rid` since the last call."""
+        got = self._top.get(rid)
+        if not got:
+            return []
+        self._top[rid] = []
+        return got
+
+    def release(self, rid: str) -> None:
+        """Forget a finished request's generator and logprob state."""
+        self._generators.pop(rid, None)
+        self._top_k.pop(rid, None)
+        self._top.pop(rid, None)
+
+    def _sampling(self, req: Request) -> tuple[SamplingParams, torch.Generator | None]:
+        params = req.sampling if req.sampling is not None else GREEDY
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"request {req.rid}: sampling must be a runtime SamplingParams or "
+                            f"None, got {type(params).__name__}")
+        if params.greedy:
+            return params, None
+        gen = self._generators.get(req.rid)
+        if gen is None:
+            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+            gen = self._generators[req.rid] = make_generator(seed, self.device)
+        return params, gen
+
+    # ---- the port --------------------------------------------------------------------------
+
+    def execute(self, batch: Batch) -> BatchResult:
+        start = time.perf_counter()
+        if batch.kind == "extend":
+            token_ids, logprobs = self._extend(batch)
+        elif batch.kind == "decode":
+            token_ids, logprobs = self._decode(batch)
+        else:
+            raise ValueError(f"batch kind {batch.kind!r}; allowed: 'extend', 'decode'")
+        duration = time.perf_counter() - start  # .tolist() above synchronised the device
+        s = batch.shape
+        self.timings.append(ForwardTiming(batch.kind, s.prefill_tokens, s.prefill_attn_pairs,
+                                          s.decode_reqs, s.decode_context_tokens, duration))
+        return BatchResult(duration_s=duration, token_ids=token_ids, logprobs=logprobs)
+
+    def _extend(self, batch: Batch) -> tuple[list[int], list[float]]:
+        ids: list[int] = []
+        query_lens, cached_lens, tables, reqs, sampled = [], [], [], [], []
+        for seg in batch.segments:
+            req = seg.req
+            if seg.end <= seg.start or seg.end > req.fill_len:
+                raise ValueError(f"request {req.rid}: extend segment [{seg.start}, {seg.end}) "
+                                 f"outside its fill of {req.fill_len} tokens")
+            ids.extend(req.fill_ids()[seg.start: seg.end])
+            query_lens.append(seg.end - seg.start)
+            cached_lens.append(seg.start)
+            tables.append(req.pages)
+            reqs.append(req)
+            sampled.append(seg.is_last)
+        return self._forward(ids, query_lens, cached_lens, tables, reqs, sampled)
+
+    def _decode(self, batch: Batch) -> tuple[list[int], list[float]]:
+        ids, cached_lens, tables = [], [], []
+        for req in batch.reqs:
+            ids.append(req.output_ids[-1])
+            cached_lens.append(req.kv_at_join + batch.step - 1 - req.join_step)
+            tables.append(req.pages)
+        n = len(batch.reqs)
+        return self._forward(ids, [1] * n, cached_lens, tables, batch.reqs, [True] * n)
+
+    def _forward(self, ids: list[int], query_lens: list[int], cached_lens: list[int],
+                 tables: Sequence[Sequence[int]], reqs: Sequence[Request],
+                 sampled: Sequence[bool]) -> tuple[list[int], list[float]]:
+        meta = AttentionMetadata.build(query_lens, cached_lens, tables, self.page_size,
+                                       device=self.device)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        logits = self.model(input_ids, meta.positions(), meta, self.kv)
+        if self.vocab_limit is not None:
+            logits = logits[:, : self.vocab_limit]
+        params, gens = [], []
+        for req, last in zip(reqs, sampled):
+            p, g = self._sampling(req) if last else (GREEDY, None)
+            params.append(p)
+            gens.append(g)
+        result = sample(logits, params, gens)
+        self._gather_top(logits, reqs, sampled)
+        return result.token_ids.tolist(), result.logprobs.tolist()
+
+    def _gather_top(self, logits: torch.Tensor, reqs: Sequence[Request],
+                    sampled: Sequence[bool]) -> None:
+        if not self._top_k:
+            return
+        rows = [i for i, (r, last) in enumerate(zip(reqs, sampled))
+                if last and r.rid in self._top_k]
+        if not rows:
+            return
+        k = max(self._top_k[reqs[i].rid] for i in rows)
+        top = logits[rows].float().log_softmax(-1).topk(k, dim=-1)
+        values, indices = top.values.tolist(), top.indices.tolist()
+        for j, i in enumerate(rows):
+            rid = reqs[i].rid
+            want = self._top_k[rid]
+            self._top[rid].append(list(zip(indices[j][:want], values[j][:want])))
+
+    # ---- warm-up and timings ---------------------------------------------------------------
+
+    def warmup(self, tokens: int = 32) -> None:
+        """Run an untimed extend and decode through pages 0.. so that the first request does not
+        pay for lazy initialisation. The scratch KV is overwritten before anything reads it."""
+        tokens = max(2, min(tokens, self.kv.num_pages * self.page_size - 1,
+                            self.config.max_position - 1))
+        pages = list(range(-(-(tokens + 1) // self.page_size)))
+        ids = [i % self.config.vocab_size for i in range(tokens)]
+        for qlens, cached, chunk in (([tokens], [0], ids), ([1], [tokens], [0])):
+            meta = AttentionMetadata.build(qlens, cached, [pages], self.page_size,
+                                           device=self.device)
+            self.model(torch.tensor(chunk, device=self.device), meta.positions(), meta, self.kv)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def timings_frame(self):
+        """The recorded forwards as a pandas DataFrame (columns `TIMING_COLUMNS`)."""
+        import pandas as pd
+
+        return pd.DataFrame([asdict(t) for t in self.timings], columns=list(TIMING_COLUMNS))
+
+    def save_timings(self, path: str | Path) -> Path:
+        """Write the recorded forwards to `.csv` or `.parquet` (by the file's suffix)."""
+        return save_table(self.timings_frame(), path, "timings")
+
+
+def save_table(frame, path: str | Path, what: str) -> Path:
+    """Write a DataFrame to `.csv` or `.parquet`, by the file's suffix."""
+    path = Path(path)
+    if path.suffix not in (".csv", ".parquet"):
+        raise ValueError(f"{what} file {path}: suffix {path.suffix!r}; allowed: .csv, .parquet")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".csv":
+        frame.to_csv(path, index=False)
+    else:
+        frame.to_parquet(path, index=False)
+    return path

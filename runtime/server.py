@@ -1,0 +1,806 @@
+"""An OpenAI-compatible HTTP server (aiohttp) in front of the engine.
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as server-sent events
+`data: {...}` ending with `data: [DONE]`, or one JSON body), `GET /v1/models`, `GET /health`,
+`GET /metrics` (Prometheus text).
+
+A request is validated before it reaches the engine; a bad one gets HTTP 400 and an OpenAI-style
+body `{"error": {"message", "type": "invalid_request_error", "param", "code"}}` naming the field
+and what is allowed. When a client disconnects, its request is aborted and its KV pages and slot
+go back to the pool.
+
+Chat prompts use the checkpoint's Jinja `chat_template` when its `tokenizer_config.json` has one
+(and jinja2 is installed); otherwise this template, for byte-level models:
+
+    <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
+
+that is, `<|{role}|>` + newline + content + newline per message, then `<|assistant|>` + newline,
+after the BOS token.
+
+The engine runs on its own thread; `OpenAIServer` lives on an asyncio loop. `serve(config)` runs
+one until SIGINT/SIGTERM (the CLI); `BackgroundServer(config)` runs one on a thread (tests,
+notebooks, benchmarks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import logging
+import math
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from runtime.engine import Engine, EngineStopped, StreamEvent
+from runtime.sampling import SamplingParams
+from runtime.serve_config import ServeConfig
+from runtime.serve_metrics import CONTENT_TYPE, ServeMetrics
+from runtime.tokenizer import ByteTokenizer, StreamDecoder, Tokenizer
+
+log = logging.getLogger(__name__)
+
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class BadRequest(Exception):
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def _error_body(message: str, kind: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+# ---- chat templates -------------------------------------------------------------------------
+
+
+class ChatTemplate:
+    """Messages -> prompt text. The default is the byte-level template of the module docstring;
+    `from_tokenizer_config` uses a checkpoint's Jinja template."""
+
+    def __init__(self, jinja_source: str | None = None, bos_token: str = "",
+                 eos_token: str = "") -> None:
+        self._template = None
+        self.bos_token, self.eos_token = bos_token, eos_token
+        if jinja_source is not None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(jinja_source)
+
+    @classmethod
+    def from_tokenizer_config(cls, directory: Path) -> ChatTemplate:
+        """The Jinja template of `directory/tokenizer_config.json`, else the default."""
+        file = directory / "tokenizer_config.json"
+        if not file.is_file():
+            return cls()
+        raw = json.loads(file.read_text())
+        source = raw.get("chat_template")
+        if not isinstance(source, str):
+            return cls()
+        if importlib.util.find_spec("jinja2") is None:
+            log.warning("%s has a chat_template but jinja2 is not installed; using the default "
+                        "template", file)
+            return cls()
+
+        def token(key: str) -> str:
+            value = raw.get(key) or ""
+            return value.get("content", "") if isinstance(value, dict) else str(value)
+
+        return cls(source, token("bos_token"), token("eos_token"))
+
+    @property
+    def is_jinja(self) -> bool:
+        return self._template is not None
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        if self._template is None:
+            turns = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+            return turns + "<|assistant|>\n"
+        return self._template.render(messages=messages, add_generation_prompt=True,
+                                     bos_token=self.bos_token, eos_token=self.eos_token)
+
+
+def _raise_template_error(message: str) -> None:
+    raise BadRequest("messages", f"the chat template rejected the messages: {message}")
+
+
+# ---- request parsing ------------------------------------------------------------------------
+
+
+@dataclass
+class GenParams:
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop_token_ids: list[int]
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    top_logprobs: int
+    return_token_ids: bool = False  # extension: the ids of the prompt and the output, per choice
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(float(v)))
+
+
+@dataclass
+class Limits:
+    max_model_len: int  # prompt + max_tokens at most (KV pool and model positions)
+    pool_tokens: int
+    max_position: int
+    model_vocab: int
+
+
+class RequestParser:
+    """JSON bodies -> `GenParams`, raising `BadRequest` naming the field and what is allowed."""
+
+    def __init__(self, tokenizer: Tokenizer, limits: Limits, chat_template: ChatTemplate,
+                 eos_ids: Sequence[int], default_chat_max_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.chat_template = chat_template
+        self.eos_ids = list(eos_ids)
+        self.default_chat_max_tokens = default_chat_max_tokens
+
+    def completion(self, body: dict) -> GenParams:
+        ids = self._prompt(body.get("prompt"))
+        if body.get("echo"):
+            raise BadRequest("echo", "echo=true is not supported; allowed: false")
+        if body.get("suffix") is not None:
+            raise BadRequest("suffix", "suffix is not supported; allowed: null")
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != 1:
+            raise BadRequest("best_of", f"best_of={best_of!r}; allowed: 1")
+        logprobs = body.get("logprobs")
+        if logprobs is not None and not (_is_int(logprobs)
+                                         and 0 <= logprobs <= MAX_COMPLETION_LOGPROBS):
+            raise BadRequest("logprobs", f"logprobs={logprobs!r}; allowed: null or an integer "
+                             f"0..{MAX_COMPLETION_LOGPROBS}")
+        return self._common(body, ids, COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens",
+                            logprobs is not None, logprobs or 0)
+
+    def chat(self, body: dict) -> GenParams:
+        messages = self._messages(body.get("messages"))
+        text = self.chat_template.render(messages)
+        ids = self.tokenizer.encode(text, add_bos=not self.chat_template.is_jinja)
+        logprobs = body.get("logprobs")
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise BadRequest("logprobs", f"logprobs={logprobs!r}; allowed: true, false or null")
+        top = body.get("top_logprobs")
+        if top is not None and not (_is_int(top) and 0 <= top <= MAX_CHAT_TOP_LOGPROBS):
+            raise BadRequest("top_logprobs", f"top_logprobs={top!r}; allowed: null or an integer "
+                             f"0..{MAX_CHAT_TOP_LOGPROBS}")
+        if top and not logprobs:
+            raise BadRequest("top_logprobs", "top_logprobs needs logprobs=true")
+        field_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        return self._common(body, ids, None, field_name, bool(logprobs), top or 0)
+
+    # ---- pieces ----
+
+    def _prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.limits.model_vocab]
+            if bad:
+                raise BadRequest("prompt", f"token ids {bad[:5]} are outside the vocabulary; "
+                                 f"allowed: 0..{self.limits.model_vocab - 1}")
+            ids = list(prompt)
+        elif isinstance(prompt, list) and len(prompt) > 1:
+            raise BadRequest("prompt", f"a batch of {len(prompt)} prompts; allowed: one prompt "
+                             "per request (a string or a list of token ids)")
+        else:
+            raise BadRequest("prompt", f"prompt={_short(prompt)}; allowed: a string or a "
+                             "non-empty list of token ids")
+        if not ids:
+            raise BadRequest("prompt", "the prompt encodes to no tokens; allowed: at least one")
+        return ids
+
+    def _messages(self, messages: Any) -> list[dict[str, str]]:
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages", f"messages={_short(messages)}; allowed: a non-empty "
+                             "list of {role, content} objects")
+        out = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise BadRequest(f"messages[{i}]", "each message is an object with role and "
+                                 "content")
+            role, content = m.get("role"), m.get("content")
+            if role not in CHAT_ROLES:
+                raise BadRequest(f"messages[{i}].role", f"role={role!r}; allowed: "
+                                 f"{', '.join(CHAT_ROLES)}")
+            if isinstance(content, list):  # content parts: only text is understood
+                parts = []
+                for part in content:
+                    if not (isinstance(part, dict) and part.get("type") == "text"
+                            and isinstance(part.get("text"), str)):
+                        raise BadRequest(f"messages[{i}].content",
+                                         "content parts other than {type: text, text} are not "
+                                         "supported")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            if content is None:
+                content = ""
+            if not isinstance(content, str):
+                raise BadRequest(f"messages[{i}].content", f"content={_short(content)}; allowed: "
+                                 "a string or a list of text parts")
+            out.append({"role": role, "content": content})
+        return out
+
+    def _common(self, body: dict, ids: list[int], default_max: int | None, max_field: str,
+                logprobs: bool, top_logprobs: int) -> GenParams:
+        lim = self.limits
+        if len(ids) >= lim.max_model_len:
+            raise BadRequest("prompt" if "prompt" in body else "messages",
+                             f"the prompt has {len(ids)} tokens; allowed: at most "
+                             f"{lim.max_model_len - 1} ({self._limit_text()})")
+        max_tokens = body.get(max_field)
+        if max_tokens is None:
+            room = lim.max_model_len - len(ids)
+            max_tokens = default_max if default_max is not None else min(
+                self.default_chat_max_tokens, room)
+        elif not _is_int(max_tokens) or max_tokens < 1:
+            raise BadRequest(max_field, f"{max_field}={max_tokens!r}; allowed: an integer >= 1")
+        if len(ids) + max_tokens > lim.max_model_len:
+            raise BadRequest(max_field,
+                             f"prompt ({len(ids)} tokens) + {max_field} ({max_tokens}) = "
+                             f"{len(ids) + max_tokens} tokens; allowed: at most "
+                             f"{lim.max_model_len} ({self._limit_text()}), so {max_field} <= "
+                             f"{lim.max_model_len - len(ids)} for this prompt")
+        n = body.get("n")
+        if n is not None and n != 1:
+            raise BadRequest("n", f"n={n!r}; allowed: 1")
+        temperature = body.get("temperature")
+        temperature = 1.0 if temperature is None else temperature
+        if not _is_number(temperature) or temperature < 0:
+            raise BadRequest("temperature", f"temperature={temperature!r}; allowed: a number >= 0")
+        top_p = body.get("top_p")
+        top_p = 1.0 if top_p is None else top_p
+        if not _is_number(top_p) or not 0 < top_p <= 1:
+            raise BadRequest("top_p", f"top_p={top_p!r}; allowed: a number in (0, 1]")
+        top_k = body.get("top_k")
+        top_k = 0 if top_k in (None, -1) else top_k
+        if not _is_int(top_k) or top_k < 0:
+            raise BadRequest("top_k", f"top_k={top_k!r}; allowed: an integer >= 0 (0 or -1 "
+                             "disable it)")
+        seed = body.get("seed")
+        if seed is not None and not _is_int(seed):
+            raise BadRequest("seed", f"seed={seed!r}; allowed: an integer or null")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = body.get(name)
+            if value not in (None, 0):
+                raise BadRequest(name, f"{name}={value!r} is not supported; allowed: 0 or null")
+        if body.get("logit_bias"):
+            raise BadRequest("logit_bias", "logit_bias is not supported; allowed: null or {}")
+        if body.get("stop"):
+            raise BadRequest("stop", "stop sequences are not supported; allowed: null or [] "
+                             "(stop_token_ids lists stop tokens)")
+        stop_ids = body.get("stop_token_ids") or []
+        if not (isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)):
+            raise BadRequest("stop_token_ids", f"stop_token_ids={_short(stop_ids)}; allowed: a "
+                             "list of token ids")
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise BadRequest("ignore_eos", f"ignore_eos={ignore_eos!r}; allowed: true or false")
+        if not ignore_eos:
+            stop_ids = [*stop_ids, *self.eos_ids]
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest("stream", f"stream={stream!r}; allowed: true or false")
+        return_ids = body.get("return_token_ids", False)
+        if not isinstance(return_ids, bool):
+            raise BadRequest("return_token_ids", f"return_token_ids={return_ids!r}; allowed: true "
+                             "or false")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise BadRequest("stream_options", "stream_options is an object, e.g. "
+                             "{\"include_usage\": true}")
+        return GenParams(
+            prompt_ids=ids, max_tokens=max_tokens, temperature=float(temperature),
+            top_p=float(top_p), top_k=top_k, seed=seed, stop_token_ids=stop_ids, stream=stream,
+            include_usage=bool(options.get("include_usage")), logprobs=logprobs,
+            top_logprobs=top_logprobs, return_token_ids=return_ids)
+
+    def _limit_text(self) -> str:
+        lim = self.limits
+        return (f"the KV pool holds {lim.pool_tokens} tokens and the model's max position is "
+                f"{lim.max_position}")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---- the server -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Output:
+    """A request's output as it streams: text pieces and per-token logprob entries."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+class OpenAIServer:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, *, model_name: str, limits: Limits,
+                 chat_template: ChatTemplate | None = None, eos_ids: Sequence[int] = (),
+                 default_chat_max_tokens: int = 256,
+                 on_close: Callable[[], None] | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.limits = limits
+        self.metrics: ServeMetrics = engine.metrics
+        self.parser = RequestParser(tokenizer, limits, chat_template or ChatTemplate(), eos_ids,
+                                    default_chat_max_tokens)
+        self.created = int(time.time())
+        self.on_close = on_close
+        self._runner: web.AppRunner | None = None
+        self.host = ""
+        self.port = 0
+
+    # ---- lifecycle ----
+
+    def make_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._count_responses], client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Start the engine (if needed) and listen; returns the bound port (`port=0`: any)."""
+        if not self.engine.running:
+            self.engine.start()
+        self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=5.0)
+        await self._runner.setup()
+        try:
+            await web.TCPSite(self._runner, host, port).start()
+        except BaseException:  # the port is taken, say: leave nothing running
+            await self._runner.cleanup()
+            self._runner = None
+            self.engine.stop()
+            raise
+        bound = self._runner.addresses
+        self.host, self.port = host, (bound[0][1] if bound else port)
+        return self.port
+
+    async def close(self) -> None:
+        """Stop the engine (unfinished requests end with the error "server shutting down", new
+        ones get 503), then the HTTP server."""
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.on_close is not None:
+            self.on_close()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # ---- plumbing ----
+
+    @web.middleware
+    async def _count_responses(self, request: web.Request, handler) -> web.StreamResponse:
+        endpoint = request.path if request.path.startswith("/v1/") else None
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            if endpoint:
+                self.metrics.observe_http(endpoint, exc.status)
+            raise
+        if endpoint:
+            self.metrics.observe_http(endpoint, response.status)
+        return response
+
+    def _bad(self, exc: BadRequest) -> web.Response:
+        return web.json_response(_error_body(exc.message, "invalid_request_error", exc.param),
+                                 status=400)
+
+    async def _body(self, request: web.Request) -> dict:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(None, f"the body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest(None, f"the body is a JSON {type(body).__name__}; allowed: an object")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise BadRequest("model", f"model={_short(model)}; allowed: {self.model_name!r}")
+        return body
+
+    # ---- endpoints ----
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created,
+            "owned_by": "pdsim", "max_model_len": self.limits.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.engine.running:
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "stopped"}, status=503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        response = web.Response(text=self.metrics.render())
+        response.headers["Content-Type"] = CONTENT_TYPE
+        return response
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            params = self.parser.completion(await self._body(request))
+        except BadRequest as exc:
+            return self._bad(exc)
+        return await self._generate(request, params, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            params = self.parser.chat(await self._body(request))
+        except BadRequest as exc:
+            return self._bad(exc)
+        return await self._generate(request, params, chat=True)
+
+    # ---- generation ----
+
+    async def _generate(self, request: web.Request, params: GenParams,
+                        chat: bool) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+
+        def sink(event: StreamEvent) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        sampling = SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                                  top_p=params.top_p, seed=params.seed)
+        try:
+            self.engine.submit(params.prompt_ids, params.max_tokens, sink, sampling=sampling,
+                               stop_token_ids=params.stop_token_ids, rid=rid,
+                               top_logprobs=params.top_logprobs)
+        except EngineStopped:
+            return web.json_response(_error_body("the server is shutting down", "server_error"),
+                                     status=503)
+        finished = False
+        try:
+            if params.stream:
+                response = await self._stream(request, params, rid, chat, queue)
+            else:
+                response = await self._collect(params, rid, chat, queue)
+            finished = True
+            return response
+        finally:
+            if not finished:  # the client went away (or writing to it failed)
+                self.engine.abort(rid, "client disconnected")
+
+    def _pieces(self, decoder: StreamDecoder, event: StreamEvent, params: GenParams,
+                offset: int) -> tuple[str, dict | None]:
+        """The text `event` adds, and its logprobs in the endpoint's format (or None)."""
+        ids = list(event.token_ids)
+        if event.finish_reason == "stop" and ids:
+            ids = ids[:-1]  # the stop token's text is not returned
+        text = "".join(decoder.push(t) for t in ids)
+        if event.finished:
+            text += decoder.flush()
+        if not params.logprobs:
+            return text, None
+        n = len(ids)
+        if n == 0:
+            return text, None
+        tokens = [self._token_text(t) for t in ids]
+        tops = list(event.top_logprobs[:n]) + [()] * (n - len(event.top_logprobs[:n]))
+        return text, {"ids": ids, "tokens": tokens, "logprobs": list(event.logprobs[:n]),
+                      "top": tops, "offset": offset}
+
+    def _format_logprobs(self, entries: dict | None, chat: bool) -> dict | None:
+        if entries is None:
+            return None
+        dec = self._token_text
+        if chat:
+            return {"content": [
+                {"token": tok, "logprob": lp, "bytes": self._token_bytes(tid),
+                 "top_logprobs": [{"token": dec(i), "logprob": v, "bytes": self._token_bytes(i)}
+                                  for i, v in top]}
+                for tid, tok, lp, top in zip(entries["ids"], entries["tokens"],
+                                             entries["logprobs"], entries["top"])]}
+        offsets, pos = [], entries["offset"]
+        for tid in entries["ids"]:
+            offsets.append(pos)
+            pos += len(self.tokenizer.decode([tid]))
+        return {"tokens": entries["tokens"], "token_logprobs": entries["logprobs"],
+                "top_logprobs": [{dec(i): v for i, v in top} for top in entries["top"]],
+                "text_offset": offsets}
+
+    def _token_text(self, token_id: int) -> str:
+        """A token as a logprobs entry names it: its text, or `bytes:\\xNN` for a byte that is
+        not a whole UTF-8 character (so that distinct tokens keep distinct names)."""
+        text = self.tokenizer.decode([token_id])
+        if "\ufffd" not in text:
+            return text
+        if isinstance(self.tokenizer, ByteTokenizer) and 0 <= token_id < 256:
+            return f"bytes:\\x{token_id:02x}"
+        return f"token_id:{token_id}"
+
+    def _token_bytes(self, token_id: int) -> list[int]:
+        """The token's bytes: a byte-level token is one raw byte, which may not be UTF-8."""
+        if isinstance(self.tokenizer, ByteTokenizer) and 0 <= token_id < 256:
+            return [token_id]
+        return list(self.tokenizer.decode([token_id]).encode())
+
+    async def _collect(self, params: GenParams, rid: str, chat: bool,
+                       queue: asyncio.Queue[StreamEvent]) -> web.Response:
+        decoder = StreamDecoder(self.tokenizer)
+        text, merged, ids = [], None, []
+        length = 0
+        while True:
+            event = await queue.get()
+            ids.extend(event.token_ids)
+            if event.error:
+                status = 503 if "shutting down" in event.error else 500
+                return web.json_response(_error_body(event.error, "server_error"), status=status)
+            piece, entries = self._pieces(decoder, event, params, length)
+            text.append(piece)
+            length += sum(len(self.tokenizer.decode([t])) for t in entries["ids"]) if entries else 0
+            if entries is not None:
+                if merged is None:
+                    merged = entries
+                else:
+                    for key in ("ids", "tokens", "logprobs", "top"):
+                        merged[key] = merged[key] + entries[key]
+            if event.finished:
+                break
+        if params.logprobs and merged is None:
+            merged = {"ids": [], "tokens": [], "logprobs": [], "top": [], "offset": 0}
+        logprobs = self._format_logprobs(merged, chat)
+        content = "".join(text)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": content},
+                      "logprobs": logprobs, "finish_reason": event.finish_reason}
+        else:
+            choice = {"index": 0, "text": content, "logprobs": logprobs,
+                      "finish_reason": event.finish_reason}
+        if params.return_token_ids:
+            choice.update(prompt_token_ids=params.prompt_ids, token_ids=ids)
+        return web.json_response({
+            "id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": self.model_name, "choices": [choice],
+            "usage": _usage(event)})
+
+    async def _stream(self, request: web.Request, params: GenParams, rid: str, chat: bool,
+                      queue: asyncio.Queue[StreamEvent]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        created = int(time.time())
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": self.model_name}
+
+        async def send(obj: dict | str) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+            await response.write(f"data: {data}\n\n".encode())
+
+        def chunk(text: str | None, logprobs: dict | None, finish: str | None,
+                  role: bool = False, ids: Sequence[int] = ()) -> dict:
+            if chat:
+                delta: dict[str, Any] = {}
+                if role:
+                    delta["role"] = "assistant"
+                if text is not None:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": logprobs,
+                          "finish_reason": finish}
+            if params.return_token_ids:
+                choice["token_ids"] = list(ids)
+            body = {**head, "choices": [choice]}
+            if params.include_usage:
+                body["usage"] = None
+            return body
+
+        if chat:
+            await send(chunk("", None, None, role=True))
+        decoder = StreamDecoder(self.tokenizer)
+        length = 0
+        while True:
+            event = await queue.get()
+            if event.error:
+                await send(_error_body(event.error, "server_error"))
+                break
+            text, entries = self._pieces(decoder, event, params, length)
+            length += sum(len(self.tokenizer.decode([t])) for t in entries["ids"]) if entries else 0
+            logprobs = self._format_logprobs(entries, chat)
+            if event.finished:
+                if text or logprobs or (params.return_token_ids and event.token_ids):
+                    await send(chunk(text, logprobs, None, ids=event.token_ids))
+                await send(chunk(None if chat else "", None, event.finish_reason))
+                if params.include_usage:
+                    await send({**head, "choices": [], "usage": _usage(event)})
+                break
+            if text or logprobs or (params.return_token_ids and event.token_ids):
+                await send(chunk(text, logprobs, None, ids=event.token_ids))
+        await send("[DONE]")
+        await response.write_eof()
+        return response
+
+
+def _usage(event: StreamEvent) -> dict:
+    return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
+            "total_tokens": event.prompt_tokens + event.completion_tokens}
+
+
+# ---- building and running -------------------------------------------------------------------
+
+
+def build_server(config: ServeConfig) -> OpenAIServer:
+    """Load the model and tokenizer, size the KV cache, build the engine and the server (none
+    started yet)."""
+    import torch
+
+    from runtime.executor import ModelExecutor
+    from runtime.model import ModelConfig, build_model, load_model
+    from runtime.tokenizer import HFTokenizer
+
+    if config.device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        device = config.device
+    template = ChatTemplate()
+    eos_ids: list[int] = []
+    if config.is_preset:
+        model_cfg = ModelConfig.preset(config.model)
+        if config.dtype is not None:
+            model_cfg = model_cfg.with_(dtype=config.dtype)
+        model = build_model(model_cfg, seed=config.seed, device=device)
+        directory = None
+    else:
+        directory = Path(config.model).expanduser()
+        model = load_model(directory, device=device, dtype=config.dtype)
+        eos_ids = _generation_eos(directory)
+    tok_path = config.tokenizer
+    if tok_path is None and directory is not None and (directory / "tokenizer.json").is_file():
+        tok_path = str(directory)
+    if tok_path is not None:
+        tokenizer: Tokenizer = HFTokenizer(tok_path)
+        tok_dir = Path(tok_path) if Path(tok_path).is_dir() else Path(tok_path).parent
+        template = ChatTemplate.from_tokenizer_config(tok_dir)
+    else:
+        tokenizer = ByteTokenizer()
+        if directory is not None:
+            template = ChatTemplate.from_tokenizer_config(directory)
+    mcfg = model.config
+    if tokenizer.vocab_size > mcfg.vocab_size and tok_path is None:
+        raise ValueError(f"model {config.model}: vocab_size {mcfg.vocab_size} cannot hold the "
+                         f"byte tokenizer's {tokenizer.vocab_size} ids; give a tokenizer")
+    if tokenizer.eos_id is not None and tokenizer.eos_id not in eos_ids:
+        eos_ids.append(tokenizer.eos_id)
+    sched_cfg = config.scheduler_config()
+    executor = ModelExecutor(model, num_pages=config.num_pages, page_size=config.page_size,
+                             seed=config.seed,
+                             vocab_limit=min(tokenizer.vocab_size, mcfg.vocab_size))
+    executor.warmup()
+    engine = Engine(executor, sched_cfg, max_records=config.max_records)
+    limits = Limits(max_model_len=min(sched_cfg.pool_tokens, mcfg.max_position),
+                    pool_tokens=sched_cfg.pool_tokens, max_position=mcfg.max_position,
+                    model_vocab=mcfg.vocab_size)
+
+    def save_results() -> None:
+        if config.records_path:
+            engine.save_records(config.records_path)
+        if config.timings_path:
+            executor.save_timings(config.timings_path)
+
+    return OpenAIServer(engine, tokenizer, model_name=config.model_name, limits=limits,
+                        chat_template=template, eos_ids=eos_ids,
+                        default_chat_max_tokens=config.default_max_tokens, on_close=save_results)
+
+
+def _generation_eos(directory: Path) -> list[int]:
+    file = directory / "generation_config.json"
+    if not file.is_file():
+        return []
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    if isinstance(eos, int):
+        return [eos]
+    return [int(e) for e in eos] if isinstance(eos, list) else []
+
+
+def serve(config: ServeConfig, on_ready: Callable[[OpenAIServer], None] | None = None) -> None:
+    """Run a server until SIGINT or SIGTERM, then shut down cleanly."""
+
+    async def main() -> None:
+        server = build_server(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await server.start(config.host, config.port)
+        try:
+            if on_ready is not None:
+                on_ready(server)
+            await stop.wait()
+        finally:
+            await server.close()
+
+    asyncio.run(main())
+
+
+class BackgroundServer:
+    """A server on its own thread and event loop: `with BackgroundServer(cfg) as s: s.url`."""
+
+    def __init__(self, config: ServeConfig | OpenAIServer, host: str | None = None,
+                 port: int | None = None) -> None:
+        if isinstance(config, OpenAIServer):
+            self.server, self._host, self._port = config, host or "127.0.0.1", port or 0
+        else:
+            self.server = build_server(config)
+            self._host = host or config.host
+            self._port = config.port if port is None else port
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="pdsim-http",
+                                        daemon=True)
+
+    def start(self) -> BackgroundServer:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(self._host, self._port),
+                                         self.loop).result(60)
+        return self
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def engine(self) -> Engine:
+        return self.server.engine
