@@ -19,6 +19,7 @@ Finished and failed requests leave a `RequestRecord` (the simulator's schema) in
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -56,6 +57,7 @@ class StreamEvent:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0  # tokens generated in all, on the last event
+    status: int | None = None  # HTTP status of an error raised before any token (router)
 
 
 Sink = Callable[[StreamEvent], None]
@@ -115,6 +117,10 @@ class Engine:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise RuntimeError(f"the engine thread did not stop within {timeout} s")
+
+    async def shutdown(self) -> None:
+        """`stop()` without blocking the calling event loop."""
+        await asyncio.get_running_loop().run_in_executor(None, self.stop)
 
     @property
     def running(self) -> bool:
@@ -223,7 +229,7 @@ class Engine:
 
     def _add(self, req: Request, sink: Sink, top_logprobs: int) -> None:
         if req.rid in self._streams:
-            _send(sink, StreamEvent(finished=True, error=f"request id {req.rid!r} is in use",
+            deliver(sink, StreamEvent(finished=True, error=f"request id {req.rid!r} is in use",
                                     prompt_tokens=req.input_len))
             return
         self._streams[req.rid] = _Stream(req, sink)
@@ -257,7 +263,7 @@ class Engine:
             if stream is not None and not req.finished:
                 event = self._new_tokens(stream)
                 if event.token_ids:
-                    _send(stream.sink, event)
+                    deliver(stream.sink, event)
 
     def _new_tokens(self, stream: _Stream, **final: Any) -> StreamEvent:
         req = stream.req
@@ -284,7 +290,7 @@ class Engine:
                     reason = "stop"
                 else:
                     reason = "length"
-                _send(stream.sink, self._new_tokens(
+                deliver(stream.sink, self._new_tokens(
                     stream, finished=True, finish_reason=reason, error=req.error or None,
                     completion_tokens=req.num_output))
             self.executor.release(req.rid)
@@ -314,7 +320,8 @@ class Engine:
         return save_table(self.records_frame(), path, "records")
 
 
-def _send(sink: Sink, event: StreamEvent) -> None:
+def deliver(sink: Sink, event: StreamEvent) -> None:
+    """Hand `event` to `sink`; a sink that raises loses the event, not its caller."""
     try:
         sink(event)
     except Exception:  # a consumer gone (its event loop closed, say) must not stop the engine

@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -353,8 +353,28 @@ class _Output:
     completion_tokens: int = 0
 
 
+class Backend(Protocol):
+    """What the OpenAI front needs from whatever generates tokens: the local `Engine`, or the PD
+    router's client of remote prefill and decode workers (runtime/router.py)."""
+
+    metrics: ServeMetrics
+
+    @property
+    def running(self) -> bool: ...
+
+    def start(self) -> object: ...
+
+    async def shutdown(self) -> None: ...
+
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, sink: Callable, *,
+               sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = (),
+               top_logprobs: int = 0, rid: str | None = None) -> str: ...
+
+    def abort(self, rid: str, reason: str = "aborted by the client") -> None: ...
+
+
 class OpenAIServer:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, *, model_name: str, limits: Limits,
+    def __init__(self, engine: Backend, tokenizer: Tokenizer, *, model_name: str, limits: Limits,
                  chat_template: ChatTemplate | None = None, eos_ids: Sequence[int] = (),
                  default_chat_max_tokens: int = 256,
                  on_close: Callable[[], None] | None = None) -> None:
@@ -403,7 +423,7 @@ class OpenAIServer:
     async def close(self) -> None:
         """Stop the engine (unfinished requests end with the error "server shutting down", new
         ones get 503), then the HTTP server."""
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+        await self.engine.shutdown()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -572,8 +592,7 @@ class OpenAIServer:
             event = await queue.get()
             ids.extend(event.token_ids)
             if event.error:
-                status = 503 if "shutting down" in event.error else 500
-                return web.json_response(_error_body(event.error, "server_error"), status=status)
+                return _error_response(event)
             piece, entries = self._pieces(decoder, event, params, length)
             text.append(piece)
             length += sum(len(self.tokenizer.decode([t])) for t in entries["ids"]) if entries else 0
@@ -604,6 +623,10 @@ class OpenAIServer:
 
     async def _stream(self, request: web.Request, params: GenParams, rid: str, chat: bool,
                       queue: asyncio.Queue[StreamEvent]) -> web.StreamResponse:
+        # An error before the first token still gets its own status, not a 200 stream.
+        first = await queue.get()
+        if first.error:
+            return _error_response(first)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -639,8 +662,9 @@ class OpenAIServer:
             await send(chunk("", None, None, role=True))
         decoder = StreamDecoder(self.tokenizer)
         length = 0
+        event: StreamEvent | None = first
         while True:
-            event = await queue.get()
+            event = event if event is not None else await queue.get()
             if event.error:
                 await send(_error_body(event.error, "server_error"))
                 break
@@ -656,9 +680,16 @@ class OpenAIServer:
                 break
             if text or logprobs or (params.return_token_ids and event.token_ids):
                 await send(chunk(text, logprobs, None, ids=event.token_ids))
+            event = None
         await send("[DONE]")
         await response.write_eof()
         return response
+
+
+def _error_response(event: StreamEvent) -> web.Response:
+    status = event.status or (503 if "shutting down" in event.error else 500)
+    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    return web.json_response(_error_body(event.error, kind), status=status)
 
 
 def _usage(event: StreamEvent) -> dict:

@@ -1,0 +1,228 @@
+"""The PD router against scripted workers: real HTTP servers on loopback that speak the worker
+API (docs/serving.md), so routing, streaming, error pass-through and aborts can be checked in
+isolation. tests/test_pd_*.py run the router in front of real prefill and decode workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import openai
+import pytest
+from aiohttp import web
+
+from runtime.router import PDRouter, WorkerAddress
+from runtime.server import Limits
+from runtime.tokenizer import ByteTokenizer
+
+
+class ScriptedWorker:
+    """A prefill or decode worker whose answers the test decides."""
+
+    def __init__(self, role: str, *, prefill_status: int = 200, decode_status: int = 200,
+                 token_delay_s: float = 0.0):
+        self.role = role
+        self.prefill_status = prefill_status
+        self.decode_status = decode_status
+        self.token_delay_s = token_delay_s
+        self.generated: list[dict] = []
+        self.aborted: list[dict] = []
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/abort", self.abort)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def abort(self, request: web.Request) -> web.Response:
+        self.aborted.append(await request.json())
+        return web.json_response({"ok": True})
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.generated.append(body)
+        if self.role == "prefill":
+            await asyncio.sleep(0.01)
+            if self.prefill_status != 200:
+                return web.json_response({"error": {"message": "prompt too long for the pool",
+                                                    "type": "invalid_request_error"}},
+                                         status=self.prefill_status)
+            return web.json_response({"rid": body["rid"], "status": "ok"})
+        if self.decode_status != 200:
+            return web.json_response({"error": {"message": "decode refused"}},
+                                     status=self.decode_status)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if self.prefill_wait:
+            await asyncio.sleep(0.2)  # the first token waits for the KV
+        # Echo the prompt's bytes back (no BOS), one token per event, then finish by length.
+        ids = [t for t in body["input_ids"] if t < 256][: body["max_new_tokens"]]
+        for i, tok in enumerate(ids):
+            await asyncio.sleep(self.token_delay_s)
+            last = i == len(ids) - 1
+            event = {"token_ids": [tok], "logprobs": [-0.5], "finished": last,
+                     "finish_reason": "length" if last else None, "error": None,
+                     "prompt_tokens": len(body["input_ids"]), "completion_tokens": i + 1}
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    prefill_wait = False
+
+
+class Cluster:
+    """Scripted workers and a router, all on one background event loop."""
+
+    def __init__(self, prefill: list[ScriptedWorker], decode: list[ScriptedWorker]):
+        self.prefill, self.decode = prefill, decode
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.run(self._start())
+
+    def run(self, coro, timeout=30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self):
+        for w in self.prefill + self.decode:
+            await w.start()
+        self.router = PDRouter(
+            [WorkerAddress(w.url, "127.0.0.1", 9999) for w in self.prefill],
+            [WorkerAddress(w.url) for w in self.decode],
+            tokenizer=ByteTokenizer(), model_name="tiny",
+            limits=Limits(max_model_len=4096, pool_tokens=4096, max_position=4096, model_vocab=512),
+            policy="round_robin",
+        )
+        await self.router.start()
+
+    def wait_for(self, condition, timeout_s: float = 10.0) -> None:
+        for _ in range(int(timeout_s / 0.02)):
+            if condition():
+                return
+            self.run(asyncio.sleep(0.02))
+        raise AssertionError("condition not reached in time")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.router.url}/v1", api_key="x", max_retries=0)
+
+    def close(self):
+        async def stop():
+            await self.router.close()
+            for w in self.prefill + self.decode:
+                await w.runner.cleanup()
+        self.run(stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def cluster(request):
+    spec = getattr(request, "param", {})
+    c = Cluster([ScriptedWorker("prefill", **spec.get("prefill", {}))],
+                [ScriptedWorker("decode", **spec.get("decode", {})) for _ in range(2)])
+    yield c
+    c.close()
+
+
+def test_both_workers_get_the_request_with_one_room_and_tokens_stream_back(cluster):
+    stream = cluster.client().completions.create(model="tiny", prompt="hello", max_tokens=5,
+                                                 stream=True)
+    text = "".join(chunk.choices[0].text for chunk in stream)
+    assert text == "hello"  # the scripted decode echoes the prompt
+    (pre,) = cluster.prefill[0].generated
+    dec = cluster.decode[0].generated[0]
+    assert pre["bootstrap_room"] == dec["bootstrap_room"] and 0 <= pre["bootstrap_room"] < 2**63
+    assert pre["bootstrap_host"] == dec["bootstrap_host"] == "127.0.0.1"
+    assert pre["bootstrap_port"] == dec["bootstrap_port"] == 9999
+    assert pre["input_ids"][-5:] == list(b"hello") and pre["max_new_tokens"] == 5
+    cluster.wait_for(lambda: len(cluster.router.records) == 1)
+    (record,) = cluster.router.records
+    assert record.ok and record.output_tokens == 5 and len(record.token_times_s) == 5
+    assert record.arrival_s <= record.first_token_s <= record.finish_s
+
+
+def test_round_robin_spreads_requests_over_decode_workers(cluster):
+    client = cluster.client()
+    for _ in range(4):
+        client.completions.create(model="tiny", prompt="ab", max_tokens=2)
+    assert [len(w.generated) for w in cluster.decode] == [2, 2]
+
+
+@pytest.mark.parametrize("cluster", [{"prefill": {"prefill_status": 400}}], indirect=True)
+def test_a_prefill_refusal_before_the_first_token_reaches_the_client_with_its_status(cluster):
+    for d in cluster.decode:
+        d.prefill_wait = True
+    with pytest.raises(openai.BadRequestError) as e:
+        cluster.client().completions.create(model="tiny", prompt="hello", max_tokens=5)
+    assert "prompt too long for the pool" in str(e.value)
+    with pytest.raises(openai.BadRequestError):  # streaming gets the status too, not a 200
+        list(cluster.client().completions.create(model="tiny", prompt="x", max_tokens=1,
+                                                 stream=True))
+    cluster.wait_for(lambda: sum(len(d.aborted) for d in cluster.decode) == 2)  # the decode side was told to drop both
+
+
+@pytest.mark.parametrize("cluster", [{"decode": {"decode_status": 503}}], indirect=True)
+def test_a_decode_refusal_passes_through(cluster):
+    with pytest.raises(openai.APIStatusError) as e:
+        cluster.client().completions.create(model="tiny", prompt="hello", max_tokens=5)
+    assert e.value.status_code == 503 and "decode refused" in str(e.value)
+    cluster.wait_for(lambda: cluster.prefill[0].aborted)  # prefill told to drop it
+
+
+def test_an_unreachable_decode_worker_is_a_502():
+    c = Cluster([ScriptedWorker("prefill")], [ScriptedWorker("decode")])
+    try:
+        c.run(c.decode[0].runner.cleanup())  # the decode worker goes away
+        with pytest.raises(openai.APIStatusError) as e:
+            c.client().completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert e.value.status_code == 502 and "unreachable" in str(e.value)
+    finally:
+        c.run(c.router.close())
+        c.run(c.prefill[0].runner.cleanup())
+        c.loop.call_soon_threadsafe(c.loop.stop)
+
+
+@pytest.mark.parametrize("cluster", [{"decode": {"token_delay_s": 0.05}}], indirect=True)
+def test_a_client_that_goes_away_aborts_both_sides(cluster):
+    import http.client
+    from urllib.parse import urlsplit
+
+    where = urlsplit(cluster.router.url)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=10)
+    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                 body=json.dumps({"model": "tiny", "prompt": "abcdefghij", "max_tokens": 10,
+                                  "stream": True}))
+    resp = conn.getresponse()
+    assert resp.status == 200
+    while not resp.readline().startswith(b"data:"):
+        pass  # read one chunk, then hang up
+    conn.sock.close()
+    conn.close()
+    cluster.wait_for(lambda: cluster.prefill[0].aborted and any(d.aborted for d in cluster.decode))
+    assert cluster.prefill[0].aborted[0]["reason"] == "client disconnected"
+    assert any(d.aborted for d in cluster.decode)
+
+
+def test_three_hundred_concurrent_streams_complete_with_none_lost(cluster):
+    client = openai.AsyncOpenAI(base_url=f"{cluster.router.url}/v1", api_key="x", max_retries=0)
+
+    async def one(i: int) -> str:
+        stream = await client.completions.create(model="tiny", prompt=f"req{i:03d}",
+                                                 max_tokens=6, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i) for i in range(300)))
+
+    texts = asyncio.run(all_of_them())
+    assert texts == [f"req{i:03d}" for i in range(300)]
+    assert sum(len(w.generated) for w in cluster.decode) == 300
+    cluster.wait_for(lambda: len(cluster.router.records) == 300)
+    assert all(r.ok for r in cluster.router.records)
