@@ -164,7 +164,6 @@ def test_random_weights_depend_only_on_seed():
     ModelConfig.preset("tiny-mla"),
 ], ids=["qwen2-tied", "deepseek-moe"])
 def test_safetensors_round_trip(cfg, tmp_path):
-    pytest.importorskip("safetensors")
     model = build_model(cfg, seed=4)
     save_safetensors(model, tmp_path)
     loaded = load_model(tmp_path)
@@ -178,7 +177,6 @@ def test_safetensors_round_trip(cfg, tmp_path):
 
 
 def test_load_rejects_mismatched_checkpoint(tmp_path):
-    pytest.importorskip("safetensors")
     save_safetensors(build_model(ModelConfig.preset("tiny-llama")), tmp_path)
     other = build_model(ModelConfig.preset("tiny-llama").with_(qkv_bias=True))
     from runtime.model import load_safetensors
@@ -284,7 +282,7 @@ def test_stream_decoder_never_splits_a_character():
 
 
 def test_hf_tokenizer_json(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers  # the optional HF path: installed with the test extra
     vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4}
     hf = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     hf.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
