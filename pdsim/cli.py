@@ -89,20 +89,52 @@ def validate(experiment: Path = typer.Argument(..., help="experiment YAML")) -> 
 @app.command()
 def serve(
     config: Optional[Path] = typer.Argument(
-        None, help="serve config YAML, e.g. experiments/real_colocated.yaml (default: built-in)"),
+        None, help="serve config YAML, e.g. experiments/real_colocated.yaml or "
+        "experiments/real_pd.yaml (default: built-in colocated)"),
     model: Optional[str] = typer.Option(
         None, help="model preset (tiny-llama, tiny-mla) or local checkpoint directory"),
-    host: Optional[str] = typer.Option(None, help="address to bind (default 127.0.0.1)"),
-    port: Optional[int] = typer.Option(None, help="port to bind; 0 picks a free one"),
+    host: Optional[str] = typer.Option(None, help="address to bind (default 127.0.0.1); "
+                                       "disaggregated: the router's, or --role's"),
+    port: Optional[int] = typer.Option(None, help="port to bind; 0 picks a free one; "
+                                       "disaggregated: the router's, or --role's instance's"),
+    role: Optional[str] = typer.Option(
+        None, help="disaggregated only: run one role alone (prefill, decode or router); "
+        "default: the whole deployment"),
+    instance: int = typer.Option(0, help="--role prefill/decode: which instance"),
+    bootstrap_port: Optional[int] = typer.Option(
+        None, help="--role prefill: the instance's bootstrap server port"),
+    prefill_url: list[str] = typer.Option(
+        [], help="--role router: a prefill worker's URL (repeat for several)"),
+    decode_url: list[str] = typer.Option(
+        [], help="--role router: a decode worker's URL (repeat for several)"),
 ) -> None:
-    """Serve a real model with an OpenAI-compatible HTTP API until Ctrl-C or SIGTERM."""
-    from runtime.serve_config import load_serve_config
+    """Serve a real model with an OpenAI-compatible HTTP API until Ctrl-C or SIGTERM:
+    colocated, or disaggregated (prefill and decode workers behind a router)."""
+    from runtime.serve_config import ServeConfig, load_serve_config
 
     try:
-        cfg = load_serve_config(config, model=model, host=host, port=port)
+        cfg = load_serve_config(config, model=model)
+        if isinstance(cfg, ServeConfig):
+            if role is not None:
+                raise ConfigError(f"--role {role}: only a disaggregated config has roles")
+            cfg = load_serve_config(config, model=model, host=host, port=port)
+        elif role not in (None, "prefill", "decode", "router"):
+            raise ConfigError(f"--role {role!r}; allowed: prefill, decode, router")
+        elif host is not None or (port is not None and role in (None, "router")):
+            section = role if role in ("prefill", "decode") else "router"
+            moved = {"host": host} if section != "router" else {"host": host, "port": port}
+            cfg = load_serve_config(config, model=model,
+                                    **{section: {k: v for k, v in moved.items() if v is not None}})
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None
+    if isinstance(cfg, ServeConfig):
+        _serve_colocated(cfg)
+    else:
+        _serve_disaggregated(cfg, role, instance, port, bootstrap_port, prefill_url, decode_url)
+
+
+def _serve_colocated(cfg) -> None:
     from runtime.server import serve as run_server
 
     def ready(server) -> None:
@@ -115,6 +147,34 @@ def serve(
                       highlight=False)
         raise typer.Exit(1) from None
     print("pdsim serve: stopped", flush=True)
+
+
+def _serve_disaggregated(cfg, role, instance, port, bootstrap_port, prefill_url,
+                         decode_url) -> None:
+    from runtime.launcher import LaunchError, launch, serve_router
+
+    name = cfg.model_name
+    try:
+        if role in ("prefill", "decode"):
+            from runtime.pd.worker import ready_line, serve_instance
+
+            status = serve_instance(
+                cfg, role, instance, port=port, bootstrap_port=bootstrap_port,
+                on_ready=lambda a: print(ready_line(cfg, role, instance, a), flush=True))
+        elif role == "router":
+            status = serve_router(cfg, prefill_url, decode_url, on_ready=lambda url: print(
+                f"pdsim serve: router for {name} at {url}/v1", flush=True))
+        else:
+            shape = (f"{cfg.prefill.instances} prefill x tp {cfg.prefill.tp}, "
+                     f"{cfg.decode.instances} decode x tp {cfg.decode.tp}")
+            status = launch(cfg, on_ready=lambda url: print(
+                f"pdsim serve: {name} (disaggregated: {shape}) at {url}/v1", flush=True))
+    except (LaunchError, ValueError, OSError) as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    print("pdsim serve: stopped", flush=True)
+    if status:
+        raise typer.Exit(status)
 
 
 @app.command()

@@ -69,15 +69,29 @@ class DecodeScheduler(InstanceScheduler):
             if epoch != self._transfer_seen or overdue:
                 self._transfer_seen = epoch
                 self._pop_transferred(now)
-        self._merge_prebuilt(now)
+        if self.prebuilt:
+            self._merge_prebuilt(now)
         # Retracted requests recompute first; decode otherwise.
-        return self._plan_extend(now) or self._plan_decode(now)
+        return (self.waiting and self._plan_extend(now)) or self._plan_decode(now)
 
     def next_deadline_s(self, now: float) -> float | None:
         return next_deadline(self.transfer, self.config.waiting_timeout_s, now)
 
     def _num_decoding(self) -> int:
         return len(self.running) + len(self.transfer) + len(self.prebuilt) + len(self.waiting)
+
+    def abort(self, rid: str, reason: str, now: float) -> bool:
+        """Also searches the prealloc, transfer and prebuilt queues; a request still waiting for
+        its KV aborts its receiver, so the prefill side stops sending."""
+        for queue in (self.prealloc, self.transfer, self.prebuilt):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    if queue is not self.prebuilt:
+                        req.receiver.abort(reason)
+                    self._fail(req, reason, now)
+                    return True
+        return super().abort(rid, reason, now)
 
     # ----- prealloc --------------------------------------------------------------------------
 

@@ -90,6 +90,30 @@ class PrefillScheduler(InstanceScheduler):
                 self.waiting.append(req)
         self.bootstrap = still
 
+    def abort(self, rid: str, reason: str, now: float) -> bool:
+        """Also searches the bootstrap and inflight queues; the sender is aborted, so the decode
+        side fails the request too."""
+        for req in self.bootstrap:
+            if req.rid == rid:
+                self.bootstrap.remove(req)
+                req.sender.abort(reason)
+                self._drop_bootstrapping(req, reason, now)
+                return True
+        for req in self.inflight:
+            if req.rid == rid:
+                self.inflight.remove(req)
+                req.sender.abort(reason)
+                self._fail(req, reason, now)
+                return True
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self.pending_tokens -= req.input_len - req.computed_tokens
+                req.sender.abort(reason)
+                self._fail(req, reason, now)
+                return True
+        return False
+
     def _drop_bootstrapping(self, req: Request, reason: str, now: float) -> None:
         self.pending_tokens -= req.input_len
         self._fail(req, reason, now)

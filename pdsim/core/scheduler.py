@@ -69,7 +69,7 @@ class InstanceScheduler:
 
     def step(self, now: float) -> Batch | None:
         """Advance the queues and plan the next forward: prefill first, else decode."""
-        return self._plan_extend(now) or self._plan_decode(now)
+        return (self.waiting and self._plan_extend(now)) or self._plan_decode(now)
 
     def _plan_extend(self, now: float) -> Batch | None:
         if not self.waiting:
@@ -220,10 +220,10 @@ class InstanceScheduler:
         self._finish(req, now)
 
     def abort(self, rid: str, reason: str, now: float) -> bool:
-        """Fail request `rid` if it is in the waiting queue or the running batch (its client went
-        away, say): its pages and slots return to their pools and it goes to `done`. Returns
-        whether it was found. Call it between forwards, never while a batch holding the request
-        is being executed. PD schedulers' own queues are not searched."""
+        """Fail request `rid` wherever it is queued (its client went away, say): its pages and
+        slots return to their pools and it goes to `done`; a PD scheduler also aborts its
+        sender or receiver, so the other side learns. Returns whether it was found. Call it
+        between forwards, never while a batch holding the request is being executed."""
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)

@@ -72,8 +72,9 @@ class SimResult:
 
 class SimInstance:
     def __init__(self, env: simpy.Environment, schedulers: Sequence[InstanceScheduler],
-                 cost: CostModel, on_done: Callable[[Request], None]):
+                 cost: CostModel, on_done: Callable[[Request], None], wakes_on_arrival: bool):
         self.env = env
+        self.wakes_on_arrival = wakes_on_arrival
         self.schedulers = list(schedulers)
         self.cost = cost
         self.on_done = on_done
@@ -82,6 +83,15 @@ class SimInstance:
         self._wake: simpy.Event | None = None
         self._timer_at = math.inf  # when the pending timeout wake-up fires
         env.process(self._run())
+
+    def admitted(self) -> None:
+        """A request was just added. A PD scheduler has nothing to run for it until its transfer
+        endpoint makes progress, which wakes the instance anyway; only a request refused at
+        once needs handing on now. A colocated one may have work: wake it."""
+        if self.wakes_on_arrival:
+            self.notify()
+        else:
+            self._drain()
 
     def notify(self) -> None:
         if self._wake is not None and not self._wake.triggered:
@@ -171,7 +181,8 @@ class Simulation:
                 cls = PrefillScheduler if kind == "prefill" else DecodeScheduler
                 scheds.append(cls(role.scheduler, kv, i))
             on_done = self._prefill_done if kind == "prefill" else self._request_done
-            inst = SimInstance(self.env, scheds, role.cost(), on_done)
+            inst = SimInstance(self.env, scheds, role.cost(), on_done,
+                               wakes_on_arrival=kind == "colocated")
             holder.append(inst)
             insts.append(inst)
         self.instances.extend(insts)
@@ -205,9 +216,9 @@ class Simulation:
                 pre = self.prefills[p]
                 preq = Request(rid, n_in, n_out, arrival_s=now, bootstrap_room=room)
                 pre.schedulers[dp_rank_for_room(room, len(pre.schedulers))].add_request(preq, now)
-                pre.notify()
+                pre.admitted()
             dec.schedulers[dp_rank_for_room(room, len(dec.schedulers))].add_request(dreq, now)
-            dec.notify()
+            dec.admitted()
 
     def run(self, arrival_s: np.ndarray, input_tokens: np.ndarray, output_tokens: np.ndarray) -> SimResult:
         self._num_requests = len(arrival_s)
