@@ -1,10 +1,16 @@
-"""The serving engine: one thread drives the core `ColocatedScheduler` with a `ModelExecutor`.
+"""The serving engine: one thread drives a core scheduler with a `ModelExecutor`.
 
-The loop is the core's driver contract, on a monotonic wall clock whose zero is `start()`:
+The scheduler is the colocated baseline's `ColocatedScheduler` unless another one is given (the
+PD workers pass a `PrefillScheduler` or `DecodeScheduler`, see runtime/pd/engine.py). The loop
+is the core's driver contract, on a monotonic wall clock whose zero is `start()`:
 
-    batch = sched.step(now)            # None: nothing to run, sleep until a request arrives
+    now = sync()                       # take new requests and aborts from the inbox
+    batch = sched.step(now)            # None: nothing to run, sleep until something happens
     result = executor.execute(batch)   # a torch forward, measured
     sched.on_batch_done(batch, result, now)
+
+`_sync` and `_idle_timeout` are the hooks a subclass changes (the PD engine broadcasts the
+inbox to its tensor-parallel ranks and reduces their transfer polls there).
 
 Other threads talk to the engine only through its inbox (`submit`, `abort`, `call`), which the
 loop drains between forwards, so the scheduler and the executor are touched by the engine
@@ -35,7 +41,7 @@ from pdsim.core.batch import Batch
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.records import RequestRecord
 from pdsim.core.request import Request
-from pdsim.core.scheduler import ColocatedScheduler
+from pdsim.core.scheduler import ColocatedScheduler, InstanceScheduler
 from runtime.executor import ModelExecutor, save_table
 from runtime.sampling import SamplingParams
 from runtime.serve_metrics import ServeMetrics
@@ -71,19 +77,32 @@ class EngineStopped(RuntimeError):
 class _Stream:
     req: Request
     sink: Sink
+    top_logprobs: int = 0  # top logprobs asked for per token
     pushed: int = 0  # output tokens already sent to the sink
+    rejected: bool = False  # refused when it arrived (it can never run here)
+
+
+# Request fields a submitter may set beyond the prompt and sampling (PD: where the two sides meet).
+REQUEST_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 class Engine:
+    """`scheduler`: the core scheduler to drive (built with `config`); default a
+    `ColocatedScheduler(config, instance_id)`."""
+
     def __init__(self, executor: ModelExecutor, config: SchedulerConfig, *, instance_id: int = 0,
-                 max_records: int = 100_000, metrics: ServeMetrics | None = None) -> None:
+                 scheduler: InstanceScheduler | None = None, max_records: int = 100_000,
+                 metrics: ServeMetrics | None = None) -> None:
         if (config.num_pages, config.page_size) != (executor.kv.num_pages, executor.page_size):
             raise ValueError(
                 f"scheduler pool {config.num_pages} pages x {config.page_size} tokens differs from "
                 f"the executor's KV cache {executor.kv.num_pages} x {executor.page_size}")
+        if scheduler is not None and scheduler.config != config:
+            raise ValueError("the scheduler was built with another SchedulerConfig than the "
+                             "engine's")
         self.executor = executor
         self.config = config
-        self.sched = ColocatedScheduler(config, instance_id)
+        self.sched = scheduler if scheduler is not None else ColocatedScheduler(config, instance_id)
         self.metrics = metrics or ServeMetrics()
         self.records: deque[RequestRecord] = deque(maxlen=max_records)
         self._streams: dict[str, _Stream] = {}
@@ -118,6 +137,11 @@ class Engine:
             if self._thread.is_alive():
                 raise RuntimeError(f"the engine thread did not stop within {timeout} s")
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the engine thread ends (after `stop()`, or a TP peer's stop)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
     async def shutdown(self) -> None:
         """`stop()` without blocking the calling event loop."""
         await asyncio.get_running_loop().run_in_executor(None, self.stop)
@@ -137,13 +161,17 @@ class Engine:
 
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, sink: Sink, *,
                sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = (),
-               top_logprobs: int = 0, rid: str | None = None) -> str:
-        """Queue a request; its tokens go to `sink`. Returns its id. Raises ValueError for a
+               top_logprobs: int = 0, rid: str | None = None, **fields: Any) -> str:
+        """Queue a request; its tokens go to `sink`. Returns its id. `fields` sets the
+        `REQUEST_FIELDS` (a PD worker's bootstrap host, port and room). Raises ValueError for a
         malformed request and `EngineStopped` once the engine stops."""
+        unknown = sorted(set(fields) - set(REQUEST_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown request fields {unknown}; allowed: {list(REQUEST_FIELDS)}")
         rid = rid or uuid.uuid4().hex
         req = Request(rid, len(prompt_ids), max_new_tokens, arrival_s=self.now(),
                       prompt_ids=list(prompt_ids), stop_token_ids=frozenset(stop_token_ids),
-                      sampling=sampling)
+                      sampling=sampling, **fields)
         self._post("add", (req, sink, top_logprobs))
         return rid
 
@@ -173,21 +201,24 @@ class Engine:
 
     def _run(self) -> None:
         while True:
-            self._drain_inbox()
-            if self._stopping:
+            now, stop = self._sync()
+            if stop:
                 break
             try:
-                batch = self.sched.step(self.now())
+                batch = self.sched.step(now)
             except Exception as exc:  # a core invariant broke: fail what is there, go on
                 log.exception("scheduler step failed")
                 self._fail_all(f"scheduler error: {exc}")
                 continue
+            self._after_step()
             if batch is None:
                 self._finish_done()
                 self._update_gauges()
                 with self._cond:
                     if not self._inbox and not self._stopping:
-                        self._cond.wait(None if self.sched.is_idle else 0.01)
+                        timeout = self._idle_timeout(now)
+                        if timeout is None or timeout > 0:
+                            self._cond.wait(timeout)
                 continue
             try:
                 result = self.executor.execute(batch)
@@ -206,37 +237,59 @@ class Engine:
         self._fail_all("server shutting down")
         self._update_gauges()
 
-    def _drain_inbox(self) -> None:
-        while True:
-            with self._cond:
-                if not self._inbox:
-                    return
-                kind, item = self._inbox.popleft()
-            if kind == "add":
-                self._add(*item)
-            elif kind == "abort":
-                rid, reason = item
-                if rid in self._streams:
-                    self.sched.abort(rid, reason, self.now())
-                    self._finish_done()
-            else:
-                fn, fut = item
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn())
-                    except BaseException as exc:  # handed to the caller
-                        fut.set_exception(exc)
+    # ---- hooks (the PD engine's differ) --------------------------------------------------------
 
-    def _add(self, req: Request, sink: Sink, top_logprobs: int) -> None:
+    def _sync(self) -> tuple[float, bool]:
+        """Start an iteration: apply what the inbox holds; returns (now, whether to stop)."""
+        now = self.now()
+        for kind, item in self._take_inbox():
+            self._apply(kind, item, now)
+        return now, self._stopping
+
+    def _after_step(self) -> None:
+        """After `sched.step`, before the forward (the PD engine streams first tokens here)."""
+
+    def _idle_timeout(self, now: float) -> float | None:
+        """How long to sleep when there is nothing to run (None: until the inbox gets
+        something; 0: do not sleep)."""
+        return None if self.sched.is_idle else 0.01
+
+    # ---- the inbox, applied (engine thread) ----------------------------------------------------
+
+    def _take_inbox(self) -> list[tuple[str, Any]]:
+        with self._cond:
+            items = list(self._inbox)
+            self._inbox.clear()
+        return items
+
+    def _apply(self, kind: str, item: Any, now: float) -> None:
+        if kind == "add":
+            self._add(*item, now)
+        elif kind == "abort":
+            rid, reason = item
+            if rid in self._streams:
+                self.sched.abort(rid, reason, now)
+                self._finish_done()
+        else:
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # handed to the caller
+                    fut.set_exception(exc)
+
+    def _add(self, req: Request, sink: Sink, top_logprobs: int, now: float) -> None:
         if req.rid in self._streams:
             deliver(sink, StreamEvent(finished=True, error=f"request id {req.rid!r} is in use",
-                                    prompt_tokens=req.input_len))
+                                      prompt_tokens=req.input_len, status=409))
             return
-        self._streams[req.rid] = _Stream(req, sink)
+        stream = self._streams[req.rid] = _Stream(req, sink, top_logprobs)
         if top_logprobs:
             self.executor.want_top_logprobs(req.rid, top_logprobs)
-        self.sched.add_request(req, self.now())
-        self._finish_done()  # the core rejects requests longer than the KV pool at once
+        self.sched.add_request(req, now)
+        # The core fails a request it can never hold (longer than the KV pool) at once.
+        stream.rejected = req.finished
+        self._finish_done()
 
     def _batch_failed(self, batch: Batch, reason: str) -> None:
         """Fail the requests of a batch whose forward raised; the others go on."""
@@ -253,8 +306,12 @@ class Engine:
 
     def _fail_all(self, reason: str) -> None:
         now = self.now()
-        for rid in [r.rid for r in self.sched.waiting] + [r.rid for r in self.sched.running.reqs]:
-            self.sched.abort(rid, reason, now)
+        for rid, stream in list(self._streams.items()):
+            if not self.sched.abort(rid, reason, now) and not stream.req.finished:
+                # In no queue (a core invariant broke mid-step): end its stream all the same.
+                del self._streams[rid]
+                deliver(stream.sink, StreamEvent(finished=True, error=reason,
+                                                 prompt_tokens=stream.req.input_len))
         self._finish_done()
 
     def _push_new(self, reqs) -> None:
@@ -270,6 +327,10 @@ class Engine:
         ids = tuple(req.output_ids[stream.pushed:])
         lps = tuple(req.output_logprobs[stream.pushed:])
         top = tuple(tuple(t) for t in self.executor.take_top_logprobs(req.rid))
+        if stream.top_logprobs and len(top) < len(ids):
+            # A token that no local forward sampled (a PD decode worker's first token, which
+            # came in the KV metadata) has no top logprobs: an empty entry keeps them aligned.
+            top = ((),) * (len(ids) - len(top)) + top
         stream.pushed = len(req.output_ids)
         return StreamEvent(ids, lps, top, prompt_tokens=req.input_len, **final)
 
@@ -292,20 +353,24 @@ class Engine:
                     reason = "length"
                 deliver(stream.sink, self._new_tokens(
                     stream, finished=True, finish_reason=reason, error=req.error or None,
-                    completion_tokens=req.num_output))
+                    completion_tokens=req.num_output,
+                    status=400 if stream.rejected and req.error else None))
             self.executor.release(req.rid)
 
     def _update_gauges(self) -> None:
+        self.metrics.set_gauges(self._gauges())
+
+    def _gauges(self) -> dict[str, float]:
         s = self.sched
         used = s.pool.num_used
-        self.metrics.set_gauges({
+        return {
             "pdsim_num_requests_running": len(s.running),
             "pdsim_num_requests_waiting": len(s.waiting),
             "pdsim_kv_pages_used": used,
             "pdsim_kv_pages_total": s.pool.size,
             "pdsim_kv_usage_ratio": used / s.pool.size,
             "pdsim_request_slots_used": s.req_slots.num_used,
-        })
+        }
 
     # ---- results -----------------------------------------------------------------------------
 

@@ -61,18 +61,20 @@ class ModelExecutor:
 
     vocab_limit: sample only among the first `vocab_limit` ids (the tokenizer's vocabulary, when
         the model's embedding table is larger); None samples over the whole vocabulary.
+    tp_size: the tensor-parallel size `model` was sharded for (`apply_tp`): a GQA cache then
+        holds this rank's `max(1, num_kv_heads // tp_size)` heads.
     max_timings: forwards whose timing is kept (the oldest are dropped beyond it).
     """
 
     def __init__(self, model: CausalLM, *, num_pages: int, page_size: int, seed: int = 0,
                  vocab_limit: int | None = None, kv_dtype: torch.dtype | None = None,
-                 max_timings: int = 1_000_000) -> None:
+                 tp_size: int = 1, max_timings: int = 1_000_000) -> None:
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
         self.page_size = page_size
         self.kv = PagedKVCache.for_model(self.config, num_pages=num_pages, page_size=page_size,
-                                         dtype=kv_dtype, device=self.device)
+                                         tp_size=tp_size, dtype=kv_dtype, device=self.device)
         if vocab_limit is not None and not 0 < vocab_limit <= self.config.vocab_size:
             raise ValueError(f"vocab_limit={vocab_limit}; must be in 1..{self.config.vocab_size}")
         self.vocab_limit = vocab_limit

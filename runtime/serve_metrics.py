@@ -65,9 +65,14 @@ class Histogram:
 
 
 class ServeMetrics:
-    """Everything `/metrics` shows. The engine calls `observe_*`; the server calls `render`."""
+    """Everything `/metrics` shows. The engine calls `observe_*`; the server calls `render`.
 
-    def __init__(self) -> None:
+    `gauges` names the gauges shown (name -> help), `GAUGES` unless given (the PD workers add
+    their transfer queues).
+    """
+
+    def __init__(self, gauges: dict[str, str] | None = None) -> None:
+        self.gauge_help = dict(GAUGES if gauges is None else gauges)
         self._lock = threading.Lock()
         self.requests: dict[str, int] = defaultdict(int)  # by status
         self.http: dict[tuple[str, int], int] = defaultdict(int)  # by (endpoint, code)
@@ -130,7 +135,7 @@ class ServeMetrics:
             family("pdsim_forward_seconds_total", "counter",
                    "Measured time of the model forwards, by batch kind.",
                    [({"kind": k}, self.forward_seconds.get(k, 0.0)) for k in ("decode", "extend")])
-            for name, help_ in GAUGES.items():
+            for name, help_ in self.gauge_help.items():
                 family(name, "gauge", help_, [({}, self.gauges.get(name, 0.0))])
             for name, hist, help_ in (
                 ("pdsim_time_to_first_token_seconds", self.ttft, "Time to first token."),

@@ -42,7 +42,7 @@ from aiohttp import web
 
 from runtime.engine import Engine, EngineStopped, StreamEvent
 from runtime.sampling import SamplingParams
-from runtime.serve_config import ServeConfig
+from runtime.serve_config import PDServeConfig, ServeConfig
 from runtime.serve_metrics import CONTENT_TYPE, ServeMetrics
 from runtime.tokenizer import ByteTokenizer, StreamDecoder, Tokenizer
 
@@ -700,30 +700,40 @@ def _usage(event: StreamEvent) -> dict:
 # ---- building and running -------------------------------------------------------------------
 
 
-def build_server(config: ServeConfig) -> OpenAIServer:
-    """Load the model and tokenizer, size the KV cache, build the engine and the server (none
-    started yet)."""
-    import torch
+@dataclass(frozen=True)
+class TextSide:
+    """What turns requests into token ids and back, for a served model."""
 
-    from runtime.executor import ModelExecutor
-    from runtime.model import ModelConfig, build_model, load_model
-    from runtime.tokenizer import HFTokenizer
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    eos_ids: list[int]
 
-    if config.device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    else:
-        device = config.device
-    template = ChatTemplate()
-    eos_ids: list[int] = []
+    def vocab_limit(self, model_vocab: int) -> int:
+        """Sample among the tokenizer's ids only (the tiny presets have more model ids)."""
+        return min(self.tokenizer.vocab_size, model_vocab)
+
+
+def model_config_of(config: ServeConfig | PDServeConfig):
+    """The `ModelConfig` a serve config names (the preset or the checkpoint's config.json), with
+    its dtype override; no weights are loaded."""
+    from runtime.model import ModelConfig
+
     if config.is_preset:
         model_cfg = ModelConfig.preset(config.model)
-        if config.dtype is not None:
-            model_cfg = model_cfg.with_(dtype=config.dtype)
-        model = build_model(model_cfg, seed=config.seed, device=device)
-        directory = None
     else:
-        directory = Path(config.model).expanduser()
-        model = load_model(directory, device=device, dtype=config.dtype)
+        model_cfg = ModelConfig.from_hf_config(Path(config.model).expanduser())
+    return model_cfg.with_(dtype=config.dtype) if config.dtype is not None else model_cfg
+
+
+def load_text_side(config: ServeConfig | PDServeConfig, model_vocab: int) -> TextSide:
+    """The tokenizer (the config's, the checkpoint's tokenizer.json, else byte-level), the chat
+    template and the EOS ids of a served model."""
+    from runtime.tokenizer import HFTokenizer
+
+    template = ChatTemplate()
+    eos_ids: list[int] = []
+    directory = None if config.is_preset else Path(config.model).expanduser()
+    if directory is not None:
         eos_ids = _generation_eos(directory)
     tok_path = config.tokenizer
     if tok_path is None and directory is not None and (directory / "tokenizer.json").is_file():
@@ -736,16 +746,44 @@ def build_server(config: ServeConfig) -> OpenAIServer:
         tokenizer = ByteTokenizer()
         if directory is not None:
             template = ChatTemplate.from_tokenizer_config(directory)
-    mcfg = model.config
-    if tokenizer.vocab_size > mcfg.vocab_size and tok_path is None:
-        raise ValueError(f"model {config.model}: vocab_size {mcfg.vocab_size} cannot hold the "
+    if tokenizer.vocab_size > model_vocab and tok_path is None:
+        raise ValueError(f"model {config.model}: vocab_size {model_vocab} cannot hold the "
                          f"byte tokenizer's {tokenizer.vocab_size} ids; give a tokenizer")
     if tokenizer.eos_id is not None and tokenizer.eos_id not in eos_ids:
         eos_ids.append(tokenizer.eos_id)
+    return TextSide(tokenizer, template, eos_ids)
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> cuda when available, else cpu."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_served_model(config: ServeConfig | PDServeConfig, device: str):
+    """The model a serve config names: a preset's seeded random weights, or a checkpoint."""
+    from runtime.model import build_model, load_model
+
+    if config.is_preset:
+        return build_model(model_config_of(config), seed=config.seed, device=device)
+    return load_model(Path(config.model).expanduser(), device=device, dtype=config.dtype)
+
+
+def build_server(config: ServeConfig) -> OpenAIServer:
+    """Load the model and tokenizer, size the KV cache, build the engine and the server (none
+    started yet)."""
+    from runtime.executor import ModelExecutor
+
+    model = load_served_model(config, resolve_device(config.device))
+    mcfg = model.config
+    text = load_text_side(config, mcfg.vocab_size)
+    tokenizer, template, eos_ids = text.tokenizer, text.chat_template, text.eos_ids
     sched_cfg = config.scheduler_config()
     executor = ModelExecutor(model, num_pages=config.num_pages, page_size=config.page_size,
-                             seed=config.seed,
-                             vocab_limit=min(tokenizer.vocab_size, mcfg.vocab_size))
+                             seed=config.seed, vocab_limit=text.vocab_limit(mcfg.vocab_size))
     executor.warmup()
     engine = Engine(executor, sched_cfg, max_records=config.max_records)
     limits = Limits(max_model_len=min(sched_cfg.pool_tokens, mcfg.max_position),

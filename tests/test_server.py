@@ -415,9 +415,15 @@ def test_serve_config_errors_name_file_field_value_and_allowed(tmp_path):
     text = str(info.value)
     assert str(bad) in text and "scheduler.max_running: unknown key" in text
     assert "max_running_requests" in text and "port:" in text and "(got -1)" in text
-    bad.write_text("mode: disaggregated\n")
-    with pytest.raises(ConfigError, match="mode.*'colocated'.*got 'disaggregated'"):
+    bad.write_text("mode: split\n")
+    with pytest.raises(ConfigError, match="mode: unknown mode.*'split'.*colocated, disaggregated"):
         load_serve_config(bad)
+    bad.write_text("mode: disaggregated\nprefill: {tp: 0}\nnum_pages: 8\n")
+    with pytest.raises(ConfigError) as info:
+        load_serve_config(bad)
+    text = str(info.value)
+    assert "prefill.tp: Input should be greater than or equal to 1 (got 0)" in text
+    assert "num_pages: unknown key (allowed: " in text and "prefill, router" in text
     with pytest.raises(ConfigError, match="model: .*allowed: tiny-llama, tiny-mla"):
         load_serve_config(None, model="no-such-model")
     cfg = load_serve_config(REPO / "experiments" / "real_colocated.yaml", port=0)

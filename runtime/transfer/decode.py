@@ -40,6 +40,8 @@ class _Peer:
 class _Room(RoomState):
     peers: list[_Peer] = field(default_factory=list)
     succeeded: set[int] = field(default_factory=set)  # prefill tp ranks that reported success
+    resolving: bool = True  # the bootstrap lookup is still running
+    forgotten: bool = False  # its receiver is gone: drop the room once the lookup ends
 
 
 def _endpoint(reg: RankRegistration) -> str:
@@ -120,6 +122,12 @@ class DecodeSide:
 
     def forget(self, room: int) -> None:
         with self._lock:
+            r = self._rooms.get(room)
+            if r is not None and r.resolving:
+                # The lookup still has to tell the prefill ranks if the room was aborted
+                # meanwhile (a request refused or cancelled during its handshake).
+                r.forgotten = True
+                return
             self._rooms.pop(room, None)
 
     # ---- messages from prefill ranks ---------------------------------------------------------
@@ -186,6 +194,7 @@ class DecodeSide:
                 r = self._rooms.get(room)
                 if r is not None:
                     self._update(r, KVPoll.Failed, f"bootstrap with {host}:{port} failed: {exc}")
+                    self._resolved(room, r)
             return
         with self._lock:
             r = self._rooms.get(room)
@@ -195,8 +204,15 @@ class DecodeSide:
             aborted = r.state is KVPoll.Failed
             self._update(r, KVPoll.WaitingForInput)
             reason = r.reason
+            self._resolved(room, r)
         if aborted:  # the receiver gave up while we were looking the peers up
             self._tell_abort(room, reason, peers)
+
+    def _resolved(self, room: int, r: _Room) -> None:
+        """The lookup ended (the caller holds `_lock`): a forgotten room goes now."""
+        r.resolving = False
+        if r.forgotten:
+            del self._rooms[room]
 
     def _resolve(self, room: int, host: str, port: int) -> list[_Peer]:
         server = self._server(host, port)

@@ -96,6 +96,12 @@ class MooncakeKVManager:
         """Changes (after the fact) whenever any sender's or receiver's poll may answer anew."""
         return self._epoch.value
 
+    def on_progress(self, callback) -> None:
+        """Call `callback()` after every change of `poll_epoch()`, so a driver can sleep until
+        something happens. It runs on a transfer thread, with the backend's locks held: it must
+        be quick (set an event, notify a condition) and must not call the manager."""
+        self._epoch.listen(callback)
+
     def create_sender(self, req) -> MooncakeKVSender:
         return MooncakeKVSender(self.prefill, req.bootstrap_room)
 

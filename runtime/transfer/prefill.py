@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +30,8 @@ from runtime.transfer.messages import Abort, Heartbeat, RegisterDecode, Status, 
 from runtime.transfer.state import Epoch, RoomState
 
 log = logging.getLogger(__name__)
+
+MAX_FAILED_ROOMS = 4096  # failed rooms remembered after their sender is gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +119,7 @@ class PrefillSide:
         self._epoch = epoch
         self._lock = threading.Lock()  # guards everything below; never held across a KV write
         self._rooms: dict[int, _Room] = {}
+        self._failed: OrderedDict[int, _Room] = OrderedDict()  # forgotten failed rooms, newest last
         self._peers: dict[str, PeerPlan] = {}  # decode session id → plan
         self._peer_errors: dict[str, str] = {}
         self._last_seen: dict[str, float] = {}
@@ -182,7 +186,13 @@ class PrefillSide:
 
     def forget(self, room: int) -> None:
         with self._lock:
-            self._rooms.pop(room, None)
+            r = self._rooms.pop(room, None)
+            if r is not None and r.state is KVPoll.Failed:
+                # A decode rank that has not written yet still learns why (its transfer info
+                # gets the failure back), instead of waiting for its timeout.
+                self._failed[room] = r
+                while len(self._failed) > MAX_FAILED_ROOMS:
+                    self._failed.popitem(last=False)
 
     # ---- messages from decode ranks ----------------------------------------------------------
 
@@ -201,6 +211,10 @@ class PrefillSide:
 
     def on_transfer_info(self, msg: TransferInfo) -> None:
         with self._lock:
+            failed = self._failed.get(msg.room)
+            if failed is not None:  # this side gave up and forgot the room: say why
+                self._report(failed, [msg])
+                return
             r = self._room(msg.room)
             r.infos[msg.decode_tp_rank] = msg
             self._last_seen[msg.session_id] = time.monotonic()
@@ -221,6 +235,8 @@ class PrefillSide:
 
     def on_abort(self, msg: Abort) -> None:
         with self._lock:
+            if msg.room in self._failed:
+                return
             r = self._room(msg.room)
             if not r.done:  # the decode side already knows: no status back
                 self._update(r, KVPoll.Failed, f"decode side aborted: {msg.reason}")

@@ -3,21 +3,32 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdsim.core.kvpoll import KVPoll, advance
 
 
 class Epoch:
-    """`KVManager.poll_epoch`: bumped (after the change) whenever any room's state changes."""
+    """`KVManager.poll_epoch`: bumped (after the change) whenever any room's state changes.
+
+    Listeners are called after every bump, on the bumping thread (often with a side's lock
+    held): they must be quick and must not call back into the transfer backend.
+    """
 
     def __init__(self) -> None:
         self.value = 0
         self._lock = threading.Lock()  # two racing bumps must both count
+        self._listeners: list[Callable[[], None]] = []
+
+    def listen(self, callback: Callable[[], None]) -> None:
+        self._listeners.append(callback)
 
     def bump(self) -> None:
         with self._lock:
             self.value += 1
+        for callback in self._listeners:
+            callback()
 
 
 @dataclass

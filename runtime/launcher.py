@@ -1,0 +1,247 @@
+"""`pdsim serve` for a disaggregated config: the prefill and decode workers and the router.
+
+    pdsim serve experiments/real_pd.yaml                    # everything on this machine
+    pdsim serve CONFIG --role prefill --instance 0          # one instance alone (its tp ranks)
+    pdsim serve CONFIG --role decode --instance 1
+    pdsim serve CONFIG --role router --prefill-url URL --decode-url URL
+
+`launch(config)` starts every instance as a child process (`python -m runtime.pd.worker
+--instance ...`, each in its own session, so a Ctrl-C reaches the launcher alone), waits until
+each answers `GET /health` (a prefill worker's answer names its bootstrap server), starts the
+router (runtime/router.py) in this process and prints its endpoint. On SIGINT or SIGTERM -- or
+when a worker exits on its own -- it closes the router, sends every worker SIGTERM (each stops
+its engine, its rank processes and its bootstrap server) and waits for them; a worker that has
+not exited after `stop_timeout_s` is killed. The workers also die with the launcher
+(PR_SET_PDEATHSIG), so none is left behind if it is killed outright.
+
+Ports: a role's `port` (and prefill's `bootstrap_port`) is instance 0's, instance i adds i; 0
+means a free port, picked here and handed to the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from runtime.serve_config import ROLES, PDServeConfig
+
+log = logging.getLogger(__name__)
+
+
+class LaunchError(RuntimeError):
+    """A worker did not come up."""
+
+
+@dataclass
+class WorkerProcess:
+    role: str
+    instance: int
+    url: str
+    proc: subprocess.Popen | None  # None: started elsewhere (`--role router`)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} worker {self.instance}"
+
+
+def spawn_workers(config: PDServeConfig) -> list[WorkerProcess]:
+    """Start every prefill and decode instance of `config` (not waiting for them)."""
+    from runtime.distributed import free_port
+    from runtime.pd.worker import child_env, python_command
+
+    workers: list[WorkerProcess] = []
+    try:
+        for role in ROLES:
+            spec = config.role(role)
+            for i in range(spec.instances):
+                port = config.worker_port(role, i) or free_port(spec.host)
+                payload = {"parent_pid": os.getpid(), "config": config.model_dump(mode="json"),
+                           "role": role, "instance": i, "port": port, "bootstrap_port": None}
+                if role == "prefill":
+                    payload["bootstrap_port"] = (config.bootstrap_port(i)
+                                                 or free_port(config.transfer.host))
+                proc = subprocess.Popen(python_command("instance", payload), env=child_env(),
+                                        start_new_session=True)
+                workers.append(WorkerProcess(role, i, f"http://{spec.host}:{port}", proc))
+    except BaseException:
+        from runtime.pd.worker import stop_processes
+
+        stop_processes([w.proc for w in workers])
+        raise
+    return workers
+
+
+def fetch_health(url: str, timeout_s: float = 2.0) -> dict | None:
+    """A worker's `/health` JSON, or None while it does not answer 200."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+        return None
+
+
+async def wait_healthy(workers: Sequence[WorkerProcess], stop: asyncio.Event,
+                       timeout_s: float) -> dict[str, dict] | None:
+    """Every worker's `/health` once all answer (by URL); None if `stop` was set first.
+    Raises `LaunchError` when a worker exits or `timeout_s` passes."""
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + timeout_s
+    health: dict[str, dict] = {}
+    while len(health) < len(workers):
+        for w in workers:
+            if w.url in health:
+                continue
+            if w.proc is not None and w.proc.poll() is not None:
+                raise LaunchError(f"{w.name} exited with status {w.proc.returncode} while "
+                                  "starting (see its output above)")
+            info = await loop.run_in_executor(None, fetch_health, w.url)
+            if info is not None:
+                health[w.url] = info
+        if stop.is_set():
+            return None
+        if time.monotonic() > deadline:
+            late = [w.name for w in workers if w.url not in health]
+            raise LaunchError(f"{', '.join(late)} not healthy within {timeout_s:g} s")
+        if len(health) < len(workers):
+            try:
+                await asyncio.wait_for(stop.wait(), 0.2)
+            except asyncio.TimeoutError:
+                pass
+    return health
+
+
+def make_router(config: PDServeConfig, prefill: Sequence[str], decode: Sequence[str],
+                health: dict[str, dict], seed: int | None = None):
+    """The `PDRouter` (runtime/router.py) in front of the given workers; `health` holds each
+    prefill worker's `/health` (its bootstrap server). `seed` (default: the config's) seeds the
+    router's policy and its bootstrap rooms."""
+    from runtime.router import PDRouter, WorkerAddress
+    from runtime.server import Limits, load_text_side, model_config_of
+
+    mcfg = model_config_of(config)
+    text = load_text_side(config, mcfg.vocab_size)
+    decode_pool = config.decode.num_pages * config.page_size
+    prefill_pool = config.prefill.num_pages * config.page_size
+    limits = Limits(max_model_len=min(decode_pool, mcfg.max_position),
+                    pool_tokens=min(decode_pool, prefill_pool), max_position=mcfg.max_position,
+                    model_vocab=mcfg.vocab_size)
+    pre = [WorkerAddress(url=u, bootstrap_host=health[u]["bootstrap_host"],
+                         bootstrap_port=health[u]["bootstrap_port"]) for u in prefill]
+    dec = [WorkerAddress(url=u) for u in decode]
+    return PDRouter(pre, dec, policy=config.router.policy, tokenizer=text.tokenizer,
+                    model_name=config.model_name, limits=limits,
+                    seed=config.seed if seed is None else seed,
+                    chat_template=text.chat_template, eos_ids=text.eos_ids,
+                    default_chat_max_tokens=config.default_max_tokens)
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except asyncio.TimeoutError:
+        pass
+
+
+def launch(config: PDServeConfig, *, on_ready: Callable[[str], None] | None = None,
+           startup_timeout_s: float = 300.0, stop_timeout_s: float = 30.0) -> int:
+    """Run the whole deployment until SIGINT or SIGTERM; returns the exit status (0 after a
+    signal, 1 when a worker failed). `on_ready(router_url)` is called once it serves."""
+    return asyncio.run(_launch(config, on_ready, startup_timeout_s, stop_timeout_s))
+
+
+async def _launch(config: PDServeConfig, on_ready, startup_timeout_s: float,
+                  stop_timeout_s: float) -> int:
+    from runtime.pd.worker import stop_processes
+
+    stop = _stop_event()
+    workers = spawn_workers(config)
+    router = None
+    status = 0
+    try:
+        health = await wait_healthy(workers, stop, startup_timeout_s)
+        if health is None:
+            return 0
+        prefill = [w.url for w in workers if w.role == "prefill"]
+        decode = [w.url for w in workers if w.role == "decode"]
+        router = make_router(config, prefill, decode, health)
+        await router.start(config.router.host, config.router.port)
+        if on_ready is not None:
+            on_ready(router.url)
+        while not stop.is_set():
+            await _wait(stop, 1.0)
+            dead = [w for w in workers if w.proc.poll() is not None]
+            if dead:
+                log.error("%s exited with status %s; shutting down", dead[0].name,
+                          dead[0].proc.returncode)
+                status = 1
+                break
+        return status
+    finally:
+        if router is not None:
+            await router.close()
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: stop_processes([w.proc for w in workers], timeout_s=stop_timeout_s))
+
+
+def serve_router(config: PDServeConfig, prefill_urls: Sequence[str] = (),
+                 decode_urls: Sequence[str] = (), *,
+                 on_ready: Callable[[str], None] | None = None,
+                 startup_timeout_s: float = 300.0) -> int:
+    """`--role router`: the router alone, in front of workers started elsewhere (URLs from the
+    arguments, else `router.prefill_urls` / `decode_urls`, else the roles' host and ports).
+    Its seed is fresh entropy, not the config's: routers sharing workers must not draw the same
+    bootstrap rooms."""
+
+    def urls(given: Sequence[str], configured: Sequence[str], role: str) -> list[str]:
+        if given or configured:
+            return [u.rstrip("/") for u in (given or configured)]
+        spec = config.role(role)
+        if not spec.port:
+            raise ValueError(f"--role router needs the {role} workers' URLs: give "
+                             f"--{role}-url, router.{role}_urls, or a fixed {role}.port")
+        return [f"http://{spec.host}:{spec.port + i}" for i in range(spec.instances)]
+
+    prefill = urls(prefill_urls, config.router.prefill_urls, "prefill")
+    decode = urls(decode_urls, config.router.decode_urls, "decode")
+
+    async def main() -> int:
+        stop = _stop_event()
+        pending = [WorkerProcess("prefill", i, u, None) for i, u in enumerate(prefill)]
+        pending += [WorkerProcess("decode", i, u, None) for i, u in enumerate(decode)]
+        health = await wait_healthy(pending, stop, startup_timeout_s)
+        if health is None:
+            return 0
+        for u in prefill:
+            if health[u].get("role") != "prefill" or not health[u].get("bootstrap_port"):
+                raise LaunchError(f"{u} is not a prefill worker (its /health: {health[u]})")
+        # Several routers may share these workers: each draws its rooms from its own seed.
+        router = make_router(config, prefill, decode, health,
+                             seed=random.SystemRandom().getrandbits(63))
+        await router.start(config.router.host, config.router.port)
+        try:
+            if on_ready is not None:
+                on_ready(router.url)
+            await stop.wait()
+        finally:
+            await router.close()
+        return 0
+
+    return asyncio.run(main())

@@ -1,0 +1,236 @@
+"""What the ranks of one instance agree on about their transfers: one poll snapshot per loop
+iteration.
+
+Every rank of a tensor-parallel instance runs the same core scheduler, and each rank has its own
+transfer manager whose senders and receivers progress on their own threads. If each rank's
+scheduler polled its own endpoints, the ranks would see different states at different times and
+their schedulers would drift apart. So the scheduler never polls the real endpoints: it gets
+`SnapshotKV`, a `KVManager` whose endpoints answer `poll()` from the last snapshot, and once per
+loop iteration every rank calls `refresh()`, which
+
+1. polls every live endpoint of this rank in creation order (the same order on every rank, since
+   every rank creates them at the same scheduler steps), and
+2. reduces those values with one `all_reduce_min_int` (SGLang's `poll_and_all_reduce`): a request
+   is `Success` only once it is on every rank, and one rank's `Failed` fails it everywhere.
+
+`poll_epoch()` changes exactly when a snapshot value changes, so the schedulers' skip-the-rescan
+logic sees the same epochs on every rank. An endpoint whose snapshot reaches `Success` or
+`Failed` is final and is not polled again.
+
+The decode side also reads first-token metadata, and a scheduler decision depends on it (its room
+must be the request's, else the buffer was crossed). So a receiver contributes a second value to
+the snapshot: 1 when this rank's metadata slot holds the request's room (or the KV has not
+arrived), 0 when it does not. If any rank saw a wrong room, every rank's `metadata.read` of that
+slot reports a mismatch (the wrong metadata where this rank has it, else None), so all ranks fail
+the request alike.
+
+With a single rank the collective is skipped; the snapshot is then just this rank's polls.
+
+`release(req)` closes a finished request's endpoint (the Mooncake endpoints' `close()` forgets the
+room), explicitly: the core may hold a finished request for a while (the running batch forgets
+lazily), so waiting for garbage collection would leave its room registered. An endpoint the real
+manager refuses to create (a room already in use on this rank, say) is created failed instead,
+so the request fails through the scheduler like any other transfer failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdsim.core.kvpoll import KVPoll, advance
+from pdsim.core.transfer import FirstTokenMetadata
+from runtime.distributed import TPGroup
+
+FINAL = (KVPoll.Success, KVPoll.Failed)
+OTHER_RANK = "failed on another tensor-parallel rank of this instance"
+
+
+class SnapshotMetadata:
+    """The scheduler's view of this rank's metadata slots (see the module docstring)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.disputed: dict[int, int] = {}  # slot some rank read a wrong room from -> right room
+
+    def write(self, slot: int, meta: FirstTokenMetadata) -> None:
+        self.inner.write(slot, meta)
+
+    def read(self, slot: int) -> FirstTokenMetadata | None:
+        meta = self.inner.read(slot)
+        expected = self.disputed.pop(slot, None)
+        if expected is not None and meta is not None and meta.bootstrap_room == expected:
+            return None  # right here but wrong on another rank: a mismatch all the same
+        return meta
+
+
+class _Endpoint:
+    """A sender or receiver whose `poll()` answers from the snapshot."""
+
+    width = 1  # values this endpoint adds to the snapshot
+
+    def __init__(self, kv: SnapshotKV, inner, room: int) -> None:
+        self._kv = kv
+        self.inner = inner
+        self.room = room
+        self.state = KVPoll.Bootstrapping
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL
+
+    def poll(self) -> KVPoll:
+        return self.state
+
+    def abort(self, reason: str) -> None:
+        self.inner.abort(reason)
+
+    def failure_reason(self) -> str:
+        return self.inner.failure_reason() or OTHER_RANK
+
+    def local_values(self) -> list[int]:
+        return [int(self.inner.poll())]
+
+    def take(self, values: Sequence[int]) -> bool:
+        """Adopt the reduced values; True if the snapshot state changed."""
+        new = advance(self.state, KVPoll(values[0]))
+        changed = new is not self.state
+        self.state = new
+        return changed
+
+
+class _Refused:
+    """The stand-in for an endpoint the real manager refused to create: failed from the start."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def poll(self) -> KVPoll:
+        return KVPoll.Failed
+
+    def failure_reason(self) -> str:
+        return self.reason
+
+    def init(self, num_pages: int, metadata_slot: int) -> None:
+        pass
+
+    def send(self, page_indices: Sequence[int], last: bool) -> None:
+        pass
+
+    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
+        pass
+
+    def abort(self, reason: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class SnapshotSender(_Endpoint):
+    def init(self, num_pages: int, metadata_slot: int) -> None:
+        self.inner.init(num_pages, metadata_slot)
+
+    def send(self, page_indices: Sequence[int], last: bool) -> None:
+        self.inner.send(page_indices, last)
+
+
+class SnapshotReceiver(_Endpoint):
+    width = 2  # the poll, and whether this rank's metadata slot holds our room
+
+    metadata_slot = -1
+
+    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
+        self.metadata_slot = metadata_slot
+        self.inner.send_metadata(page_indices, metadata_slot)
+
+    def local_values(self) -> list[int]:
+        poll = self.inner.poll()
+        room_ok = 1
+        if poll is KVPoll.Success:
+            meta = self._kv.metadata.inner.read(self.metadata_slot)
+            room_ok = int(meta is not None and meta.bootstrap_room == self.room)
+        return [int(poll), room_ok]
+
+    def take(self, values: Sequence[int]) -> bool:
+        changed = super().take(values)
+        if self.state is KVPoll.Success and not values[1]:
+            self._kv.metadata.disputed[self.metadata_slot] = self.room
+        return changed
+
+
+class SnapshotKV:
+    """The core's `KVManager` port over this rank's real manager `inner` (see the module
+    docstring). `group` is the instance's TP group (`TPGroup.single()` for one rank)."""
+
+    def __init__(self, inner, group: TPGroup) -> None:
+        self.inner = inner
+        self.group = group
+        self.metadata = SnapshotMetadata(inner.metadata)
+        self._live: dict[int, _Endpoint] = {}  # creation number -> endpoint, not yet released
+        self._owner: dict[int, int] = {}  # id(request) -> creation number
+        self._next = 0
+        self._epoch = 0
+        self.inner_epoch_seen = -1  # `inner.poll_epoch()` read just before the last snapshot
+
+    # ---- the port ------------------------------------------------------------------------
+
+    def poll_epoch(self) -> int:
+        return self._epoch
+
+    def create_sender(self, req) -> SnapshotSender:
+        return self._track(req, SnapshotSender(self, self._create(self.inner.create_sender, req),
+                                               req.bootstrap_room))
+
+    def create_receiver(self, req) -> SnapshotReceiver:
+        return self._track(req, SnapshotReceiver(
+            self, self._create(self.inner.create_receiver, req), req.bootstrap_room))
+
+    @staticmethod
+    def _create(make, req):
+        try:
+            return make(req)
+        except Exception as exc:  # noqa: BLE001 - the request fails, the loop goes on
+            return _Refused(f"could not start the transfer: {exc}")
+
+    # ---- the driver's side ---------------------------------------------------------------
+
+    def refresh(self) -> bool:
+        """Take the snapshot (every rank, same point of the loop). True if anything changed."""
+        self.inner_epoch_seen = self.inner.poll_epoch()  # before polling: later news is news
+        pending = [ep for ep in self._live.values() if not ep.final]
+        if not pending:  # the same on every rank, so every rank skips the collective
+            return False
+        local: list[int] = []
+        for ep in pending:
+            local.extend(ep.local_values())
+        reduced = self.group.all_reduce_min_int(local)
+        changed, i = False, 0
+        for ep in pending:
+            changed |= ep.take(reduced[i:i + ep.width])
+            i += ep.width
+        if changed:
+            self._epoch += 1
+        return changed
+
+    def release(self, req) -> None:
+        """Close a finished request's endpoint (its room is forgotten) and stop tracking it."""
+        number = self._owner.pop(id(req), None)
+        if number is not None:
+            self._live.pop(number).inner.close()
+
+    @property
+    def num_live(self) -> int:
+        """Endpoints of requests not yet released."""
+        return len(self._live)
+
+    @property
+    def num_pending(self) -> int:
+        """Endpoints whose transfer has not reached a final state on every rank."""
+        return sum(not ep.final for ep in self._live.values())
+
+    def _track(self, req, endpoint: _Endpoint) -> _Endpoint:
+        number = self._next
+        self._next += 1
+        self._live[number] = endpoint
+        self._owner[id(req)] = number
+        return endpoint

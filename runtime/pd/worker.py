@@ -1,0 +1,327 @@
+"""A prefill or decode worker instance: `tp` rank processes, one gloo TP group over loopback.
+
+    serve_instance(config, "prefill", 0)        # rank 0 here; ranks 1.. as child processes
+
+Every rank builds the same model (same seed or checkpoint) and shards it (`apply_tp`), allocates
+its slice of the paged KV cache, a metadata buffer, and a Mooncake KV manager that registers both;
+then it runs a `PDEngine` over the role's core scheduler in lock step with the other ranks. A
+prefill instance's bootstrap server runs in rank 0's process and every prefill rank registers
+with it; decode ranks look the prefill ranks up there per request, and refuse to pair with an
+instance whose page size, KV dtype or heads differ (`check_compatible`: the request fails with
+the reason). Only rank 0 talks HTTP (`WorkerServer`).
+
+Rank 0 starts ranks 1.. with `python -m runtime.pd.worker --follower JSON`; a follower dies with
+its parent (PR_SET_PDEATHSIG), ignores Ctrl-C (rank 0 stops the instance by broadcasting a stop)
+and exits when its engine loop ends. `python -m runtime.pd.worker --instance JSON` runs a whole
+instance (what the launcher starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from runtime.serve_config import PDServeConfig
+
+log = logging.getLogger(__name__)
+
+GROUP_TIMEOUT_S = 120.0  # forming the TP group, and any one collective
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Where one rank sits, and how it meets the rest of its instance."""
+
+    role: str
+    instance: int
+    rank: int
+    tp: int
+    init_method: str = ""  # tcp://HOST:PORT of the TP group's store (tp > 1)
+    bootstrap_host: str = ""  # prefill: its instance's bootstrap server
+    bootstrap_port: int = 0
+
+
+@dataclass
+class Rank:
+    """What one rank holds; `close()` releases it in order."""
+
+    spec: RankSpec
+    group: object
+    executor: object
+    manager: object
+    engine: object
+
+    def close(self) -> None:
+        self.engine.stop()
+        self.manager.close()
+        self.group.destroy(barrier=False)
+
+
+def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
+    """Model, KV cache, metadata buffer, transfer manager and engine of one rank."""
+    import torch
+
+    from runtime.executor import ModelExecutor
+    from runtime.model.tp import apply_tp
+    from runtime.pd.engine import PDEngine
+    from runtime.server import load_served_model, load_text_side, resolve_device
+    from runtime.transfer.layout import KVArgs
+    from runtime.transfer.metadata import MetadataBuffer
+    from runtime.transfer.mooncake import MooncakeConfig, MooncakeKVManager
+
+    role = config.role(spec.role)
+    torch.set_num_threads(role.threads or max(1, (os.cpu_count() or 1) // spec.tp))
+    device = resolve_device(config.device)
+    if device == "cuda":
+        check_gpu_transfer()
+        device = f"cuda:{spec.rank % torch.cuda.device_count()}"
+    model = apply_tp(load_served_model(config, device), group)
+    mcfg = model.config
+    text = load_text_side(config, mcfg.vocab_size)
+    sched_cfg = config.scheduler_config(spec.role)
+    executor = ModelExecutor(model, num_pages=sched_cfg.num_pages, page_size=config.page_size,
+                             seed=config.seed, vocab_limit=text.vocab_limit(mcfg.vocab_size),
+                             tp_size=group.size)
+    executor.warmup()  # every rank: the forward's all-reduces keep them together
+    metadata = MetadataBuffer.allocate(sched_cfg.metadata_slots)
+    args = KVArgs.for_cache(executor.kv, metadata, tp_rank=group.rank, tp_size=group.size,
+                            total_kv_heads=mcfg.num_kv_heads)
+    t = config.transfer
+    manager = MooncakeKVManager(args, MooncakeConfig(
+        host=t.host, protocol=t.protocol, device_name=t.device_name, num_workers=t.num_workers,
+        bootstrap_timeout_s=t.bootstrap_timeout_s, heartbeat_interval_s=t.heartbeat_interval_s,
+        heartbeat_timeout_s=t.heartbeat_timeout_s))
+    try:
+        if spec.role == "prefill":
+            manager.register_with_bootstrap(spec.bootstrap_host, spec.bootstrap_port)
+        engine = PDEngine(executor, sched_cfg, role=spec.role, kv_manager=manager, group=group,
+                          instance_id=spec.instance, max_records=config.max_records,
+                          poll_interval_s=t.poll_interval_s)
+    except BaseException:
+        manager.close()
+        raise
+    return Rank(spec, group, executor, manager, engine)
+
+
+def check_gpu_transfer() -> None:
+    """A KV cache in GPU memory needs Mooncake's CUDA build; the -non-cuda wheel reads host
+    memory only."""
+    from importlib import metadata
+
+    try:
+        metadata.version("mooncake-transfer-engine")
+    except metadata.PackageNotFoundError:
+        raise ValueError(
+            "device cuda puts the KV cache in GPU memory, which the installed Mooncake "
+            "(mooncake-transfer-engine-non-cuda) cannot transfer: install "
+            "mooncake-transfer-engine, or set device: cpu") from None
+
+
+def join_group(spec: RankSpec):
+    from runtime.distributed import TPGroup
+
+    if spec.tp == 1:
+        return TPGroup.single()
+    return TPGroup.join(spec.init_method, spec.rank, spec.tp, timeout_s=GROUP_TIMEOUT_S)
+
+
+# ---- processes -------------------------------------------------------------------------------
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Get SIGTERM when the parent exits (Linux); exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def python_command(mode: str, payload: dict) -> list[str]:
+    return [sys.executable, "-m", "runtime.pd.worker", f"--{mode}", json.dumps(payload)]
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a child process: this one's, with the repository importable."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else ""),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def stop_processes(procs: list[subprocess.Popen], *, grace_s: float = 0.0,
+                   timeout_s: float = 20.0) -> None:
+    """Give the processes `grace_s` to exit by themselves, then SIGTERM those still running,
+    wait up to `timeout_s`, and SIGKILL the stragglers."""
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d did not stop within %g s; killing it", proc.pid, timeout_s)
+            proc.kill()
+            proc.wait()
+
+
+def _follower_main(payload: dict) -> int:
+    die_with_parent(payload["parent_pid"])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the instance stops
+    config = PDServeConfig.model_validate(payload["config"])
+    spec = RankSpec(**payload["spec"])
+    group = join_group(spec)
+    rank = build_rank(config, spec, group)
+    rank.engine.start()
+    rank.engine.join()  # until rank 0 broadcasts the stop (or the group breaks)
+    rank.close()
+    return 0
+
+
+# ---- one instance ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InstanceAddress:
+    url: str
+    bootstrap_host: str = ""
+    bootstrap_port: int = 0
+
+
+def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
+                   port: int | None = None, bootstrap_port: int | None = None,
+                   on_ready: Callable[[InstanceAddress], None] | None = None) -> int:
+    """Run instance `instance` of `role` until SIGINT or SIGTERM (or until a rank fails);
+    returns the exit status. `port` / `bootstrap_port` override the configured ones."""
+    from runtime.bootstrap import BootstrapServer
+    from runtime.distributed import free_port
+    from runtime.model.tp import check_tp
+    from runtime.pd.http import WorkerInfo, WorkerServer
+    from runtime.server import model_config_of
+
+    spec_cfg = config.role(role)
+    if not 0 <= instance < spec_cfg.instances:
+        raise ValueError(f"{role} instance {instance}; the config has {spec_cfg.instances}")
+    check_tp(model_config_of(config), spec_cfg.tp)  # a clear error before any process starts
+    host = spec_cfg.host
+    port = config.worker_port(role, instance) if port is None else port
+    bootstrap = None
+    followers: list[subprocess.Popen] = []
+    rank = None
+    try:
+        spec = RankSpec(role, instance, 0, spec_cfg.tp)
+        if role == "prefill":
+            bport = config.bootstrap_port(instance) if bootstrap_port is None else bootstrap_port
+            bootstrap = BootstrapServer(config.transfer.host, bport).start()
+            spec = RankSpec(role, instance, 0, spec_cfg.tp, bootstrap_host=config.transfer.host,
+                            bootstrap_port=bootstrap.port)
+        if spec.tp > 1:
+            spec = RankSpec(**{**asdict(spec), "init_method": f"tcp://127.0.0.1:{free_port()}"})
+            for r in range(1, spec.tp):
+                payload = {"parent_pid": os.getpid(), "config": config.model_dump(mode="json"),
+                           "spec": {**asdict(spec), "rank": r}}
+                followers.append(subprocess.Popen(python_command("follower", payload),
+                                                  env=child_env()))
+        group = join_group(spec)
+        rank = build_rank(config, spec, group)
+        info = WorkerInfo(role=role, instance=instance, tp=spec.tp, model=config.model_name,
+                          model_vocab=rank.executor.config.vocab_size,
+                          max_position=rank.executor.config.max_position,
+                          bootstrap_host=spec.bootstrap_host, bootstrap_port=spec.bootstrap_port)
+        server = WorkerServer(rank.engine, info)
+        status = asyncio.run(_serve(server, host, port, followers, on_ready))
+    finally:
+        if rank is not None:
+            rank.engine.stop()
+        stop_processes(followers, grace_s=10.0)  # they end with rank 0's stop broadcast
+        if rank is not None:
+            rank.manager.close()
+            rank.group.destroy(barrier=False)
+        if bootstrap is not None:
+            bootstrap.stop()
+    return status
+
+
+async def _serve(server, host: str, port: int, followers: list[subprocess.Popen],
+                 on_ready: Callable[[InstanceAddress], None] | None) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start(host, port)
+    status = 0
+    try:
+        if on_ready is not None:
+            info = server.info
+            on_ready(InstanceAddress(server.url, info.bootstrap_host, info.bootstrap_port))
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+            dead = [p.pid for p in followers if p.poll() is not None]
+            if dead or not server.engine.running:
+                log.error("%s instance %d: %s; stopping", server.info.role, server.info.instance,
+                          f"rank processes {dead} exited" if dead else "the engine stopped")
+                status = 1
+                break
+    finally:
+        await server.close()
+    return status
+
+
+def ready_line(config: PDServeConfig, role: str, instance: int, address: InstanceAddress) -> str:
+    text = (f"pdsim serve: {role} worker {instance} ({config.model_name}, tp "
+            f"{config.role(role).tp}) at {address.url}")
+    if address.bootstrap_port:
+        text += f", bootstrap {address.bootstrap_host}:{address.bootstrap_port}"
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="internal: a PD worker instance or rank")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--instance", help="JSON: config, role, instance, port, bootstrap_port, "
+                      "parent_pid")
+    mode.add_argument("--follower", help="JSON: config, spec, parent_pid")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    if args.follower:
+        return _follower_main(json.loads(args.follower))
+    payload = json.loads(args.instance)
+    die_with_parent(payload["parent_pid"])
+    config = PDServeConfig.model_validate(payload["config"])
+    role, instance = payload["role"], payload["instance"]
+    return serve_instance(
+        config, role, instance, port=payload["port"], bootstrap_port=payload.get("bootstrap_port"),
+        on_ready=lambda a: print(ready_line(config, role, instance, a), flush=True))
+
+
+def exit_now(status: int) -> None:
+    """Leave without the interpreter's teardown. Everything was released explicitly above;
+    what is left is Mooncake's transfer engine, whose destructor alone holds an exiting
+    process up for about a second."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    exit_now(main())

@@ -1,0 +1,177 @@
+"""Real PD workers for tests: instances as subprocesses (`python -m runtime.pd.worker`), and a
+client that talks to them exactly as the router does (the same request to both sides, the decode
+side's SSE stream read to its end)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from runtime.distributed import free_port
+from runtime.pd.worker import child_env, python_command, stop_processes
+from runtime.serve_config import PDServeConfig
+
+
+def pd_config(model: str, **changes) -> PDServeConfig:
+    """A small deployment on CPU: pages of 8 tokens, chunks of 32, fast heartbeats."""
+    base = dict(
+        model=model, seed=3, page_size=8, device="cpu",
+        scheduler=dict(max_running_requests=8, max_prefill_tokens=64, chunked_prefill_size=32,
+                       num_reserved_decode_tokens=8),
+        prefill=dict(num_pages=64, metadata_slots=16, threads=1),
+        decode=dict(num_pages=128, metadata_slots=16, threads=1),
+        transfer=dict(heartbeat_interval_s=0.5, heartbeat_timeout_s=10.0,
+                      bootstrap_timeout_s=30.0, waiting_timeout_s=30.0))
+    for key, value in changes.items():
+        base[key] = {**base[key], **value} if isinstance(value, dict) else value
+    return PDServeConfig.model_validate(base)
+
+
+@dataclass
+class Worker:
+    role: str
+    tp: int
+    url: str
+    proc: subprocess.Popen
+    bootstrap_port: int = 0
+
+    def get(self, path: str, timeout: float = 10.0):
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as resp:
+            return json.loads(resp.read())
+
+    def pools(self) -> dict:
+        return self.get("/pools")
+
+    def wait_pools_full(self, timeout_s: float = 15.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = self.pools()
+            if state["full"] or time.monotonic() > deadline:
+                return state
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        stop_processes([self.proc], timeout_s=20)
+
+
+def start_worker(config: PDServeConfig, role: str, *, bootstrap_port: int | None = None,
+                 instance: int = 0) -> Worker:
+    port = free_port()
+    bport = free_port() if role == "prefill" and bootstrap_port is None else bootstrap_port
+    payload = {"parent_pid": os.getpid(), "config": config.model_dump(mode="json"), "role": role,
+               "instance": instance, "port": port, "bootstrap_port": bport}
+    env = {**child_env(), "PDSIM_KERNEL_BACKEND": "torch", "GLOG_minloglevel": "2"}
+    proc = subprocess.Popen(python_command("instance", payload), env=env,
+                            stdout=subprocess.DEVNULL)
+    return Worker(role, config.role(role).tp, f"http://127.0.0.1:{port}", proc, bport or 0)
+
+
+def stop_workers(workers) -> None:
+    """SIGTERM them all at once; each stops its engine, rank processes and bootstrap server."""
+    stop_processes([w.proc for w in workers], timeout_s=20)
+
+
+def wait_healthy(workers: list[Worker], timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for w in workers:
+        while True:
+            assert w.proc.poll() is None, f"{w.role} worker exited with {w.proc.returncode}"
+            try:
+                if w.get("/health", timeout=2)["status"] == "ok":
+                    break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            assert time.monotonic() < deadline, f"{w.role} worker not healthy in time"
+            time.sleep(0.1)
+
+
+@dataclass
+class Outcome:
+    """Both sides' answers to one request."""
+
+    prefill_status: int
+    prefill_body: dict
+    decode_status: int
+    events: list[dict] = field(default_factory=list)  # the SSE events (decode status 200)
+    decode_body: dict | None = None  # the JSON error (decode status != 200)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for e in self.events for t in e["token_ids"]]
+
+    @property
+    def last(self) -> dict:
+        return self.events[-1]
+
+    @property
+    def error(self) -> str | None:
+        if self.decode_body is not None:
+            return self.decode_body["error"]["message"]
+        return self.events[-1]["error"] if self.events else None
+
+
+def body(rid: str, ids: list[int], max_new: int, prefill: Worker, *, room: int | None = None,
+         **extra) -> dict:
+    return {"rid": rid, "input_ids": ids, "max_new_tokens": max_new,
+            "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None},
+            "stop_token_ids": [], "top_logprobs": 0, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": prefill.bootstrap_port,
+            "bootstrap_room": random.getrandbits(63) if room is None else room, **extra}
+
+
+async def post_prefill(session: aiohttp.ClientSession, worker: Worker, b: dict):
+    async with session.post(worker.url + "/generate", json=b) as resp:
+        return resp.status, await resp.json()
+
+
+async def post_decode(session: aiohttp.ClientSession, worker: Worker, b: dict):
+    async with session.post(worker.url + "/generate", json=b) as resp:
+        if resp.status != 200:
+            return resp.status, [], await resp.json()
+        events, done = [], False
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            events.append(json.loads(data))
+        assert done, "the stream ended without [DONE]"
+        return 200, events, None
+
+
+async def generate_many(prefill: Worker, decode: Worker, bodies: list[dict]) -> list[Outcome]:
+    """Post every request to both sides at once, like the router; wait for all answers."""
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def one(b: dict) -> Outcome:
+            (ps, pb), (ds, events, db) = await asyncio.gather(
+                post_prefill(session, prefill, b), post_decode(session, decode, b))
+            return Outcome(ps, pb, ds, events, db)
+
+        return list(await asyncio.gather(*(one(b) for b in bodies)))
+
+
+def generate(prefill: Worker, decode: Worker, bodies: list[dict]) -> list[Outcome]:
+    return asyncio.run(generate_many(prefill, decode, bodies))
+
+
+def post_json(url: str, payload: dict, timeout: float = 60.0) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())

@@ -1,0 +1,303 @@
+"""The failure edges of disaggregated serving (DESIGN.md), on real workers over loopback: bootstrap
+and waiting-for-KV timeouts, aborts and refusals reaching the other side, a decode worker killed
+mid-run (its requests fail with the reason; prefill goes on with a fresh decode worker), and a
+crossed metadata slot. After each, every page, request slot and metadata slot is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+import re
+import signal
+import threading
+import time
+from dataclasses import replace
+
+import aiohttp
+import pytest
+
+from pd_harness import (
+    body, generate, pd_config, post_decode, post_json, post_prefill, start_worker, stop_workers,
+    wait_healthy,
+)
+
+TIMEOUT_S = 3.0
+HEARTBEAT_TIMEOUT_S = 1.5
+
+
+def config(**changes):
+    """A prefill pool of 128 tokens, a decode pool of 512, and short timeouts."""
+    base = dict(prefill={"num_pages": 16}, decode={"num_pages": 64},
+                transfer={"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+                          "bootstrap_timeout_s": TIMEOUT_S, "waiting_timeout_s": TIMEOUT_S})
+    return pd_config("tiny-llama", **{**base, **changes})
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 259) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cfg = config()
+    workers = {"prefill": start_worker(cfg, "prefill"), "decode": start_worker(cfg, "decode")}
+    try:
+        wait_healthy(list(workers.values()))
+        yield cfg, workers
+    finally:
+        stop_workers(list(workers.values()))
+
+
+def wait_queue(worker, name: str, n: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while worker.get("/load")["queues"][name] != n:
+        assert time.monotonic() < deadline, f"{worker.role} never had {n} in {name}"
+        time.sleep(0.02)
+
+
+def assert_pools_full(*workers) -> None:
+    for w in workers:
+        assert w.wait_pools_full() == {"full": True, "detail": ""}, w.role
+
+
+async def _alone(worker, b: dict):
+    async with aiohttp.ClientSession() as session:
+        if worker.role == "prefill":
+            return await post_prefill(session, worker, b)
+        status, events, err = await post_decode(session, worker, b)
+        return status, err if err is not None else events
+
+
+def alone(worker, b: dict):
+    """One side of a request only (its partner never shows up)."""
+    return asyncio.run(_alone(worker, b))
+
+
+def test_timeouts_when_the_other_side_never_comes(cluster):
+    _, w = cluster
+    p, d = w["prefill"], w["decode"]
+    start = time.monotonic()
+    results = {}
+    threads = [threading.Thread(target=lambda w=w, side=side: results.update(
+        {side: alone(w, body(f"lonely-{side}", prompt(9), 4, p))}))
+        for side, w in (("p", p), ("d", d))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    elapsed = time.monotonic() - start
+    status, err = results["p"]
+    assert status == 500 and err["error"]["message"] == f"bootstrap timed out after {TIMEOUT_S} s"
+    status, err = results["d"]
+    assert status == 500 and err["error"]["message"] == f"KV did not arrive within {TIMEOUT_S} s"
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 3
+    assert_pools_full(p, d)
+
+
+def test_decode_abort_reaches_prefill(cluster):
+    _, w = cluster
+    p, d = w["prefill"], w["decode"]
+    b = body("abort-d", prompt(20), 8, p)
+    got: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: got.put(alone(d, b))).start()
+    wait_queue(d, "transfer", 1)  # decode has told prefill where to write
+    assert post_json(d.url + "/abort", {"rid": "abort-d", "reason": "client went away"})[0] == 200
+    status, err = got.get(timeout=10)
+    assert status == 500 and err["error"]["message"] == "client went away"
+    status, err = alone(p, b)  # the prefill half, late: the decode side has already aborted
+    assert status == 500
+    assert err["error"]["message"] == "bootstrap failed: decode side aborted: client went away"
+    assert_pools_full(p, d)
+
+
+def test_prefill_abort_reaches_decode(cluster):
+    _, w = cluster
+    p, d = w["prefill"], w["decode"]
+    b = body("abort-p", prompt(20), 8, p)
+    got: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: got.put(alone(p, b))).start()
+    wait_queue(p, "bootstrap", 1)
+    post_json(p.url + "/abort", {"rid": "abort-p", "reason": "router gave up"})
+    status, err = got.get(timeout=10)
+    assert status == 500 and err["error"]["message"] == "router gave up"
+    # The decode half comes after the prefill side forgot the request; it still learns why.
+    status, err = alone(d, b)
+    assert status == 500
+    assert err["error"]["message"] == "KV transfer failed: prefill rank 0: router gave up"
+    assert_pools_full(p, d)
+
+
+def test_refusals_reach_the_other_side(cluster):
+    _, w = cluster
+    p, d = w["prefill"], w["decode"]
+    # 200 prompt tokens fit the decode pool (512) but not the prefill pool (128).
+    b = body("too-long-for-prefill", prompt(200), 8, p)
+    got: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: got.put(alone(d, b))).start()
+    wait_queue(d, "transfer", 1)
+    status, err = alone(p, b)
+    assert status == 400 and err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["message"] == ("request needs 200 KV tokens but the instance's pool holds "
+                                       "128 (16 pages of 8)")
+    status, err = got.get(timeout=10)
+    assert status == 500 and err["error"]["message"] == (
+        "KV transfer failed: prefill rank 0: prefill instance cannot hold the request")
+    # 20 + 600 tokens fit the prefill side (it keeps the prompt only) but not the decode pool.
+    b = body("too-long-for-decode", prompt(20), 600, p)
+    status, err = alone(d, b)
+    assert status == 400 and "request needs 620 KV tokens" in err["error"]["message"]
+    status, err = alone(p, b)
+    assert status == 500 and err["error"]["message"] == (
+        "bootstrap failed: decode side aborted: decode instance cannot hold the request")
+    assert_pools_full(p, d)
+
+
+def test_crossed_metadata_is_caught():
+    """A real prefill and decode pair in this process (Mooncake on loopback, the PD engines and
+    the core schedulers), the prefill side writing a wrong room into the metadata slot."""
+    import torch
+
+    from runtime.bootstrap import BootstrapServer
+    from runtime.distributed import TPGroup
+    from runtime.pd.worker import RankSpec, build_rank
+
+    class CrossedRooms:
+        """What a crossed buffer looks like to the decode side: someone else's room."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def write(self, slot, meta):
+            self.inner.write(slot, replace(meta, bootstrap_room=meta.bootstrap_room ^ 1))
+
+        def read(self, slot):
+            return self.inner.read(slot)
+
+    threads = torch.get_num_threads()
+    cfg = config()
+    server = BootstrapServer().start()
+    ranks = []
+    try:
+        for role in ("prefill", "decode"):
+            spec = RankSpec(role, 0, 0, 1, bootstrap_host="127.0.0.1", bootstrap_port=server.port)
+            ranks.append(build_rank(cfg, spec, TPGroup.single()))
+        pre, dec = (r.engine.start() for r in ranks)
+        honest = pre.kv.metadata
+        pre.kv.metadata = CrossedRooms(honest)
+
+        def run(rid: str, room: int) -> tuple[list, list]:
+            events = {"p": queue.Queue(), "d": queue.Queue()}
+            kw = dict(rid=rid, bootstrap_host="127.0.0.1", bootstrap_port=server.port,
+                      bootstrap_room=room)
+            dec.submit(prompt(30), 6, events["d"].put, **kw)
+            pre.submit(prompt(30), 6, events["p"].put, **kw)
+            out = {}
+            for side, q in events.items():
+                out[side] = [q.get(timeout=20)]
+                while not out[side][-1].finished:
+                    out[side].append(q.get(timeout=20))
+            return out["p"], out["d"]
+
+        p_events, d_events = run("crossed", 4242)
+        assert p_events[-1].error is None  # prefill sent its KV; only decode can tell
+        assert d_events[-1].token_ids == () and len(d_events) == 1
+        assert d_events[-1].error == ("metadata room 4243 does not match request room 4242: the "
+                                      "metadata buffer was crossed")
+        for engine in (pre, dec):
+            engine.check_pools_full(timeout=10)
+        pre.kv.metadata = honest  # and the pair goes on
+        p_events, d_events = run("straight", 4244)
+        assert d_events[-1].error is None and d_events[-1].completion_tokens == 6
+        for engine in (pre, dec):
+            engine.check_pools_full(timeout=10)
+    finally:
+        for r in ranks:
+            r.close()
+        server.stop()
+        torch.set_num_threads(threads)
+
+
+def test_decode_with_another_page_size_refuses_to_pair(cluster):
+    """A decode rank (in this process) pointed at a prefill instance whose KV pages differ."""
+    import torch
+
+    from runtime.distributed import TPGroup
+    from runtime.pd.worker import RankSpec, build_rank
+
+    _, w = cluster
+    port = w["prefill"].bootstrap_port
+    threads = torch.get_num_threads()
+    rank = build_rank(config(page_size=16), RankSpec("decode", 0, 0, 1), TPGroup.single())
+    try:
+        engine = rank.engine.start()
+        events: queue.Queue = queue.Queue()
+        engine.submit(prompt(10), 4, events.put, rid="mismatch", bootstrap_host="127.0.0.1",
+                      bootstrap_port=port, bootstrap_room=777)
+        event = events.get(timeout=20)
+        assert event.finished and event.error == (
+            f"handshake failed: bootstrap with 127.0.0.1:{port} failed: prefill and decode KV "
+            "layouts differ (page_size: prefill 8, decode 16); KV pages can only be copied "
+            "between identical layouts")
+        engine.check_pools_full(timeout=10)
+    finally:
+        rank.close()
+        torch.set_num_threads(threads)
+
+
+def test_killing_the_decode_worker(cluster):
+    """Requests on a decode worker that dies fail with the reason; the prefill side keeps serving
+    with a fresh decode worker. (Runs last: it replaces the cluster's decode worker.)"""
+    cfg, w = cluster
+    p, d = w["prefill"], w["decode"]
+    before = generate(p, d, [body("before", prompt(12, 1), 6, p)])[0].token_ids
+
+    async def scenario():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            # A long stream on the decode worker...
+            long = body("long", prompt(10), 400, p)
+            prefill_long = asyncio.ensure_future(post_prefill(session, p, long))
+            resp = await session.post(d.url + "/generate", json=long)
+            assert resp.status == 200
+            first = await resp.content.readline()
+            assert first.startswith(b"data: {")
+            assert (await prefill_long)[0] == 200
+            # ...and three requests whose decode side has told prefill where to write.
+            pending = [body(f"orphan{i}", prompt(15, i), 4, p) for i in range(3)]
+            decode_halves = [asyncio.ensure_future(post_decode(session, d, b)) for b in pending]
+            while (await (await session.get(d.url + "/load")).json())["queues"]["transfer"] < 3:
+                await asyncio.sleep(0.02)
+            d.proc.send_signal(signal.SIGKILL)
+            with pytest.raises(aiohttp.ClientError):
+                async for _ in resp.content:  # the stream breaks
+                    pass
+                raise aiohttp.ClientPayloadError("the stream ended")
+            for half in decode_halves:
+                with pytest.raises(aiohttp.ClientError):
+                    await half
+            # At once, the prefill side finds out when it writes the KV...
+            start = time.monotonic()
+            first = await post_prefill(session, p, pending[0])
+            written = time.monotonic() - start
+            # ...and once the heartbeats have been missing long enough, before it computes.
+            await asyncio.sleep(HEARTBEAT_TIMEOUT_S + 1.0)
+            rest = await asyncio.gather(*(post_prefill(session, p, b) for b in pending[1:]))
+            return first, written, rest
+
+    (status, err), written, rest = asyncio.run(scenario())
+    assert status == 500 and written < 2, err
+    assert err["error"]["message"].startswith(
+        "KV transfer failed: KV write failed: batch_transfer_sync_write to 127.0.0.1:")
+    for status, err in rest:
+        assert status == 500 and re.fullmatch(
+            r"bootstrap failed: decode side silent for \d+\.\d s \(heartbeat timeout 1.5 s\)",
+            err["error"]["message"]), err
+    assert_pools_full(p)
+    d.proc.wait(10)
+    w["decode"] = fresh = start_worker(cfg, "decode")
+    wait_healthy([fresh])
+    (o,) = generate(p, fresh, [body("after", prompt(12, 1), 6, p)])
+    assert o.decode_status == 200 and o.token_ids == before
+    assert_pools_full(p, fresh)

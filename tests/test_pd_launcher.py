@@ -1,0 +1,195 @@
+"""`pdsim serve` with a disaggregated config, as a user runs it: the launcher starts a prefill
+instance (two rank processes) and a decode instance, then the router; the OpenAI client talks to
+the router; `--role router` starts a second router alone in front of the same workers; SIGTERM
+stops everything, leaving no process behind and every port free."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from openai import OpenAI
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = """\
+mode: disaggregated
+model: tiny-llama
+seed: 0
+device: cpu
+page_size: 8
+scheduler: {max_running_requests: 8, max_prefill_tokens: 64, chunked_prefill_size: 32}
+prefill: {tp: 2, num_pages: 64, threads: 1}
+decode: {num_pages: 128, threads: 1}
+router: {port: 0}
+transfer: {heartbeat_interval_s: 0.5, heartbeat_timeout_s: 5.0}
+"""
+
+
+class Proc:
+    """A `pdsim serve` subprocess whose output lines are read on a thread."""
+
+    def __init__(self, *args: str) -> None:
+        env = {**os.environ, "PDSIM_KERNEL_BACKEND": "torch", "PYTHONUNBUFFERED": "1",
+               "GLOG_minloglevel": "2"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdsim.cli", "serve", *args],
+                                     cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in iter(self.proc.stdout.readline, ""):
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for(self, pattern: str, timeout_s: float = 90.0) -> re.Match:
+        """The first output line (seen already or to come) matching `pattern`."""
+        for line in self.seen:
+            if m := re.search(pattern, line):
+                return m
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                line = ""
+            if line is None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise AssertionError(f"no line matching {pattern!r}; output:\n" +
+                                     "".join(self.seen))
+            self.seen.append(line)
+            if m := re.search(pattern, line):
+                return m
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                parents[int(entry)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def port_free(port: int) -> bool:
+    """Whether a server could listen on `port` again (connections in TIME_WAIT do not count)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def complete(url: str) -> list[int]:
+    client = OpenAI(base_url=url, api_key="unused", max_retries=0)
+    reply = client.completions.create(model="tiny-llama", prompt="Hello, disaggregated world",
+                                      max_tokens=10, temperature=0,
+                                      extra_body={"return_token_ids": True})
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 10
+    return reply.choices[0].token_ids
+
+
+def test_launcher_serves_and_stops_cleanly_on_sigterm(tmp_path):
+    cfg = tmp_path / "pd.yaml"
+    cfg.write_text(CONFIG)
+    launcher = Proc(str(cfg))
+    try:
+        prefill = launcher.wait_for(r"prefill worker 0 \(tiny-llama, tp 2\) at (http://\S+), "
+                                    r"bootstrap 127\.0\.0\.1:(\d+)")
+        decode = launcher.wait_for(r"decode worker 0 \(tiny-llama, tp 1\) at (http://\S+)")
+        url = launcher.wait_for(r"tiny-llama \(disaggregated: 1 prefill x tp 2, 1 decode x "
+                                r"tp 1\) at (http://\S+/v1)").group(1)
+        children = descendants(launcher.proc.pid)
+        assert len(children) == 3, children  # prefill ranks 0 and 1, decode rank 0
+        tokens = complete(url)
+        client = OpenAI(base_url=url, api_key="unused", max_retries=0)
+        chunks = list(client.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+            temperature=0, stream=True))
+        assert chunks[-1].choices[0].finish_reason == "length"
+        # A second router alone, in front of the same workers (multi-machine style).
+        router = Proc(str(cfg), "--role", "router", "--port", "0",
+                      "--prefill-url", prefill.group(1), "--decode-url", decode.group(1))
+        try:
+            alone = router.wait_for(r"router for tiny-llama at (http://\S+/v1)").group(1)
+            assert complete(alone) == tokens
+        finally:
+            assert router.stop() == 0
+        ports = [int(u.rsplit(":", 1)[1]) for u in (prefill.group(1), decode.group(1))]
+        ports += [int(prefill.group(2)), int(url.rsplit(":", 1)[1].split("/")[0])]
+        start = time.monotonic()
+        assert launcher.stop() == 0
+        launcher.wait_for(r"pdsim serve: stopped", timeout_s=5)
+        assert time.monotonic() - start < 30
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in children if alive(p)], "worker processes left behind"
+        assert [p for p in ports if not port_free(p)] == []
+    finally:
+        if launcher.proc.poll() is None:
+            launcher.proc.kill()
+
+
+def test_one_role_alone_and_cli_errors(tmp_path):
+    cfg = tmp_path / "pd.yaml"
+    cfg.write_text(CONFIG)
+    worker = Proc(str(cfg), "--role", "decode", "--port", "0")
+    try:
+        url = worker.wait_for(r"decode worker 0 \(tiny-llama, tp 1\) at (http://\S+)").group(1)
+        with urllib.request.urlopen(url + "/health") as resp:
+            health = json.loads(resp.read())
+        assert (health["role"], health["status"], health["tp"]) == ("decode", "ok", 1)
+        assert worker.stop() == 0
+        worker.wait_for(r"pdsim serve: stopped", timeout_s=5)
+    finally:
+        if worker.proc.poll() is None:
+            worker.proc.kill()
+    colocated = tmp_path / "colo.yaml"
+    colocated.write_text("mode: colocated\n")
+    for args, message in (
+        ([str(colocated), "--role", "prefill"], "only a disaggregated config has roles"),
+        ([str(cfg), "--role", "cook"], "--role 'cook'; allowed: prefill, decode, router"),
+        ([str(cfg), "--role", "prefill", "--instance", "3"],
+         "prefill instance 3; the config has 1"),
+        ([str(cfg), "--role", "router"], "needs the prefill workers' URLs"),
+    ):
+        out = subprocess.run([sys.executable, "-m", "pdsim.cli", "serve", *args], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode in (1, 2) and message in " ".join(out.stdout.split()), out.stdout
+
