@@ -24,7 +24,6 @@ import asyncio
 import json
 import logging
 import os
-import random
 import signal
 import subprocess
 import time
@@ -124,7 +123,7 @@ def make_router(config: PDServeConfig, prefill: Sequence[str], decode: Sequence[
                 health: dict[str, dict], seed: int | None = None):
     """The `PDRouter` (runtime/router.py) in front of the given workers; `health` holds each
     prefill worker's `/health` (its bootstrap server). `seed` (default: the config's) seeds the
-    router's policy and its bootstrap rooms."""
+    router's policy (its bootstrap rooms always come from the OS)."""
     from runtime.router import PDRouter, WorkerAddress
     from runtime.server import Limits, load_text_side, model_config_of
 
@@ -207,8 +206,8 @@ def serve_router(config: PDServeConfig, prefill_urls: Sequence[str] = (),
                  startup_timeout_s: float = 300.0) -> int:
     """`--role router`: the router alone, in front of workers started elsewhere (URLs from the
     arguments, else `router.prefill_urls` / `decode_urls`, else the roles' host and ports).
-    Its seed is fresh entropy, not the config's: routers sharing workers must not draw the same
-    bootstrap rooms."""
+    Its bootstrap rooms come from the OS (runtime/router.py), so routers sharing workers never
+    draw the same ones."""
 
     def urls(given: Sequence[str], configured: Sequence[str], role: str) -> list[str]:
         if given or configured:
@@ -232,9 +231,7 @@ def serve_router(config: PDServeConfig, prefill_urls: Sequence[str] = (),
         for u in prefill:
             if health[u].get("role") != "prefill" or not health[u].get("bootstrap_port"):
                 raise LaunchError(f"{u} is not a prefill worker (its /health: {health[u]})")
-        # Several routers may share these workers: each draws its rooms from its own seed.
-        router = make_router(config, prefill, decode, health,
-                             seed=random.SystemRandom().getrandbits(63))
+        router = make_router(config, prefill, decode, health)
         await router.start(config.router.host, config.router.port)
         try:
             if on_ready is not None:

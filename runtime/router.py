@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 import uuid
 from collections import deque
@@ -65,7 +66,8 @@ class PDClient:
                 raise ValueError(f"prefill worker {w.url} names no bootstrap host and port")
         self.prefill = list(prefill)
         self.decode = list(decode)
-        self.router = Router(policy, len(prefill), len(decode), seed)
+        # Rooms from the OS: routers sharing workers must not draw the same ones.
+        self.router = Router(policy, len(prefill), len(decode), seed, room_rng=random.SystemRandom())
         self.metrics = ServeMetrics()
         self.records: deque[RequestRecord] = deque(maxlen=max_records)
         self._inflight_prefill = [0] * len(prefill)  # the policies' load signal

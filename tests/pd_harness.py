@@ -7,12 +7,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import random
+import re
+import signal
 import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 
@@ -175,3 +181,48 @@ def post_json(url: str, payload: dict, timeout: float = 60.0) -> tuple[int, dict
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Proc:
+    """A `pdsim serve` subprocess whose output lines are read on a thread."""
+
+    def __init__(self, *args: str) -> None:
+        env = {**os.environ, "PDSIM_KERNEL_BACKEND": "torch", "PYTHONUNBUFFERED": "1",
+               "GLOG_minloglevel": "2"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdsim.cli", "serve", *args],
+                                     cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in iter(self.proc.stdout.readline, ""):
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for(self, pattern: str, timeout_s: float = 90.0) -> re.Match:
+        """The first output line (seen already or to come) matching `pattern`."""
+        for line in self.seen:
+            if m := re.search(pattern, line):
+                return m
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                line = ""
+            if line is None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise AssertionError(f"no line matching {pattern!r}; output:\n" +
+                                     "".join(self.seen))
+            self.seen.append(line)
+            if m := re.search(pattern, line):
+                return m
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)

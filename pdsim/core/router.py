@@ -104,10 +104,13 @@ class Router:
     """Pairs a prefill and a decode instance per request, each picked by its own policy state.
 
     With no prefill instances (colocated serving) it picks only the serving instance and
-    returns -1 for the prefill side.
+    returns -1 for the prefill side. Rooms come from `room_rng`, by default a generator seeded
+    from `seed` (reproducible simulations); a real router passes `random.SystemRandom()` so
+    that several routers in front of the same workers never draw the same rooms.
     """
 
-    def __init__(self, policy: str, num_prefill: int, num_decode: int, seed: int):
+    def __init__(self, policy: str, num_prefill: int, num_decode: int, seed: int,
+                 room_rng: random.Random | None = None):
         if num_prefill < 0 or num_decode < 1:
             raise ValueError(
                 f"a router needs at least one decode (or colocated) instance and no negative "
@@ -119,6 +122,7 @@ class Router:
         self.decode_policy = make_policy(policy, random.Random(self.rng.getrandbits(64)))
         self.num_prefill = num_prefill
         self.num_decode = num_decode
+        self.room_rng = room_rng or self.rng
 
     def route(
         self, prefill_load: Callable[[int], float], decode_load: Callable[[int], float]
@@ -126,4 +130,4 @@ class Router:
         """(prefill instance, decode instance, bootstrap room)."""
         p = self.prefill_policy.pick(self.num_prefill, prefill_load) if self.num_prefill else -1
         d = self.decode_policy.pick(self.num_decode, decode_load)
-        return p, d, new_bootstrap_room(self.rng)
+        return p, d, new_bootstrap_room(self.room_rng)
