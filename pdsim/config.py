@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pdsim.config_errors import format_validation_error
 from pdsim.core.router import POLICIES
 
 from pdsim.metrics import SLO
@@ -147,37 +148,15 @@ class ExperimentConfig(_Spec):
     sweep: dict[str, list[Any]] = {}
 
 
-def _format_errors(exc: ValidationError, source: str, data: Any) -> str:
-    lines = [f"{source}: invalid experiment config"]
-    for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = f"unknown key (allowed: {', '.join(_allowed_keys(err['loc']))})"
-        value = err.get("input")
-        shown = "" if isinstance(value, dict) else f" (got {value!r})"
-        lines.append(f"  {path}: {msg}{shown}")
-    return "\n".join(lines)
-
-
-def _allowed_keys(loc: tuple) -> list[str]:
-    model: Any = ExperimentConfig
-    for part in loc[:-1]:
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return ["see docs/experiments.md"]
-        model = field.annotation
-    fields = getattr(model, "model_fields", None)
-    return sorted(fields) if fields else ["see docs/experiments.md"]
-
-
 def parse_experiment(data: Any, source: str = "<config>") -> ExperimentConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: an experiment is a mapping of keys, got {type(data).__name__}")
     try:
         return ExperimentConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, source, data)) from None
+        raise ConfigError(
+            format_validation_error(exc, source, "experiment config", ExperimentConfig)
+        ) from None
 
 
 def load_experiment(path: str | Path) -> tuple[ExperimentConfig, dict]:

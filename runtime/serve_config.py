@@ -31,6 +31,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdsim.config import ConfigError
+from pdsim.config_errors import format_validation_error
 from pdsim.core.config import SchedulerConfig
 
 MODEL_PRESETS = ("tiny-llama", "tiny-mla")  # runtime.model.config.PRESETS, without importing torch
@@ -233,31 +234,6 @@ class PDServeConfig(_ServeBase):
         return port + instance if port else 0
 
 
-def _allowed_keys(loc: tuple, root: Any = None) -> list[str]:
-    model: Any = root or ServeConfig
-    for part in loc[:-1]:
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        model = field.annotation
-        if getattr(model, "__args__", None):  # `X | None`: the model in it
-            model = next((a for a in model.__args__ if hasattr(a, "model_fields")), model)
-    return sorted(getattr(model, "model_fields", {}))
-
-
-def _format_errors(exc: ValidationError, source: str, root: Any = None) -> str:
-    lines = [f"{source}: invalid serve config"]
-    for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = f"unknown key (allowed: {', '.join(_allowed_keys(err['loc'], root))})"
-        value = err.get("input")
-        shown = "" if isinstance(value, dict) else f" (got {value!r})"
-        lines.append(f"  {path}: {msg}{shown}")
-    return "\n".join(lines)
-
-
 MODES = {"colocated": ServeConfig, "disaggregated": PDServeConfig}
 
 
@@ -275,7 +251,7 @@ def parse_serve_config(data: Any, source: str = "<config>") -> ServeConfig | PDS
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, source, model)) from None
+        raise ConfigError(format_validation_error(exc, source, "serve config", model)) from None
 
 
 def load_serve_config(path: str | Path | None = None,
