@@ -247,8 +247,9 @@ class PDRouter:
 # ---- the workers' wire format -------------------------------------------------------------
 
 
-async def _sse_events(resp: aiohttp.ClientResponse):
-    """The `data:` events of a worker's SSE stream as `StreamEvent`s, until `[DONE]`."""
+async def sse_data(resp: aiohttp.ClientResponse):
+    """The JSON objects of a worker's SSE stream (`data: {...}` lines), until `data: [DONE]`.
+    A stream that ends without `[DONE]` simply stops: the caller decides what that means."""
     async for raw in resp.content:
         line = raw.decode().strip()
         if not line.startswith("data:"):
@@ -256,7 +257,12 @@ async def _sse_events(resp: aiohttp.ClientResponse):
         data = line[5:].strip()
         if data == "[DONE]":
             return
-        yield _event(json.loads(data))
+        yield json.loads(data)
+
+
+async def _sse_events(resp: aiohttp.ClientResponse):
+    async for obj in sse_data(resp):
+        yield _event(obj)
 
 
 def _event(obj: dict) -> StreamEvent:

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from runtime.engine import Engine, EngineStopped, StreamEvent
+from runtime.http_app import start_app
 from runtime.sampling import SamplingParams
 from runtime.serve_config import PDServeConfig, ServeConfig
 from runtime.serve_metrics import CONTENT_TYPE, ServeMetrics
@@ -404,20 +405,8 @@ class OpenAIServer:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Start the engine (if needed) and listen; returns the bound port (`port=0`: any)."""
-        if not self.engine.running:
-            self.engine.start()
-        self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=5.0)
-        await self._runner.setup()
-        try:
-            await web.TCPSite(self._runner, host, port).start()
-        except BaseException:  # the port is taken, say: leave nothing running
-            await self._runner.cleanup()
-            self._runner = None
-            self.engine.stop()
-            raise
-        bound = self._runner.addresses
-        self.host, self.port = host, (bound[0][1] if bound else port)
+        self._runner, bound = await start_app(self.make_app(), self.engine, host, port)
+        self.host, self.port = host, bound
         return self.port
 
     async def close(self) -> None:

@@ -38,6 +38,7 @@ from aiohttp import web
 
 from runtime.engine import EngineStopped, StreamEvent
 from runtime.executor import MAX_TOP_LOGPROBS
+from runtime.http_app import start_app
 from runtime.pd.engine import PDEngine
 from runtime.sampling import SamplingParams
 from runtime.serve_metrics import CONTENT_TYPE
@@ -215,19 +216,8 @@ class WorkerServer:
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        if not self.engine.running:
-            self.engine.start()
-        self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=5.0)
-        await self._runner.setup()
-        try:
-            await web.TCPSite(self._runner, host, port).start()
-        except BaseException:
-            await self._runner.cleanup()
-            self._runner = None
-            await self.engine.shutdown()
-            raise
-        self.host, self.port = host, self._runner.addresses[0][1]
+        self._runner, self.port = await start_app(self.make_app(), self.engine, host, port)
+        self.host = host
         return self.port
 
     async def close(self) -> None:
