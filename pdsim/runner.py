@@ -68,6 +68,9 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
     row = {"point": index, **point_columns(cfg, rate), **{f"sweep.{k}": v for k, v in swept.items()}}
     row.update(summarize(result.records, num_gpus=cluster.num_gpus, slo=cfg.slo))
     row["sim_time_s"] = result.sim_time_s
+    row["prefill_busy_frac"] = result.prefill_busy_frac
+    row["decode_busy_frac"] = result.decode_busy_frac
+    row["kv_transfer_gb"] = result.kv_transfer_gb
     frame = records_frame(result.records)
     frame.insert(0, "point", index)
     return PointResult(index, row, frame)

@@ -200,3 +200,13 @@ def test_bootstrap_timeout_fails_waiting_requests_and_the_rest_complete():
     # current forward step.
     assert all(3.0 <= r.finish_s - r.arrival_s < 3.05 for r in failed)
     result.check_pools_full()
+
+
+def test_utilisation_and_kv_bytes_are_reported():
+    sim, wl, result = simulate_cfg(experiment())
+    pages = sum(-(-int(n) // 16) for n in wl.input_tokens)
+    # Llama-3.1-8B in bf16: 32 layers × K and V × 8 heads × 128 × 2 bytes per token.
+    assert result.kv_transfer_gb == pytest.approx(pages * 16 * 131072 / 1e9)
+    assert 0 < result.prefill_busy_frac < 1 and 0 < result.decode_busy_frac < 1
+    colo = simulate_cfg(experiment(cluster__mode="colocated"))[2]
+    assert colo.kv_transfer_gb == 0 and np.isnan(colo.prefill_busy_frac)

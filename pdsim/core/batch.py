@@ -33,10 +33,6 @@ class BatchShape:
         """Tokens that pass through the dense/MoE layers."""
         return self.prefill_tokens + self.decode_reqs
 
-    @property
-    def is_empty(self) -> bool:
-        return self.num_tokens == 0
-
 
 def extend_attn_pairs(new_tokens: int, cached_tokens: int) -> float:
     """Causal attention pairs of an extend segment of `new_tokens` after `cached_tokens`."""

@@ -12,18 +12,6 @@ from dataclasses import asdict, dataclass, field
 
 NAN = math.nan
 
-# Lifecycle timestamps in the order a disaggregated request passes them.
-TIMESTAMP_FIELDS = (
-    "arrival_s",
-    "bootstrap_done_s",
-    "prefill_start_s",
-    "prefill_end_s",
-    "transfer_done_s",
-    "first_token_s",
-    "finish_s",
-)
-
-
 @dataclass(slots=True)
 class RequestRecord:
     rid: str

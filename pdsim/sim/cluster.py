@@ -63,6 +63,9 @@ class SimResult:
     records: list[RequestRecord]
     sim_time_s: float
     instances: list["SimInstance"] = field(repr=False)
+    prefill_busy_frac: float = math.nan  # mean fraction of the run a prefill instance computed
+    decode_busy_frac: float = math.nan  # the same for decode (or colocated) instances
+    kv_transfer_gb: float = 0.0  # KV moved between instances, GB
 
     def check_pools_full(self) -> None:
         for inst in self.instances:
@@ -230,7 +233,13 @@ class Simulation:
         until = self._all_done | self.env.timeout(limit) if math.isfinite(limit) else self._all_done
         with _few_gc_passes():
             self.env.run(until=until)
-        return SimResult(self._records(arrival_s, input_tokens, output_tokens), self.env.now, self.instances)
+        span = self.env.now or math.nan
+        return SimResult(
+            self._records(arrival_s, input_tokens, output_tokens), self.env.now, self.instances,
+            prefill_busy_frac=_mean_busy(self.prefills, span),
+            decode_busy_frac=_mean_busy(self.serving, span),
+            kv_transfer_gb=self.fabric.kv_bytes / 1e9,
+        )
 
     def _records(self, arrival_s, input_tokens, output_tokens) -> list[RequestRecord]:
         records = []
@@ -253,6 +262,12 @@ class Simulation:
                 rec.prefill_end_s = pre.prefill_end_s
             records.append(rec)
         return records
+
+
+def _mean_busy(instances: Sequence[SimInstance], span_s: float) -> float:
+    if not instances:
+        return math.nan
+    return sum(i.busy_s for i in instances) / (len(instances) * span_s)
 
 
 @contextmanager

@@ -32,7 +32,6 @@ class Link:
     def __init__(self, bytes_per_s: float):
         self.bytes_per_s = bytes_per_s
         self.busy_until = 0.0
-        self.bytes_moved = 0
 
 
 class _Room:
@@ -62,6 +61,7 @@ class SimFabric:
         self.env = env
         self.model = model
         self.rooms: dict[int, _Room] = {}
+        self.kv_bytes = 0.0  # KV bytes sent over the fabric so far
         self._contacted: set[tuple[int, int]] = set()
 
     def join(self, room_id: int, *, sender: "SimKVManager | None" = None,
@@ -92,13 +92,12 @@ class SimFabric:
     def transfer_end(self, src: Link, dst: Link, nbytes: float) -> float:
         """Reserve both links for `nbytes`; the simulated time the last byte lands."""
         now = self.env.now
+        self.kv_bytes += nbytes
         if not self.model.enabled:
             return now + self.model.transfer_setup_s
         start = max(now, src.busy_until, dst.busy_until)
         end = start + self.model.transfer_setup_s + nbytes / min(src.bytes_per_s, dst.bytes_per_s)
         src.busy_until = dst.busy_until = end
-        src.bytes_moved += nbytes
-        dst.bytes_moved += nbytes
         return end
 
     def fail(self, r: _Room, reason: str) -> None:
