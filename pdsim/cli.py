@@ -22,7 +22,7 @@ TABLE_COLUMNS = (
     ("failed", "failed"), ("TTFT p50", "ttft_p50_s"), ("TTFT p99", "ttft_p99_s"),
     ("ITL p50", "itl_p50_s"), ("ITL p99", "itl_p99_s"),
     ("tok/s/GPU", "output_tok_s_per_gpu"), ("goodput/GPU", "goodput_req_s_per_gpu"),
-    ("SLO met", "slo_attainment"),
+    ("SLO met", "slo_attainment"), ("P busy", "prefill_busy_frac"), ("D batch", "decode_mean_batch"),
 )
 
 
@@ -34,8 +34,12 @@ def _fmt(col: str | None, row) -> str:
     v = row[col]
     if col.endswith("_s") and not col.startswith("goodput"):
         return f"{v * 1e3:.1f}"
+    if v != v:  # NaN: the column does not apply (no prefill instances, say)
+        return "–"
     if col == "slo_attainment":
         return f"{v:.1%}"
+    if col == "prefill_busy_frac":
+        return f"{v:.0%}"
     if isinstance(v, float):
         return f"{v:,.1f}" if abs(v) >= 10 else f"{v:.2f}"
     return str(v)

@@ -71,6 +71,7 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
     row["prefill_busy_frac"] = result.prefill_busy_frac
     row["decode_busy_frac"] = result.decode_busy_frac
     row["kv_transfer_gb"] = result.kv_transfer_gb
+    row["decode_mean_batch"] = result.decode_mean_batch
     frame = records_frame(result.records)
     frame.insert(0, "point", index)
     return PointResult(index, row, frame)

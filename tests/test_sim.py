@@ -208,5 +208,9 @@ def test_utilisation_and_kv_bytes_are_reported():
     # Llama-3.1-8B in bf16: 32 layers × K and V × 8 heads × 128 × 2 bytes per token.
     assert result.kv_transfer_gb == pytest.approx(pages * 16 * 131072 / 1e9)
     assert 0 < result.prefill_busy_frac < 1 and 0 < result.decode_busy_frac < 1
+    # Little's law on the decode batch: mean batch ≈ decode rate × mean time in decode.
+    ok = [r for r in result.records if r.ok]
+    in_decode = sum(r.finish_s - r.first_token_s for r in ok) / result.sim_time_s
+    assert result.decode_mean_batch == pytest.approx(in_decode, rel=0.05)
     colo = simulate_cfg(experiment(cluster__mode="colocated"))[2]
     assert colo.kv_transfer_gb == 0 and np.isnan(colo.prefill_busy_frac)

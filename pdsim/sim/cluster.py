@@ -66,6 +66,7 @@ class SimResult:
     prefill_busy_frac: float = math.nan  # mean fraction of the run a prefill instance computed
     decode_busy_frac: float = math.nan  # the same for decode (or colocated) instances
     kv_transfer_gb: float = 0.0  # KV moved between instances, GB
+    decode_mean_batch: float = math.nan  # time-average requests per decode (or colocated) instance
 
     def check_pools_full(self) -> None:
         for inst in self.instances:
@@ -81,7 +82,8 @@ class SimInstance:
         self.schedulers = list(schedulers)
         self.cost = cost
         self.on_done = on_done
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # simulated seconds spent in forwards
+        self.decode_req_s = 0.0  # ∫ requests in decode batches dt: its mean is the batch size
         self.steps = 0
         self._wake: simpy.Event | None = None
         self._timer_at = math.inf  # when the pending timeout wake-up fires
@@ -141,6 +143,7 @@ class SimInstance:
                 duration = self.cost.step_time_s([b.shape if b else EMPTY for b in batches])
             yield env.timeout(duration)
             self.busy_s += duration
+            self.decode_req_s += duration * sum(b.shape.decode_reqs for b in batches if b is not None)
             self.steps += 1
             result = BatchResult(duration)
             now = env.now
@@ -239,6 +242,7 @@ class Simulation:
             prefill_busy_frac=_mean_busy(self.prefills, span),
             decode_busy_frac=_mean_busy(self.serving, span),
             kv_transfer_gb=self.fabric.kv_bytes / 1e9,
+            decode_mean_batch=sum(i.decode_req_s for i in self.serving) / (len(self.serving) * span),
         )
 
     def _records(self, arrival_s, input_tokens, output_tokens) -> list[RequestRecord]:
