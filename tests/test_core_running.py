@@ -175,3 +175,34 @@ def test_retracted_requests_recompute_from_prompt_and_output_ids():
         assert r.output_ids == [100 + r.input_len + k for k in range(r.max_new_tokens)]
         assert len(r.output_logprobs) == r.num_output == len(r.token_times_s) == r.max_new_tokens
     s.check_pools_full()
+
+
+def test_a_long_running_batch_keeps_no_history_of_departed_requests():
+    """A server runs for days: step end times and bucket entries of requests that left (here by
+    a stop token long before their max_new_tokens) must not pile up."""
+    from pdsim.core.running import TRIM_EVERY_STEPS
+
+    pool = PagePool(4096, page_size=4)
+    rb = RunningBatch(pool)
+    rng = random.Random(0)
+    live: list[Request] = []
+    for step in range(3 * TRIM_EVERY_STEPS):
+        while len(live) < 8:
+            r = prefilled(f"r{step}-{len(live)}", 4, 100_000, pool, stop_token_ids=frozenset({7}))
+            rb.join(r)
+            live.append(r)
+        for r in rb.pages_due():
+            rb.add_page(r, pool.alloc())
+        batch = rb.plan(float(step))
+        ids = [7 if rng.random() < 0.05 else 1 for _ in batch.reqs]
+        done = rb.complete(batch, BatchResult(1.0, token_ids=ids), float(step + 1))
+        for r in done:
+            rb.leave(r)
+            pool.free_many(r.pages)
+            live.remove(r)
+            assert len(r.token_times_s) == r.num_output  # its times survived the trimming
+    assert len(rb.step_end_s) <= TRIM_EVERY_STEPS + max(rb.step - r.join_step for r in live)
+    waiting = [r for bucket in rb._finish_at.values() for r in bucket]
+    assert sorted(r.rid for r in waiting) == sorted(r.rid for r in live)
+    growing = [r for bucket in rb._grow_at.values() for r in bucket]
+    assert sorted(r.rid for r in growing) == sorted(r.rid for r in live)

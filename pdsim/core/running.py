@@ -5,7 +5,8 @@ step it joined at: `kv = kv_at_join + (step - join_step)`. Nothing is touched pe
 step; instead the step at which a request finishes and the steps at which it needs a new page are
 kept in buckets. That keeps a simulated decode step cheap however large the batch (a real
 executor still reads every request, which it must anyway). A request's lengths and token times
-are settled when it leaves the batch.
+are settled when it leaves the batch; it leaves no trace in the buckets, and step end times
+older than every member's join are dropped, so a long-running server's batch stays small.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pdsim.core.batch import Batch, BatchResult, BatchShape
 from pdsim.core.pool import PagePool
 from pdsim.core.request import Request
 
+TRIM_EVERY_STEPS = 4096
+
 
 class RunningBatch:
     def __init__(self, pool: PagePool):
@@ -23,7 +26,8 @@ class RunningBatch:
         self.page_size = pool.page_size
         self.reqs: dict[Request, None] = {}  # insertion-ordered set
         self.step = 0  # decode steps completed
-        self.step_end_s: list[float] = []  # end time of step k+1 at index k
+        self.step_end_s: list[float] = []  # end time of step k+1 at index k - self._times_base
+        self._times_base = 0
         self.context_tokens = 0  # sum of the KV lengths of the requests in the batch
         self._finish_at: dict[int, list[Request]] = defaultdict(list)
         self._grow_at: dict[int, list[Request]] = defaultdict(list)
@@ -38,8 +42,12 @@ class RunningBatch:
         req.out_at_join = req.num_output
         self.reqs[req] = None
         self.context_tokens += req.computed_tokens
-        self._finish_at[self.step + req.max_new_tokens - req.num_output].append(req)
+        self._finish_at[self._finish_step(req)].append(req)
         self._schedule_growth(req)
+
+    @staticmethod
+    def _finish_step(req: Request) -> int:
+        return req.join_step + req.max_new_tokens - req.out_at_join
 
     def _schedule_growth(self, req: Request) -> None:
         # Step count at which the KV fills its pages; the next step then needs one more page.
@@ -57,16 +65,21 @@ class RunningBatch:
         req.computed_tokens = req.kv_at_join + steps
         req.num_output = req.out_at_join + steps
         self.context_tokens -= req.computed_tokens
-        req.token_times_s.extend(self.step_end_s[req.join_step : self.step])
+        base = self._times_base
+        req.token_times_s.extend(self.step_end_s[req.join_step - base : self.step - base])
+        # Leaving early (a stop token, a retraction, an abort): drop its future bucket entries.
+        for buckets, key in ((self._finish_at, self._finish_step(req)),
+                             (self._grow_at, req.grow_step)):
+            bucket = buckets.get(key)
+            if bucket is not None and req in bucket:
+                bucket.remove(req)
+                if not bucket:
+                    del buckets[key]
         req.grow_step = -1
 
     def pages_due(self) -> list[Request]:
         """Requests that need one more page before the next step."""
-        due = self._grow_at.pop(self.step, None)
-        if not due:
-            return []
-        # A request retracted and re-joined can sit in one bucket twice: list it once.
-        return list(dict.fromkeys(r for r in due if r.grow_step == self.step and r in self.reqs))
+        return self._grow_at.pop(self.step, [])
 
     def add_page(self, req: Request, page: int) -> None:
         req.pages.append(page)
@@ -82,12 +95,9 @@ class RunningBatch:
         self.step += 1
         self.step_end_s.append(now)
         self.context_tokens += len(self.reqs)
-        # dict.fromkeys: a request retracted and re-joined can sit in one bucket twice.
-        done = list(dict.fromkeys(
-            r
-            for r in self._finish_at.pop(self.step, ())
-            if r in self.reqs and r.out_at_join + self.step - r.join_step >= r.max_new_tokens
-        ))
+        if self.step % TRIM_EVERY_STEPS == 0:
+            self._trim_times()
+        done = self._finish_at.pop(self.step, [])
         if result.token_ids is not None:
             for req, tok, lp in zip(batch.reqs, result.token_ids, result.logprobs or _nones()):
                 if req not in self.reqs:
@@ -98,6 +108,13 @@ class RunningBatch:
                 if tok in req.stop_token_ids and req.out_at_join + self.step - req.join_step < req.max_new_tokens:
                     done.append(req)
         return done
+
+
+    def _trim_times(self) -> None:
+        """Forget the end times of steps before every running request joined."""
+        low = min((r.join_step for r in self.reqs), default=self.step)
+        del self.step_end_s[: low - self._times_base]
+        self._times_base = low
 
 
 def _nones():
