@@ -102,6 +102,11 @@ class NetworkConfig(_Spec):
     message_latency_s: float = Field(50e-6, ge=0)
     first_contact_s: float = Field(2e-3, ge=0)
     transfer_setup_s: float = Field(100e-6, ge=0)
+    head_slice_efficiency: float = Field(
+        0.5, gt=0, le=1,
+        description="share of the bandwidth reached when GQA KV moves as head slices because "
+        "prefill and decode attention-TP sizes differ (many small writes)",
+    )
 
 
 class CostModelConfig(_Spec):

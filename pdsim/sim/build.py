@@ -14,7 +14,7 @@ from pdsim.specs.models import ModelSpec, load_model_spec
 
 
 def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelSpec,
-               hw: HardwareSpec) -> RoleSpec:
+               hw: HardwareSpec, nic_efficiency: float = 1.0) -> RoleSpec:
     par = Parallelism(tp=role.tp, dp_attention=role.dp_attention, ep=role.ep)
     knobs = role.scheduler
     # Every cost model prices KV reads in the experiment's KV dtype unless told otherwise.
@@ -45,7 +45,7 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     # What a page weighs on the wire: every attention-TP rank of the receiving side needs its
     # own slice (GQA) or its own replica (MLA).
     kv_page_bytes = knobs.page_size * model.kv_bytes_per_token_per_rank(attn_tp, cfg.kv_dtype_bytes) * attn_tp
-    nic = (cfg.network.bandwidth_gbps or hw.rdma_gbps) * 1e9 * role.tp
+    nic = (cfg.network.bandwidth_gbps or hw.rdma_gbps) * 1e9 * role.tp * nic_efficiency
     cost = partial(make_cost_model, cfg.cost_model.name, model, hw, par, **params)
     return RoleSpec(role.instances, role.dp_attention, role.tp, sched, cost, nic, kv_page_bytes)
 
@@ -67,10 +67,15 @@ def build_cluster(cfg: ExperimentConfig) -> ClusterSpec:
     if c.mode == "colocated":
         return ClusterSpec("colocated", cfg.router.policy, network,
                            colocated=build_role(cfg, c.colocated, "colocated", model, hw))
+    # GQA KV split over different attention-TP sizes on the two sides moves as head slices:
+    # many small writes instead of whole pages (DESIGN.md, "TP mismatch").
+    sliced = not model.is_mla and (c.prefill.tp // c.prefill.dp_attention
+                                   != c.decode.tp // c.decode.dp_attention)
+    eff = net.head_slice_efficiency if sliced else 1.0
     return ClusterSpec(
         "disaggregated",
         cfg.router.policy,
         network,
-        prefill=build_role(cfg, c.prefill, "prefill", model, hw),
-        decode=build_role(cfg, c.decode, "decode", model, hw),
+        prefill=build_role(cfg, c.prefill, "prefill", model, hw, eff),
+        decode=build_role(cfg, c.decode, "decode", model, hw, eff),
     )
