@@ -17,9 +17,9 @@ class Request:
     In PD mode the prefill and the decode instance each hold their own `Request` for the same
     `rid` (in the real backend they live in different processes); they meet by `bootstrap_room`.
 
-    Token accounting: after computing `kv_len` tokens of KV the model has produced the next token,
+    Token accounting: a forward that computes the KV of some tokens also produces the next token,
     which is not yet in the KV. So a request that has generated `n` tokens holds
-    `input_len + n - 1` tokens of KV, and each decode step writes one more.
+    `input_len + n - 1` tokens of KV (`computed_tokens`), and each decode step writes one more.
     """
 
     rid: str
