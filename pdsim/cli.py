@@ -81,7 +81,7 @@ def validate(experiment: Path = typer.Argument(..., help="experiment YAML")) -> 
         cfg, raw = load_experiment(experiment)
         points = expand_sweep(cfg, raw, str(experiment))
         for _, pcfg in points:
-            build_cluster(pcfg)
+            build_cluster(pcfg, str(experiment.parent.resolve()))
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None

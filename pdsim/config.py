@@ -111,7 +111,7 @@ class NetworkConfig(_Spec):
 
 class CostModelConfig(_Spec):
     name: str = "roofline"
-    params: dict[str, float] = {}
+    params: dict[str, float | str] = {}  # numbers, or paths (relative to the experiment file)
 
     @field_validator("name")
     @classmethod

@@ -55,7 +55,7 @@ def point_columns(cfg: ExperimentConfig, request_rate: float) -> dict[str, Any]:
 def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir: str | None) -> PointResult:
     """Simulate one configuration; also the unit of work of a parallel sweep."""
     workload = generate(cfg.workload, base_dir=base_dir)
-    cluster = build_cluster(cfg)
+    cluster = build_cluster(cfg, base_dir)
     result = simulate(
         cluster, workload.arrival_s, workload.input_tokens, workload.output_tokens,
         seed=cfg.seed, max_duration_s=cfg.max_duration_s,
@@ -87,11 +87,11 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
     path = Path(path)
     cfg, raw = load_experiment(path)
     points = expand_sweep(cfg, raw, str(path))
+    base_dir = str(path.parent.resolve())
     for _, point_cfg in points:
-        build_cluster(point_cfg)  # fail on a bad point before simulating any
+        build_cluster(point_cfg, base_dir)  # fail on a bad point before simulating any
     out = Path(out_dir) if out_dir else Path("results") / cfg.name
     out.mkdir(parents=True, exist_ok=True)
-    base_dir = str(path.parent.resolve())
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(points)))
     args = [(i, pcfg, swept, base_dir) for i, (swept, pcfg) in enumerate(points)]
     results = _execute(args, jobs, progress, cfg.name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 from pdsim.config import ConfigError, ExperimentConfig, RoleConfig
 from pdsim.core.config import SchedulerConfig
@@ -14,11 +15,13 @@ from pdsim.specs.models import ModelSpec, load_model_spec
 
 
 def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelSpec,
-               hw: HardwareSpec, nic_efficiency: float = 1.0) -> RoleSpec:
+               hw: HardwareSpec, nic_efficiency: float = 1.0,
+               base_dir: str | None = None) -> RoleSpec:
     par = Parallelism(tp=role.tp, dp_attention=role.dp_attention, ep=role.ep)
     knobs = role.scheduler
     # Every cost model prices KV reads in the experiment's KV dtype unless told otherwise.
-    params = {"kv_dtype_bytes": cfg.kv_dtype_bytes, **cfg.cost_model.params}
+    params = {"kv_dtype_bytes": cfg.kv_dtype_bytes,
+              **{k: _resolve(v, base_dir) for k, v in cfg.cost_model.params.items()}}
     try:
         num_pages = knobs.num_pages or (
             kv_capacity_tokens(model, hw, par, knobs.mem_fraction_static, cfg.kv_dtype_bytes)
@@ -50,7 +53,14 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     return RoleSpec(role.instances, role.dp_attention, role.tp, sched, cost, nic, kv_page_bytes)
 
 
-def build_cluster(cfg: ExperimentConfig) -> ClusterSpec:
+def _resolve(value: float | str, base_dir: str | None) -> float | str:
+    """A string parameter naming a file relative to the experiment's folder, made absolute."""
+    if isinstance(value, str) and base_dir and (Path(base_dir) / value).exists():
+        return str(Path(base_dir) / value)
+    return value
+
+
+def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> ClusterSpec:
     try:
         model = load_model_spec(cfg.model)
         hw = load_hardware_spec(cfg.hardware)
@@ -66,7 +76,8 @@ def build_cluster(cfg: ExperimentConfig) -> ClusterSpec:
     c = cfg.cluster
     if c.mode == "colocated":
         return ClusterSpec("colocated", cfg.router.policy, network,
-                           colocated=build_role(cfg, c.colocated, "colocated", model, hw))
+                           colocated=build_role(cfg, c.colocated, "colocated", model, hw,
+                                                base_dir=base_dir))
     # GQA KV split over different attention-TP sizes on the two sides moves as head slices:
     # many small writes instead of whole pages (DESIGN.md, "TP mismatch").
     sliced = not model.is_mla and (c.prefill.tp // c.prefill.dp_attention
@@ -76,6 +87,6 @@ def build_cluster(cfg: ExperimentConfig) -> ClusterSpec:
         "disaggregated",
         cfg.router.policy,
         network,
-        prefill=build_role(cfg, c.prefill, "prefill", model, hw, eff),
-        decode=build_role(cfg, c.decode, "decode", model, hw, eff),
+        prefill=build_role(cfg, c.prefill, "prefill", model, hw, eff, base_dir),
+        decode=build_role(cfg, c.decode, "decode", model, hw, eff, base_dir),
     )
