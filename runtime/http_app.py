@@ -1,25 +1,66 @@
-"""Starting an aiohttp app in front of a backend, shared by the OpenAI server and the PD workers."""
+"""An aiohttp server in front of a backend (an `Engine` or the router's client): the lifecycle
+and the response counting shared by the OpenAI server and the PD workers."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
 
-async def start_app(app: web.Application, backend, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start `backend` (if it is not running) and listen on `host:port` (0: any free port).
+class AppServer:
+    """Subclasses give `make_app()` (which should install `self._count` as a middleware) and
+    `counted(path)`, naming the paths whose response codes go to `metrics`."""
 
-    Returns the runner and the bound port. If listening fails (the port is taken, say), nothing
-    is left running: the runner is cleaned up and the backend shut down before re-raising.
-    """
-    if not backend.running:
-        backend.start()
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except BaseException:
-        await runner.cleanup()
-        await backend.shutdown()
-        raise
-    bound = runner.addresses
-    return runner, (bound[0][1] if bound else port)
+    def __init__(self, engine, metrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._runner: web.AppRunner | None = None
+        self.host = ""
+        self.port = 0
+
+    def make_app(self) -> web.Application:
+        raise NotImplementedError
+
+    def counted(self, path: str) -> bool:
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Start the engine (if needed) and listen; returns the bound port (`port=0`: any). If
+        listening fails (the port is taken, say) nothing is left running."""
+        if not self.engine.running:
+            self.engine.start()
+        runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None,
+                               shutdown_timeout=5.0)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except BaseException:
+            await runner.cleanup()
+            await self.engine.shutdown()
+            raise
+        bound = runner.addresses
+        self._runner, self.host, self.port = runner, host, (bound[0][1] if bound else port)
+        return self.port
+
+    async def close(self) -> None:
+        """Stop the engine (unfinished requests fail with "server shutting down"), then HTTP."""
+        await self.engine.shutdown()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler) -> web.StreamResponse:
+        endpoint = request.path if self.counted(request.path) else None
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            if endpoint:
+                self.metrics.observe_http(endpoint, exc.status)
+            raise
+        if endpoint:
+            self.metrics.observe_http(endpoint, response.status)
+        return response

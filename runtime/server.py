@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from runtime.engine import Engine, EngineStopped, StreamEvent
-from runtime.http_app import start_app
+from runtime.http_app import AppServer
 from runtime.sampling import SamplingParams
 from runtime.serve_config import PDServeConfig, ServeConfig
 from runtime.serve_metrics import CONTENT_TYPE, ServeMetrics
@@ -374,28 +374,24 @@ class Backend(Protocol):
     def abort(self, rid: str, reason: str = "aborted by the client") -> None: ...
 
 
-class OpenAIServer:
+class OpenAIServer(AppServer):
     def __init__(self, engine: Backend, tokenizer: Tokenizer, *, model_name: str, limits: Limits,
                  chat_template: ChatTemplate | None = None, eos_ids: Sequence[int] = (),
                  default_chat_max_tokens: int = 256,
                  on_close: Callable[[], None] | None = None) -> None:
-        self.engine = engine
+        super().__init__(engine, engine.metrics)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.limits = limits
-        self.metrics: ServeMetrics = engine.metrics
         self.parser = RequestParser(tokenizer, limits, chat_template or ChatTemplate(), eos_ids,
                                     default_chat_max_tokens)
         self.created = int(time.time())
         self.on_close = on_close
-        self._runner: web.AppRunner | None = None
-        self.host = ""
-        self.port = 0
 
     # ---- lifecycle ----
 
     def make_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._count_responses], client_max_size=64 << 20)
+        app = web.Application(middlewares=[self._count], client_max_size=64 << 20)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -403,40 +399,15 @@ class OpenAIServer:
         app.router.add_get("/metrics", self.prometheus)
         return app
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Start the engine (if needed) and listen; returns the bound port (`port=0`: any)."""
-        self._runner, bound = await start_app(self.make_app(), self.engine, host, port)
-        self.host, self.port = host, bound
-        return self.port
+    def counted(self, path: str) -> bool:
+        return path.startswith("/v1/")
 
     async def close(self) -> None:
         """Stop the engine (unfinished requests end with the error "server shutting down", new
-        ones get 503), then the HTTP server."""
-        await self.engine.shutdown()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        ones get 503), then the HTTP server; then run `on_close` (saving records, say)."""
+        await super().close()
         if self.on_close is not None:
             self.on_close()
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    # ---- plumbing ----
-
-    @web.middleware
-    async def _count_responses(self, request: web.Request, handler) -> web.StreamResponse:
-        endpoint = request.path if request.path.startswith("/v1/") else None
-        try:
-            response = await handler(request)
-        except web.HTTPException as exc:
-            if endpoint:
-                self.metrics.observe_http(endpoint, exc.status)
-            raise
-        if endpoint:
-            self.metrics.observe_http(endpoint, response.status)
-        return response
 
     def _bad(self, exc: BadRequest) -> web.Response:
         return web.json_response(_error_body(exc.message, "invalid_request_error", exc.param),

@@ -38,7 +38,7 @@ from aiohttp import web
 
 from runtime.engine import EngineStopped, StreamEvent
 from runtime.executor import MAX_TOP_LOGPROBS
-from runtime.http_app import start_app
+from runtime.http_app import AppServer
 from runtime.pd.engine import PDEngine
 from runtime.sampling import SamplingParams
 from runtime.serve_metrics import CONTENT_TYPE
@@ -188,20 +188,15 @@ class WorkerInfo:
     bootstrap_port: int = 0
 
 
-class WorkerServer:
+class WorkerServer(AppServer):
     """Rank 0's HTTP front: `port = await server.start(host, port)`, `await server.close()`."""
 
     def __init__(self, engine: PDEngine, info: WorkerInfo) -> None:
-        self.engine = engine
+        super().__init__(engine, engine.metrics)
         self.info = info
-        self.metrics = engine.metrics
-        self._runner: web.AppRunner | None = None
-        self.host = ""
-        self.port = 0
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+    def counted(self, path: str) -> bool:
+        return path in ("/generate", "/abort")
 
     def make_app(self) -> web.Application:
         app = web.Application(middlewares=[self._count], client_max_size=64 << 20)
@@ -214,31 +209,6 @@ class WorkerServer:
         app.router.add_get("/records", self.records)
         app.router.add_get("/pools", self.pools)
         return app
-
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        self._runner, self.port = await start_app(self.make_app(), self.engine, host, port)
-        self.host = host
-        return self.port
-
-    async def close(self) -> None:
-        """Stop the engine (unfinished requests fail with "server shutting down"), then HTTP."""
-        await self.engine.shutdown()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    @web.middleware
-    async def _count(self, request: web.Request, handler) -> web.StreamResponse:
-        endpoint = request.path if request.path in ("/generate", "/abort") else None
-        try:
-            response = await handler(request)
-        except web.HTTPException as exc:
-            if endpoint:
-                self.metrics.observe_http(endpoint, exc.status)
-            raise
-        if endpoint:
-            self.metrics.observe_http(endpoint, response.status)
-        return response
 
     # ---- endpoints ----
 

@@ -152,16 +152,30 @@ class MooncakeKVManager:
                 self.prefill.check_liveness(self.config.heartbeat_timeout_s)
 
 
-class MooncakeKVSender:
-    """Prefill side of one request; see `prefill.PrefillSide` for the states."""
+class _Endpoint:
+    """What a sender and a receiver share: one room on one side (`PrefillSide`/`DecodeSide`)."""
 
-    def __init__(self, side: PrefillSide, room: int) -> None:
+    def __init__(self, side: PrefillSide | DecodeSide, room: int) -> None:
         self._side = side
         self.room = room
         self._forget = weakref.finalize(self, side.forget, room)  # on close() or when dropped
 
     def poll(self) -> KVPoll:
         return self._side.poll(self.room)
+
+    def abort(self, reason: str) -> None:
+        self._side.abort(self.room, reason)
+
+    def failure_reason(self) -> str:
+        return self._side.failure_reason(self.room)
+
+    def close(self) -> None:
+        """Forget the room (after Success or Failed has been handled)."""
+        self._forget()
+
+
+class MooncakeKVSender(_Endpoint):
+    """Prefill side of one request; see `prefill.PrefillSide` for the states."""
 
     def init(self, num_pages: int, metadata_slot: int) -> None:
         self._side.init(self.room, num_pages, metadata_slot)
@@ -169,37 +183,9 @@ class MooncakeKVSender:
     def send(self, page_indices: Sequence[int], last: bool) -> None:
         self._side.send(self.room, page_indices, last)
 
-    def abort(self, reason: str) -> None:
-        self._side.abort(self.room, reason)
 
-    def failure_reason(self) -> str:
-        return self._side.failure_reason(self.room)
-
-    def close(self) -> None:
-        """Forget the room (after Success or Failed has been handled)."""
-        self._forget()
-
-
-class MooncakeKVReceiver:
+class MooncakeKVReceiver(_Endpoint):
     """Decode side of one request; see `decode.DecodeSide` for the states."""
-
-    def __init__(self, side: DecodeSide, room: int) -> None:
-        self._side = side
-        self.room = room
-        self._forget = weakref.finalize(self, side.forget, room)  # on close() or when dropped
-
-    def poll(self) -> KVPoll:
-        return self._side.poll(self.room)
 
     def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
         self._side.send_metadata(self.room, page_indices, metadata_slot)
-
-    def abort(self, reason: str) -> None:
-        self._side.abort(self.room, reason)
-
-    def failure_reason(self) -> str:
-        return self._side.failure_reason(self.room)
-
-    def close(self) -> None:
-        """Forget the room (after Success or Failed has been handled)."""
-        self._forget()
