@@ -20,10 +20,13 @@ class HardwareSpec(BaseModel):
 
     bf16_tflops: dense BF16 tensor-core peak (no 2:4 sparsity).
     fp8_tflops: dense FP8 peak, None where the GPU has no FP8 tensor cores.
+    fp4_tflops: dense FP4 (NVFP4/MXFP4) peak, None before Blackwell.
     hbm_gib: memory capacity (the datasheet's figure; the driver keeps ~1 % of it).
     hbm_gbps: peak memory bandwidth.
     nvlink_gbps: NVLink bandwidth per GPU, one direction.
     rdma_gbps: per-GPU NIC bandwidth typical of the platform (400 Gb/s = 50 GB/s).
+    gpus_per_node: GPUs in one NVLink domain (8 in an HGX board, 72 in a GB200 NVL72 rack);
+        traffic between GPUs of one domain takes NVLink, beyond it RDMA.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -31,10 +34,12 @@ class HardwareSpec(BaseModel):
     name: str
     bf16_tflops: float = Field(gt=0)
     fp8_tflops: float | None = Field(default=None, gt=0)
+    fp4_tflops: float | None = Field(default=None, gt=0)
     hbm_gib: float = Field(gt=0)
     hbm_gbps: float = Field(gt=0)
     nvlink_gbps: float = Field(gt=0)
     rdma_gbps: float = Field(gt=0)
+    gpus_per_node: int = Field(default=8, ge=1)
     source: str = ""
 
     @property

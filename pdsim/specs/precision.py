@@ -1,0 +1,84 @@
+"""Number formats a deployment runs in, and what each costs a cost model.
+
+A model's weights need not share one format: published DeepSeek deployments run BF16 attention
+with FP8 (Hopper) or NVFP4 (Blackwell) experts, and GPTQ/AWQ checkpoints hold int4 weights that
+are widened to BF16 inside the GEMM (W4A16). `Precision` names the format of each block;
+`DTYPES` says how many bytes a weight takes and which tensor-core peak the GEMM runs at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from pdsim.specs.hardware import HardwareSpec
+
+DTypeName = Literal["bf16", "fp16", "fp8", "int8", "w4a16", "nvfp4", "mxfp4"]
+ComputeName = Literal["bf16", "fp8"]
+
+
+@dataclass(frozen=True)
+class DType:
+    """weight_bytes: bytes per weight element, scales included (block scales add ~1/16 B for
+    FP4's 16-element blocks). compute: the tensor-core peak a GEMM with these weights runs at
+    ("bf16", "fp8", "fp4"); W4A16 dequantises to BF16, so it reads 0.5 B but computes BF16."""
+
+    name: str
+    weight_bytes: float
+    compute: Literal["bf16", "fp8", "fp4"]
+
+
+DTYPES: dict[str, DType] = {
+    "bf16": DType("bf16", 2.0, "bf16"),
+    "fp16": DType("fp16", 2.0, "bf16"),
+    "fp8": DType("fp8", 1.0, "fp8"),
+    "int8": DType("int8", 1.0, "fp8"),  # W8A8 runs on the int8 peak, equal to FP8's on Hopper+
+    "w4a16": DType("w4a16", 0.5 + 1 / 64, "bf16"),  # GPTQ/AWQ int4, group 128: scale + zero
+    "nvfp4": DType("nvfp4", 0.5 + 1 / 16, "fp4"),  # E2M1, one FP8 scale per 16 elements
+    "mxfp4": DType("mxfp4", 0.5 + 1 / 32, "fp4"),  # E2M1, one E8M0 scale per 32 elements
+}
+
+
+class Precision(BaseModel):
+    """The format of each block of a model's weights, and of attention's arithmetic.
+
+    attention: QKV/O projections (MLA's down/up projections too). dense_mlp: the MLP of dense
+    layers. moe_experts: routed and shared experts. lm_head: the output projection.
+    attention_compute: the attention kernel's arithmetic ("fp8": FP8 attention, as with an FP8
+    KV cache in FlashInfer/FA3); the KV cache's own dtype is set per role, not here.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    attention: DTypeName = "bf16"
+    dense_mlp: DTypeName = "bf16"
+    moe_experts: DTypeName = "bf16"
+    lm_head: DTypeName = "bf16"
+    attention_compute: ComputeName = "bf16"
+
+    @classmethod
+    def uniform(cls, dtype: DTypeName) -> Precision:
+        """Every block in `dtype` (the LM head stays BF16 unless the dtype is 16-bit anyway)."""
+        return cls(attention=dtype, dense_mlp=dtype, moe_experts=dtype)
+
+
+def gemm_peak_tflops(dtype: str, hardware: HardwareSpec) -> float:
+    """The dense tensor-core peak a GEMM with `dtype` weights runs at on `hardware`.
+
+    A format the GPU has no tensor cores for is an error, never a silent fallback: FP8 on A100,
+    FP4 before Blackwell."""
+    compute = DTYPES[dtype].compute
+    if compute == "bf16":
+        return hardware.bf16_tflops
+    peak = hardware.fp8_tflops if compute == "fp8" else hardware.fp4_tflops
+    if peak is None:
+        raise ValueError(
+            f"{dtype} weights need {compute.upper()} tensor cores, which {hardware.name} lacks; "
+            f"use a format it supports (bf16, fp16, w4a16"
+            + (", fp8, int8" if hardware.fp8_tflops else "")
+            + ")"
+        )
+    return peak
