@@ -19,19 +19,22 @@ class BatchShape:
     prefill_tokens: new tokens computed by prefill/extend segments (chunked prefill included).
     prefill_attn_pairs: causal (query, key) pairs those segments attend over, summed over
         requests: a segment of n new tokens after c cached ones contributes n * c + n * (n + 1) / 2.
-    decode_reqs: requests that decode one token each.
+    decode_reqs: requests in the decode step.
     decode_context_tokens: KV tokens read by those decode requests (sum of their context lengths).
+    decode_query_len: query tokens each decode request computes in the step: 1 normally,
+        1 + draft tokens when a speculative step verifies them.
     """
 
     prefill_tokens: int = 0
     prefill_attn_pairs: float = 0.0
     decode_reqs: int = 0
     decode_context_tokens: int = 0
+    decode_query_len: int = 1
 
     @property
     def num_tokens(self) -> int:
         """Tokens that pass through the dense/MoE layers."""
-        return self.prefill_tokens + self.decode_reqs
+        return self.prefill_tokens + self.decode_reqs * self.decode_query_len
 
 
 def extend_attn_pairs(new_tokens: int, cached_tokens: int) -> float:
