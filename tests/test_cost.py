@@ -16,6 +16,7 @@ from pdsim.sim.cost import (
     register_cost_model,
 )
 from pdsim.specs import load_hardware_spec, model_preset
+from pdsim.specs.precision import Precision
 
 H100 = load_hardware_spec("h100")
 LLAMA_8B = model_preset("llama-3.1-8b")
@@ -167,7 +168,8 @@ def test_h20_trades_compute_for_bandwidth() -> None:
 
 
 def test_fp8_weights_use_fp8_peak_and_half_the_bytes() -> None:
-    fp8 = LLAMA_8B.model_copy(update={"weight_dtype_bytes": 1})
+    all_fp8 = Precision(attention="fp8", dense_mlp="fp8", moe_experts="fp8", lm_head="fp8")
+    fp8 = LLAMA_8B.model_copy(update={"precision": all_fp8})
     big = [prefill(8192)]
     assert roofline(fp8, **NO_OVERHEADS).step_time_s(big) < 0.7 * roofline(
         **NO_OVERHEADS

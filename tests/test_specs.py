@@ -16,6 +16,7 @@ from pdsim.specs import (
     model_preset,
     model_preset_names,
 )
+from pdsim.specs.precision import Precision
 
 # Published total sizes: the HF model cards (8.03B, 70.6B, 32.8B) and DeepSeek-V3's README
 # (671B main model, 37B activated; 36.6B of them outside the input embedding).
@@ -231,3 +232,33 @@ def test_hardware_from_yaml_and_dict(tmp_path) -> None:
         load_hardware_spec(path)
     message = str(err.value)
     assert str(path) in message and "bf16_tflops" in message and "clock_mhz" in message
+
+
+def test_weight_dtype_bytes_still_sets_one_format_for_every_block() -> None:
+    fields = model_preset("llama-3.1-8b").model_dump(exclude={"precision"})
+    fp8 = ModelSpec(**fields, weight_dtype_bytes=1)
+    assert fp8.precision == Precision(
+        attention="fp8", dense_mlp="fp8", moe_experts="fp8", lm_head="fp8"
+    )
+    assert ModelSpec(**fields, weight_dtype_bytes=0.5).precision.moe_experts == "w4a16"
+    norms = fp8.num_layers * fp8.norm_params_per_layer + fp8.hidden_size
+    assert fp8.weight_bytes == (fp8.num_params - norms) + 2 * norms  # norms stay BF16
+    with pytest.raises(ValidationError, match="weight_dtype_bytes 3"):
+        ModelSpec(**fields, weight_dtype_bytes=3)
+    with pytest.raises(ValidationError, match="not both"):
+        ModelSpec(**fields, weight_dtype_bytes=1, precision=Precision())
+
+
+def test_weight_bytes_count_each_block_in_its_format() -> None:
+    spec = model_preset("deepseek-v3")
+    assert spec.precision == Precision(attention="fp8", dense_mlp="fp8", moe_experts="fp8")
+    vocab = spec.embedding_params + spec.lm_head_params
+    bf16 = vocab + spec.num_layers * spec.norm_params_per_layer + spec.hidden_size
+    bf16 += spec.num_moe_layers * spec.router_params
+    assert spec.weight_bytes == spec.num_params + bf16  # 1 B per FP8 weight, 2 B for BF16
+    nvfp4 = spec.model_copy(update={"precision": Precision(attention="bf16", moe_experts="nvfp4")})
+    experts = spec.num_moe_layers * (spec.num_experts + 1) * spec.expert_params
+    saved = experts * (1 - (0.5 + 1 / 16))
+    added = spec.num_layers * spec.attn_params_per_layer  # attention back to BF16
+    added += spec.num_dense_layers * spec.dense_mlp_params
+    assert nvfp4.weight_bytes == pytest.approx(spec.weight_bytes - saved + added, abs=2)

@@ -8,8 +8,11 @@ from pdsim.specs.models import (
     model_preset_names,
     model_spec_from_hf_config,
 )
+from pdsim.specs.precision import DTYPES, Precision, gemm_peak_tflops
 
 __all__ = [
+    "DTYPES",
+    "Precision",
     "HardwareSpec",
     "ModelSpec",
     "hardware_preset_names",
@@ -18,4 +21,5 @@ __all__ = [
     "model_preset",
     "model_preset_names",
     "model_spec_from_hf_config",
+    "gemm_peak_tflops",
 ]

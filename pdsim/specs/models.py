@@ -13,6 +13,11 @@ Counting conventions (they decide the "published size" tests):
 - The input embedding and the LM head are separate tables unless `tie_word_embeddings`.
 - DeepSeek's multi-token-prediction module is not part of the model (the published 671B
   excludes it too).
+
+Weight bytes follow `precision` block by block (pdsim.specs.precision): attention, dense MLPs,
+experts and the LM head each in their own format; the input embedding is stored like the LM
+head (quantisers leave both vocabulary tables alone, and a tied head is the embedding); norms
+and the MoE router stay BF16.
 """
 
 from __future__ import annotations
@@ -24,8 +29,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pdsim.specs.precision import DTYPES, DTypeName, Precision
+
 MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 MOE_FIELDS = ("num_experts", "experts_per_token", "moe_intermediate_size")
+# `weight_dtype_bytes` (one width for every block, the field before `precision`) -> format.
+_UNIFORM_BY_BYTES: dict[float, DTypeName] = {2: "bf16", 1: "fp8", 0.5: "w4a16"}
 
 
 class ModelSpec(BaseModel):
@@ -36,6 +45,9 @@ class ModelSpec(BaseModel):
     For MoE models the first `first_k_dense_layers` layers have a dense MLP of
     `intermediate_size`; the others have `num_experts` routed experts (top `experts_per_token`)
     plus `num_shared_experts` always-on experts, all of `moe_intermediate_size`.
+
+    `precision` gives each block's weight format. The older `weight_dtype_bytes` is still
+    accepted as input: 2, 1 or 0.5 put every block, LM head included, in bf16, fp8 or w4a16.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -61,8 +73,29 @@ class ModelSpec(BaseModel):
     moe_intermediate_size: int | None = Field(default=None, gt=0)
     num_shared_experts: int = Field(default=0, ge=0)
     first_k_dense_layers: int = Field(default=0, ge=0)
-    weight_dtype_bytes: float = Field(default=2, gt=0)
+    precision: Precision = Precision()
     tie_word_embeddings: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _weight_dtype_bytes_to_precision(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or "weight_dtype_bytes" not in data:
+            return data
+        data = dict(data)
+        width = data.pop("weight_dtype_bytes")
+        if "precision" in data:
+            raise ValueError("give precision or weight_dtype_bytes, not both")
+        dtype = _UNIFORM_BY_BYTES.get(width) if isinstance(width, (int, float)) else None
+        if dtype is None:
+            allowed = ", ".join(f"{b:g} ({d})" for b, d in _UNIFORM_BY_BYTES.items())
+            raise ValueError(
+                f"weight_dtype_bytes {width!r} is not a width pdsim can price; allowed: "
+                f"{allowed}, or set precision per block"
+            )
+        data["precision"] = Precision(
+            attention=dtype, dense_mlp=dtype, moe_experts=dtype, lm_head=dtype
+        )
+        return data
 
     @model_validator(mode="after")
     def _check_consistent(self) -> ModelSpec:
@@ -212,8 +245,15 @@ class ModelSpec(BaseModel):
     # ----- bytes -----------------------------------------------------------------------------
 
     @property
+    def weight_dtype_bytes(self) -> float:
+        """Bytes per weight of the attention block's format: a one-format view kept for cost
+        code that predates per-block precision (new code reads `precision` per block)."""
+        return DTYPES[self.precision.attention].weight_bytes
+
+    @property
     def weight_bytes(self) -> int:
-        return round(self.num_params * self.weight_dtype_bytes)
+        """Bytes of all weights, each block in its own format."""
+        return self.weight_bytes_per_rank()
 
     def weight_bytes_per_rank(self, tp: int = 1, ep: int = 1, dp_attention: int = 1) -> int:
         """Weight bytes one GPU of a `tp`-GPU instance holds (SGLang's sharding).
@@ -221,25 +261,28 @@ class ModelSpec(BaseModel):
         Embedding, LM head, dense MLPs and shared experts are split over `tp`; attention
         weights over the attention-TP group `tp // dp_attention` (each DP-attention rank holds a
         copy); routed experts over `ep` (whole experts) and then over `tp // ep` (slices);
-        norms and the router are replicated.
+        norms and the router are replicated. Each block's params count at its format's bytes.
         """
         _check_divides("dp_attention", dp_attention, tp)
         if ep != 1 and not self.is_moe:
             raise ValueError(f"ep={ep} needs a MoE model; {self.name} is dense")
         _check_divides("ep", ep, tp)
         attn_tp = tp // dp_attention
-        params = (
-            self.num_layers * self.attn_params_per_layer / attn_tp
-            + self.num_layers * self.norm_params_per_layer
-            + self.num_dense_layers * self.dense_mlp_params / tp
-            + (self.embedding_params + self.lm_head_params) / tp
-            + self.hidden_size
-        )
+        p = self.precision
+        routed = shared = 0.0
         if self.is_moe:
             routed = self.num_experts * self.expert_params / ep / (tp // ep)
             shared = self.num_shared_experts * self.expert_params / tp
-            params += self.num_moe_layers * (routed + shared + self.router_params)
-        return round(params * self.weight_dtype_bytes)
+        blocks = [
+            (p.attention, self.num_layers * self.attn_params_per_layer / attn_tp),
+            (p.dense_mlp, self.num_dense_layers * self.dense_mlp_params / tp),
+            (p.moe_experts, self.num_moe_layers * (routed + shared)),
+            (p.lm_head, (self.embedding_params + self.lm_head_params) / tp),
+            ("bf16", self.num_layers * self.norm_params_per_layer + self.hidden_size),
+            ("bf16", self.num_moe_layers * self.router_params),
+        ]
+        total = sum(params * DTYPES[dtype].weight_bytes for dtype, params in blocks)
+        return round(total)
 
     @property
     def kv_elems_per_token_per_layer(self) -> int:
@@ -294,13 +337,15 @@ _PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=25600, vocab_size=151936,
     ),
     # deepseek-ai/DeepSeek-V3 config.json; its weights are published in FP8 (block-wise
-    # quantization_config), which is how SGLang serves them, hence 1 byte per weight.
+    # quantization_config, 128x128 blocks), which is how SGLang serves them; the embedding and
+    # LM head stay BF16 in that checkpoint.
     "deepseek-v3": dict(
         num_layers=61, hidden_size=7168, num_attention_heads=128, num_kv_heads=128,
         head_dim=192, intermediate_size=18432, vocab_size=129280, attention="mla",
         kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
         q_lora_rank=1536, num_experts=256, experts_per_token=8, moe_intermediate_size=2048,
-        num_shared_experts=1, first_k_dense_layers=3, weight_dtype_bytes=1,
+        num_shared_experts=1, first_k_dense_layers=3,
+        precision=Precision(attention="fp8", dense_mlp="fp8", moe_experts="fp8"),
     ),
     # Small stand-ins for tests and CPU runs (not real checkpoints); the same shapes as the
     # real backend's presets of these names (runtime/model/config.py).
@@ -347,7 +392,10 @@ _MLA_ARCHS = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted({**_GQA_ARCHS, **_MLA_ARCHS}))
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# An unquantised checkpoint's dtype -> the format it is served in (float32 is served as BF16).
+_CHECKPOINT_DTYPES: dict[str, DTypeName] = {
+    "bfloat16": "bf16", "float16": "fp16", "float32": "bf16",
+}
 
 
 def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec:
@@ -364,7 +412,7 @@ def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec
         intermediate_size=_req(config, "intermediate_size"),
         vocab_size=_req(config, "vocab_size"),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        weight_dtype_bytes=_weight_dtype_bytes(config),
+        precision=_precision_of(config),
     )
     if arch in _MLA_ARCHS:
         nope, rope = _req(config, "qk_nope_head_dim"), _req(config, "qk_rope_head_dim")
@@ -444,16 +492,18 @@ def _req(config: Mapping[str, Any], key: str) -> Any:
     return config[key]
 
 
-def _weight_dtype_bytes(config: Mapping[str, Any]) -> float:
+def _precision_of(config: Mapping[str, Any]) -> Precision:
     quant = config.get("quantization_config")
     if quant:
         method = quant.get("quant_method")
         if method == "fp8":
-            return 1
-        if isinstance(quant.get("bits"), int):
-            return quant["bits"] / 8
+            return Precision.uniform("fp8")
+        if quant.get("bits") == 4:
+            return Precision.uniform("w4a16")
         raise ValueError(f"unsupported quantization_config quant_method {method!r}")
     dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
-    if dtype not in _DTYPE_BYTES:
-        raise ValueError(f"unsupported torch_dtype {dtype!r}; known: {', '.join(_DTYPE_BYTES)}")
-    return _DTYPE_BYTES[dtype]
+    if dtype not in _CHECKPOINT_DTYPES:
+        raise ValueError(
+            f"unsupported torch_dtype {dtype!r}; known: {', '.join(_CHECKPOINT_DTYPES)}"
+        )
+    return Precision.uniform(_CHECKPOINT_DTYPES[dtype])
