@@ -134,6 +134,76 @@ class RouterConfig(_Spec):
         return policy
 
 
+class AcceptanceConfig(_Spec):
+    """How many drafts a verify step accepts: give `rates` or `mean_accept_len`."""
+
+    rates: list[float] | None = Field(
+        None, min_length=1,
+        description="per draft position, the chance it is accepted given the drafts before it "
+        "were; the first num_draft_tokens entries are used, a single entry holds for all",
+    )
+    mean_accept_len: float | None = Field(
+        None, ge=1,
+        description="mean tokens a request emits per verify step (accepted drafts + 1, SGLang's "
+        "'accept length'); the same rate at every position is solved from it",
+    )
+
+    @field_validator("rates")
+    @classmethod
+    def _probabilities(cls, rates: list[float] | None) -> list[float] | None:
+        if rates is not None and not all(0 <= r <= 1 for r in rates):
+            raise ValueError(f"acceptance rates must lie in [0, 1], got {rates}")
+        return rates
+
+
+class SpeculativeConfig(_Spec):
+    """Speculative decoding, simulator only: the real backend does not speculate."""
+
+    method: Literal["none", "mtp", "eagle"] = Field(
+        "none", description="simulator only: mtp (the target's own MTP layers, DeepSeek-V3) or "
+        "eagle (a small draft model); none turns speculation off",
+    )
+    num_draft_tokens: int = Field(
+        3, ge=1, description="drafts per request per step, k (SGLang's --speculative-num-steps "
+        "with top-k 1; its --speculative-num-draft-tokens is k + 1)",
+    )
+    acceptance: AcceptanceConfig = AcceptanceConfig()
+    draft_layers: int = Field(1, ge=1, description="decoder layers of the MTP module or EAGLE draft")
+    draft_model: str | None = Field(
+        None, description="eagle only: a model preset or config.json for the draft "
+        "(default: draft_layers layers of the target's attention with a dense MLP)",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpeculativeConfig:
+        if self.method == "none":
+            return self
+        acc, k = self.acceptance, self.num_draft_tokens
+        if (acc.rates is None) == (acc.mean_accept_len is None):
+            raise ValueError(f"speculative.method {self.method!r} needs exactly one of "
+                             "acceptance.rates and acceptance.mean_accept_len")
+        if acc.rates is not None and 1 < len(acc.rates) < k:
+            raise ValueError(f"acceptance.rates has {len(acc.rates)} entries; num_draft_tokens={k} "
+                             f"needs 1 or at least {k}")
+        if acc.mean_accept_len is not None and acc.mean_accept_len > k + 1:
+            raise ValueError(f"acceptance.mean_accept_len {acc.mean_accept_len} exceeds "
+                             f"num_draft_tokens + 1 = {k + 1}")
+        if self.draft_model is not None and self.method != "eagle":
+            raise ValueError("draft_model applies to method 'eagle' only")
+        return self
+
+    def accept_len_probs(self) -> tuple[float, ...]:
+        """P(a = 1..k + 1) of the tokens a request emits per step."""
+        from pdsim.sim.speculative import accept_len_probs, rate_for_mean_accept_len
+
+        k, acc = self.num_draft_tokens, self.acceptance
+        if acc.rates is not None:
+            rates = acc.rates * k if len(acc.rates) == 1 else acc.rates[:k]
+        else:
+            rates = [rate_for_mean_accept_len(acc.mean_accept_len, k)] * k
+        return accept_len_probs(rates)
+
+
 class ExperimentConfig(_Spec):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
@@ -145,6 +215,7 @@ class ExperimentConfig(_Spec):
     router: RouterConfig = RouterConfig()
     network: NetworkConfig = NetworkConfig()
     cost_model: CostModelConfig = CostModelConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     workload: WorkloadConfig
     slo: SLO = SLO()
     max_duration_s: float = Field(

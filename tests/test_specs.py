@@ -15,16 +15,24 @@ from pdsim.specs import (
     load_model_spec,
     model_preset,
     model_preset_names,
+    model_spec_from_hf_config,
 )
-from pdsim.specs.precision import Precision
+from pdsim.specs.precision import Precision, gemm_peak_tflops
 
-# Published total sizes: the HF model cards (8.03B, 70.6B, 32.8B) and DeepSeek-V3's README
-# (671B main model, 37B activated; 36.6B of them outside the input embedding).
+# Published total sizes: the HF model cards (8.03B, 70.6B, 32.8B), DeepSeek-V3's README
+# (671B main model, 37B activated; 36.6B of them outside the input embedding),
+# Kimi-K2's technical report (1.04T), the Qwen3 and Qwen2.5 model cards (235B, 30.5B, 7.61B,
+# 72.7B).
 PUBLISHED_PARAMS = {
     "llama-3.1-8b": 8.03e9,
     "llama-3.1-70b": 70.6e9,
     "qwen3-32b": 32.8e9,
     "deepseek-v3": 671e9,
+    "kimi-k2": 1.04e12,
+    "qwen3-235b-a22b": 235e9,
+    "qwen3-30b-a3b": 30.5e9,
+    "qwen2.5-7b": 7.61e9,
+    "qwen2.5-72b": 72.7e9,
 }
 
 # The fields of each model's public config.json that the loader reads (plus some it ignores).
@@ -58,6 +66,32 @@ HF_CONFIGS = {
         "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
                                 "weight_block_size": [128, 128]},
+    },
+    "kimi-k2": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "n_routed_experts": 384, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "vocab_size": 163840, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                "quant_method": "fp8", "weight_block_size": [128, 128]},
+    },
+    "qwen3-235b-a22b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 128,
+        "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+        "num_attention_heads": 64, "num_key_value_heads": 4, "num_hidden_layers": 94,
+        "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "norm_topk_prob": True, "vocab_size": 151936,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "qwen2.5-72b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 8192,
+        "intermediate_size": 29568, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "num_hidden_layers": 80, "vocab_size": 152064, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_sliding_window": False,
     },
 }
 
@@ -196,17 +230,47 @@ def test_tiny_presets_are_small() -> None:
     assert model_preset("tiny-mla").is_mla and model_preset("tiny-mla").is_moe
 
 
+HARDWARE_PRESETS = {
+    "a10", "a100", "l40s", "h100", "h800", "h200", "h20", "h20-141g", "b200", "b300", "gb200",
+    "gb300",
+}
+
+
 def test_hardware_presets_load_and_cite_sources() -> None:
-    assert set(hardware_preset_names()) == {"a100", "h100", "h200", "h20", "b200"}
+    assert set(hardware_preset_names()) == HARDWARE_PRESETS
     for name in hardware_preset_names():
         hw = load_hardware_spec(name)
         assert hw.name == name
         assert "datasheet" in hw.source or "product brief" in hw.source
-        if hw.fp8_tflops is not None:
-            assert hw.fp8_tflops == pytest.approx(2 * hw.bf16_tflops, rel=0.01)
+        if hw.fp8_tflops is not None:  # FP8 doubles BF16 on every GPU that has it
+            assert hw.fp8_tflops == pytest.approx(2 * hw.bf16_tflops, rel=0.02)
+        if hw.fp4_tflops is not None:  # and FP4 doubles FP8 or more (Blackwell Ultra: 3x)
+            assert 2 * hw.fp8_tflops <= hw.fp4_tflops <= 3 * hw.fp8_tflops
+        # A price says whose and when; a missing one says so.
+        assert hw.price_source
+        assert (hw.usd_per_gpu_hour is None) == hw.price_source.startswith("no public")
+        assert hw.usd_per_gpu_hour is None or 0.2 < hw.usd_per_gpu_hour < 20
     # Same Hopper die, more and faster memory.
     h100, h200 = load_hardware_spec("h100"), load_hardware_spec("h200")
     assert h200.bf16_tflops == h100.bf16_tflops and h200.hbm_gbps > h100.hbm_gbps
+
+
+def test_new_hardware_presets_match_their_datasheets() -> None:
+    hw = {name: load_hardware_spec(name) for name in HARDWARE_PRESETS}
+    # H800: the H100's compute with NVLink cut to 400 GB/s both ways.
+    assert hw["h800"].bf16_tflops == hw["h100"].bf16_tflops and hw["h800"].nvlink_gbps == 200
+    # H20 in two memory sizes, the same compute.
+    assert (hw["h20"].hbm_gib, hw["h20-141g"].hbm_gib) == (96, 141)
+    assert hw["h20-141g"].fp8_tflops == hw["h20"].fp8_tflops
+    # Blackwell: FP4 peaks; the NVL72 racks are one 72-GPU NVLink domain, HGX boards 8.
+    assert {n for n, h in hw.items() if h.fp4_tflops} == {"b200", "b300", "gb200", "gb300"}
+    assert {n for n, h in hw.items() if h.gpus_per_node == 72} == {"gb200", "gb300"}
+    assert hw["gb300"].fp4_tflops == 15000 and hw["b200"].fp4_tflops == 9000
+    # PCIe cards without FP8 tensor cores (A10) refuse FP8 weights.
+    assert hw["a10"].fp8_tflops is None and hw["l40s"].fp8_tflops == 733
+    with pytest.raises(ValueError, match="a10 lacks"):
+        gemm_peak_tflops("fp8", hw["a10"])
+    assert gemm_peak_tflops("nvfp4", hw["gb200"]) == 10000
 
 
 def test_unknown_hardware_lists_presets() -> None:
@@ -262,3 +326,173 @@ def test_weight_bytes_count_each_block_in_its_format() -> None:
     added = spec.num_layers * spec.attn_params_per_layer  # attention back to BF16
     added += spec.num_dense_layers * spec.dense_mlp_params
     assert nvfp4.weight_bytes == pytest.approx(spec.weight_bytes - saved + added, abs=2)
+
+
+def test_moe_presets_activate_their_published_share() -> None:
+    # "A22B" / "A3B" / Kimi's 32.6B count the input embedding as activated.
+    for name, active in [("qwen3-235b-a22b", 22e9), ("qwen3-30b-a3b", 3.3e9),
+                         ("kimi-k2", 32.6e9)]:
+        spec = model_preset(name)
+        assert spec.active_params_per_token + spec.embedding_params == pytest.approx(
+            active, rel=0.03
+        )
+    qwen = model_preset("qwen3-235b-a22b")
+    assert (qwen.num_shared_experts, qwen.num_dense_layers) == (0, 0)
+    kimi = model_preset("kimi-k2")
+    assert (kimi.num_experts, kimi.num_dense_layers, kimi.precision.moe_experts) == (
+        384, 1, "fp8"
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "hardware", "tp"),
+    [("kimi-k2", "h200", 16), ("kimi-k2", "gb200", 8), ("deepseek-v3", "h20-141g", 8),
+     ("qwen3-235b-a22b", "h100", 8), ("qwen3-30b-a3b", "l40s", 2), ("qwen2.5-72b", "h800", 4),
+     ("qwen2.5-7b", "a10", 1)],
+)
+def test_new_presets_fit_where_they_are_deployed(model: str, hardware: str, tp: int) -> None:
+    spec, hw = model_preset(model), load_hardware_spec(hardware)
+    ep = tp if spec.is_moe else 1
+    per_rank = spec.weight_bytes_per_rank(tp=tp, ep=ep)
+    assert 0.1 * hw.hbm_bytes < per_rank < 0.9 * hw.hbm_bytes
+
+
+def test_qwen_moe_interleaved_dense_layers_are_counted() -> None:
+    config = dict(HF_CONFIGS["qwen3-235b-a22b"], num_hidden_layers=8, decoder_sparse_step=2,
+                  mlp_only_layers=[1])
+    spec = model_spec_from_hf_config(config, name="x")
+    # MoE layers: i + 1 a multiple of 2 -> 1, 3, 5, 7; layer 1 is MLP-only -> 3 MoE, 5 dense.
+    assert (spec.num_moe_layers, spec.num_dense_layers) == (3, 5)
+    shared = dict(config, shared_expert_intermediate_size=3 * 1536)
+    assert model_spec_from_hf_config(shared, name="x").num_shared_experts == 3
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        model_spec_from_hf_config(dict(config, shared_expert_intermediate_size=1000), name="x")
+
+
+def _with_quant(name: str, quant: dict, **extra) -> ModelSpec:
+    return model_spec_from_hf_config(
+        dict(HF_CONFIGS[name], quantization_config=quant, **extra), name=name
+    )
+
+
+def test_nvfp4_checkpoints_price_at_the_fp4_peak() -> None:
+    modelopt = _with_quant("deepseek-v3", {
+        "quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8",
+        "group_size": 16, "exclude_modules": ["lm_head", "model.layers.*.self_attn*"],
+    })
+    assert modelopt.precision == Precision(
+        attention="bf16", dense_mlp="nvfp4", moe_experts="nvfp4", lm_head="bf16"
+    )
+    assert gemm_peak_tflops(modelopt.precision.moe_experts, load_hardware_spec("b200")) == 9000
+    with pytest.raises(ValueError, match="FP4 tensor cores, which h100 lacks"):
+        gemm_peak_tflops(modelopt.precision.moe_experts, load_hardware_spec("h100"))
+    compressed = _with_quant("qwen3-235b-a22b", {
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "float", "group_size": 16},
+            "input_activations": {"num_bits": 4, "type": "float", "group_size": 16},
+        }},
+        "ignore": ["lm_head", "re:.*mlp.gate$"],
+    })
+    assert compressed.precision == Precision(
+        attention="nvfp4", dense_mlp="nvfp4", moe_experts="nvfp4", lm_head="bf16"
+    )
+    # Expert weights at 4 bits plus one FP8 scale per 16: 0.5625 B each.
+    experts = compressed.num_moe_layers * compressed.num_experts * compressed.expert_params
+    bf16 = model_preset("qwen3-235b-a22b")
+    saved = experts * (2 - 0.5625)
+    assert bf16.weight_bytes - compressed.weight_bytes == pytest.approx(
+        saved + compressed.num_layers * compressed.attn_params_per_layer * (2 - 0.5625), rel=1e-9
+    )
+
+
+def test_gptq_and_awq_int4_are_w4a16_not_fp8() -> None:
+    gptq = _with_quant("qwen2.5-72b", {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                        "desc_act": False}, torch_dtype="float16")
+    awq = _with_quant("qwen2.5-72b", {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                       "version": "gemm", "zero_point": True})
+    for spec in (gptq, awq):
+        assert (spec.precision.attention, spec.precision.dense_mlp) == ("w4a16", "w4a16")
+        # Dequantised to 16 bits inside the GEMM: the BF16 peak, a quarter of the bytes.
+        assert gemm_peak_tflops(spec.precision.dense_mlp, load_hardware_spec("h100")) == 989
+        assert spec.weight_bytes < 0.3 * model_preset("qwen2.5-72b").weight_bytes
+    assert gptq.precision.lm_head == "fp16" and awq.precision.lm_head == "bf16"
+    with pytest.raises(ValueError, match="gptq with 8 bits"):
+        _with_quant("qwen2.5-72b", {"quant_method": "gptq", "bits": 8})
+
+
+def test_ignored_modules_keep_their_blocks_in_the_checkpoint_dtype() -> None:
+    # Kimi-K2-Thinking style: int4 routed experts; attention, shared experts, dense MLP BF16.
+    spec = _with_quant("kimi-k2", {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "input_activations": None,
+            "weights": {"num_bits": 4, "type": "int", "group_size": 32, "strategy": "group"},
+        }},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                   "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    })
+    assert spec.precision == Precision(
+        attention="bf16", dense_mlp="bf16", moe_experts="w4a16", lm_head="bf16"
+    )
+    fp8 = _with_quant("qwen2.5-72b", {
+        "quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"],
+    })
+    assert fp8.precision == Precision.uniform("fp8")
+
+
+def test_unknown_quantization_is_an_error_naming_it() -> None:
+    with pytest.raises(ValueError) as err:
+        _with_quant("llama-3.1-8b", {"quant_method": "bitsandbytes", "load_in_4bit": True})
+    message = str(err.value)
+    assert "'bitsandbytes'" in message and "gptq / awq" in message and "modelopt" in message
+    with pytest.raises(ValueError, match="modelopt quant_algo 'W4A8_AWQ'"):
+        _with_quant("llama-3.1-8b", {"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"})
+    with pytest.raises(ValueError, match="int W8A16"):
+        _with_quant("llama-3.1-8b", {"quant_method": "compressed-tensors", "config_groups": {
+            "g": {"weights": {"num_bits": 8, "type": "int"}}}})
+
+
+def test_inline_specs_start_from_a_base_and_override_fields() -> None:
+    hw = load_hardware_spec({"base": "h100", "hbm_gib": 94, "usd_per_gpu_hour": 2.0})
+    assert (hw.name, hw.hbm_gib, hw.bf16_tflops, hw.usd_per_gpu_hour) == ("h100", 94, 989, 2.0)
+    assert "overridden: hbm_gib, usd_per_gpu_hour" in hw.source
+    model = load_model_spec({"base": "deepseek-v3", "name": "ds-fp4",
+                             "precision": {"moe_experts": "nvfp4"}})
+    assert model.name == "ds-fp4" and model.num_experts == 256
+    assert model.precision == Precision(attention="fp8", dense_mlp="fp8", moe_experts="nvfp4")
+    # weight_dtype_bytes over a base replaces the base's per-block precision.
+    assert load_model_spec({"base": "deepseek-v3", "weight_dtype_bytes": 2}).weight_bytes == (
+        2 * model_preset("deepseek-v3").num_params
+    )
+    plain = model_preset("tiny-llama").model_dump()
+    assert load_model_spec(plain) == model_preset("tiny-llama")
+    with pytest.raises(ValueError) as err:
+        load_model_spec({"base": "llama-3.1-8b", "num_layer": 4})
+    assert "model: num_layer" in str(err.value) and "base, name" in str(err.value)
+
+
+def test_spec_paths_resolve_against_the_experiment_folder(tmp_path, monkeypatch) -> None:
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    (exp / "gpu.yaml").write_text("base: h20\nhbm_gib: 141\n")
+    (exp / "ckpt").mkdir()
+    (exp / "ckpt" / "config.json").write_text(json.dumps(HF_CONFIGS["qwen2.5-72b"]))
+    (exp / "small.yaml").write_text("base: ckpt\nnum_layers: 40\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    hw = load_hardware_spec("gpu.yaml", base_dir=exp)
+    assert (hw.name, hw.hbm_gib) == ("h20", 141)
+    assert load_model_spec("ckpt", base_dir=exp) == model_preset("qwen2.5-72b").model_copy(
+        update={"name": "ckpt"}
+    )
+    assert load_model_spec("small.yaml", base_dir=exp).num_layers == 40  # base: beside it
+    with pytest.raises(ValueError) as err:
+        load_hardware_spec("gpu.yaml")  # not beside the current directory
+    with pytest.raises(ValueError) as err:
+        load_model_spec("missing.json", base_dir=exp)
+    message = str(err.value)
+    assert str(exp / "missing.json") in message and str(elsewhere / "missing.json") in message
+    assert "qwen3-235b-a22b" in message

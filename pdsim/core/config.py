@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdsim.core.running import Speculation
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -13,6 +15,7 @@ class SchedulerConfig:
     one extend batch; `chunked_prefill_size` cuts longer prompts into chunks (0 disables chunking,
     so a prompt longer than the budget runs alone). `num_reserved_decode_tokens` is set aside per
     running or queued request when admitting new ones, so admitted requests can keep decoding.
+    `speculation` (simulator only) makes decode steps verify draft tokens.
     """
 
     num_pages: int
@@ -25,6 +28,7 @@ class SchedulerConfig:
     metadata_slots: int = 512
     bootstrap_timeout_s: float = 300.0
     waiting_timeout_s: float = 300.0
+    speculation: Speculation | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_running_requests", "max_prefill_tokens",

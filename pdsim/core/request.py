@@ -56,6 +56,8 @@ class Request:
     kv_at_join: int = 0
     out_at_join: int = 0
     grow_step: int = -1
+    # Speculative decoding (simulator only): tokens emitted after j steps in the batch, j = 0, 1, ...
+    emitted_by_step: list[int] | None = None
 
     # Lifecycle
     queued_s: float = NAN  # when it entered its current queue (timeouts)

@@ -7,11 +7,18 @@ kept in buckets. That keeps a simulated decode step cheap however large the batc
 executor still reads every request, which it must anyway). A request's lengths and token times
 are settled when it leaves the batch; it leaves no trace in the buckets, and step end times
 older than every member's join are dropped, so a long-running server's batch stays small.
+
+`SpeculativeRunningBatch` keeps the same shape when each step verifies draft tokens and a
+request emits a variable number of tokens per step (simulator only).
 """
 
 from __future__ import annotations
 
+import random
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
+from dataclasses import dataclass
+from itertools import accumulate
 
 from pdsim.core.batch import Batch, BatchResult, BatchShape
 from pdsim.core.pool import PagePool
@@ -67,7 +74,10 @@ class RunningBatch:
         self.context_tokens -= req.computed_tokens
         base = self._times_base
         req.token_times_s.extend(self.step_end_s[req.join_step - base : self.step - base])
-        # Leaving early (a stop token, a retraction, an abort): drop its future bucket entries.
+        self._forget(req)
+
+    def _forget(self, req: Request) -> None:
+        """Leaving early (a stop token, a retraction, an abort): drop its future bucket entries."""
         for buckets, key in ((self._finish_at, self._finish_step(req)),
                              (self._grow_at, req.grow_step)):
             bucket = buckets.get(key)
@@ -92,12 +102,8 @@ class RunningBatch:
 
     def complete(self, batch: Batch, result: BatchResult, now: float) -> list[Request]:
         """Account one finished decode step; return the requests that are done (still in the batch)."""
-        self.step += 1
-        self.step_end_s.append(now)
+        done = self._advance(now)
         self.context_tokens += len(self.reqs)
-        if self.step % TRIM_EVERY_STEPS == 0:
-            self._trim_times()
-        done = self._finish_at.pop(self.step, [])
         if result.token_ids is not None:
             for req, tok, lp in zip(batch.reqs, result.token_ids, result.logprobs or _nones()):
                 if req not in self.reqs:
@@ -109,6 +115,13 @@ class RunningBatch:
                     done.append(req)
         return done
 
+    def _advance(self, now: float) -> list[Request]:
+        """Count one more step ending at `now`; the requests whose last step it was."""
+        self.step += 1
+        self.step_end_s.append(now)
+        if self.step % TRIM_EVERY_STEPS == 0:
+            self._trim_times()
+        return self._finish_at.pop(self.step, [])
 
     def _trim_times(self) -> None:
         """Forget the end times of steps before every running request joined."""
@@ -120,3 +133,151 @@ class RunningBatch:
 def _nones():
     while True:
         yield None
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """Speculative decoding as a running batch sees it (simulator only: the real backend does
+    not speculate).
+
+    num_draft_tokens: drafts proposed per request per step (k); the verify forward computes
+        k + 1 query tokens per request.
+    accept_len_probs: P(a = 1), ..., P(a = k + 1), where a, the tokens a request emits in one
+        step, is its accepted drafts plus the one token the verify adds after them.
+    seed: with the request id and its output count at join, seeds the request's draws.
+    """
+
+    num_draft_tokens: int
+    accept_len_probs: tuple[float, ...]
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        k, probs = self.num_draft_tokens, self.accept_len_probs
+        if k < 1:
+            raise ValueError(f"Speculation.num_draft_tokens must be >= 1, got {k}")
+        if len(probs) != k + 1 or min(probs) < 0 or abs(sum(probs) - 1) > 1e-9:
+            raise ValueError(
+                f"Speculation.accept_len_probs must be {k + 1} probabilities (accept lengths "
+                f"1..{k + 1}) summing to 1, got {probs}"
+            )
+
+    @property
+    def mean_accept_len(self) -> float:
+        return sum(a * p for a, p in enumerate(self.accept_len_probs, start=1))
+
+
+class SpeculativeRunningBatch(RunningBatch):
+    """Decode steps that verify `k` draft tokens per request and emit 1..k+1 tokens each.
+
+    When a request joins, all its accept lengths are drawn at once from a generator seeded by
+    (seed, request id, tokens emitted so far), so they do not depend on what else runs; their
+    running sum, cut so that it ends exactly at the tokens the request has left, is kept as
+    `req.emitted_by_step` (entry j: tokens emitted after j steps in the batch). Its lengths,
+    finish step and page needs then follow by indexing and bisection, and the batch's context
+    grows by per-step totals booked at the join: a step still touches no request.
+
+    A verify step writes the KV of its k + 1 query tokens, so before a step a request needs
+    pages for `kv + k + 1` tokens (capped at the `input_len + max_new_tokens` it was admitted
+    for); the rejected drafts' slots are reused by the next step. Tokens emitted in one step
+    share that step's end time.
+    """
+
+    def __init__(self, pool: PagePool, spec: Speculation):
+        super().__init__(pool)
+        self.spec = spec
+        self._query_len = spec.num_draft_tokens + 1
+        self._accept_lens = range(1, self._query_len + 1)
+        self._cum_probs = list(accumulate(spec.accept_len_probs))
+        self._context_growth: dict[int, int] = defaultdict(int)  # step -> context tokens it adds
+
+    def _draw(self, req: Request) -> list[int]:
+        left = req.max_new_tokens - req.num_output
+        rng = random.Random(f"{self.spec.seed}/{req.rid}/{req.num_output}")
+        emitted = [0]
+        while True:
+            batch = max(8, int(1.2 * (left - emitted[-1]) / self.spec.mean_accept_len))
+            draws = rng.choices(self._accept_lens, cum_weights=self._cum_probs, k=batch)
+            sums = list(accumulate(draws, initial=emitted[-1]))
+            cut = bisect_left(sums, left)
+            if cut < len(sums):
+                emitted.extend(sums[1 : cut + 1])
+                emitted[-1] = left  # the last step emits only what is left
+                return emitted
+            emitted.extend(sums[1:])
+
+    def join(self, req: Request) -> None:
+        req.emitted_by_step = emitted = self._draw(req)
+        super().join(req)
+        growth, step = self._context_growth, self.step
+        for j in range(1, len(emitted)):
+            growth[step + j] += emitted[j] - emitted[j - 1]
+
+    def _finish_step(self, req: Request) -> int:
+        return req.join_step + len(req.emitted_by_step) - 1
+
+    def _need_tokens(self, req: Request, j: int) -> int:
+        """KV slots the request's step j + 1 (in the batch) writes up to."""
+        return min(req.kv_at_join + req.emitted_by_step[j] + self._query_len,
+                   req.input_len + req.max_new_tokens)
+
+    def _schedule_growth(self, req: Request) -> None:
+        # First step whose need exceeds the pages held; a request never runs its last entry.
+        emitted, capacity = req.emitted_by_step, len(req.pages) * self.page_size
+        req.grow_step = -1
+        if req.input_len + req.max_new_tokens <= capacity:
+            return
+        j = bisect_right(emitted, capacity - self._query_len - req.kv_at_join,
+                         self.step - req.join_step)
+        if j < len(emitted) - 1:
+            req.grow_step = req.join_step + j
+            self._grow_at[req.grow_step].append(req)
+
+    def kv_len(self, req: Request) -> int:
+        return req.kv_at_join + req.emitted_by_step[self.step - req.join_step]
+
+    def pages_due(self) -> list[Request]:
+        """Requests that need more pages before the next step, once per page they need."""
+        due = self._grow_at.pop(self.step, [])
+        if not due:
+            return due
+        out = []
+        for req in due:
+            need = self._need_tokens(req, self.step - req.join_step)
+            out.extend([req] * (-(-need // self.page_size) - len(req.pages)))
+        return out
+
+    def add_page(self, req: Request, page: int) -> None:
+        req.pages.append(page)
+        # While this step still needs more of its pages, they follow in the same due list.
+        if len(req.pages) * self.page_size >= self._need_tokens(req, self.step - req.join_step):
+            self._schedule_growth(req)
+
+    def leave(self, req: Request) -> None:
+        del self.reqs[req]
+        emitted, join = req.emitted_by_step, req.join_step
+        steps = self.step - join
+        growth = self._context_growth
+        for j in range(steps + 1, len(emitted)):  # leaving early: unbook its future growth
+            growth[join + j] -= emitted[j] - emitted[j - 1]
+        req.computed_tokens = req.kv_at_join + emitted[steps]
+        req.num_output = req.out_at_join + emitted[steps]
+        self.context_tokens -= req.computed_tokens
+        times, base = self.step_end_s, self._times_base
+        for j in range(steps):
+            req.token_times_s.extend([times[join + j - base]] * (emitted[j + 1] - emitted[j]))
+        self._forget(req)
+        req.emitted_by_step = None
+
+    def plan(self, now: float) -> Batch:
+        n, q = len(self.reqs), self._query_len
+        shape = BatchShape(decode_reqs=n, decode_context_tokens=self.context_tokens + n * q,
+                           decode_query_len=q)
+        return Batch("decode", shape, now, reqs=list(self.reqs), step=self.step + 1)
+
+    def complete(self, batch: Batch, result: BatchResult, now: float) -> list[Request]:
+        if result.token_ids is not None:
+            raise ValueError("speculative decoding is simulated only: an executor that returns "
+                             "token ids cannot verify draft tokens")
+        done = self._advance(now)
+        self.context_tokens += self._context_growth.pop(self.step, 0)
+        return done

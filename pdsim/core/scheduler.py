@@ -19,7 +19,7 @@ from pdsim.core.config import SchedulerConfig
 from pdsim.core.pages import num_pages
 from pdsim.core.pool import IndexPool, PagePool
 from pdsim.core.request import Request
-from pdsim.core.running import RunningBatch
+from pdsim.core.running import RunningBatch, SpeculativeRunningBatch
 
 
 class InstanceScheduler:
@@ -29,7 +29,9 @@ class InstanceScheduler:
         self.pool = PagePool(config.num_pages, config.page_size)
         self.req_slots = IndexPool(req_slots or config.max_running_requests, "request slot")
         self.waiting: deque[Request] = deque()
-        self.running = RunningBatch(self.pool)
+        spec = config.speculation
+        self.running = (RunningBatch(self.pool) if spec is None
+                        else SpeculativeRunningBatch(self.pool, spec))
         self.metadata_slots: IndexPool | None = None  # PD instances only
         self.done: list[Request] = []
         self.num_active = 0  # requests added and not yet done (the router's load signal)

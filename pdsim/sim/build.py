@@ -7,9 +7,15 @@ from pathlib import Path
 
 from pdsim.config import ConfigError, ExperimentConfig, RoleConfig
 from pdsim.core.config import SchedulerConfig
+from pdsim.core.running import Speculation
 from pdsim.sim.cluster import ClusterSpec, RoleSpec
 from pdsim.sim.cost import Parallelism, kv_capacity_tokens, make_cost_model
 from pdsim.sim.network import NetworkModel
+from pdsim.sim.speculative import (
+    draft_spec,
+    draft_state_bytes_per_request,
+    make_speculative_cost_model,
+)
 from pdsim.specs.hardware import HardwareSpec, load_hardware_spec
 from pdsim.specs.models import ModelSpec, load_model_spec
 
@@ -27,7 +33,8 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
             kv_capacity_tokens(model, hw, par, knobs.mem_fraction_static, cfg.kv_dtype_bytes)
             // knobs.page_size
         )
-        make_cost_model(cfg.cost_model.name, model, hw, par, **params)
+        cost = _cost_factory(cfg, model, hw, par, params)
+        cost()
     except ValueError as exc:
         raise ConfigError(f"cluster.{name}: {exc}") from None
     if num_pages < 1:
@@ -43,14 +50,43 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
         metadata_slots=knobs.metadata_slots,
         bootstrap_timeout_s=knobs.bootstrap_timeout_s,
         waiting_timeout_s=knobs.waiting_timeout_s,
+        speculation=_speculation(cfg),
     )
     attn_tp = role.tp // role.dp_attention
     # What a page weighs on the wire: every attention-TP rank of the receiving side needs its
-    # own slice (GQA) or its own replica (MLA).
-    kv_page_bytes = knobs.page_size * model.kv_bytes_per_token_per_rank(attn_tp, cfg.kv_dtype_bytes) * attn_tp
+    # own slice (GQA) or its own replica (MLA). A speculating draft's KV and last hidden state
+    # move with it (SGLang ships them in the KV and metadata buffers).
+    spec = cfg.speculative
+    kv_models = [model]
+    state_bytes = 0.0
+    if spec.method != "none":
+        kv_models.append(draft_spec(spec.method, model, spec.draft_layers, spec.draft_model))
+        state_bytes = draft_state_bytes_per_request(model)
+    kv_page_bytes = sum(knobs.page_size * m.kv_bytes_per_token_per_rank(attn_tp, cfg.kv_dtype_bytes)
+                        * attn_tp for m in kv_models)
     nic = (cfg.network.bandwidth_gbps or hw.rdma_gbps) * 1e9 * role.tp * nic_efficiency
-    cost = partial(make_cost_model, cfg.cost_model.name, model, hw, par, **params)
-    return RoleSpec(role.instances, role.dp_attention, role.tp, sched, cost, nic, kv_page_bytes)
+    return RoleSpec(role.instances, role.dp_attention, role.tp, sched, cost, nic, kv_page_bytes,
+                    state_bytes_per_request=state_bytes)
+
+
+def _cost_factory(cfg: ExperimentConfig, model: ModelSpec, hw: HardwareSpec, par: Parallelism,
+                  params: dict):
+    """Builds one instance's cost model: the named one, wrapped for speculative decoding."""
+    spec = cfg.speculative
+    if spec.method == "none":
+        return partial(make_cost_model, cfg.cost_model.name, model, hw, par, **params)
+    draft = draft_spec(spec.method, model, spec.draft_layers, spec.draft_model)
+    return partial(make_speculative_cost_model, cfg.cost_model.name, model, hw, par, draft,
+                   spec.num_draft_tokens, **params)
+
+
+def _speculation(cfg: ExperimentConfig) -> Speculation | None:
+    spec = cfg.speculative
+    if spec.method == "none":
+        return None
+    return Speculation(spec.num_draft_tokens, spec.accept_len_probs(), cfg.seed)
+
+
 
 
 def _resolve(value: float | str, base_dir: str | None) -> float | str:

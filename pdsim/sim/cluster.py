@@ -41,6 +41,7 @@ class RoleSpec:
     cost: Callable[[], CostModel]  # one cost model per instance
     nic_bytes_per_s: float = math.inf  # the instance's NIC bandwidth, all its GPUs together
     kv_bytes_per_page: float = 0.0  # bytes a page of this role's KV weighs on the wire
+    state_bytes_per_request: float = 0.0  # sent with a request's last chunk (draft state)
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,8 @@ class Simulation:
                 if kind == "colocated":
                     scheds.append(ColocatedScheduler(role.scheduler, i))
                     continue
-                kv = SimKVManager(self.fabric, key_base + i, link, role.kv_bytes_per_page, notify)
+                kv = SimKVManager(self.fabric, key_base + i, link, role.kv_bytes_per_page, notify,
+                                  role.state_bytes_per_request)
                 cls = PrefillScheduler if kind == "prefill" else DecodeScheduler
                 scheds.append(cls(role.scheduler, kv, i))
             on_done = self._prefill_done if kind == "prefill" else self._request_done

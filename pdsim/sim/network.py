@@ -115,11 +115,12 @@ class SimKVManager:
     the instance's driver."""
 
     def __init__(self, fabric: SimFabric, instance_key: int, link: Link, bytes_per_page: float,
-                 notify: Callable[[], None]):
+                 notify: Callable[[], None], state_bytes_per_request: float = 0.0):
         self.fabric = fabric
         self.instance_key = instance_key
         self.link = link
         self.bytes_per_page = bytes_per_page
+        self.state_bytes_per_request = state_bytes_per_request  # with the last chunk
         self._notify = notify
         self.epoch = 0
         self.metadata = DictMetadataStore()
@@ -174,9 +175,10 @@ class SimKVSender(_Endpoint):
             room.last_sent = True
             room.metadata_sent = self.manager.metadata.read(self._metadata_slot)
         dst = room.dst_manager
-        end = self.fabric.transfer_end(
-            self.manager.link, dst.link, len(page_indices) * self.manager.bytes_per_page
-        )
+        nbytes = len(page_indices) * self.manager.bytes_per_page
+        if last:
+            nbytes += self.manager.state_bytes_per_request
+        end = self.fabric.transfer_end(self.manager.link, dst.link, nbytes)
         room.chunks_pending += 1
         self.fabric.later(end - self.fabric.env.now, self._chunk_landed)
 

@@ -2,7 +2,8 @@
 
 All numbers are per GPU and as the vendor publishes them (peaks, not measured); the cost
 models apply efficiency factors. Bandwidths are in GB/s (10^9 bytes/s); NVLink and the NIC are
-unidirectional, the direction one transfer uses. Each preset names its sources in `source`.
+unidirectional, the direction one transfer uses. Each preset names its sources in `source`, and
+its rental price's in `price_source`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdsim.specs.sources import find_spec_file, merge_fields, not_found, validate_fields
 
 
 class HardwareSpec(BaseModel):
@@ -23,10 +26,12 @@ class HardwareSpec(BaseModel):
     fp4_tflops: dense FP4 (NVFP4/MXFP4) peak, None before Blackwell.
     hbm_gib: memory capacity (the datasheet's figure; the driver keeps ~1 % of it).
     hbm_gbps: peak memory bandwidth.
-    nvlink_gbps: NVLink bandwidth per GPU, one direction.
+    nvlink_gbps: NVLink bandwidth per GPU, one direction (PCIe cards: their PCIe link).
     rdma_gbps: per-GPU NIC bandwidth typical of the platform (400 Gb/s = 50 GB/s).
     gpus_per_node: GPUs in one NVLink domain (8 in an HGX board, 72 in a GB200 NVL72 rack);
         traffic between GPUs of one domain takes NVLink, beyond it RDMA.
+    usd_per_gpu_hour: a rental price for one GPU-hour, None where no public list price was
+        found; `price_source` says whose price and when. Prices move: override it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -40,39 +45,87 @@ class HardwareSpec(BaseModel):
     nvlink_gbps: float = Field(gt=0)
     rdma_gbps: float = Field(gt=0)
     gpus_per_node: int = Field(default=8, ge=1)
+    usd_per_gpu_hour: float | None = Field(default=None, gt=0)
     source: str = ""
+    price_source: str = ""
 
     @property
     def hbm_bytes(self) -> int:
         return int(self.hbm_gib * 2**30)
 
 
+_NO_PRICE = "no public on-demand list price in USD found; set usd_per_gpu_hour"
+
 _PRESETS: dict[str, dict[str, Any]] = {
     "a100": dict(
         bf16_tflops=312, fp8_tflops=None, hbm_gib=80, hbm_gbps=2039, nvlink_gbps=300,
-        rdma_gbps=25,
+        rdma_gbps=25, usd_per_gpu_hour=1.30,
         source=(
             "NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column: BF16 312 TFLOPS dense "
             "(624 with sparsity), 80GB HBM2e, 2,039 GB/s, NVLink 600 GB/s (both directions); "
             "DGX A100 datasheet: one 200 Gb/s ConnectX-6 HDR InfiniBand port per GPU"
         ),
+        price_source=(
+            "Mercatus-AI cloud GPU pricing guide, May 2026: A100 80GB on specialty clouds "
+            "$1.10-1.50 per GPU-hour on demand (midpoint)"
+        ),
+    ),
+    "a10": dict(
+        bf16_tflops=125, fp8_tflops=None, hbm_gib=24, hbm_gbps=600, nvlink_gbps=32,
+        rdma_gbps=3.125, usd_per_gpu_hour=0.86,
+        source=(
+            "NVIDIA A10 Tensor Core GPU datasheet: BF16 125 TFLOPS dense (250 with sparsity), "
+            "no FP8, 24GB GDDR6, 600 GB/s, no NVLink: PCIe Gen4 x16 64 GB/s (both directions) "
+            "-> 32 one way; the NIC is not in the datasheet: 25 Gb/s Ethernet per GPU assumed"
+        ),
+        price_source="Lambda on-demand 1x A10 instance, $0.86/h (list price seen 2026-05-07)",
+    ),
+    "l40s": dict(
+        bf16_tflops=362, fp8_tflops=733, hbm_gib=48, hbm_gbps=864, nvlink_gbps=32,
+        rdma_gbps=50, usd_per_gpu_hour=1.95,
+        source=(
+            "NVIDIA L40S datasheet: BF16 362 TFLOPS and FP8 733 TFLOPS dense (733 / 1,466 "
+            "with sparsity), 48GB GDDR6, 864 GB/s, no NVLink: PCIe Gen4 x16 64 GB/s (both "
+            "directions) -> 32 one way; NIC 400 Gb/s per GPU as in aiconfigurator-core 0.12's "
+            "l40s system file"
+        ),
+        price_source="Modal on-demand L40S, $1.9512/h (list price seen 2026-05-07)",
     ),
     "h100": dict(
         bf16_tflops=989, fp8_tflops=1979, hbm_gib=80, hbm_gbps=3350, nvlink_gbps=450,
-        rdma_gbps=50,
+        rdma_gbps=50, usd_per_gpu_hour=2.95,
         source=(
             "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: BF16 1,979 and FP8 3,958 "
             "TFLOPS with sparsity (dense is half), 80GB HBM3, 3.35 TB/s, NVLink 900 GB/s (both "
             "directions); DGX H100 datasheet: one 400 Gb/s ConnectX-7 port per GPU"
         ),
+        price_source=(
+            "AIMultiple cloud GPU rental price index, 2026-05-20: H100 on-demand median over "
+            "37 providers, $2.95 per GPU-hour"
+        ),
+    ),
+    "h800": dict(
+        bf16_tflops=989, fp8_tflops=1979, hbm_gib=80, hbm_gbps=3350, nvlink_gbps=200,
+        rdma_gbps=50,
+        source=(
+            "NVIDIA H800 SXM (China-market H100): the H100 SXM datasheet's BF16 / FP8 peaks, "
+            "80GB HBM3 and 3.35 TB/s, NVLink cut to 400 GB/s (both directions) -> 200 one way; "
+            "DeepSeek-V3 technical report (sec. 3.2): H800 nodes with 8 GPUs, InfiniBand 50 "
+            "GB/s per GPU (NVLink measured at 160 GB/s)"
+        ),
+        price_source=_NO_PRICE + " (China-market part)",
     ),
     "h200": dict(
         bf16_tflops=989, fp8_tflops=1979, hbm_gib=141, hbm_gbps=4800, nvlink_gbps=450,
-        rdma_gbps=50,
+        rdma_gbps=50, usd_per_gpu_hour=3.50,
         source=(
             "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: BF16 1,979 and FP8 3,958 "
             "TFLOPS with sparsity (dense is half), 141GB HBM3e, 4.8 TB/s, NVLink 900 GB/s "
             "(both directions); HGX H200 platforms: one 400 Gb/s ConnectX-7 port per GPU"
+        ),
+        price_source=(
+            "Nebius AI Cloud on-demand, 1x H200 preset $3.50/h (docs.nebius.com billing "
+            "note, October 2025)"
         ),
     ),
     "h20": dict(
@@ -83,16 +136,63 @@ _PRESETS: dict[str, dict[str, Any]] = {
             "TFLOPS and FP8 296 TFLOPS dense, 96GB HBM3, 4.0 TB/s, NVLink 900 GB/s (both "
             "directions); H20 servers ship with 400 Gb/s ConnectX-7 NICs, one per GPU"
         ),
+        price_source=_NO_PRICE + " (China-market part)",
     ),
-    "b200": dict(
-        bf16_tflops=2250, fp8_tflops=4500, hbm_gib=180, hbm_gbps=8000, nvlink_gbps=900,
+    "h20-141g": dict(
+        bf16_tflops=148, fp8_tflops=296, hbm_gib=141, hbm_gbps=4800, nvlink_gbps=450,
         rdma_gbps=50,
         source=(
-            "NVIDIA HGX B200 / DGX B200 datasheets, per GPU (8-GPU totals / 8): BF16 36 PFLOPS "
-            "and FP8 72 PFLOPS with sparsity -> 2.25 / 4.5 PFLOPS dense, 1,440GB HBM3e -> "
-            "180GB, 64 TB/s -> 8 TB/s, NVLink 5 1.8 TB/s (both directions); DGX B200: one "
-            "400 Gb/s ConnectX-7 port per GPU"
+            "NVIDIA H20 141GB (the 2024 HBM3e refresh of the HGX H20 product brief, as widely "
+            "republished): the H20's BF16 148 / FP8 296 TFLOPS dense, 141GB HBM3e at 4.8 "
+            "TB/s, NVLink 900 GB/s (both directions); one 400 Gb/s ConnectX-7 port per GPU"
         ),
+        price_source=_NO_PRICE + " (China-market part)",
+    ),
+    "b200": dict(
+        bf16_tflops=2250, fp8_tflops=4500, fp4_tflops=9000, hbm_gib=180, hbm_gbps=8000,
+        nvlink_gbps=900, rdma_gbps=50, usd_per_gpu_hour=6.03,
+        source=(
+            "NVIDIA HGX B200 / DGX B200 datasheets, per GPU (8-GPU totals / 8): BF16 36, FP8 "
+            "72 and FP4 144 PFLOPS with sparsity -> 2.25 / 4.5 / 9 PFLOPS dense, 1,440GB "
+            "HBM3e -> 180GB, 64 TB/s -> 8 TB/s, NVLink 5 1.8 TB/s (both directions); DGX "
+            "B200: one 400 Gb/s ConnectX-7 port per GPU"
+        ),
+        price_source="Spheron on-demand B200 SXM, $6.03/h (published 2026-03-17)",
+    ),
+    "b300": dict(
+        bf16_tflops=2250, fp8_tflops=4500, fp4_tflops=13500, hbm_gib=288, hbm_gbps=8000,
+        nvlink_gbps=900, rdma_gbps=100,
+        source=(
+            "NVIDIA HGX B300 datasheet, per GPU (8-GPU totals / 8): FP4 144 PFLOPS with "
+            "sparsity / 108 dense -> 13.5 PFLOPS dense, FP8 72 and BF16 36 PFLOPS with "
+            "sparsity -> 4.5 / 2.25 dense, 288GB HBM3e at up to 8 TB/s, NVLink 5 1.8 TB/s "
+            "(both directions); one 800 Gb/s ConnectX-8 port per GPU"
+        ),
+        price_source=_NO_PRICE,
+    ),
+    "gb200": dict(
+        bf16_tflops=2500, fp8_tflops=5000, fp4_tflops=10000, hbm_gib=186, hbm_gbps=8000,
+        nvlink_gbps=900, rdma_gbps=50, gpus_per_node=72, usd_per_gpu_hour=4.54,
+        source=(
+            "NVIDIA GB200 NVL72 datasheet, per GPU (72-GPU rack totals / 72): FP4 1,440, FP8 "
+            "720 and BF16 360 PFLOPS with sparsity -> 10 / 5 / 2.5 PFLOPS dense, 13.4TB "
+            "HBM3e -> 186GB, 576 TB/s -> 8 TB/s, NVLink 5 130 TB/s -> 1.8 TB/s (both "
+            "directions) across all 72 GPUs; one 400 Gb/s ConnectX-7 port per GPU"
+        ),
+        price_source=(
+            "Spheron on-demand GB200, $9.08/h per superchip of 2 GPUs (published 2026-03-17)"
+        ),
+    ),
+    "gb300": dict(
+        bf16_tflops=2500, fp8_tflops=5000, fp4_tflops=15000, hbm_gib=288, hbm_gbps=8000,
+        nvlink_gbps=900, rdma_gbps=100, gpus_per_node=72,
+        source=(
+            "NVIDIA GB300 NVL72 datasheet, per GPU (72-GPU rack totals / 72): FP4 1,080 PFLOPS "
+            "dense -> 15, FP8 720 and BF16 360 PFLOPS with sparsity -> 5 / 2.5 dense, 288GB "
+            "HBM3e per GPU, 576 TB/s -> 8 TB/s, NVLink 5 130 TB/s -> 1.8 TB/s (both "
+            "directions) across all 72 GPUs; one 800 Gb/s ConnectX-8 SuperNIC per GPU"
+        ),
+        price_source=_NO_PRICE,
     ),
 }
 
@@ -101,37 +201,43 @@ def hardware_preset_names() -> list[str]:
     return sorted(_PRESETS)
 
 
-def load_hardware_spec(spec: str | Path | Mapping[str, Any]) -> HardwareSpec:
+def load_hardware_spec(
+    spec: str | Path | Mapping[str, Any], base_dir: str | Path | None = None
+) -> HardwareSpec:
     """A preset by name, a YAML file holding the fields of `HardwareSpec`, or a dict of them.
 
-    Unknown names, missing files and bad fields raise ValueError naming the input, the field
-    and (for names) the presets.
+    A dict (or file) may start from `base: <preset or file>` and override some fields; it
+    keeps the base's name unless it gives one. A relative file path is looked for under
+    `base_dir` (the experiment's folder), then the current directory. Unknown names, missing
+    files and bad fields raise ValueError naming the input, the field, where it looked and
+    the presets.
     """
     if isinstance(spec, Mapping):
-        return _validate(dict(spec), where="hardware spec")
+        return _from_fields(spec, "hardware", base_dir)
     if isinstance(spec, str) and spec in _PRESETS:
         return HardwareSpec(name=spec, **_PRESETS[spec])
-    path = Path(spec)
-    if not path.is_file():
-        raise ValueError(
-            f"unknown hardware {str(spec)!r}: not a preset "
-            f"({', '.join(hardware_preset_names())}) nor a YAML file"
-        )
-    data = yaml.safe_load(path.read_text())
+    path, tried = find_spec_file(spec, base_dir)
+    if path is None:
+        raise ValueError(not_found("hardware", spec, hardware_preset_names(), tried, "a YAML file"))
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not valid YAML ({err})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of HardwareSpec fields")
-    data.setdefault("name", path.stem)
-    return _validate(data, where=str(path))
+    if "base" not in data:
+        data.setdefault("name", path.stem)
+    return _from_fields(data, str(path), path.parent)
 
 
-def _validate(data: dict[str, Any], where: str) -> HardwareSpec:
-    try:
-        return HardwareSpec.model_validate(data)
-    except ValidationError as err:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
-            + (f" (got {e['input']!r})" if e["type"] != "missing" else "")
-            for e in err.errors()
-        )
-        allowed = ", ".join(HardwareSpec.model_fields)
-        raise ValueError(f"{where}: {problems}; fields: {allowed}") from None
+def _from_fields(data: Mapping[str, Any], where: str, base_dir: str | Path | None) -> HardwareSpec:
+    fields = dict(data)
+    base = fields.pop("base", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise ValueError(f"{where}: base must be a preset name or a file, got {base!r}")
+        base_spec = load_hardware_spec(base, base_dir)
+        if fields and "source" not in fields:
+            fields["source"] = f"{base_spec.source} [overridden: {', '.join(sorted(fields))}]"
+        fields = merge_fields(base_spec.model_dump(), fields)
+    return validate_fields(HardwareSpec, fields, where)

@@ -27,9 +27,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdsim.specs.precision import DTYPES, DTypeName, Precision
+from pdsim.specs.quantization import precision_from_hf_config
+from pdsim.specs.sources import find_spec_file, merge_fields, not_found, validate_fields
 
 MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 MOE_FIELDS = ("num_experts", "experts_per_token", "moe_intermediate_size")
@@ -42,9 +45,11 @@ class ModelSpec(BaseModel):
 
     For MLA models `head_dim` is the query/key head size `qk_nope_head_dim + qk_rope_head_dim`
     and `num_kv_heads` is what the HF config says (unused: the KV cache holds one latent).
-    For MoE models the first `first_k_dense_layers` layers have a dense MLP of
-    `intermediate_size`; the others have `num_experts` routed experts (top `experts_per_token`)
-    plus `num_shared_experts` always-on experts, all of `moe_intermediate_size`.
+    For MoE models `first_k_dense_layers` layers have a dense MLP of `intermediate_size` (the
+    first ones in DeepSeek; only their number matters to pdsim, so Qwen-MoE's interleaved dense
+    layers count here too); the others have `num_experts` routed experts (top
+    `experts_per_token`) plus `num_shared_experts` always-on experts, all of
+    `moe_intermediate_size`.
 
     `precision` gives each block's weight format. The older `weight_dtype_bytes` is still
     accepted as input: 2, 1 or 0.5 put every block, LM head included, in bf16, fp8 or w4a16.
@@ -347,6 +352,40 @@ _PRESETS: dict[str, dict[str, Any]] = {
         num_shared_experts=1, first_k_dense_layers=3,
         precision=Precision(attention="fp8", dense_mlp="fp8", moe_experts="fp8"),
     ),
+    # moonshotai/Kimi-K2-Instruct config.json: DeepSeek-V3's architecture with 384 experts,
+    # 64 heads, one dense layer and a 163,840-token vocabulary; published in block FP8 like
+    # DeepSeek-V3 (BF16 embedding and LM head).
+    "kimi-k2": dict(
+        num_layers=61, hidden_size=7168, num_attention_heads=64, num_kv_heads=64,
+        head_dim=192, intermediate_size=18432, vocab_size=163840, attention="mla",
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        q_lora_rank=1536, num_experts=384, experts_per_token=8, moe_intermediate_size=2048,
+        num_shared_experts=1, first_k_dense_layers=1,
+        precision=Precision(attention="fp8", dense_mlp="fp8", moe_experts="fp8"),
+    ),
+    # Qwen/Qwen3-235B-A22B config.json (Qwen3MoeForCausalLM: 128 experts, top 8, no shared
+    # expert, every layer MoE: decoder_sparse_step 1, mlp_only_layers []); BF16 weights.
+    "qwen3-235b-a22b": dict(
+        num_layers=94, hidden_size=4096, num_attention_heads=64, num_kv_heads=4, head_dim=128,
+        intermediate_size=12288, vocab_size=151936, num_experts=128, experts_per_token=8,
+        moe_intermediate_size=1536,
+    ),
+    # Qwen/Qwen3-30B-A3B config.json (the same family, smaller).
+    "qwen3-30b-a3b": dict(
+        num_layers=48, hidden_size=2048, num_attention_heads=32, num_kv_heads=4, head_dim=128,
+        intermediate_size=6144, vocab_size=151936, num_experts=128, experts_per_token=8,
+        moe_intermediate_size=768,
+    ),
+    # Qwen/Qwen2.5-7B-Instruct config.json (28 heads of 128 over hidden 3584).
+    "qwen2.5-7b": dict(
+        num_layers=28, hidden_size=3584, num_attention_heads=28, num_kv_heads=4, head_dim=128,
+        intermediate_size=18944, vocab_size=152064,
+    ),
+    # Qwen/Qwen2.5-72B-Instruct config.json.
+    "qwen2.5-72b": dict(
+        num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8, head_dim=128,
+        intermediate_size=29568, vocab_size=152064,
+    ),
     # Small stand-ins for tests and CPU runs (not real checkpoints); the same shapes as the
     # real backend's presets of these names (runtime/model/config.py).
     "tiny-llama": dict(
@@ -386,20 +425,19 @@ _GQA_ARCHS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# Kimi-K2 checkpoints name DeepseekV3ForCausalLM (model_type "kimi_k2"): the same shapes.
 _MLA_ARCHS = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted({**_GQA_ARCHS, **_MLA_ARCHS}))
-# An unquantised checkpoint's dtype -> the format it is served in (float32 is served as BF16).
-_CHECKPOINT_DTYPES: dict[str, DTypeName] = {
-    "bfloat16": "bf16", "float16": "fp16", "float32": "bf16",
-}
 
 
 def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec:
-    """A spec from the dict of an HF `config.json` (Llama, Mistral, Qwen2/3, DeepSeek-V2/V3)."""
+    """A spec from the dict of an HF `config.json` (Llama, Mistral, Qwen2/3, Qwen3-MoE,
+    DeepSeek-V2/V3 and Kimi-K2); weight formats from its `quantization_config`."""
     arch = _architecture_of(config)
     h = _req(config, "hidden_size")
     heads = _req(config, "num_attention_heads")
@@ -412,7 +450,7 @@ def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec
         intermediate_size=_req(config, "intermediate_size"),
         vocab_size=_req(config, "vocab_size"),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        precision=_precision_of(config),
+        precision=precision_from_hf_config(config),
     )
     if arch in _MLA_ARCHS:
         nope, rope = _req(config, "qk_nope_head_dim"), _req(config, "qk_rope_head_dim")
@@ -437,25 +475,66 @@ def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec
             )
     else:
         fields["head_dim"] = config.get("head_dim") or h // heads
+        if config.get("num_experts"):
+            fields.update(_qwen_moe_fields(config, fields["num_layers"]))
     return ModelSpec(**fields)
 
 
-def load_model_spec(name_or_path: str | Path) -> ModelSpec:
-    """A preset by name, or a spec read from an HF `config.json` (or a directory holding one).
-
-    A spec read from a file is named after its directory (or the file's stem if the file is
-    not called config.json).
-    """
-    if isinstance(name_or_path, str) and name_or_path in _PRESETS:
-        return model_preset(name_or_path)
-    path = Path(name_or_path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
+def _qwen_moe_fields(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen-MoE experts: layer i is MoE when (i + 1) is a multiple of `decoder_sparse_step`
+    and i is not in `mlp_only_layers`; the others are dense (counted, not placed)."""
+    step = config.get("decoder_sparse_step") or 1
+    dense_only = set(config.get("mlp_only_layers") or [])
+    moe_layers = sum(1 for i in range(num_layers) if (i + 1) % step == 0 and i not in dense_only)
+    moe_size = _req(config, "moe_intermediate_size")
+    shared_size = config.get("shared_expert_intermediate_size") or 0
+    if shared_size % moe_size:
         raise ValueError(
-            f"unknown model {str(name_or_path)!r}: not a preset "
-            f"({', '.join(model_preset_names())}) nor a config.json file or directory"
+            f"shared_expert_intermediate_size ({shared_size}) must be a multiple of "
+            f"moe_intermediate_size ({moe_size}): shared experts are priced as routed-size ones"
         )
+    return dict(
+        num_experts=config["num_experts"],
+        experts_per_token=_req(config, "num_experts_per_tok"),
+        moe_intermediate_size=moe_size,
+        num_shared_experts=shared_size // moe_size,
+        first_k_dense_layers=num_layers - moe_layers,
+    )
+
+
+def load_model_spec(
+    spec: str | Path | Mapping[str, Any], base_dir: str | Path | None = None
+) -> ModelSpec:
+    """A preset by name; an HF `config.json` (or a directory holding one); a YAML file of
+    `ModelSpec` fields; or a dict of those fields.
+
+    A dict (or YAML file) may start from `base: <preset or file>` and override some fields
+    (`precision` merges key by key); it keeps the base's name unless it gives one. A relative
+    path is looked for under `base_dir` (the experiment's folder), then the current directory.
+    A spec read from a file is named after it (a config.json after its directory).
+    """
+    if isinstance(spec, Mapping):
+        return _from_fields(spec, "model", base_dir)
+    if isinstance(spec, str) and spec in _PRESETS:
+        return model_preset(spec)
+    path, tried = find_spec_file(spec, base_dir, dirs=True)
+    if path is not None and path.is_dir():
+        path = path / "config.json" if (path / "config.json").is_file() else None
+    if path is None:
+        raise ValueError(
+            not_found("model", spec, model_preset_names(), tried,
+                      "a config.json (or its directory) or a YAML file of ModelSpec fields")
+        )
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path}: not valid YAML ({err})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of ModelSpec fields")
+        if "base" not in data:
+            data.setdefault("name", path.stem)
+        return _from_fields(data, str(path), path.parent)
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as err:
@@ -467,6 +546,19 @@ def load_model_spec(name_or_path: str | Path) -> ModelSpec:
         return model_spec_from_hf_config(config, name=name or path.stem)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
+
+
+def _from_fields(data: Mapping[str, Any], where: str, base_dir: str | Path | None) -> ModelSpec:
+    fields = dict(data)
+    base = fields.pop("base", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise ValueError(f"{where}: base must be a preset name or a file, got {base!r}")
+        base_fields = load_model_spec(base, base_dir).model_dump()
+        if "weight_dtype_bytes" in fields:  # one width for every block replaces the base's
+            base_fields.pop("precision")
+        fields = merge_fields(base_fields, fields)
+    return validate_fields(ModelSpec, fields, where)
 
 
 def _architecture_of(config: Mapping[str, Any]) -> str:
@@ -490,20 +582,3 @@ def _req(config: Mapping[str, Any], key: str) -> Any:
     if config.get(key) is None:
         raise ValueError(f"config.json lacks {key!r}")
     return config[key]
-
-
-def _precision_of(config: Mapping[str, Any]) -> Precision:
-    quant = config.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method")
-        if method == "fp8":
-            return Precision.uniform("fp8")
-        if quant.get("bits") == 4:
-            return Precision.uniform("w4a16")
-        raise ValueError(f"unsupported quantization_config quant_method {method!r}")
-    dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
-    if dtype not in _CHECKPOINT_DTYPES:
-        raise ValueError(
-            f"unsupported torch_dtype {dtype!r}; known: {', '.join(_CHECKPOINT_DTYPES)}"
-        )
-    return Precision.uniform(_CHECKPOINT_DTYPES[dtype])

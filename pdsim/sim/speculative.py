@@ -1,0 +1,146 @@
+"""Speculative decoding (MTP, EAGLE) in the simulator: the acceptance model and the draft's cost.
+
+Simulator only: the real backend does not speculate. Each decode step of a speculating
+instance (SGLang's EAGLE worker with top-k 1, which also runs DeepSeek's MTP) is
+
+1. a **verify** forward of the target model with k + 1 query tokens per request (the last
+   accepted token and k drafts): the core plans it as a `BatchShape` with
+   `decode_query_len = k + 1`, priced by the base cost model;
+2. a **draft extend** over the same positions (the draft model fills its KV and hidden states
+   for the accepted tokens and proposes the first draft of the next step);
+3. k - 1 **draft decode** forwards with one query token per request (the remaining drafts).
+
+So a step costs `target(verify) + draft(verify shape) + (k - 1) * draft(one token each)`. An
+extend (a prompt's prefill) also runs the draft extend over the prompt: the draft needs its
+KV. The draft is a `ModelSpec` priced by the same registered cost model as the target:
+
+- `mtp`: DeepSeek-V3's multi-token-prediction module, one decoder layer of the target's kind
+  (`draft_layers` of them) with the target's LM head, run once per draft token;
+- `eagle`: a small draft model, `draft_model` (a preset or config.json) or else `draft_layers`
+  layers of the target's attention with a dense MLP.
+
+The draft's state moves with the KV in PD (`draft_state_bytes_per_request`,
+`draft_kv_bytes_per_token`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from pdsim.core.batch import BatchShape
+from pdsim.sim.cost import ACT_BYTES, CostModel, Parallelism, make_cost_model
+from pdsim.specs.hardware import HardwareSpec
+from pdsim.specs.models import ModelSpec, load_model_spec
+
+DraftBuilder = Callable[[ModelSpec, int, "str | None"], ModelSpec]
+_DRAFTS: dict[str, DraftBuilder] = {}
+
+
+def register_draft(method: str) -> Callable[[DraftBuilder], DraftBuilder]:
+    """Register `(target, draft_layers, draft_model) -> draft ModelSpec` for a method name."""
+
+    def add(builder: DraftBuilder) -> DraftBuilder:
+        if method in _DRAFTS:
+            raise ValueError(f"speculative method {method!r} is already registered")
+        _DRAFTS[method] = builder
+        return builder
+
+    return add
+
+
+def draft_method_names() -> list[str]:
+    return sorted(_DRAFTS)
+
+
+@register_draft("mtp")
+def mtp_draft(target: ModelSpec, draft_layers: int, draft_model: str | None) -> ModelSpec:
+    """MTP layers are decoder layers of the target's own kind (DeepSeek-V3's is a MoE layer)."""
+    if draft_model is not None:
+        raise ValueError("speculative.draft_model: MTP drafts with the target's own MTP layers; "
+                         "a separate draft model is for method 'eagle'")
+    return target.model_copy(update={"name": f"{target.name}-mtp", "num_layers": draft_layers,
+                                     "first_k_dense_layers": 0})
+
+
+@register_draft("eagle")
+def eagle_draft(target: ModelSpec, draft_layers: int, draft_model: str | None) -> ModelSpec:
+    """A named draft model, or `draft_layers` layers of the target's attention, dense MLP."""
+    if draft_model is not None:
+        return load_model_spec(draft_model)
+    return target.model_copy(update={
+        "name": f"{target.name}-eagle", "num_layers": draft_layers,
+        "first_k_dense_layers": draft_layers if target.is_moe else 0,
+    })
+
+
+def draft_spec(method: str, target: ModelSpec, draft_layers: int = 1,
+               draft_model: str | None = None) -> ModelSpec:
+    try:
+        builder = _DRAFTS[method]
+    except KeyError:
+        raise ValueError(f"unknown speculative method {method!r}; registered: "
+                         f"{', '.join(draft_method_names())}") from None
+    return builder(target, draft_layers, draft_model)
+
+
+def accept_len_probs(rates: Sequence[float]) -> tuple[float, ...]:
+    """P(a = 1), ..., P(a = k + 1) for emitted tokens a when draft i is accepted with
+    probability `rates[i - 1]` given that the drafts before it were (and none after a reject)."""
+    probs, reach = [], 1.0
+    for rate in rates:
+        probs.append(reach * (1 - rate))
+        reach *= rate
+    probs.append(reach)
+    return tuple(probs)
+
+
+def rate_for_mean_accept_len(mean: float, num_draft_tokens: int) -> float:
+    """The per-position acceptance rate p with 1 + p + ... + p^k = `mean` (bisection)."""
+    k = num_draft_tokens
+    if not 1 <= mean <= k + 1:
+        raise ValueError(f"a mean accept length with {k} draft tokens lies in [1, {k + 1}], "
+                         f"got {mean}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(k + 1)) < mean:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+class SpeculativeCostModel:
+    """A base cost model's target and draft, composed into one speculative step (see above)."""
+
+    def __init__(self, target: CostModel, draft: CostModel, num_draft_tokens: int):
+        self.target = target
+        self.draft = draft
+        self.num_draft_tokens = num_draft_tokens
+
+    def step_time_s(self, shapes: Sequence[BatchShape]) -> float:
+        total = self.target.step_time_s(shapes) + self.draft.step_time_s(shapes)
+        if self.num_draft_tokens > 1 and any(s.decode_reqs for s in shapes):
+            one_each = [BatchShape(decode_reqs=s.decode_reqs,
+                                   decode_context_tokens=s.decode_context_tokens) for s in shapes]
+            total += (self.num_draft_tokens - 1) * self.draft.step_time_s(one_each)
+        return total
+
+
+def make_speculative_cost_model(name: str, model: ModelSpec, hardware: HardwareSpec,
+                                parallel: Parallelism, draft: ModelSpec, num_draft_tokens: int,
+                                **params: object) -> SpeculativeCostModel:
+    """The registered cost model `name` for the target and for its draft, composed. A dense
+    draft of a MoE target runs without expert parallelism."""
+    draft_par = parallel if draft.is_moe else parallel.model_copy(update={"ep": 1})
+    return SpeculativeCostModel(
+        make_cost_model(name, model, hardware, parallel, **params),
+        make_cost_model(name, draft, hardware, draft_par, **params),
+        num_draft_tokens,
+    )
+
+
+def draft_state_bytes_per_request(target: ModelSpec) -> float:
+    """What the prefill side ships per request besides KV pages: the last position's hidden
+    state (bf16), from which the decode side's first draft starts."""
+    return target.hidden_size * ACT_BYTES

@@ -1,0 +1,70 @@
+"""Where a spec comes from: a preset name, a file, or a mapping of fields over a `base`.
+
+An experiment YAML names its model and hardware in any of these ways; a relative file path is
+looked for in the experiment's folder first, then in the current directory (as trace paths are).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+SpecT = TypeVar("SpecT", bound=BaseModel)
+
+
+def find_spec_file(
+    value: str | Path, base_dir: str | Path | None = None, *, dirs: bool = False
+) -> tuple[Path | None, list[Path]]:
+    """The file `value` names (a directory too if `dirs`), and every place that was tried.
+
+    An absolute path is taken as is; a relative one under `base_dir` (the experiment's
+    folder), then under the current directory."""
+    given = Path(value).expanduser()
+    if given.is_absolute():
+        candidates = [given]
+    else:
+        candidates = [Path(base_dir) / given] if base_dir is not None else []
+        candidates.append(Path.cwd() / given)
+    for candidate in candidates:
+        if candidate.is_file() or (dirs and candidate.is_dir()):
+            return candidate, candidates
+    return None, candidates
+
+
+def not_found(
+    kind: str, value: str | Path, presets: list[str], tried: list[Path], files: str
+) -> str:
+    """The error for a spec that is neither a preset nor a file, with every place looked at."""
+    looked = ", ".join(str(p) for p in dict.fromkeys(tried))
+    return (
+        f"unknown {kind} {str(value)!r}: not a preset ({', '.join(presets)}) nor {files} "
+        f"(looked at {looked})"
+    )
+
+
+def merge_fields(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` on top; nested mappings (a model's `precision`) merge key by key."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = merge_fields(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def validate_fields(cls: type[SpecT], data: Mapping[str, Any], where: str) -> SpecT:
+    """`cls` built from `data`; ValueError naming `where`, each bad field and the fields allowed."""
+    try:
+        return cls.model_validate(dict(data))
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
+            + (f" (got {e['input']!r})" if e["loc"] and e["type"] != "missing" else "")
+            for e in err.errors()
+        )
+        allowed = ", ".join(["base", *cls.model_fields])
+        raise ValueError(f"{where}: {problems}; fields: {allowed}") from None
