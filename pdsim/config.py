@@ -56,13 +56,21 @@ class RoleConfig(_Spec):
     tp: int = Field(1, ge=1)
     dp_attention: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
+    moe_a2a: Literal["none", "deepep"] = Field(
+        "none", description="deepep: SGLang's --moe-a2a-backend deepep (needs ep = tp > 1 "
+        "and a MoE model)")
+    two_batch_overlap: bool = Field(
+        False, description="SGLang's --enable-two-batch-overlap (needs moe_a2a: deepep)")
     scheduler: SchedulerKnobs = SchedulerKnobs()
 
     @model_validator(mode="after")
     def _divides(self) -> RoleConfig:
+        from pdsim.sim.cost import check_moe_a2a
+
         for name in ("dp_attention", "ep"):
             if self.tp % getattr(self, name):
                 raise ValueError(f"{name}={getattr(self, name)} must divide tp={self.tp}")
+        check_moe_a2a(self.moe_a2a, self.two_batch_overlap, self.tp, self.ep)
         return self
 
     @property

@@ -5,17 +5,27 @@ from __future__ import annotations
 
 import pytest
 
+from pdsim.config import parse_experiment
 from pdsim.core.batch import BatchShape, extend_attn_pairs
+from pdsim.sim.build import build_cluster
 from pdsim.sim.cost import (
     CostModel,
     Parallelism,
     RooflineCostModel,
+    RooflineParams,
     cost_model_names,
     kv_capacity_tokens,
     make_cost_model,
     register_cost_model,
 )
+from pdsim.sim.moe_comm import (
+    LinkBytes,
+    combine_bytes_per_copy,
+    deepep_traffic,
+    dispatch_bytes_per_copy,
+)
 from pdsim.specs import load_hardware_spec, model_preset
+from pdsim.specs.precision import DTYPES, Precision
 from pdsim.specs.precision import Precision
 
 H100 = load_hardware_spec("h100")
@@ -216,3 +226,190 @@ def test_kv_capacity_with_dp_attention_mla() -> None:
 def test_kv_capacity_error_when_weights_do_not_fit() -> None:
     with pytest.raises(ValueError, match=r"llama-3\.1-70b does not fit on h100 at tp=1"):
         kv_capacity_tokens(model_preset("llama-3.1-70b"), H100, Parallelism(tp=1))
+
+
+# ----- DeepEP and two-batch overlap -----------------------------------------------------------
+
+DSV3 = model_preset("deepseek-v3")
+H200 = load_hardware_spec("h200")
+
+
+def deepep(ep=8, hardware=H200, tbo=False, role="decode", model=DSV3, **params):
+    parallel = Parallelism(tp=ep, dp_attention=ep, ep=ep, moe_a2a="deepep",
+                           two_batch_overlap=tbo)
+    return make_cost_model("roofline", model, hardware, parallel, role=role, **params)
+
+
+def test_deepep_bytes_for_deepseek_v3_match_the_hand_computation() -> None:
+    # DeepSeek-V3: hidden 7168, top-8 of 256 experts. A dispatched copy is 7168 FP8 bytes plus
+    # 7168 / 128 = 56 float32 scales (224 B) = 7392 B; a combined copy is 7168 BF16 = 14336 B.
+    assert dispatch_bytes_per_copy(7168) == 7392 and combine_bytes_per_copy(7168) == 14336
+    # 128 tokens on one GPU, EP 16 over two 8-GPU nodes, low-latency mode: of each token's 8
+    # copies, 8/16 stay on the GPU, 8 * 7/16 = 3.5 cross NVLink and 8 * 8/16 = 4 cross RDMA.
+    ll = deepep_traffic(128, 7168, 8, ep=16, gpus_per_node=8, mode="low_latency")
+    assert ll.dispatch == LinkBytes(nvlink_bytes=128 * 3.5 * 7392, rdma_bytes=128 * 4 * 7392)
+    assert ll.combine == LinkBytes(nvlink_bytes=128 * 3.5 * 14336, rdma_bytes=128 * 4 * 14336)
+    assert ll.dispatch.rdma_bytes == 3_784_704 and ll.combine.nvlink_bytes == 6_422_528
+    # Normal mode sends a token once per GPU it reaches in the node (each GPU is hit with
+    # probability 1 - (15/16)^8) and once to the other node (hit with probability 1 - (1/2)^8).
+    normal = deepep_traffic(128, 7168, 8, ep=16, gpus_per_node=8, mode="normal")
+    gpu_hit, node_hit = 1 - (15 / 16) ** 8, 1 - 0.5**8
+    assert normal.dispatch.nvlink_bytes == pytest.approx(128 * 7 * gpu_hit * 7392)
+    assert normal.dispatch.rdma_bytes == pytest.approx(128 * 1 * node_hit * 7392)
+    assert normal.combine.rdma_bytes == pytest.approx(128 * node_hit * 14336)
+
+
+def test_deepep_switches_from_nvlink_to_rdma_beyond_one_node() -> None:
+    inside = deepep_traffic(64, 7168, 8, ep=8, gpus_per_node=8, mode="low_latency")
+    assert inside.dispatch.rdma_bytes == 0 and inside.dispatch.nvlink_bytes > 0
+    across = deepep_traffic(64, 7168, 8, ep=16, gpus_per_node=8, mode="low_latency")
+    assert across.dispatch.rdma_bytes > 0
+    rack = deepep_traffic(64, 7168, 8, ep=72, gpus_per_node=72, mode="normal")
+    assert rack.dispatch.rdma_bytes == rack.combine.rdma_bytes == 0
+    # The same EP 16 step is slower when half the copies take the 50 GB/s NIC than when all
+    # 16 GPUs share one NVLink domain.
+    shapes = [decode(128, 2048)] * 16
+    one_domain = H200.model_copy(update={"gpus_per_node": 16})
+    assert deepep(16).step_time_s(shapes) > 1.3 * deepep(16, one_domain).step_time_s(shapes)
+
+
+def test_deepep_per_gpu_volume_shrinks_with_ep_size_for_a_fixed_batch() -> None:
+    # 4096 decode tokens over the instance: each GPU dispatches 4096 / ep of them. The gather
+    # the default path prices moves every token to every GPU, so its volume does not shrink.
+    sent = []
+    for ep in (8, 16, 32, 72):
+        t = deepep_traffic(4096 / ep, 7168, 8, ep, 8, "low_latency")
+        sent.append(t.dispatch.nvlink_bytes + t.dispatch.rdma_bytes)
+    assert sent == sorted(sent, reverse=True) and sent[-1] < 0.15 * sent[0]
+
+
+def test_low_latency_mode_for_decode_and_normal_mode_for_prefill() -> None:
+    p = RooflineParams()
+    shapes = [decode(64, 1024)] * 8
+    tokens = 64  # per GPU (attention TP 1)
+    moe_layers = DSV3.num_moe_layers
+    # Hand computation, EP 8 in one node: LL moves 8 * 7/8 = 7 copies a token at half of
+    # NVLink's 450 GB/s; normal mode 7 * (1 - (7/8)^8) copies at 65 % of it.
+    ll_s = 2 * p.deepep_ll_latency_s + tokens * 7 * (7392 + 14336) / (450e9 * 0.5)
+    normal_copies = 7 * (1 - (7 / 8) ** 8)
+    normal_s = 2 * p.deepep_normal_latency_s + tokens * normal_copies * (7392 + 14336) / (
+        450e9 * 0.65
+    )
+    as_decode = deepep(8, role="decode").step_time_s(shapes)
+    as_prefill = deepep(8, role="prefill").step_time_s(shapes)
+    assert as_prefill - as_decode == pytest.approx(moe_layers * (normal_s - ll_s), rel=1e-9)
+    # Colocated instances pick the mode per step, as SGLang's `--deepep-mode auto` does.
+    colocated = deepep(8, role="colocated")
+    assert colocated.step_time_s(shapes) == pytest.approx(as_decode)
+    mixed = [BatchShape(prefill_tokens=512, prefill_attn_pairs=extend_attn_pairs(512, 0))] * 8
+    assert colocated.step_time_s(mixed) == pytest.approx(
+        deepep(8, role="prefill").step_time_s(mixed)
+    )
+
+
+def test_two_batch_overlap_hides_communication_but_never_beats_its_parts() -> None:
+    free_links = dict(deepep_ll_latency_s=0.0, deepep_rdma_latency_s=0.0)
+    fast = H200.model_copy(update={"nvlink_gbps": 1e9, "rdma_gbps": 1e9})
+    for ep, batch in ((8, 4), (16, 128), (32, 256), (72, 256)):
+        shapes = [decode(batch, 2048)] * ep
+        plain = deepep(ep).step_time_s(shapes)
+        tbo = deepep(ep, tbo=True).step_time_s(shapes)
+        compute = deepep(ep, hardware=fast, **free_links).step_time_s(shapes)
+        comm = plain - compute
+        assert tbo >= max(compute, comm), (ep, batch)
+        if ep >= 32:
+            # Communication is over 40 % of the step and each GPU holds few experts, so
+            # reading them once per micro-batch costs little: the overlap pays off.
+            assert comm > 0.4 * plain and tbo < 0.8 * plain, (ep, batch)
+    # At small EP each micro-batch re-reads most of the GPU's 32 experts: overlap costs more
+    # than it hides (SGLang enables it for large EP).
+    shapes = [decode(4, 2048)] * 8
+    assert deepep(8, tbo=True).step_time_s(shapes) > deepep(8).step_time_s(shapes)
+
+
+def test_deepep_and_two_batch_overlap_rules() -> None:
+    with pytest.raises(ValueError, match="moe_a2a='deepep'.*ep = tp > 1, got ep=1, tp=8"):
+        Parallelism(tp=8, dp_attention=8, moe_a2a="deepep")
+    with pytest.raises(ValueError, match="ep = tp > 1, got ep=4, tp=8"):
+        Parallelism(tp=8, ep=4, moe_a2a="deepep")
+    with pytest.raises(ValueError, match="two_batch_overlap.*needs moe_a2a='deepep'"):
+        Parallelism(tp=8, ep=8, two_batch_overlap=True)
+    with pytest.raises(ValueError, match="needs a MoE model; llama-3.1-8b is dense"):
+        deepep(8, model=LLAMA_8B)
+    with pytest.raises(ValueError, match="role"):
+        deepep(8, role="router")
+
+
+WORKLOAD = {"num_requests": 1, "seed": 0, "arrival": {"process": "poisson", "rate_rps": 1},
+            "input_len": {"dist": "fixed", "value": 16}, "output_len": {"dist": "fixed", "value": 4}}
+
+
+def test_role_and_deepep_reach_the_cost_model_from_an_experiment() -> None:
+    cfg = parse_experiment({
+        "name": "deepep", "model": "deepseek-v3", "hardware": "h200",
+        "cluster": {"prefill": {"tp": 8, "ep": 8, "dp_attention": 8, "moe_a2a": "deepep"},
+                    "decode": {"tp": 16, "ep": 16, "dp_attention": 16, "moe_a2a": "deepep",
+                               "two_batch_overlap": True}},
+        "workload": WORKLOAD,
+    })
+    cluster = build_cluster(cfg)
+    cost = cluster.decode.cost()
+    assert cost.params.role == "decode" and cost.parallel.two_batch_overlap
+    assert cluster.prefill.cost().params.role == "prefill"
+    with pytest.raises(ValueError, match="cluster.decode.*two_batch_overlap.*needs moe_a2a"):
+        parse_experiment({"name": "x", "cluster": {"decode": {"tp": 2, "ep": 2,
+                          "two_batch_overlap": True}}, "workload": WORKLOAD})
+    dense = parse_experiment({"name": "x", "cluster": {"decode": {
+        "tp": 2, "ep": 2, "moe_a2a": "deepep"}}, "workload": WORKLOAD})
+    with pytest.raises(ValueError, match="cluster.decode: ep=2 needs a MoE model"):
+        build_cluster(dense)
+
+
+# ----- precisions ------------------------------------------------------------------------------
+
+
+def test_nvfp4_gemms_run_at_the_fp4_peak() -> None:
+    h100_fp4 = H100.model_copy(update={"fp4_tflops": 4 * H100.bf16_tflops})
+    bf16 = roofline(hardware=h100_fp4, **NO_OVERHEADS)
+    fp4_model = LLAMA_8B.model_copy(update={"precision": Precision.uniform("nvfp4")})
+    fp4 = roofline(fp4_model, hardware=h100_fp4, **NO_OVERHEADS)
+    big = [prefill(16384)]
+    # Attention and MLP GEMMs are compute-bound at 16k tokens: they take a quarter of the BF16
+    # time; the attention kernel, elementwise kernels and the BF16 LM head are unchanged.
+    gemm_params = LLAMA_8B.num_layers * (LLAMA_8B.attn_params_per_layer + LLAMA_8B.dense_mlp_params)
+    bf16_gemm_s = 2 * gemm_params * 16384 / (H100.bf16_tflops * 1e12 * bf16.params.gemm_mfu)
+    saved = bf16.step_time_s(big) - fp4.step_time_s(big)
+    assert saved == pytest.approx(0.75 * bf16_gemm_s, rel=1e-6)
+    with pytest.raises(ValueError, match="precision.attention: nvfp4 weights need FP4"):
+        roofline(fp4_model)  # H100 has no FP4 tensor cores
+
+
+def test_w4a16_reads_half_a_byte_and_computes_in_bf16() -> None:
+    w4 = LLAMA_8B.model_copy(update={"precision": Precision.uniform("w4a16")})
+    big = [prefill(8192)]
+    assert roofline(w4, **NO_OVERHEADS).step_time_s(big) == pytest.approx(
+        roofline(**NO_OVERHEADS).step_time_s(big), rel=1e-9
+    )
+    # One-request decode reads the weights: int4 blocks at 0.5 + 1/64 B, the LM head in BF16.
+    blocks = LLAMA_8B.num_layers * (LLAMA_8B.attn_params_per_layer + LLAMA_8B.dense_mlp_params)
+    saved_bytes = blocks * (2 - DTYPES["w4a16"].weight_bytes)
+    rate = H100.hbm_gbps * 1e9 * RooflineParams().bw_efficiency
+    small = [decode(1, 512)]
+    saved = roofline(**NO_OVERHEADS).step_time_s(small) - roofline(
+        w4, **NO_OVERHEADS).step_time_s(small)
+    assert saved == pytest.approx(saved_bytes / rate, rel=0.01)
+
+
+def test_fp8_on_a100_is_a_clear_error() -> None:
+    a100 = load_hardware_spec("a100")
+    fp8 = LLAMA_8B.model_copy(update={"precision": Precision.uniform("fp8")})
+    with pytest.raises(ValueError, match="precision.attention: fp8 weights need FP8 tensor "
+                                         "cores, which a100 lacks"):
+        roofline(fp8, hardware=a100)
+    fp8_attention = LLAMA_8B.model_copy(update={"precision": Precision(attention_compute="fp8")})
+    with pytest.raises(ValueError, match="precision.attention_compute: .*a100 lacks"):
+        roofline(fp8_attention, hardware=a100)
+    # On Hopper FP8 attention runs its kernel at the FP8 peak: long-context decode is memory-
+    # bound either way, a long prefill's attention gets faster.
+    long = [prefill(32768)]
+    assert roofline(fp8_attention).step_time_s(long) < 0.9 * roofline().step_time_s(long)

@@ -23,10 +23,12 @@ from pdsim.specs.models import ModelSpec, load_model_spec
 def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelSpec,
                hw: HardwareSpec, nic_efficiency: float = 1.0,
                base_dir: str | None = None) -> RoleSpec:
-    par = Parallelism(tp=role.tp, dp_attention=role.dp_attention, ep=role.ep)
+    par = Parallelism(tp=role.tp, dp_attention=role.dp_attention, ep=role.ep,
+                      moe_a2a=role.moe_a2a, two_batch_overlap=role.two_batch_overlap)
     knobs = role.scheduler
-    # Every cost model prices KV reads in the experiment's KV dtype unless told otherwise.
-    params = {"kv_dtype_bytes": cfg.kv_dtype_bytes,
+    # Every cost model prices KV reads in the experiment's KV dtype unless told otherwise, and
+    # learns the role it serves (prefill, decode or colocated).
+    params = {"kv_dtype_bytes": cfg.kv_dtype_bytes, "role": name,
               **{k: _resolve(v, base_dir) for k, v in cfg.cost_model.params.items()}}
     try:
         num_pages = knobs.num_pages or (

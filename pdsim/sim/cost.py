@@ -11,13 +11,15 @@ parallelism) triple: how many KV tokens fit (`kv_capacity_tokens`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pdsim.core.batch import BatchShape
+from pdsim.sim.moe_comm import A2AMode, deepep_traffic
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
+from pdsim.specs.precision import DTYPES, gemm_peak_tflops
 
 ACT_BYTES = 2  # activations are bf16
 
@@ -30,6 +32,12 @@ class Parallelism(BaseModel):
         over `tp // dp_attention` GPUs (its attention-TP group). Must divide tp.
     ep: expert-parallel size; routed experts are split whole over `ep` GPUs, then sliced over
         `tp // ep`. Must divide tp.
+    moe_a2a: how tokens reach their experts. "none": the MoE block runs on the tokens of all
+        DP ranks, gathered over tp (an all-gather before, a reduce-scatter after). "deepep":
+        SGLang's `--moe-a2a-backend deepep`: each GPU sends only the routed copies of its own
+        tokens (pdsim.sim.moe_comm); needs ep = tp > 1, as SGLang sets it.
+    two_batch_overlap: split each step into two micro-batches and overlap one's DeepEP
+        communication with the other's compute (SGLang's `--enable-two-batch-overlap`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -37,18 +45,35 @@ class Parallelism(BaseModel):
     tp: int = Field(default=1, ge=1)
     dp_attention: int = Field(default=1, ge=1)
     ep: int = Field(default=1, ge=1)
+    moe_a2a: Literal["none", "deepep"] = "none"
+    two_batch_overlap: bool = False
 
     @model_validator(mode="after")
     def _check_divides(self) -> Parallelism:
         for label in ("dp_attention", "ep"):
             if self.tp % getattr(self, label):
                 raise ValueError(f"{label}={getattr(self, label)} must divide tp={self.tp}")
+        check_moe_a2a(self.moe_a2a, self.two_batch_overlap, self.tp, self.ep)
         return self
 
     @property
     def attn_tp(self) -> int:
         """GPUs in one attention-DP rank."""
         return self.tp // self.dp_attention
+
+
+def check_moe_a2a(moe_a2a: str, two_batch_overlap: bool, tp: int, ep: int) -> None:
+    """The rules SGLang puts on DeepEP and two-batch overlap (one copy for config and cost)."""
+    if moe_a2a == "deepep" and not ep == tp > 1:
+        raise ValueError(
+            f"moe_a2a='deepep' runs expert parallelism over every GPU of the instance: it "
+            f"needs ep = tp > 1, got ep={ep}, tp={tp}"
+        )
+    if two_batch_overlap and moe_a2a != "deepep":
+        raise ValueError(
+            f"two_batch_overlap overlaps DeepEP's dispatch/combine with compute: it needs "
+            f"moe_a2a='deepep', got {moe_a2a!r}"
+        )
 
 
 @runtime_checkable
@@ -65,8 +90,9 @@ _REGISTRY: dict[str, CostModelFactory] = {}
 def register_cost_model(name: str) -> Callable[[CostModelFactory], CostModelFactory]:
     """Register a factory `(model, hardware, parallel, **params) -> CostModel` under `name`.
 
-    Every factory accepts `kv_dtype_bytes` among its params: the simulator passes the
-    experiment's KV dtype size that way."""
+    Every factory accepts `kv_dtype_bytes` and `role` among its params: the simulator passes
+    the experiment's KV dtype size and the instance's role ("prefill", "decode" or
+    "colocated") that way; a model that has no use for one accepts and ignores it."""
 
     def add(factory: CostModelFactory) -> CostModelFactory:
         if name in _REGISTRY:
@@ -94,8 +120,14 @@ def make_cost_model(
     return factory(model, hardware, parallel, **params)
 
 
+Role = Literal["prefill", "decode", "colocated"]
+
+
 class RooflineParams(BaseModel):
-    """Efficiency factors and fixed costs of the roofline model (see docs/cost_model.md)."""
+    """Efficiency factors and fixed costs of the roofline model (see docs/cost_model.md).
+
+    role: which role the instance plays; it picks DeepEP's mode (prefill: normal, decode:
+    low latency, colocated: normal for steps with prefill tokens, low latency otherwise)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -108,6 +140,21 @@ class RooflineParams(BaseModel):
     step_overhead_s: float = Field(default=0.5e-3, ge=0)
     extend_overhead_s: float = Field(default=2e-3, ge=0)
     kv_dtype_bytes: float = Field(default=2, gt=0)
+    role: Role = "colocated"
+    deepep_ll_latency_s: float = Field(default=12e-6, ge=0)
+    deepep_normal_latency_s: float = Field(default=35e-6, ge=0)
+    deepep_rdma_latency_s: float = Field(default=15e-6, ge=0)
+    deepep_ll_nvlink_efficiency: float = Field(default=0.5, gt=0, le=1)
+    deepep_normal_nvlink_efficiency: float = Field(default=0.65, gt=0, le=1)
+    deepep_rdma_efficiency: float = Field(default=0.9, gt=0, le=1)
+
+
+def _block_rate(block: str, dtype: str, hardware: HardwareSpec) -> float:
+    """Peak FLOP/s of one block's GEMMs; a format the GPU cannot run names the block."""
+    try:
+        return gemm_peak_tflops(dtype, hardware) * 1e12
+    except ValueError as err:
+        raise ValueError(f"precision.{block}: {err}") from None
 
 
 @register_cost_model("roofline")
@@ -115,9 +162,10 @@ class RooflineCostModel:
     """Per part of a layer, time = max(FLOPs / compute rate, bytes / memory rate), summed.
 
     Parts: attention projections and attention itself (per attention-DP rank, on that rank's
-    own shape; the step waits for the slowest rank), the dense MLP or MoE block (on the tokens
-    of all ranks, over tp GPUs), memory-bound elementwise kernels, the LM head once, the TP
-    collectives (two per layer), a kernel-launch floor per layer and a fixed per-step overhead.
+    own shape; the step waits for the slowest rank), the dense MLP or MoE block, memory-bound
+    elementwise kernels, the LM head once, the collectives (TP all-reduces, or DeepEP's
+    dispatch/combine), a kernel-launch floor per layer and a fixed per-step overhead. Each
+    block's GEMMs run at the peak of its weight format (`ModelSpec.precision`).
     """
 
     def __init__(
@@ -141,19 +189,17 @@ class RooflineCostModel:
         self.model, self.hardware, self.parallel, self.params = model, hardware, parallel, p
 
         tp, attn_tp, ep = parallel.tp, parallel.attn_tp, parallel.ep
-        h, nh, wb = model.hidden_size, model.num_attention_heads, model.weight_dtype_bytes
+        h, nh = model.hidden_size, model.num_attention_heads
+        prec = model.precision
         heads = nh / attn_tp  # query heads on one GPU
-        gemm_peak = hardware.bf16_tflops
-        if wb <= 1 and hardware.fp8_tflops is not None:
-            gemm_peak = hardware.fp8_tflops  # FP8 weights run FP8 GEMMs
-        self._gemm_rate = gemm_peak * 1e12 * p.gemm_mfu
-        attn_rate = hardware.bf16_tflops * 1e12 * p.attn_mfu
         mem_rate = hardware.hbm_gbps * 1e9 * p.bw_efficiency
         self._mem_rate = mem_rate
         self._layers = model.num_layers
 
         # Attention block on one GPU of a DP rank: projections, then the attention kernels.
-        self._attn_flops_tok = 2 * model.attn_params_per_layer / attn_tp
+        attn_rate = _block_rate("attention", prec.attention, hardware) * p.gemm_mfu
+        wb = DTYPES[prec.attention].weight_bytes
+        self._attn_proj_s_tok = 2 * model.attn_params_per_layer / attn_tp / attn_rate
         self._attn_w_bytes = model.attn_params_per_layer * wb / attn_tp
         if model.is_mla:
             q_out = heads * model.head_dim
@@ -173,111 +219,200 @@ class RooflineCostModel:
             pf_flops_pair = 4 * heads * model.head_dim
             dec_flops_ctx = 4 * heads * model.head_dim
             rope_elems = (heads + kv_heads) * model.head_dim
+        kernel_peak = _block_rate("attention_compute", prec.attention_compute, hardware)
+        kernel_rate = kernel_peak * p.attn_mfu
         self._attn_act_tok = proj_io * ACT_BYTES
-        self._pf_attn_s_pair = pf_flops_pair / attn_rate
-        self._dec_attn_s_ctx = dec_flops_ctx / attn_rate
+        self._pf_attn_s_pair = pf_flops_pair / kernel_rate
+        self._dec_attn_s_ctx = dec_flops_ctx / kernel_rate
         kv_bytes = model.kv_bytes_per_token_per_rank(attn_tp, p.kv_dtype_bytes)
         self._kv_mem_s_tok = kv_bytes / model.num_layers / mem_rate  # write or read, per layer
         # Two fused add+RMSNorms (read x and residual, write both) and RoPE (read+write q, k).
         self._attn_elem_s_tok = (8 * h + 2 * rope_elems) * ACT_BYTES / mem_rate
 
-        # Dense MLP layers and MoE layers, on the tokens of all DP ranks, over tp GPUs.
+        # Dense MLP layers, on the tokens of all DP ranks, over tp GPUs.
         self._dense_layers = model.num_dense_layers
+        dense_rate = _block_rate("dense_mlp", prec.dense_mlp, hardware) * p.gemm_mfu
         inter = model.intermediate_size / tp
-        self._dense_flops_tok = 2 * model.dense_mlp_params / tp
-        self._dense_w_bytes = model.dense_mlp_params * wb / tp
+        self._dense_s_tok = 2 * model.dense_mlp_params / tp / dense_rate
+        self._dense_w_bytes = model.dense_mlp_params * DTYPES[prec.dense_mlp].weight_bytes / tp
         self._dense_act_tok = (2 * h + 3 * inter) * ACT_BYTES  # gate_up in/out, down in/out
         self._dense_elem_s_tok = 3 * inter * ACT_BYTES / mem_rate  # silu(gate) * up
+
+        # MoE layers. Routed experts see the tokens of all DP ranks spread over the ep GPUs.
+        # Without DeepEP the shared experts and router run over tp on the gathered tokens
+        # ("global" terms, per token of the instance); with DeepEP SGLang replicates the shared
+        # experts (tp_size=1) and each GPU runs them on its own tokens ("local" terms, per
+        # token of one GPU).
         self._moe_layers = model.num_moe_layers
+        self._deepep = parallel.moe_a2a == "deepep"
+        self._tbo = parallel.two_batch_overlap
         if model.is_moe:
             e, k = model.num_experts, model.experts_per_token
+            moe_rate = _block_rate("moe_experts", prec.moe_experts, hardware) * p.gemm_mfu
+            wb = DTYPES[prec.moe_experts].weight_bytes
             moe_inter = model.moe_intermediate_size / (tp // ep)
-            shared = model.num_shared_experts * model.expert_params + model.router_params
+            shared = model.num_shared_experts * model.expert_params
+            shared_inter = model.num_shared_experts * model.moe_intermediate_size
+            router = model.router_params  # kept in BF16 by every quantised checkpoint
             self._num_experts = float(e)
             self._miss_prob = 1.0 - k / e  # chance a token leaves a given expert out
-            self._moe_fixed_flops_tok = 2 * shared / tp
-            self._moe_routed_flops_tok = 2 * k * model.expert_params / tp
-            self._moe_fixed_w_bytes = shared * wb / tp
             self._expert_w_bytes = model.expert_params * wb / tp  # per expert hit, per GPU
             pairs_io = k / ep * (2 * h + 3 * moe_inter)  # token-expert pairs on one GPU
-            shared_inter = model.num_shared_experts * model.moe_intermediate_size / tp
-            self._moe_act_tok = (pairs_io + 2 * h + 3 * shared_inter + e) * ACT_BYTES
-            self._moe_elem_s_tok = (k / ep * moe_inter + shared_inter) * 3 * ACT_BYTES / mem_rate
+            routed_s_tok = 2 * k * model.expert_params / tp / moe_rate
+            split = 1 if self._deepep else tp  # shared experts: replicated, or over tp
+            shared_s_tok = 2 * (shared + router) / split / moe_rate
+            shared_act_tok = (2 * h + 3 * shared_inter / split + e) * ACT_BYTES
+            shared_elem_s_tok = 3 * shared_inter / split * ACT_BYTES / mem_rate
+            self._moe_w_bytes = (shared * wb + router * ACT_BYTES) / split
+            self._moe_global_s_tok = routed_s_tok
+            self._moe_global_act_tok = pairs_io * ACT_BYTES
+            self._moe_global_elem_s_tok = k / ep * moe_inter * 3 * ACT_BYTES / mem_rate
+            self._moe_local_s_tok = self._moe_local_act_tok = self._moe_local_elem_s_tok = 0.0
+            if self._deepep:
+                self._moe_local_s_tok = shared_s_tok
+                self._moe_local_act_tok = shared_act_tok
+                self._moe_local_elem_s_tok = shared_elem_s_tok
+            else:
+                self._moe_global_s_tok += shared_s_tok
+                self._moe_global_act_tok += shared_act_tok
+                self._moe_global_elem_s_tok += shared_elem_s_tok
 
         # LM head on the last position of each sequence, split over tp.
+        lm_rate = _block_rate("lm_head", prec.lm_head, hardware) * p.gemm_mfu
         lm_params = model.vocab_size * h
-        self._lm_flops_tok = 2 * lm_params / tp
-        self._lm_w_bytes = lm_params * wb / tp
+        self._lm_s_tok = 2 * lm_params / tp / lm_rate
+        self._lm_w_bytes = lm_params * DTYPES[prec.lm_head].weight_bytes / tp
         self._lm_act_tok = (h + model.vocab_size / tp) * ACT_BYTES
 
         # Per layer: an all-reduce in each attention-TP group after the output projection, and
         # across all tp GPUs around the MLP (an all-reduce; with DP attention an all-gather
         # before and a reduce-scatter after, which move the same bytes). Ring all-reduce time:
-        # 2 (n - 1) / n * bytes / link bandwidth, plus a fixed latency per call.
+        # 2 (n - 1) / n * bytes / link bandwidth, plus a fixed latency per call. DeepEP
+        # replaces the MLP collective of MoE layers.
         link = hardware.nvlink_gbps * 1e9 * p.comm_efficiency
         self._attn_ar_s_tok = 2 * (attn_tp - 1) / attn_tp * h * ACT_BYTES / link
         self._attn_ar_fixed_s = p.allreduce_latency_s if attn_tp > 1 else 0.0
         self._mlp_ar_s_tok = 2 * (tp - 1) / tp * h * ACT_BYTES / link
         self._mlp_ar_fixed_s = p.allreduce_latency_s if tp > 1 else 0.0
+        if self._deepep:
+            self._a2a = {mode: self._deepep_cost(mode) for mode in ("low_latency", "normal")}
         self._layer_overhead_s = p.layer_overhead_s
         self._step_overhead_s = p.step_overhead_s
         self._extend_overhead_s = p.extend_overhead_s
 
-    def step_time_s(self, shapes: Sequence[BatchShape]) -> float:
-        gemm_rate, mem_rate = self._gemm_rate, self._mem_rate
-        attn_flops_tok, attn_w_bytes, attn_act_tok = (
-            self._attn_flops_tok, self._attn_w_bytes, self._attn_act_tok
+    def _deepep_cost(self, mode: A2AMode) -> tuple[float, float]:
+        """(fixed seconds, seconds per token of one GPU) of one dispatch plus one combine.
+
+        Each call pays its mode's latency (plus the RDMA one when the EP group spans nodes)
+        and moves its bytes over NVLink and RDMA at once, so the slower link sets its time."""
+        p, hw, m = self.params, self.hardware, self.model
+        one = deepep_traffic(1.0, m.hidden_size, m.experts_per_token, self.parallel.ep,
+                             hw.gpus_per_node, mode)
+        ll = mode == "low_latency"
+        nvlink = hw.nvlink_gbps * 1e9 * (
+            p.deepep_ll_nvlink_efficiency if ll else p.deepep_normal_nvlink_efficiency
         )
-        pf_s_pair, dec_s_ctx, kv_s_tok, elem_s_tok = (
-            self._pf_attn_s_pair, self._dec_attn_s_ctx, self._kv_mem_s_tok, self._attn_elem_s_tok
+        rdma = hw.rdma_gbps * 1e9 * p.deepep_rdma_efficiency
+        latency = p.deepep_ll_latency_s if ll else p.deepep_normal_latency_s
+        if one.dispatch.rdma_bytes > 0:
+            latency += p.deepep_rdma_latency_s
+        per_token = sum(
+            max(call.nvlink_bytes / nvlink, call.rdma_bytes / rdma)
+            for call in (one.dispatch, one.combine)
         )
-        ar_fixed_s, ar_s_tok = self._attn_ar_fixed_s, self._attn_ar_s_tok
-        tokens = lm_rows = 0
-        has_prefill = False
-        slowest_attn = 0.0
+        return 2 * latency, per_token
+
+    def _attention_s(self, shapes: Sequence[BatchShape], scale: float) -> float:
+        """One layer's attention block on the slowest DP rank, every count times `scale`
+        (0.5 prices one micro-batch of two-batch overlap)."""
+        slowest = 0.0
         for shape in shapes:
-            n = shape.prefill_tokens + shape.decode_reqs
+            q = shape.decode_query_len
+            n = (shape.prefill_tokens + shape.decode_reqs * q) * scale
+            if n == 0:
+                continue
+            proj = max(n * self._attn_proj_s_tok,
+                       (self._attn_w_bytes + n * self._attn_act_tok) / self._mem_rate)
+            pf = shape.prefill_tokens * scale
+            prefill = max(shape.prefill_attn_pairs * scale * self._pf_attn_s_pair,
+                          pf * self._kv_mem_s_tok)
+            # Each of a request's q query tokens attends over its whole context; the KV is
+            # read once for all of them, and their own q entries are written.
+            ctx = shape.decode_context_tokens * scale
+            decode = max(ctx * q * self._dec_attn_s_ctx,
+                         (ctx + shape.decode_reqs * scale * q) * self._kv_mem_s_tok)
+            attn = (proj + prefill + decode + n * self._attn_elem_s_tok + self._attn_ar_fixed_s
+                    + n * self._attn_ar_s_tok)
+            if attn > slowest:
+                slowest = attn
+        return slowest
+
+    def _moe_s(self, tokens: float, gpu_tokens: float) -> float:
+        """One MoE layer's expert compute: `tokens` of the instance, `gpu_tokens` on one GPU."""
+        hit = self._num_experts * (1.0 - self._miss_prob**tokens)  # expected experts used
+        flops_s = tokens * self._moe_global_s_tok + gpu_tokens * self._moe_local_s_tok
+        w_bytes = self._moe_w_bytes + hit * self._expert_w_bytes
+        act = tokens * self._moe_global_act_tok + gpu_tokens * self._moe_local_act_tok
+        elem = tokens * self._moe_global_elem_s_tok + gpu_tokens * self._moe_local_elem_s_tok
+        return max(flops_s, (w_bytes + act) / self._mem_rate) + elem
+
+    def step_time_s(self, shapes: Sequence[BatchShape]) -> float:
+        tokens = lm_rows = max_rank_tokens = 0
+        has_prefill = False
+        for shape in shapes:
+            n = shape.num_tokens
             if n == 0:
                 continue
             tokens += n
-            lm_rows += shape.decode_reqs
+            max_rank_tokens = max(max_rank_tokens, n)
+            lm_rows += shape.decode_reqs * shape.decode_query_len
             if shape.prefill_tokens:
                 has_prefill = True
                 lm_rows += 1  # at least one sequence ends in this rank's prefill
-            proj = max(
-                n * attn_flops_tok / gemm_rate, (attn_w_bytes + n * attn_act_tok) / mem_rate
-            )
-            prefill = max(shape.prefill_attn_pairs * pf_s_pair, shape.prefill_tokens * kv_s_tok)
-            ctx = shape.decode_context_tokens
-            decode = max(ctx * dec_s_ctx, (ctx + shape.decode_reqs) * kv_s_tok)
-            attn = proj + prefill + decode + n * elem_s_tok + ar_fixed_s + n * ar_s_tok
-            if attn > slowest_attn:
-                slowest_attn = attn
         if tokens == 0:
             return 0.0
-
+        mem_rate = self._mem_rate
+        attn = self._attention_s(shapes, 1.0) + self._layer_overhead_s
         mlp_comm = self._mlp_ar_fixed_s + tokens * self._mlp_ar_s_tok
-        total = self._layers * (slowest_attn + mlp_comm + self._layer_overhead_s)
+        total = 0.0
         if self._dense_layers:
-            dense = max(
-                tokens * self._dense_flops_tok / gemm_rate,
-                (self._dense_w_bytes + tokens * self._dense_act_tok) / mem_rate,
+            dense = max(tokens * self._dense_s_tok,
+                        (self._dense_w_bytes + tokens * self._dense_act_tok) / mem_rate)
+            total += self._dense_layers * (
+                attn + dense + tokens * self._dense_elem_s_tok + mlp_comm
             )
-            total += self._dense_layers * (dense + tokens * self._dense_elem_s_tok)
         if self._moe_layers:
-            hit = self._num_experts * (1.0 - self._miss_prob**tokens)  # expected experts used
-            flops = tokens * (self._moe_fixed_flops_tok + self._moe_routed_flops_tok)
-            w_bytes = self._moe_fixed_w_bytes + hit * self._expert_w_bytes
-            moe = max(flops / gemm_rate, (w_bytes + tokens * self._moe_act_tok) / mem_rate)
-            total += self._moe_layers * (moe + tokens * self._moe_elem_s_tok)
-        total += max(
-            lm_rows * self._lm_flops_tok / gemm_rate,
-            (self._lm_w_bytes + lm_rows * self._lm_act_tok) / mem_rate,
-        )
+            total += self._moe_layers * self._moe_layers_s(shapes, attn, mlp_comm, tokens,
+                                                           max_rank_tokens, has_prefill)
+        total += max(lm_rows * self._lm_s_tok,
+                     (self._lm_w_bytes + lm_rows * self._lm_act_tok) / mem_rate)
         total += self._step_overhead_s
         if has_prefill:
             total += self._extend_overhead_s
         return total
+
+    def _moe_layers_s(self, shapes: Sequence[BatchShape], attn: float, mlp_comm: float,
+                      tokens: int, max_rank_tokens: int, has_prefill: bool) -> float:
+        """One MoE layer (attention included), averaged over the layers of a step.
+
+        With two-batch overlap each micro-batch (half of every rank's batch) computes while
+        the other communicates: a layer takes max(2 c, 2 x) for a micro-batch's compute c and
+        communication x, and the step pays one unoverlapped min(c, x) to fill the pipeline,
+        spread here over the MoE layers."""
+        if not self._deepep:
+            return attn + self._moe_s(tokens, tokens) + mlp_comm
+        # Each GPU sends its share of its rank's tokens and receives its share of all of them.
+        gpu_tokens = max(max_rank_tokens / self.parallel.attn_tp, tokens / self.parallel.tp)
+        role = self.params.role
+        normal = role == "prefill" or (role == "colocated" and has_prefill)
+        fixed_s, per_token_s = self._a2a["normal" if normal else "low_latency"]
+        if not self._tbo:
+            return attn + self._moe_s(tokens, gpu_tokens) + fixed_s + gpu_tokens * per_token_s
+        half_compute = (self._attention_s(shapes, 0.5) + self._layer_overhead_s
+                        + self._moe_s(tokens / 2, gpu_tokens / 2))
+        half_comm = fixed_s + gpu_tokens / 2 * per_token_s
+        fill = min(half_compute, half_comm) / self._moe_layers
+        return 2 * max(half_compute, half_comm) + fill
 
 
 def kv_capacity_tokens(

@@ -63,7 +63,10 @@ class ProfiledCostModel:
     """Step times interpolated from the real backend's measured forwards (module docstring)."""
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism, *,
-                 timings: str | Path | pd.DataFrame, kv_dtype_bytes: float = 2) -> None:
+                 timings: str | Path | pd.DataFrame, kv_dtype_bytes: float = 2,
+                 role: str = "colocated") -> None:
+        # kv_dtype_bytes and role are accepted as every cost model's are; the measured
+        # forwards already carry their effect.
         frame = timings if isinstance(timings, pd.DataFrame) else _read(Path(timings))
         self.extend_base_s, self.decode_base_s, slopes = fit_linear_costs(frame)
         self._a, self._b, self._c, self._d = (float(v) for v in slopes)
