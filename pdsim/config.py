@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pdsim.config_errors import format_validation_error
 from pdsim.core.router import POLICIES
+from pdsim.specs.precision import KV_DTYPE_BYTES, KVDTypeName, kv_format
 
 from pdsim.metrics import SLO
 from pdsim.workload import WorkloadConfig
@@ -56,6 +57,9 @@ class RoleConfig(_Spec):
     tp: int = Field(1, ge=1)
     dp_attention: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
+    kv_dtype: KVDTypeName | None = Field(
+        None, description="KV-cache dtype (SGLang's --kv-cache-dtype); default: the "
+        "experiment's kv_dtype_bytes")
     moe_a2a: Literal["none", "deepep"] = Field(
         "none", description="deepep: SGLang's --moe-a2a-backend deepep (needs ep = tp > 1 "
         "and a MoE model)")
@@ -76,6 +80,10 @@ class RoleConfig(_Spec):
     @property
     def gpus(self) -> int:
         return self.instances * self.tp
+
+    def kv_bytes(self, default_bytes: float) -> float:
+        """Bytes per KV-cache element: this role's kv_dtype, else the experiment's."""
+        return KV_DTYPE_BYTES[self.kv_dtype] if self.kv_dtype else default_bytes
 
 
 class ClusterConfig(_Spec):
@@ -216,9 +224,14 @@ class ExperimentConfig(_Spec):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
     seed: int = 0
-    model: str = "llama-3.1-8b"
-    hardware: str = "h100"
-    kv_dtype_bytes: float = Field(2, gt=0)
+    model: str | dict[str, Any] = Field(
+        "llama-3.1-8b", description="a preset, a file (relative to this YAML's folder first) "
+        "or a mapping of ModelSpec fields, optionally over `base: <preset or file>`")
+    hardware: str | dict[str, Any] = Field(
+        "h100", description="a preset, a YAML file or a mapping of HardwareSpec fields, "
+        "optionally over `base:`")
+    kv_dtype_bytes: float = Field(2, gt=0, description="KV-cache bytes per element of the "
+                                  "roles without their own kv_dtype")
     cluster: ClusterConfig = ClusterConfig()
     router: RouterConfig = RouterConfig()
     network: NetworkConfig = NetworkConfig()
@@ -230,6 +243,22 @@ class ExperimentConfig(_Spec):
         3600.0, gt=0, description="simulated seconds after the last arrival before giving up"
     )
     sweep: dict[str, list[Any]] = {}
+
+    @model_validator(mode="after")
+    def _one_kv_dtype_across_pd(self) -> ExperimentConfig:
+        c = self.cluster
+        if c.mode == "colocated":
+            return self
+        p, d = c.prefill, c.decode
+        p_bytes, d_bytes = p.kv_bytes(self.kv_dtype_bytes), d.kv_bytes(self.kv_dtype_bytes)
+        if p_bytes != d_bytes or (p.kv_dtype and d.kv_dtype
+                                    and kv_format(p.kv_dtype) != kv_format(d.kv_dtype)):
+            raise ValueError(
+                f"cluster.prefill.kv_dtype {p.kv_dtype or 'default'} ({p_bytes:g} B) and "
+                f"cluster.decode.kv_dtype {d.kv_dtype or 'default'} ({d_bytes:g} B) differ: the KV "
+                "is copied byte for byte from prefill to decode, so both need one KV dtype"
+            )
+        return self
 
 
 def parse_experiment(data: Any, source: str = "<config>") -> ExperimentConfig:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
+from pdsim.config import ConfigError
 from pdsim.specs import (
     HardwareSpec,
     ModelSpec,
@@ -496,3 +498,78 @@ def test_spec_paths_resolve_against_the_experiment_folder(tmp_path, monkeypatch)
     message = str(err.value)
     assert str(exp / "missing.json") in message and str(elsewhere / "missing.json") in message
     assert "qwen3-235b-a22b" in message
+
+
+# ----- the experiment YAML: inline specs, paths beside it, KV dtype per role ------------------
+
+EXPERIMENT = {
+    "name": "x",
+    "workload": {"num_requests": 4, "seed": 0, "arrival": {"process": "poisson", "rate_rps": 1},
+                 "input_len": {"dist": "fixed", "value": 100},
+                 "output_len": {"dist": "fixed", "value": 10}},
+}
+
+
+def test_experiment_takes_inline_model_and_hardware() -> None:
+    from pdsim.config import parse_experiment
+    from pdsim.sim.build import build_cluster
+
+    small_gpu = {"base": "h100", "hbm_gib": 40}
+    cfg = parse_experiment({**EXPERIMENT, "model": {"base": "llama-3.1-8b", "num_layers": 8},
+                            "hardware": small_gpu})
+    cluster = build_cluster(cfg)
+    big = build_cluster(parse_experiment({**EXPERIMENT, "model": {"base": "llama-3.1-8b",
+                                                                  "num_layers": 8}}))
+    # Half the memory, a quarter of the layers: more KV pages than the full model on 80 GB.
+    assert cluster.decode.scheduler.num_pages < big.decode.scheduler.num_pages
+    full = build_cluster(parse_experiment(EXPERIMENT))
+    assert cluster.decode.kv_bytes_per_page == full.decode.kv_bytes_per_page / 4
+    with pytest.raises(ConfigError, match="hardware: hbm_gb"):
+        build_cluster(parse_experiment({**EXPERIMENT, "hardware": {"base": "h100",
+                                                                   "hbm_gb": 40}}))
+
+
+def test_experiment_paths_resolve_beside_the_yaml(tmp_path, monkeypatch) -> None:
+    from pdsim.runner import run_experiment
+
+    exp = tmp_path / "exp"
+    (exp / "specs").mkdir(parents=True)
+    (exp / "specs" / "gpu.yaml").write_text("base: h100\nhbm_gib: 94\n")
+    data = {**EXPERIMENT, "model": "tiny-llama", "hardware": "specs/gpu.yaml"}
+    (exp / "e.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    summary, _ = run_experiment(exp / "e.yaml", tmp_path / "out", jobs=1, progress=False)
+    assert len(summary) == 1
+    (exp / "e.yaml").write_text(yaml.safe_dump({**data, "hardware": "specs/gpu2.yaml"}))
+    with pytest.raises(ConfigError) as err:
+        run_experiment(exp / "e.yaml", tmp_path / "out2", jobs=1, progress=False)
+    message = str(err.value)
+    assert str(exp / "specs" / "gpu2.yaml") in message
+    assert str(tmp_path / "specs" / "gpu2.yaml") in message and "gb300" in message
+
+
+def test_kv_dtype_per_role_sizes_pool_and_wire() -> None:
+    from pdsim.config import parse_experiment
+    from pdsim.sim.build import build_cluster
+
+    def cluster(prefill: dict, decode: dict, **top):
+        data = {**EXPERIMENT, **top, "cluster": {"prefill": prefill, "decode": decode}}
+        return build_cluster(parse_experiment(data))
+
+    bf16 = cluster({}, {})
+    fp8 = cluster({"kv_dtype": "fp8"}, {"kv_dtype": "fp8_e4m3"})
+    assert fp8.decode.kv_bytes_per_page == bf16.decode.kv_bytes_per_page / 2
+    assert fp8.decode.scheduler.num_pages == pytest.approx(2 * bf16.decode.scheduler.num_pages,
+                                                           abs=1)
+    # The experiment-level default still works, and a role's own dtype wins over it.
+    assert cluster({}, {}, kv_dtype_bytes=1).decode.kv_bytes_per_page == (
+        fp8.decode.kv_bytes_per_page
+    )
+    own = cluster({"kv_dtype": "bf16"}, {"kv_dtype": "bf16"}, kv_dtype_bytes=1)
+    assert own.decode.kv_bytes_per_page == bf16.decode.kv_bytes_per_page
+    with pytest.raises(ConfigError, match=r"prefill.kv_dtype fp8 \(1 B\).*byte for byte"):
+        cluster({"kv_dtype": "fp8"}, {})
+    with pytest.raises(ConfigError, match="fp8_e4m3.*fp8_e5m2"):
+        cluster({"kv_dtype": "fp8_e4m3"}, {"kv_dtype": "fp8_e5m2"})
+    with pytest.raises(ConfigError, match="kv_dtype"):
+        cluster({"kv_dtype": "int4"}, {})

@@ -26,13 +26,14 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     par = Parallelism(tp=role.tp, dp_attention=role.dp_attention, ep=role.ep,
                       moe_a2a=role.moe_a2a, two_batch_overlap=role.two_batch_overlap)
     knobs = role.scheduler
-    # Every cost model prices KV reads in the experiment's KV dtype unless told otherwise, and
+    kv_bytes = role.kv_bytes(cfg.kv_dtype_bytes)
+    # Every cost model prices KV reads in the role's KV dtype unless told otherwise, and
     # learns the role it serves (prefill, decode or colocated).
-    params = {"kv_dtype_bytes": cfg.kv_dtype_bytes, "role": name,
+    params = {"kv_dtype_bytes": kv_bytes, "role": name,
               **{k: _resolve(v, base_dir) for k, v in cfg.cost_model.params.items()}}
     try:
         num_pages = knobs.num_pages or (
-            kv_capacity_tokens(model, hw, par, knobs.mem_fraction_static, cfg.kv_dtype_bytes)
+            kv_capacity_tokens(model, hw, par, knobs.mem_fraction_static, kv_bytes)
             // knobs.page_size
         )
         cost = _cost_factory(cfg, model, hw, par, params)
@@ -64,7 +65,7 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     if spec.method != "none":
         kv_models.append(draft_spec(spec.method, model, spec.draft_layers, spec.draft_model))
         state_bytes = draft_state_bytes_per_request(model)
-    kv_page_bytes = sum(knobs.page_size * m.kv_bytes_per_token_per_rank(attn_tp, cfg.kv_dtype_bytes)
+    kv_page_bytes = sum(knobs.page_size * m.kv_bytes_per_token_per_rank(attn_tp, kv_bytes)
                         * attn_tp for m in kv_models)
     nic = (cfg.network.bandwidth_gbps or hw.rdma_gbps) * 1e9 * role.tp * nic_efficiency
     return RoleSpec(role.instances, role.dp_attention, role.tp, sched, cost, nic, kv_page_bytes,
@@ -100,8 +101,8 @@ def _resolve(value: float | str, base_dir: str | None) -> float | str:
 
 def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> ClusterSpec:
     try:
-        model = load_model_spec(cfg.model)
-        hw = load_hardware_spec(cfg.hardware)
+        model = load_model_spec(cfg.model, base_dir)
+        hw = load_hardware_spec(cfg.hardware, base_dir)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(str(exc)) from None
     net = cfg.network

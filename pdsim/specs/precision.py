@@ -42,6 +42,18 @@ DTYPES: dict[str, DType] = {
 }
 
 
+# KV-cache dtypes by the names SGLang's --kv-cache-dtype takes ("fp8" is its E4M3) -> bytes.
+KV_DTYPE_BYTES: dict[str, float] = {
+    "bf16": 2, "fp16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
+}
+KVDTypeName = Literal["bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+
+
+def kv_format(name: str) -> str:
+    """The KV dtype `name` stands for ("fp8" is SGLang's name for E4M3)."""
+    return "fp8_e4m3" if name == "fp8" else name
+
+
 class Precision(BaseModel):
     """The format of each block of a model's weights, and of attention's arithmetic.
 
