@@ -1,3 +1,4 @@
-"""The SimPy backend. Importing it registers every cost model ("roofline", "profiled")."""
+"""The SimPy backend. Importing it registers every cost model ("roofline", "profiled",
+"silicon", "auto")."""
 
-from pdsim.sim import cost, profiled  # noqa: F401  (registration)
+from pdsim.sim import cost, profiled, silicon  # noqa: F401  (registration)

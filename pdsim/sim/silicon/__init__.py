@@ -1,0 +1,35 @@
+"""The silicon cost model: step times from NVIDIA's measured per-op kernel tables.
+
+Registers two cost models: "silicon" (needs `pip install 'pdsim[silicon]'` and a GPU with
+tables) and "auto", which is silicon where the hardware has tables and the package is installed,
+and the roofline otherwise. `resolve_cost_model` says which one "auto" picks.
+"""
+
+from __future__ import annotations
+
+from pdsim.sim.cost import CostModel, Parallelism, RooflineCostModel, register_cost_model
+from pdsim.sim.silicon.model import SiliconCostModel, SiliconParams
+from pdsim.sim.silicon.tables import SYSTEMS, has_tables
+from pdsim.specs.hardware import HardwareSpec
+from pdsim.specs.models import ModelSpec
+
+__all__ = ["SYSTEMS", "SiliconCostModel", "SiliconParams", "has_tables", "resolve_cost_model"]
+
+register_cost_model("silicon")(SiliconCostModel)
+
+
+def resolve_cost_model(name: str, hardware: HardwareSpec) -> str:
+    """The cost model `name` stands for on `hardware`: "auto" → "silicon" or "roofline"."""
+    if name != "auto":
+        return name
+    return "silicon" if has_tables(hardware.name) else "roofline"
+
+
+@register_cost_model("auto")
+def auto_cost_model(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
+                    **params: object) -> CostModel:
+    """Silicon where `hardware` has measured tables (and aiconfigurator-core is installed),
+    else the roofline. Params go to whichever is chosen."""
+    if resolve_cost_model("auto", hardware) == "silicon":
+        return SiliconCostModel(model, hardware, parallel, **params)
+    return RooflineCostModel(model, hardware, parallel, **params)

@@ -1,0 +1,193 @@
+"""Latency between and beyond measured grid points.
+
+Inside a table's grid, latency is interpolated linearly in log(size) → log(latency): exact at
+grid points, monotone between two of them, and right for the power laws kernels follow (flat at
+a launch floor, then linear in size). Outside the grid, the nearest measured point is scaled by
+the ratio of a roofline estimate at the asked size to the roofline at that point, and the
+lookup counts as extrapolated.
+
+`Curve` is one op over one integer size (tokens), precomputed densely so that a lookup is a list
+index; `Grid2` is one op over two sizes (batch, sequence) with bilinear interpolation.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+DENSE_MAX = 65536  # integer sizes up to this are looked up in a precomputed array
+
+
+def log_interp(x: float, lxs: Sequence[float], lys: Sequence[float]) -> float:
+    """exp of the piecewise-linear interpolation of (log x → log y) at x, inside [xs0, xs-1]."""
+    lx = math.log(x)
+    i = bisect_right(lxs, lx) - 1
+    if i >= len(lxs) - 1:
+        return math.exp(lys[-1])
+    if i < 0:
+        return math.exp(lys[0])
+    w = (lx - lxs[i]) / (lxs[i + 1] - lxs[i])
+    return math.exp(lys[i] + w * (lys[i + 1] - lys[i]))
+
+
+class Curve:
+    """Seconds of one op versus one size `x` (tokens, usually), from measured points.
+
+    xs, ys_s: the measured sizes (ascending, > 0) and seconds. roofline: seconds the analytic
+    model gives at any size, used only to scale a measured point beyond the grid.
+    static_extrapolated: the op's other dimensions (shape, dtype, GPU count) are not in the table,
+    so every lookup rests on a roofline scaling and counts as extrapolated.
+    """
+
+    __slots__ = ("lo", "hi", "static_extrapolated", "_lxs", "_lys", "_roofline", "_dense", "_n")
+
+    def __init__(self, xs: Sequence[float], ys_s: Sequence[float],
+                 roofline: Callable[[float], float], static_extrapolated: bool = False) -> None:
+        xs_a, ys_a = np.asarray(xs, dtype=float), np.asarray(ys_s, dtype=float)
+        if len(xs_a) == 0 or np.any(np.diff(xs_a) <= 0) or np.any(xs_a <= 0) or np.any(ys_a <= 0):
+            raise ValueError("a curve needs ascending positive sizes and positive latencies")
+        self.lo, self.hi = float(xs_a[0]), float(xs_a[-1])
+        self.static_extrapolated = static_extrapolated
+        self._lxs, self._lys = np.log(xs_a).tolist(), np.log(ys_a).tolist()
+        self._roofline = roofline
+        self._n = int(min(self.hi, DENSE_MAX))
+        values = self.values(np.arange(1, self._n + 1, dtype=float))
+        self._dense = array("d", [0.0, *values.tolist()])
+
+    def _compute(self, x: float) -> float:
+        if x < self.lo:
+            return math.exp(self._lys[0]) * self._roofline(x) / self._roofline(self.lo)
+        if x > self.hi:
+            return math.exp(self._lys[-1]) * self._roofline(x) / self._roofline(self.hi)
+        return log_interp(x, self._lxs, self._lys)
+
+    def __call__(self, x: float) -> float:
+        """Seconds at size x (0 → 0)."""
+        if x <= 0:
+            return 0.0
+        if x <= self._n and x == int(x):
+            return self._dense[int(x)]
+        return self._compute(x)
+
+    def extrapolated(self, x: float) -> bool:
+        return self.static_extrapolated or x < self.lo or x > self.hi
+
+    def values(self, xs: np.ndarray) -> np.ndarray:
+        """Seconds at each of `xs` (> 0), vectorised; the roofline must accept arrays."""
+        xs = np.asarray(xs, dtype=float)
+        out = np.exp(np.interp(np.log(xs), self._lxs, self._lys))
+        for mask, edge, ly in ((xs < self.lo, self.lo, self._lys[0]),
+                               (xs > self.hi, self.hi, self._lys[-1])):
+            if mask.any():
+                out[mask] = math.exp(ly) * self._roofline(xs[mask]) / self._roofline(edge)
+        return out
+
+    def dense(self) -> np.ndarray:
+        """Seconds at x = 0, 1, ..., min(hi, DENSE_MAX)."""
+        return np.frombuffer(self._dense, dtype=float)
+
+    def times(self, k: float) -> Curve:
+        """This curve times a constant (k copies of the op run back to back)."""
+        return Curve(np.exp(self._lxs), np.exp(self._lys) * k,
+                     lambda x, r=self._roofline: r(x) * k, self.static_extrapolated)
+
+    def scaled(self, factor: Callable[[float], float]) -> Curve:
+        """This curve times `factor(x)` at each grid point, as a statically extrapolated curve
+        (how a measured op stands in for one the table lacks)."""
+        xs = np.exp(self._lxs)
+        ys = np.exp(self._lys) * factor(xs)
+        roofline = self._roofline
+        return Curve(xs, ys, lambda x: roofline(x) * factor(x), static_extrapolated=True)
+
+
+class Stage:
+    """Several curves over the same size, summed: one list index per lookup.
+
+    `seconds[x]` and `extrapolated[x]` (how many of the parts are extrapolated at x) are
+    precomputed for x <= DENSE_MAX; beyond, the parts are evaluated one by one.
+    """
+
+    __slots__ = ("parts", "seconds", "extrapolated", "_n")
+
+    def __init__(self, parts: Sequence[Curve]) -> None:
+        self.parts = tuple(parts)
+        self._n = DENSE_MAX if self.parts else 0
+        xs = np.arange(1, self._n + 1, dtype=float)
+        total = np.zeros(self._n + 1)
+        ext = np.zeros(self._n + 1, dtype=np.int64)
+        for c in self.parts:
+            total[1:] += c.values(xs)
+            ext[1:] += c.static_extrapolated | (xs < c.lo) | (xs > c.hi)
+        self.seconds = array("d", total.tolist())
+        self.extrapolated = ext.tolist()
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def at(self, x: int) -> tuple[float, int]:
+        """(seconds, extrapolated parts) at size x; x <= 0 costs nothing."""
+        if x <= 0:
+            return 0.0, 0
+        if x <= self._n:
+            return self.seconds[x], self.extrapolated[x]
+        return sum(c(x) for c in self.parts), sum(c.extrapolated(x) for c in self.parts)
+
+
+class Grid2:
+    """Seconds of one op versus two sizes (batch, sequence), from a measured grid.
+
+    `zs_s[i][j]` is the time at (xs1[i], xs2[j]); NaN where the table has no measurement. A
+    missing cell is filled from the nearest measured cell of its column (same sequence, largest
+    measured batch below it) scaled by the roofline, and marked: a lookup touching a filled cell
+    or leaving the grid counts as extrapolated.
+    """
+
+    __slots__ = ("static_extrapolated", "_l1", "_l2", "_lz", "_filled", "_roofline", "_lo", "_hi")
+
+    def __init__(self, xs1: Sequence[float], xs2: Sequence[float], zs_s: np.ndarray,
+                 roofline: Callable[[float, float], float],
+                 static_extrapolated: bool = False) -> None:
+        z = np.array(zs_s, dtype=float)
+        filled = np.isnan(z)
+        for j, x2 in enumerate(xs2):
+            measured = np.flatnonzero(~np.isnan(z[:, j]))
+            if len(measured) == 0:
+                raise ValueError(f"no measurement at sequence {x2}")
+            for i in np.flatnonzero(np.isnan(z[:, j])):
+                k = measured[np.argmin(np.abs(measured - i))]
+                z[i, j] = z[k, j] * roofline(xs1[i], x2) / roofline(xs1[k], x2)
+        self._l1, self._l2 = np.log(xs1).tolist(), np.log(xs2).tolist()
+        self._lz = np.log(z).tolist()
+        self._filled = filled.tolist()
+        self._roofline = roofline
+        self._lo = (float(xs1[0]), float(xs2[0]))
+        self._hi = (float(xs1[-1]), float(xs2[-1]))
+        self.static_extrapolated = static_extrapolated
+
+    def at(self, x1: float, x2: float) -> tuple[float, bool]:
+        """(seconds, whether the answer is extrapolated) at (x1, x2)."""
+        c1 = min(max(x1, self._lo[0]), self._hi[0])
+        c2 = min(max(x2, self._lo[1]), self._hi[1])
+        l1, l2 = self._l1, self._l2
+        i = min(max(bisect_right(l1, math.log(c1)) - 1, 0), len(l1) - 2) if len(l1) > 1 else 0
+        j = min(max(bisect_right(l2, math.log(c2)) - 1, 0), len(l2) - 2) if len(l2) > 1 else 0
+        i1, j1 = min(i + 1, len(l1) - 1), min(j + 1, len(l2) - 1)
+        w1 = (math.log(c1) - l1[i]) / (l1[i1] - l1[i]) if i1 != i else 0.0
+        w2 = (math.log(c2) - l2[j]) / (l2[j1] - l2[j]) if j1 != j else 0.0
+        lz = self._lz
+        z = ((1 - w1) * ((1 - w2) * lz[i][j] + w2 * lz[i][j1])
+             + w1 * ((1 - w2) * lz[i1][j] + w2 * lz[i1][j1]))
+        seconds = math.exp(z)
+        f = self._filled
+        extra = self.static_extrapolated or (
+            (f[i][j] and w1 < 1 and w2 < 1) or (f[i][j1] and w1 < 1 and w2 > 0)
+            or (f[i1][j] and w1 > 0 and w2 < 1) or (f[i1][j1] and w1 > 0 and w2 > 0)
+        )
+        if c1 != x1 or c2 != x2:
+            seconds *= self._roofline(x1, x2) / self._roofline(c1, c2)
+            extra = True
+        return seconds, bool(extra)

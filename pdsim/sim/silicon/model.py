@@ -1,0 +1,357 @@
+"""The silicon cost model: a step is the sum of SGLang's per-layer ops, each a measured time.
+
+Per layer, as SGLang runs it:
+
+- attention block, per attention-DP rank on its own batch (the step waits for the slowest):
+  the projection GEMMs (GQA: qkv and o; MLA: q_a/q_b or q, kv_a, o, plus kv_b for prefill
+  tokens and the absorbed BMMs for decode tokens), prefill attention over (batch, sequence),
+  decode attention over (batch, context), and the attention-TP all-reduce;
+- dense MLP (gate_up and down GEMMs) or MoE block (router GEMM, shared-expert GEMMs, the fused
+  routed-expert kernel) on the tokens of all ranks;
+- the MLP's collective: an all-reduce over tp, or with DP attention an all-gather before and a
+  reduce-scatter after; under DeepEP, dispatch + combine (low-latency mode for decode, normal
+  for prefill) instead, optionally overlapped with compute by two-batch overlap;
+- memory-bound elementwise kernels (norms, RoPE, activation), priced by bandwidth;
+
+and once per step the LM head, a fixed overhead and, for steps with prefill tokens, the extend
+overhead. Op times come from `OpTables`; lookups outside a table's grid are counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pdsim.core.batch import BatchShape
+from pdsim.sim.cost import Parallelism, Role
+from pdsim.sim.silicon import tables
+from pdsim.sim.silicon.interp import Grid2, Stage
+from pdsim.sim.silicon.ops import ACT_BYTES, OpTables
+from pdsim.specs.hardware import HardwareSpec
+from pdsim.specs.models import ModelSpec
+
+# DeepSeek-V3's MLA dimensions, the ones the MLA tables were measured at.
+MLA_TABLE_DIMS = (512, 64, 128, 128)  # kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
+ELEMENTWISE_KERNELS = 4  # per layer: two fused add+RMSNorms, RoPE, the MLP activation
+
+
+class SiliconParams(BaseModel):
+    """Knobs of the silicon model (docs/cost_model.md, "The silicon model").
+
+    framework/version: which measured tables (aiconfigurator's framework names; "current" is
+    the package's current release for the system). system: the aiconfigurator system, by
+    default the one measured for the hardware preset. moe_distribution: the expert-load
+    distribution of the MoE table ("balanced", or e.g. "power_law_1.01" for skewed routing).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    framework: str = "sglang"
+    version: str = "current"
+    system: str | None = None
+    kv_dtype_bytes: float = Field(default=2, gt=0)
+    role: Role = "colocated"
+    moe_distribution: str = "balanced"
+    step_overhead_s: float = Field(default=0.5e-3, ge=0)
+    extend_overhead_s: float = Field(default=2e-3, ge=0)
+    kernel_floor_s: float = Field(default=2e-6, ge=0)
+    bw_efficiency: float = Field(default=0.8, gt=0, le=1)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything a step lookup needs, built once per (model, GPU, parallelism, params)."""
+
+    layers: int
+    dense_layers: int
+    moe_layers: int
+    proj: Stage  # per rank, over its tokens: attention GEMMs + attention-TP all-reduce
+    prefill_proj: Stage  # per rank, over its prefill tokens (MLA's kv_b)
+    decode_proj: Stage  # per rank, over its decode tokens (MLA's absorbed BMMs)
+    context_attn: Grid2
+    generation_attn: Grid2
+    gen_flops_rel: float  # generation attention at q = 1: FLOP time / max(FLOP, byte time)
+    gen_bytes_rel: float  # ... and byte time / max(FLOP, byte time)
+    dense: Stage  # over the instance's tokens: dense MLP + its collective
+    moe_global: Stage  # over the instance's tokens: routed experts (+ shared, collective)
+    moe_local: Stage  # over one GPU's tokens (DeepEP): shared experts, router
+    a2a_low_latency: Stage | None  # over one GPU's tokens
+    a2a_normal: Stage | None
+    lm_head: Stage
+    elementwise_s_tok: float  # per layer, per token of a rank
+    elementwise_floor_s: float  # per layer
+
+
+class SiliconCostModel:
+    """Step times from measured per-op tables (see the module docstring).
+
+    `lookups` counts table lookups since the model was built and `extrapolated_lookups` those
+    that fell outside a table's grid or stood in for a shape, dtype or GPU count the table lacks;
+    their ratio says how much of a run rests on roofline scaling.
+    """
+
+    name = "silicon"
+
+    def __init__(self, model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
+                 **params: object) -> None:
+        try:
+            p = SiliconParams(**params)
+        except ValidationError as err:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e['input']!r})"
+                for e in err.errors())
+            allowed = ", ".join(SiliconParams.model_fields)
+            raise ValueError(f"silicon params: {problems}; allowed params: {allowed}") from None
+        if parallel.ep > 1 and not model.is_moe:
+            raise ValueError(f"ep={parallel.ep} needs a MoE model; {model.name} is dense")
+        tables.require_systems_dir()
+        system = p.system or tables.system_for(hardware.name)
+        if system is None:
+            raise ValueError(
+                f"silicon: no measured tables for hardware {hardware.name!r}; presets with "
+                f"tables: {', '.join(sorted(tables.SYSTEMS))} (or set params.system, or use "
+                f"the roofline cost model)")
+        self.model, self.hardware, self.parallel, self.params = model, hardware, parallel, p
+        self.system = system
+        self._plan = _build_plan(model, hardware, parallel, p, system)
+        self.lookups = 0
+        self.extrapolated_lookups = 0
+
+    @property
+    def extrapolated_frac(self) -> float:
+        return self.extrapolated_lookups / self.lookups if self.lookups else 0.0
+
+    # ----- per step ----------------------------------------------------------------------------
+
+    def _attention_s(self, shapes: Sequence[BatchShape], scale: float) -> float:
+        """One layer's attention block on the slowest rank; counts times `scale` (0.5: one
+        micro-batch of two-batch overlap)."""
+        plan = self._plan
+        slowest = 0.0
+        lookups = extra = 0
+        for shape in shapes:
+            q = shape.decode_query_len
+            reqs = shape.decode_reqs
+            if scale != 1.0:
+                reqs = -(-reqs // 2)
+            prefill = round(shape.prefill_tokens * scale)
+            n = prefill + reqs * q
+            if n == 0:
+                continue
+            t, e = plan.proj.at(n)
+            lookups += len(plan.proj)
+            extra += e
+            if prefill:
+                s, e = plan.prefill_proj.at(prefill)
+                t += s
+                lookups += len(plan.prefill_proj) + 1
+                extra += e
+                s, e = _prefill_attention(plan.context_attn, prefill,
+                                          shape.prefill_attn_pairs * scale)
+                t += s
+                extra += e
+            if reqs:
+                s, e = plan.decode_proj.at(reqs * q)
+                t += s
+                lookups += len(plan.decode_proj) + 1
+                extra += e
+                avg_ctx = max(shape.decode_context_tokens / shape.decode_reqs, 1.0)
+                s, e = plan.generation_attn.at(reqs, avg_ctx)
+                if q > 1:  # q queries share one KV read: only the FLOP part grows
+                    s *= max(q * plan.gen_flops_rel, plan.gen_bytes_rel)
+                    e = True
+                t += s
+                extra += e
+            if t > slowest:
+                slowest = t
+        self.lookups += lookups
+        self.extrapolated_lookups += extra
+        return slowest
+
+    def _stage(self, stage: Stage, x: int) -> float:
+        if x <= 0 or not stage.parts:
+            return 0.0
+        s, e = stage.at(x)
+        self.lookups += len(stage)
+        self.extrapolated_lookups += e
+        return s
+
+    def step_time_s(self, shapes: Sequence[BatchShape]) -> float:
+        plan = self._plan
+        tokens = lm_rows = max_rank_tokens = 0
+        has_prefill = False
+        for shape in shapes:
+            n = shape.num_tokens
+            if n == 0:
+                continue
+            tokens += n
+            max_rank_tokens = max(max_rank_tokens, n)
+            lm_rows += shape.decode_reqs * shape.decode_query_len
+            if shape.prefill_tokens:
+                has_prefill = True
+                lm_rows += 1  # at least one sequence ends in this rank's prefill
+        if tokens == 0:
+            return 0.0
+        attn = self._attention_s(shapes, 1.0)
+        attn += max(plan.elementwise_floor_s, max_rank_tokens * plan.elementwise_s_tok)
+        total = 0.0
+        if plan.dense_layers:
+            total += plan.dense_layers * (attn + self._stage(plan.dense, tokens))
+        if plan.moe_layers:
+            total += plan.moe_layers * self._moe_layer_s(shapes, attn, tokens, max_rank_tokens,
+                                                         has_prefill)
+        total += self._stage(plan.lm_head, lm_rows)
+        total += self.params.step_overhead_s
+        if has_prefill:
+            total += self.params.extend_overhead_s
+        return total
+
+    def _moe_layer_s(self, shapes: Sequence[BatchShape], attn: float, tokens: int,
+                     max_rank_tokens: int, has_prefill: bool) -> float:
+        """One MoE layer, attention included. Two-batch overlap follows the roofline's rule
+        (pdsim.sim.cost): max(2 c, 2 x) per layer for a micro-batch's compute c and DeepEP
+        time x, plus one unoverlapped min(c, x) per step, spread over the MoE layers."""
+        plan, par = self._plan, self.parallel
+        if par.moe_a2a != "deepep":
+            return attn + self._stage(plan.moe_global, tokens)
+        gpu_tokens = max(-(-max_rank_tokens // par.attn_tp), -(-tokens // par.tp))
+        role = self.params.role
+        normal = role == "prefill" or (role == "colocated" and has_prefill)
+        a2a = plan.a2a_normal if normal else plan.a2a_low_latency
+        if not par.two_batch_overlap:
+            return (attn + self._stage(plan.moe_global, tokens)
+                    + self._stage(plan.moe_local, gpu_tokens) + self._stage(a2a, gpu_tokens))
+        half_tokens, half_gpu = -(-tokens // 2), -(-gpu_tokens // 2)
+        half_compute = (self._attention_s(shapes, 0.5)
+                        + max(plan.elementwise_floor_s,
+                              max_rank_tokens / 2 * plan.elementwise_s_tok)
+                        + self._stage(plan.moe_global, half_tokens)
+                        + self._stage(plan.moe_local, half_gpu))
+        half_comm = self._stage(a2a, half_gpu)
+        return (2 * max(half_compute, half_comm)
+                + min(half_compute, half_comm) / plan.moe_layers)
+
+
+def _prefill_attention(grid: Grid2, tokens: int, pairs: float) -> tuple[float, bool]:
+    """Prefill attention of `tokens` new tokens attending over `pairs` (query, key) pairs.
+
+    A shape carries no per-request lengths, so the batch is read as b equal causal sequences of
+    length s with the same tokens and pairs: s = 2 pairs / tokens - 1, b = pairs / (s (s+1) / 2)
+    (exact for fresh prompts of one length). A chunk after a cached prefix gives b < 1: one
+    sequence of length s priced pro rata."""
+    s = max(2.0 * pairs / tokens - 1.0, 1.0)
+    b = pairs / (s * (s + 1) / 2)
+    if b >= 1.0:
+        return grid.at(b, s)
+    seconds, extra = grid.at(1.0, s)
+    return seconds * b, extra
+
+
+@lru_cache(maxsize=32)
+def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: SiliconParams,
+                system: str) -> _Plan:
+    ops = OpTables(system, p.framework, p.version, hw)
+    prec = model.precision
+    tp, attn_tp, ep = par.tp, par.attn_tp, par.ep
+    h = model.hidden_size
+    heads = model.num_attention_heads // attn_tp
+    kv_bytes = p.kv_dtype_bytes
+    fp8_attn = prec.attention_compute == "fp8"
+    ad = prec.attention
+
+    proj, prefill_proj, decode_proj = [], [], []
+    if model.is_mla:
+        dims = (model.kv_lora_rank, model.qk_rope_head_dim, model.qk_nope_head_dim,
+                model.v_head_dim)
+        dims_match = dims == MLA_TABLE_DIMS
+        lora, rope, nope, v = dims
+        qk = nope + rope
+        if model.q_lora_rank:
+            proj += [ops.gemm(model.q_lora_rank, h, ad), ops.gemm(heads * qk, model.q_lora_rank, ad)]
+        else:
+            proj.append(ops.gemm(heads * qk, h, ad))
+        proj += [ops.gemm(lora + rope, h, ad), ops.gemm(h, heads * v, ad)]
+        prefill_proj.append(ops.gemm(heads * (nope + v), lora, ad))
+        decode_proj += [ops.mla_bmm("pre", heads, nope, lora, dims_match),
+                        ops.mla_bmm("post", heads, lora, v, dims_match)]
+        context = ops.mla_context(heads, qk, v, kv_bytes, dims_match)
+        generation = ops.mla_generation(heads, lora, rope, kv_bytes, dims_match)
+        gen_flops = 2.0 * heads * (2 * lora + rope) / ops.peak_flops("bf16")
+        gen_bytes = (lora + rope) * kv_bytes / ops.mem_rate
+        rope_elems = heads * rope + rope
+    else:
+        hd = model.head_dim
+        kvh = model.kv_heads_per_rank(attn_tp)
+        proj += [ops.gemm((heads + 2 * kvh) * hd, h, ad), ops.gemm(h, heads * hd, ad)]
+        context = ops.context_attention(heads, kvh, hd, kv_bytes, fp8_attn)
+        generation = ops.generation_attention(heads, kvh, hd, kv_bytes)
+        gen_flops = 4.0 * heads * hd / ops.peak_flops("bf16")
+        gen_bytes = 2 * kvh * hd * kv_bytes / ops.mem_rate
+        rope_elems = (heads + kvh) * hd
+    if attn_tp > 1:
+        proj.append(ops.all_reduce(attn_tp, h))
+
+    # The MLP's collective on the instance's tokens: an all-reduce over tp, or around a
+    # DP-attention MLP an all-gather before and a reduce-scatter after.
+    if tp == 1:
+        mlp_comm = []
+    elif par.dp_attention == 1:
+        mlp_comm = [ops.all_reduce(tp, h)]
+    else:
+        mlp_comm = [ops.nccl("all_gather", tp, h), ops.nccl("reduce_scatter", tp, h)]
+
+    inter = model.intermediate_size // tp
+    dense = [ops.gemm(2 * inter, h, prec.dense_mlp), ops.gemm(h, inter, prec.dense_mlp),
+             *mlp_comm] if model.num_dense_layers else []
+
+    moe_global, moe_local, a2a_ll, a2a_normal = [], [], None, None
+    mlp_act = 3 * inter
+    if model.is_moe:
+        md = prec.moe_experts
+        deepep = par.moe_a2a == "deepep"
+        moe_global.append(ops.moe(h, model.moe_intermediate_size, model.experts_per_token,
+                                  model.num_experts, tp // ep, ep, md, p.moe_distribution))
+        # Router (BF16 in every quantised checkpoint) and shared experts: replicated under
+        # DeepEP (each GPU runs them on its own tokens), else over tp on the gathered tokens.
+        split = 1 if deepep else tp
+        shared = model.num_shared_experts * model.moe_intermediate_size // split
+        local = [ops.gemm(model.num_experts, h, "bf16")]
+        if shared:
+            local += [ops.gemm(2 * shared, h, md), ops.gemm(h, shared, md)]
+        if deepep:
+            moe_local = local
+            a2a_ll = ops.deepep("ll", h, model.experts_per_token, model.num_experts, ep)
+            a2a_normal = ops.deepep("normal", h, model.experts_per_token, model.num_experts, ep)
+            if a2a_ll is None or a2a_normal is None:
+                raise ValueError(f"silicon: {system} has no DeepEP tables; use moe_a2a 'none' "
+                                 f"or the roofline cost model")
+        else:
+            moe_global += local + mlp_comm
+        mlp_act = max(mlp_act, 3 * (model.moe_intermediate_size * model.experts_per_token // ep
+                                    + shared))
+
+    lm = [ops.gemm(model.vocab_size // tp, h, prec.lm_head)]
+    mem = hw.hbm_gbps * 1e9 * p.bw_efficiency
+    return _Plan(
+        layers=model.num_layers,
+        dense_layers=model.num_dense_layers,
+        moe_layers=model.num_moe_layers,
+        proj=Stage(proj),
+        prefill_proj=Stage(prefill_proj),
+        decode_proj=Stage(decode_proj),
+        context_attn=context,
+        generation_attn=generation,
+        gen_flops_rel=gen_flops / max(gen_flops, gen_bytes),
+        gen_bytes_rel=gen_bytes / max(gen_flops, gen_bytes),
+        dense=Stage(dense),
+        moe_global=Stage(moe_global),
+        moe_local=Stage(moe_local),
+        a2a_low_latency=Stage([a2a_ll]) if a2a_ll else None,
+        a2a_normal=Stage([a2a_normal]) if a2a_normal else None,
+        lm_head=Stage(lm),
+        elementwise_s_tok=(8 * h + 2 * rope_elems + mlp_act) * ACT_BYTES / mem,
+        elementwise_floor_s=ELEMENTWISE_KERNELS * p.kernel_floor_s,
+    )

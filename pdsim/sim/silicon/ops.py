@@ -1,0 +1,407 @@
+"""One measured op at the shape a model needs: table rows selected, interpolated, or stood in for.
+
+`OpTables` reads one system's tables (one framework and version) and answers, per op, a `Curve`
+over tokens or a `Grid2` over (batch, sequence), in seconds. When the table lacks the exact
+shape (a GEMM width off its grid, a head count it never measured, a dtype it lacks), the nearest
+measured shape stands in, scaled point by point by the ratio of the two shapes' rooflines, and the
+curve is marked as extrapolated.
+
+Rooflines here are max(FLOPs / peak, bytes / HBM bandwidth) at the GPU's published peaks; they
+only ever enter as ratios, so no efficiency constant is involved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import cached_property
+
+import numpy as np
+import pandas as pd
+
+from pdsim.specs.hardware import HardwareSpec
+from pdsim.specs.precision import DTYPES, gemm_peak_tflops
+from pdsim.sim.silicon import tables
+from pdsim.sim.silicon.interp import Curve, Grid2
+
+ACT_BYTES = 2
+DEEPEP_NUM_SMS = 20  # DeepEP's default SM count for normal-mode kernels (Buffer.num_sms)
+TABLE_GPUS_PER_NODE = 8  # DeepEP's node_num counts 8-GPU nodes
+
+# pdsim weight format → the table's dtype names, best first. FP8 checkpoints served by SGLang
+# (DeepSeek-V3/R1, Qwen3-FP8, Kimi-K2) are block-quantised (128x128 scales): "fp8_block".
+GEMM_DTYPES = {
+    "bf16": ("bfloat16",), "fp16": ("bfloat16",), "fp8": ("fp8_block", "fp8"),
+    "int8": ("int8_wo",), "w4a16": ("int4_wo",), "nvfp4": ("nvfp4",), "mxfp4": ("nvfp4",),
+}
+MOE_DTYPES = {
+    "bf16": ("bfloat16",), "fp16": ("bfloat16",), "fp8": ("fp8_block",), "int8": ("fp8_block",),
+    "w4a16": ("int4_wo",), "nvfp4": ("nvfp4",), "mxfp4": ("w4a16_mxfp4", "w4a8_mxfp4_mxfp8"),
+}
+_TABLE_TO_PDSIM = {"bfloat16": "bf16", "fp8": "fp8", "fp8_block": "fp8", "int8_wo": "int8",
+                   "int4_wo": "w4a16", "nvfp4": "nvfp4", "w4a16_mxfp4": "w4a16",
+                   "w4a8_mxfp4_mxfp8": "mxfp4"}
+
+
+def _fallbacks(dtype: str) -> tuple[str, ...]:
+    """Measured dtypes that stand in for a missing one, best first: the same tensor-core path
+    if possible (W4A16 computes in BF16); the roofline ratio covers the weight-size gap."""
+    if DTYPES[dtype].compute == "bf16":
+        return ("bfloat16",)
+    return ("fp8_block", "fp8", "bfloat16")
+
+
+def _log_distance(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    return sum(abs(math.log(x / y)) for x, y in zip(a, b))
+
+
+class OpTables:
+    """One system's measured ops for one framework version, with rooflines for scaling."""
+
+    def __init__(self, system: str, framework: str, version: str, hardware: HardwareSpec) -> None:
+        if framework not in tables.FRAMEWORKS:
+            raise ValueError(
+                f"silicon framework {framework!r} is not one of {', '.join(tables.FRAMEWORKS)}"
+            )
+        self.system, self.framework, self.hw = system, framework, hardware
+        self.version = (tables.current_version(system, framework)
+                        if version == "current" else version)
+        self.mem_rate = hardware.hbm_gbps * 1e9
+
+    # ----- files -------------------------------------------------------------------------------
+
+    def _table(self, op: str, file: str) -> pd.DataFrame | None:
+        path = tables.table_path(self.system, op, self.framework, self.version, file)
+        return None if path is None else tables.read_table(path)
+
+    def _need(self, op: str, file: str) -> pd.DataFrame:
+        table = self._table(op, file)
+        if table is None:
+            known = ", ".join(tables.versions_of(self.system, self.framework)) or "none"
+            raise ValueError(
+                f"silicon: {self.system} has no {op}/{file} for {self.framework} <= "
+                f"{self.version} (versions with tables: {known})"
+            )
+        return table
+
+    def peak_flops(self, dtype: str) -> float:
+        """FLOP/s peak for pdsim `dtype` weights (BF16's where the GPU lacks the format)."""
+        try:
+            return gemm_peak_tflops(dtype, self.hw) * 1e12
+        except ValueError:
+            return self.hw.bf16_tflops * 1e12
+
+    # ----- GEMM --------------------------------------------------------------------------------
+
+    @cached_property
+    def _gemm_series(self) -> dict[str, dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]]:
+        """dtype → (n, k) → (m grid, seconds), the fastest kernel at each point."""
+        t = self._need("gemm", "gemm_perf.parquet")
+        best = t.groupby(["gemm_dtype", "n", "k", "m"], sort=True)["latency"].min().reset_index()
+        out: dict[str, dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]] = {}
+        for (dtype, n, k), g in best.groupby(["gemm_dtype", "n", "k"], sort=True):
+            out.setdefault(dtype, {})[(int(n), int(k))] = (
+                g["m"].to_numpy(float), g["latency"].to_numpy(float) * 1e-3)
+        return out
+
+    def gemm_roofline(self, n: int, k: int, dtype: str) -> Callable:
+        wbytes = DTYPES[dtype].weight_bytes
+        peak = self.peak_flops(dtype)
+        mem = self.mem_rate
+        return lambda m: np.maximum(
+            2.0 * m * n * k / peak, (m * k * ACT_BYTES + n * k * wbytes + m * n * ACT_BYTES) / mem)
+
+    def gemm(self, n: int, k: int, dtype: str) -> Curve:
+        """Seconds of an (m x k) @ (k x n) GEMM with `dtype` weights, over m (tokens)."""
+        series = self._gemm_series
+        wanted = GEMM_DTYPES[dtype]
+        used = next((d for d in wanted if d in series), None)
+        if used is None:
+            used = next(d for d in _fallbacks(dtype) if d in series)
+        grid = series[used]
+        ns = sorted({nk[0] for nk in grid})
+        ks = sorted({nk[1] for nk in grid})
+        if n > ns[-1]:  # wider than any measured GEMM (an LM head): column blocks in turn
+            pieces = math.ceil(n / ns[-1])
+            return self.gemm(math.ceil(n / pieces), k, dtype).times(pieces)
+        n_c, k_c = min(max(n, ns[0]), ns[-1]), min(max(k, ks[0]), ks[-1])
+        n0, n1 = _bracket(ns, n_c)
+        k0, k1 = _bracket(ks, k_c)
+        corners = [(a, b) for a in (n0, n1) for b in (k0, k1)]
+        if any(c not in grid for c in corners):  # a hole in the grid: take the nearest point
+            n0 = n1 = min(ns, key=lambda v: abs(math.log(v / n_c)))
+            k0 = k1 = min(ks, key=lambda v: abs(math.log(v / k_c)))
+            corners = [(n0, k0)]
+        ms = grid[corners[0]][0]
+        for c in corners[1:]:
+            ms = np.intersect1d(ms, grid[c][0])
+        wn = 0.0 if n1 == n0 else math.log(n_c / n0) / math.log(n1 / n0)
+        wk = 0.0 if k1 == k0 else math.log(k_c / k0) / math.log(k1 / k0)
+
+        def log_at(nk: tuple[int, int]) -> np.ndarray:
+            xs, ys = grid[nk]
+            return np.log(ys[np.searchsorted(xs, ms)])
+
+        lz = ((1 - wn) * ((1 - wk) * log_at((n0, k0)) + wk * log_at((n0, k1)))
+              + wn * ((1 - wk) * log_at((n1, k0)) + wk * log_at((n1, k1))))
+        snapped = (n0 if wn == 0 else n_c, k0 if wk == 0 else k_c)
+        have_roof = self.gemm_roofline(*snapped, _TABLE_TO_PDSIM[used])
+        curve = Curve(ms, np.exp(lz), have_roof)
+        if snapped != (n, k) or used not in wanted:
+            want_roof = self.gemm_roofline(n, k, dtype)
+            curve = curve.scaled(lambda m: want_roof(m) / have_roof(m))
+        return curve
+
+    # ----- attention (GQA/MHA) -----------------------------------------------------------------
+
+    def _attention_grid(self, file: str, seq_col: str, heads: int, kv_heads: int, head_dim: int,
+                        kv_dtype: str, attn_dtype: str | None,
+                        roofline: Callable[[int, int, int], Callable]) -> Grid2:
+        t = self._need("attention", file)
+        t = t[(t["window_size"] == 0) & (t["kv_cache_dtype"] == kv_dtype)]
+        if attn_dtype is not None and (t["attn_dtype"] == attn_dtype).any():
+            t = t[t["attn_dtype"] == attn_dtype]
+        if t.empty:
+            raise ValueError(f"silicon: {self.system} {file} has no kv_cache_dtype {kv_dtype}")
+        shapes = t[["num_heads", "num_key_value_heads", "head_dim"]].drop_duplicates()
+        want = (heads, kv_heads, head_dim)
+        have = min((tuple(int(v) for v in row) for row in shapes.itertuples(index=False)),
+                   key=lambda s: (_log_distance(s, want), s))
+        sel = t[(t["num_heads"] == have[0]) & (t["num_key_value_heads"] == have[1])
+                & (t["head_dim"] == have[2])]
+        pivot = sel.pivot_table(index="batch_size", columns=seq_col, values="latency",
+                                aggfunc="min").sort_index().sort_index(axis=1)
+        bs, ss = pivot.index.to_numpy(float), pivot.columns.to_numpy(float)
+        zs = pivot.to_numpy(float) * 1e-3
+        roof = roofline(*want)
+        if have != want:
+            have_roof = roofline(*have)
+            zs = zs * np.array([[roof(b, s) / have_roof(b, s) for s in ss] for b in bs])
+        return Grid2(bs, ss, zs, roof, static_extrapolated=have != want)
+
+    def context_attention(self, heads: int, kv_heads: int, head_dim: int, kv_bytes: float,
+                          fp8_compute: bool) -> Grid2:
+        """Causal prefill attention over (batch, sequence length), no cached prefix."""
+        peak = self.peak_flops("fp8" if fp8_compute else "bf16")
+        mem = self.mem_rate
+
+        def roofline(h: int, kvh: int, d: int) -> Callable:
+            return lambda b, s: max(
+                4.0 * h * d * b * s * (s + 1) / 2 / peak,
+                b * s * (2 * h * d * ACT_BYTES + 2 * kvh * d * kv_bytes) / mem)
+
+        return self._attention_grid(
+            "context_attention_perf.parquet", "isl", heads, kv_heads, head_dim,
+            _kv_name(kv_bytes), "fp8" if fp8_compute else "bfloat16", roofline)
+
+    def generation_attention(self, heads: int, kv_heads: int, head_dim: int,
+                             kv_bytes: float) -> Grid2:
+        """One decode query per request over (batch, context length)."""
+        peak = self.peak_flops("bf16")
+        mem = self.mem_rate
+
+        def roofline(h: int, kvh: int, d: int) -> Callable:
+            return lambda b, c: max(4.0 * h * d * b * c / peak,
+                                    b * (c * 2 * kvh * d * kv_bytes + 2 * h * d * ACT_BYTES) / mem)
+
+        return self._attention_grid("generation_attention_perf.parquet", "step", heads, kv_heads,
+                                    head_dim, _kv_name(kv_bytes), None, roofline)
+
+    # ----- MLA ---------------------------------------------------------------------------------
+
+    def _mla_grid(self, file: str, seq_col: str, heads: int, kv_bytes: float,
+                  roofline: Callable[[int], Callable], dims_match: bool) -> Grid2:
+        t = self._need("mla", file)
+        kv = _kv_name(kv_bytes)
+        if (t["kv_cache_dtype"] == kv).any():
+            t = t[t["kv_cache_dtype"] == kv]
+        have = min(sorted(t["num_heads"].unique()), key=lambda h: abs(math.log(h / heads)))
+        sel = t[t["num_heads"] == have]
+        pivot = sel.pivot_table(index="batch_size", columns=seq_col, values="latency",
+                                aggfunc="min").sort_index().sort_index(axis=1)
+        bs, ss = pivot.index.to_numpy(float), pivot.columns.to_numpy(float)
+        zs = pivot.to_numpy(float) * 1e-3
+        roof = roofline(heads)
+        exact = have == heads and dims_match
+        if not exact:
+            have_roof = roofline(int(have))
+            zs = zs * np.array([[roof(b, s) / have_roof(b, s) for s in ss] for b in bs])
+        return Grid2(bs, ss, zs, roof, static_extrapolated=not exact)
+
+    def mla_context(self, heads: int, qk_dim: int, v_dim: int, kv_bytes: float,
+                    dims_match: bool) -> Grid2:
+        """MLA prefill attention (run as MHA over up-projected K/V) per GPU heads."""
+        peak, mem = self.peak_flops("bf16"), self.mem_rate
+
+        def roofline(h: int) -> Callable:
+            return lambda b, s: max(2.0 * h * (qk_dim + v_dim) * b * s * (s + 1) / 2 / peak,
+                                    b * s * h * (2 * qk_dim + 2 * v_dim) * ACT_BYTES / mem)
+
+        return self._mla_grid("context_mla_perf.parquet", "isl", heads, kv_bytes, roofline,
+                              dims_match)
+
+    def mla_generation(self, heads: int, latent_dim: int, rope_dim: int, kv_bytes: float,
+                       dims_match: bool) -> Grid2:
+        """MLA decode attention over the compressed latent, per GPU heads."""
+        peak, mem = self.peak_flops("bf16"), self.mem_rate
+
+        def roofline(h: int) -> Callable:
+            return lambda b, c: max(2.0 * h * (2 * latent_dim + rope_dim) * b * c / peak,
+                                    b * c * (latent_dim + rope_dim) * kv_bytes / mem)
+
+        return self._mla_grid("generation_mla_perf.parquet", "step", heads, kv_bytes, roofline,
+                              dims_match)
+
+    def mla_bmm(self, kind: str, heads: int, dim_in: int, dim_out: int, dims_match: bool) -> Curve:
+        """The absorbed per-head BMMs of MLA decode (kind "pre": q_nope x W_UK, "post":
+        out x W_UV), BF16, over tokens."""
+        t = self._need("mla_bmm", "mla_bmm_perf.parquet")
+        t = t[(t["op_name"] == f"mla_gen_{kind}") & (t["bmm_dtype"] == "bfloat16")]
+        have = min(sorted(t["num_heads"].unique()), key=lambda h: abs(math.log(h / heads)))
+        g = t[t["num_heads"] == have].groupby("num_tokens")["latency"].min()
+        peak, mem = self.peak_flops("bf16"), self.mem_rate
+
+        def roofline(h: int) -> Callable:
+            return lambda m: np.maximum(
+                2.0 * m * h * dim_in * dim_out / peak,
+                (h * dim_in * dim_out + m * h * (dim_in + dim_out)) * ACT_BYTES / mem)
+
+        curve = Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, roofline(int(have)))
+        if have != heads or not dims_match:
+            want, got = roofline(heads), roofline(int(have))
+            curve = curve.scaled(lambda m: want(m) / got(m))
+        return curve
+
+    # ----- MoE ---------------------------------------------------------------------------------
+
+    def moe_roofline(self, hidden: int, inter: int, topk: int, experts: int, moe_tp: int,
+                     moe_ep: int, dtype: str) -> Callable:
+        wbytes = DTYPES[dtype].weight_bytes
+        peak, mem = self.peak_flops(dtype), self.mem_rate
+        slice_ = inter / moe_tp
+
+        def roofline(tokens):
+            pairs = tokens * topk / moe_ep
+            hit = experts / moe_ep * (1.0 - (1.0 - topk / experts) ** tokens)
+            return np.maximum(6.0 * hidden * slice_ * pairs / peak,
+                              (hit * 3 * hidden * slice_ * wbytes
+                               + pairs * (2 * hidden + 3 * slice_) * ACT_BYTES) / mem)
+
+        return roofline
+
+    def moe(self, hidden: int, inter: int, topk: int, experts: int, moe_tp: int, moe_ep: int,
+            dtype: str, distribution: str) -> Curve:
+        """Routed experts of one MoE layer (fused MoE kernel) over the layer's total tokens."""
+        t = self._need("moe", "moe_perf.parquet")
+        wanted = MOE_DTYPES[dtype]
+        present = set(t["moe_dtype"].unique())
+        used = next((d for d in wanted if d in present), None)
+        if used is None:
+            used = next(d for d in _fallbacks(dtype) if d in present)
+        t = t[t["moe_dtype"] == used]
+        if (t["distribution"] == distribution).any():
+            t = t[t["distribution"] == distribution]
+        else:
+            raise ValueError(
+                f"silicon moe_distribution {distribution!r} is not in the table; allowed: "
+                f"{', '.join(sorted(t['distribution'].unique()))}")
+        key = ["hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size", "moe_ep_size"]
+        configs = [tuple(int(v) for v in r) for r in t[key].drop_duplicates().itertuples(False)]
+        want = (hidden, inter, topk, experts, moe_tp, moe_ep)
+        have = min(configs, key=lambda c: (_log_distance(c, want), c))
+        sel = t[(t[key] == pd.Series(have, index=key)).all(axis=1)]
+        g = sel.groupby("num_tokens")["latency"].min()
+        have_roof = self.moe_roofline(*have, _TABLE_TO_PDSIM[used])
+        curve = Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
+        if have != want or used not in wanted:
+            want_roof = self.moe_roofline(*want, dtype)
+            curve = curve.scaled(lambda x: want_roof(x) / have_roof(x))
+        return curve
+
+    # ----- communication -----------------------------------------------------------------------
+
+    def _link_gbps(self, gpus: int) -> float:
+        return self.hw.nvlink_gbps if gpus <= self.hw.gpus_per_node else self.hw.rdma_gbps
+
+    def _collective(self, t: pd.DataFrame, gpus: int, hidden: int) -> Curve:
+        """A collective's curve over tokens (message = tokens x hidden x 2 bytes) on `gpus`."""
+        have = min(sorted(int(g) for g in t["num_gpus"].unique()),
+                   key=lambda g: (abs(math.log(g / gpus)), -g))
+        g = t[t["num_gpus"] == have].groupby("message_size")["latency"].min()
+        tok_bytes = hidden * ACT_BYTES
+        link = self._link_gbps(have) * 1e9
+
+        def ring(n: int, gbps: float) -> Callable:
+            return lambda tokens: 10e-6 + 2 * (n - 1) / n * tokens * tok_bytes / gbps
+
+        curve = Curve(g.index.to_numpy(float) / tok_bytes, g.to_numpy(float) * 1e-3,
+                      ring(have, link))
+        if have != gpus:
+            want, got = ring(gpus, self._link_gbps(gpus) * 1e9), ring(have, link)
+            curve = curve.scaled(lambda x: want(x) / got(x))
+        return curve
+
+    def all_reduce(self, gpus: int, hidden: int) -> Curve:
+        """SGLang's custom all-reduce (CUDA-graph mode), falling back to NCCL's table."""
+        t = self._table("comm", "custom_allreduce_perf.parquet")
+        if t is not None and "backend" in t and (t["backend"] == "sglang_graph").any():
+            t = t[t["backend"] == "sglang_graph"]
+        if t is None or gpus > int(t["num_gpus"].max()):
+            return self.nccl("all_reduce", gpus, hidden)
+        return self._collective(t, gpus, hidden)
+
+    def nccl(self, op: str, gpus: int, hidden: int) -> Curve:
+        path = tables.nccl_path(self.system)
+        if path is None:
+            raise ValueError(f"silicon: {self.system} has no NCCL table (comm/nccl)")
+        t = tables.read_table(path)
+        t = t[(t["op_name"] == op) & (t["nccl_dtype"] == "half")]
+        return self._collective(t, gpus, hidden)
+
+    def deepep(self, mode: str, hidden: int, topk: int, experts: int, ep: int) -> Curve | None:
+        """DeepEP dispatch + combine (mode "ll" or "normal") over tokens per rank; None when
+        the system has no DeepEP table."""
+        t = self._table("comm", f"wideep_deepep_{mode}_perf.parquet")
+        if t is None:
+            return None
+        if mode == "normal":
+            t = t[t["dispatch_sms"] == DEEPEP_NUM_SMS]
+            seconds = (t["dispatch_transmit_us"] + t["dispatch_notify_us"]
+                       + t["combine_transmit_us"] + t["combine_notify_us"]) * 1e-6
+        else:
+            seconds = (t["dispatch_avg_t_us"] + t["combine_avg_t_us"]) * 1e-6
+        t = t.assign(seconds=seconds)
+        nodes = max(1, math.ceil(ep / TABLE_GPUS_PER_NODE))
+        key = ["hidden_size", "num_topk", "num_experts", "node_num"]
+        configs = [tuple(int(v) for v in r) for r in t[key].drop_duplicates().itertuples(False)]
+        want = (hidden, topk, experts, nodes)
+        have = min(configs, key=lambda c: (_log_distance(c, want), c))
+        sel = t[(t[key] == pd.Series(have, index=key)).all(axis=1)]
+        g = sel.groupby("num_token")["seconds"].min()
+        link = self._link_gbps(ep) * 1e9
+        # Roofline: FP8 dispatch (1 byte + scales) and BF16 combine of top-k copies per token.
+        per_token = lambda h, k: k * (h * 1.0 + h / 128 * 4 + h * ACT_BYTES)  # noqa: E731
+
+        def roofline(tokens, h=have[0], k=have[1]):
+            return 20e-6 + tokens * per_token(h, k) / link
+
+        curve = Curve(g.index.to_numpy(float), g.to_numpy(float), roofline)
+        if have != want:
+            links = 1.0 if (have[3] > 1) == (nodes > 1) else (
+                self.hw.nvlink_gbps / self.hw.rdma_gbps if nodes > 1 else
+                self.hw.rdma_gbps / self.hw.nvlink_gbps)
+            ratio = per_token(hidden, topk) / per_token(have[0], have[1]) * links
+            curve = curve.scaled(lambda x: np.full_like(np.asarray(x, float), ratio))
+        return curve
+
+
+def _bracket(grid: list[int], x: float) -> tuple[int, int]:
+    """The grid values just below and above x (equal when x is on the grid)."""
+    for a, b in zip(grid, grid[1:]):
+        if a <= x <= b:
+            return (a, a) if x == a else (b, b) if x == b else (a, b)
+    return grid[0], grid[0]
+
+
+def _kv_name(kv_bytes: float) -> str:
+    return "fp8" if kv_bytes <= 1 else "bfloat16"

@@ -1,0 +1,133 @@
+"""Where NVIDIA's measured kernel tables live, and which of them a run reads.
+
+The `aiconfigurator-core` package (Apache-2.0) ships per-op latency tables measured on real
+GPUs under `aiconfigurator_core/systems/data/<system>/<op>/<framework>/<version>/*.parquet`.
+pdsim reads only those files (never the package's estimator code), located without importing
+the package.
+
+Version choice: a framework version (default: the package's "current" one for the system, from
+its `query_versions.yaml`); each table comes from the newest version directory at or below it
+that holds the table, so an op measured only for an older release still serves (backward fill).
+NCCL tables sit under `comm/nccl/<nccl version>/` and are framework-independent: the newest.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+PACKAGE = "aiconfigurator_core"
+INSTALL_HINT = "pip install 'pdsim[silicon]' (aiconfigurator-core==0.12.0)"
+
+# pdsim hardware preset → aiconfigurator system (SXM boards; the PCIe variants ship no tables).
+SYSTEMS: dict[str, str] = {
+    "a100": "a100_sxm",
+    "h100": "h100_sxm",
+    "h200": "h200_sxm",
+    "b200": "b200_sxm",
+    "b300": "b300_sxm",
+    "gb200": "gb200",
+    "gb300": "gb300",
+    "l40s": "l40s",
+}
+FRAMEWORKS = ("sglang", "trtllm", "vllm")
+
+
+@lru_cache(maxsize=1)
+def systems_dir() -> Path | None:
+    """The package's `systems/` folder, or None when aiconfigurator-core is not installed."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "systems"
+    return path if (path / "data").is_dir() else None
+
+
+def require_systems_dir() -> Path:
+    path = systems_dir()
+    if path is None:
+        raise ValueError(f"the silicon cost model needs NVIDIA's kernel tables: {INSTALL_HINT}")
+    return path
+
+
+def system_for(hardware_name: str) -> str | None:
+    """The aiconfigurator system measured for a pdsim hardware preset, if tables exist for it."""
+    system = SYSTEMS.get(hardware_name)
+    root = systems_dir()
+    if system is None or root is None or not (root / "data" / system / "gemm").is_dir():
+        return None
+    return system
+
+
+def has_tables(hardware_name: str) -> bool:
+    return system_for(hardware_name) is not None
+
+
+_SUFFIX = {"rc": -1, ".dev": -2, ".post": 1}
+
+
+def _version(text: str) -> tuple[int, ...] | None:
+    """A sortable key for "0.5.14", "0.5.6.post2", "1.3.0rc20" (rc and dev sort before the
+    release, post after); None for a name that is not a version."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)*)(?:(rc|\.post|\.dev)(\d+))?", text)
+    if match is None:
+        return None
+    release = tuple(int(x) for x in match.group(1).split("."))
+    release += (0,) * (4 - len(release))
+    suffix = (_SUFFIX[match.group(2)], int(match.group(3))) if match.group(2) else (0, 0)
+    return release + suffix
+
+
+@lru_cache(maxsize=None)
+def current_version(system: str, framework: str) -> str:
+    """The package's "current" release of `framework` for `system` (query_versions.yaml)."""
+    data = yaml.safe_load((require_systems_dir() / "query_versions.yaml").read_text())
+    slot = (data.get("overrides", {}).get(system, {}) or {}).get(framework)
+    slot = slot or data["defaults"][framework]
+    return str(slot["current"])
+
+
+@lru_cache(maxsize=None)
+def table_path(system: str, op: str, framework: str, version: str, file: str) -> Path | None:
+    """The newest `<op>/<framework>/<v>/<file>` with v <= version (None if there is none)."""
+    root = require_systems_dir() / "data" / system / op / framework
+    if not root.is_dir():
+        return None
+    limit = _version(version)
+    best: tuple[tuple[int, ...], Path] | None = None
+    for child in root.iterdir():
+        v = _version(child.name)
+        if v is None or (limit is not None and v > limit) or not (child / file).is_file():
+            continue
+        if best is None or v > best[0]:
+            best = (v, child / file)
+    return best[1] if best else None
+
+
+@lru_cache(maxsize=None)
+def nccl_path(system: str) -> Path | None:
+    root = require_systems_dir() / "data" / system / "comm" / "nccl"
+    if not root.is_dir():
+        return None
+    found = [(v, p) for p in root.iterdir()
+             if (v := _version(p.name)) is not None and (p / "nccl_perf.parquet").is_file()]
+    return max(found)[1] / "nccl_perf.parquet" if found else None
+
+
+@lru_cache(maxsize=64)
+def read_table(path: Path) -> pd.DataFrame:
+    """A parquet table (cached: every cost-model instance of a run shares it)."""
+    return pd.read_parquet(path)
+
+
+def versions_of(system: str, framework: str) -> list[str]:
+    """Every version directory any op of `system` has for `framework` (for error messages)."""
+    root = require_systems_dir() / "data" / system
+    names = {v.name for op in root.iterdir() if (op / framework).is_dir()
+             for v in (op / framework).iterdir() if v.is_dir()}
+    return sorted(names, key=lambda n: _version(n) or (0,))

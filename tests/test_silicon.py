@@ -1,0 +1,128 @@
+"""The silicon cost model: measured tables read, interpolated, extrapolated and counted."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pdsim.core.batch import BatchShape, extend_attn_pairs
+from pdsim.sim.cost import Parallelism, make_cost_model
+from pdsim.sim.silicon import resolve_cost_model, tables
+from pdsim.sim.silicon.interp import Curve, Grid2, Stage
+from pdsim.sim.silicon.ops import OpTables
+from pdsim.specs import load_hardware_spec, load_model_spec
+
+needs_tables = pytest.mark.skipif(tables.systems_dir() is None,
+                                  reason="aiconfigurator-core not installed")
+
+
+def _linear_roofline(x):
+    return np.asarray(x, dtype=float) * 1e-6 + 1e-6
+
+
+def test_curve_is_exact_at_grid_points_and_monotone_between():
+    xs = [1, 4, 16, 64, 256]
+    ys = [1e-5, 1.2e-5, 2e-5, 6e-5, 2.3e-4]
+    curve = Curve(xs, ys, _linear_roofline)
+    for x, y in zip(xs, ys):
+        assert curve(x) == pytest.approx(y, rel=1e-12)
+        assert not curve.extrapolated(x)
+    dense = [curve(x) for x in range(1, 257)]
+    assert all(b >= a for a, b in zip(dense, dense[1:]))
+    # between two points: log-log linear, i.e. a power law through both
+    assert curve(8) == pytest.approx(math.sqrt(1.2e-5 * 2e-5), rel=1e-9)
+    assert curve(8.5) == pytest.approx(curve.values(np.array([8.5]))[0])
+
+
+def test_curve_extrapolates_by_the_roofline_ratio_and_says_so():
+    curve = Curve([2, 8], [1e-5, 4e-5], _linear_roofline)
+    assert curve.extrapolated(16) and curve.extrapolated(1) and not curve.extrapolated(5)
+    assert curve(16) == pytest.approx(4e-5 * _linear_roofline(16) / _linear_roofline(8))
+    assert curve(1) == pytest.approx(1e-5 * _linear_roofline(1) / _linear_roofline(2))
+    stage = Stage([curve, curve.scaled(lambda x: 2.0)])
+    seconds, extrapolated = stage.at(4)
+    assert seconds == pytest.approx(3 * curve(4))
+    assert extrapolated == 1  # the scaled copy stands in for a shape the table lacks
+
+
+def test_grid2_exact_at_points_monotone_and_marks_filled_cells():
+    bs, ss = [1.0, 2.0, 4.0], [16.0, 64.0]
+    z = np.array([[1e-5, 2e-5], [2e-5, 4e-5], [4e-5, np.nan]])
+    grid = Grid2(bs, ss, z, lambda b, s: b * s * 1e-8)
+    assert grid.at(2, 64) == (pytest.approx(4e-5), False)
+    assert grid.at(1, 16) == (pytest.approx(1e-5), False)
+    filled, extra = grid.at(4, 64)
+    assert extra and filled == pytest.approx(4e-5 * 2)  # roofline doubles from batch 2
+    along = [grid.at(1.0, s)[0] for s in np.linspace(16, 64, 20)]
+    assert all(b >= a for a, b in zip(along, along[1:]))
+    assert grid.at(1.5, 32)[1] is False
+    assert grid.at(8, 16)[1] is True  # beyond the largest batch
+
+
+@needs_tables
+def test_gemm_matches_the_table_at_a_measured_point():
+    hw = load_hardware_spec("h100")
+    ops = OpTables("h100_sxm", "sglang", "current", hw)
+    t = tables.read_table(tables.table_path("h100_sxm", "gemm", "sglang", ops.version,
+                                            "gemm_perf.parquet"))
+    row = t[(t.gemm_dtype == "bfloat16") & (t.n == 4096) & (t.k == 4096) & (t.m == 256)]
+    measured_s = row.latency.min() * 1e-3
+    curve = ops.gemm(4096, 4096, "bf16")
+    assert curve(256) == pytest.approx(measured_s, rel=1e-9)
+    assert not curve.extrapolated(256)
+    # a width between grid points interpolates between its neighbours
+    mid = ops.gemm(5000, 4096, "bf16")(256)
+    assert curve(256) < mid < ops.gemm(5120, 4096, "bf16")(256)
+
+
+@needs_tables
+def test_silicon_step_times_are_within_a_sane_ratio_of_the_roofline():
+    model, hw = load_model_spec("llama-3.1-8b"), load_hardware_spec("h100")
+    silicon = make_cost_model("silicon", model, hw, Parallelism())
+    roofline = make_cost_model("roofline", model, hw, Parallelism())
+    shapes = [
+        BatchShape(4096, extend_attn_pairs(4096, 0)),
+        BatchShape(decode_reqs=1, decode_context_tokens=1024),
+        BatchShape(decode_reqs=64, decode_context_tokens=64 * 2048),
+    ]
+    for shape in shapes:
+        ratio = silicon.step_time_s([shape]) / roofline.step_time_s([shape])
+        assert 0.5 < ratio < 2.0, (shape, ratio)
+    # bigger batches take longer; an empty step is free
+    small = silicon.step_time_s([BatchShape(decode_reqs=8, decode_context_tokens=8 * 2048)])
+    assert small < silicon.step_time_s([shapes[2]])
+    assert silicon.step_time_s([BatchShape()]) == 0.0
+    assert silicon.lookups > 0
+
+
+@needs_tables
+def test_extrapolated_lookups_are_counted():
+    model, hw = load_model_spec("llama-3.1-8b"), load_hardware_spec("h100")
+    cost = make_cost_model("silicon", model, hw, Parallelism())
+    cost.step_time_s([BatchShape(decode_reqs=16, decode_context_tokens=16 * 1024)])
+    assert cost.lookups > 0 and cost.extrapolated_lookups == 0
+    before = cost.lookups
+    # 40,000 prefill tokens: GEMMs beyond the largest measured m (32,768)
+    cost.step_time_s([BatchShape(40_000, extend_attn_pairs(40_000, 0))])
+    assert cost.lookups > before
+    assert cost.extrapolated_lookups >= 4
+    assert 0 < cost.extrapolated_frac < 1
+
+
+@needs_tables
+def test_auto_is_silicon_where_tables_exist_and_roofline_elsewhere():
+    h100, h20 = load_hardware_spec("h100"), load_hardware_spec("h20")
+    assert resolve_cost_model("auto", h100) == "silicon"
+    assert resolve_cost_model("auto", h20) == "roofline"
+    inline = load_hardware_spec({"name": "my-gpu", "bf16_tflops": 100, "hbm_gib": 24,
+                                 "hbm_gbps": 900, "nvlink_gbps": 32, "rdma_gbps": 12.5})
+    assert resolve_cost_model("auto", inline) == "roofline"
+    model = load_model_spec("tiny-llama")
+    assert type(make_cost_model("auto", model, h100, Parallelism())).__name__ == (
+        "SiliconCostModel")
+    assert type(make_cost_model("auto", model, inline, Parallelism())).__name__ == (
+        "RooflineCostModel")
+    with pytest.raises(ValueError, match="no measured tables for hardware 'my-gpu'"):
+        make_cost_model("silicon", model, inline, Parallelism())
