@@ -183,12 +183,37 @@ def _serve_disaggregated(cfg, role, instance, port, bootstrap_port, prefill_url,
 
 @app.command()
 def presets() -> None:
-    """List the model and hardware presets."""
-    from pdsim.specs.hardware import hardware_preset_names
-    from pdsim.specs.models import model_preset_names
+    """List the model and hardware presets and their main figures (sources: docs/cost_model.md)."""
+    from pdsim.specs.hardware import hardware_preset_names, load_hardware_spec
+    from pdsim.specs.models import model_preset, model_preset_names
 
-    console.print("models:   " + ", ".join(model_preset_names()))
-    console.print("hardware: " + ", ".join(hardware_preset_names()))
+    models = Table(title="models (pdsim/specs/models.py)")
+    for column in ("name", "params", "active/token", "attention", "MLP", "weight formats"):
+        models.add_column(column)
+    for name in model_preset_names():
+        m = model_preset(name)
+        mlp = f"MoE {m.num_experts} top-{m.experts_per_token}" if m.is_moe else "dense"
+        blocks = {"attn": m.precision.attention}
+        if m.num_dense_layers:
+            blocks["mlp"] = m.precision.dense_mlp
+        if m.is_moe:
+            blocks["experts"] = m.precision.moe_experts
+        blocks["head"] = m.precision.lm_head
+        formats = ", ".join(f"{block} {dtype}" for block, dtype in blocks.items())
+        params, active = m.num_params / 1e9, m.active_params_per_token / 1e9
+        models.add_row(name, f"{params:.4g}B", f"{active:.4g}B", m.attention, mlp, formats)
+    hardware = Table(title="hardware, per GPU, dense peaks (pdsim/specs/hardware.py)")
+    for column in ("name", "BF16 TF", "FP8 TF", "FP4 TF", "HBM GB", "HBM GB/s", "NVLink GB/s",
+                   "NIC GB/s", "NVLink domain", "$/GPU-h"):
+        hardware.add_column(column)
+    for name in hardware_preset_names():
+        h = load_hardware_spec(name)
+        hardware.add_row(*(f"{v:g}" if isinstance(v, (int, float)) else "-" if v is None else v
+                           for v in (name, h.bf16_tflops, h.fp8_tflops, h.fp4_tflops, h.hbm_gib,
+                                     h.hbm_gbps, h.nvlink_gbps, h.rdma_gbps, h.gpus_per_node,
+                                     h.usd_per_gpu_hour)))
+    console.print(models)
+    console.print(hardware)
 
 
 if __name__ == "__main__":

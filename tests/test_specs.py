@@ -573,3 +573,18 @@ def test_kv_dtype_per_role_sizes_pool_and_wire() -> None:
         cluster({"kv_dtype": "fp8_e4m3"}, {"kv_dtype": "fp8_e5m2"})
     with pytest.raises(ConfigError, match="kv_dtype"):
         cluster({"kv_dtype": "int4"}, {})
+
+
+def test_presets_command_lists_every_preset_with_its_figures() -> None:
+    from typer.testing import CliRunner
+
+    from pdsim.cli import app
+
+    result = CliRunner().invoke(app, ["presets"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for name in [*model_preset_names(), *hardware_preset_names()]:
+        assert name in result.output
+    gb300 = next(line for line in result.output.splitlines() if " gb300 " in line)
+    assert "15000" in gb300 and "72" in gb300
+    kimi = next(line for line in result.output.splitlines() if " kimi-k2 " in line)
+    assert "experts fp8" in kimi and "head bf16" in kimi
