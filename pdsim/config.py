@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pdsim.config_errors import format_validation_error
 from pdsim.core.router import POLICIES
+from pdsim.faults import FaultsConfig
 from pdsim.specs.precision import KV_DTYPE_BYTES, KVDTypeName, kv_format
 
 from pdsim.metrics import SLO
@@ -242,7 +243,15 @@ class ExperimentConfig(_Spec):
     max_duration_s: float = Field(
         3600.0, gt=0, description="simulated seconds after the last arrival before giving up"
     )
+    faults: FaultsConfig = FaultsConfig()
     sweep: dict[str, list[Any]] = {}
+
+    @model_validator(mode="after")
+    def _faults_fit(self) -> ExperimentConfig:
+        c = self.cluster
+        self.faults.check_instances({} if c.mode == "colocated" else
+                                    {"prefill": c.prefill.instances, "decode": c.decode.instances})
+        return self
 
     @model_validator(mode="after")
     def _one_kv_dtype_across_pd(self) -> ExperimentConfig:

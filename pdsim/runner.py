@@ -16,6 +16,7 @@ import pandas as pd
 import yaml
 
 from pdsim.config import ExperimentConfig, expand_sweep, load_experiment
+from pdsim.faults import fault_summary, first_kill_s
 from pdsim.metrics import records_frame, summarize
 from pdsim.plots import plot_latency_cdfs, plot_sweep
 from pdsim.report import write_report
@@ -72,6 +73,8 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
     row["decode_busy_frac"] = result.decode_busy_frac
     row["kv_transfer_gb"] = result.kv_transfer_gb
     row["decode_mean_batch"] = result.decode_mean_batch
+    if cfg.faults.any:  # failed requests, their latency to error, recovery after a kill
+        row.update(fault_summary(result.records, first_kill_s(cfg.faults)))
     frame = records_frame(result.records)
     frame.insert(0, "point", index)
     return PointResult(index, row, frame)

@@ -128,4 +128,5 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
         network,
         prefill=build_role(cfg, c.prefill, "prefill", model, hw, eff, base_dir),
         decode=build_role(cfg, c.decode, "decode", model, hw, eff, base_dir),
+        faults=cfg.faults,
     )

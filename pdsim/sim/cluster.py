@@ -24,7 +24,9 @@ from pdsim.core.records import RequestRecord
 from pdsim.core.request import Request
 from pdsim.core.router import Router, dp_rank_for_room
 from pdsim.core.scheduler import ColocatedScheduler, InstanceScheduler
+from pdsim.faults import FaultsConfig
 from pdsim.sim.cost import CostModel
+from pdsim.sim.faults import SimFaults
 from pdsim.sim.network import Link, NetworkModel, SimFabric, SimKVManager
 
 EMPTY = BatchShape()
@@ -52,6 +54,7 @@ class ClusterSpec:
     prefill: RoleSpec | None = None
     decode: RoleSpec | None = None
     colocated: RoleSpec | None = None
+    faults: FaultsConfig = FaultsConfig()
 
     @property
     def num_gpus(self) -> int:
@@ -71,7 +74,7 @@ class SimResult:
 
     def check_pools_full(self) -> None:
         for inst in self.instances:
-            for sched in inst.schedulers:
+            for sched in inst.schedulers if inst.alive else ():  # a killed one lost its state
                 sched.check_pools_full()
 
 
@@ -88,7 +91,29 @@ class SimInstance:
         self.steps = 0
         self._wake: simpy.Event | None = None
         self._timer_at = math.inf  # when the pending timeout wake-up fires
+        self.alive = True
+        self.generation = 0  # bumped by kill(): the running process then ends
+        self.aborts: list[tuple[str, str]] = []  # (rid, reason), applied before the next step
         env.process(self._run())
+
+    def kill(self) -> None:
+        """Stop at once (fault injection, pdsim/sim/faults.py): a forward in progress is lost."""
+        self.alive = False
+        self.generation += 1
+        self.notify()
+
+    def restart(self, schedulers: Sequence[InstanceScheduler]) -> None:
+        self.schedulers = list(schedulers)
+        self.alive = True
+        self.aborts.clear()
+        self._wake, self._timer_at = None, math.inf
+        self.env.process(self._run())
+
+    def post_abort(self, rid: str, reason: str) -> None:
+        """Abort `rid` between forwards, as a real worker applies an abort from its inbox."""
+        if self.alive:
+            self.aborts.append((rid, reason))
+            self.notify()
 
     def admitted(self) -> None:
         """A request was just added. A PD scheduler has nothing to run for it until its transfer
@@ -128,14 +153,20 @@ class SimInstance:
         env = self.env
         scheds = self.schedulers
         single = len(scheds) == 1
+        gen = self.generation
         while True:
             now = env.now
+            for rid, reason in self.aborts:
+                any(s.abort(rid, reason, now) for s in scheds)
+            self.aborts.clear()
             batches = [s.step(now) for s in scheds]
             self._drain()
             if not any(batches):
                 self._arm_timer(now)
                 self._wake = env.event()
                 yield self._wake
+                if gen != self.generation:
+                    return  # killed
                 self._wake = None
                 continue
             if single:
@@ -143,6 +174,8 @@ class SimInstance:
             else:
                 duration = self.cost.step_time_s([b.shape if b else EMPTY for b in batches])
             yield env.timeout(duration)
+            if gen != self.generation:
+                return  # killed during the forward: its results are lost
             self.busy_s += duration
             self.decode_req_s += duration * sum(b.shape.decode_reqs for b in batches if b is not None)
             self.steps += 1
@@ -166,12 +199,15 @@ class Simulation:
         self.final: dict[str, Request] = {}
         self.prefill_side: dict[str, Request] = {}
         self.instances: list[SimInstance] = []
+        self.faults: SimFaults | None = None
         if cluster.mode == "colocated":
             self.serving = self._build_role(cluster.colocated, "colocated", 0)
             self.prefills: list[SimInstance] = []
         else:
             self.prefills = self._build_role(cluster.prefill, "prefill", 0)
             self.serving = self._build_role(cluster.decode, "decode", len(self.prefills))
+            if cluster.faults.any:
+                self.faults = SimFaults(self, cluster.faults)
 
     def _build_role(self, role: RoleSpec, kind: str, key_base: int) -> list[SimInstance]:
         insts = []
@@ -218,6 +254,8 @@ class Simulation:
             now = env.now
             rid = str(i)
             p, d, room = router.route(prefill_load, decode_load)
+            if self.faults is not None and self.faults.refused(rid, n_in, n_out, now, p, d):
+                continue  # routed to a dead instance
             dec = self.serving[d]
             dreq = Request(rid, n_in, n_out, arrival_s=now, bootstrap_room=room, prefill_instance=p)
             if self.prefills:
@@ -227,6 +265,8 @@ class Simulation:
                 pre.admitted()
             dec.schedulers[dp_rank_for_room(room, len(dec.schedulers))].add_request(dreq, now)
             dec.admitted()
+            if self.faults is not None:
+                self.faults.track(preq, dreq)
 
     def run(self, arrival_s: np.ndarray, input_tokens: np.ndarray, output_tokens: np.ndarray) -> SimResult:
         self._num_requests = len(arrival_s)

@@ -63,6 +63,7 @@ class SimFabric:
         self.rooms: dict[int, _Room] = {}
         self.kv_bytes = 0.0  # KV bytes sent over the fabric so far
         self._contacted: set[tuple[int, int]] = set()
+        self.faults = None  # a pdsim.sim.faults.SimFaults when faults are injected
 
     def join(self, room_id: int, *, sender: "SimKVManager | None" = None,
              receiver: "SimKVManager | None" = None) -> _Room:
@@ -133,7 +134,10 @@ class SimKVManager:
         return self.epoch
 
     def create_sender(self, req) -> "SimKVSender":
-        return SimKVSender(self, self.fabric.join(req.bootstrap_room, sender=self))
+        sender = SimKVSender(self, self.fabric.join(req.bootstrap_room, sender=self))
+        if self.fabric.faults is not None:
+            self.fabric.faults.sender_created(req, sender.room)
+        return sender
 
     def create_receiver(self, req) -> "SimKVReceiver":
         receiver = SimKVReceiver(self, self.fabric.join(req.bootstrap_room, receiver=self))
@@ -167,6 +171,9 @@ class SimKVSender(_Endpoint):
     def send(self, page_indices: Sequence[int], last: bool) -> None:
         room = self.room
         if room.sender_state is KVPoll.Failed:
+            return
+        if self.fabric.faults is not None and (reason := self.fabric.faults.drops(room)):
+            self.fabric.fail(room, reason)  # before any byte moves, as the real sender does
             return
         room.sender_state = advance(room.sender_state, KVPoll.Transferring)
         self.manager.epoch += 1

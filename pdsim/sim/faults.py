@@ -1,0 +1,127 @@
+"""The simulator's side of fault injection (the `faults:` section, see pdsim/faults.py).
+
+- **fail_transfers**: a sender whose rid `transfer_fails` picks fails at its first `send`,
+  before any byte moves: `KVPoll.Failed` on both sides, as the real Mooncake sender reports it.
+- **slow_nic**: the instance's link bandwidth is divided by the factor.
+- **bootstrap_delay_s**: a decode instance's first contact with a prefill instance waits for two
+  bootstrap answers (the parallel info, then the rank's address), so it takes twice the delay
+  longer; later handshakes reuse the cached answers, as the real decode side does.
+- **kill**: at `at_s` the instance stops; a forward in progress is lost. What clients see follows
+  the real router (runtime/router.py), which holds an HTTP connection to both workers of every
+  request and notices at once when one closes:
+  - decode worker killed: each of its requests loses its stream now (error at the kill time);
+    the router aborts the prefill side, which frees the request between two forwards;
+  - prefill worker killed: each request it has not finished and whose first token has not
+    reached the client fails, as the router aborts its decode side (between two of its
+    forwards); requests already streaming go on decoding;
+  - later requests routed to a dead worker fail on arrival (connection refused): the router
+    keeps its worker list and policy as configured.
+  With `restart_after_s` the instance serves again that much later, with empty queues and
+  full pools (a new process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from pdsim.core.decode import DecodeScheduler
+from pdsim.core.prefill import PrefillScheduler
+from pdsim.core.request import Request
+from pdsim.faults import TRANSFER_FAULT, FaultsConfig, KillFault
+from pdsim.sim.network import SimKVManager
+
+if TYPE_CHECKING:
+    from pdsim.sim.cluster import SimInstance, Simulation
+
+
+class SimFaults:
+    def __init__(self, sim: Simulation, config: FaultsConfig):
+        self.sim = sim
+        self.config = config
+        self._doomed: set = set()  # rooms (`_Room` objects) whose first send fails
+        self._routes: dict[str, tuple[Request, Request]] = {}  # rid → (prefill, decode) request
+        sim.fabric.faults = self
+        if config.bootstrap_delay_s:
+            model = sim.fabric.model
+            sim.fabric.model = dataclasses.replace(
+                model, first_contact_s=model.first_contact_s + 2 * config.bootstrap_delay_s)
+        for slow in config.slow_nic:
+            inst = self._instance(slow.role, slow.instance)
+            inst.schedulers[0].kv.link.bytes_per_s /= slow.factor  # one link for all its ranks
+        for kill in config.kill:
+            sim.env.timeout(kill.at_s).callbacks.append(lambda _ev, k=kill: self._kill(k))
+
+    def _instance(self, role: str, index: int) -> SimInstance:
+        return (self.sim.prefills if role == "prefill" else self.sim.serving)[index]
+
+    # ---- transfers -----------------------------------------------------------------------------
+
+    def sender_created(self, req: Request, room) -> None:
+        if self.config.fails_transfer(req.rid):
+            self._doomed.add(room)
+
+    def drops(self, room) -> str:
+        """Why this send fails ("" if it does not)."""
+        if room in self._doomed:
+            self._doomed.discard(room)
+            return TRANSFER_FAULT
+        return ""
+
+    # ---- routing -------------------------------------------------------------------------------
+
+    def refused(self, rid: str, input_len: int, max_new_tokens: int, sent_s: float, p: int,
+                d: int) -> bool:
+        """Fail a request routed to a dead instance at once, as the real router does when the
+        worker's port refuses the connection."""
+        dead = [(role, i) for role, i in (("prefill", p), ("decode", d))
+                if not self._instance(role, i).alive]
+        if not dead:
+            return False
+        req = Request(rid, input_len, max_new_tokens, arrival_s=sent_s, prefill_instance=p,
+                      decode_instance=d)
+        role, i = dead[0]
+        self._end(req, f"{role} worker {i} unreachable (connection refused)")
+        return True
+
+    def track(self, preq: Request, dreq: Request) -> None:
+        self._routes[dreq.rid] = (preq, dreq)
+
+    # ---- kills ---------------------------------------------------------------------------------
+
+    def _end(self, dreq: Request, reason: str) -> None:
+        dreq.error = reason
+        dreq.finish_s = self.sim.env.now
+        dreq.finished = True
+        self.sim._request_done(dreq)
+
+    def _kill(self, kill: KillFault) -> None:
+        inst = self._instance(kill.role, kill.instance)
+        inst.kill()
+        reason = f"{kill.role} worker {kill.instance} died"
+        for rid, (preq, dreq) in list(self._routes.items()):
+            if dreq.finished:
+                del self._routes[rid]
+            elif kill.role == "decode" and dreq.decode_instance == kill.instance:
+                self._end(dreq, reason)  # the stream to the client breaks now
+                if not preq.finished:
+                    self.sim.prefills[preq.prefill_instance].post_abort(rid, reason)
+                del self._routes[rid]
+            elif kill.role == "prefill" and preq.prefill_instance == kill.instance \
+                    and not preq.finished and dreq.num_output == 0:
+                preq.finished = True  # gone with its instance
+                self.sim.serving[dreq.decode_instance].post_abort(rid, reason)
+        if kill.restart_after_s is not None:
+            self.sim.env.timeout(kill.restart_after_s).callbacks.append(
+                lambda _ev: self._restart(inst))
+
+    def _restart(self, inst: SimInstance) -> None:
+        """The same instance as a new process: fresh schedulers, pools and transfer endpoints."""
+        fresh = []
+        for sched in inst.schedulers:
+            old = sched.kv
+            kv = SimKVManager(old.fabric, old.instance_key, old.link, old.bytes_per_page,
+                              inst.notify)
+            cls = PrefillScheduler if isinstance(sched, PrefillScheduler) else DecodeScheduler
+            fresh.append(cls(sched.config, kv, sched.instance_id))
+        inst.restart(fresh)
