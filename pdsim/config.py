@@ -127,7 +127,8 @@ class NetworkConfig(_Spec):
 
 
 class CostModelConfig(_Spec):
-    name: str = "roofline"
+    # "auto": silicon where the hardware has measured tables (pdsim[silicon]), else roofline.
+    name: str = "auto"
     params: dict[str, float | str] = {}  # numbers, or paths (relative to the experiment file)
 
     @field_validator("name")

@@ -7,13 +7,17 @@ and the roofline otherwise. `resolve_cost_model` says which one "auto" picks.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 from pdsim.sim.cost import CostModel, Parallelism, RooflineCostModel, register_cost_model
 from pdsim.sim.silicon.model import SiliconCostModel, SiliconParams
 from pdsim.sim.silicon.tables import SYSTEMS, has_tables
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
 
-__all__ = ["SYSTEMS", "SiliconCostModel", "SiliconParams", "has_tables", "resolve_cost_model"]
+__all__ = ["SYSTEMS", "SiliconCostModel", "SiliconParams", "cost_columns", "has_tables",
+           "resolve_cost_model"]
 
 register_cost_model("silicon")(SiliconCostModel)
 
@@ -33,3 +37,22 @@ def auto_cost_model(model: ModelSpec, hardware: HardwareSpec, parallel: Parallel
     if resolve_cost_model("auto", hardware) == "silicon":
         return SiliconCostModel(model, hardware, parallel, **params)
     return RooflineCostModel(model, hardware, parallel, **params)
+
+
+def cost_columns(requested: str, costs: Iterable[CostModel]) -> dict[str, object]:
+    """Summary columns of a run: `cost_model`, the model(s) that priced it ("auto" resolved),
+    and `cost_extrapolated_frac`, the share of silicon table lookups that fell outside a
+    table's grid or stood in for a missing shape (NaN when no silicon model ran)."""
+    names: set[str] = set()
+    lookups = extrapolated = 0
+    for cost in costs:
+        if isinstance(cost, SiliconCostModel):
+            names.add("silicon")
+            lookups += cost.lookups
+            extrapolated += cost.extrapolated_lookups
+        elif isinstance(cost, RooflineCostModel):
+            names.add("roofline")
+        else:
+            names.add(requested)
+    return {"cost_model": "+".join(sorted(names)) or requested,
+            "cost_extrapolated_frac": extrapolated / lookups if lookups else math.nan}

@@ -29,7 +29,7 @@ from pdsim.core.batch import BatchShape
 from pdsim.sim.cost import Parallelism, Role
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Grid2, Stage
-from pdsim.sim.silicon.ops import ACT_BYTES, OpTables
+from pdsim.sim.silicon.ops import ACT_BYTES, op_tables
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
 
@@ -253,7 +253,7 @@ def _prefill_attention(grid: Grid2, tokens: int, pairs: float) -> tuple[float, b
 @lru_cache(maxsize=32)
 def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: SiliconParams,
                 system: str) -> _Plan:
-    ops = OpTables(system, p.framework, p.version, hw)
+    ops = op_tables(system, p.framework, p.version, hw)
     prec = model.precision
     tp, attn_tp, ep = par.tp, par.attn_tp, par.ep
     h = model.hidden_size

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 import pandas as pd
@@ -393,6 +393,12 @@ class OpTables:
             ratio = per_token(hidden, topk) / per_token(have[0], have[1]) * links
             curve = curve.scaled(lambda x: np.full_like(np.asarray(x, float), ratio))
         return curve
+
+
+@lru_cache(maxsize=16)
+def op_tables(system: str, framework: str, version: str, hardware: HardwareSpec) -> OpTables:
+    """A shared `OpTables` (its indexed tables serve every plan on that system)."""
+    return OpTables(system, framework, version, hardware)
 
 
 def _bracket(grid: list[int], x: float) -> tuple[int, int]:
