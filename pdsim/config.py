@@ -24,7 +24,7 @@ from pdsim.core.router import POLICIES
 from pdsim.faults import FaultsConfig
 from pdsim.specs.precision import KV_DTYPE_BYTES, KVDTypeName, kv_format
 
-from pdsim.metrics import SLO
+from pdsim.metrics import SLO, MeasurementWindow
 from pdsim.workload import WorkloadConfig
 
 
@@ -51,6 +51,8 @@ class SchedulerKnobs(_Spec):
     waiting_timeout_s: float = Field(300.0, gt=0)
     mem_fraction_static: float = Field(0.88, gt=0, le=1)
     num_pages: int | None = Field(None, ge=1)
+    wakeup_s: float = Field(0.0, ge=0, description="sim only: an idle scheduler notices new "
+                            "work (a request, a finished transfer) this late")
 
 
 class RoleConfig(_Spec):
@@ -112,13 +114,20 @@ class ClusterConfig(_Spec):
 
 
 class NetworkConfig(_Spec):
-    """The KV path between instances. Bandwidths are GB/s (gigabytes) per GPU."""
+    """The KV path between instances. Bandwidths are GB/s (gigabytes) per GPU. Defaults and
+    their sources: docs/cost_model.md, "Fixed costs and KV transfer"."""
 
     enabled: bool = True
-    bandwidth_gbps: float | None = Field(None, gt=0, description="default: the hardware's NIC")
+    protocol: Literal["rdma", "tcp"] = "rdma"
+    bandwidth_gbps: float | None = Field(None, gt=0, description="line rate; default: the hardware's NIC")
+    line_rate_efficiency: float | None = Field(
+        None, gt=0, le=1, description="share of the line rate a transfer reaches; default by protocol")
+    transfer_floor_s: float | None = Field(
+        None, ge=0, description="fixed time of every KV transfer (one per chunk); default by protocol")
     message_latency_s: float = Field(50e-6, ge=0)
     first_contact_s: float = Field(2e-3, ge=0)
-    transfer_setup_s: float = Field(100e-6, ge=0)
+    handshake_s: float = Field(0.58e-3, ge=0, description="per request: the decode side's "
+                               "bootstrap lookup and receiver set-up before it asks for the KV")
     head_slice_efficiency: float = Field(
         0.5, gt=0, le=1,
         description="share of the bandwidth reached when GQA KV moves as head slices because "
@@ -143,6 +152,9 @@ class CostModelConfig(_Spec):
 
 class RouterConfig(_Spec):
     policy: str = "round_robin"
+    dp_assignment: Literal["room", "shortest_queue"] = "room"
+    frontend_latency_s: float = Field(6.5e-3, ge=0, description="sim only: tokenizer, HTTP and "
+                                      "router time of a request, both ways, counted in its TTFT")
 
     @field_validator("policy")
     @classmethod
@@ -241,6 +253,7 @@ class ExperimentConfig(_Spec):
     speculative: SpeculativeConfig = SpeculativeConfig()
     workload: WorkloadConfig
     slo: SLO = SLO()
+    metrics: MeasurementWindow = MeasurementWindow()
     max_duration_s: float = Field(
         3600.0, gt=0, description="simulated seconds after the last arrival before giving up"
     )

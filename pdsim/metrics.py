@@ -53,6 +53,56 @@ class SLO(BaseModel):
     itl_s: float = Field(default=0.1, gt=0, description="bound on a request's mean ITL, seconds")
 
 
+class MeasurementWindow(BaseModel):
+    """The part of a run the summary figures cover, so they describe the steady state.
+
+    The window starts `warmup_s` after the first arrival, and no earlier than the arrival of
+    request number `warmup_requests` (in arrival order, from 0); it ends `cooldown_s` before the
+    last finish, and no later than the finish of the request that leaves `cooldown_requests`
+    after it. A request is *in the window* when it ended (completed or failed) inside it, both
+    bounds included; one that never ended is in it when it arrived before the window's end.
+    Throughputs and goodput divide by the window's length; latencies, counts and SLO
+    attainment cover the requests in the window. All zero (the default): the whole run, every
+    request in it.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    warmup_s: float = Field(0.0, ge=0, allow_inf_nan=False)
+    cooldown_s: float = Field(0.0, ge=0, allow_inf_nan=False)
+    warmup_requests: int = Field(0, ge=0)
+    cooldown_requests: int = Field(0, ge=0)
+
+    @property
+    def whole_run(self) -> bool:
+        return not (self.warmup_s or self.cooldown_s or self.warmup_requests or self.cooldown_requests)
+
+    def bounds(self, arrival_s: np.ndarray, finish_s: np.ndarray) -> tuple[float, float]:
+        """(start, end) of the window over a run's arrival and finish times (NaN: never)."""
+        arrivals = np.sort(arrival_s[np.isfinite(arrival_s)])
+        finishes = np.sort(finish_s[np.isfinite(finish_s)])
+        if not len(arrivals) or not len(finishes):
+            return NAN, NAN
+        start = arrivals[0] + self.warmup_s
+        if self.warmup_requests:
+            start = max(start, arrivals[self.warmup_requests] if self.warmup_requests < len(arrivals)
+                        else np.inf)
+        end = finishes[-1] - self.cooldown_s
+        if self.cooldown_requests:
+            end = min(end, finishes[-1 - self.cooldown_requests]
+                      if self.cooldown_requests < len(finishes) else -np.inf)
+        return float(start), float(end)
+
+    def mask(self, arrival_s: np.ndarray, finish_s: np.ndarray) -> np.ndarray:
+        """Which requests are in the window (see the class docstring)."""
+        if self.whole_run:
+            return np.ones(len(arrival_s), dtype=bool)
+        start, end = self.bounds(arrival_s, finish_s)
+        ended = np.isfinite(finish_s)
+        with np.errstate(invalid="ignore"):
+            return np.where(ended, (finish_s >= start) & (finish_s <= end), arrival_s <= end)
+
+
 class _TokenTimes(NamedTuple):
     """All records' token times flattened, with per-record and per-gap views."""
 
@@ -127,10 +177,13 @@ def _latencies_meet(ttft: np.ndarray, tpot: np.ndarray, slo: SLO) -> np.ndarray:
     return (ttft <= slo.ttft_s) & (np.isnan(tpot) | (tpot <= slo.itl_s))
 
 
-def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO) -> dict:
+def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO,
+              window: MeasurementWindow | None = None) -> dict:
     """Summary metrics of one run, as a flat dict of plain Python numbers.
 
-    Definitions:
+    With a `window` (see `MeasurementWindow`) every figure below covers the requests in it and
+    ``duration_s`` is its length; ``window_start_s`` / ``window_end_s`` say where it lies and
+    ``run_requests`` counts the run's requests, in the window or not. Definitions:
 
     - ``num_requests`` counts all records, ``completed`` those with status "ok", ``failed`` the rest.
     - Latencies (``ttft_*``, ``itl_*``, ``tpot_mean_s``, ``e2e_*``) cover completed requests only.
@@ -151,14 +204,16 @@ def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO) -> d
     if num_gpus <= 0:
         raise ValueError(f"num_gpus must be positive, got {num_gpus}")
     records = list(records)
+    run_requests = len(records)
+    arrivals = np.fromiter((r.arrival_s for r in records), dtype=np.float64, count=run_requests)
+    finishes = np.fromiter((r.finish_s for r in records), dtype=np.float64, count=run_requests)
+    window = window or MeasurementWindow()
+    start, end = window.bounds(arrivals, finishes)
+    duration = end - start
+    if not window.whole_run:
+        records = [r for r, keep in zip(records, window.mask(arrivals, finishes)) if keep]
     done = [r for r in records if r.ok]
     n, n_done = len(records), len(done)
-
-    arrivals = np.fromiter((r.arrival_s for r in records), dtype=np.float64, count=n)
-    finishes = np.fromiter((r.finish_s for r in records), dtype=np.float64, count=n)
-    duration = NAN
-    if n and not np.isnan(arrivals).all() and not np.isnan(finishes).all():
-        duration = float(np.nanmax(finishes) - np.nanmin(arrivals))
 
     def rate(amount: float) -> float:
         return amount / duration if duration > 0 else NAN
@@ -186,6 +241,9 @@ def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO) -> d
         "goodput_req_s_per_gpu": rate(met) / num_gpus,
         "slo_attainment": met / n if n else NAN,
         "duration_s": duration,
+        "window_start_s": start,
+        "window_end_s": end,
+        "run_requests": run_requests,
     }
     return summary
 

@@ -22,8 +22,7 @@ from pdsim.plots import plot_latency_cdfs, plot_sweep
 from pdsim.report import write_report
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cluster import simulate
-from pdsim.sim.silicon import cost_columns
-from pdsim.workload import generate
+from pdsim.workload import ClosedLoop, generate
 
 
 @dataclass
@@ -33,8 +32,10 @@ class PointResult:
     requests: pd.DataFrame
 
 
-def point_columns(cfg: ExperimentConfig, request_rate: float) -> dict[str, Any]:
-    """The configuration columns of a summary row."""
+def point_columns(cfg: ExperimentConfig, request_rate: float,
+                  closed_loop: ClosedLoop | None = None) -> dict[str, Any]:
+    """The configuration columns of a summary row (`concurrency`: closed-loop clients, 0 for
+    open-loop arrivals)."""
     c = cfg.cluster
     if c.mode == "colocated":
         p_inst, d_inst, p_tp, d_tp = 0, c.colocated.instances, 0, c.colocated.tp
@@ -49,6 +50,7 @@ def point_columns(cfg: ExperimentConfig, request_rate: float) -> dict[str, Any]:
         "prefill_dp_attention": c.prefill.dp_attention if c.mode != "colocated" else 0,
         "decode_dp_attention": (c.colocated if c.mode == "colocated" else c.decode).dp_attention,
         "request_rate": request_rate,
+        "concurrency": closed_loop.concurrency if closed_loop else 0,
         "router_policy": cfg.router.policy,
         "network_enabled": cfg.network.enabled,
     }
@@ -60,24 +62,26 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
     cluster = build_cluster(cfg, base_dir)
     result = simulate(
         cluster, workload.arrival_s, workload.input_tokens, workload.output_tokens,
-        seed=cfg.seed, max_duration_s=cfg.max_duration_s,
+        seed=cfg.seed, max_duration_s=cfg.max_duration_s, closed_loop=workload.closed_loop,
     )
     if all(r.ok for r in result.records):
         result.check_pools_full()  # an idle cluster must have every page and slot back
     rate = getattr(getattr(cfg.workload, "arrival", None), "rate_rps", None)
     if rate is None:
-        rate = round(workload.mean_rate_rps, 3)
-    row = {"point": index, **point_columns(cfg, rate), **{f"sweep.{k}": v for k, v in swept.items()}}
-    row.update(summarize(result.records, num_gpus=cluster.num_gpus, slo=cfg.slo))
+        rate = round(workload.mean_rate_rps, 3)  # NaN for a closed loop
+    row = {"point": index, **point_columns(cfg, rate, workload.closed_loop),
+           **{f"sweep.{k}": v for k, v in swept.items()}}
+    row.update(summarize(result.records, num_gpus=cluster.num_gpus, slo=cfg.slo, window=cfg.metrics))
     row["sim_time_s"] = result.sim_time_s
     row["prefill_busy_frac"] = result.prefill_busy_frac
     row["decode_busy_frac"] = result.decode_busy_frac
     row["kv_transfer_gb"] = result.kv_transfer_gb
     row["decode_mean_batch"] = result.decode_mean_batch
-    row.update(cost_columns(cfg.cost_model.name, [inst.cost for inst in result.instances]))
     if cfg.faults.any:  # failed requests, their latency to error, recovery after a kill
         row.update(fault_summary(result.records, first_kill_s(cfg.faults)))
     frame = records_frame(result.records)
+    frame["in_window"] = cfg.metrics.mask(frame["arrival_s"].to_numpy(float),
+                                          frame["finish_s"].to_numpy(float))
     frame.insert(0, "point", index)
     return PointResult(index, row, frame)
 

@@ -19,6 +19,23 @@ def dp_rank_for_room(room: int, dp_size: int) -> int:
     return room % dp_size
 
 
+DP_ASSIGNMENTS = ("room", "shortest_queue")
+
+
+def pick_dp_rank(assignment: str, room: int, dp_size: int, queue_length: Callable[[int], int]) -> int:
+    """The attention-DP rank of an instance that takes a request, as SGLang's DP controller
+    picks it: `room` follows the bootstrap room (`room % dp_size`, the PD default, so both sides
+    agree without asking), `shortest_queue` the rank with the fewest requests (ties: the
+    lowest rank)."""
+    if dp_size == 1:
+        return 0
+    if assignment == "room":
+        return room % dp_size
+    if assignment == "shortest_queue":
+        return min(range(dp_size), key=queue_length)
+    raise ValueError(f"unknown DP assignment {assignment!r}; allowed: {', '.join(DP_ASSIGNMENTS)}")
+
+
 class Policy(Protocol):
     """Picks one of `n` instances; `load(i)` is instance i's current load (lower is better)."""
 

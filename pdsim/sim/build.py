@@ -10,7 +10,7 @@ from pdsim.core.config import SchedulerConfig
 from pdsim.core.running import Speculation
 from pdsim.sim.cluster import ClusterSpec, RoleSpec
 from pdsim.sim.cost import Parallelism, kv_capacity_tokens, make_cost_model
-from pdsim.sim.network import NetworkModel
+from pdsim.sim.network import PROTOCOLS, NetworkModel
 from pdsim.sim.speculative import (
     draft_spec,
     draft_state_bytes_per_request,
@@ -45,9 +45,11 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     sched = SchedulerConfig(
         num_pages=num_pages,
         page_size=knobs.page_size,
-        max_running_requests=knobs.max_running_requests,
+        max_running_requests=_per_dp_rank(knobs.max_running_requests, role, name,
+                                          "max_running_requests"),
         max_prefill_tokens=knobs.max_prefill_tokens,
-        chunked_prefill_size=knobs.chunked_prefill_size,
+        chunked_prefill_size=_per_dp_rank(knobs.chunked_prefill_size, role, name,
+                                          "chunked_prefill_size"),
         num_reserved_decode_tokens=knobs.num_reserved_decode_tokens,
         pre_alloc_size=knobs.pre_alloc_size,
         metadata_slots=knobs.metadata_slots,
@@ -67,9 +69,24 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
         state_bytes = draft_state_bytes_per_request(model)
     kv_page_bytes = sum(knobs.page_size * m.kv_bytes_per_token_per_rank(attn_tp, kv_bytes)
                         * attn_tp for m in kv_models)
-    nic = (cfg.network.bandwidth_gbps or hw.rdma_gbps) * 1e9 * role.tp * nic_efficiency
+    net = cfg.network
+    line_rate = net.line_rate_efficiency or PROTOCOLS[net.protocol].line_rate_efficiency
+    nic = (net.bandwidth_gbps or hw.rdma_gbps) * 1e9 * role.tp * line_rate * nic_efficiency
     return RoleSpec(role.instances, role.dp_attention, role.tp, sched, cost, nic, kv_page_bytes,
-                    state_bytes_per_request=state_bytes)
+                    state_bytes_per_request=state_bytes, wakeup_s=knobs.wakeup_s)
+
+
+def _per_dp_rank(value: int, role: RoleConfig, name: str, knob: str) -> int:
+    """An instance-wide SGLang flag split over its attention-DP ranks, as SGLang does with DP
+    attention (`max_running_requests`, `chunked_prefill_size`: each rank gets value // dp)."""
+    if role.dp_attention == 1 or value == 0:
+        return value
+    if value < role.dp_attention:
+        raise ConfigError(
+            f"cluster.{name}.scheduler.{knob}: {value} is per instance and split over "
+            f"dp_attention={role.dp_attention} ranks; give at least {role.dp_attention}"
+        )
+    return value // role.dp_attention
 
 
 def _cost_factory(cfg: ExperimentConfig, model: ModelSpec, hw: HardwareSpec, par: Parallelism,
@@ -90,8 +107,6 @@ def _speculation(cfg: ExperimentConfig) -> Speculation | None:
     return Speculation(spec.num_draft_tokens, spec.accept_len_probs(), cfg.seed)
 
 
-
-
 def _resolve(value: float | str, base_dir: str | None) -> float | str:
     """A string parameter naming a file relative to the experiment's folder, made absolute."""
     if isinstance(value, str) and base_dir and (Path(base_dir) / value).exists():
@@ -106,17 +121,21 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(str(exc)) from None
     net = cfg.network
+    floor = net.transfer_floor_s
     network = NetworkModel(
         enabled=net.enabled,
         message_latency_s=net.message_latency_s,
         first_contact_s=net.first_contact_s,
-        transfer_setup_s=net.transfer_setup_s,
+        handshake_s=net.handshake_s,
+        transfer_floor_s=PROTOCOLS[net.protocol].transfer_floor_s if floor is None else floor,
     )
+    overheads = {"frontend_latency_s": cfg.router.frontend_latency_s,
+                 "dp_assignment": cfg.router.dp_assignment}
     c = cfg.cluster
     if c.mode == "colocated":
         return ClusterSpec("colocated", cfg.router.policy, network,
                            colocated=build_role(cfg, c.colocated, "colocated", model, hw,
-                                                base_dir=base_dir))
+                                                base_dir=base_dir), **overheads)
     # GQA KV split over different attention-TP sizes on the two sides moves as head slices:
     # many small writes instead of whole pages (DESIGN.md, "TP mismatch").
     sliced = not model.is_mla and (c.prefill.tp // c.prefill.dp_attention
@@ -129,4 +148,5 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
         prefill=build_role(cfg, c.prefill, "prefill", model, hw, eff, base_dir),
         decode=build_role(cfg, c.decode, "decode", model, hw, eff, base_dir),
         faults=cfg.faults,
+        **overheads,
     )

@@ -1,8 +1,14 @@
-"""Drive the core schedulers with SimPy: one process per instance, one for arrivals.
+"""Drive the core schedulers with SimPy: one process per instance, and an arrival source.
 
 An instance process asks each of its schedulers (one per attention-DP rank) for the next
 forward, charges the cost model's time for the step (the slowest rank sets it), and hands the
-results back. With nothing to run it sleeps until the transfer backend or the router wakes it.
+results back. With nothing to run it sleeps until the transfer backend or the router wakes it,
+then takes its role's `wakeup_s` to notice.
+
+The arrival source decides when each request (lengths from the workload, by index) is sent:
+`OpenLoop` at the workload's times, `ClosedLoopSource` when a client's previous request ends.
+A request sent at t reaches the router and its instances at t + `frontend_latency_s`
+(tokenizer, HTTP, router); its record's `arrival_s` is the send time.
 """
 
 from __future__ import annotations
@@ -22,12 +28,13 @@ from pdsim.core.decode import DecodeScheduler
 from pdsim.core.prefill import PrefillScheduler
 from pdsim.core.records import RequestRecord
 from pdsim.core.request import Request
-from pdsim.core.router import Router, dp_rank_for_room
+from pdsim.core.router import Router, pick_dp_rank
 from pdsim.core.scheduler import ColocatedScheduler, InstanceScheduler
 from pdsim.faults import FaultsConfig
 from pdsim.sim.cost import CostModel
 from pdsim.sim.faults import SimFaults
 from pdsim.sim.network import Link, NetworkModel, SimFabric, SimKVManager
+from pdsim.workload import ClosedLoop
 
 EMPTY = BatchShape()
 
@@ -44,6 +51,7 @@ class RoleSpec:
     nic_bytes_per_s: float = math.inf  # the instance's NIC bandwidth, all its GPUs together
     kv_bytes_per_page: float = 0.0  # bytes a page of this role's KV weighs on the wire
     state_bytes_per_request: float = 0.0  # sent with a request's last chunk (draft state)
+    wakeup_s: float = 0.0  # an idle scheduler of this role notices new work this late
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,8 @@ class ClusterSpec:
     prefill: RoleSpec | None = None
     decode: RoleSpec | None = None
     colocated: RoleSpec | None = None
+    frontend_latency_s: float = 0.0  # tokenizer + HTTP + router, per request
+    dp_assignment: str = "room"  # how an instance picks the attention-DP rank of a request
     faults: FaultsConfig = FaultsConfig()
 
     @property
@@ -80,9 +90,11 @@ class SimResult:
 
 class SimInstance:
     def __init__(self, env: simpy.Environment, schedulers: Sequence[InstanceScheduler],
-                 cost: CostModel, on_done: Callable[[Request], None], wakes_on_arrival: bool):
+                 cost: CostModel, on_done: Callable[[Request], None], wakes_on_arrival: bool,
+                 wakeup_s: float = 0.0):
         self.env = env
         self.wakes_on_arrival = wakes_on_arrival
+        self.wakeup_s = wakeup_s
         self.schedulers = list(schedulers)
         self.cost = cost
         self.on_done = on_done
@@ -168,6 +180,8 @@ class SimInstance:
                 if gen != self.generation:
                     return  # killed
                 self._wake = None
+                if self.wakeup_s:
+                    yield env.timeout(self.wakeup_s)
                 continue
             if single:
                 duration = self.cost.step_time_s((batches[0].shape,))
@@ -226,7 +240,8 @@ class Simulation:
                 scheds.append(cls(role.scheduler, kv, i))
             on_done = self._prefill_done if kind == "prefill" else self._request_done
             inst = SimInstance(self.env, scheds, role.cost(), on_done,
-                               wakes_on_arrival=kind == "colocated")
+                               wakes_on_arrival=kind == "colocated",
+                               wakeup_s=role.wakeup_s)
             holder.append(inst)
             insts.append(inst)
         self.instances.extend(insts)
@@ -237,66 +252,87 @@ class Simulation:
 
     def _request_done(self, req: Request) -> None:
         self.final[req.rid] = req
-        if len(self.final) == self._num_requests:
+        self._source.finished(int(req.rid))
+        if len(self.final) == self.num_requests:
             self._all_done.succeed()
 
-    def _arrivals(self, arrival_s: np.ndarray, input_tokens: np.ndarray, output_tokens: np.ndarray):
-        env = self.env
-        cluster = self.cluster
-        router = Router(cluster.router_policy, len(self.prefills), len(self.serving), self.router_seed)
-        prefill_load = lambda i: sum(s.pending_tokens for s in self.prefills[i].schedulers)  # noqa: E731
-        decode_load = lambda i: sum(s.num_active for s in self.serving[i].schedulers)  # noqa: E731
-        for i, (t, n_in, n_out) in enumerate(
-            zip(arrival_s.tolist(), input_tokens.tolist(), output_tokens.tolist())
-        ):
-            if t > env.now:
-                yield env.timeout(t - env.now)
-            now = env.now
-            rid = str(i)
-            p, d, room = router.route(prefill_load, decode_load)
-            if self.faults is not None and self.faults.refused(rid, n_in, n_out, now, p, d):
-                continue  # routed to a dead instance
-            dec = self.serving[d]
-            dreq = Request(rid, n_in, n_out, arrival_s=now, bootstrap_room=room, prefill_instance=p)
-            if self.prefills:
-                pre = self.prefills[p]
-                preq = Request(rid, n_in, n_out, arrival_s=now, bootstrap_room=room)
-                pre.schedulers[dp_rank_for_room(room, len(pre.schedulers))].add_request(preq, now)
-                pre.admitted()
-            dec.schedulers[dp_rank_for_room(room, len(dec.schedulers))].add_request(dreq, now)
-            dec.admitted()
-            if self.faults is not None:
-                self.faults.track(preq, dreq)
+    def submit(self, i: int, sent_s: float) -> None:
+        """Route request `i`, sent by its client at `sent_s`, to its instances (now)."""
+        now = self.env.now
+        self._sent_s[i] = sent_s
+        rid = str(i)
+        n_in, n_out = self._inputs[i], self._outputs[i]
+        p, d, room = self._router.route(self._prefill_load, self._decode_load)
+        if self.faults is not None and self.faults.refused(rid, n_in, n_out, sent_s, p, d):
+            return  # routed to a dead instance
+        if self.prefills:
+            pre = self.prefills[p]
+            preq = Request(rid, n_in, n_out, arrival_s=sent_s, bootstrap_room=room)
+            self._scheduler_for(pre, room).add_request(preq, now)
+            pre.admitted()
+        dec = self.serving[d]
+        dreq = Request(rid, n_in, n_out, arrival_s=sent_s, bootstrap_room=room, prefill_instance=p)
+        self._scheduler_for(dec, room).add_request(dreq, now)
+        dec.admitted()
+        if self.faults is not None:
+            self.faults.track(preq, dreq)
 
-    def run(self, arrival_s: np.ndarray, input_tokens: np.ndarray, output_tokens: np.ndarray) -> SimResult:
-        self._num_requests = len(arrival_s)
+    def _scheduler_for(self, inst: SimInstance, room: int) -> InstanceScheduler:
+        scheds = inst.schedulers
+        rank = pick_dp_rank(self.cluster.dp_assignment, room, len(scheds),
+                            lambda r: scheds[r].num_active)
+        return scheds[rank]
+
+    def give_up_at(self, at_s: float) -> None:
+        """Requests unfinished at `at_s` (simulated) count as failed; the run ends there."""
+        if math.isfinite(at_s):
+            self.env.timeout(max(at_s - self.env.now, 0.0)).callbacks.append(
+                lambda _ev: self._give_up.succeed() if not self._give_up.triggered else None)
+
+    def run(self, arrival_s: np.ndarray, input_tokens: np.ndarray, output_tokens: np.ndarray,
+            closed_loop: ClosedLoop | None = None) -> SimResult:
+        """Serve the requests: open loop at `arrival_s`, or by `closed_loop`'s clients (then
+        `arrival_s` is ignored and the records hold the times the clients sent at)."""
+        self.num_requests = len(input_tokens)
         self._all_done = self.env.event()
-        if self._num_requests == 0:
+        self._give_up = self.env.event()
+        if self.num_requests == 0:
             return SimResult([], 0.0, self.instances)
-        self.env.process(self._arrivals(arrival_s, input_tokens, output_tokens))
-        limit = float(arrival_s[-1]) + self.max_duration_s
-        until = self._all_done | self.env.timeout(limit) if math.isfinite(limit) else self._all_done
+        self._inputs, self._outputs = input_tokens.tolist(), output_tokens.tolist()
+        self._sent_s = [math.nan] * self.num_requests
+        self._router = Router(self.cluster.router_policy, len(self.prefills), len(self.serving),
+                              self.router_seed)
+        self._source = OpenLoop(arrival_s) if closed_loop is None else ClosedLoopSource(closed_loop)
+        self._source.start(self)
         with _few_gc_passes():
-            self.env.run(until=until)
+            self.env.run(until=self._all_done | self._give_up)
         span = self.env.now or math.nan
         return SimResult(
-            self._records(arrival_s, input_tokens, output_tokens), self.env.now, self.instances,
+            self._records(input_tokens), self.env.now, self.instances,
             prefill_busy_frac=_mean_busy(self.prefills, span),
             decode_busy_frac=_mean_busy(self.serving, span),
             kv_transfer_gb=self.fabric.kv_bytes / 1e9,
             decode_mean_batch=sum(i.decode_req_s for i in self.serving) / (len(self.serving) * span),
         )
 
-    def _records(self, arrival_s, input_tokens, output_tokens) -> list[RequestRecord]:
+    def _prefill_load(self, i: int) -> float:
+        return sum(s.pending_tokens for s in self.prefills[i].schedulers)
+
+    def _decode_load(self, i: int) -> float:
+        return sum(s.num_active for s in self.serving[i].schedulers)
+
+    def _records(self, input_tokens) -> list[RequestRecord]:
         records = []
-        for i in range(self._num_requests):
+        for i in range(self.num_requests):
             rid = str(i)
             req = self.final.get(rid)
             if req is None:
+                sent = self._sent_s[i]
                 records.append(RequestRecord(
                     rid=rid, input_tokens=int(input_tokens[i]), output_tokens=0, status="failed",
-                    error="did not finish before the simulation's time limit",
-                    arrival_s=float(arrival_s[i]),
+                    error="never sent: its client's earlier request did not finish in time"
+                    if math.isnan(sent) else "did not finish before the simulation's time limit",
+                    arrival_s=sent,
                 ))
                 continue
             rec = req.to_record("failed" if req.error else "ok")
@@ -308,6 +344,57 @@ class Simulation:
                 rec.prefill_end_s = pre.prefill_end_s
             records.append(rec)
         return records
+
+
+class OpenLoop:
+    """Requests sent at the workload's arrival times, whatever the cluster does."""
+
+    def __init__(self, arrival_s: np.ndarray):
+        self.arrival_s = arrival_s
+
+    def start(self, sim: Simulation) -> None:
+        sim.give_up_at(float(self.arrival_s[-1]) + sim.max_duration_s)
+        sim.env.process(self._send_all(sim))
+
+    def _send_all(self, sim: Simulation):
+        env = sim.env
+        delay = sim.cluster.frontend_latency_s
+        for i, sent in enumerate(self.arrival_s.tolist()):
+            at = sent + delay
+            if at > env.now:
+                yield env.timeout(at - env.now)
+            sim.submit(i, sent)
+
+    def finished(self, index: int) -> None:
+        pass
+
+
+class ClosedLoopSource:
+    """`concurrency` clients start at 0 s; each sends the next unsent request (in workload
+    order) `think_time_s` after its previous one ended, completed or failed."""
+
+    def __init__(self, loop: ClosedLoop):
+        self.loop = loop
+        self.next_index = 0
+
+    def start(self, sim: Simulation) -> None:
+        self.sim = sim
+        for _ in range(min(self.loop.concurrency, sim.num_requests)):
+            self._send(0.0)
+
+    def finished(self, index: int) -> None:
+        if self.next_index < self.sim.num_requests:
+            self._send(self.sim.env.now + self.loop.think_time_s)
+
+    def _send(self, sent_s: float) -> None:
+        # Always through an event, even with no delay: `finished` runs inside an instance's
+        # hand-off of its done requests, which must not be re-entered.
+        sim, i = self.sim, self.next_index
+        self.next_index += 1
+        at = sent_s + sim.cluster.frontend_latency_s
+        sim.env.timeout(at - sim.env.now).callbacks.append(lambda _ev: sim.submit(i, sent_s))
+        if self.next_index == sim.num_requests:
+            sim.give_up_at(sent_s + sim.max_duration_s)
 
 
 def _mean_busy(instances: Sequence[SimInstance], span_s: float) -> float:
@@ -329,7 +416,8 @@ def _few_gc_passes():
 
 
 def simulate(cluster: ClusterSpec, arrival_s, input_tokens, output_tokens, *, seed: int = 0,
-             max_duration_s: float = math.inf) -> SimResult:
+             max_duration_s: float = math.inf, closed_loop: ClosedLoop | None = None) -> SimResult:
     return Simulation(cluster, seed, max_duration_s).run(
-        np.asarray(arrival_s, dtype=float), np.asarray(input_tokens), np.asarray(output_tokens)
+        np.asarray(arrival_s, dtype=float), np.asarray(input_tokens), np.asarray(output_tokens),
+        closed_loop,
     )

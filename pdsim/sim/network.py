@@ -1,10 +1,12 @@
 """The simulator's transfer backend: the core's KV manager, sender and receiver over a network
-model that charges handshake latency and bytes / bandwidth.
+model that charges handshake latency and, per KV transfer, a fixed floor plus bytes / bandwidth.
 
-Each instance has one NIC link (per GPU bandwidth × GPUs that send in parallel). A chunk occupies
-the sender's and the receiver's link from the moment both are free: FIFO sharing of the
-bottleneck, enough to see a network that cannot carry the KV. With `enabled: false` the KV moves
-for free (NVLink-attached or a what-if), only message latencies remain.
+Each instance has one NIC link (per GPU bandwidth × GPUs that send in parallel, at the share of
+the line rate the protocol reaches). A chunk occupies the sender's and the receiver's link from
+the moment both are free: FIFO sharing of the bottleneck, enough to see a network that cannot
+carry the KV. With `enabled: false` the bytes move for free (NVLink-attached or a what-if); the
+per-transfer floor and the message latencies remain. The floor is latency, not link time:
+concurrent transfers overlap their floors.
 """
 
 from __future__ import annotations
@@ -19,11 +21,28 @@ from pdsim.core.transfer import DictMetadataStore
 
 
 @dataclass(frozen=True)
+class Protocol:
+    """What a KV transfer over one protocol costs beyond the line rate (docs/cost_model.md)."""
+
+    line_rate_efficiency: float  # share of the NIC's line rate a large transfer reaches
+    transfer_floor_s: float  # fixed time of one transfer: posting, completion, status hand-off
+
+
+PROTOCOLS = {
+    # Mooncake's README: 87 GB/s over 4 x 200 Gb/s RoCE (100 GB/s); the floor is an assumption.
+    "rdma": Protocol(line_rate_efficiency=0.87, transfer_floor_s=1.0e-3),
+    # Mooncake's README: ~36 GB/s over the same NICs; the floor from benchmarks/pd_overhead.py.
+    "tcp": Protocol(line_rate_efficiency=0.36, transfer_floor_s=2.7e-3),
+}
+
+
+@dataclass(frozen=True)
 class NetworkModel:
     enabled: bool = True
     message_latency_s: float = 50e-6  # one ZMQ message between instances
     first_contact_s: float = 2e-3  # HTTP bootstrap lookup + registration, once per pair
-    transfer_setup_s: float = 100e-6  # per chunk: posting the batch of writes
+    handshake_s: float = 0.58e-3  # per request after the first: lookup + receiver set-up
+    transfer_floor_s: float = PROTOCOLS["rdma"].transfer_floor_s  # per chunk sent
 
 
 class Link:
@@ -86,7 +105,7 @@ class SimFabric:
     def handshake_delay(self, decode_id: int, prefill_id: int) -> float:
         key = (decode_id, prefill_id)
         if key in self._contacted:
-            return self.model.message_latency_s
+            return self.model.handshake_s
         self._contacted.add(key)
         return self.model.first_contact_s
 
@@ -95,11 +114,11 @@ class SimFabric:
         now = self.env.now
         self.kv_bytes += nbytes
         if not self.model.enabled:
-            return now + self.model.transfer_setup_s
+            return now + self.model.transfer_floor_s
         start = max(now, src.busy_until, dst.busy_until)
-        end = start + self.model.transfer_setup_s + nbytes / min(src.bytes_per_s, dst.bytes_per_s)
-        src.busy_until = dst.busy_until = end
-        return end
+        sent = start + nbytes / min(src.bytes_per_s, dst.bytes_per_s)
+        src.busy_until = dst.busy_until = sent
+        return sent + self.model.transfer_floor_s
 
     def fail(self, r: _Room, reason: str) -> None:
         if r.sender_state is KVPoll.Failed and r.receiver_state is KVPoll.Failed:

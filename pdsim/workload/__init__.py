@@ -10,6 +10,7 @@ workload:                     # synthetic
   num_requests: 2000
   seed: 7
   arrival: {process: gamma, rate_rps: 4.0, cv: 2.0}   # poisson | gamma (cv) | constant
+  # or a closed loop: {process: closed, concurrency: 64, think_time_s: 0.0}
   input_len: {dist: lognormal, mean: 2048, cv: 1.0, min: 16, max: 32768}
   output_len: {dist: empirical, path: ../shared/traces/conversation_trace.jsonl, column: output}
   # also {dist: fixed, value: 128} and {dist: uniform, low: 16, high: 512} (both ends included)
@@ -21,6 +22,7 @@ workload:                     # trace replay
   start_s: 600                # skip the trace's first 600 s (optional)
   target_rate_rps: 8.0        # or rate_scale: 1.5 (optional; stretch or compress time)
   max_input_tokens: 32768     # drop longer requests, counted in Workload.num_dropped (optional)
+  # closed_loop: {concurrency: 64, think_time_s: 0}  # replay lengths by N clients, ignore times
 ```
 
 Modules: `arrays` (the Workload value), `registry` (names to spec classes), `synthetic`
@@ -38,13 +40,15 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, ConfigDict, TypeAdapter
 
-from pdsim.workload.arrays import TraceNotFoundError, Workload, WorkloadError
+from pdsim.workload.arrays import ClosedLoop, TraceNotFoundError, Workload, WorkloadError
 from pdsim.workload.registry import Registry, Spec
 from pdsim.workload.replay import TraceWorkload
 from pdsim.workload.synthetic import (
     ARRIVAL_PROCESSES,
     LENGTH_DISTRIBUTIONS,
+    Arrival,
     ArrivalProcess,
+    ClosedLoopArrival,
     ConstantArrival,
     EmpiricalLength,
     FixedLength,
@@ -68,7 +72,10 @@ from pdsim.workload.traces import (
 __all__ = [
     "ARRIVAL_PROCESSES",
     "LENGTH_DISTRIBUTIONS",
+    "Arrival",
     "ArrivalProcess",
+    "ClosedLoop",
+    "ClosedLoopArrival",
     "ConstantArrival",
     "EmpiricalLength",
     "FixedLength",

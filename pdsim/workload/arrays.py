@@ -30,18 +30,37 @@ def _int_column(values: Any, name: str) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+@dataclass(frozen=True)
+class ClosedLoop:
+    """`concurrency` clients, all starting at 0 s; each sends its next request `think_time_s`
+    after its previous one ended (completed or failed), as benchmark clients with a maximum
+    concurrency do. Arrival times then come from the serving, not from the workload."""
+
+    concurrency: int
+    think_time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise WorkloadError(f"concurrency must be >= 1, got {self.concurrency}")
+        if not (self.think_time_s >= 0 and np.isfinite(self.think_time_s)):
+            raise WorkloadError(f"think_time_s must be a finite number >= 0, got {self.think_time_s!r}")
+
+
 @dataclass(frozen=True, eq=False)
 class Workload:
     """Requests in arrival order: arrival time (s), input and output tokens, one index per request.
 
     The arrays are copies made read-only. `num_dropped` counts requests the config removed (a
-    trace's `max_input_tokens`), so a report can say what was left out.
+    trace's `max_input_tokens`), so a report can say what was left out. With `closed_loop` the
+    requests are sent in index order by that many clients and `arrival_s` is all zero: the real
+    times exist only once a backend has served them (they are in its per-request records).
     """
 
     arrival_s: np.ndarray
     input_tokens: np.ndarray
     output_tokens: np.ndarray
     num_dropped: int = 0
+    closed_loop: ClosedLoop | None = None
 
     def __post_init__(self) -> None:
         arrival = np.array(self.arrival_s, dtype=np.float64)
@@ -70,6 +89,10 @@ class Workload:
                     raise WorkloadError(f"{name} must be >= 1; request {i} has {arr[i]}")
         if self.num_dropped < 0:
             raise WorkloadError(f"num_dropped must be >= 0, got {self.num_dropped}")
+        if self.closed_loop is not None and np.any(arrival != 0):
+            raise WorkloadError(
+                "a closed-loop workload has no arrival times of its own: arrival_s must be all zero"
+            )
         for name, arr in (("arrival_s", arrival), ("input_tokens", inputs), ("output_tokens", outputs)):
             arr.flags.writeable = False
             object.__setattr__(self, name, arr)
@@ -82,6 +105,7 @@ class Workload:
             return NotImplemented
         return (
             self.num_dropped == other.num_dropped
+            and self.closed_loop == other.closed_loop
             and np.array_equal(self.arrival_s, other.arrival_s)
             and np.array_equal(self.input_tokens, other.input_tokens)
             and np.array_equal(self.output_tokens, other.output_tokens)
@@ -91,15 +115,19 @@ class Workload:
 
     @property
     def duration_s(self) -> float:
-        """Time from the first arrival to the last (0 for fewer than two requests)."""
+        """Time from the first arrival to the last (0 for fewer than two requests; NaN for a
+        closed loop, whose times are not known before serving)."""
+        if self.closed_loop is not None:
+            return float("nan")
         if len(self) < 2:
             return 0.0
         return float(self.arrival_s[-1] - self.arrival_s[0])
 
     @property
     def mean_rate_rps(self) -> float:
-        """Arrivals per second over the span: (n - 1) / duration_s; nan below two requests."""
-        if len(self) < 2:
+        """Arrivals per second over the span: (n - 1) / duration_s; nan below two requests or
+        for a closed loop."""
+        if len(self) < 2 or self.closed_loop is not None:
             return float("nan")
         if self.duration_s == 0:
             return float("inf")
@@ -109,12 +137,15 @@ class Workload:
         """The first `n` requests."""
         if n < 0:
             raise ValueError(f"head: n must be >= 0, got {n}")
-        return Workload(self.arrival_s[:n], self.input_tokens[:n], self.output_tokens[:n], self.num_dropped)
+        return Workload(self.arrival_s[:n], self.input_tokens[:n], self.output_tokens[:n],
+                        self.num_dropped, self.closed_loop)
 
     def scaled(self, rate_factor: float) -> Workload:
         """The same requests with every arrival time divided by `rate_factor` (2.0: twice the rate)."""
         if not (rate_factor > 0 and np.isfinite(rate_factor)):
             raise ValueError(f"scaled: rate_factor must be a finite number > 0, got {rate_factor!r}")
+        if self.closed_loop is not None:
+            raise ValueError("scaled: a closed-loop workload has no arrival times to rescale")
         return Workload(self.arrival_s / rate_factor, self.input_tokens, self.output_tokens, self.num_dropped)
 
     def to_frame(self) -> pd.DataFrame:

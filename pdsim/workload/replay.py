@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from pdsim.workload.arrays import Workload, WorkloadError
 from pdsim.workload.registry import Spec
+from pdsim.workload.synthetic import ClosedLoopArrival
 from pdsim.workload.traces import TraceFormat, read_trace, resolve_path
 
 log = logging.getLogger(__name__)
@@ -23,8 +24,9 @@ class TraceWorkload(Spec):
     the kept requests' lengths real; the count is `Workload.num_dropped`, counting only dropped
     rows before the last kept one); keep the first `num_requests`; divide times by `rate_scale`,
     or by the factor that makes the mean rate `target_rate_rps`. Asking for more requests than
-    the window holds is an error. Replay draws nothing random; `seed` is kept so every
-    workload config names one.
+    the window holds is an error. With `closed_loop` the kept requests' lengths are sent in
+    trace order by that many clients and the trace's times are ignored. Replay draws nothing
+    random; `seed` is kept so every workload config names one.
     """
 
     trace: str = Field(min_length=1, description="path; relative to the experiment YAML's folder")
@@ -34,12 +36,16 @@ class TraceWorkload(Spec):
     rate_scale: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     target_rate_rps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     max_input_tokens: int | None = Field(default=None, ge=1)
+    closed_loop: ClosedLoopArrival | None = None
     seed: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _one_rate(self) -> TraceWorkload:
         if self.rate_scale is not None and self.target_rate_rps is not None:
             raise ValueError("give at most one of rate_scale or target_rate_rps")
+        if self.closed_loop is not None and (self.rate_scale or self.target_rate_rps):
+            raise ValueError("a closed_loop replay ignores the trace's times: drop rate_scale "
+                             "and target_rate_rps")
         return self
 
     def build(self, base_dir: str | Path | None = None) -> Workload:
@@ -68,6 +74,9 @@ class TraceWorkload(Spec):
         if num_dropped:
             log.info("workload %s: dropped %d requests over max_input_tokens", self.trace, num_dropped)
 
+        if self.closed_loop is not None:
+            return Workload(np.zeros(len(rows)), trace.input_tokens[rows], trace.output_tokens[rows],
+                            num_dropped, self.closed_loop.closed_loop)
         workload = Workload(
             trace.arrival_s[rows] - self.start_s,
             trace.input_tokens[rows],

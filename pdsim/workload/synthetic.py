@@ -13,18 +13,23 @@ from typing import Annotated, ClassVar, Literal
 import numpy as np
 from pydantic import BeforeValidator, Field, SerializeAsAny, model_validator
 
-from pdsim.workload.arrays import TraceNotFoundError, Workload, WorkloadError
+from pdsim.workload.arrays import ClosedLoop, TraceNotFoundError, Workload, WorkloadError
 from pdsim.workload.registry import Registry, Spec
 from pdsim.workload.traces import TraceFormat, read_trace, resolve_path
 
 # --------------------------------------------------------------------------------------------
-# Arrival processes
+# Arrivals: open-loop processes (times drawn up front) and the closed loop (times from serving)
 
 
-class ArrivalProcess(Spec):
-    """A renewal process at `rate_rps`; the first request arrives at 0 s."""
+class Arrival(Spec):
+    """How requests arrive: `process` names the registered kind."""
 
     process: str
+
+
+class ArrivalProcess(Arrival):
+    """A renewal process at `rate_rps`; the first request arrives at 0 s."""
+
     rate_rps: float = Field(gt=0, allow_inf_nan=False, description="mean arrivals per second")
 
     def arrival_times(self, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -38,7 +43,7 @@ class ArrivalProcess(Spec):
         raise NotImplementedError
 
 
-ARRIVAL_PROCESSES: Registry[ArrivalProcess] = Registry("arrival process", "process")
+ARRIVAL_PROCESSES: Registry[Arrival] = Registry("arrival process", "process")
 
 
 @ARRIVAL_PROCESSES.register
@@ -71,6 +76,21 @@ class ConstantArrival(ArrivalProcess):
 
     def gaps(self, n: int, rng: np.random.Generator) -> np.ndarray:
         return np.full(n, 1.0 / self.rate_rps)
+
+
+@ARRIVAL_PROCESSES.register
+class ClosedLoopArrival(Arrival):
+    """`concurrency` clients that all start at 0 s; each sends its next request `think_time_s`
+    after its previous one ends (see `ClosedLoop`)."""
+
+    process: Literal["closed"] = "closed"
+    concurrency: int = Field(ge=1, description="clients, each with one request in flight")
+    think_time_s: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                description="pause between a response and the client's next request")
+
+    @property
+    def closed_loop(self) -> ClosedLoop:
+        return ClosedLoop(self.concurrency, self.think_time_s)
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,7 +199,7 @@ class EmpiricalLength(LengthDistribution):
 # The config
 
 
-ArrivalSpec = SerializeAsAny[Annotated[ArrivalProcess, BeforeValidator(ARRIVAL_PROCESSES.parse)]]
+ArrivalSpec = SerializeAsAny[Annotated[Arrival, BeforeValidator(ARRIVAL_PROCESSES.parse)]]
 LengthSpec = SerializeAsAny[Annotated[LengthDistribution, BeforeValidator(LENGTH_DISTRIBUTIONS.parse)]]
 
 
@@ -198,9 +218,12 @@ class SyntheticWorkload(Spec):
         """Draw the workload; `base_dir` resolves an empirical distribution's relative path."""
         seeds = np.random.SeedSequence(self.seed).spawn(len(self.COMPONENTS))
         arrival_rng, input_rng, output_rng = (np.random.default_rng(s) for s in seeds)
-        arrival_s = self.arrival.arrival_times(self.num_requests, arrival_rng)
         input_tokens = self._lengths("input_len", input_rng, base_dir)
         output_tokens = self._lengths("output_len", output_rng, base_dir)
+        if isinstance(self.arrival, ClosedLoopArrival):
+            zeros = np.zeros(self.num_requests)
+            return Workload(zeros, input_tokens, output_tokens, closed_loop=self.arrival.closed_loop)
+        arrival_s = self.arrival.arrival_times(self.num_requests, arrival_rng)
         return Workload(arrival_s, input_tokens, output_tokens)
 
     def _lengths(self, field: str, rng: np.random.Generator, base_dir: str | Path | None) -> np.ndarray:

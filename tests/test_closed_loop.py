@@ -1,0 +1,201 @@
+"""Closed-loop clients, the measurement window, fixed per-request costs and DP-rank assignment
+in the simulator, end to end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pdsim.config import ConfigError, parse_experiment
+from pdsim.core.router import Router, pick_dp_rank
+from pdsim.metrics import MeasurementWindow, summarize
+from pdsim.runner import run_point
+from pdsim.sim.build import build_cluster
+from pdsim.sim.cluster import Simulation
+from pdsim.workload import generate
+
+
+def experiment(concurrency=8, think_time_s=0.0, num_requests=160, **over) -> dict:
+    data = {
+        "name": "closed",
+        "seed": 2,
+        "model": "llama-3.1-8b",
+        "hardware": "h100",
+        "cluster": {"prefill": {"instances": 1}, "decode": {"instances": 1}},
+        "workload": {
+            "num_requests": num_requests,
+            "seed": 5,
+            "arrival": {"process": "closed", "concurrency": concurrency, "think_time_s": think_time_s},
+            "input_len": {"dist": "uniform", "low": 64, "high": 1500},
+            "output_len": {"dist": "uniform", "low": 4, "high": 60},
+        },
+    }
+    data.update(over)
+    return data
+
+
+def simulate(data: dict):
+    cfg = parse_experiment(data)
+    wl = generate(cfg.workload)
+    sim = Simulation(build_cluster(cfg), cfg.seed, cfg.max_duration_s)
+    result = sim.run(wl.arrival_s, wl.input_tokens, wl.output_tokens, wl.closed_loop)
+    assert all(r.ok for r in result.records)
+    arrivals = np.array([r.arrival_s for r in result.records])
+    finishes = np.array([r.finish_s for r in result.records])
+    return arrivals, finishes, result
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_closed_loop_keeps_exactly_n_requests_in_flight(concurrency):
+    arrivals, finishes, _ = simulate(experiment(concurrency))
+    assert np.count_nonzero(arrivals == 0.0) == concurrency  # every client starts at once
+    last_sent = arrivals.max()
+    for t in np.union1d(arrivals, finishes):
+        in_flight = np.count_nonzero(arrivals <= t) - np.count_nonzero(finishes <= t)
+        if t < last_sent:
+            assert in_flight == concurrency, t
+        else:  # the drain: no new request, the clients finish one by one
+            assert in_flight <= concurrency
+
+
+def test_without_think_time_a_request_is_sent_when_another_ends():
+    n = 8
+    arrivals, finishes, _ = simulate(experiment(n))
+    # The requests after the first wave are sent exactly at the first len - n finishes.
+    np.testing.assert_array_equal(np.sort(arrivals)[n:], np.sort(finishes)[: len(finishes) - n])
+
+
+def test_think_time_delays_each_next_request():
+    n, think = 4, 0.25
+    arrivals, finishes, _ = simulate(experiment(n, think_time_s=think))
+    np.testing.assert_allclose(np.sort(arrivals)[n:], np.sort(finishes)[: len(finishes) - n] + think,
+                               rtol=0, atol=1e-9)
+
+
+def test_closed_loop_replays_a_trace_with_its_lengths(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(
+        f'{{"timestamp": {i * 1000}, "input_length": {100 + i}, "output_length": {5 + i % 3}}}\n'
+        for i in range(12)))
+    data = experiment()
+    data["workload"] = {"trace": str(trace), "closed_loop": {"concurrency": 3}}
+    arrivals, finishes, result = simulate(data)
+    assert [r.input_tokens for r in result.records] == [100 + i for i in range(12)]
+    np.testing.assert_array_equal(np.sort(arrivals)[3:], np.sort(finishes)[:9])
+    with pytest.raises(ConfigError, match="closed_loop"):
+        parse_experiment({**data, "workload": {**data["workload"], "target_rate_rps": 2.0}})
+
+
+def test_window_throughput_is_in_window_tokens_over_its_length():
+    n = 16
+    window = {"warmup_requests": n, "cooldown_requests": n}
+    data = experiment(n, num_requests=240, metrics=window)
+    point = run_point(0, parse_experiment(data), {}, None)
+    frame, s = point.requests, point.summary
+    start, end = s["window_start_s"], s["window_end_s"]
+    # Warm-up ends when the first request of the second wave is sent, cool-down starts when
+    # the last n requests are still to finish.
+    assert start == np.sort(frame["arrival_s"])[n] > 0
+    assert end == np.sort(frame["finish_s"])[-n - 1] < frame["finish_s"].max()
+    inside = frame["in_window"].to_numpy()
+    np.testing.assert_array_equal(inside, (frame["finish_s"] >= start) & (frame["finish_s"] <= end))
+    assert s["num_requests"] == inside.sum() < s["run_requests"] == 240
+    expected = frame.loc[inside, "output_tokens"].sum() / (end - start)
+    assert s["output_tok_s"] == pytest.approx(expected, rel=1e-12)
+    assert s["duration_s"] == pytest.approx(end - start)
+    whole = run_point(0, parse_experiment(experiment(n, num_requests=240)), {}, None).summary
+    assert not whole["output_tok_s"] == pytest.approx(s["output_tok_s"], rel=0.01)
+    assert whole["run_requests"] == whole["num_requests"] == 240
+    assert whole["duration_s"] == pytest.approx(frame["finish_s"].max())  # first arrival at 0
+
+
+def test_window_by_time_on_hand_made_times():
+    arrivals = np.array([0.0, 0.0, 1.0, 2.0, 3.0, np.nan])
+    finishes = np.array([1.0, 2.0, 3.0, 4.0, np.nan, np.nan])
+    w = MeasurementWindow(warmup_s=0.5, cooldown_s=1.5)
+    assert w.bounds(arrivals, finishes) == (0.5, 2.5)
+    # Ended inside [0.5, 2.5]: the first two; the one that never ended arrived after 2.5.
+    np.testing.assert_array_equal(w.mask(arrivals, finishes), [True, True, False, False, False, False])
+    assert MeasurementWindow().mask(arrivals, finishes).all()
+    assert MeasurementWindow(warmup_requests=2).bounds(arrivals, finishes) == (1.0, 4.0)
+    empty = MeasurementWindow(warmup_requests=99).bounds(arrivals, finishes)
+    assert empty[0] == np.inf
+    assert np.isnan(summarize([], num_gpus=1, slo=parse_experiment(experiment()).slo,
+                              window=w)["output_tok_s"])
+
+
+def one_request_ttft(**network_and_router) -> float:
+    data = experiment(1, num_requests=1, **network_and_router)
+    data["workload"]["input_len"] = {"dist": "fixed", "value": 1000}
+    _, _, result = simulate(data)
+    return result.records[0].ttft_s
+
+
+def test_ttft_at_concurrency_one_includes_the_fixed_costs():
+    free = {"frontend_latency_s": 0.0}
+    zero_net = {"first_contact_s": 0.0, "handshake_s": 0.0, "transfer_floor_s": 0.0,
+                "message_latency_s": 0.0}
+    bare = one_request_ttft(router=free, network=zero_net)
+    costs = {"frontend_latency_s": 0.004}
+    net = {**zero_net, "first_contact_s": 0.003, "transfer_floor_s": 0.002}
+    assert one_request_ttft(router=costs, network=net) == pytest.approx(bare + 0.009, abs=1e-9)
+    # The defaults carry a floor of several ms over the bare compute and bytes.
+    assert one_request_ttft() > bare + 0.008
+    # An idle scheduler's wake-up is paid at each of the request's idle-to-busy steps.
+    wake = {"prefill": {"scheduler": {"wakeup_s": 0.001}}, "decode": {"scheduler": {"wakeup_s": 0.001}}}
+    slower = one_request_ttft(router=free, network=zero_net, cluster=wake)
+    assert slower >= bare + 0.002
+
+
+def test_tcp_is_slower_than_rdma_for_the_same_line_rate():
+    rdma = one_request_ttft(network={"protocol": "rdma"})
+    tcp = one_request_ttft(network={"protocol": "tcp"})
+    assert tcp > rdma
+    half = one_request_ttft(network={"protocol": "rdma", "line_rate_efficiency": 0.1})
+    assert half > rdma
+
+
+def test_instance_knobs_split_over_dp_ranks_as_sglang_does():
+    data = experiment()
+    data["model"] = "deepseek-v3"
+    data["hardware"] = "h200"
+    sched = {"max_running_requests": 256, "chunked_prefill_size": 8192, "max_prefill_tokens": 16384}
+    data["cluster"] = {"prefill": {"tp": 8, "dp_attention": 8, "ep": 8, "scheduler": sched},
+                       "decode": {"tp": 8, "dp_attention": 8, "ep": 8, "scheduler": sched}}
+    rank = build_cluster(parse_experiment(data)).decode.scheduler
+    assert (rank.max_running_requests, rank.chunked_prefill_size, rank.max_prefill_tokens) == (32, 1024, 16384)
+    data["cluster"]["decode"]["scheduler"] = {"max_running_requests": 4}
+    with pytest.raises(ConfigError, match=r"decode\.scheduler\.max_running_requests: 4 .* at least 8"):
+        build_cluster(parse_experiment(data))
+
+
+def test_pick_dp_rank_follows_the_room_or_the_shortest_queue():
+    queues = [3, 1, 1, 4]
+    assert pick_dp_rank("room", 10, 4, queues.__getitem__) == 2
+    assert pick_dp_rank("shortest_queue", 10, 4, queues.__getitem__) == 1  # ties: lowest rank
+    assert pick_dp_rank("shortest_queue", 10, 1, queues.__getitem__) == 0
+    with pytest.raises(ValueError, match="allowed: room, shortest_queue"):
+        pick_dp_rank("random", 1, 2, queues.__getitem__)
+
+
+@pytest.mark.parametrize("assignment", ["room", "shortest_queue"])
+def test_dp_assignment_in_the_simulator(assignment):
+    data = experiment(concurrency=16, num_requests=16, router={"dp_assignment": assignment})
+    data["cluster"]["decode"] = {"tp": 4, "dp_attention": 4}
+    cfg = parse_experiment(data)
+    wl = generate(cfg.workload)
+    sim = Simulation(build_cluster(cfg), cfg.seed)
+    taken = [0] * 4
+    for rank, sched in enumerate(sim.serving[0].schedulers):
+        def counting(req, now, add=sched.add_request, rank=rank):
+            taken[rank] += 1
+            add(req, now)
+        sched.add_request = counting
+    result = sim.run(wl.arrival_s, wl.input_tokens, wl.output_tokens, wl.closed_loop)
+    assert all(r.ok for r in result.records) and sum(taken) == 16
+    if assignment == "shortest_queue":
+        assert taken == [4, 4, 4, 4]  # 16 arrive at once: each rank takes the next in turn
+    else:  # the same seed draws the same rooms, in the same order
+        router = Router(cfg.router.policy, 1, 1, cfg.seed)
+        rooms = [router.route(lambda i: 0, lambda i: 0)[2] for _ in range(16)]
+        assert taken == [sum(room % 4 == r for room in rooms) for r in range(4)]
