@@ -22,6 +22,7 @@ from pdsim.plots import plot_latency_cdfs, plot_sweep
 from pdsim.report import write_report
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cluster import simulate
+from pdsim.sim.silicon import cost_columns
 from pdsim.workload import ClosedLoop, generate
 
 
@@ -77,6 +78,7 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
     row["decode_busy_frac"] = result.decode_busy_frac
     row["kv_transfer_gb"] = result.kv_transfer_gb
     row["decode_mean_batch"] = result.decode_mean_batch
+    row.update(cost_columns(cfg.cost_model.name, [inst.cost for inst in result.instances]))
     if cfg.faults.any:  # failed requests, their latency to error, recovery after a kill
         row.update(fault_summary(result.records, first_kill_s(cfg.faults)))
     frame = records_frame(result.records)
