@@ -14,9 +14,10 @@ inbox to its tensor-parallel ranks and reduces their transfer polls there).
 
 Other threads talk to the engine only through its inbox (`submit`, `abort`, `call`), which the
 loop drains between forwards, so the scheduler and the executor are touched by the engine
-thread alone. After every forward each affected request's new tokens go to its *sink*, a
-callable the submitter gives (the HTTP server's puts them on an asyncio queue with
-`loop.call_soon_threadsafe`); a finished request's last event carries its finish reason
+thread alone. A request whose sampling fails is failed alone after the forward (the executor
+lists it); the rest of its batch goes on. After every forward each affected request's new tokens
+go to its *sink*, a callable the submitter gives (the HTTP server's puts them on an asyncio queue
+with `loop.call_soon_threadsafe`); a finished request's last event carries its finish reason
 ("stop": it generated a stop token; "length": it reached `max_new_tokens`) or its error. Sinks
 are called on the engine thread and must not block.
 
@@ -64,6 +65,7 @@ class StreamEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # tokens generated in all, on the last event
     status: int | None = None  # HTTP status of an error raised before any token (router)
+    param: str | None = None  # the request field a 4xx error is about
 
 
 Sink = Callable[[StreamEvent], None]
@@ -71,6 +73,23 @@ Sink = Callable[[StreamEvent], None]
 
 class EngineStopped(RuntimeError):
     """The engine no longer takes requests."""
+
+
+class Overloaded(RuntimeError):
+    """Too many requests in flight: the caller should answer 503 with Retry-After."""
+
+
+RETRY_AFTER_S = 1  # what a 503 tells the client to wait before trying again
+# Failures that mean "too busy right now" (a request that waited its turn too long), not a fault.
+BUSY_FAILURES = ("shutting down", "bootstrap timed out", "KV did not arrive within")
+
+
+def failure_status(event: StreamEvent) -> int:
+    """The HTTP status of a failed request: its own (a refusal), 503 when the server was too
+    busy or is stopping (the client may retry), else 500."""
+    if event.status:
+        return event.status
+    return 503 if event.error and any(m in event.error for m in BUSY_FAILURES) else 500
 
 
 @dataclass(slots=True)
@@ -150,6 +169,10 @@ class Engine:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
+    async def problems(self) -> dict[str, str]:
+        """What keeps the engine from serving (empty: nothing)."""
+        return {} if self.running else {"engine": "stopped"}
+
     # ---- the inbox (any thread) --------------------------------------------------------------
 
     def _post(self, kind: str, item: Any) -> None:
@@ -187,6 +210,11 @@ class Engine:
         fut: Future = Future()
         self._post("call", (fn, fut))
         return fut.result(timeout)
+
+    def has_request(self, rid: str, timeout: float | None = 30.0) -> bool:
+        """Whether `rid` is in flight here (asked on the engine thread, after every request
+        submitted before this call was taken in)."""
+        return self.call(lambda: rid in self._streams, timeout)
 
     def check_pools_full(self, timeout: float = 30.0) -> None:
         """Wait until no request is active, then check that every page and slot is back."""
@@ -227,6 +255,7 @@ class Engine:
                 self._batch_failed(batch, f"forward failed: {exc}")
                 continue
             self.sched.on_batch_done(batch, result, self.now())
+            self._fail_unsampled()
             self.metrics.observe_forward(batch.kind, result.duration_s)
             if batch.kind == "extend":
                 self._push_new(seg.req for seg in batch.segments if seg.is_last)
@@ -291,8 +320,21 @@ class Engine:
         stream.rejected = req.finished
         self._finish_done()
 
+    def _fail_unsampled(self) -> None:
+        """Fail, alone, the requests of the last batch whose sampling failed (a rank-local
+        decision that is the same on every TP rank: they sample alike). One that the batch
+        already finished is still in `sched.done`: it fails there."""
+        now = self.now()
+        for rid, reason in self.executor.take_failures().items():
+            log.warning("request %s failed alone: %s", rid, reason)
+            if not self.sched.abort(rid, reason, now):
+                stream = self._streams.get(rid)
+                if stream is not None and stream.req.finished and not stream.req.error:
+                    stream.req.error = reason
+
     def _batch_failed(self, batch: Batch, reason: str) -> None:
         """Fail the requests of a batch whose forward raised; the others go on."""
+        self.executor.take_failures()
         now = self.now()
         if batch.kind == "extend":
             reqs = [seg.req for seg in batch.segments]
@@ -354,7 +396,8 @@ class Engine:
                 deliver(stream.sink, self._new_tokens(
                     stream, finished=True, finish_reason=reason, error=req.error or None,
                     completion_tokens=req.num_output,
-                    status=400 if stream.rejected and req.error else None))
+                    status=400 if stream.rejected and req.error else None,
+                    param="prompt" if stream.rejected and req.error else None))
             self.executor.release(req.rid)
 
     def _update_gauges(self) -> None:

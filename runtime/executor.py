@@ -14,7 +14,10 @@ handed) and one sampling generator per non-greedy request. The core's convention
 
 `req.sampling` is a `runtime.sampling.SamplingParams` (None means greedy). A seeded request draws
 from its own generator, so its tokens never depend on what else is batched with it; an unseeded
-one gets a seed from the executor's own seeded stream.
+one gets a seed from the executor's own seeded stream. A request whose sampling fails (its
+generator cannot be made, its distribution is not one) gets the greedy token in the result and
+is listed by `take_failures()`: the engine fails it alone, the rest of the batch goes on. Every
+TP rank samples the same rows with the same generators, so every rank fails the same requests.
 
 Every forward is timed (wall clock, the device synchronised) and recorded with its `BatchShape`,
 the inputs of the simulator's cost model: `timings_frame()` / `save_timings(path)`.
@@ -83,6 +86,7 @@ class ModelExecutor:
         self._generators: dict[str, torch.Generator] = {}
         self._top_k: dict[str, int] = {}
         self._top: dict[str, list[list[tuple[int, float]]]] = {}
+        self._failures: dict[str, str] = {}
 
     # ---- per-request state -----------------------------------------------------------------
 
@@ -101,6 +105,11 @@ class ModelExecutor:
             return []
         self._top[rid] = []
         return got
+
+    def take_failures(self) -> dict[str, str]:
+        """The requests whose sampling failed since the last call: rid -> reason."""
+        failures, self._failures = self._failures, {}
+        return failures
 
     def release(self, rid: str) -> None:
         """Forget a finished request's generator and logprob state."""
@@ -173,10 +182,17 @@ class ModelExecutor:
             logits = logits[:, : self.vocab_limit]
         params, gens = [], []
         for req, last in zip(reqs, sampled):
-            p, g = self._sampling(req) if last else (GREEDY, None)
+            p, g = GREEDY, None
+            if last:
+                try:
+                    p, g = self._sampling(req)
+                except (ValueError, RuntimeError) as exc:  # e.g. a seed torch cannot take
+                    self._failures[req.rid] = f"sampling failed: {exc}"
             params.append(p)
             gens.append(g)
         result = sample(logits, params, gens)
+        for row, reason in result.failed.items():
+            self._failures[reqs[row].rid] = reason
         self._gather_top(logits, reqs, sampled)
         return result.token_ids.tolist(), result.logprobs.tolist()
 

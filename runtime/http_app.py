@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
+MAX_BODY_BYTES = 64 << 20  # a larger request body gets 413
+
 
 class AppServer:
     """Subclasses give `make_app()` (which should install `self._count` as a middleware) and
@@ -64,3 +66,21 @@ class AppServer:
         if endpoint:
             self.metrics.observe_http(endpoint, response.status)
         return response
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own refusals (404 no such path, 405 wrong method, 413 body too large) in the
+    JSON error format `{"error": {"message", "type", "param", "code"}}`, headers (Allow) kept."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400 or exc.content_type == "application/json":
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        message = f"{exc.status} {exc.reason}: {exc.text}" if exc.text else exc.reason
+        headers = {k: v for k, v in exc.headers.items()
+                   if k.lower() not in ("content-type", "content-length")}
+        return web.json_response(
+            {"error": {"message": message, "type": kind, "param": None, "code": None}},
+            status=exc.status, headers=headers)

@@ -7,6 +7,12 @@ first one (computed by prefill, delivered in the KV metadata) included. The rout
 decode stream to the client and passes errors through with their status: a request a prefill
 worker refuses before any token (too long for its pool, say) gets that worker's 4xx.
 
+Every client gets an end: a worker that cannot be reached (503), that dies or stalls
+mid-stream (its connection reset or cut, `read_timeout_s` of silence: 502) ends the stream with
+an error event and `data: [DONE]` like any other failure. `GET /health` probes the workers
+(503 naming those that do not answer); more than `max_inflight_requests` at once get 503 with
+Retry-After.
+
 It reuses `OpenAIServer` for parsing, validation and the OpenAI wire format; only the
 `Backend` differs: `PDClient` here instead of a local `Engine`.
 """
@@ -14,8 +20,10 @@ It reuses `OpenAIServer` for parsing, validation and the OpenAI wire format; onl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import math
 import random
 import time
 import uuid
@@ -46,18 +54,42 @@ class WorkerAddress:
 
 
 class WorkerError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    """A worker refused a request (its status and the field it named), or failed it: 502, or
+    503 when it cannot be reached."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.param = param
+
+
+@contextlib.asynccontextmanager
+async def _calling(role: str, worker: WorkerAddress):
+    """Turn whatever goes wrong talking to a worker into a `WorkerError` naming it."""
+    try:
+        yield
+    except aiohttp.ClientConnectorError as exc:
+        raise WorkerError(503, f"{role} worker {worker.url} is unreachable: {exc}") from None
+    except (aiohttp.ClientError, OSError, ValueError, TypeError, AttributeError) as exc:
+        # a reset or cut stream, a read timeout (TimeoutError is an OSError), bad JSON
+        raise WorkerError(502, f"{role} worker {worker.url} failed: {type(exc).__name__}: "
+                          f"{exc}") from None
 
 
 class PDClient:
-    """The router's `Backend`: each request becomes a task that talks to two workers."""
+    """The router's `Backend`: each request becomes a task that talks to two workers.
+
+    connect_timeout_s: connecting to a worker; read_timeout_s: the most a worker may stay silent
+    (a decode stream before its first token waits for the KV: keep it above the transfer
+    timeouts); health_timeout_s / health_ttl_s: the workers' `/health` probes, and how long one
+    round of answers is reused.
+    """
 
     def __init__(self, prefill: Sequence[WorkerAddress], decode: Sequence[WorkerAddress], *,
                  policy: str = "round_robin", seed: int = 0, max_records: int = 100_000,
-                 connect_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 10.0, read_timeout_s: float = 300.0,
+                 health_timeout_s: float = 1.0, health_ttl_s: float = 1.0) -> None:
         if not prefill or not decode:
             raise ValueError(f"a PD router needs prefill and decode workers, got {len(prefill)} "
                              f"prefill and {len(decode)} decode")
@@ -75,6 +107,11 @@ class PDClient:
         self._tasks: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
         self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
+        self.health_timeout_s = health_timeout_s
+        self.health_ttl_s = health_ttl_s
+        self._health: dict[str, str] = {}
+        self._health_at = -math.inf
         self._t0 = time.monotonic()
 
     # ---- Backend ----------------------------------------------------------------------------
@@ -85,7 +122,8 @@ class PDClient:
 
     def start(self) -> PDClient:
         """Call on the event loop the router serves from."""
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s,
+                                        sock_read=self._read_timeout_s)
         connector = aiohttp.TCPConnector(limit=0)  # one stream per request; no pool cap
         self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         self._t0 = time.monotonic()
@@ -129,6 +167,8 @@ class PDClient:
     # ---- one request ------------------------------------------------------------------------
 
     async def _serve(self, body: dict, sink: Sink) -> None:
+        """Every way this ends, `sink` gets a last event: the decode stream's own, or an error
+        (a worker's refusal with its status, a worker gone mid-stream, a timeout, a cancel)."""
         p, d, room = self.router.route(self._inflight_prefill.__getitem__,
                                        self._inflight_decode.__getitem__)
         pre, dec = self.prefill[p], self.decode[d]
@@ -145,13 +185,19 @@ class PDClient:
         except asyncio.CancelledError as exc:
             reason = str(exc.args[0]) if exc.args else "aborted"
             record.error = reason
-            await self._abort_both(pre, dec, body["rid"], reason)
             deliver(sink, StreamEvent(finished=True, error=reason, status=503))
+            await self._abort_both(pre, dec, body["rid"], reason)
             raise
         except WorkerError as exc:
             record.error = exc.message
+            deliver(sink, StreamEvent(finished=True, error=exc.message, status=exc.status,
+                                      param=exc.param))
             await self._abort_both(pre, dec, body["rid"], exc.message)
-            deliver(sink, StreamEvent(finished=True, error=exc.message, status=exc.status))
+        except Exception as exc:  # a bug here: the client still gets an end, the log one line
+            log.error("request %s failed in the router: %r", body["rid"], exc)
+            record.error = f"router error: {exc!r}"
+            deliver(sink, StreamEvent(finished=True, error=record.error, status=500))
+            await self._abort_both(pre, dec, body["rid"], record.error)
         finally:
             if not prefill_call.done():
                 prefill_call.cancel()
@@ -165,29 +211,40 @@ class PDClient:
             self.metrics.observe_request(record)
 
     async def _prefill(self, worker: WorkerAddress, body: dict) -> None:
-        async with self._session.post(f"{worker.url}/generate", json=body) as resp:
+        async with _calling("prefill", worker):
+            async with self._session.post(f"{worker.url}/generate", json=body) as resp:
+                if resp.status != 200:
+                    raise await _worker_error(resp, worker)
+
+    async def _open_stream(self, worker: WorkerAddress, body: dict):
+        """The decode worker's response (status 200) and its first event."""
+        async with _calling("decode", worker):
+            resp = await self._session.post(f"{worker.url}/generate", json=body)
             if resp.status != 200:
-                raise WorkerError(resp.status, await _error_message(resp, worker))
+                async with resp:
+                    raise await _worker_error(resp, worker)
+            try:
+                events = _sse_events(resp)
+                return resp, events, await anext(events, None)
+            except BaseException:
+                resp.release()
+                raise
 
     async def _relay(self, worker: WorkerAddress, body: dict, prefill_call: asyncio.Task,
                      sink: Sink, record: RequestRecord) -> None:
         """Stream the decode worker's events to `sink`. Until the first token arrives a prefill
-        failure wins: its status is the client's."""
+        failure wins: its status is the client's (the decode side would only time out)."""
+        opening = asyncio.create_task(self._open_stream(worker, body))
         try:
-            resp = await self._session.post(f"{worker.url}/generate", json=body)
-        except aiohttp.ClientError as exc:
-            raise WorkerError(502, f"decode worker {worker.url} unreachable: {exc}") from None
-        async with resp:
-            if resp.status != 200:
-                raise WorkerError(resp.status, await _error_message(resp, worker))
-            events = _sse_events(resp)
-            first = asyncio.ensure_future(anext(events, None))
-            done, _ = await asyncio.wait({first, prefill_call},
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if prefill_call in done and prefill_call.exception() is not None and first not in done:
-                first.cancel()
+            await asyncio.wait({opening, prefill_call}, return_when=asyncio.FIRST_COMPLETED)
+            if not opening.done() and prefill_call.exception() is not None:
                 raise prefill_call.exception()
-            event = await first
+            resp, events, event = await opening
+        finally:
+            if not opening.done():
+                opening.cancel()
+                await asyncio.gather(opening, return_exceptions=True)
+        async with resp, _calling("decode", worker):
             while event is not None:
                 now = self.now()
                 record.token_times_s.extend([now] * len(event.token_ids))
@@ -199,18 +256,48 @@ class PDClient:
                     return
                 deliver(sink, event)
                 event = await anext(events, None)
-            raise WorkerError(502, f"decode worker {worker.url} closed the stream early")
+            raise WorkerError(502, f"decode worker {worker.url} closed the stream without "
+                              "finishing the request")
 
     async def _abort_both(self, pre: WorkerAddress, dec: WorkerAddress, rid: str,
                           reason: str) -> None:
         payload = {"rid": rid, "reason": reason}
-        for worker in (pre, dec):
+
+        async def one(worker: WorkerAddress) -> None:
             try:
                 async with self._session.post(f"{worker.url}/abort", json=payload,
                                               timeout=aiohttp.ClientTimeout(total=5)):
                     pass
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 log.info("abort of %s at %s not delivered", rid, worker.url)
+
+        await asyncio.gather(one(pre), one(dec))
+
+    # ---- health -----------------------------------------------------------------------------
+
+    async def problems(self) -> dict[str, str]:
+        """The workers that do not answer `GET /health` with 200 within `health_timeout_s`, by
+        name ("prefill worker 0 (URL)"), with why; probed at most every `health_ttl_s`."""
+        if not self.running:
+            return {"router": "stopped"}
+        if time.monotonic() - self._health_at > self.health_ttl_s:
+            workers = [(f"prefill worker {i} ({w.url})", w) for i, w in enumerate(self.prefill)]
+            workers += [(f"decode worker {i} ({w.url})", w) for i, w in enumerate(self.decode)]
+            found = await asyncio.gather(*(self._probe(w) for _, w in workers))
+            self._health = {name: why for (name, _), why in zip(workers, found) if why}
+            self._health_at = time.monotonic()
+        return dict(self._health)
+
+    async def _probe(self, worker: WorkerAddress) -> str | None:
+        try:
+            async with self._session.get(
+                    f"{worker.url}/health",
+                    timeout=aiohttp.ClientTimeout(total=self.health_timeout_s)) as resp:
+                return None if resp.status == 200 else f"/health answered {resp.status}"
+        except asyncio.TimeoutError:
+            return f"/health did not answer within {self.health_timeout_s:g} s"
+        except (aiohttp.ClientError, OSError) as exc:
+            return f"unreachable ({type(exc).__name__}: {exc})"
 
     def now(self) -> float:
         """Seconds since `start()` (the router's records' time base)."""
@@ -223,11 +310,13 @@ class PDRouter:
     def __init__(self, prefill: Sequence[WorkerAddress], decode: Sequence[WorkerAddress], *,
                  tokenizer: Tokenizer, model_name: str, limits: Limits, policy: str = "round_robin",
                  seed: int = 0, chat_template: ChatTemplate | None = None,
-                 eos_ids: Sequence[int] = (), default_chat_max_tokens: int = 256) -> None:
+                 eos_ids: Sequence[int] = (), default_chat_max_tokens: int = 256,
+                 max_inflight_requests: int = 4096) -> None:
         self.client = PDClient(prefill, decode, policy=policy, seed=seed)
         self.server = OpenAIServer(self.client, tokenizer, model_name=model_name, limits=limits,
                                    chat_template=chat_template, eos_ids=eos_ids,
-                                   default_chat_max_tokens=default_chat_max_tokens)
+                                   default_chat_max_tokens=default_chat_max_tokens,
+                                   max_inflight_requests=max_inflight_requests)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         return await self.server.start(host, port)
@@ -279,11 +368,14 @@ def _event(obj: dict) -> StreamEvent:
     )
 
 
-async def _error_message(resp: aiohttp.ClientResponse, worker: WorkerAddress) -> str:
+async def _worker_error(resp: aiohttp.ClientResponse, worker: WorkerAddress) -> WorkerError:
+    """A worker's error answer as a `WorkerError` with its status, message and field."""
+    param = None
     try:
-        body = await resp.json(content_type=None)
-        message = body["error"]["message"]
-    except (ValueError, KeyError, TypeError, aiohttp.ClientError):
-        message = (await resp.text())[:200] or resp.reason or "no reason given"
-    return f"{worker.url}: {message}"
+        error = (await resp.json(content_type=None))["error"]
+        message, param = str(error["message"]), error.get("param")
+    except (ValueError, KeyError, TypeError, AttributeError, aiohttp.ClientError):
+        message = (await resp.text(errors="replace"))[:200] or resp.reason or "no reason given"
+    return WorkerError(resp.status, f"{worker.url}: {message}",
+                       param if isinstance(param, str) else None)
 

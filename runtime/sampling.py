@@ -4,6 +4,11 @@ Each non-greedy request draws from its own `torch.Generator` (seed it with `make
 a request's tokens depend only on its seed and its logits, never on what else is in the batch.
 The returned logprob is that of the chosen token under the model's unmodified distribution
 (`log_softmax` of the raw logits), whatever the sampling settings.
+
+A row whose sampling fails (its generator cannot be seeded, its distribution is not one) gets the
+greedy token and is reported in `SampleResult.failed`: the caller fails that request alone.
+Temperatures below `GREEDY_BELOW` are greedy (dividing logits by them overflows float32).
+`parse_sampling` checks a request's fields against the ranges the OpenAI API and SGLang accept.
 """
 
 from __future__ import annotations
@@ -11,12 +16,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import math
+from typing import Any
+
 import torch
+
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (SGLang's floor is 1e-6)
+MAX_TEMPERATURE = 2.0  # the OpenAI API's upper bound
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit signed integer
+TOP_K_MAX = 2**31 - 1
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
+    """temperature 0 (or below `GREEDY_BELOW`) means greedy; top_k 0 and top_p 1 disable those
+    filters."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -24,22 +39,76 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}; must be >= 0")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k}; must be >= 0 (0 disables it)")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature={self.temperature}; must be in [0, {MAX_TEMPERATURE}]")
+        if not 0 <= self.top_k <= TOP_K_MAX:
+            raise ValueError(f"top_k={self.top_k}; must be in 0..{TOP_K_MAX} (0 disables it)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p}; must be in (0, 1]")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed={self.seed}; must be a 64-bit signed integer")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
+
+
+class SamplingError(ValueError):
+    """A sampling field out of its range; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_finite(v: Any) -> bool:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def parse_sampling(raw: dict, *, default_temperature: float) -> SamplingParams:
+    """`SamplingParams` from a request's `temperature`, `top_p`, `top_k` (-1 or 0: off) and
+    `seed` (missing or null: the defaults); `SamplingError` names the first bad field."""
+    temperature = raw.get("temperature")
+    temperature = default_temperature if temperature is None else temperature
+    if not _is_finite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+        raise SamplingError("temperature", f"temperature={_short(temperature)}; allowed: a "
+                            f"number in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_BELOW:g}: greedy)")
+    top_p = raw.get("top_p")
+    top_p = 1.0 if top_p is None else top_p
+    if not _is_finite(top_p) or not 0 < top_p <= 1:
+        raise SamplingError("top_p", f"top_p={_short(top_p)}; allowed: a number in (0, 1]")
+    top_k = raw.get("top_k")
+    top_k = 0 if top_k is None or top_k == -1 else top_k
+    if not _is_int(top_k) or not 0 <= top_k <= TOP_K_MAX:
+        raise SamplingError("top_k", f"top_k={_short(top_k)}; allowed: an integer in "
+                            f"1..{TOP_K_MAX}, or 0 or -1 (off)")
+    seed = raw.get("seed")
+    if seed is not None and not (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
+        raise SamplingError("seed", f"seed={_short(seed)}; allowed: null or an integer in "
+                            "-2**63..2**63-1")
+    return SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p),
+                          seed=seed)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True, eq=False)
 class SampleResult:
     token_ids: torch.Tensor  # [S] int64
     logprobs: torch.Tensor  # [S] float32
+    failed: dict[int, str]  # row -> why its sampling failed (it holds the greedy token)
 
 
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
@@ -48,23 +117,28 @@ def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Gener
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None]) -> SampleResult:
-    """Pick one token per row of `logits` `[S, vocab]`; non-greedy rows need a generator."""
+    """Pick one token per row of `logits` `[S, vocab]`; non-greedy rows need a generator. A row
+    that cannot be sampled keeps the greedy token and is listed in `failed`."""
     if not len(params) == len(generators) == logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params and "
                          f"{len(generators)} generators")
     logits = logits.float()
     logprobs_all = logits.log_softmax(-1)
     tokens = logits.argmax(-1)
+    failed: dict[int, str] = {}
     for row, (p, gen) in enumerate(zip(params, generators)):
         if p.greedy:
             continue
         if gen is None:
             raise ValueError(f"row {row} samples with temperature {p.temperature} but has no "
                              "generator")
-        probs = filtered_probs(logits[row], p)
-        tokens[row] = torch.multinomial(probs, 1, generator=gen)[0]
+        try:
+            probs = filtered_probs(logits[row], p)
+            tokens[row] = torch.multinomial(probs, 1, generator=gen)[0]
+        except RuntimeError as exc:  # not a distribution (inf or nan): this row alone fails
+            failed[row] = f"sampling failed: {str(exc).splitlines()[0] if str(exc) else exc!r}"
     logprobs = logprobs_all.gather(-1, tokens[:, None])[:, 0]
-    return SampleResult(token_ids=tokens, logprobs=logprobs)
+    return SampleResult(token_ids=tokens, logprobs=logprobs, failed=failed)
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

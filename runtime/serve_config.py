@@ -69,6 +69,9 @@ class _ServeBase(_Spec):
     default_max_tokens: int = Field(
         256, ge=1, description="max_tokens of a chat request that gives none (completions: 16)")
     max_records: int = Field(100_000, ge=1, description="finished requests' records kept")
+    max_inflight_requests: int = Field(
+        4096, ge=1, description="requests one server (colocated server, PD worker or router) "
+        "answers at once; more get 503 with Retry-After")
 
     @field_validator("model")
     @classmethod

@@ -28,7 +28,6 @@ import asyncio
 import importlib.util
 import json
 import logging
-import math
 import signal
 import threading
 import time
@@ -40,9 +39,11 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from runtime.engine import Engine, EngineStopped, StreamEvent
-from runtime.http_app import AppServer
-from runtime.sampling import SamplingParams
+from runtime.engine import (
+    RETRY_AFTER_S, Engine, EngineStopped, Overloaded, StreamEvent, failure_status,
+)
+from runtime.http_app import MAX_BODY_BYTES, AppServer, json_errors
+from runtime.sampling import SamplingError, SamplingParams, parse_sampling
 from runtime.serve_config import PDServeConfig, ServeConfig
 from runtime.serve_metrics import CONTENT_TYPE, ServeMetrics
 from runtime.tokenizer import ByteTokenizer, StreamDecoder, Tokenizer
@@ -128,10 +129,7 @@ def _raise_template_error(message: str) -> None:
 class GenParams:
     prompt_ids: list[int]
     max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
+    sampling: SamplingParams
     stop_token_ids: list[int]
     stream: bool
     include_usage: bool
@@ -144,17 +142,64 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)
-            and math.isfinite(float(v)))
+def parse_json(raw: bytes) -> Any:
+    """A request body's JSON, or `BadRequest` (also for nesting or numbers too deep or big)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
+        raise BadRequest(None, f"the body is not valid JSON: {_short(str(exc), 200)}") from None
+
+
+def check_token_ids(param: str, ids: Any, vocab: int, *, empty_ok: bool) -> list[int]:
+    """`ids` as a list of token ids in `0..vocab-1`, else `BadRequest` naming `param`."""
+    if not (isinstance(ids, list) and (ids or empty_ok) and all(_is_int(t) for t in ids)):
+        raise BadRequest(param, f"{param}={_short(ids)}; allowed: a "
+                         f"{'' if empty_ok else 'non-empty '}list of token ids")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise BadRequest(param, f"token ids {_short(bad[:5])} are outside the vocabulary; "
+                         f"allowed: 0..{vocab - 1}")
+    return ids
+
+
+def check_text(param: str, text: str) -> str:
+    """`text`, if it is valid Unicode (JSON's `\\ud800` escapes give unpaired surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(param, f"{param} holds an unpaired surrogate at character {exc.start}; "
+                         "allowed: valid UTF-8 text") from None
+    return text
 
 
 @dataclass
 class Limits:
-    max_model_len: int  # prompt + max_tokens at most (KV pool and model positions)
+    """What one request may ask for.
+
+    max_model_len: prompt + max_tokens at most (the KV pool that holds a whole request, and the
+        model's positions).
+    pool_tokens: the smallest KV pool a prompt must fit in (PD: the prefill pool as well).
+    """
+
+    max_model_len: int
     pool_tokens: int
     max_position: int
     model_vocab: int
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return min(self.max_model_len - 1, self.pool_tokens)
+
+    def prompt_limit_text(self) -> str:
+        """Why a prompt may hold at most `max_prompt_tokens` tokens: the one limit that binds."""
+        if self.pool_tokens < self.max_model_len - 1:
+            return f"the prefill KV pool holds {self.pool_tokens} tokens"
+        return f"a prompt and one new token must fit in {self.context_text()}"
+
+    def context_text(self) -> str:
+        if self.max_model_len < self.max_position:
+            return f"the KV pool of {self.max_model_len} tokens"
+        return f"the model's {self.max_position} positions"
 
 
 class RequestParser:
@@ -208,13 +253,9 @@ class RequestParser:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one prompt
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(check_text("prompt", prompt))
         elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.limits.model_vocab]
-            if bad:
-                raise BadRequest("prompt", f"token ids {bad[:5]} are outside the vocabulary; "
-                                 f"allowed: 0..{self.limits.model_vocab - 1}")
-            ids = list(prompt)
+            ids = list(check_token_ids("prompt", prompt, self.limits.model_vocab, empty_ok=False))
         elif isinstance(prompt, list) and len(prompt) > 1:
             raise BadRequest("prompt", f"a batch of {len(prompt)} prompts; allowed: one prompt "
                              "per request (a string or a list of token ids)")
@@ -253,16 +294,17 @@ class RequestParser:
             if not isinstance(content, str):
                 raise BadRequest(f"messages[{i}].content", f"content={_short(content)}; allowed: "
                                  "a string or a list of text parts")
+            check_text(f"messages[{i}].content", content)
             out.append({"role": role, "content": content})
         return out
 
     def _common(self, body: dict, ids: list[int], default_max: int | None, max_field: str,
                 logprobs: bool, top_logprobs: int) -> GenParams:
         lim = self.limits
-        if len(ids) >= lim.max_model_len:
+        if len(ids) > lim.max_prompt_tokens:
             raise BadRequest("prompt" if "prompt" in body else "messages",
                              f"the prompt has {len(ids)} tokens; allowed: at most "
-                             f"{lim.max_model_len - 1} ({self._limit_text()})")
+                             f"{lim.max_prompt_tokens} ({lim.prompt_limit_text()})")
         max_tokens = body.get(max_field)
         if max_tokens is None:
             room = lim.max_model_len - len(ids)
@@ -274,27 +316,15 @@ class RequestParser:
             raise BadRequest(max_field,
                              f"prompt ({len(ids)} tokens) + {max_field} ({max_tokens}) = "
                              f"{len(ids) + max_tokens} tokens; allowed: at most "
-                             f"{lim.max_model_len} ({self._limit_text()}), so {max_field} <= "
+                             f"{lim.max_model_len} ({lim.context_text()}), so {max_field} <= "
                              f"{lim.max_model_len - len(ids)} for this prompt")
         n = body.get("n")
         if n is not None and n != 1:
             raise BadRequest("n", f"n={n!r}; allowed: 1")
-        temperature = body.get("temperature")
-        temperature = 1.0 if temperature is None else temperature
-        if not _is_number(temperature) or temperature < 0:
-            raise BadRequest("temperature", f"temperature={temperature!r}; allowed: a number >= 0")
-        top_p = body.get("top_p")
-        top_p = 1.0 if top_p is None else top_p
-        if not _is_number(top_p) or not 0 < top_p <= 1:
-            raise BadRequest("top_p", f"top_p={top_p!r}; allowed: a number in (0, 1]")
-        top_k = body.get("top_k")
-        top_k = 0 if top_k in (None, -1) else top_k
-        if not _is_int(top_k) or top_k < 0:
-            raise BadRequest("top_k", f"top_k={top_k!r}; allowed: an integer >= 0 (0 or -1 "
-                             "disable it)")
-        seed = body.get("seed")
-        if seed is not None and not _is_int(seed):
-            raise BadRequest("seed", f"seed={seed!r}; allowed: an integer or null")
+        try:
+            sampling = parse_sampling(body, default_temperature=1.0)  # the OpenAI default
+        except SamplingError as exc:
+            raise BadRequest(exc.field, str(exc)) from None
         for name in ("presence_penalty", "frequency_penalty"):
             value = body.get(name)
             if value not in (None, 0):
@@ -304,10 +334,8 @@ class RequestParser:
         if body.get("stop"):
             raise BadRequest("stop", "stop sequences are not supported; allowed: null or [] "
                              "(stop_token_ids lists stop tokens)")
-        stop_ids = body.get("stop_token_ids") or []
-        if not (isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)):
-            raise BadRequest("stop_token_ids", f"stop_token_ids={_short(stop_ids)}; allowed: a "
-                             "list of token ids")
+        stop_ids = check_token_ids("stop_token_ids", body.get("stop_token_ids") or [],
+                                   lim.model_vocab, empty_ok=True)
         ignore_eos = body.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise BadRequest("ignore_eos", f"ignore_eos={ignore_eos!r}; allowed: true or false")
@@ -325,15 +353,10 @@ class RequestParser:
             raise BadRequest("stream_options", "stream_options is an object, e.g. "
                              "{\"include_usage\": true}")
         return GenParams(
-            prompt_ids=ids, max_tokens=max_tokens, temperature=float(temperature),
-            top_p=float(top_p), top_k=top_k, seed=seed, stop_token_ids=stop_ids, stream=stream,
+            prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop_token_ids=stop_ids,
+            stream=stream,
             include_usage=bool(options.get("include_usage")), logprobs=logprobs,
             top_logprobs=top_logprobs, return_token_ids=return_ids)
-
-    def _limit_text(self) -> str:
-        lim = self.limits
-        return (f"the KV pool holds {lim.pool_tokens} tokens and the model's max position is "
-                f"{lim.max_position}")
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -373,13 +396,23 @@ class Backend(Protocol):
 
     def abort(self, rid: str, reason: str = "aborted by the client") -> None: ...
 
+    async def problems(self) -> dict[str, str]:
+        """What keeps it from serving now (a stopped engine, a worker down), by name; empty
+        when healthy."""
+        ...
+
 
 class OpenAIServer(AppServer):
+    """max_inflight_requests: requests being answered at once at most; more get 503 with
+    Retry-After."""
+
     def __init__(self, engine: Backend, tokenizer: Tokenizer, *, model_name: str, limits: Limits,
                  chat_template: ChatTemplate | None = None, eos_ids: Sequence[int] = (),
-                 default_chat_max_tokens: int = 256,
+                 default_chat_max_tokens: int = 256, max_inflight_requests: int = 4096,
                  on_close: Callable[[], None] | None = None) -> None:
         super().__init__(engine, engine.metrics)
+        self.max_inflight_requests = max_inflight_requests
+        self._inflight = 0
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.limits = limits
@@ -391,7 +424,8 @@ class OpenAIServer(AppServer):
     # ---- lifecycle ----
 
     def make_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._count], client_max_size=64 << 20)
+        app = web.Application(middlewares=[json_errors, self._count],
+                              client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -414,11 +448,7 @@ class OpenAIServer(AppServer):
                                  status=400)
 
     async def _body(self, request: web.Request) -> dict:
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(None, f"the body is not valid JSON: {exc}") from None
+        body = parse_json(await request.read())
         if not isinstance(body, dict):
             raise BadRequest(None, f"the body is a JSON {type(body).__name__}; allowed: an object")
         model = body.get("model")
@@ -434,9 +464,13 @@ class OpenAIServer(AppServer):
             "owned_by": "pdsim", "max_model_len": self.limits.max_model_len}]})
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.engine.running:
+        problems = await self.engine.problems()
+        if not problems:
             return web.json_response({"status": "ok"})
-        return web.json_response({"status": "stopped"}, status=503)
+        message = "; ".join(f"{name}: {why}" for name, why in problems.items())
+        return web.json_response({"status": "unhealthy", "problems": problems,
+                                  **_error_body(message, "server_error")},
+                                 status=503, headers=RETRY_HEADERS)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         response = web.Response(text=self.metrics.render())
@@ -468,16 +502,20 @@ class OpenAIServer(AppServer):
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        sampling = SamplingParams(temperature=params.temperature, top_k=params.top_k,
-                                  top_p=params.top_p, seed=params.seed)
+        if self._inflight >= self.max_inflight_requests:
+            return busy_response(f"{self._inflight} requests in flight, the most this server "
+                                 "takes at once; retry later")
         try:
-            self.engine.submit(params.prompt_ids, params.max_tokens, sink, sampling=sampling,
+            self.engine.submit(params.prompt_ids, params.max_tokens, sink,
+                               sampling=params.sampling,
                                stop_token_ids=params.stop_token_ids, rid=rid,
                                top_logprobs=params.top_logprobs)
         except EngineStopped:
-            return web.json_response(_error_body("the server is shutting down", "server_error"),
-                                     status=503)
+            return busy_response("the server is shutting down")
+        except Overloaded as exc:
+            return busy_response(str(exc))
         finished = False
+        self._inflight += 1
         try:
             if params.stream:
                 response = await self._stream(request, params, rid, chat, queue)
@@ -486,6 +524,7 @@ class OpenAIServer(AppServer):
             finished = True
             return response
         finally:
+            self._inflight -= 1
             if not finished:  # the client went away (or writing to it failed)
                 self.engine.abort(rid, "client disconnected")
 
@@ -618,38 +657,54 @@ class OpenAIServer(AppServer):
                 body["usage"] = None
             return body
 
-        if chat:
-            await send(chunk("", None, None, role=True))
-        decoder = StreamDecoder(self.tokenizer)
-        length = 0
-        event: StreamEvent | None = first
-        while True:
-            event = event if event is not None else await queue.get()
-            if event.error:
-                await send(_error_body(event.error, "server_error"))
-                break
-            text, entries = self._pieces(decoder, event, params, length)
-            length += sum(len(self.tokenizer.decode([t])) for t in entries["ids"]) if entries else 0
-            logprobs = self._format_logprobs(entries, chat)
-            if event.finished:
+        try:
+            if chat:
+                await send(chunk("", None, None, role=True))
+            decoder = StreamDecoder(self.tokenizer)
+            length = 0
+            event: StreamEvent | None = first
+            while True:
+                event = event if event is not None else await queue.get()
+                if event.error:
+                    await send(_error_body(event.error, "server_error"))
+                    break
+                text, entries = self._pieces(decoder, event, params, length)
+                if entries:
+                    length += sum(len(self.tokenizer.decode([t])) for t in entries["ids"])
+                logprobs = self._format_logprobs(entries, chat)
+                if event.finished:
+                    if text or logprobs or (params.return_token_ids and event.token_ids):
+                        await send(chunk(text, logprobs, None, ids=event.token_ids))
+                    await send(chunk(None if chat else "", None, event.finish_reason))
+                    if params.include_usage:
+                        await send({**head, "choices": [], "usage": _usage(event)})
+                    break
                 if text or logprobs or (params.return_token_ids and event.token_ids):
                     await send(chunk(text, logprobs, None, ids=event.token_ids))
-                await send(chunk(None if chat else "", None, event.finish_reason))
-                if params.include_usage:
-                    await send({**head, "choices": [], "usage": _usage(event)})
-                break
-            if text or logprobs or (params.return_token_ids and event.token_ids):
-                await send(chunk(text, logprobs, None, ids=event.token_ids))
-            event = None
-        await send("[DONE]")
-        await response.write_eof()
+                event = None
+            await send("[DONE]")
+            await response.write_eof()
+        except ConnectionResetError:  # the client went away mid-stream: one line, no traceback
+            log.info("%s: the client disconnected mid-stream", rid)
+            self.engine.abort(rid, "client disconnected")
         return response
 
 
+RETRY_HEADERS = {"Retry-After": str(RETRY_AFTER_S)}
+
+
+def busy_response(message: str) -> web.Response:
+    """503 with Retry-After: overloaded or stopping; the client may try again."""
+    return web.json_response(_error_body(message, "server_error"), status=503,
+                             headers=RETRY_HEADERS)
+
+
 def _error_response(event: StreamEvent) -> web.Response:
-    status = event.status or (503 if "shutting down" in event.error else 500)
+    status = failure_status(event)
+    if status == 503:
+        return busy_response(event.error)
     kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
-    return web.json_response(_error_body(event.error, kind), status=status)
+    return web.json_response(_error_body(event.error, kind, event.param), status=status)
 
 
 def _usage(event: StreamEvent) -> dict:
@@ -758,7 +813,8 @@ def build_server(config: ServeConfig) -> OpenAIServer:
 
     return OpenAIServer(engine, tokenizer, model_name=config.model_name, limits=limits,
                         chat_template=template, eos_ids=eos_ids,
-                        default_chat_max_tokens=config.default_max_tokens, on_close=save_results)
+                        default_chat_max_tokens=config.default_max_tokens,
+                        max_inflight_requests=config.max_inflight_requests, on_close=save_results)
 
 
 def _generation_eos(directory: Path) -> list[int]:

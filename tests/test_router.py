@@ -176,13 +176,14 @@ def test_a_decode_refusal_passes_through(cluster):
     cluster.wait_for(lambda: cluster.prefill[0].aborted)  # prefill told to drop it
 
 
-def test_an_unreachable_decode_worker_is_a_502():
+def test_an_unreachable_decode_worker_is_a_503_with_retry_after():
     c = Cluster([ScriptedWorker("prefill")], [ScriptedWorker("decode")])
     try:
         c.run(c.decode[0].runner.cleanup())  # the decode worker goes away
         with pytest.raises(openai.APIStatusError) as e:
             c.client().completions.create(model="tiny", prompt="hi", max_tokens=2)
-        assert e.value.status_code == 502 and "unreachable" in str(e.value)
+        assert e.value.status_code == 503 and "unreachable" in str(e.value)
+        assert e.value.response.headers["Retry-After"] == "1"
     finally:
         c.run(c.router.close())
         c.run(c.prefill[0].runner.cleanup())

@@ -195,7 +195,12 @@ def test_bad_requests_get_400_naming_the_field_and_the_server_goes_on(server, cl
         (dict(prompt="hi", max_tokens=0), "max_tokens", "allowed: an integer >= 1"),
         (dict(prompt="hi", max_tokens=limit), "max_tokens", f"at most {limit}"),
         (dict(prompt="x" * limit, max_tokens=1), "prompt", f"at most {limit - 1}"),
-        (dict(prompt="hi", temperature=-0.5), "temperature", "a number >= 0"),
+        (dict(prompt="hi", temperature=-0.5), "temperature", "a number in [0, 2]"),
+        (dict(prompt="hi", temperature=2.5), "temperature", "a number in [0, 2]"),
+        (dict(prompt="hi", seed=2**64), "seed", "-2**63..2**63-1"),
+        (dict(prompt="hi", extra_body={"top_k": 10**20}), "top_k", "an integer in"),
+        (dict(prompt="hi", extra_body={"stop_token_ids": [10**20]}), "stop_token_ids",
+         "outside the vocabulary"),
         (dict(prompt="hi", top_p=0), "top_p", "(0, 1]"),
         (dict(prompt="hi", top_p=1.5), "top_p", "(0, 1]"),
         (dict(prompt="hi", n=2), "n", "allowed: 1"),
@@ -223,6 +228,12 @@ def test_bad_requests_get_400_naming_the_field_and_the_server_goes_on(server, cl
     for raw in (b'{"model": "x", "prompt": ', b"[1, 2]", b"\xff\xfe"):
         status, body = post_raw(server.url + "/v1/completions", raw)
         assert status == 400 and body["error"]["type"] == "invalid_request_error", raw
+    status, body = post_raw(server.url + "/v1/completions", b'{"prompt": "\\ud800 lone"}')
+    assert status == 400 and body["error"]["param"] == "prompt", body
+    assert "unpaired surrogate" in body["error"]["message"]
+    status, body = post_raw(server.url + "/v1/chat/completions",
+                            b'{"messages": [{"role": "user", "content": "x\\udfff"}]}')
+    assert status == 400 and body["error"]["param"] == "messages[0].content", body
     out = client.completions.create(model=name, prompt="still here", max_tokens=3)
     assert out.usage.completion_tokens >= 1
     server.engine.check_pools_full()

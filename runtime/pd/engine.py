@@ -7,7 +7,9 @@ loop iteration, so that the `tp` ranks of an instance run their schedulers and m
 lock step, SGLang style:
 
 1. rank 0 takes its inbox (new requests, aborts, pool checks) and broadcasts it with its clock
-   reading `now` and whether to stop, one msgpack message; the other ranks wait for it;
+   reading `now` and whether to stop, one typed `Step` message (runtime/pd/step_messages.py);
+   the other ranks wait for it. A request that does not fit the message (a value out of range)
+   fails alone on rank 0 and is not sent;
 2. every rank applies those operations in order, with that `now`;
 3. every rank takes one poll snapshot (`SnapshotKV.refresh`: one `all_reduce_min_int`);
 4. every rank calls `sched.step(now)` -- the same inputs, so the same batch -- and runs the
@@ -38,8 +40,9 @@ from pdsim.core.request import Request
 from runtime.distributed import TPGroup
 from runtime.engine import Engine, StreamEvent, deliver
 from runtime.executor import ModelExecutor
-from runtime.pd.kv import SnapshotKV
 from runtime.sampling import SamplingParams
+from runtime.pd import step_messages as steps
+from runtime.pd.kv import SnapshotKV
 from runtime.serve_metrics import GAUGES, ServeMetrics
 
 log = logging.getLogger(__name__)
@@ -132,8 +135,8 @@ class PDEngine(Engine):
             stop = self._stopping
         now = self.now()
         if not self.group.is_single:
-            ops = [op for op in map(_op_of, items) if op is not None]
-            self.group.broadcast_msgpack({"now": now, "stop": stop, "ops": ops})
+            items, ops = self._sendable(items)
+            self.group.broadcast_bytes(steps.encode(steps.Step(now=now, stop=stop, ops=ops)))
         for kind, item in items:
             if kind == "pools":
                 _resolve(item, self._pools_status)
@@ -142,19 +145,36 @@ class PDEngine(Engine):
         self.kv.refresh()
         return now, stop
 
+    def _sendable(self, items: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list]:
+        """The inbox entries the other ranks can be told of, and their operations. A request that
+        does not fit a step message fails here, alone, before anything is broadcast."""
+        kept, ops = [], []
+        for kind, item in items:
+            try:
+                op = _op_of(kind, item)
+            except steps.StepMessageError as exc:
+                log.warning("not broadcast to the TP ranks (%s): %s", kind, exc)
+                if kind == "add":
+                    req, sink, _top = item
+                    deliver(sink, StreamEvent(finished=True, error=f"invalid request: {exc}",
+                                              prompt_tokens=req.input_len, status=400))
+                continue
+            kept.append((kind, item))
+            if op is not None:
+                ops.append(op)
+        return kept, ops
+
     def _follow(self) -> tuple[float, bool]:
-        msg = self.group.broadcast_msgpack()
-        now = msg["now"]
-        for op in msg["ops"]:
-            if op[0] == "add":
-                req, top = _request_of(op[1])
-                self._apply("add", (req, _discard, top), now)
-            elif op[0] == "abort":
-                self._apply("abort", (op[1], op[2]), now)
+        step = steps.decode(self.group.broadcast_bytes(None))
+        for op in step.ops:
+            if isinstance(op, steps.AddRequest):
+                self._apply("add", (_request_of(op), _discard, op.top_logprobs), step.now)
+            elif isinstance(op, steps.AbortRequest):
+                self._apply("abort", (op.rid, op.reason), step.now)
             else:
                 self._pools_status()
         self.kv.refresh()
-        return now, msg["stop"]
+        return step.now, step.stop
 
     def _pools_status(self) -> dict[str, Any]:
         """Every rank, at the same point: this rank's leftovers, MIN-reduced over the ranks."""
@@ -246,36 +266,31 @@ class PDEngine(Engine):
 # ---- the broadcast operations --------------------------------------------------------------
 
 
-def _op_of(entry: tuple[str, Any]) -> list | None:
-    """An inbox entry as the msgpack operation the other ranks apply (None: rank 0 only)."""
-    kind, item = entry
+def _op_of(kind: str, item: Any) -> steps.Op | None:
+    """An inbox entry as the operation the other ranks apply (None: rank 0 only). Raises
+    `StepMessageError` for a request that does not fit the message."""
     if kind == "add":
         req, _sink, top = item
-        s = req.sampling
-        return ["add", {
-            "rid": req.rid, "prompt_ids": req.prompt_ids, "max_new_tokens": req.max_new_tokens,
-            "arrival_s": req.arrival_s, "stop_token_ids": sorted(req.stop_token_ids),
-            "sampling": None if s is None else [s.temperature, s.top_k, s.top_p, s.seed],
-            "bootstrap_host": req.bootstrap_host, "bootstrap_port": req.bootstrap_port,
-            "bootstrap_room": req.bootstrap_room, "top_logprobs": top}]
+        s = req.sampling if req.sampling is not None else SamplingParams()
+        return steps.AddRequest(
+            rid=req.rid, prompt_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens,
+            arrival_s=req.arrival_s, stop_token_ids=sorted(req.stop_token_ids),
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+            bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port,
+            bootstrap_room=req.bootstrap_room, top_logprobs=top)
     if kind == "abort":
-        return ["abort", *item]
+        return steps.AbortRequest(*item)
     if kind == "pools":
-        return ["pools"]
+        return steps.CheckPools()
     return None  # "call": runs on rank 0 alone and must not change the scheduler's state
 
 
-def _request_of(fields: dict) -> tuple[Request, int]:
-    s = fields["sampling"]
-    sampling = None if s is None else SamplingParams(temperature=s[0], top_k=s[1], top_p=s[2],
-                                                     seed=s[3])
-    req = Request(
-        fields["rid"], len(fields["prompt_ids"]), fields["max_new_tokens"],
-        arrival_s=fields["arrival_s"], prompt_ids=fields["prompt_ids"],
-        stop_token_ids=frozenset(fields["stop_token_ids"]), sampling=sampling,
-        bootstrap_host=fields["bootstrap_host"], bootstrap_port=fields["bootstrap_port"],
-        bootstrap_room=fields["bootstrap_room"])
-    return req, fields["top_logprobs"]
+def _request_of(op: steps.AddRequest) -> Request:
+    return Request(
+        op.rid, len(op.prompt_ids), op.max_new_tokens, arrival_s=op.arrival_s,
+        prompt_ids=op.prompt_ids, stop_token_ids=frozenset(op.stop_token_ids),
+        sampling=op.sampling(), bootstrap_host=op.bootstrap_host,
+        bootstrap_port=op.bootstrap_port, bootstrap_room=op.bootstrap_room)
 
 
 def _resolve(fut: Future, fn: Callable[[], Any]) -> None:

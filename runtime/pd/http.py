@@ -30,24 +30,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from aiohttp import web
 
-from runtime.engine import EngineStopped, StreamEvent
+from runtime.engine import RETRY_AFTER_S, EngineStopped, StreamEvent, failure_status
 from runtime.executor import MAX_TOP_LOGPROBS
-from runtime.http_app import AppServer
+from runtime.http_app import MAX_BODY_BYTES, AppServer, json_errors
 from runtime.pd.engine import PDEngine
-from runtime.sampling import SamplingParams
+from runtime.sampling import SAMPLING_FIELDS, SamplingError, SamplingParams, parse_sampling
 from runtime.serve_metrics import CONTENT_TYPE
-from runtime.server import BadRequest
+from runtime.server import BadRequest, check_text, check_token_ids, parse_json
+
+log = logging.getLogger(__name__)
 
 ROOM_LIMIT = 2**63
+MAX_RID_CHARS = 256
 GENERATE_FIELDS = ("rid", "input_ids", "max_new_tokens", "sampling", "stop_token_ids",
                    "top_logprobs", "bootstrap_host", "bootstrap_port", "bootstrap_room")
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,6 @@ def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def parse_generate(body: Any, *, model_vocab: int, max_position: int) -> GenerateParams:
     """A `/generate` body, checked field by field (`BadRequest` names the field)."""
     if not isinstance(body, dict):
@@ -83,15 +82,11 @@ def parse_generate(body: Any, *, model_vocab: int, max_position: int) -> Generat
         if name not in body:
             raise BadRequest(name, f"{name} is required")
     rid = body["rid"]
-    if not isinstance(rid, str) or not rid:
-        raise BadRequest("rid", f"rid={rid!r}; allowed: a non-empty string")
-    ids = body["input_ids"]
-    if not (isinstance(ids, list) and ids and all(_int(t) for t in ids)):
-        raise BadRequest("input_ids", "input_ids must be a non-empty list of token ids")
-    bad = [t for t in ids if not 0 <= t < model_vocab]
-    if bad:
-        raise BadRequest("input_ids", f"token ids {bad[:5]} are outside the vocabulary; "
-                         f"allowed: 0..{model_vocab - 1}")
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_RID_CHARS:
+        raise BadRequest("rid", f"rid={rid!r:.80}; allowed: a string of 1..{MAX_RID_CHARS} "
+                         "characters")
+    check_text("rid", rid)
+    ids = check_token_ids("input_ids", body["input_ids"], model_vocab, empty_ok=False)
     max_new = body["max_new_tokens"]
     if not _int(max_new) or max_new < 1:
         raise BadRequest("max_new_tokens", f"max_new_tokens={max_new!r}; allowed: an integer >= 1")
@@ -100,16 +95,16 @@ def parse_generate(body: Any, *, model_vocab: int, max_position: int) -> Generat
                          f"({max_new}) = {len(ids) + max_new}; allowed: at most {max_position} "
                          "(the model's max position)")
     sampling = _sampling(body.get("sampling"))
-    stop = body.get("stop_token_ids") or []
-    if not (isinstance(stop, list) and all(_int(t) for t in stop)):
-        raise BadRequest("stop_token_ids", "stop_token_ids must be a list of token ids")
+    stop = check_token_ids("stop_token_ids", body.get("stop_token_ids") or [], model_vocab,
+                           empty_ok=True)
     top = body.get("top_logprobs") or 0
     if not _int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
         raise BadRequest("top_logprobs", f"top_logprobs={top!r}; allowed: an integer "
                          f"0..{MAX_TOP_LOGPROBS}")
     host, port, room = body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"]
-    if not isinstance(host, str) or not host:
-        raise BadRequest("bootstrap_host", f"bootstrap_host={host!r}; allowed: a host name")
+    if not isinstance(host, str) or not 0 < len(host) <= 255:
+        raise BadRequest("bootstrap_host", f"bootstrap_host={host!r:.80}; allowed: a host name")
+    check_text("bootstrap_host", host)
     if not _int(port) or not 0 < port < 65536:
         raise BadRequest("bootstrap_port", f"bootstrap_port={port!r}; allowed: 1..65535")
     if not _int(room) or not 0 <= room < ROOM_LIMIT:
@@ -127,21 +122,10 @@ def _sampling(raw: Any) -> SamplingParams:
     if extra:
         raise BadRequest(f"sampling.{extra[0]}", f"unknown sampling fields {extra}; allowed: "
                          f"{list(SAMPLING_FIELDS)}")
-    temperature, top_p = raw.get("temperature", 0.0), raw.get("top_p", 1.0)
-    top_k, seed = raw.get("top_k", 0), raw.get("seed")
-    if not _number(temperature) or temperature < 0:
-        raise BadRequest("sampling.temperature", f"temperature={temperature!r}; allowed: >= 0")
-    if not _number(top_p) or not 0 < top_p <= 1:
-        raise BadRequest("sampling.top_p", f"top_p={top_p!r}; allowed: a number in (0, 1]")
-    if top_k == -1:
-        top_k = 0
-    if not _int(top_k) or top_k < 0:
-        raise BadRequest("sampling.top_k", f"top_k={top_k!r}; allowed: an integer >= 0 "
-                         "(0 or -1 disable it)")
-    if seed is not None and not _int(seed):
-        raise BadRequest("sampling.seed", f"seed={seed!r}; allowed: an integer or null")
-    return SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p),
-                          seed=seed)
+    try:
+        return parse_sampling(raw, default_temperature=0.0)
+    except SamplingError as exc:
+        raise BadRequest(f"sampling.{exc.field}", str(exc)) from None
 
 
 def event_json(event: StreamEvent) -> dict:
@@ -155,15 +139,16 @@ def event_json(event: StreamEvent) -> dict:
 
 
 def _error(message: str, status: int, param: str | None = None) -> web.Response:
+    """The JSON error answer; a 503 (busy, stopping) says when to retry."""
     kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return web.json_response(body, status=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return web.json_response(body, status=status, headers=headers)
 
 
-def error_status(event: StreamEvent) -> int:
-    if event.status:
-        return event.status
-    return 503 if event.error and "shutting down" in event.error else 500
+def _failed(event: StreamEvent) -> web.Response:
+    """A request that failed before its answer began: a refusal names `input_ids`."""
+    return _error(event.error, failure_status(event), "input_ids" if event.param else None)
 
 
 def _finite(value: Any) -> Any:
@@ -191,15 +176,19 @@ class WorkerInfo:
 class WorkerServer(AppServer):
     """Rank 0's HTTP front: `port = await server.start(host, port)`, `await server.close()`."""
 
-    def __init__(self, engine: PDEngine, info: WorkerInfo) -> None:
+    def __init__(self, engine: PDEngine, info: WorkerInfo, *,
+                 max_inflight_requests: int = 4096) -> None:
         super().__init__(engine, engine.metrics)
         self.info = info
+        self.max_inflight_requests = max_inflight_requests
+        self._inflight = 0
 
     def counted(self, path: str) -> bool:
         return path in ("/generate", "/abort")
 
     def make_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._count], client_max_size=64 << 20)
+        app = web.Application(middlewares=[json_errors, self._count],
+                              client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort", self.abort)
         app.router.add_get("/health", self.health)
@@ -214,14 +203,14 @@ class WorkerServer(AppServer):
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
-            try:
-                body = json.loads(await request.read())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise BadRequest(None, f"the body is not valid JSON: {exc}") from None
-            g = parse_generate(body, model_vocab=self.info.model_vocab,
+            g = parse_generate(parse_json(await request.read()),
+                               model_vocab=self.info.model_vocab,
                                max_position=self.info.max_position)
         except BadRequest as exc:
             return _error(exc.message, 400, exc.param)
+        if self._inflight >= self.max_inflight_requests:
+            return _error(f"{self._inflight} requests in flight, the most this worker takes at "
+                          "once; retry later", 503)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
 
@@ -238,14 +227,16 @@ class WorkerServer(AppServer):
         except ValueError as exc:
             return _error(str(exc), 400)
         answered = False
+        self._inflight += 1
         try:
             if self.info.role == "prefill":
                 response = await self._prefill_reply(g, queue)
             else:
-                response = await self._decode_stream(request, queue)
+                response = await self._decode_stream(request, g.rid, queue)
             answered = True
             return response
         finally:
+            self._inflight -= 1
             if not answered:  # the client went away (or writing to it failed)
                 self.engine.abort(g.rid, "client disconnected")
 
@@ -260,40 +251,54 @@ class WorkerServer(AppServer):
             if event.finished:
                 break
         if event.error:
-            return _error(event.error, error_status(event))
+            return _failed(event)
         return web.json_response({"rid": g.rid, "status": "ok", "token_ids": ids,
                                   "logprobs": _finite(logprobs), "top_logprobs": tops})
 
-    async def _decode_stream(self, request: web.Request,
+    async def _decode_stream(self, request: web.Request, rid: str,
                              queue: asyncio.Queue[StreamEvent]) -> web.StreamResponse:
         event = await queue.get()
         if event.finished and event.error and not event.token_ids:
-            return _error(event.error, error_status(event))
+            return _failed(event)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
-        while True:
-            data = json.dumps(event_json(event), separators=(",", ":"))
-            await response.write(f"data: {data}\n\n".encode())
-            if event.finished:
-                break
-            event = await queue.get()
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        try:
+            while True:
+                data = json.dumps(event_json(event), separators=(",", ":"))
+                await response.write(f"data: {data}\n\n".encode())
+                if event.finished:
+                    break
+                event = await queue.get()
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:  # the router went away mid-stream: one line, no traceback
+            log.info("%s: the client disconnected mid-stream", rid)
+            self.engine.abort(rid, "client disconnected")
         return response
 
     async def abort(self, request: web.Request) -> web.Response:
+        """Fail a request in flight here; 404 for an id this worker does not hold (unknown, or
+        already finished)."""
         try:
-            body = json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _error(f"the body is not valid JSON: {exc}", 400)
+            body = parse_json(await request.read())
+        except BadRequest as exc:
+            return _error(exc.message, 400)
         if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
             return _error("the body must be an object with a string rid", 400, "rid")
         reason = body.get("reason") or "aborted by the router"
         if not isinstance(reason, str):
             return _error("reason must be a string", 400, "reason")
-        self.engine.abort(body["rid"], reason)
-        return web.json_response({"rid": body["rid"], "status": "ok"})
+        rid = body["rid"]
+        try:
+            known = await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.has_request, rid)
+        except EngineStopped:
+            return _error("the worker is shutting down", 503)
+        if not known:
+            return _error(f"no request {rid!r:.80} in flight here", 404, "rid")
+        self.engine.abort(rid, reason)
+        return web.json_response({"rid": rid, "status": "ok"})
 
     async def health(self, request: web.Request) -> web.Response:
         body = {"status": "ok" if self.engine.running else "stopped", "url": self.url,

@@ -245,7 +245,8 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
                           model_vocab=rank.executor.config.vocab_size,
                           max_position=rank.executor.config.max_position,
                           bootstrap_host=spec.bootstrap_host, bootstrap_port=spec.bootstrap_port)
-        server = WorkerServer(rank.engine, info)
+        server = WorkerServer(rank.engine, info,
+                              max_inflight_requests=config.max_inflight_requests)
         status = asyncio.run(_serve(server, host, port, followers, on_ready))
     finally:
         if rank is not None:

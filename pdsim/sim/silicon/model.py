@@ -77,6 +77,7 @@ class _Plan:
     gen_bytes_rel: float  # ... and byte time / max(FLOP, byte time)
     dense: Stage  # over the instance's tokens: dense MLP + its collective
     moe_global: Stage  # over the instance's tokens: routed experts (+ shared, collective)
+    moe_global_ll: Stage  # the same under DeepEP's low-latency mode (decode kernels)
     moe_local: Stage  # over one GPU's tokens (DeepEP): shared experts, router
     a2a_low_latency: Stage | None  # over one GPU's tokens
     a2a_normal: Stage | None
@@ -221,14 +222,15 @@ class SiliconCostModel:
         role = self.params.role
         normal = role == "prefill" or (role == "colocated" and has_prefill)
         a2a = plan.a2a_normal if normal else plan.a2a_low_latency
+        experts = plan.moe_global if normal else plan.moe_global_ll
         if not par.two_batch_overlap:
-            return (attn + self._stage(plan.moe_global, tokens)
+            return (attn + self._stage(experts, tokens)
                     + self._stage(plan.moe_local, gpu_tokens) + self._stage(a2a, gpu_tokens))
         half_tokens, half_gpu = -(-tokens // 2), -(-gpu_tokens // 2)
         half_compute = (self._attention_s(shapes, 0.5)
                         + max(plan.elementwise_floor_s,
                               max_rank_tokens / 2 * plan.elementwise_s_tok)
-                        + self._stage(plan.moe_global, half_tokens)
+                        + self._stage(experts, half_tokens)
                         + self._stage(plan.moe_local, half_gpu))
         half_comm = self._stage(a2a, half_gpu)
         return (2 * max(half_compute, half_comm)
@@ -307,13 +309,19 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
     dense = [ops.gemm(2 * inter, h, prec.dense_mlp), ops.gemm(h, inter, prec.dense_mlp),
              *mlp_comm] if model.num_dense_layers else []
 
-    moe_global, moe_local, a2a_ll, a2a_normal = [], [], None, None
+    moe_global, moe_global_ll, moe_local, a2a_ll, a2a_normal = [], [], [], None, None
     mlp_act = 3 * inter
     if model.is_moe:
         md = prec.moe_experts
         deepep = par.moe_a2a == "deepep"
-        moe_global.append(ops.moe(h, model.moe_intermediate_size, model.experts_per_token,
-                                  model.num_experts, tp // ep, ep, md, p.moe_distribution))
+        shape = (h, model.moe_intermediate_size, model.experts_per_token, model.num_experts)
+        fused = ops.moe(*shape, tp // ep, ep, md, p.moe_distribution)
+        moe_global.append(fused)
+        moe_global_ll.append(fused)
+        if deepep:  # DeepGEMM's grouped GEMMs where measured, else the fused kernel
+            moe_global[0] = ops.wideep_moe("context", *shape, ep, md, p.moe_distribution) or fused
+            moe_global_ll[0] = (ops.wideep_moe("generation", *shape, ep, md, p.moe_distribution)
+                                or fused)
         # Router (BF16 in every quantised checkpoint) and shared experts: replicated under
         # DeepEP (each GPU runs them on its own tokens), else over tp on the gathered tokens.
         split = 1 if deepep else tp
@@ -330,6 +338,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
                                  f"or the roofline cost model")
         else:
             moe_global += local + mlp_comm
+            moe_global_ll = moe_global
         mlp_act = max(mlp_act, 3 * (model.moe_intermediate_size * model.experts_per_token // ep
                                     + shared))
 
@@ -348,6 +357,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         gen_bytes_rel=gen_bytes / max(gen_flops, gen_bytes),
         dense=Stage(dense),
         moe_global=Stage(moe_global),
+        moe_global_ll=Stage(moe_global_ll),
         moe_local=Stage(moe_local),
         a2a_low_latency=Stage([a2a_ll]) if a2a_ll else None,
         a2a_normal=Stage([a2a_normal]) if a2a_normal else None,
