@@ -15,7 +15,9 @@ from pdsim.core.config import SchedulerConfig
 from pdsim.core.pool import PagePool
 from pdsim.core.request import Request
 from pdsim.core.running import Speculation, SpeculativeRunningBatch
+from pdsim.core.records import RequestRecord
 from pdsim.core.scheduler import ColocatedScheduler
+from pdsim.metrics import SLO, records_frame, summarize
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cluster import Simulation
 from pdsim.sim.cost import Parallelism, make_cost_model
@@ -146,6 +148,19 @@ def test_retraction_under_a_small_pool_keeps_lengths_exact_and_returns_every_pag
         assert r.num_output == lengths[r.rid][1] == len(r.token_times_s)
         assert np.all(np.diff(r.token_times_s) >= 0)
     sched.check_pools_full()
+
+
+def test_itl_gives_each_token_of_a_step_an_equal_share_of_its_gap_as_bench_serving_does():
+    recs = [RequestRecord("a", 8, 5, "ok", arrival_s=0.0, first_token_s=0.0, finish_s=2.0,
+                          token_times_s=[0.0, 1.0, 1.0, 1.0, 2.0]),  # a step emitting 3, then 1
+            RequestRecord("b", 8, 3, "ok", arrival_s=0.0, first_token_s=0.0, finish_s=1.5,
+                          token_times_s=[0.0, 0.5, 1.5])]
+    frame = records_frame(recs)
+    assert list(frame["itl_mean_s"]) == pytest.approx([0.5, 0.75])  # gap sums are kept
+    assert list(frame["itl_max_s"]) == pytest.approx([1.0, 1.0])
+    summary = summarize(recs, num_gpus=1, slo=SLO())
+    # Pooled gaps: 1/3, 1/3, 1/3, 1 (a) and 0.5, 1 (b); none is zero.
+    assert summary["itl_p50_s"] == pytest.approx(np.median([1 / 3] * 3 + [1, 0.5, 1]))
 
 
 # ----- the verify step's price -------------------------------------------------------------
