@@ -409,6 +409,20 @@ def test_nvfp4_checkpoints_price_at_the_fp4_peak() -> None:
     )
 
 
+def test_modelopt_hf_quant_config_beside_config_json_is_read(tmp_path) -> None:
+    config = dict(HF_CONFIGS["deepseek-v3"])
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({
+        "producer": {"name": "modelopt"},
+        "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8",
+                         "group_size": 16, "exclude_modules": ["lm_head"]},
+    }))
+    assert load_model_spec(tmp_path).precision == Precision(
+        attention="nvfp4", dense_mlp="nvfp4", moe_experts="nvfp4"
+    )
+
+
 def test_gptq_and_awq_int4_are_w4a16_not_fp8() -> None:
     gptq = _with_quant("qwen2.5-72b", {"quant_method": "gptq", "bits": 4, "group_size": 128,
                                         "desc_act": False}, torch_dtype="float16")

@@ -541,6 +541,10 @@ def load_model_spec(
         raise ValueError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: expected a JSON object")
+    modelopt = path.parent / "hf_quant_config.json"  # where ModelOpt checkpoints keep it
+    if "quantization_config" not in config and modelopt.is_file():
+        config["quantization_config"] = {"quant_method": "modelopt",
+                                         **json.loads(modelopt.read_text())}
     name = path.parent.name if path.name == "config.json" else path.stem
     try:
         return model_spec_from_hf_config(config, name=name or path.stem)

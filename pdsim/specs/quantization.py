@@ -42,6 +42,8 @@ def precision_from_hf_config(config: Mapping[str, Any]) -> Precision:
         return Precision(attention=plain, dense_mlp=plain, moe_experts=plain, lm_head=plain)
     if not isinstance(quant, Mapping):
         raise ValueError(f"quantization_config must be a mapping, got {quant!r}")
+    if isinstance(quant.get("quantization"), Mapping):  # ModelOpt's hf_quant_config.json form
+        quant = {**quant, **quant["quantization"]}
     quantised = _quantised_dtype(quant)
     excluded = [str(n).lower() for key in _EXCLUDE_KEYS for n in (quant.get(key) or [])]
     blocks = {
