@@ -10,7 +10,7 @@ What is compared, per transformer layer on one GPU:
   mlp.csv) against the roofline step of a one-layer model with only decode tokens and no
   context, so only projections, MLP and elementwise kernels are priced;
 - "prefill attn" / "decode attn": Vidur's attention kernel (attention.csv, TP 2 only) against the
-  roofline difference between the shape with and without its attention work;
+  roofline's attention-kernel time for that shape (`attention_kernels_s`, floor included);
 - "all-reduce": Vidur's 2-GPU NVLink all-reduce against the roofline's ring formula.
 Per-step overheads and collectives are switched off in the model for the compute rows.
 """
@@ -32,7 +32,7 @@ LAYER_OPS = (
     "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
     "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add",
 )
-# Per-step costs are off; the per-layer kernel floor (layer_overhead_s) stays on for the
+# Per-step costs are off; the kernel floors (GEMM floors, layer_overhead_s) stay on for the
 # "layer ops" rows, where Vidur's sum of nine kernels includes theirs.
 NO_STEP_COSTS = dict(step_overhead_s=0.0, extend_overhead_s=0.0, allreduce_latency_s=0.0)
 
@@ -72,14 +72,17 @@ def layer_ops(root: Path) -> list[tuple[str, float, float]]:
             if not match:
                 continue
             measured = sum(ms(match[0], op) for op in LAYER_OPS)
-            predicted = cost.step_time_s([BatchShape(decode_reqs=tokens)]) * 1e3
+            shape = BatchShape(decode_reqs=tokens)
+            # The step less its attention kernels and the one-entry LM head's GEMM floor.
+            predicted = (cost.step_time_s([shape]) - cost.attention_kernels_s(shape)
+                         - cost.params.gemm_floor_s) * 1e3
             out.append((f"layer ops tp={tp} tokens={tokens}", measured, predicted))
     return out
 
 
 def attention(root: Path) -> list[tuple[str, float, float]]:
     rows = read_rows(root / MODEL_DIR / "attention.csv")
-    cost = model_for(2, layer_overhead_s=0.0)
+    cost = model_for(2)
     out = []
     prefill = {(int(r["prefill_chunk_size"]), int(r["kv_cache_size"])): r
                for r in rows if r["is_prefill"] == "True"}
@@ -87,10 +90,8 @@ def attention(root: Path) -> list[tuple[str, float, float]]:
         row = prefill.get((chunk, kv))
         if row is None:
             continue
-        pairs = extend_attn_pairs(chunk, kv)
-        with_attn = BatchShape(prefill_tokens=chunk, prefill_attn_pairs=pairs)
-        without = BatchShape(prefill_tokens=chunk)
-        predicted = (cost.step_time_s([with_attn]) - cost.step_time_s([without])) * 1e3
+        shape = BatchShape(prefill_tokens=chunk, prefill_attn_pairs=extend_attn_pairs(chunk, kv))
+        predicted = cost.attention_kernels_s(shape) * 1e3
         out.append((f"prefill attn chunk={chunk} kv={kv}", ms(row, "attn_prefill"), predicted))
     decode = {(int(r["batch_size"]), int(r["kv_cache_size"])): r
               for r in rows if r["is_prefill"] == "False"}
@@ -98,9 +99,8 @@ def attention(root: Path) -> list[tuple[str, float, float]]:
         row = decode.get((batch, kv))
         if row is None:
             continue
-        with_attn = BatchShape(decode_reqs=batch, decode_context_tokens=batch * kv)
-        without = BatchShape(decode_reqs=batch)
-        predicted = (cost.step_time_s([with_attn]) - cost.step_time_s([without])) * 1e3
+        shape = BatchShape(decode_reqs=batch, decode_context_tokens=batch * kv)
+        predicted = cost.attention_kernels_s(shape) * 1e3
         out.append((f"decode attn batch={batch} kv={kv}", ms(row, "attn_decode"), predicted))
     return out
 

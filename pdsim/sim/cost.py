@@ -132,29 +132,45 @@ class RooflineParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     gemm_mfu: float = Field(default=0.7, gt=0, le=1)
-    attn_mfu: float = Field(default=0.5, gt=0, le=1)
+    fp8_gemm_mfu: float = Field(default=0.6, gt=0, le=1)
+    fp4_gemm_mfu: float = Field(default=0.44, gt=0, le=1)
+    attn_mfu: float = Field(default=0.62, gt=0, le=1)
+    fp8_attn_mfu: float = Field(default=0.38, gt=0, le=1)
+    prefill_attn_extra_keys: float = Field(default=500, ge=0)
     bw_efficiency: float = Field(default=0.8, gt=0, le=1)
     comm_efficiency: float = Field(default=0.7, gt=0, le=1)
     allreduce_latency_s: float = Field(default=10e-6, ge=0)
+    gemm_floor_s: float = Field(default=4e-6, ge=0)
+    attn_floor_s: float = Field(default=10e-6, ge=0)
+    decode_attn_req_s: float = Field(default=0.05e-6, ge=0)
+    moe_floor_s: float = Field(default=23e-6, ge=0)
     layer_overhead_s: float = Field(default=15e-6, ge=0)
     step_overhead_s: float = Field(default=0.5e-3, ge=0)
     extend_overhead_s: float = Field(default=2e-3, ge=0)
     kv_dtype_bytes: float = Field(default=2, gt=0)
     role: Role = "colocated"
     deepep_ll_latency_s: float = Field(default=12e-6, ge=0)
-    deepep_normal_latency_s: float = Field(default=35e-6, ge=0)
-    deepep_rdma_latency_s: float = Field(default=15e-6, ge=0)
+    deepep_normal_latency_s: float = Field(default=37e-6, ge=0)
+    deepep_rdma_latency_s: float = Field(default=12e-6, ge=0)
     deepep_ll_nvlink_efficiency: float = Field(default=0.5, gt=0, le=1)
     deepep_normal_nvlink_efficiency: float = Field(default=0.65, gt=0, le=1)
     deepep_rdma_efficiency: float = Field(default=0.9, gt=0, le=1)
 
 
-def _block_rate(block: str, dtype: str, hardware: HardwareSpec) -> float:
-    """Peak FLOP/s of one block's GEMMs; a format the GPU cannot run names the block."""
+def _peak_flops(block: str, dtype: str, hardware: HardwareSpec) -> float:
+    """The tensor-core peak (FLOP/s) `dtype` runs at; a format the GPU cannot run is an error
+    naming the block."""
     try:
         return gemm_peak_tflops(dtype, hardware) * 1e12
     except ValueError as err:
         raise ValueError(f"precision.{block}: {err}") from None
+
+
+def _block_rate(block: str, dtype: str, hardware: HardwareSpec, p: RooflineParams) -> float:
+    """Achieved FLOP/s of one block's GEMMs: its format's peak times that format's measured
+    GEMM efficiency (docs/cost_model.md)."""
+    mfu = {"bf16": p.gemm_mfu, "fp8": p.fp8_gemm_mfu, "fp4": p.fp4_gemm_mfu}
+    return _peak_flops(block, dtype, hardware) * mfu[DTYPES[dtype].compute]
 
 
 @register_cost_model("roofline")
@@ -197,7 +213,7 @@ class RooflineCostModel:
         self._layers = model.num_layers
 
         # Attention block on one GPU of a DP rank: projections, then the attention kernels.
-        attn_rate = _block_rate("attention", prec.attention, hardware) * p.gemm_mfu
+        attn_rate = _block_rate("attention", prec.attention, hardware, p)
         wb = DTYPES[prec.attention].weight_bytes
         self._attn_proj_s_tok = 2 * model.attn_params_per_layer / attn_tp / attn_rate
         self._attn_w_bytes = model.attn_params_per_layer * wb / attn_tp
@@ -219,8 +235,17 @@ class RooflineCostModel:
             pf_flops_pair = 4 * heads * model.head_dim
             dec_flops_ctx = 4 * heads * model.head_dim
             rope_elems = (heads + kv_heads) * model.head_dim
-        kernel_peak = _block_rate("attention_compute", prec.attention_compute, hardware)
-        kernel_rate = kernel_peak * p.attn_mfu
+        # The attention kernel's efficiency rises with the keys each query attends to: a
+        # prefill query costs as if it attended `prefill_attn_extra_keys` more keys.
+        fp8_kernel = prec.attention_compute == "fp8"
+        kernel_rate = _peak_flops("attention_compute", prec.attention_compute, hardware) * (
+            p.fp8_attn_mfu if fp8_kernel else p.attn_mfu)
+        self._pf_extra_pairs_tok = p.prefill_attn_extra_keys
+        self._decode_req_s = p.decode_attn_req_s
+        self._attn_floor_s = p.attn_floor_s
+        # Kernel floors of the projections: GQA's QKV and O GEMMs; MLA's fused q_a/kv_a, q_b,
+        # kv_b (or its two absorbed batched GEMMs in decode) and o.
+        self._attn_gemm_floor_s = (5 if model.is_mla else 2) * p.gemm_floor_s
         self._attn_act_tok = proj_io * ACT_BYTES
         self._pf_attn_s_pair = pf_flops_pair / kernel_rate
         self._dec_attn_s_ctx = dec_flops_ctx / kernel_rate
@@ -231,7 +256,8 @@ class RooflineCostModel:
 
         # Dense MLP layers, on the tokens of all DP ranks, over tp GPUs.
         self._dense_layers = model.num_dense_layers
-        dense_rate = _block_rate("dense_mlp", prec.dense_mlp, hardware) * p.gemm_mfu
+        dense_rate = _block_rate("dense_mlp", prec.dense_mlp, hardware, p)
+        self._dense_floor_s = 2 * p.gemm_floor_s  # gate_up and down
         inter = model.intermediate_size / tp
         self._dense_s_tok = 2 * model.dense_mlp_params / tp / dense_rate
         self._dense_w_bytes = model.dense_mlp_params * DTYPES[prec.dense_mlp].weight_bytes / tp
@@ -248,7 +274,10 @@ class RooflineCostModel:
         self._tbo = parallel.two_batch_overlap
         if model.is_moe:
             e, k = model.num_experts, model.experts_per_token
-            moe_rate = _block_rate("moe_experts", prec.moe_experts, hardware) * p.gemm_mfu
+            moe_rate = _block_rate("moe_experts", prec.moe_experts, hardware, p)
+            # The fused routed-expert kernel's floor, the router GEMM's and the shared experts'.
+            shared_gemms = 2 if model.num_shared_experts else 0
+            self._moe_floor_s = p.moe_floor_s + (1 + shared_gemms) * p.gemm_floor_s
             wb = DTYPES[prec.moe_experts].weight_bytes
             moe_inter = model.moe_intermediate_size / (tp // ep)
             shared = model.num_shared_experts * model.expert_params
@@ -278,7 +307,8 @@ class RooflineCostModel:
                 self._moe_global_elem_s_tok += shared_elem_s_tok
 
         # LM head on the last position of each sequence, split over tp.
-        lm_rate = _block_rate("lm_head", prec.lm_head, hardware) * p.gemm_mfu
+        lm_rate = _block_rate("lm_head", prec.lm_head, hardware, p)
+        self._lm_floor_s = p.gemm_floor_s
         lm_params = model.vocab_size * h
         self._lm_s_tok = 2 * lm_params / tp / lm_rate
         self._lm_w_bytes = lm_params * DTYPES[prec.lm_head].weight_bytes / tp
@@ -331,21 +361,33 @@ class RooflineCostModel:
             n = (shape.prefill_tokens + shape.decode_reqs * q) * scale
             if n == 0:
                 continue
-            proj = max(n * self._attn_proj_s_tok,
-                       (self._attn_w_bytes + n * self._attn_act_tok) / self._mem_rate)
-            pf = shape.prefill_tokens * scale
-            prefill = max(shape.prefill_attn_pairs * scale * self._pf_attn_s_pair,
-                          pf * self._kv_mem_s_tok)
-            # Each of a request's q query tokens attends over its whole context; the KV is
-            # read once for all of them, and their own q entries are written.
-            ctx = shape.decode_context_tokens * scale
-            decode = max(ctx * q * self._dec_attn_s_ctx,
-                         (ctx + shape.decode_reqs * scale * q) * self._kv_mem_s_tok)
-            attn = (proj + prefill + decode + n * self._attn_elem_s_tok + self._attn_ar_fixed_s
-                    + n * self._attn_ar_s_tok)
+            proj = self._attn_gemm_floor_s + max(
+                n * self._attn_proj_s_tok,
+                (self._attn_w_bytes + n * self._attn_act_tok) / self._mem_rate)
+            attn = (proj + self.attention_kernels_s(shape, scale) + n * self._attn_elem_s_tok
+                    + self._attn_ar_fixed_s + n * self._attn_ar_s_tok)
             if attn > slowest:
                 slowest = attn
         return slowest
+
+    def attention_kernels_s(self, shape: BatchShape, scale: float = 1.0) -> float:
+        """One layer's attention kernels (prefill and decode parts) on one GPU of a rank."""
+        q = shape.decode_query_len
+        pf = shape.prefill_tokens * scale
+        prefill = 0.0
+        if pf:
+            pairs = shape.prefill_attn_pairs * scale + pf * self._pf_extra_pairs_tok
+            prefill = self._attn_floor_s + max(pairs * self._pf_attn_s_pair,
+                                               pf * self._kv_mem_s_tok)
+        # Each of a request's q query tokens attends over its whole context; the KV is read
+        # once for all of them, and their own q entries are written.
+        reqs = shape.decode_reqs * scale
+        decode = 0.0
+        if reqs:
+            ctx = shape.decode_context_tokens * scale
+            decode = self._attn_floor_s + reqs * self._decode_req_s + max(
+                ctx * q * self._dec_attn_s_ctx, (ctx + reqs * q) * self._kv_mem_s_tok)
+        return prefill + decode
 
     def _moe_s(self, tokens: float, gpu_tokens: float) -> float:
         """One MoE layer's expert compute: `tokens` of the instance, `gpu_tokens` on one GPU."""
@@ -354,7 +396,7 @@ class RooflineCostModel:
         w_bytes = self._moe_w_bytes + hit * self._expert_w_bytes
         act = tokens * self._moe_global_act_tok + gpu_tokens * self._moe_local_act_tok
         elem = tokens * self._moe_global_elem_s_tok + gpu_tokens * self._moe_local_elem_s_tok
-        return max(flops_s, (w_bytes + act) / self._mem_rate) + elem
+        return self._moe_floor_s + max(flops_s, (w_bytes + act) / self._mem_rate) + elem
 
     def step_time_s(self, shapes: Sequence[BatchShape]) -> float:
         tokens = lm_rows = max_rank_tokens = 0
@@ -376,15 +418,16 @@ class RooflineCostModel:
         mlp_comm = self._mlp_ar_fixed_s + tokens * self._mlp_ar_s_tok
         total = 0.0
         if self._dense_layers:
-            dense = max(tokens * self._dense_s_tok,
-                        (self._dense_w_bytes + tokens * self._dense_act_tok) / mem_rate)
+            dense = self._dense_floor_s + max(
+                tokens * self._dense_s_tok,
+                (self._dense_w_bytes + tokens * self._dense_act_tok) / mem_rate)
             total += self._dense_layers * (
                 attn + dense + tokens * self._dense_elem_s_tok + mlp_comm
             )
         if self._moe_layers:
             total += self._moe_layers * self._moe_layers_s(shapes, attn, mlp_comm, tokens,
                                                            max_rank_tokens, has_prefill)
-        total += max(lm_rows * self._lm_s_tok,
+        total += self._lm_floor_s + max(lm_rows * self._lm_s_tok,
                      (self._lm_w_bytes + lm_rows * self._lm_act_tok) / mem_rate)
         total += self._step_overhead_s
         if has_prefill:
