@@ -145,4 +145,5 @@ def test_worker_endpoints(cluster):
     status, err = post_json(decode.url + "/generate", {**body("x", [1, 2], 4, prefill),
                                                        "input_ids": [1, 9999]})
     assert status == 400 and "outside the vocabulary" in err["error"]["message"]
-    assert post_json(decode.url + "/abort", {"rid": "nobody", "reason": "test"})[0] == 200
+    status, err = post_json(decode.url + "/abort", {"rid": "nobody", "reason": "test"})
+    assert status == 404 and err["error"]["param"] == "rid"  # no such request here
