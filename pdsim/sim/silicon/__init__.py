@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from pdsim.sim.cost import CostModel, Parallelism, RooflineCostModel, register_cost_model
 from pdsim.sim.silicon.model import SiliconCostModel, SiliconParams
+from pdsim.sim.silicon.ops import MissingTable
 from pdsim.sim.silicon.tables import SYSTEMS, has_tables
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
@@ -33,9 +34,14 @@ def resolve_cost_model(name: str, hardware: HardwareSpec) -> str:
 def auto_cost_model(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
                     **params: object) -> CostModel:
     """Silicon where `hardware` has measured tables (and aiconfigurator-core is installed),
-    else the roofline. Params go to whichever is chosen."""
+    else the roofline; also the roofline when the GPU's tables lack an op the model needs
+    (MLA on an A100, DeepEP on an L40S). Params go to whichever is chosen; the summary's
+    `cost_model` column says which one ran."""
     if resolve_cost_model("auto", hardware) == "silicon":
-        return SiliconCostModel(model, hardware, parallel, **params)
+        try:
+            return SiliconCostModel(model, hardware, parallel, **params)
+        except MissingTable:
+            pass
     return RooflineCostModel(model, hardware, parallel, **params)
 
 

@@ -58,6 +58,15 @@ class Curve:
         values = self.values(np.arange(1, self._n + 1, dtype=float))
         self._dense = array("d", [0.0, *values.tolist()])
 
+    @property
+    def grid(self) -> np.ndarray:
+        """The measured sizes."""
+        return np.exp(self._lxs)
+
+    @property
+    def roofline(self) -> Callable[[float], float]:
+        return self._roofline
+
     def _compute(self, x: float) -> float:
         if x < self.lo:
             return math.exp(self._lys[0]) * self._roofline(x) / self._roofline(self.lo)

@@ -29,7 +29,7 @@ from pdsim.core.batch import BatchShape
 from pdsim.sim.cost import Parallelism, Role
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Grid2, Stage
-from pdsim.sim.silicon.ops import ACT_BYTES, op_tables
+from pdsim.sim.silicon.ops import ACT_BYTES, MissingTable, op_tables
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
 
@@ -334,7 +334,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
             a2a_ll = ops.deepep("ll", h, model.experts_per_token, model.num_experts, ep)
             a2a_normal = ops.deepep("normal", h, model.experts_per_token, model.num_experts, ep)
             if a2a_ll is None or a2a_normal is None:
-                raise ValueError(f"silicon: {system} has no DeepEP tables; use moe_a2a 'none' "
+                raise MissingTable(f"silicon: {system} has no DeepEP tables; use moe_a2a 'none' "
                                  f"or the roofline cost model")
         else:
             moe_global += local + mlp_comm

@@ -51,6 +51,10 @@ def _fallbacks(dtype: str) -> tuple[str, ...]:
     return ("fp8_block", "fp8", "bfloat16")
 
 
+class MissingTable(ValueError):
+    """The system has no measured table for an op the model needs."""
+
+
 def _log_distance(a: tuple[float, ...], b: tuple[float, ...]) -> float:
     return sum(abs(math.log(x / y)) for x, y in zip(a, b))
 
@@ -78,7 +82,7 @@ class OpTables:
         table = self._table(op, file)
         if table is None:
             known = ", ".join(tables.versions_of(self.system, self.framework)) or "none"
-            raise ValueError(
+            raise MissingTable(
                 f"silicon: {self.system} has no {op}/{file} for {self.framework} <= "
                 f"{self.version} (versions with tables: {known})"
             )
@@ -129,8 +133,7 @@ class OpTables:
         k0, k1 = _bracket(ks, k_c)
         corners = [(a, b) for a in (n0, n1) for b in (k0, k1)]
         if any(c not in grid for c in corners):  # a hole in the grid: take the nearest point
-            n0 = n1 = min(ns, key=lambda v: abs(math.log(v / n_c)))
-            k0 = k1 = min(ks, key=lambda v: abs(math.log(v / k_c)))
+            n0, k0 = n1, k1 = min(grid, key=lambda nk: _log_distance(nk, (n_c, k_c)))
             corners = [(n0, k0)]
         ms = grid[corners[0]][0]
         for c in corners[1:]:
@@ -158,7 +161,9 @@ class OpTables:
                         kv_dtype: str, attn_dtype: str | None,
                         roofline: Callable[[int, int, int], Callable]) -> Grid2:
         t = self._need("attention", file)
-        t = t[(t["window_size"] == 0) & (t["kv_cache_dtype"] == kv_dtype)]
+        if "window_size" in t:  # sliding-window rows (absent from older tables) are not ours
+            t = t[t["window_size"] == 0]
+        t = t[t["kv_cache_dtype"] == kv_dtype]
         if attn_dtype is not None and (t["attn_dtype"] == attn_dtype).any():
             t = t[t["attn_dtype"] == attn_dtype]
         if t.empty:
@@ -361,18 +366,29 @@ class OpTables:
         return curve
 
     def all_reduce(self, gpus: int, hidden: int) -> Curve:
-        """SGLang's custom all-reduce (CUDA-graph mode), falling back to NCCL's table."""
+        """The faster of SGLang's custom all-reduce (CUDA-graph mode) and NCCL's at each
+        message size, as SGLang uses custom all-reduce only where it wins (small messages,
+        NVLink)."""
         t = self._table("comm", "custom_allreduce_perf.parquet")
         if t is not None and "backend" in t and (t["backend"] == "sglang_graph").any():
             t = t[t["backend"] == "sglang_graph"]
+        nccl = self.nccl("all_reduce", gpus, hidden) if tables.nccl_path(self.system) else None
         if t is None or gpus > int(t["num_gpus"].max()):
-            return self.nccl("all_reduce", gpus, hidden)
-        return self._collective(t, gpus, hidden)
+            if nccl is None:
+                raise MissingTable(f"silicon: {self.system} has no all-reduce table")
+            return nccl
+        custom = self._collective(t, gpus, hidden)
+        if nccl is None:
+            return custom
+        xs = np.union1d(custom.grid, nccl.grid)
+        xs = xs[(xs >= max(custom.lo, nccl.lo)) & (xs <= min(custom.hi, nccl.hi))]
+        return Curve(xs, np.minimum(custom.values(xs), nccl.values(xs)), custom.roofline,
+                     custom.static_extrapolated and nccl.static_extrapolated)
 
     def nccl(self, op: str, gpus: int, hidden: int) -> Curve:
         path = tables.nccl_path(self.system)
         if path is None:
-            raise ValueError(f"silicon: {self.system} has no NCCL table (comm/nccl)")
+            raise MissingTable(f"silicon: {self.system} has no NCCL table (comm/nccl)")
         t = tables.read_table(path)
         t = t[(t["op_name"] == op) & (t["nccl_dtype"] == "half")]
         return self._collective(t, gpus, hidden)
