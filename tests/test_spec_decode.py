@@ -20,7 +20,7 @@ from pdsim.core.scheduler import ColocatedScheduler
 from pdsim.metrics import SLO, records_frame, summarize
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cluster import Simulation
-from pdsim.sim.cost import Parallelism, make_cost_model
+from pdsim.sim.cost import Parallelism, kv_capacity_tokens, make_cost_model
 from pdsim.sim.speculative import (
     accept_len_probs,
     draft_spec,
@@ -259,6 +259,22 @@ def test_pd_moves_the_draft_kv_and_hidden_state_with_each_request():
     extra = pages * draft_page_bytes + len(wl) * model.hidden_size * 2
     assert (spec.kv_transfer_gb - plain.kv_transfer_gb) * 1e9 == pytest.approx(extra)
     assert draft_page_bytes * 32 == page * model.kv_bytes_per_token(cfg.kv_dtype_bytes)
+
+
+def test_the_draft_takes_its_weights_and_kv_from_the_pool():
+    data = experiment(MTP3)
+    data.update(model="deepseek-v3", hardware="h200")
+    data["cluster"]["decode"]["tp"] = data["cluster"]["prefill"]["tp"] = 8
+    pages = build_cluster(parse_experiment(data)).decode.scheduler.num_pages
+    v3, par = load_model_spec("deepseek-v3"), Parallelism(tp=8)
+    tokens = kv_capacity_tokens(v3, load_hardware_spec("h200"), par)
+    # The MTP module is one more MoE layer (sharing embedding and LM head) with its own KV.
+    plus_one = v3.model_copy(update={"num_layers": v3.num_layers + 1})
+    layer_bytes = plus_one.weight_bytes_per_rank(8) - v3.weight_bytes_per_rank(8)
+    kv = v3.kv_bytes_per_token_per_rank(8)
+    expected = (tokens * kv - layer_bytes) // (kv * 62 / 61) // 16
+    assert pages == pytest.approx(expected, abs=1)
+    assert 0.94 < pages * 16 / tokens < 0.97
 
 
 @pytest.mark.parametrize("speculative, message", [

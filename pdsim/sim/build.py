@@ -14,6 +14,7 @@ from pdsim.sim.network import PROTOCOLS, NetworkModel
 from pdsim.sim.speculative import (
     draft_spec,
     draft_state_bytes_per_request,
+    kv_capacity_with_draft,
     make_speculative_cost_model,
 )
 from pdsim.specs.hardware import HardwareSpec, load_hardware_spec
@@ -31,12 +32,15 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     # learns the role it serves (prefill, decode or colocated).
     params = {"kv_dtype_bytes": kv_bytes, "role": name,
               **{k: _resolve(v, base_dir) for k, v in cfg.cost_model.params.items()}}
+    spec = cfg.speculative
     try:
+        draft = None if spec.method == "none" else draft_spec(
+            spec.method, model, spec.draft_layers, spec.draft_model)
         num_pages = knobs.num_pages or (
-            kv_capacity_tokens(model, hw, par, knobs.mem_fraction_static, kv_bytes)
+            _pool_tokens(model, hw, par, knobs.mem_fraction_static, kv_bytes, draft)
             // knobs.page_size
         )
-        cost = _cost_factory(cfg, model, hw, par, params)
+        cost = _cost_factory(cfg, model, hw, par, params, draft)
         cost()
     except ValueError as exc:
         raise ConfigError(f"cluster.{name}: {exc}") from None
@@ -61,12 +65,8 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     # What a page weighs on the wire: every attention-TP rank of the receiving side needs its
     # own slice (GQA) or its own replica (MLA). A speculating draft's KV and last hidden state
     # move with it (SGLang ships them in the KV and metadata buffers).
-    spec = cfg.speculative
-    kv_models = [model]
-    state_bytes = 0.0
-    if spec.method != "none":
-        kv_models.append(draft_spec(spec.method, model, spec.draft_layers, spec.draft_model))
-        state_bytes = draft_state_bytes_per_request(model)
+    kv_models = [model] if draft is None else [model, draft]
+    state_bytes = 0.0 if draft is None else draft_state_bytes_per_request(model)
     kv_page_bytes = sum(knobs.page_size * m.kv_bytes_per_token_per_rank(attn_tp, kv_bytes)
                         * attn_tp for m in kv_models)
     net = cfg.network
@@ -89,15 +89,19 @@ def _per_dp_rank(value: int, role: RoleConfig, name: str, knob: str) -> int:
     return value // role.dp_attention
 
 
+def _pool_tokens(model: ModelSpec, hw: HardwareSpec, par: Parallelism, mem_fraction: float,
+                 kv_bytes: float, draft: ModelSpec | None) -> int:
+    tokens = kv_capacity_tokens(model, hw, par, mem_fraction, kv_bytes)
+    return tokens if draft is None else kv_capacity_with_draft(tokens, model, draft, par, kv_bytes)
+
+
 def _cost_factory(cfg: ExperimentConfig, model: ModelSpec, hw: HardwareSpec, par: Parallelism,
-                  params: dict):
+                  params: dict, draft: ModelSpec | None):
     """Builds one instance's cost model: the named one, wrapped for speculative decoding."""
-    spec = cfg.speculative
-    if spec.method == "none":
+    if draft is None:
         return partial(make_cost_model, cfg.cost_model.name, model, hw, par, **params)
-    draft = draft_spec(spec.method, model, spec.draft_layers, spec.draft_model)
     return partial(make_speculative_cost_model, cfg.cost_model.name, model, hw, par, draft,
-                   spec.num_draft_tokens, **params)
+                   cfg.speculative.num_draft_tokens, **params)
 
 
 def _speculation(cfg: ExperimentConfig) -> Speculation | None:

@@ -19,8 +19,9 @@ KV. The draft is a `ModelSpec` priced by the same registered cost model as the t
 - `eagle`: a small draft model, `draft_model` (a preset or config.json) or else `draft_layers`
   layers of the target's attention with a dense MLP.
 
-The draft's state moves with the KV in PD (`draft_state_bytes_per_request`,
-`draft_kv_bytes_per_token`).
+The draft's weights and KV take GPU memory from the KV pool (`kv_capacity_with_draft`), and
+its state moves with the KV in PD: its KV pages with the target's, and the last hidden state
+with each request's last chunk (`draft_state_bytes_per_request`).
 """
 
 from __future__ import annotations
@@ -138,6 +139,27 @@ def make_speculative_cost_model(name: str, model: ModelSpec, hardware: HardwareS
         make_cost_model(name, draft, hardware, draft_par, **params),
         num_draft_tokens,
     )
+
+
+def kv_capacity_with_draft(target_tokens: int, target: ModelSpec, draft: ModelSpec,
+                           parallel: Parallelism, kv_dtype_bytes: float) -> int:
+    """KV tokens of one attention-DP rank when a draft speculates: its weights take GPU memory,
+    and every token also holds the draft's KV (the draft's pool shares the target's token
+    slots). `target_tokens` is what fits without a draft (`kv_capacity_tokens`).
+
+    A draft of the target's hidden and vocabulary sizes (MTP, an EAGLE head) shares the target's
+    embedding and LM head, so only its layers count; another draft model counts whole."""
+    attn_tp = parallel.attn_tp
+    per_token = target.kv_bytes_per_token_per_rank(attn_tp, kv_dtype_bytes)
+    draft_per_token = draft.kv_bytes_per_token_per_rank(attn_tp, kv_dtype_bytes)
+    ep = parallel.ep if draft.is_moe else 1
+    weights = draft.weight_bytes_per_rank(parallel.tp, ep, parallel.dp_attention)
+    if (draft.hidden_size, draft.vocab_size) == (target.hidden_size, target.vocab_size):
+        # Minus what the same spec holds without layers: the embedding, LM head, final norm.
+        head = draft.model_copy(update={"num_layers": 0, "first_k_dense_layers": 0})
+        weights -= head.weight_bytes_per_rank(parallel.tp, ep, parallel.dp_attention)
+    free = target_tokens * per_token - weights
+    return max(0, int(free // (per_token + draft_per_token)))
 
 
 def draft_state_bytes_per_request(target: ModelSpec) -> float:
