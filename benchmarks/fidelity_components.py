@@ -1,0 +1,275 @@
+"""Per-op accuracy of the silicon and roofline cost models on measured kernel times.
+
+    python benchmarks/fidelity_components.py [--system h100_sxm] [--samples 400] [--vidur DIR]
+
+1. Leave-one-out on NVIDIA's tables (aiconfigurator-core, framework sglang): for a random
+   sample of interior grid points of each op kind, hide the point and predict it from its
+   neighbours along the size axis the simulator looks up (tokens, sequence or context length,
+   message size) with the silicon model's log-log interpolation, and from the shape alone with
+   the roofline's formula at its default efficiencies (pdsim.sim.cost.RooflineParams). The
+   neighbours are twice as far apart as in the real lookup, so silicon's error is an upper
+   bound. Printed: median and P90 relative error per op kind and model.
+2. Against Vidur's measured A100 profile (CodeLlama-34B shapes; ../shared/anchors/vidur-data):
+   the silicon model's a100_sxm lookups for the same ops, side by side with Vidur's medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from pdsim.sim.cost import Parallelism, RooflineCostModel, RooflineParams
+from pdsim.sim.silicon import tables
+from pdsim.sim.silicon.interp import log_interp
+from pdsim.sim.silicon.ops import DEEPEP_NUM_SMS, TABLE_GPUS_PER_NODE, OpTables
+from pdsim.specs import ModelSpec, load_hardware_spec
+from pdsim.specs.hardware import HardwareSpec
+
+RP = RooflineParams()
+HARDWARE = {system: preset for preset, system in tables.SYSTEMS.items()}
+Series = tuple[np.ndarray, np.ndarray, Callable[[float], float]]  # sizes, seconds, roofline
+
+
+def _grouped(t: pd.DataFrame, keys: list[str], x: str, y: str, scale: float
+             ) -> Iterator[tuple[tuple, np.ndarray, np.ndarray]]:
+    best = t.groupby([*keys, x])[y].min().reset_index()
+    for key, g in best.groupby(keys):
+        g = g.sort_values(x)
+        yield key, g[x].to_numpy(float), g[y].to_numpy(float) * scale
+
+
+class Rooflines:
+    """The roofline's formula per op, at RooflineParams' default efficiencies."""
+
+    def __init__(self, hw: HardwareSpec) -> None:
+        self.hw = hw
+        self.mem = hw.hbm_gbps * 1e9 * RP.bw_efficiency
+
+    def peak(self, dtype: str) -> float:
+        fp8 = dtype.startswith("fp8") and self.hw.fp8_tflops
+        fp4 = dtype == "nvfp4" and self.hw.fp4_tflops
+        return (self.hw.fp4_tflops if fp4 else self.hw.fp8_tflops if fp8
+                else self.hw.bf16_tflops) * 1e12
+
+    def gemm(self, n: int, k: int, dtype: str) -> Callable[[float], float]:
+        rate = self.peak(dtype) * RP.gemm_mfu
+        wb = 1.0 if dtype.startswith("fp8") else 0.5 if dtype == "nvfp4" else 2.0
+        return lambda m: max(2 * m * n * k / rate, (n * k * wb + 2 * m * (n + k)) / self.mem)
+
+    def attention(self, flops_per: float, bytes_per: float, fp8: bool = False
+                  ) -> Callable[[float], float]:
+        rate = self.peak("fp8" if fp8 else "bf16") * RP.attn_mfu
+        return lambda units: max(units * flops_per / rate, units * bytes_per / self.mem)
+
+    def moe(self, h: int, inter: int, topk: int, experts: int, mtp: int, mep: int,
+            dtype: str) -> Callable[[float], float]:
+        rate = self.peak(dtype) * RP.gemm_mfu
+        wb = 1.0 if dtype.startswith("fp8") else 0.5 if "4" in dtype else 2.0
+        slice_ = inter / mtp
+
+        def at(tokens: float) -> float:
+            pairs = tokens * topk / mep
+            hit = experts / mep * (1 - (1 - topk / experts) ** tokens)
+            return max(6 * h * slice_ * pairs / rate,
+                       (hit * 3 * h * slice_ * wb + pairs * (2 * h + 3 * slice_) * 2) / self.mem)
+
+        return at
+
+    def all_reduce(self, gpus: int) -> Callable[[float], float]:
+        link = self.hw.nvlink_gbps * 1e9 * RP.comm_efficiency
+        return lambda size: RP.allreduce_latency_s + 2 * (gpus - 1) / gpus * size / link
+
+    def deepep(self, hidden: int, topk: int, experts: int, ep: int, mode: str
+               ) -> Callable[[float], float]:
+        model = ModelSpec(name="moe", num_layers=1, hidden_size=hidden, num_attention_heads=8,
+                          num_kv_heads=8, head_dim=128, intermediate_size=1024, vocab_size=8,
+                          num_experts=experts, experts_per_token=topk, moe_intermediate_size=256)
+        par = Parallelism(tp=ep, ep=ep, dp_attention=ep, moe_a2a="deepep")
+        fixed, per_token = RooflineCostModel(model, self.hw, par)._deepep_cost(mode)
+        return lambda tokens: fixed + tokens * per_token
+
+
+def series(ops: OpTables, roof: Rooflines) -> dict[str, list[Series]]:
+    """Op kind → measured series along the axis the simulator looks up."""
+    out: dict[str, list[Series]] = {}
+    t = ops._need("gemm", "gemm_perf.parquet")
+    for (dtype, n, k), xs, ys in _grouped(t, ["gemm_dtype", "n", "k"], "m", "latency", 1e-3):
+        out.setdefault("GEMM", []).append((xs, ys, roof.gemm(n, k, dtype)))
+    t = ops._need("attention", "context_attention_perf.parquet")
+    t = t[t.window_size == 0]
+    keys = ["num_heads", "num_key_value_heads", "head_dim", "attn_dtype", "kv_cache_dtype",
+            "batch_size"]
+    for (h, kvh, d, ad, kd, b), xs, ys in _grouped(t, keys, "isl", "latency", 1e-3):
+        shape = (b, h, kvh, d, 1 if kd == "fp8" else 2, ad == "fp8")
+        out.setdefault("attention prefill", []).append(
+            (xs, ys, lambda s, shape=shape: _prefill(roof, s, *shape)))
+    t = ops._need("attention", "generation_attention_perf.parquet")
+    t = t[t.window_size == 0]
+    keys = ["num_heads", "num_key_value_heads", "head_dim", "kv_cache_dtype", "batch_size"]
+    for (h, kvh, d, kd, b), xs, ys in _grouped(t, keys, "step", "latency", 1e-3):
+        kvb = 1 if kd == "fp8" else 2
+        r = roof.attention(4 * h * d, 2 * kvh * d * kvb)
+        out.setdefault("attention decode", []).append((xs, ys, lambda c, r=r, b=b: r(b * c)))
+    t = ops._table("mla", "context_mla_perf.parquet")
+    if t is not None:
+        for (h, kd, b), xs, ys in _grouped(t, ["num_heads", "kv_cache_dtype", "batch_size"],
+                                           "isl", "latency", 1e-3):
+            r = roof.attention(2 * h * (192 + 128) / 2, 0.0)  # per causal pair, x2 below
+            out.setdefault("MLA context", []).append(
+                (xs, ys, lambda s, r=r, b=b: r(b * s * (s + 1))))
+    t = ops._table("mla", "generation_mla_perf.parquet")
+    if t is not None:
+        for (h, kd, b), xs, ys in _grouped(t, ["num_heads", "kv_cache_dtype", "batch_size"],
+                                           "step", "latency", 1e-3):
+            # scores over latent + rope (576), values over the latent (512)
+            r = roof.attention(2 * h * (576 + 512), 576 * (1 if kd == "fp8" else 2))
+            out.setdefault("MLA generation", []).append((xs, ys, lambda c, r=r, b=b: r(b * c)))
+    t = ops._need("moe", "moe_perf.parquet")
+    keys = ["moe_dtype", "hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size",
+            "moe_ep_size", "distribution"]
+    for (dt, h, i, k, e, mtp, mep, dist), xs, ys in _grouped(t, keys, "num_tokens", "latency",
+                                                            1e-3):
+        out.setdefault("MoE", []).append((xs, ys, roof.moe(h, i, k, e, mtp, mep, dt)))
+    for mode, file, cols in (("low_latency", "wideep_deepep_ll_perf.parquet",
+                              ["dispatch_avg_t_us", "combine_avg_t_us"]),
+                             ("normal", "wideep_deepep_normal_perf.parquet",
+                              ["dispatch_transmit_us", "combine_transmit_us"])):
+        t = ops._table("comm", file)
+        if t is None:
+            continue
+        if mode == "normal":
+            t = t[t.dispatch_sms == DEEPEP_NUM_SMS]
+        t = t.assign(seconds=t[cols[0]] + t[cols[1]])
+        keys = ["hidden_size", "num_topk", "num_experts", "node_num"]
+        for (h, k, e, nodes), xs, ys in _grouped(t, keys, "num_token", "seconds", 1e-6):
+            r = roof.deepep(h, k, e, TABLE_GPUS_PER_NODE * nodes, mode)
+            out.setdefault(f"DeepEP {mode}", []).append((xs, ys, r))
+    t = ops._table("comm", "custom_allreduce_perf.parquet")
+    if t is not None:
+        t = t[t.backend == "sglang_graph"] if "backend" in t else t
+        for (gpus,), xs, ys in _grouped(t, ["num_gpus"], "message_size", "latency", 1e-3):
+            out.setdefault("all-reduce", []).append((xs, ys, roof.all_reduce(gpus)))
+    return out
+
+
+def _prefill(roof: Rooflines, s: float, b: int, h: int, kvh: int, d: int, kvb: int,
+             fp8: bool) -> float:
+    """Causal prefill attention of b sequences of s tokens: QK^T and PV over s(s+1)/2 pairs
+    each, q and the output read and written, the KV written once."""
+    rate = roof.peak("fp8" if fp8 else "bf16") * RP.attn_mfu
+    flops = 4 * h * d * b * s * (s + 1) / 2
+    return max(flops / rate, b * s * (2 * h * d * 2 + 2 * kvh * d * kvb) / roof.mem)
+
+
+def leave_one_out(all_series: list[Series], samples: int, rng: np.random.Generator
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(silicon errors, roofline errors, step-edge flags) on a random sample of hidden
+    interior points. A point is a step edge when it and its size ± 1 are both measured around a
+    multiple of 16 from 32 up: the GEMM grid brackets each tile boundary that way (128 and 129
+    rows), and hiding one side predicts it across the step, which no real lookup does (sizes
+    are integers, so a query always lies between the two measured sides)."""
+    points = [(si, i) for si, (xs, _, _) in enumerate(all_series) for i in range(1, len(xs) - 1)]
+    if len(points) > samples:
+        points = [points[j] for j in rng.choice(len(points), samples, replace=False)]
+    sil, roo, edge = [], [], []
+    for si, i in points:
+        xs, ys, roofline = all_series[si]
+        lxs = np.log(np.delete(xs, i)).tolist()
+        lys = np.log(np.delete(ys, i)).tolist()
+        sil.append(abs(log_interp(xs[i], lxs, lys) / ys[i] - 1))
+        roo.append(abs(roofline(xs[i]) / ys[i] - 1))
+        pair = xs[i - 1] if xs[i] - xs[i - 1] == 1 else xs[i + 1] if xs[i + 1] - xs[i] == 1 else 0
+        edge.append(min(pair, xs[i]) >= 32 and min(pair, xs[i]) % 16 == 0)
+    return np.array(sil), np.array(roo), np.array(edge)
+
+
+def vidur_rows(root: Path) -> list[tuple[str, float, float]]:
+    """(case, Vidur median ms, silicon a100_sxm ms) for CodeLlama-34B's ops."""
+    model_dir = root / "data/profiling/compute/a100/codellama/CodeLlama-34b-Instruct-hf"
+    ops = OpTables("a100_sxm", "sglang", "current", load_hardware_spec("a100"))
+    mlp = pd.read_csv(model_dir / "mlp.csv")
+    out = []
+    h, heads, kvh, hd, inter = 8192, 64, 8, 128, 22016
+    for tp in (1, 2, 4, 8):
+        gemms = {
+            "attn_pre_proj": ops.gemm((heads + 2 * kvh) // tp * hd, h, "bf16"),
+            "attn_post_proj": ops.gemm(h, heads // tp * hd, "bf16"),
+            "mlp_up_proj": ops.gemm(2 * inter // tp, h, "bf16"),
+            "mlp_down_proj": ops.gemm(h, inter // tp, "bf16"),
+        }
+        for tokens in (1, 128, 1024, 4096):
+            row = mlp[(mlp.num_tokens == tokens) & (mlp.num_tensor_parallel_workers == tp)]
+            if row.empty:
+                continue
+            for op, curve in gemms.items():
+                out.append((f"{op} tp={tp} tokens={tokens}",
+                            float(row[f"time_stats.{op}.median"].iloc[0]), curve(tokens) * 1e3))
+    attn = pd.read_csv(model_dir / "attention.csv")
+    context = ops.context_attention(heads // 2, kvh // 2, hd, 2, False)
+    generation = ops.generation_attention(heads // 2, kvh // 2, hd, 2)
+    pre = attn[(attn.is_prefill) & (attn.kv_cache_size == 0)]
+    for chunk in (256, 1024, 2048, 4096):
+        row = pre[pre.prefill_chunk_size == chunk]
+        if not row.empty:
+            out.append((f"prefill attn tp=2 chunk={chunk}",
+                        float(row["time_stats.attn_prefill.median"].iloc[0]),
+                        context.at(1, chunk)[0] * 1e3))
+    dec = attn[~attn.is_prefill]
+    for batch, kv in ((1, 1024), (8, 1024), (32, 2048), (128, 1536), (128, 4032)):
+        row = dec[(dec.batch_size == batch) & (dec.kv_cache_size == kv)]
+        if not row.empty:
+            out.append((f"decode attn tp=2 batch={batch} kv={kv}",
+                        float(row["time_stats.attn_decode.median"].iloc[0]),
+                        generation.at(batch, kv)[0] * 1e3))
+    ar = pd.read_csv(root / "data/profiling/network/a100_pairwise_nvlink/all_reduce.csv")
+    ar = ar[(ar.num_workers == 2) & (ar["rank"] == 0)]
+    curve = ops.all_reduce(2, h)
+    for target in (1 << 16, 1 << 20, 1 << 23, 1 << 26):
+        row = ar.iloc[(ar["size"] - target).abs().argsort()[:1]]
+        size = int(row["size"].iloc[0])
+        out.append((f"all-reduce 2 GPUs {size / 2**20:.2f} MiB",
+                    float(row["time_stats.all_reduce.median"].iloc[0]),
+                    curve(size / (2 * h)) * 1e3))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--system", default="h100_sxm", choices=sorted(HARDWARE))
+    ap.add_argument("--samples", type=int, default=400, help="held-out points per op kind")
+    ap.add_argument("--vidur", default="/work/shared/anchors/vidur-data")
+    args = ap.parse_args()
+    tables.require_systems_dir()
+    hw = load_hardware_spec(HARDWARE[args.system])
+    ops = OpTables(args.system, "sglang", "current", hw)
+    rng = np.random.default_rng(0)
+    print(f"Leave-one-out on {args.system} (sglang {ops.version}), relative error")
+    print(f"{'op kind':20s} {'points':>6s} {'silicon p50':>11s} {'p90':>6s} "
+          f"{'roofline p50':>12s} {'p90':>6s} {'silicon p50 off step edges':>28s}")
+    for kind, group in series(ops, Rooflines(hw)).items():
+        sil, roo, edge = leave_one_out(group, args.samples, rng)
+        if len(sil) == 0:
+            continue
+        off = f"{np.median(sil[~edge]):.1%} ({(~edge).sum()} points)" if edge.any() else "-"
+        print(f"{kind:20s} {len(sil):6d} {np.median(sil):11.1%} {np.percentile(sil, 90):6.1%} "
+              f"{np.median(roo):12.1%} {np.percentile(roo, 90):6.1%} {off:>28s}")
+    root = Path(args.vidur)
+    if not (root / "data").is_dir():
+        print(f"(no Vidur data at {root}; skipping the A100 comparison)")
+        return
+    print("\nSilicon (a100_sxm tables) against Vidur's measured A100 medians, CodeLlama-34B")
+    print(f"{'case':42s} {'vidur ms':>9s} {'silicon ms':>11s} {'ratio':>6s}")
+    ratios = []
+    for label, vidur_ms, silicon_ms in vidur_rows(root):
+        ratios.append(silicon_ms / vidur_ms)
+        print(f"{label:42s} {vidur_ms:9.3f} {silicon_ms:11.3f} {silicon_ms / vidur_ms:6.2f}")
+    print(f"median |ratio - 1| = {np.median(np.abs(np.array(ratios) - 1)):.1%}")
+
+
+if __name__ == "__main__":
+    main()
