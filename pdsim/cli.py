@@ -18,7 +18,7 @@ console = Console()
 table_console = console if console.is_terminal else Console(width=140)
 
 TABLE_COLUMNS = (
-    ("P:D", None), ("req/s", "request_rate"), ("GPUs", "num_gpus"), ("ok", "completed"),
+    ("point", None), ("req/s", "request_rate"), ("GPUs", "num_gpus"), ("ok", "completed"),
     ("failed", "failed"), ("TTFT p50", "ttft_p50_s"), ("TTFT p99", "ttft_p99_s"),
     ("ITL p50", "itl_p50_s"), ("ITL p99", "itl_p99_s"),
     ("tok/s/GPU", "output_tok_s_per_gpu"), ("goodput/GPU", "goodput_req_s_per_gpu"),
@@ -27,10 +27,8 @@ TABLE_COLUMNS = (
 
 
 def _fmt(col: str | None, row) -> str:
-    if col is None:
-        if row["mode"] == "colocated":
-            return f"colo×{row['decode_instances']}"
-        return f"{row['prefill_instances']}P:{row['decode_instances']}D"
+    if col is None:  # what the sweep varies at this point (pdsim.plots.sweep_labels)
+        return str(row["label"])
     v = row[col]
     if col.endswith("_s") and not col.startswith("goodput"):
         return f"{v * 1e3:.1f}"
@@ -63,8 +61,8 @@ def run(
     if not quiet:
         table = Table(title=f"{experiment.stem}: {len(summary)} points",
                       caption="latencies in ms; goodput: requests/s meeting the SLO")
-        for name, _ in TABLE_COLUMNS:
-            table.add_column(name, justify="right")
+        for name, col in TABLE_COLUMNS:
+            table.add_column(name, justify="right", no_wrap=col is None)
         for _, row in summary.iterrows():
             table.add_row(*(_fmt(col, row) for _, col in TABLE_COLUMNS))
         table_console.print(table)

@@ -1,4 +1,11 @@
-"""Plots of an experiment: metrics across a P:D sweep, and latency CDFs per configuration.
+"""Plots of an experiment: metrics across its sweep, and latency CDFs per configuration.
+
+`plot_experiment` looks at what the sweep varies (the summary's `sweep.<field>` columns): a P:D
+sweep is drawn against the P:D configuration, one line per request rate (or client count);
+any other sweep against its first numeric field, one line per combination of the other fields
+that do not move with it. A sweep of closed-loop clients also draws throughput per GPU against
+TTFT and ITL, one point per client count, the curve benchmark users read. `sweep_labels` names
+each point after what varies, for tables and CDF legends.
 
 Figures are built on `matplotlib.figure.Figure` and saved as PNG through the Agg renderer, never
 through pyplot: nothing is shown, no global backend is switched, and no figure outlives its call.
@@ -16,6 +23,12 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 PD_RATIO = "pd_ratio"
+SWEPT = "sweep."  # prefix of the summary columns holding each point's swept values
+# Swept fields that change the P:D configuration, and those the rate / client columns carry.
+PD_FIELDS = ("cluster.mode", "cluster.prefill.instances", "cluster.decode.instances",
+             "cluster.colocated.instances")
+RATE_FIELDS = ("workload.arrival.rate_rps", "workload.target_rate_rps", "workload.rate_scale")
+CONCURRENCY_FIELDS = ("workload.arrival.concurrency", "workload.closed_loop.concurrency")
 _LOG_SPREAD = 100.0  # use a log axis when the largest positive value is this many times the smallest
 _DPI = 120
 
@@ -119,6 +132,8 @@ def plot_sweep(
                              f"decode_instances (or pd_ratio); the summary has {list(frame.columns)}")
     elif x not in frame:
         raise ValueError(f"plot_sweep: no column {x!r} in the summary; it has {list(frame.columns)}")
+    elif not pd.api.types.is_numeric_dtype(frame[x]) or pd.api.types.is_bool_dtype(frame[x]):
+        frame = frame.assign(**{x: frame[x].astype(str)})  # categories, in order of appearance
     has_groups = group in frame and frame[group].notna().any()
     if frame[x].nunique() == 1 and has_groups and frame[group].nunique() > 1:
         # One configuration: nothing to compare across it, so plot against the group instead.
@@ -138,6 +153,10 @@ def plot_sweep(
         position = {label: i for i, label in enumerate(order)}
         table["_x"] = table[PD_RATIO].map(position).astype(float)
         xlabel, ticks = "P:D configuration (prefill:decode instances)", order
+    elif table[x].dtype == object:
+        order = list(dict.fromkeys(table[x]))
+        table["_x"] = table[x].map({label: i for i, label in enumerate(order)}).astype(float)
+        xlabel, ticks = _axis_label(x), order
     else:
         table["_x"] = table[x].astype(float)
         xlabel, ticks = _axis_label(x), None
@@ -158,6 +177,11 @@ def plot_sweep(
                         linestyle=s.linestyle, marker=s.marker, markersize=4, linewidth=1.6)
         if _wide_spread(np.concatenate([table[s.column].to_numpy(float) for s in series])):
             ax.set_yscale("log")
+        if ticks is None and _wide_spread(table["_x"].to_numpy(float)):  # 1 ... 256 clients
+            values = sorted(table["_x"].unique())
+            ax.set_xscale("log")
+            ax.set_xticks(values, [f"{v:g}" for v in values])
+            ax.minorticks_off()
         if ticks is not None:
             ax.set_xticks(range(len(ticks)), ticks, rotation=30 if len(ticks) > 6 else 0)
         ax.set_xlabel(xlabel)
@@ -180,15 +204,137 @@ def _sort_key(value):
 
 
 def _axis_label(column: str) -> str:
-    return {"request_rate": "request rate (req/s)"}.get(column, column.replace("_", " "))
+    named = {"request_rate": "request rate (req/s)", "concurrency": "concurrent clients"}
+    return named.get(column, column.replace("_", " "))
 
 
 def _line_label(group: str, value) -> str:
     if group == "request_rate":
         return f"{value:g} req/s"
+    if group == "concurrency":
+        return f"{value:g} clients"
     if group == "_line":
         return str(value)
     return f"{group} = {value}"
+
+
+# --------------------------------------------------------------------------------------------
+# What a sweep varies, and plots chosen from it
+
+
+def varying_fields(summary: pd.DataFrame) -> list[str]:
+    """The swept fields (`sweep.` columns, prefix dropped) that take more than one value."""
+    return [c[len(SWEPT):] for c in summary.columns
+            if c.startswith(SWEPT) and summary[c].astype(str).nunique() > 1]
+
+
+def short_field(field: str) -> str:
+    """A swept field's name in labels: `decode.ep`, `arrival.concurrency`, `speculative.method`."""
+    for prefix in ("cluster.", "workload."):
+        if field.startswith(prefix):
+            return field[len(prefix):]
+    return field
+
+
+def _value_text(field: str, value) -> str:
+    if field in CONCURRENCY_FIELDS:
+        return f"{value} clients"
+    if field in RATE_FIELDS and field.endswith("_rps"):
+        return f"{float(value):g} req/s"
+    return f"{short_field(field)}={value}"
+
+
+def is_pd_sweep(fields: list[str]) -> bool:
+    """Whether a sweep over `fields` (see `varying_fields`) is read as P:D configurations."""
+    return not fields or any(f in PD_FIELDS for f in fields)
+
+
+def sweep_labels(summary: pd.DataFrame) -> list[str]:
+    """One label per summary row naming what the sweep varies: "2P:6D @ 20 req/s" for a P:D
+    sweep (or "@ 64 clients" in a closed loop), "decode.ep=16, decode.two_batch_overlap=True"
+    for any other; fields that only move with the P:D split or the rate are not repeated."""
+    fields = varying_fields(summary)
+    labels = []
+    for _, row in summary.iterrows():
+        if is_pd_sweep(fields):
+            if row.get("mode") == "colocated":
+                head = f"colocated×{int(row['decode_instances'])}"
+            else:
+                head = pd_label(row["prefill_instances"], row["decode_instances"])
+            clients = row.get("concurrency", 0)
+            load = f"{int(clients)} clients" if clients and clients == clients else \
+                f"{row['request_rate']:g} req/s"
+            rest = [f for f in fields if f not in PD_FIELDS + RATE_FIELDS + CONCURRENCY_FIELDS]
+            labels.append(", ".join([f"{head} @ {load}"] + [_value_text(f, row[SWEPT + f]) for f in rest]))
+        else:
+            labels.append(", ".join(_value_text(f, row[SWEPT + f]) for f in fields))
+    return labels
+
+
+def plot_experiment(summary: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    """The sweep plots an experiment's summary calls for (see the module docstring)."""
+    fields = varying_fields(summary)
+    concurrency_varies = "concurrency" in summary and summary["concurrency"].nunique() > 1
+    if is_pd_sweep(fields):
+        group = "concurrency" if concurrency_varies else "request_rate"
+        return plot_sweep(summary, out_dir, group=group)
+    numeric = [f for f in fields if pd.api.types.is_numeric_dtype(summary[SWEPT + f])
+               and not pd.api.types.is_bool_dtype(summary[SWEPT + f])]
+    x = numeric[0] if numeric else fields[0]
+    along = summary.groupby(SWEPT + x)
+    lines = [f for f in fields if f != x and (along[SWEPT + f].nunique() > 1).any()]
+    x_column = "concurrency" if x in CONCURRENCY_FIELDS else short_field(x)
+    frame = summary.assign(**{x_column: summary[SWEPT + x]})
+    if lines:
+        frame["_line"] = [", ".join(_value_text(f, row[SWEPT + f]) for f in lines)
+                          for _, row in frame.iterrows()]
+    written = plot_sweep(frame, out_dir, x=x_column, group="_line")
+    if concurrency_varies:
+        written += plot_throughput_latency(frame, out_dir, group="_line" if lines else None)
+    return written
+
+
+_TRADEOFFS = (
+    ("throughput_vs_ttft", "ttft_p50_s", "TTFT p50 (ms)"),
+    ("throughput_vs_itl", "itl_p50_s", "ITL p50 (ms)"),
+)
+
+
+def plot_throughput_latency(summary: pd.DataFrame, out_dir: str | Path,
+                            group: str | None = None) -> list[Path]:
+    """Output tokens/s per GPU against TTFT and against ITL (p50), one point per client count
+    (`concurrency`), labelled with it; one curve per value of `group`. Returns the PNG paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    frame = summary if group else summary.assign(_curve="all")
+    group = group or "_curve"
+    curves = sorted(frame[group].unique(), key=_sort_key)
+    colors = dict(zip(curves, _colors(len(curves))))
+    written = []
+    for stem, column, xlabel in _TRADEOFFS:
+        if column not in frame or "output_tok_s_per_gpu" not in frame:
+            continue
+        fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+        ax = fig.add_subplot()
+        for curve in curves:
+            rows = frame[frame[group] == curve].sort_values("concurrency")
+            x = rows[column].to_numpy(float) * 1e3
+            y = rows["output_tok_s_per_gpu"].to_numpy(float)
+            ax.plot(x, y, color=colors[curve], marker="o", markersize=4, linewidth=1.6,
+                    label=None if group == "_curve" else str(curve))
+            for xi, yi, n in zip(x, y, rows["concurrency"]):
+                ax.annotate(f"{int(n)}", (xi, yi), textcoords="offset points", xytext=(4, 4),
+                            fontsize="x-small", color=colors[curve])
+        if _wide_spread(frame[column].to_numpy(float)):
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("output tokens/s per GPU")
+        ax.set_title(f"Throughput against {xlabel.split()[0]} (points: concurrent clients)")
+        ax.grid(True, which="major", alpha=0.35)
+        if group != "_curve":
+            ax.legend(fontsize="small", loc="best", framealpha=0.85)
+        written.append(_save(fig, out_dir / f"{stem}.png"))
+    return written
 
 
 _CDF_METRICS = (

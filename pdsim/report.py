@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from pdsim.metrics import SLO
-from pdsim.plots import PD_RATIO, with_pd_ratio
+from pdsim.plots import PD_RATIO, is_pd_sweep, short_field, sweep_labels, varying_fields, with_pd_ratio
 
 _DASH = "–"
 
@@ -54,6 +54,7 @@ def _rate(value) -> str:
 _TABLE: tuple[tuple[str, str, Callable], ...] = (
     (PD_RATIO, "P:D", str),
     ("request_rate", "rate (req/s)", _rate),
+    ("concurrency", "clients", _int),
     ("num_gpus", "GPUs", _int),
     ("completed", "done", _int),
     ("failed", "failed", _int),
@@ -80,8 +81,13 @@ def _markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], numer
 
 
 def _prepare(summary: pd.DataFrame) -> pd.DataFrame:
+    """The summary with a row-label column (`pd_ratio`: the P:D split, or in a sweep of other
+    fields the values it varies) and the columns the sections read."""
     frame = summary.copy()
-    if {"prefill_instances", "decode_instances"} <= set(frame):
+    generic = not is_pd_sweep(varying_fields(frame))
+    if generic:
+        frame[PD_RATIO] = sweep_labels(frame)
+    elif {"prefill_instances", "decode_instances"} <= set(frame):
         frame = with_pd_ratio(frame)
     elif PD_RATIO not in frame:
         frame[PD_RATIO] = [f"run {i}" for i in range(len(frame))]
@@ -91,7 +97,8 @@ def _prepare(summary: pd.DataFrame) -> pd.DataFrame:
         frame["goodput_req_s_per_gpu"] = frame["goodput_req_s"] / frame["num_gpus"]
     if "request_rate" not in frame:
         frame["request_rate"] = math.nan
-    return frame.sort_values(["request_rate", "prefill_share", PD_RATIO], kind="stable")
+    keys = ["request_rate"] if generic else ["request_rate", "prefill_share", PD_RATIO]  # generic: sweep order
+    return frame.sort_values(keys, kind="stable")
 
 
 def _best(rows: pd.DataFrame, primary: str, secondary: str) -> pd.Series | None:
@@ -128,8 +135,15 @@ def _best_section(frame: pd.DataFrame) -> str:
     return f"## Best configuration per request rate\n\n{table}\n\n{note}\n"
 
 
+def _label_header(frame: pd.DataFrame) -> str:
+    fields = varying_fields(frame)
+    return "P:D" if is_pd_sweep(fields) else ", ".join(short_field(f) for f in fields)
+
+
 def _results_section(frame: pd.DataFrame) -> str:
-    columns = [(c, h, f) for c, h, f in _TABLE if c in frame and not frame[c].isna().all()]
+    columns = [(c, _label_header(frame) if c == PD_RATIO else h, f)
+               for c, h, f in _TABLE if c in frame and not frame[c].isna().all()
+               and (c != "concurrency" or frame[c].any())]  # open loop: no clients column
     rows = [[fmt(row[c]) for c, _, fmt in columns] for _, row in frame.iterrows()]
     numeric = [c not in (PD_RATIO,) for c, _, _ in columns]
     table = _markdown_table([h for _, h, _ in columns], rows, numeric)

@@ -18,7 +18,7 @@ import yaml
 from pdsim.config import ExperimentConfig, expand_sweep, load_experiment
 from pdsim.faults import fault_summary, first_kill_s
 from pdsim.metrics import records_frame, summarize
-from pdsim.plots import plot_latency_cdfs, plot_sweep
+from pdsim.plots import plot_experiment, plot_latency_cdfs, sweep_labels
 from pdsim.report import write_report
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cluster import simulate
@@ -108,23 +108,15 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
     results = _execute(args, jobs, progress, cfg.name)
     results.sort(key=lambda r: r.index)
     summary = pd.DataFrame([r.summary for r in results])
+    summary.insert(1, "label", sweep_labels(summary))
     requests = pd.concat([r.requests for r in results], ignore_index=True)
-    labels = {r.index: _point_label(r.summary) for r in results}
-    requests.insert(1, "label", requests["point"].map(labels))
+    requests.insert(1, "label", requests["point"].map(dict(zip(summary["point"], summary["label"]))))
     summary.to_csv(out / "summary.csv", index=False)
     requests.to_parquet(out / "requests.parquet", index=False)
     (out / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    plots = plot_sweep(summary, out) + plot_latency_cdfs(requests, out, by="label")
+    plots = plot_experiment(summary, out) + plot_latency_cdfs(requests, out, by="label")
     write_report(summary, out, title=cfg.name, config_text=path.read_text(), plots=plots, slo=cfg.slo)
     return summary, out
-
-
-def _point_label(row: dict) -> str:
-    if row["mode"] == "colocated":
-        pd_part = f"colocated×{row['decode_instances']}"
-    else:
-        pd_part = f"{row['prefill_instances']}P:{row['decode_instances']}D"
-    return f"{pd_part} @ {row['request_rate']:g} req/s"
 
 
 def _execute(args: list, jobs: int, show: bool, name: str) -> list[PointResult]:

@@ -193,3 +193,65 @@ def test_write_report_without_winners_or_plots(sweep, tmp_path):
     hopeless = summary.assign(goodput_req_s=0.0, goodput_req_s_per_gpu=0.0, slo_attainment=0.0)
     text = write_report(hopeless, tmp_path, title="t", config_text=None, plots=[]).read_text()
     assert "| 1 | – | – | – | – |" in text and "## Plots" not in text and "## Configuration" not in text
+
+
+def swept(rows):
+    """A summary of runs that vary the given `sweep.` fields."""
+    out = []
+    for i, fields in enumerate(rows):
+        records = run(1, 1 + i % 3, 2)
+        summary = summarize(records, num_gpus=2, slo=SLO(ttft_s=0.5, itl_s=0.05))
+        out.append({"point": i, "mode": "disaggregated", "prefill_instances": 1, "decode_instances": 1,
+                    "request_rate": 2.0, "concurrency": 0, **summary,
+                    **{f"sweep.{k}": v for k, v in fields.items()}})
+    return pd.DataFrame(out)
+
+
+def test_sweep_labels_name_what_varies(sweep):
+    summary, _ = sweep
+    pd_sweep = summary.assign(**{"sweep.cluster.prefill.instances": summary["prefill_instances"],
+                                 "sweep.workload.arrival.rate_rps": summary["request_rate"]})
+    assert plots.sweep_labels(pd_sweep)[:2] == ["3P:1D @ 1 req/s", "3P:1D @ 4 req/s"]
+    ep = swept([{"cluster.decode.tp": tp, "cluster.decode.ep": tp, "cluster.decode.two_batch_overlap": tbo}
+                for tp in (8, 16) for tbo in (False, True)])
+    assert plots.sweep_labels(ep)[1] == ("decode.tp=8, decode.ep=8, decode.two_batch_overlap=True")
+    clients = swept([{"workload.arrival.concurrency": n} for n in (1, 4)])
+    assert plots.sweep_labels(clients) == ["1 clients", "4 clients"]
+
+
+def test_generic_sweep_plots_against_its_field_one_line_per_other_field(tmp_path, captured):
+    ep = swept([{"cluster.decode.tp": tp, "cluster.decode.ep": tp, "cluster.decode.two_batch_overlap": tbo}
+                for tp in (8, 16, 32) for tbo in (False, True)])
+    paths = plots.plot_experiment(ep, tmp_path)
+    assert_pngs(paths, SWEEP_FILES)  # no throughput-latency curve: clients do not vary
+    ax = captured["output_throughput_per_gpu.png"].axes[0]
+    assert ax.get_xlabel() == "decode.tp"
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    # tp and ep move together: one line per two-batch-overlap setting, three points each.
+    assert legend == ["decode.two_batch_overlap=False", "decode.two_batch_overlap=True"]
+    assert [list(line.get_xdata()) for line in ax.get_lines()] == [[8, 16, 32]] * 2
+    np.testing.assert_allclose(ax.get_lines()[1].get_ydata(),
+                               ep[ep["sweep.cluster.decode.two_batch_overlap"]]["output_tok_s_per_gpu"])
+
+
+def test_concurrency_sweep_draws_throughput_against_latency(tmp_path, captured):
+    clients = swept([{"workload.arrival.concurrency": n} for n in (1, 4, 16, 64, 256)])
+    clients["concurrency"] = clients["sweep.workload.arrival.concurrency"]
+    paths = plots.plot_experiment(clients, tmp_path)
+    assert_pngs(paths, SWEEP_FILES + ["throughput_vs_ttft.png", "throughput_vs_itl.png"])
+    ax = captured["throughput_vs_ttft.png"].axes[0]
+    line = ax.get_lines()[0]
+    np.testing.assert_allclose(line.get_xdata(), clients["ttft_p50_s"] * 1e3)
+    np.testing.assert_allclose(line.get_ydata(), clients["output_tok_s_per_gpu"])
+    assert [t.get_text() for t in ax.texts] == ["1", "4", "16", "64", "256"]
+    assert captured["ttft.png"].axes[0].get_xscale() == "log"  # 1 ... 256 clients
+
+
+def test_report_of_a_generic_sweep_names_its_fields(tmp_path):
+    clients = swept([{"workload.arrival.concurrency": n} for n in (16, 4)])
+    clients["concurrency"] = clients["sweep.workload.arrival.concurrency"]
+    text = write_report(clients, tmp_path, title="t", config_text=None, plots=[]).read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| arrival.concurrency |"))
+    assert "clients" in header
+    rows = [line for line in text.splitlines() if re.match(r"\| \d+ clients \|", line)]
+    assert [r.split("|")[1].strip() for r in rows] == ["16 clients", "4 clients"]  # sweep order
