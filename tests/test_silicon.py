@@ -167,3 +167,56 @@ def test_pdsim_run_end_to_end(tmp_path, hardware, cost_model, resolved):
         assert row["ttft_p50_s"] > 0.5  # a 40k-token prefill of an 8B model on one H100
     else:
         assert math.isnan(row["cost_extrapolated_frac"])
+
+
+@needs_tables
+def test_each_table_comes_from_the_newest_version_at_or_below_the_chosen_one():
+    gemm = tables.table_path("h100_sxm", "gemm", "sglang", "0.5.14", "gemm_perf.parquet")
+    assert gemm.parent.name == "0.5.14"
+    # 0.5.9 has no GEMM table of its own: the older 0.5.6.post2 one serves it
+    older = tables.table_path("h100_sxm", "gemm", "sglang", "0.5.9", "gemm_perf.parquet")
+    assert older.parent.name == "0.5.6.post2"
+    deepep = tables.table_path("h100_sxm", "comm", "sglang", "0.5.14",
+                               "wideep_deepep_ll_perf.parquet")
+    assert deepep.parent.name == "0.5.12"
+    assert tables.current_version("a100_sxm", "sglang") == "0.5.10"
+
+
+@needs_tables
+def test_deepseek_with_deepep_prices_measured_moe_and_dispatch():
+    model, hw = load_model_spec("deepseek-v3"), load_hardware_spec("h200")
+    par = Parallelism(tp=8, dp_attention=8, ep=8, moe_a2a="deepep")
+    decode = make_cost_model("silicon", model, hw, par, role="decode")
+    ranks = [BatchShape(decode_reqs=32, decode_context_tokens=32 * 2048)] * 8
+    step = decode.step_time_s(ranks)
+    assert decode.extrapolated_lookups == 0  # MLA, DeepGEMM MoE, DeepEP LL all measured
+    roofline = make_cost_model("roofline", model, hw, par, role="decode").step_time_s(ranks)
+    assert 0.5 < step / roofline < 2.5
+    # low-latency dispatch is per GPU: doubling every rank's batch less than doubles the step
+    assert step < decode.step_time_s([BatchShape(decode_reqs=64,
+                                                 decode_context_tokens=64 * 2048)] * 8) < 2 * step
+    # two-batch overlap at a small batch only adds a micro-batch's compute: slower, as in SGLang
+    tbo = par.model_copy(update={"two_batch_overlap": True})
+    assert make_cost_model("silicon", model, hw, tbo, role="decode").step_time_s(ranks) > step
+
+
+@needs_tables
+def test_speculative_verify_grows_attention_and_counts_as_extrapolated():
+    model, hw = load_model_spec("llama-3.1-8b"), load_hardware_spec("h100")
+    cost = make_cost_model("silicon", model, hw, Parallelism())
+    one = cost.step_time_s([BatchShape(decode_reqs=32, decode_context_tokens=32 * 4096)])
+    assert cost.extrapolated_lookups == 0
+    four = cost.step_time_s([BatchShape(decode_reqs=32, decode_context_tokens=32 * 4096,
+                                        decode_query_len=4)])
+    assert one < four < 4 * one
+    assert cost.extrapolated_lookups == 1  # the 4-query attention lookup
+
+
+@needs_tables
+def test_auto_falls_back_to_the_roofline_when_an_op_has_no_table():
+    model = load_model_spec("deepseek-v3")
+    par = Parallelism(tp=8, dp_attention=8, ep=8, moe_a2a="deepep")
+    l40s = load_hardware_spec("l40s")  # no DeepEP tables
+    assert type(make_cost_model("auto", model, l40s, par)).__name__ == "RooflineCostModel"
+    with pytest.raises(ValueError, match="no DeepEP tables"):
+        make_cost_model("silicon", model, l40s, par)
