@@ -190,6 +190,15 @@ def test_verify_step_is_target_with_k_plus_1_queries_plus_k_draft_forwards(model
         target.step_time_s([pf]) + draft_cost.step_time_s([pf]))
 
 
+def test_the_summary_names_the_cost_model_inside_the_speculative_wrapper():
+    from pdsim.sim.silicon import cost_columns
+
+    v3 = load_model_spec("deepseek-v3")
+    wrapped = make_speculative_cost_model("roofline", v3, load_hardware_spec("h200"),
+                                          Parallelism(tp=8), draft_spec("mtp", v3), 2)
+    assert cost_columns("auto", [wrapped])["cost_model"] == "roofline"
+
+
 def test_mtp_draft_is_one_layer_of_the_target_and_eagle_a_small_dense_model():
     v3 = load_model_spec("deepseek-v3")
     mtp = draft_spec("mtp", v3)

@@ -14,6 +14,7 @@ from pdsim.sim.cost import CostModel, Parallelism, RooflineCostModel, register_c
 from pdsim.sim.silicon.model import SiliconCostModel, SiliconParams
 from pdsim.sim.silicon.ops import MissingTable
 from pdsim.sim.silicon.tables import SYSTEMS, has_tables
+from pdsim.sim.speculative import SpeculativeCostModel
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
 
@@ -51,6 +52,8 @@ def cost_columns(requested: str, costs: Iterable[CostModel]) -> dict[str, object
     table's grid or stood in for a missing shape (NaN when no silicon model ran)."""
     names: set[str] = set()
     lookups = extrapolated = 0
+    costs = [part for cost in costs for part in  # a speculative step: its target and draft
+             ((cost.target, cost.draft) if isinstance(cost, SpeculativeCostModel) else (cost,))]
     for cost in costs:
         if isinstance(cost, SiliconCostModel):
             names.add("silicon")
