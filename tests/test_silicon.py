@@ -220,3 +220,14 @@ def test_auto_falls_back_to_the_roofline_when_an_op_has_no_table():
     assert type(make_cost_model("auto", model, l40s, par)).__name__ == "RooflineCostModel"
     with pytest.raises(ValueError, match="no DeepEP tables"):
         make_cost_model("silicon", model, l40s, par)
+
+
+def test_without_the_package_silicon_says_how_to_install_and_auto_uses_the_roofline(
+        monkeypatch):
+    monkeypatch.setattr(tables, "systems_dir", lambda: None)
+    model, h100 = load_model_spec("tiny-llama"), load_hardware_spec("h100")
+    with pytest.raises(ValueError, match=r"pip install 'pdsim\[silicon\]'"):
+        make_cost_model("silicon", model, h100, Parallelism())
+    assert resolve_cost_model("auto", h100) == "roofline"
+    assert type(make_cost_model("auto", model, h100, Parallelism())).__name__ == (
+        "RooflineCostModel")
