@@ -187,6 +187,7 @@ class BootstrapServer:
         self.host = host
         self.port = port
         self._dir = _Directory()
+        self.answer_delay_s = 0.0  # fault injection: every GET /route answers this much later
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
@@ -268,6 +269,8 @@ class BootstrapServer:
                                   "expected": self._dir.expected})
 
     async def _get_route(self, request: web.Request) -> web.Response:
+        if self.answer_delay_s:
+            await asyncio.sleep(self.answer_delay_s)
         try:
             key = tuple(_int_param(request.query, n)
                         for n in ("prefill_dp_rank", "target_tp_rank", "target_pp_rank"))

@@ -32,6 +32,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from runtime.faults import Killer
 from runtime.serve_config import ROLES, PDServeConfig
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class WorkerProcess:
     instance: int
     url: str
     proc: subprocess.Popen | None  # None: started elsewhere (`--role router`)
+    command: list[str] | None = None  # how it was started: a restart (runtime/faults.py) reuses
+    env: dict[str, str] | None = None
 
     @property
     def name(self) -> str:
@@ -69,9 +72,11 @@ def spawn_workers(config: PDServeConfig) -> list[WorkerProcess]:
                 if role == "prefill":
                     payload["bootstrap_port"] = (config.bootstrap_port(i)
                                                  or free_port(config.transfer.host))
-                proc = subprocess.Popen(python_command("instance", payload), env=child_env(),
-                                        start_new_session=True)
-                workers.append(WorkerProcess(role, i, f"http://{spec.host}:{port}", proc))
+                command = python_command("instance", payload)
+                env = child_env()
+                proc = subprocess.Popen(command, env=env, start_new_session=True)
+                workers.append(WorkerProcess(role, i, f"http://{spec.host}:{port}", proc,
+                                             command, env))
     except BaseException:
         from runtime.pd.worker import stop_processes
 
@@ -174,6 +179,7 @@ async def _launch(config: PDServeConfig, on_ready, startup_timeout_s: float,
     workers = spawn_workers(config)
     router = None
     status = 0
+    killer, kills = Killer(config.faults), None  # fault injection: kills and restarts
     try:
         health = await wait_healthy(workers, stop, startup_timeout_s)
         if health is None:
@@ -184,9 +190,11 @@ async def _launch(config: PDServeConfig, on_ready, startup_timeout_s: float,
         await router.start(config.router.host, config.router.port)
         if on_ready is not None:
             on_ready(router.url)
+        kills = asyncio.create_task(killer.run(workers))
         while not stop.is_set():
             await _wait(stop, 1.0)
-            dead = [w for w in workers if w.proc.poll() is not None]
+            dead = [w for w in workers
+                    if w.proc.poll() is not None and not killer.killed(w.role, w.instance)]
             if dead:
                 log.error("%s exited with status %s; shutting down", dead[0].name,
                           dead[0].proc.returncode)
@@ -194,6 +202,9 @@ async def _launch(config: PDServeConfig, on_ready, startup_timeout_s: float,
                 break
         return status
     finally:
+        if kills is not None:
+            kills.cancel()
+            await asyncio.gather(kills, return_exceptions=True)
         if router is not None:
             await router.close()
         await asyncio.get_running_loop().run_in_executor(

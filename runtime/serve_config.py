@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pdsim.config import ConfigError
 from pdsim.config_errors import format_validation_error
 from pdsim.core.config import SchedulerConfig
+from pdsim.faults import FaultsConfig
 
 MODEL_PRESETS = ("tiny-llama", "tiny-mla")  # runtime.model.config.PRESETS, without importing torch
 
@@ -209,6 +210,15 @@ class PDServeConfig(_ServeBase):
     decode: DecodeSpec = DecodeSpec()
     router: RouterSpec = RouterSpec()
     transfer: TransferSpec = TransferSpec()
+    faults: FaultsConfig = Field(FaultsConfig(), description="fault injection (pdsim/faults.py)")
+
+    @model_validator(mode="after")
+    def _faults_fit(self) -> PDServeConfig:
+        from runtime.faults import check_serving
+
+        self.faults.check_instances({r: self.role(r).instances for r in ROLES})
+        check_serving(self.faults)
+        return self
 
     def role(self, name: str) -> PrefillSpec | DecodeSpec:
         if name not in ROLES:

@@ -3,7 +3,10 @@ faults, and the same faults in the real PD deployment compared with the simulato
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -175,3 +178,136 @@ def test_sim_bootstrap_delay_slows_the_first_handshake_only():
     wait = [[r.bootstrap_done_s - r.arrival_s for r in res.records] for res in (fast, slow)]
     assert wait[1][0] - wait[0][0] == pytest.approx(0.5, abs=0.01)
     assert wait[1][1:] == pytest.approx(wait[0][1:], abs=0.01)  # later handshakes: cached
+
+
+# ---- the same faults in the real deployment, compared with the simulator -------------------
+
+REAL_SEED, REAL_FRACTION, REAL_N = 5, 0.3, 12
+
+
+def test_failed_transfers_are_the_same_requests_in_both_backends():
+    from pd_harness import body, generate, pd_config, start_worker, stop_workers, wait_healthy
+
+    faults = {"seed": REAL_SEED, "fail_transfers": REAL_FRACTION}
+    chosen = {str(i) for i in range(REAL_N) if transfer_fails(REAL_SEED, REAL_FRACTION, str(i))}
+    assert 0 < len(chosen) < REAL_N
+    # The simulator, on the same number of requests.
+    _, sim = simulate(experiment(faults, n=REAL_N))
+    assert {r.rid for r in sim.records if not r.ok} == chosen
+    sim.check_pools_full()
+    # The real deployment: the same rids through a prefill and a decode worker, all at once.
+    cfg = pd_config("tiny-llama").model_copy(update={"faults": FaultsConfig(**faults)})
+    workers = [start_worker(cfg, "prefill"), start_worker(cfg, "decode")]
+    try:
+        wait_healthy(workers)
+        pre, dec = workers
+        rng = np.random.default_rng(0)
+        bodies = [body(str(i), rng.integers(1, 200, size=40).tolist(), 4, pre)
+                  for i in range(REAL_N)]
+        outcomes = generate(pre, dec, bodies)
+        failed = {b["rid"] for b, o in zip(bodies, outcomes) if o.error}
+        assert failed == chosen
+        for b, o in zip(bodies, outcomes):
+            if b["rid"] in chosen:  # an error before any token: the decode side's 500 says why
+                assert TRANSFER_FAULT in o.error and o.token_ids == []
+                assert o.prefill_status != 200 and TRANSFER_FAULT in str(o.prefill_body)
+            else:
+                assert len(o.token_ids) == 4 and o.last["finish_reason"] == "length"
+        for w in workers:
+            state = w.wait_pools_full()
+            assert state["full"], state
+    finally:
+        stop_workers(workers)
+
+
+KILL_S, BACK_S = 3.0, 1.0
+KILL_CONFIG = f"""\
+mode: disaggregated
+model: tiny-llama
+seed: 0
+device: cpu
+page_size: 8
+scheduler: {{max_running_requests: 8, max_prefill_tokens: 64, chunked_prefill_size: 32}}
+prefill: {{num_pages: 64, threads: 1}}
+decode: {{num_pages: 512, threads: 1}}
+router: {{port: 0}}
+transfer: {{heartbeat_interval_s: 0.5, heartbeat_timeout_s: 5.0}}
+faults:
+  kill: [{{role: decode, instance: 0, at_s: {KILL_S}, restart_after_s: {BACK_S}}}]
+"""
+
+
+async def _stream(session, url: str, max_tokens: int, t0: float) -> dict:
+    """One streamed completion: when it was sent and ended (s since t0), tokens, its error, and
+    whether it ended at all (an error answer, or [DONE])."""
+    out = {"sent": time.monotonic() - t0, "tokens": 0, "error": None, "ended": False}
+    payload = {"model": "tiny-llama", "prompt": "Fault injection, both backends", "stream": True,
+               "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+               "return_token_ids": True}
+    async with session.post(f"{url}/completions", json=payload) as resp:
+        if resp.status != 200:
+            out["error"], out["ended"] = (await resp.json())["error"]["message"], True
+        else:
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if line == "data: [DONE]":
+                    out["ended"] = True
+                elif line.startswith("data:"):
+                    chunk = json.loads(line[5:])
+                    if "error" in chunk:
+                        out["error"] = chunk["error"]["message"]
+                    else:
+                        out["tokens"] += len(chunk["choices"][0].get("token_ids") or ())
+    out["end"] = time.monotonic() - t0
+    return out
+
+
+async def _kill_scenario(url: str) -> tuple[list[dict], list[dict], dict]:
+    """Streams in flight at the kill; requests sent while the worker is down; the first request
+    that succeeds after the restart (retried every 0.5 s)."""
+    import aiohttp
+
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        inflight = await asyncio.gather(*(_stream(session, url, 1500, t0) for _ in range(3)))
+        down = [await _stream(session, url, 8, t0) for _ in range(3)]
+        deadline = time.monotonic() + 90
+        while (after := await _stream(session, url, 8, t0))["error"]:
+            assert time.monotonic() < deadline, f"no success after the restart: {after}"
+            await asyncio.sleep(0.5)
+    return inflight, down, after
+
+
+def test_killed_decode_worker_fails_its_requests_in_both_backends(tmp_path):
+    from pd_harness import Proc
+
+    # The simulator: three long requests in flight, then arrivals while it is down and after.
+    data = experiment({"kill": [{"role": "decode", "at_s": KILL_S, "restart_after_s": BACK_S}]})
+    arrivals = np.array([0.0, 0.0, 0.0, KILL_S + 0.1, KILL_S + 0.2, KILL_S + BACK_S + 0.5])
+    sim = Simulation(build_cluster(parse_experiment(data)), 1).run(
+        arrivals, np.full(6, 30), np.array([5000, 5000, 5000, 8, 8, 8]))
+    s_inflight, s_down, s_after = sim.records[:3], sim.records[3:5], sim.records[5]
+    sim.check_pools_full()
+    # The real deployment, killed by the launcher at the same time after it serves.
+    cfg = tmp_path / "pd.yaml"
+    cfg.write_text(KILL_CONFIG)
+    launcher = Proc(str(cfg))
+    try:
+        url = launcher.wait_for(r"\(disaggregated: .*\) at (http://\S+/v1)").group(1)
+        inflight, down, after = asyncio.run(_kill_scenario(url))
+        launcher.wait_for(r"fault injection: restart decode worker 0", timeout_s=5)
+        assert launcher.proc.poll() is None  # the launcher took the kill for a fault, not a crash
+    finally:
+        assert launcher.stop() == 0
+    # Streams in flight: each ends with an error soon after the kill (sim: at the kill).
+    assert all(r.error == "decode worker 0 died" and r.finish_s == KILL_S for r in s_inflight)
+    for r in inflight:
+        assert r["ended"] and r["error"] and 0 < r["tokens"], r
+        assert KILL_S - 0.5 < r["end"] < KILL_S + 2.0, r
+    # Sent while it is down: refused at once by the router (it keeps routing there).
+    assert all("unreachable" in r.error and r.finish_s - r.arrival_s < 0.05 for r in s_down)
+    for r in down:
+        assert r["ended"] and "unreachable" in r["error"] and r["end"] - r["sent"] < 1.0, r
+    # After the restart: served again (the real one needs its start-up time on top).
+    assert s_after.ok and after["ended"] and after["error"] is None and after["tokens"] == 8
+    assert after["sent"] > KILL_S + BACK_S

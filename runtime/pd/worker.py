@@ -77,6 +77,7 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     from runtime.server import load_served_model, load_text_side, resolve_device
     from runtime.transfer.layout import KVArgs
     from runtime.transfer.metadata import MetadataBuffer
+    from runtime.faults import TransferFaults
     from runtime.transfer.mooncake import MooncakeConfig, MooncakeKVManager
 
     role = config.role(spec.role)
@@ -101,6 +102,7 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
         host=t.host, protocol=t.protocol, device_name=t.device_name, num_workers=t.num_workers,
         bootstrap_timeout_s=t.bootstrap_timeout_s, heartbeat_interval_s=t.heartbeat_interval_s,
         heartbeat_timeout_s=t.heartbeat_timeout_s))
+    manager.prefill.faults = TransferFaults.for_instance(config.faults, spec.role, spec.instance)
     try:
         if spec.role == "prefill":
             manager.register_with_bootstrap(spec.bootstrap_host, spec.bootstrap_port)
@@ -229,7 +231,9 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
         spec = RankSpec(role, instance, 0, spec_cfg.tp)
         if role == "prefill":
             bport = config.bootstrap_port(instance) if bootstrap_port is None else bootstrap_port
-            bootstrap = BootstrapServer(config.transfer.host, bport).start()
+            bootstrap = BootstrapServer(config.transfer.host, bport)
+            bootstrap.answer_delay_s = config.faults.bootstrap_delay_s  # fault injection
+            bootstrap.start()
             spec = RankSpec(role, instance, 0, spec_cfg.tp, bootstrap_host=config.transfer.host,
                             bootstrap_port=bootstrap.port)
         if spec.tp > 1:

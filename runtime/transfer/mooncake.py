@@ -103,6 +103,8 @@ class MooncakeKVManager:
         self._epoch.listen(callback)
 
     def create_sender(self, req) -> MooncakeKVSender:
+        if self.prefill.faults is not None:  # fault injection (runtime/faults.py)
+            self.prefill.faults.sender_created(req.rid, req.bootstrap_room)
         return MooncakeKVSender(self.prefill, req.bootstrap_room)
 
     def create_receiver(self, req) -> MooncakeKVReceiver:

@@ -123,6 +123,7 @@ class PrefillSide:
         self._peers: dict[str, PeerPlan] = {}  # decode session id → plan
         self._peer_errors: dict[str, str] = {}
         self._last_seen: dict[str, float] = {}
+        self.faults = None  # runtime.faults.TransferFaults: injected failures and a slow NIC
         self._queues = [queue.SimpleQueue() for _ in range(num_workers)]
         self._workers = [threading.Thread(target=self._work, args=(q,), daemon=True,
                                           name=f"kv-send-{i}") for i, q in enumerate(self._queues)]
@@ -185,6 +186,8 @@ class PrefillSide:
             self._fail(self._room(room), reason)
 
     def forget(self, room: int) -> None:
+        if self.faults is not None:
+            self.faults.forget(room)
         with self._lock:
             r = self._rooms.pop(room, None)
             if r is not None and r.state is KVPoll.Failed:
@@ -302,9 +305,14 @@ class PrefillSide:
                 targets = [(i, self._peers[i.session_id]) for i in r.infos.values()]
                 slot = r.metadata_slot
             try:
+                if self.faults is not None:
+                    self.faults.before_write(chunk.room)  # raises for an injected failure
+                started = time.monotonic()
                 for info, peer in targets:
                     if not info.is_dummy:
                         self._write(chunk, info, peer, slot)
+                if self.faults is not None:
+                    self.faults.after_write(time.monotonic() - started)  # a slow NIC
             except Exception as exc:  # any failure fails the room, never the worker
                 with self._lock:
                     self._fail(r, f"KV write failed: {exc}")
