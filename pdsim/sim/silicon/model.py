@@ -331,7 +331,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
             local += [ops.gemm(2 * shared, h, md), ops.gemm(h, shared, md)]
         if deepep:
             moe_local = local
-            a2a_ll = ops.deepep("ll", h, model.experts_per_token, model.num_experts, ep)
+            a2a_ll = ops.deepep("low_latency", h, model.experts_per_token, model.num_experts, ep)
             a2a_normal = ops.deepep("normal", h, model.experts_per_token, model.num_experts, ep)
             if a2a_ll is None or a2a_normal is None:
                 raise MissingTable(f"silicon: {system} has no DeepEP tables; use moe_a2a 'none' "

@@ -19,10 +19,11 @@ from functools import cached_property, lru_cache
 import numpy as np
 import pandas as pd
 
-from pdsim.specs.hardware import HardwareSpec
-from pdsim.specs.precision import DTYPES, gemm_peak_tflops
+from pdsim.sim.moe_comm import deepep_traffic
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Grid2
+from pdsim.specs.hardware import HardwareSpec
+from pdsim.specs.precision import DTYPES, gemm_peak_tflops
 
 ACT_BYTES = 2
 DEEPEP_NUM_SMS = 20  # DeepEP's default SM count for normal-mode kernels (Buffer.num_sms)
@@ -394,11 +395,26 @@ class OpTables:
         return self._collective(t, gpus, hidden)
 
     def deepep(self, mode: str, hidden: int, topk: int, experts: int, ep: int) -> Curve | None:
-        """DeepEP dispatch + combine (mode "ll" or "normal") over tokens per rank; None when
-        the system has no DeepEP table."""
-        t = self._table("comm", f"wideep_deepep_{mode}_perf.parquet")
-        if t is None:
+        """DeepEP dispatch + combine (mode "low_latency" or "normal") over tokens per GPU;
+        None when the system has no DeepEP table.
+
+        The tables count 8-GPU nodes (`node_num`) and have no EP-size column: an EP group inside
+        one NVLink domain reads node_num 1, a larger one `ceil(ep / 8)` nodes, taken from the
+        newest version that measured that many (older releases measured multi-node runs). A
+        shape or node count the tables lack is scaled from the nearest measured one by the
+        ratio of DeepEP's link-time roofline (pdsim.sim.moe_comm) and counted."""
+        file = f"wideep_deepep_{'ll' if mode == 'low_latency' else 'normal'}_perf.parquet"
+        paths = tables.table_paths(self.system, "comm", self.framework, self.version, file)
+        if not paths:
             return None
+        nodes = 1 if ep <= self.hw.gpus_per_node else math.ceil(ep / TABLE_GPUS_PER_NODE)
+        frames, seen = [], set()
+        for path in paths:  # newest first: each node count from the newest table holding it
+            t = tables.read_table(path)
+            t = t[~t["node_num"].isin(seen)]
+            seen.update(int(n) for n in t["node_num"].unique())
+            frames.append(t)
+        t = pd.concat(frames)
         if mode == "normal":
             t = t[t["dispatch_sms"] == DEEPEP_NUM_SMS]
             seconds = (t["dispatch_transmit_us"] + t["dispatch_notify_us"]
@@ -406,27 +422,26 @@ class OpTables:
         else:
             seconds = (t["dispatch_avg_t_us"] + t["combine_avg_t_us"]) * 1e-6
         t = t.assign(seconds=seconds)
-        nodes = max(1, math.ceil(ep / TABLE_GPUS_PER_NODE))
         key = ["hidden_size", "num_topk", "num_experts", "node_num"]
         configs = [tuple(int(v) for v in r) for r in t[key].drop_duplicates().itertuples(False)]
         want = (hidden, topk, experts, nodes)
         have = min(configs, key=lambda c: (_log_distance(c, want), c))
         sel = t[(t[key] == pd.Series(have, index=key)).all(axis=1)]
         g = sel.groupby("num_token")["seconds"].min()
-        link = self._link_gbps(ep) * 1e9
-        # Roofline: FP8 dispatch (1 byte + scales) and BF16 combine of top-k copies per token.
-        per_token = lambda h, k: k * (h * 1.0 + h / 128 * 4 + h * ACT_BYTES)  # noqa: E731
 
-        def roofline(tokens, h=have[0], k=have[1]):
-            return 20e-6 + tokens * per_token(h, k) / link
+        def roofline(h: int, k: int, group: int, domain: int) -> Callable:
+            one = deepep_traffic(1.0, h, k, group, domain, mode)
+            nvlink, rdma = self.hw.nvlink_gbps * 1e9, self.hw.rdma_gbps * 1e9
+            per_token = sum(max(c.nvlink_bytes / nvlink, c.rdma_bytes / rdma)
+                            for c in (one.dispatch, one.combine))
+            return lambda tokens: 20e-6 + np.asarray(tokens, float) * per_token
 
-        curve = Curve(g.index.to_numpy(float), g.to_numpy(float), roofline)
+        # The tables' runs: node_num nodes of 8 GPUs, one NVLink domain each.
+        have_roof = roofline(have[0], have[1], TABLE_GPUS_PER_NODE * have[3], TABLE_GPUS_PER_NODE)
+        curve = Curve(g.index.to_numpy(float), g.to_numpy(float), have_roof)
         if have != want:
-            links = 1.0 if (have[3] > 1) == (nodes > 1) else (
-                self.hw.nvlink_gbps / self.hw.rdma_gbps if nodes > 1 else
-                self.hw.rdma_gbps / self.hw.nvlink_gbps)
-            ratio = per_token(hidden, topk) / per_token(have[0], have[1]) * links
-            curve = curve.scaled(lambda x: np.full_like(np.asarray(x, float), ratio))
+            want_roof = roofline(hidden, topk, ep, min(ep, self.hw.gpus_per_node))
+            curve = curve.scaled(lambda x: want_roof(x) / have_roof(x))
         return curve
 
 

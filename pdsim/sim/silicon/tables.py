@@ -93,20 +93,22 @@ def current_version(system: str, framework: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def table_path(system: str, op: str, framework: str, version: str, file: str) -> Path | None:
-    """The newest `<op>/<framework>/<v>/<file>` with v <= version (None if there is none)."""
+def table_paths(system: str, op: str, framework: str, version: str, file: str) -> tuple[Path, ...]:
+    """Every `<op>/<framework>/<v>/<file>` with v <= version, newest first."""
     root = require_systems_dir() / "data" / system / op / framework
     if not root.is_dir():
-        return None
+        return ()
     limit = _version(version)
-    best: tuple[tuple[int, ...], Path] | None = None
-    for child in root.iterdir():
-        v = _version(child.name)
-        if v is None or (limit is not None and v > limit) or not (child / file).is_file():
-            continue
-        if best is None or v > best[0]:
-            best = (v, child / file)
-    return best[1] if best else None
+    found = [(v, child / file) for child in root.iterdir()
+             if (v := _version(child.name)) is not None and (limit is None or v <= limit)
+             and (child / file).is_file()]
+    return tuple(path for _, path in sorted(found, reverse=True))
+
+
+def table_path(system: str, op: str, framework: str, version: str, file: str) -> Path | None:
+    """The newest `<op>/<framework>/<v>/<file>` with v <= version (None if there is none)."""
+    paths = table_paths(system, op, framework, version, file)
+    return paths[0] if paths else None
 
 
 @lru_cache(maxsize=None)
