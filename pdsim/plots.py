@@ -1,11 +1,13 @@
 """Plots of an experiment: metrics across its sweep, and latency CDFs per configuration.
 
 `plot_experiment` looks at what the sweep varies (the summary's `sweep.<field>` columns): a P:D
-sweep is drawn against the P:D configuration, one line per request rate (or client count);
-any other sweep against its first numeric field, one line per combination of the other fields
-that do not move with it. A sweep of closed-loop clients also draws throughput per GPU against
-TTFT and ITL, one point per client count, the curve benchmark users read. `sweep_labels` names
-each point after what varies, for tables and CDF legends.
+sweep (nothing varies but the P:D split, the request rate and the client count) is drawn
+against the P:D configuration, one line per request rate or client count (a single
+configuration: against the rate or the clients); any other sweep against its first numeric
+field, one line per combination of the other fields that do not move with it. When the number
+of closed-loop clients varies it also draws throughput per GPU against TTFT and ITL, one point
+per client count, the curve benchmark users read. `sweep_labels` names each point after what
+varies, for tables and CDF legends.
 
 Figures are built on `matplotlib.figure.Figure` and saved as PNG through the Agg renderer, never
 through pyplot: nothing is shown, no global backend is switched, and no figure outlives its call.
@@ -238,36 +240,53 @@ def short_field(field: str) -> str:
 
 def _value_text(field: str, value) -> str:
     if field in CONCURRENCY_FIELDS:
-        return f"{value} clients"
+        return _clients(value)
     if field in RATE_FIELDS and field.endswith("_rps"):
         return f"{float(value):g} req/s"
     return f"{short_field(field)}={value}"
 
 
+def _clients(n) -> str:
+    return f"{int(n)} client{'' if int(n) == 1 else 's'}"
+
+
 def is_pd_sweep(fields: list[str]) -> bool:
-    """Whether a sweep over `fields` (see `varying_fields`) is read as P:D configurations."""
-    return not fields or any(f in PD_FIELDS for f in fields)
+    """Whether a sweep over `fields` (see `varying_fields`) is read as P:D configurations under
+    some loads: it varies nothing but the P:D split, the request rate and the client count."""
+    return all(f in PD_FIELDS + RATE_FIELDS + CONCURRENCY_FIELDS for f in fields)
+
+
+def sweep_axes(summary: pd.DataFrame) -> tuple[str, list[str]]:
+    """Of a sweep that is not a P:D sweep: the field on the x axis (the first numeric one that
+    varies) and the fields that tell its lines apart (those that do not move with x)."""
+    fields = varying_fields(summary)
+    numeric = [f for f in fields if pd.api.types.is_numeric_dtype(summary[SWEPT + f])
+               and not pd.api.types.is_bool_dtype(summary[SWEPT + f])]
+    x = numeric[0] if numeric else fields[0]
+    text = summary[[SWEPT + f for f in fields]].astype(str)  # lists (acceptance rates) too
+    along = text.groupby(SWEPT + x)
+    return x, [f for f in fields if f != x and (along[SWEPT + f].nunique() > 1).any()]
 
 
 def sweep_labels(summary: pd.DataFrame) -> list[str]:
     """One label per summary row naming what the sweep varies: "2P:6D @ 20 req/s" for a P:D
-    sweep (or "@ 64 clients" in a closed loop), "decode.ep=16, decode.two_batch_overlap=True"
-    for any other; fields that only move with the P:D split or the rate are not repeated."""
+    sweep ("1P:1D @ 64 clients" in a closed loop); otherwise its x field and line fields
+    (`sweep_axes`), "decode.ep=16, decode.two_batch_overlap=True": fields that only move
+    along with x are not repeated."""
     fields = varying_fields(summary)
+    if not is_pd_sweep(fields):
+        x, lines = sweep_axes(summary)
+        return [", ".join(_value_text(f, row[SWEPT + f]) for f in [x] + lines)
+                for _, row in summary.iterrows()]
     labels = []
     for _, row in summary.iterrows():
-        if is_pd_sweep(fields):
-            if row.get("mode") == "colocated":
-                head = f"colocated×{int(row['decode_instances'])}"
-            else:
-                head = pd_label(row["prefill_instances"], row["decode_instances"])
-            clients = row.get("concurrency", 0)
-            load = f"{int(clients)} clients" if clients and clients == clients else \
-                f"{row['request_rate']:g} req/s"
-            rest = [f for f in fields if f not in PD_FIELDS + RATE_FIELDS + CONCURRENCY_FIELDS]
-            labels.append(", ".join([f"{head} @ {load}"] + [_value_text(f, row[SWEPT + f]) for f in rest]))
+        if row.get("mode") == "colocated":
+            head = f"colocated×{int(row['decode_instances'])}"
         else:
-            labels.append(", ".join(_value_text(f, row[SWEPT + f]) for f in fields))
+            head = pd_label(row["prefill_instances"], row["decode_instances"])
+        clients = row.get("concurrency", 0)
+        load = _clients(clients) if clients == clients and clients else f"{row['request_rate']:g} req/s"
+        labels.append(f"{head} @ {load}")
     return labels
 
 
@@ -276,22 +295,26 @@ def plot_experiment(summary: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     fields = varying_fields(summary)
     concurrency_varies = "concurrency" in summary and summary["concurrency"].nunique() > 1
     if is_pd_sweep(fields):
-        group = "concurrency" if concurrency_varies else "request_rate"
-        return plot_sweep(summary, out_dir, group=group)
-    numeric = [f for f in fields if pd.api.types.is_numeric_dtype(summary[SWEPT + f])
-               and not pd.api.types.is_bool_dtype(summary[SWEPT + f])]
-    x = numeric[0] if numeric else fields[0]
-    along = summary.groupby(SWEPT + x)
-    lines = [f for f in fields if f != x and (along[SWEPT + f].nunique() > 1).any()]
+        written = plot_sweep(summary, out_dir, group="concurrency" if concurrency_varies else "request_rate")
+        if concurrency_varies:
+            frame = with_pd_ratio(summary) if "prefill_instances" in summary else summary
+            several = PD_RATIO in frame and frame[PD_RATIO].nunique() > 1
+            written += plot_throughput_latency(frame, out_dir, group=PD_RATIO if several else None)
+        return written
+    x, lines = sweep_axes(summary)
     x_column = "concurrency" if x in CONCURRENCY_FIELDS else short_field(x)
     frame = summary.assign(**{x_column: summary[SWEPT + x]})
-    if lines:
-        frame["_line"] = [", ".join(_value_text(f, row[SWEPT + f]) for f in lines)
-                          for _, row in frame.iterrows()]
-    written = plot_sweep(frame, out_dir, x=x_column, group="_line")
-    if concurrency_varies:
-        written += plot_throughput_latency(frame, out_dir, group="_line" if lines else None)
+    frame["_line"] = _joined(frame, lines)
+    written = plot_sweep(frame, out_dir, x=x_column, group="_line" if lines else "")
+    if concurrency_varies:  # one curve per setting of everything but the clients
+        curves = [f for f in [x] + lines if f not in CONCURRENCY_FIELDS]
+        frame["_curve"] = _joined(frame, curves)
+        written += plot_throughput_latency(frame, out_dir, group="_curve" if curves else None)
     return written
+
+
+def _joined(frame: pd.DataFrame, fields: list[str]) -> list[str]:
+    return [", ".join(_value_text(f, row[SWEPT + f]) for f in fields) for _, row in frame.iterrows()]
 
 
 _TRADEOFFS = (
@@ -306,8 +329,8 @@ def plot_throughput_latency(summary: pd.DataFrame, out_dir: str | Path,
     (`concurrency`), labelled with it; one curve per value of `group`. Returns the PNG paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    frame = summary if group else summary.assign(_curve="all")
-    group = group or "_curve"
+    frame = summary if group else summary.assign(_all="all")
+    group = group or "_all"
     curves = sorted(frame[group].unique(), key=_sort_key)
     colors = dict(zip(curves, _colors(len(curves))))
     written = []
@@ -321,7 +344,7 @@ def plot_throughput_latency(summary: pd.DataFrame, out_dir: str | Path,
             x = rows[column].to_numpy(float) * 1e3
             y = rows["output_tok_s_per_gpu"].to_numpy(float)
             ax.plot(x, y, color=colors[curve], marker="o", markersize=4, linewidth=1.6,
-                    label=None if group == "_curve" else str(curve))
+                    label=None if group == "_all" else str(curve))
             for xi, yi, n in zip(x, y, rows["concurrency"]):
                 ax.annotate(f"{int(n)}", (xi, yi), textcoords="offset points", xytext=(4, 4),
                             fontsize="x-small", color=colors[curve])
@@ -331,7 +354,7 @@ def plot_throughput_latency(summary: pd.DataFrame, out_dir: str | Path,
         ax.set_ylabel("output tokens/s per GPU")
         ax.set_title(f"Throughput against {xlabel.split()[0]} (points: concurrent clients)")
         ax.grid(True, which="major", alpha=0.35)
-        if group != "_curve":
+        if group != "_all":
             ax.legend(fontsize="small", loc="best", framealpha=0.85)
         written.append(_save(fig, out_dir / f"{stem}.png"))
     return written

@@ -117,15 +117,20 @@ def _best(rows: pd.DataFrame, primary: str, secondary: str) -> pd.Series | None:
 
 
 def _best_section(frame: pd.DataFrame) -> str:
+    clients = "concurrency" in frame and frame["concurrency"].nunique() > 1
+
+    def name(row: pd.Series) -> str:
+        return f"{row[PD_RATIO]} @ {int(row['concurrency'])} clients" if clients else row[PD_RATIO]
+
     rows = []
     for rate, part in frame.groupby("request_rate", sort=True, dropna=False):
         by_goodput = _best(part, "goodput_req_s_per_gpu", "slo_attainment")
         by_slo = _best(part, "slo_attainment", "goodput_req_s_per_gpu")
         rows.append([
             _rate(rate),
-            _DASH if by_goodput is None else by_goodput[PD_RATIO],
+            _DASH if by_goodput is None else name(by_goodput),
             _DASH if by_goodput is None else _num(by_goodput["goodput_req_s_per_gpu"]),
-            _DASH if by_slo is None else by_slo[PD_RATIO],
+            _DASH if by_slo is None else name(by_slo),
             _DASH if by_slo is None else _pct(by_slo["slo_attainment"]),
         ])
     table = _markdown_table(

@@ -214,9 +214,15 @@ def test_sweep_labels_name_what_varies(sweep):
     assert plots.sweep_labels(pd_sweep)[:2] == ["3P:1D @ 1 req/s", "3P:1D @ 4 req/s"]
     ep = swept([{"cluster.decode.tp": tp, "cluster.decode.ep": tp, "cluster.decode.two_batch_overlap": tbo}
                 for tp in (8, 16) for tbo in (False, True)])
-    assert plots.sweep_labels(ep)[1] == ("decode.tp=8, decode.ep=8, decode.two_batch_overlap=True")
+    assert plots.sweep_labels(ep)[1] == "decode.tp=8, decode.two_batch_overlap=True"  # ep moves with tp
     clients = swept([{"workload.arrival.concurrency": n} for n in (1, 4)])
-    assert plots.sweep_labels(clients) == ["1 clients", "4 clients"]
+    clients["concurrency"] = clients["sweep.workload.arrival.concurrency"]
+    assert plots.sweep_labels(clients) == ["1P:1D @ 1 client", "1P:1D @ 4 clients"]
+    # Fields that move with the x field (the first numeric one) are not repeated.
+    scale = swept([{"cluster.decode.ep": n, "cluster.prefill.instances": n // 8,
+                    "speculative.acceptance.rates": [0.8, 0.6], "workload.arrival.concurrency": 64 * n}
+                   for n in (8, 16)])
+    assert plots.sweep_labels(scale) == ["decode.ep=8", "decode.ep=16"]
 
 
 def test_generic_sweep_plots_against_its_field_one_line_per_other_field(tmp_path, captured):
@@ -244,14 +250,32 @@ def test_concurrency_sweep_draws_throughput_against_latency(tmp_path, captured):
     np.testing.assert_allclose(line.get_xdata(), clients["ttft_p50_s"] * 1e3)
     np.testing.assert_allclose(line.get_ydata(), clients["output_tok_s_per_gpu"])
     assert [t.get_text() for t in ax.texts] == ["1", "4", "16", "64", "256"]
-    assert captured["ttft.png"].axes[0].get_xscale() == "log"  # 1 ... 256 clients
+    ttft = captured["ttft.png"].axes[0]
+    assert ttft.get_xlabel() == "concurrent clients" and ttft.get_xscale() == "log"  # 1 ... 256
+    best = clients.loc[clients["goodput_req_s_per_gpu"].idxmax(), "concurrency"]
+    text = write_report(clients, tmp_path, title="t", config_text=None, plots=[]).read_text()
+    assert f"| 2 | 1P:1D @ {best} clients |" in text  # the best point names its client count
+
+
+def test_a_sweep_with_clients_and_another_field_draws_one_curve_per_setting(tmp_path, captured):
+    spec = swept([{"speculative.num_draft_tokens": k, "workload.arrival.concurrency": n}
+                  for k in (1, 3) for n in (8, 32, 128)])
+    spec["concurrency"] = spec["sweep.workload.arrival.concurrency"]
+    plots.plot_experiment(spec, tmp_path)
+    assert captured["ttft.png"].axes[0].get_xlabel() == "speculative.num draft tokens"
+    ax = captured["throughput_vs_itl.png"].axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "speculative.num_draft_tokens=1", "speculative.num_draft_tokens=3"]
+    assert [len(line.get_xdata()) for line in ax.get_lines()] == [3, 3]
 
 
 def test_report_of_a_generic_sweep_names_its_fields(tmp_path):
-    clients = swept([{"workload.arrival.concurrency": n} for n in (16, 4)])
-    clients["concurrency"] = clients["sweep.workload.arrival.concurrency"]
-    text = write_report(clients, tmp_path, title="t", config_text=None, plots=[]).read_text()
-    header = next(line for line in text.splitlines() if line.startswith("| arrival.concurrency |"))
-    assert "clients" in header
-    rows = [line for line in text.splitlines() if re.match(r"\| \d+ clients \|", line)]
-    assert [r.split("|")[1].strip() for r in rows] == ["16 clients", "4 clients"]  # sweep order
+    spec = swept([{"speculative.num_draft_tokens": k, "speculative.method": m}
+                  for m, k in (("mtp", 3), ("mtp", 1), ("none", 1))])
+    text = write_report(spec, tmp_path, title="t", config_text=None, plots=[]).read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| speculative.num_draft_tokens, "))
+    assert "speculative.method" in header and "clients" not in header  # open loop: no clients column
+    rows = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| speculative.")]
+    assert rows[1:] == ["speculative.num_draft_tokens=3, speculative.method=mtp",
+                        "speculative.num_draft_tokens=1, speculative.method=mtp",
+                        "speculative.num_draft_tokens=1, speculative.method=none"]  # sweep order
