@@ -263,6 +263,25 @@ def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO,
     return summary
 
 
+def price_columns(summary: dict, usd_per_gpu_hour: float | None) -> dict[str, float]:
+    """What a run's throughput costs at `usd_per_gpu_hour` (None: unpriced, NaN columns).
+
+    - ``usd_per_hour`` = num_gpus x the price.
+    - ``usd_per_mtok`` = USD per million output tokens of completed requests:
+      usd_per_hour / 3600 / output_tok_s x 1e6.
+    - ``goodput_req_per_usd`` = requests meeting the SLO per USD: goodput_req_s x 3600 / usd_per_hour.
+    """
+    if usd_per_gpu_hour is None:
+        return {"usd_per_hour": NAN, "usd_per_mtok": NAN, "goodput_req_per_usd": NAN}
+    per_hour = summary["num_gpus"] * usd_per_gpu_hour
+    tok_s, good = summary["output_tok_s"], summary["goodput_req_s"]
+    return {
+        "usd_per_hour": per_hour,
+        "usd_per_mtok": per_hour / 3600 / tok_s * 1e6 if tok_s > 0 else NAN,
+        "goodput_req_per_usd": good * 3600 / per_hour if good == good else NAN,
+    }
+
+
 class LittlesLaw(NamedTuple):
     """Both sides of Little's law L = lambda * W over one window."""
 

@@ -1,0 +1,83 @@
+"""Name what limits a simulated deployment, in words.
+
+Each resource gets a *pressure*: 1 means it uses up its share of the SLO or of its capacity.
+The bottleneck is the resource under the most pressure:
+
+- prefill compute: the prefill instances' busy fraction, or the 90th percentile of the time a
+  request spends waiting for and in prefill over the TTFT target, whichever is larger;
+- KV transfer: the 90th percentile of the time from the end of prefill to the KV arriving at
+  decode, over the TTFT target;
+- network: the KV bytes per second each decode instance receives over its NIC line rate;
+- decode memory: the decode side's mean running batch over the batch its KV pool holds at the
+  mean context, or the 90th percentile wait for decode room (KV pages) over the TTFT target;
+- decode compute: the ITL percentile over its target.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+RESOURCES = ("prefill compute", "KV transfer", "network", "decode memory", "decode compute")
+
+
+@dataclass(frozen=True)
+class Bottleneck:
+    name: str  # one of RESOURCES
+    pressure: float
+    words: str  # the figures behind it, for the report
+
+
+def _p90(values: pd.Series) -> float:
+    values = values.to_numpy(float)
+    values = values[np.isfinite(values)]
+    return float(np.percentile(values, 90)) if len(values) else 0.0
+
+
+def find_bottleneck(row: dict, requests: pd.DataFrame, *, ttft_target_s: float | None,
+                    itl_target: tuple[int, float] | None, decode_kv_batch: float,
+                    decode_nic_bytes_s: float) -> Bottleneck:
+    """`row`: the candidate's summary; `requests`: its per-request frame; `decode_kv_batch`:
+    requests the decode (or colocated) side's KV pools hold at the mean context, all instances;
+    `decode_nic_bytes_s`: the NIC line rate of all decode instances together."""
+    ok = requests[requests["status"] == "ok"]
+    ttft = ttft_target_s or _p90(ok["ttft_s"]) or 1.0
+    colocated = row["mode"] == "colocated"
+    start = ok["arrival_s"] if colocated else ok["bootstrap_done_s"]
+    prefill_wait = _p90(ok["prefill_end_s"] - start)
+    transfer = 0.0 if colocated else _p90(ok["transfer_done_s"] - ok["prefill_end_s"])
+    room_wait = 0.0 if colocated else _p90(ok["bootstrap_done_s"] - ok["arrival_s"])
+    busy = row.get("prefill_busy_frac", math.nan)
+    busy = 0.0 if busy != busy else busy
+    batch = row.get("decode_mean_batch", math.nan) * row["decode_instances"]
+    kv_use = batch / decode_kv_batch if decode_kv_batch > 0 and batch == batch else 0.0
+    duration = row.get("duration_s", math.nan)
+    nic_use = (row.get("kv_transfer_gb", 0.0) * 1e9 / duration / decode_nic_bytes_s
+               if not colocated and duration and duration == duration and decode_nic_bytes_s else 0.0)
+    if itl_target:
+        q, bound = itl_target
+        itl = row.get(f"itl_p{q}_s", math.nan)
+        itl_use = itl / bound if itl == itl else 0.0
+    else:
+        q, bound, itl, itl_use = 90, math.nan, row.get("itl_p90_s", math.nan), 0.0
+    ms = 1e3
+    options = {
+        "prefill compute": (max(busy, prefill_wait / ttft),
+                            f"prefill busy {busy:.0%}; waiting for and in prefill p90 "
+                            f"{prefill_wait * ms:,.0f} ms of the {ttft * ms:,.0f} ms TTFT target"),
+        "KV transfer": (transfer / ttft, f"KV transfer p90 {transfer * ms:,.1f} ms of the "
+                        f"{ttft * ms:,.0f} ms TTFT target"),
+        "network": (nic_use, f"decode NICs {nic_use:.0%} used by KV traffic"),
+        "decode memory": (max(kv_use, room_wait / ttft),
+                          f"decode KV pools {kv_use:.0%} full on average (mean batch "
+                          f"{batch:,.1f} of ~{decode_kv_batch:,.0f}); wait for decode room p90 "
+                          f"{room_wait * ms:,.0f} ms"),
+        "decode compute": (itl_use, f"ITL p{q} {itl * ms:,.1f} ms of the {bound * ms:,.1f} ms "
+                           "target" if bound == bound else f"ITL p90 {itl * ms:,.1f} ms"),
+    }
+    name = max(options, key=lambda k: options[k][0])
+    pressure, words = options[name]
+    return Bottleneck(name, pressure, words)

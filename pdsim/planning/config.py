@@ -1,0 +1,214 @@
+"""PLAN.yaml → one frozen, validated plan: what to serve, on what, under which SLO and budget,
+and which deployments to consider.
+
+A plan names a model, a GPU, a workload and latency targets as percentiles, and either a GPU
+budget (`max_gpus`) or a traffic target (`target_rate_rps`, which sets the workload's rate).
+The search space defaults to every sensible deployment: colocated and disaggregated, TP
+1/2/4/8 per role with TP mismatch between roles allowed. Unknown keys are rejected and an
+error names the field (pdsim.config_errors).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pdsim.config import (
+    ConfigError,
+    CostModelConfig,
+    NetworkConfig,
+    RouterConfig,
+    SchedulerKnobs,
+)
+from pdsim.config_errors import format_validation_error
+from pdsim.metrics import SLO, MeasurementWindow
+from pdsim.workload import (
+    ArrivalProcess,
+    ClosedLoopArrival,
+    SyntheticWorkload,
+    TraceWorkload,
+    WorkloadConfig,
+)
+
+Mode = Literal["disaggregated", "colocated"]
+PERCENTILES = (50, 90, 99)
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PlanSLO(_Spec):
+    """Latency targets as percentiles over the run's requests (the summary's columns): a
+    deployment meets the plan's SLO when every target given holds and no request failed."""
+
+    ttft_p50_s: float | None = Field(None, gt=0)
+    ttft_p90_s: float | None = Field(None, gt=0)
+    ttft_p99_s: float | None = Field(None, gt=0)
+    itl_p50_s: float | None = Field(None, gt=0)
+    itl_p90_s: float | None = Field(None, gt=0)
+    itl_p99_s: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _some_target(self) -> PlanSLO:
+        if not self.targets():
+            raise ValueError(f"give at least one target: {', '.join(type(self).model_fields)}")
+        return self
+
+    def targets(self) -> dict[str, float]:
+        """Summary column → bound, for the targets given."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+    def percentile_targets(self, metric: Literal["ttft", "itl"]) -> list[tuple[int, float]]:
+        """The targets given on `metric` as (percentile, seconds)."""
+        given = [(q, getattr(self, f"{metric}_p{q}_s")) for q in PERCENTILES]
+        return [(q, v) for q, v in given if v is not None]
+
+    def request_slo(self) -> SLO:
+        """The per-request SLO that goodput counts: each request's TTFT and mean ITL within the
+        plan's tightest TTFT and ITL bounds (no bound on a metric: no limit on it)."""
+        ttft = [v for k, v in self.targets().items() if k.startswith("ttft")]
+        itl = [v for k, v in self.targets().items() if k.startswith("itl")]
+        return SLO(ttft_s=min(ttft, default=1e9), itl_s=min(itl, default=1e9))
+
+
+class SearchSpace(_Spec):
+    """The deployments the plan considers. Per role, every combination of `tp`, `dp_attention`,
+    `ep` and `moe_a2a` that SGLang accepts (dp_attention and ep divide tp; ep > 1 and DeepEP
+    only for MoE models; DeepEP needs ep = tp > 1)."""
+
+    modes: list[Mode] = Field(["disaggregated", "colocated"], min_length=1)
+    tp: list[int] = Field([1, 2, 4, 8], min_length=1)
+    dp_attention: list[int] = Field([1], min_length=1)
+    ep: list[int] = Field([1], min_length=1)
+    moe_a2a: list[Literal["none", "deepep"]] = Field(["none"], min_length=1)
+    allow_tp_mismatch: bool = Field(True, description="prefill and decode TP may differ")
+    max_simulations: int = Field(200, ge=1, description="at most this many candidates are "
+                                 "simulated, cheapest first")
+    cost_slack: float = Field(1.0, ge=0, description="once a feasible deployment is found, "
+                              "simulate only candidates costing at most (1 + cost_slack) x its "
+                              "cost (they fill the frontier and give the runner-up)")
+
+    @model_validator(mode="after")
+    def _positive(self) -> SearchSpace:
+        for name in ("tp", "dp_attention", "ep"):
+            bad = [v for v in getattr(self, name) if not isinstance(v, int) or v < 1]
+            if bad:
+                raise ValueError(f"{name}: sizes must be integers >= 1, got {bad}")
+        return self
+
+
+class PrefilterConfig(_Spec):
+    """The analytic pre-filter (docs/planning.md, "What the pre-filter assumes")."""
+
+    enabled: bool = True
+    slack: float = Field(1.25, ge=1, description="capacities are multiplied by this before a "
+                         "candidate is discarded, so it must miss by a clear margin")
+
+
+class LaunchConfig(_Spec):
+    """What the generated SGLang commands name (ports are those of the first instance on a
+    node; the next instances on it take the next ones)."""
+
+    model_path: str | None = Field(None, description="--model-path (HF id or local path); "
+                                   "default: the model's name")
+    transfer_backend: Literal["mooncake", "nixl"] = "mooncake"
+    ib_device: str = Field("mlx5_0", description="--disaggregation-ib-device")
+    base_port: int = Field(30000, ge=1, le=65535)
+    bootstrap_port: int = Field(8998, ge=1, le=65535)
+    router_port: int = Field(8000, ge=1, le=65535)
+    dist_init_port: int = Field(5000, ge=1, le=65535)
+
+
+class PlanConfig(_Spec):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    seed: int = 0
+    model: str | dict[str, Any] = Field(description="a preset, a file or a mapping (as in an experiment)")
+    hardware: str | dict[str, Any] = Field(description="a preset, a YAML file or a mapping")
+    usd_per_gpu_hour: float | None = Field(
+        None, gt=0, description="price of one GPU-hour; default: the hardware preset's")
+    workload: WorkloadConfig
+    slo: PlanSLO
+    max_gpus: int | None = Field(None, ge=1, description="GPU budget: no candidate uses more")
+    target_rate_rps: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="traffic target: the workload's arrival rate is set to it (open-loop "
+        "process or trace replay); candidates up to max_gpus, default 4 NVLink domains")
+    objective: Literal["cost", "goodput_per_gpu"] = Field(
+        "cost", description="cost: the cheapest deployment meeting the SLO (then the lowest "
+        "$/Mtok); goodput_per_gpu: the most SLO-meeting requests/s per GPU")
+    search: SearchSpace = SearchSpace()
+    prefilter: PrefilterConfig = PrefilterConfig()
+    kv_dtype_bytes: float = Field(2, gt=0)
+    scheduler: SchedulerKnobs = Field(SchedulerKnobs(), description="every role's scheduler knobs")
+    router: RouterConfig = RouterConfig()
+    network: NetworkConfig = NetworkConfig()
+    cost_model: CostModelConfig = CostModelConfig()
+    metrics: MeasurementWindow = MeasurementWindow()
+    max_duration_s: float = Field(3600.0, gt=0)
+    launch: LaunchConfig = LaunchConfig()
+
+    @model_validator(mode="after")
+    def _budget_or_target(self) -> PlanConfig:
+        if self.max_gpus is None and self.target_rate_rps is None:
+            raise ValueError("give a GPU budget (max_gpus) or a traffic target (target_rate_rps)")
+        if self.target_rate_rps is not None and _is_closed_loop(self.workload):
+            raise ValueError("target_rate_rps sets an open-loop rate; a closed-loop workload's "
+                             "load is its concurrency: drop target_rate_rps or the closed loop")
+        return self
+
+    def gpu_limit(self, gpus_per_node: int) -> int:
+        return self.max_gpus if self.max_gpus is not None else 4 * gpus_per_node
+
+    def workload_data(self) -> dict[str, Any]:
+        """The workload as an experiment's mapping, at the traffic target when one is set."""
+        data = self.workload.model_dump(mode="json", exclude_none=True)
+        if self.target_rate_rps is None:
+            return data
+        if isinstance(self.workload, TraceWorkload):
+            data.pop("rate_scale", None)
+            data["target_rate_rps"] = self.target_rate_rps
+        elif isinstance(self.workload.arrival, ArrivalProcess):
+            data["arrival"]["rate_rps"] = self.target_rate_rps
+        return data
+
+
+def _is_closed_loop(workload) -> bool:
+    if isinstance(workload, SyntheticWorkload):
+        return isinstance(workload.arrival, ClosedLoopArrival)
+    return workload.closed_loop is not None
+
+
+def parse_plan(data: Any, source: str = "<plan>") -> PlanConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a plan is a mapping of keys, got {type(data).__name__}")
+    try:
+        return PlanConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source, "plan", PlanConfig)) from None
+
+
+def load_plan(path: str | Path) -> PlanConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such plan file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_plan(data, str(path))
+
+
+def price_per_gpu_hour(plan: PlanConfig, preset_price: float | None, hardware_name: str) -> float:
+    """The plan's price, else the hardware's; a clear error when neither has one."""
+    price = plan.usd_per_gpu_hour or preset_price
+    if price is None or not math.isfinite(price):
+        raise ConfigError(
+            f"usd_per_gpu_hour: hardware {hardware_name!r} has no list price; set "
+            "usd_per_gpu_hour in the plan (USD per GPU-hour)")
+    return price

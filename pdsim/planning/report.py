@@ -1,0 +1,148 @@
+"""Write a plan's results: candidates.csv, frontier.csv, frontier.png, report.md,
+recommended.yaml (pdsim's experiment) and launch.sh (SGLang's commands)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from pdsim.planning.search import Choice, PlanResult, _axis
+
+FRONTIER_COLUMNS = ("label", "num_gpus", "usd_per_hour", "output_tok_s_per_gpu", "usd_per_mtok",
+                    "goodput_req_s_per_gpu", "goodput_req_per_usd", "feasible", "bottleneck")
+
+
+def write_plan(result: PlanResult, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = result.plan
+    result.candidates.to_csv(out / "candidates.csv", index=False)
+    result.frontier.to_csv(out / "frontier.csv", index=False)
+    plots = [plot_frontier(result, out / "frontier.png")] if len(result.frontier) else []
+    if result.recommended:
+        (out / "recommended.yaml").write_text(result.recommended.experiment_yaml)
+        (out / "launch.sh").write_text(result.recommended.launch.script())
+    (out / "report.md").write_text(report_text(result, [p.name for p in plots]))
+    (out / "plan.yaml").write_text(cfg.model_dump_json(indent=2, exclude_defaults=True))
+    return out
+
+
+def plot_frontier(result: PlanResult, path: Path) -> Path:
+    """tok/s/GPU and $/Mtok against the TTFT and ITL percentiles: every simulated candidate,
+    the feasible ones filled, the frontier joined, the recommendation starred, targets dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg, table = result.plan, result.candidates
+    sims = table[table["simulated"]]
+    ok = sims[sims["feasible"] == True]  # noqa: E712
+    front = result.frontier
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for col, metric in enumerate(("ttft", "itl")):
+        x = _axis(cfg, metric)
+        bound = cfg.slo.targets().get(x)
+        for row, y in enumerate(("output_tok_s_per_gpu", "usd_per_mtok")):
+            ax = axes[row][col]
+            ax.scatter(sims[x] * 1e3, sims[y], s=14, facecolors="none", edgecolors="0.6",
+                       label="simulated")
+            ax.scatter(ok[x] * 1e3, ok[y], s=18, color="tab:blue", label="meets the SLO")
+            f = front.sort_values(x)
+            ax.plot(f[x] * 1e3, f[y], color="tab:orange", lw=1.2, marker="o", ms=3, label="frontier")
+            if result.recommended is not None:
+                s = result.recommended.summary
+                ax.scatter([s[x] * 1e3], [s[y]], marker="*", s=180, color="tab:red",
+                           label="recommended", zorder=5)
+            if bound:
+                ax.axvline(bound * 1e3, ls="--", color="0.3", lw=0.8)
+            ax.set_xscale("log")
+            ax.set_xlabel(f"{metric.upper()} p{x.split('_p')[1][:-2]} (ms)")
+            ax.set_ylabel("output tok/s per GPU" if y.startswith("output") else "USD per M output tokens")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{cfg.name}: {len(sims)} deployments simulated")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _fmt(v, unit: str = "") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if unit == "ms":
+        return f"{v * 1e3:,.1f}"
+    if isinstance(v, float):
+        return f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
+    return str(v)
+
+
+def _choice_md(title: str, c: Choice, cfg) -> list[str]:
+    s = c.summary
+    lines = [f"## {title}: {c.deployment.label}", "",
+             f"- {int(s['num_gpus'])} GPUs, ${_fmt(s['usd_per_hour'])}/hour, "
+             f"${_fmt(s['usd_per_mtok'])} per million output tokens",
+             f"- {_fmt(s['output_tok_s_per_gpu'])} output tok/s per GPU, goodput "
+             f"{_fmt(s['goodput_req_s_per_gpu'])} req/s per GPU, {_fmt(s['goodput_req_per_usd'])} "
+             "SLO-meeting requests per USD"]
+    lines.append("- latencies: " + ", ".join(
+        f"{col.removesuffix('_s').replace('_', ' ')} {_fmt(s[col], 'ms')} ms (target "
+        f"{bound * 1e3:,.1f})" for col, bound in cfg.slo.targets().items()))
+    lines += [f"- **bottleneck: {c.bottleneck.name}** ({c.bottleneck.words})", ""]
+    return lines
+
+
+def report_text(result: PlanResult, plots: list[str]) -> str:
+    cfg, table, t = result.plan, result.candidates, result.timings_s
+    kept = int(table["prefilter_keep"].sum())
+    lines = [f"# Plan: {cfg.name}", ""]
+    if cfg.description:
+        lines += [cfg.description, ""]
+    lines += [
+        f"{cfg.model if isinstance(cfg.model, str) else 'custom model'} on "
+        f"{cfg.hardware if isinstance(cfg.hardware, str) else 'custom hardware'} at "
+        f"${result.usd_per_gpu_hour:g} per GPU-hour; SLO: " + ", ".join(
+            f"{k.removesuffix('_s').replace('_', ' ')} <= {v * 1e3:,.0f} ms"
+            for k, v in cfg.slo.targets().items()) + "; objective: " + cfg.objective + ".",
+        "",
+        f"{len(table)} deployments enumerated, {kept} kept by the analytic pre-filter "
+        f"({t.get('prefilter_s', 0):.2f} s), {int(table['simulated'].sum())} simulated "
+        f"({t.get('simulate_s', 0):.1f} s), {len(result.feasible)} meet the SLO.", ""]
+    if result.recommended is None:
+        lines += ["**No simulated deployment meets the SLO.** Raise max_gpus, relax the SLO or "
+                  "widen the search space.", ""]
+    else:
+        lines += _choice_md("Recommended", result.recommended, cfg)
+        if result.runner_up is not None:
+            lines += _choice_md("Runner-up", result.runner_up, cfg)
+        lines += ["## Launch (SGLang)", "", "```bash", result.recommended.launch.script().strip(),
+                  "```", "", "pdsim's experiment for it: `recommended.yaml` "
+                  "(`pdsim run recommended.yaml` reproduces these figures).", ""]
+    lines += ["## Pareto frontier", "",
+              "tok/s/GPU against the TTFT and ITL percentiles (`frontier.csv`; every candidate "
+              "with its pre-filter verdict in `candidates.csv`).", ""]
+    ttft, itl = _axis(cfg, "ttft"), _axis(cfg, "itl")
+    cols = list(FRONTIER_COLUMNS[:2]) + [ttft, itl] + list(FRONTIER_COLUMNS[3:])
+    lines.append("| " + " | ".join(c.replace("_", " ") for c in cols) + " |")
+    lines.append("|" + "---|" * len(cols))
+    for _, row in result.frontier.iterrows():
+        lines.append("| " + " | ".join(_fmt(row[c], "ms" if c in (ttft, itl) else "")
+                                       for c in cols) + " |")
+    lines.append("")
+    for p in plots:
+        lines += [f"![{p}]({p})", ""]
+    reasons = table.loc[~table["prefilter_keep"], "prefilter_reason"].str.split(":").str[0]
+    if len(reasons):
+        lines += ["## Pre-filter", "", "Discarded without simulation, by reason: " + ", ".join(
+            f"{k} {v}" for k, v in reasons.value_counts().items()) + ".", ""]
+    return "\n".join(lines)
+
+
+def summary_frame(result: PlanResult) -> pd.DataFrame:
+    """The frontier with the columns the CLI prints."""
+    cfg = result.plan
+    cols = ["label", "num_gpus", _axis(cfg, "ttft"), _axis(cfg, "itl"), "output_tok_s_per_gpu",
+            "usd_per_mtok", "feasible", "bottleneck"]
+    return result.frontier[cols]

@@ -1,0 +1,251 @@
+"""`plan()`: enumerate deployments, pre-filter them analytically, simulate the survivors
+cheapest first, and pick the recommendation, the runner-up and the Pareto frontier."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from pdsim.config import ConfigError, parse_experiment
+from pdsim.metrics import price_columns
+from pdsim.planning.bottleneck import Bottleneck, find_bottleneck
+from pdsim.planning.candidates import Deployment, enumerate_deployments
+from pdsim.planning.config import PlanConfig, load_plan, price_per_gpu_hour
+from pdsim.planning.launch import LaunchCommands, experiment_yaml, sglang_commands
+from pdsim.planning.prefilter import Prefilter, RoleCapacity
+from pdsim.runner import PointResult, run_point
+from pdsim.specs.hardware import HardwareSpec, load_hardware_spec
+from pdsim.specs.models import load_model_spec
+from pdsim.workload import generate
+
+FRONTIER_AXES = ("output_tok_s_per_gpu", "ttft", "itl")
+
+
+@dataclass
+class Choice:
+    """A simulated deployment the plan picked, with what limits it and how to launch it."""
+
+    deployment: Deployment
+    summary: pd.Series
+    bottleneck: Bottleneck
+    launch: LaunchCommands
+    experiment_yaml: str
+
+
+@dataclass
+class PlanResult:
+    """Everything a plan found. `candidates` has one row per deployment enumerated (pre-filter
+    verdict, and the simulated summary where it ran); `frontier` the Pareto-optimal simulated
+    rows (tok/s/GPU up, TTFT and ITL percentiles down)."""
+
+    plan: PlanConfig
+    usd_per_gpu_hour: float
+    candidates: pd.DataFrame
+    frontier: pd.DataFrame
+    recommended: Choice | None
+    runner_up: Choice | None
+    timings_s: dict[str, float] = field(default_factory=dict)
+    out_dir: Path | None = None
+
+    @property
+    def feasible(self) -> pd.DataFrame:
+        return self.candidates[self.candidates["feasible"] == True]  # noqa: E712 (NaN rows)
+
+
+def plan(source: PlanConfig | str | Path, *, out_dir: str | Path | None = None,
+         jobs: int | None = None, progress: bool = False, prefilter: bool | None = None,
+         write: bool = True, base_dir: str | None = None) -> PlanResult:
+    """Run a plan (a PlanConfig or a PLAN.yaml path); write results/<name>/ unless `write` is
+    False. `prefilter` overrides the plan's `prefilter.enabled`."""
+    if not isinstance(source, PlanConfig):
+        path = Path(source)
+        source, base_dir = load_plan(path), str(path.parent.resolve())
+    cfg = source
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    try:
+        model = load_model_spec(cfg.model, base_dir)
+        hw = load_hardware_spec(cfg.hardware, base_dir)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(str(exc)) from None
+    price = price_per_gpu_hour(cfg, hw.usd_per_gpu_hour, hw.name)
+    try:
+        workload = generate(cfg.workload_data(), base_dir)
+    except ValueError as exc:
+        raise ConfigError(f"workload: {exc}") from None
+    deployments = enumerate_deployments(cfg, model, cfg.gpu_limit(hw.gpus_per_node))
+    if not deployments:
+        raise ConfigError("search: no deployment fits max_gpus with the TP sizes given")
+    timings["enumerate_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    filt = Prefilter(cfg, model, hw, workload, base_dir)
+    use_filter = cfg.prefilter.enabled if prefilter is None else prefilter
+    rows = []
+    for i, dep in enumerate(deployments):
+        verdict = filt.check(dep) if use_filter else None
+        rows.append({"candidate": i, "label": dep.label, "mode": dep.mode, "num_gpus": dep.num_gpus,
+                     "usd_per_hour": dep.num_gpus * price,
+                     "prefilter_keep": True if verdict is None else verdict.keep,
+                     "prefilter_reason": "" if verdict is None else verdict.reason,
+                     "prefill_util_bound": math.nan if verdict is None else verdict.prefill_util,
+                     "decode_util_bound": math.nan if verdict is None else verdict.decode_util})
+    table = pd.DataFrame(rows)
+    timings["prefilter_s"] = time.perf_counter() - t0
+    timings["candidates"] = len(deployments)
+
+    t0 = time.perf_counter()
+    survivors = table[table["prefilter_keep"]].sort_values(["usd_per_hour", "candidate"])
+    results = _simulate(cfg, deployments, list(survivors["candidate"]), price, jobs, progress,
+                        base_dir)
+    timings["simulate_s"] = time.perf_counter() - t0
+    timings["simulated"] = len(results)
+
+    sims = pd.DataFrame([_sim_row(cfg, r, price) for r in results.values()])
+    if len(sims):
+        table = table.merge(sims.drop(columns=["num_gpus", "usd_per_hour"]), on="candidate",
+                            how="left")
+    table["simulated"] = table["candidate"].isin(results)
+    table["feasible"] = table["candidate"].map(
+        {c: meets(cfg, r.summary) for c, r in results.items()})
+    for c, r in results.items():
+        b = _bottleneck(cfg, deployments[c], r, filt, hw)
+        table.loc[table["candidate"] == c, ["bottleneck", "bottleneck_detail"]] = (b.name, b.words)
+
+    ranked = _rank(cfg, table)
+    choices = [_choice(cfg, deployments[int(c)], table, results[int(c)], filt, hw)
+               for c in ranked[:2]]
+    result = PlanResult(cfg, price, table, pareto_frontier(table, cfg),
+                        choices[0] if choices else None, choices[1] if len(choices) > 1 else None,
+                        timings)
+    if write:
+        from pdsim.planning.report import write_plan
+
+        result.out_dir = write_plan(result, Path(out_dir) if out_dir else Path("results") / cfg.name)
+    return result
+
+
+def meets(cfg: PlanConfig, summary: dict) -> bool:
+    """The plan's SLO: every percentile target met, no request failed."""
+    if summary["failed"] or summary["completed"] == 0:
+        return False
+    return all(summary[col] <= bound for col, bound in cfg.slo.targets().items())
+
+
+def _rank(cfg: PlanConfig, table: pd.DataFrame) -> list[int]:
+    ok = table[table["feasible"] == True]  # noqa: E712
+    if cfg.objective == "cost":
+        ok = ok.sort_values(["usd_per_hour", "usd_per_mtok", "candidate"])
+    else:
+        ok = ok.sort_values(["goodput_req_s_per_gpu", "usd_per_hour", "candidate"],
+                            ascending=[False, True, True])
+    return list(ok["candidate"])
+
+
+def pareto_frontier(table: pd.DataFrame, cfg: PlanConfig) -> pd.DataFrame:
+    """Simulated rows no other row beats on tok/s/GPU, the TTFT and the ITL percentile at once."""
+    sims = table[table["simulated"] & table["output_tok_s_per_gpu"].notna()]
+    if sims.empty:
+        return sims
+    ttft, itl = _axis(cfg, "ttft"), _axis(cfg, "itl")
+    vals = np.column_stack([-sims["output_tok_s_per_gpu"].to_numpy(float),
+                            sims[ttft].to_numpy(float), sims[itl].to_numpy(float)])
+    vals = np.nan_to_num(vals, nan=np.inf)
+    keep = [not np.any(np.all(vals <= v, axis=1) & np.any(vals < v, axis=1)) for v in vals]
+    return sims[keep].sort_values("output_tok_s_per_gpu", ascending=False)
+
+
+def _axis(cfg: PlanConfig, metric: str) -> str:
+    """The summary column a metric is judged by: its highest percentile target, else p90."""
+    targets = cfg.slo.percentile_targets(metric)
+    q = targets[-1][0] if targets else 90
+    return f"{metric}_p{q}_s"
+
+
+def _sim_row(cfg: PlanConfig, r: PointResult, price: float) -> dict:
+    row = {"candidate": r.index, **{k: v for k, v in r.summary.items()
+                                    if k not in ("point", "mode", "label")}}
+    row.update(price_columns(r.summary, price))
+    return row
+
+
+def _bottleneck(cfg: PlanConfig, dep: Deployment, r: PointResult, filt: Prefilter,
+                hw: HardwareSpec) -> Bottleneck:
+    role, n, shape = dep.roles[-1]
+    cap = filt.capacity(role, shape)
+    mean_ctx = float(np.mean(filt.workload.input_tokens + filt.workload.output_tokens / 2))
+    kv_batch = (n * shape.dp_attention * min(cap.max_running_per_rank,
+                                             cap.kv_tokens_per_rank / mean_ctx)
+                if isinstance(cap, RoleCapacity) else 0.0)
+    nic = n * shape.tp * hw.rdma_gbps * 1e9
+    ttft = cfg.slo.percentile_targets("ttft")
+    itl = cfg.slo.percentile_targets("itl")
+    return find_bottleneck(r.summary, r.requests, ttft_target_s=ttft[-1][1] if ttft else None,
+                           itl_target=itl[-1] if itl else None, decode_kv_batch=kv_batch,
+                           decode_nic_bytes_s=nic)
+
+
+def _choice(cfg: PlanConfig, dep: Deployment, table: pd.DataFrame, r: PointResult,
+            filt: Prefilter, hw: HardwareSpec) -> Choice:
+    row = table[table["candidate"] == r.index].iloc[0]
+    return Choice(dep, row, _bottleneck(cfg, dep, r, filt, hw),
+                  sglang_commands(dep, cfg, hw.gpus_per_node), experiment_yaml(dep, cfg))
+
+
+def _simulate(cfg: PlanConfig, deployments: list[Deployment], order: list[int], price: float,
+              jobs: int | None, progress: bool, base_dir: str | None) -> dict[int, PointResult]:
+    """Simulate candidates cheapest first, at most `search.max_simulations`; with the cost
+    objective, once one meets the SLO stop submitting those costing more than (1 + cost_slack)
+    times it."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    order = order[:cfg.search.max_simulations]
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(order) or 1))
+    results: dict[int, PointResult] = {}
+    cutoff = math.inf
+
+    def args(c: int):
+        data = deployments[c].experiment_data(cfg, name=f"{cfg.name}_{c}")
+        return c, parse_experiment(data, f"plan {cfg.name}, candidate {deployments[c].label}"), {}, base_dir
+
+    def done(r: PointResult, bar: Callable[[], None]) -> None:
+        nonlocal cutoff
+        results[r.index] = r
+        if cfg.objective == "cost" and meets(cfg, r.summary):
+            cutoff = min(cutoff, deployments[r.index].num_gpus * price * (1 + cfg.search.cost_slack))
+        bar()
+
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, disable=not progress, transient=False) as bar:
+        task = bar.add_task(f"simulating {cfg.name}", total=len(order))
+        advance = lambda: bar.advance(task)  # noqa: E731
+        pending = list(order)
+        if jobs == 1:
+            while pending:
+                c = pending.pop(0)
+                if deployments[c].num_gpus * price > cutoff:
+                    break
+                done(run_point(*args(c)), advance)
+        else:
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                running = set()
+                while pending or running:
+                    while pending and len(running) < jobs and \
+                            deployments[pending[0]].num_gpus * price <= cutoff:
+                        running.add(pool.submit(run_point, *args(pending.pop(0))))
+                    if not running:
+                        break
+                    finished, running = wait(running, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        done(fut.result(), advance)
+        bar.update(task, total=len(results))
+    return results
