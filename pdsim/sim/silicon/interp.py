@@ -6,8 +6,9 @@ a launch floor, then linear in size). Outside the grid, the nearest measured poi
 the ratio of a roofline estimate at the asked size to the roofline at that point, and the
 lookup counts as extrapolated.
 
-`Curve` is one op over one integer size (tokens), precomputed densely so that a lookup is a list
-index; `Grid2` is one op over two sizes (batch, sequence) with bilinear interpolation.
+`Curve` is one op over one size (tokens); `Stage` sums the curves a step looks up at the same
+size, precomputed densely so that a lookup is a list index; `Grid2` is one op over two sizes
+(batch, sequence) with bilinear interpolation.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Curve:
     so every lookup rests on a roofline scaling and counts as extrapolated.
     """
 
-    __slots__ = ("lo", "hi", "static_extrapolated", "_lxs", "_lys", "_roofline", "_dense", "_n")
+    __slots__ = ("lo", "hi", "static_extrapolated", "_lxs", "_lys", "_roofline")
 
     def __init__(self, xs: Sequence[float], ys_s: Sequence[float],
                  roofline: Callable[[float], float], static_extrapolated: bool = False) -> None:
@@ -54,9 +55,6 @@ class Curve:
         self.static_extrapolated = static_extrapolated
         self._lxs, self._lys = np.log(xs_a).tolist(), np.log(ys_a).tolist()
         self._roofline = roofline
-        self._n = int(min(self.hi, DENSE_MAX))
-        values = self.values(np.arange(1, self._n + 1, dtype=float))
-        self._dense = array("d", [0.0, *values.tolist()])
 
     @property
     def grid(self) -> np.ndarray:
@@ -76,11 +74,7 @@ class Curve:
 
     def __call__(self, x: float) -> float:
         """Seconds at size x (0 → 0)."""
-        if x <= 0:
-            return 0.0
-        if x <= self._n and x == int(x):
-            return self._dense[int(x)]
-        return self._compute(x)
+        return self._compute(x) if x > 0 else 0.0
 
     def extrapolated(self, x: float) -> bool:
         return self.static_extrapolated or x < self.lo or x > self.hi
@@ -94,10 +88,6 @@ class Curve:
             if mask.any():
                 out[mask] = math.exp(ly) * self._roofline(xs[mask]) / self._roofline(edge)
         return out
-
-    def dense(self) -> np.ndarray:
-        """Seconds at x = 0, 1, ..., min(hi, DENSE_MAX)."""
-        return np.frombuffer(self._dense, dtype=float)
 
     def times(self, k: float) -> Curve:
         """This curve times a constant (k copies of the op run back to back)."""
@@ -132,7 +122,7 @@ class Stage:
             total[1:] += c.values(xs)
             ext[1:] += c.static_extrapolated | (xs < c.lo) | (xs > c.hi)
         self.seconds = array("d", total.tolist())
-        self.extrapolated = ext.tolist()
+        self.extrapolated = array("B", ext.tolist())  # parts per stage stay far below 256
 
     def __len__(self) -> int:
         return len(self.parts)

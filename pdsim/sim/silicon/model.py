@@ -252,7 +252,7 @@ def _prefill_attention(grid: Grid2, tokens: int, pairs: float) -> tuple[float, b
     return seconds * b, extra
 
 
-@lru_cache(maxsize=32)
+@lru_cache(maxsize=8)  # ~6 MB a plan; a run needs one per role
 def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: SiliconParams,
                 system: str) -> _Plan:
     ops = op_tables(system, p.framework, p.version, hw)
