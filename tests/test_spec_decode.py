@@ -199,6 +199,23 @@ def test_the_summary_names_the_cost_model_inside_the_speculative_wrapper():
     assert cost_columns("auto", [wrapped])["cost_model"] == "roofline"
 
 
+@pytest.mark.parametrize("method, extra", [("mtp", {}), ("eagle", {}),
+                                           ("eagle", {"draft_model": "llama-3.1-8b"})])
+def test_drafts_price_under_dp_attention_and_deepep(method, extra):
+    data = experiment({"method": method, "num_draft_tokens": 2, "acceptance": {"rates": [0.8]},
+                       **extra})
+    role = {"tp": 8, "dp_attention": 8, "ep": 8, "moe_a2a": "deepep", "two_batch_overlap": True}
+    data.update(model="deepseek-v3", hardware="h200", cost_model={"name": "roofline"})
+    data["cluster"].update(prefill=role, decode=role)
+    cluster = build_cluster(parse_experiment(data))
+    verify = BatchShape(decode_reqs=4, decode_context_tokens=4 * 1003, decode_query_len=3)
+    plain = BatchShape(decode_reqs=4, decode_context_tokens=4 * 1001)
+    base = make_cost_model("roofline", load_model_spec("deepseek-v3"), load_hardware_spec("h200"),
+                           Parallelism(tp=8, dp_attention=8, ep=8, moe_a2a="deepep",
+                                       two_batch_overlap=True))
+    assert cluster.decode.cost().step_time_s([verify] * 8) > base.step_time_s([plain] * 8)
+
+
 def test_mtp_draft_is_one_layer_of_the_target_and_eagle_a_small_dense_model():
     v3 = load_model_spec("deepseek-v3")
     mtp = draft_spec("mtp", v3)

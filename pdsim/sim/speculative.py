@@ -132,8 +132,9 @@ def make_speculative_cost_model(name: str, model: ModelSpec, hardware: HardwareS
                                 parallel: Parallelism, draft: ModelSpec, num_draft_tokens: int,
                                 **params: object) -> SpeculativeCostModel:
     """The registered cost model `name` for the target and for its draft, composed. A dense
-    draft of a MoE target runs without expert parallelism."""
-    draft_par = parallel if draft.is_moe else parallel.model_copy(update={"ep": 1})
+    draft of a MoE target runs without expert parallelism (nor its all-to-all)."""
+    draft_par = parallel if draft.is_moe else Parallelism(tp=parallel.tp,
+                                                          dp_attention=parallel.dp_attention)
     return SpeculativeCostModel(
         make_cost_model(name, model, hardware, parallel, **params),
         make_cost_model(name, draft, hardware, draft_par, **params),
