@@ -89,6 +89,55 @@ def validate(experiment: Path = typer.Argument(..., help="experiment YAML")) -> 
 
 
 @app.command()
+def plan(
+    plan_file: Path = typer.Argument(..., help="plan YAML, e.g. experiments/plan_qwen3_32b.yaml"),
+    out: Optional[Path] = typer.Option(None, help="output directory (default results/<name>)"),
+    jobs: Optional[int] = typer.Option(None, help="simulations run in parallel (default: CPUs)"),
+    no_prefilter: bool = typer.Option(False, help="simulate every candidate (slow)"),
+    quiet: bool = typer.Option(False, help="no progress bar or tables"),
+) -> None:
+    """Find the cheapest deployment meeting a plan's SLO: pre-filter, simulate, recommend,
+    and write the frontier, plots, report.md and launch commands (docs/planning.md)."""
+    from pdsim.planning import plan as run_plan
+    from pdsim.planning.report import summary_frame
+
+    try:
+        result = run_plan(plan_file, out_dir=out, jobs=jobs, progress=not quiet,
+                          prefilter=False if no_prefilter else None)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    if not quiet:
+        frame = summary_frame(result)
+        table = Table(title=f"{result.plan.name}: Pareto frontier of {int(result.candidates['simulated'].sum())} "
+                      f"simulated of {len(result.candidates)} candidates",
+                      caption="latencies in ms")
+        for column in frame.columns:
+            table.add_column(column.removesuffix("_s"), justify="right")
+        for _, row in frame.iterrows():
+            table.add_row(*(f"{v * 1e3:,.1f}" if c.endswith("_s") else
+                            f"{v:,.2f}" if isinstance(v, float) else str(v)
+                            for c, v in row.items()))
+        table_console.print(table)
+    for title, choice in (("recommended", result.recommended), ("runner-up", result.runner_up)):
+        if choice is not None:
+            console.print(f"{title}: [bold]{choice.deployment.label}[/bold], "
+                          f"{choice.deployment.num_gpus} GPUs, ${choice.summary['usd_per_hour']:,.2f}/h"
+                          f", ${choice.summary['usd_per_mtok']:,.3f}/Mtok; bottleneck: "
+                          f"{choice.bottleneck.name} ({choice.bottleneck.words})", highlight=False,
+                          soft_wrap=True)
+    if result.recommended is None:
+        console.print("[red]no simulated deployment meets the SLO[/red]")
+    else:
+        console.print(result.recommended.launch.script(), highlight=False, markup=False,
+                      soft_wrap=True)
+    console.print(f"wrote {result.out_dir}/report.md, frontier.csv, candidates.csv, frontier.png, "
+                  "recommended.yaml, launch.sh", soft_wrap=True)
+    if result.recommended is None:
+        raise typer.Exit(1)
+
+
+@app.command()
 def serve(
     config: Optional[Path] = typer.Argument(
         None, help="serve config YAML, e.g. experiments/real_colocated.yaml or "

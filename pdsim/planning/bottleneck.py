@@ -66,8 +66,9 @@ def find_bottleneck(row: dict, requests: pd.DataFrame, *, ttft_target_s: float |
     ms = 1e3
     options = {
         "prefill compute": (max(busy, prefill_wait / ttft),
-                            f"prefill busy {busy:.0%}; waiting for and in prefill p90 "
-                            f"{prefill_wait * ms:,.0f} ms of the {ttft * ms:,.0f} ms TTFT target"),
+                            ("" if colocated else f"prefill busy {busy:.0%}; ")
+                            + f"waiting for and in prefill p90 {prefill_wait * ms:,.0f} ms of "
+                            f"the {ttft * ms:,.0f} ms TTFT target"),
         "KV transfer": (transfer / ttft, f"KV transfer p90 {transfer * ms:,.1f} ms of the "
                         f"{ttft * ms:,.0f} ms TTFT target"),
         "network": (nic_use, f"decode NICs {nic_use:.0%} used by KV traffic"),

@@ -30,7 +30,8 @@ def write_plan(result: PlanResult, out: Path) -> Path:
 
 def plot_frontier(result: PlanResult, path: Path) -> Path:
     """tok/s/GPU and $/Mtok against the TTFT and ITL percentiles: every simulated candidate,
-    the feasible ones filled, the frontier joined, the recommendation starred, targets dashed."""
+    the feasible ones filled, each panel's own Pareto frontier as a staircase, the
+    recommendation starred, the targets dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,7 +40,6 @@ def plot_frontier(result: PlanResult, path: Path) -> Path:
     cfg, table = result.plan, result.candidates
     sims = table[table["simulated"]]
     ok = sims[sims["feasible"] == True]  # noqa: E712
-    front = result.frontier
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for col, metric in enumerate(("ttft", "itl")):
         x = _axis(cfg, metric)
@@ -49,8 +49,9 @@ def plot_frontier(result: PlanResult, path: Path) -> Path:
             ax.scatter(sims[x] * 1e3, sims[y], s=14, facecolors="none", edgecolors="0.6",
                        label="simulated")
             ax.scatter(ok[x] * 1e3, ok[y], s=18, color="tab:blue", label="meets the SLO")
-            f = front.sort_values(x)
-            ax.plot(f[x] * 1e3, f[y], color="tab:orange", lw=1.2, marker="o", ms=3, label="frontier")
+            f = _frontier_2d(sims, x, y, higher_is_better=y.startswith("output"))
+            ax.step(f[x] * 1e3, f[y], where="post", color="tab:orange", lw=1.2, marker="o", ms=3,
+                    label="frontier")
             if result.recommended is not None:
                 s = result.recommended.summary
                 ax.scatter([s[x] * 1e3], [s[y]], marker="*", s=180, color="tab:red",
@@ -67,6 +68,17 @@ def plot_frontier(result: PlanResult, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _frontier_2d(rows: pd.DataFrame, x: str, y: str, higher_is_better: bool) -> pd.DataFrame:
+    """The rows no other beats on both `x` (lower is better) and `y`, by increasing `x`."""
+    rows = rows.dropna(subset=[x, y]).sort_values([x, y], ascending=[True, not higher_is_better])
+    best, keep = None, []
+    for v in rows[y]:
+        better = best is None or (v > best if higher_is_better else v < best)
+        keep.append(better)
+        best = v if better else best
+    return rows[keep]
 
 
 def _fmt(v, unit: str = "") -> str:
@@ -104,12 +116,12 @@ def report_text(result: PlanResult, plots: list[str]) -> str:
         f"{cfg.model if isinstance(cfg.model, str) else 'custom model'} on "
         f"{cfg.hardware if isinstance(cfg.hardware, str) else 'custom hardware'} at "
         f"${result.usd_per_gpu_hour:g} per GPU-hour; SLO: " + ", ".join(
-            f"{k.removesuffix('_s').replace('_', ' ')} <= {v * 1e3:,.0f} ms"
+            f"{k.removesuffix('_s').replace('_', ' ')} <= {v * 1e3:,.1f} ms"
             for k, v in cfg.slo.targets().items()) + "; objective: " + cfg.objective + ".",
         "",
         f"{len(table)} deployments enumerated, {kept} kept by the analytic pre-filter "
         f"({t.get('prefilter_s', 0):.2f} s), {int(table['simulated'].sum())} simulated "
-        f"({t.get('simulate_s', 0):.1f} s), {len(result.feasible)} meet the SLO.", ""]
+        f"({t.get('simulate_s', 0):.1f} s), {len(result.feasible)} of them meet the SLO.", ""]
     if result.recommended is None:
         lines += ["**No simulated deployment meets the SLO.** Raise max_gpus, relax the SLO or "
                   "widen the search space.", ""]
@@ -125,7 +137,8 @@ def report_text(result: PlanResult, plots: list[str]) -> str:
               "with its pre-filter verdict in `candidates.csv`).", ""]
     ttft, itl = _axis(cfg, "ttft"), _axis(cfg, "itl")
     cols = list(FRONTIER_COLUMNS[:2]) + [ttft, itl] + list(FRONTIER_COLUMNS[3:])
-    lines.append("| " + " | ".join(c.replace("_", " ") for c in cols) + " |")
+    lines.append("| " + " | ".join(c.removesuffix("_s").replace("_", " ") + " (ms)"
+                                   if c in (ttft, itl) else c.replace("_", " ") for c in cols) + " |")
     lines.append("|" + "---|" * len(cols))
     for _, row in result.frontier.iterrows():
         lines.append("| " + " | ".join(_fmt(row[c], "ms" if c in (ttft, itl) else "")

@@ -26,8 +26,6 @@ from pdsim.specs.hardware import HardwareSpec, load_hardware_spec
 from pdsim.specs.models import load_model_spec
 from pdsim.workload import generate
 
-FRONTIER_AXES = ("output_tok_s_per_gpu", "ttft", "itl")
-
 
 @dataclass
 class Choice:

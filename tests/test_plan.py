@@ -1,0 +1,291 @@
+"""`pdsim plan`: the pre-filter against full simulation, the recommendation against every
+simulated candidate, the launch commands against SGLang's flags, the emitted experiment, the
+CLI."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import yaml
+
+from pdsim.config import ConfigError, load_experiment
+from pdsim.metrics import price_columns
+from pdsim.planning import load_plan, meets, parse_plan, plan
+from pdsim.planning.candidates import Deployment, RoleShape, enumerate_deployments
+from pdsim.planning.launch import sglang_commands
+from pdsim.planning.prefilter import Prefilter
+from pdsim.planning.search import pareto_frontier
+from pdsim.runner import run_experiment
+from pdsim.specs.hardware import load_hardware_spec
+from pdsim.specs.models import load_model_spec
+from pdsim.workload import generate
+
+# Llama-3.1-8B on up to 4 H100s at 90 req/s: one prefill TP1 instance cannot keep up, a TP1
+# decode step misses the 5.5 ms ITL target, and only a few 4-GPU deployments meet the SLO.
+SMALL = {
+    "name": "small_plan",
+    "model": "llama-3.1-8b",
+    "hardware": "h100",
+    "workload": {"num_requests": 120, "seed": 0, "arrival": {"process": "poisson", "rate_rps": 90},
+                 "input_len": {"dist": "lognormal", "mean": 1024, "cv": 0.5, "min": 64, "max": 4096},
+                 "output_len": {"dist": "lognormal", "mean": 64, "cv": 0.5, "min": 8, "max": 256}},
+    "slo": {"ttft_p90_s": 0.4, "itl_p90_s": 0.0055},
+    "max_gpus": 4,
+    "search": {"tp": [1, 2], "cost_slack": 0},
+}
+
+
+@pytest.fixture(scope="module")
+def full():
+    """Every candidate of the small grid simulated (pre-filter off)."""
+    return plan(parse_plan(SMALL), prefilter=False, write=False, jobs=2)
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan")
+    return plan(parse_plan(SMALL), out_dir=out, jobs=2)
+
+
+def test_prefilter_never_discards_a_deployment_simulation_finds_feasible(full):
+    cfg = parse_plan(SMALL)
+    model, hw = load_model_spec(cfg.model), load_hardware_spec(cfg.hardware)
+    deployments = enumerate_deployments(cfg, model, cfg.max_gpus)
+    filt = Prefilter(cfg, model, hw, generate(cfg.workload_data()))
+    verdicts = {d.label: filt.check(d) for d in deployments}
+    table = full.candidates.set_index("label")
+    assert table["simulated"].all() and len(table) == len(deployments) == 17
+    discarded = [label for label, v in verdicts.items() if not v.keep]
+    assert len(discarded) >= 8  # the filter does prune this grid ...
+    assert table["feasible"].any()
+    for label in discarded:  # ... and never a deployment that meets the SLO in simulation
+        assert not table.loc[label, "feasible"], (label, verdicts[label].reason)
+    reasons = {verdicts[label].reason.split(":")[0] for label in discarded}
+    assert {"ITL floor", "prefill capacity"} <= reasons
+
+
+def test_recommendation_meets_the_slo_and_is_the_cheapest_that_does(full, planned):
+    rec = planned.recommended
+    assert rec is not None
+    s = rec.summary
+    assert s["ttft_p90_s"] <= 0.4 and s["itl_p90_s"] <= 0.0055 and s["failed"] == 0
+    assert meets(planned.plan, s)
+    feasible = full.feasible
+    assert rec.summary["usd_per_hour"] <= feasible["usd_per_hour"].min()
+    assert rec.deployment.label in set(feasible["label"])
+    # The pre-filtered plan simulated fewer candidates and found the same answer.
+    assert planned.candidates["simulated"].sum() < len(full.candidates)
+    cheapest = feasible.sort_values(["usd_per_hour", "usd_per_mtok"]).iloc[0]
+    assert rec.deployment.label == cheapest["label"]
+    # $/Mtok: the hour's price over the output tokens served in it.
+    assert rec.summary["usd_per_mtok"] == pytest.approx(
+        s["num_gpus"] * 2.95 / 3600 / s["output_tok_s"] * 1e6)
+
+
+def test_bottlenecks_name_the_limiting_resource(full):
+    table = full.candidates.set_index("label")
+    # One TP1 prefill instance at 90 req/s: TTFT p90 several times its target.
+    assert table.loc["1P TP1 + 1D TP1", "ttft_p90_s"] > 2 * 0.4
+    assert table.loc["1P TP1 + 1D TP1", "bottleneck"] == "prefill compute"
+    # Two prefill instances keep up; the TP1 decode step is what misses the ITL target.
+    assert table.loc["2P TP1 + 1D TP1", "ttft_p90_s"] < 0.4
+    assert table.loc["2P TP1 + 1D TP1", "bottleneck"] == "decode compute"
+
+
+def test_writes_report_frontier_plots_and_launch(planned):
+    out = planned.out_dir
+    for name in ("report.md", "frontier.csv", "candidates.csv", "frontier.png", "recommended.yaml",
+                 "launch.sh"):
+        assert (out / name).is_file(), name
+    report = (out / "report.md").read_text()
+    assert f"## Recommended: {planned.recommended.deployment.label}" in report
+    assert "bottleneck:" in report and "sglang.launch_server" in report
+    frontier = pd.read_csv(out / "frontier.csv")
+    assert len(frontier) == len(planned.frontier) >= 1
+    assert {"usd_per_mtok", "goodput_req_per_usd", "output_tok_s_per_gpu"} <= set(frontier.columns)
+
+
+def test_emitted_experiment_validates_and_reproduces_the_plan(planned, tmp_path):
+    path = planned.out_dir / "recommended.yaml"
+    cfg, _ = load_experiment(path)
+    assert cfg.cluster.num_gpus == planned.recommended.deployment.num_gpus
+    summary, _ = run_experiment(path, out_dir=tmp_path, jobs=1, progress=False)
+    s = planned.recommended.summary
+    for col in ("ttft_p90_s", "itl_p90_s", "output_tok_s", "completed"):
+        assert summary.loc[0, col] == s[col], col
+
+
+def test_pareto_frontier_drops_dominated_rows():
+    table = pd.DataFrame({
+        "simulated": [True] * 4,
+        "output_tok_s_per_gpu": [100.0, 90.0, 120.0, 80.0],
+        "ttft_p90_s": [1.0, 2.0, 3.0, 1.0],
+        "itl_p90_s": [0.01, 0.02, 0.01, 0.005],
+    })
+    cfg = parse_plan(SMALL)
+    front = pareto_frontier(table, cfg)
+    # Row 1 is worse than row 0 on all three; the others each win somewhere.
+    assert sorted(front.index) == [0, 2, 3]
+
+
+# SGLang's flags as `python -m sglang.launch_server --help` and its PD-disaggregation guide
+# (docs/advanced_features/pd_disaggregation.md) spell them, and sglang_router.launch_router's
+# (`--prefill URL [BOOTSTRAP_PORT]`, repeated).
+def _server_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sglang.launch_server", exit_on_error=False)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--tp-size", type=int, required=True)
+    p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--enable-dp-attention", action="store_true")
+    p.add_argument("--ep-size", type=int, default=1)
+    p.add_argument("--moe-a2a-backend", choices=["none", "deepep", "mooncake"])
+    p.add_argument("--mem-fraction-static", type=float)
+    p.add_argument("--max-running-requests", type=int)
+    p.add_argument("--chunked-prefill-size", type=int)
+    p.add_argument("--max-prefill-tokens", type=int)
+    p.add_argument("--page-size", type=int)
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e5m2", "fp8_e4m3"])
+    p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"])
+    p.add_argument("--disaggregation-transfer-backend", choices=["mooncake", "nixl", "ascend"])
+    p.add_argument("--disaggregation-bootstrap-port", type=int)
+    p.add_argument("--disaggregation-ib-device")
+    p.add_argument("--num-reserved-decode-tokens", type=int)
+    p.add_argument("--base-gpu-id", type=int, default=0)
+    p.add_argument("--dist-init-addr")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    return p
+
+
+def _router_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sglang_router.launch_router", exit_on_error=False)
+    p.add_argument("--pd-disaggregation", action="store_true")
+    p.add_argument("--prefill", nargs="+", action="append", default=[])
+    p.add_argument("--decode", action="append", default=[])
+    p.add_argument("--worker-urls", nargs="+", default=[])
+    p.add_argument("--policy", choices=["random", "round_robin", "cache_aware", "power_of_two"])
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    return p
+
+
+def _parse(parser, line: str, module: str):
+    argv = shlex.split(line)
+    assert argv[:3] == ["python", "-m", module]
+    return parser.parse_args(argv[3:])
+
+
+def test_generated_sglang_commands_parse_and_match_the_deployment():
+    cfg = parse_plan({**SMALL, "model": "deepseek-v3", "hardware": "h200", "kv_dtype_bytes": 1,
+                      "max_gpus": 64, "launch": {"model_path": "deepseek-ai/DeepSeek-V3"}})
+    prefill = RoleShape(16, 8, 16, "deepep")  # two nodes per instance
+    decode = RoleShape(8, 8, 8, "deepep")
+    dep = Deployment("disaggregated", (("prefill", 2, prefill), ("decode", 3, decode)))
+    cmds = sglang_commands(dep, cfg, gpus_per_node=8)
+    servers = [_parse(_server_parser(), line, "sglang.launch_server") for _, line in cmds.servers]
+    assert len(servers) == 2 * 2 + 3
+    pre = [a for a in servers if a.disaggregation_mode == "prefill"]
+    dec = [a for a in servers if a.disaggregation_mode == "decode"]
+    assert all(a.tp_size == 16 and a.dp_size == 8 and a.enable_dp_attention and a.ep_size == 16
+               and a.moe_a2a_backend == "deepep" and a.nnodes == 2 for a in pre)
+    assert sorted(a.node_rank for a in pre) == [0, 0, 1, 1]
+    assert all(a.tp_size == 8 and a.nnodes == 1 and a.kv_cache_dtype == "fp8_e4m3" for a in dec)
+    assert {a.model_path for a in servers} == {"deepseek-ai/DeepSeek-V3"}
+    router = _parse(_router_parser(), cmds.router, "sglang_router.launch_router")
+    assert router.pd_disaggregation and len(router.prefill) == 2 and len(router.decode) == 3
+    for url, port in router.prefill:  # each prefill URL with its instance's bootstrap port
+        node0 = [a for a in pre if a.node_rank == 0 and url == f"http://{a.host}:{a.port}"]
+        assert len(node0) == 1 and int(port) == node0[0].disaggregation_bootstrap_port
+    assert sorted(router.decode) == sorted(f"http://{a.host}:{a.port}" for a in dec)
+
+
+def test_instances_sharing_a_node_get_their_own_gpus_and_ports():
+    cfg = parse_plan(SMALL)
+    dep = Deployment("colocated", (("colocated", 6, RoleShape(2)),))
+    cmds = sglang_commands(dep, cfg, gpus_per_node=8)
+    servers = [_parse(_server_parser(), line, "sglang.launch_server") for _, line in cmds.servers]
+    placed = {(a.host, a.base_gpu_id) for a in servers}
+    assert placed == {("colocated-0", g) for g in (0, 2, 4, 6)} | {("colocated-1", g) for g in (0, 2)}
+    assert len({(a.host, a.port) for a in servers}) == 6
+    router = _parse(_router_parser(), cmds.router, "sglang_router.launch_router")
+    assert not router.pd_disaggregation and len(router.worker_urls) == 6
+
+
+def test_plan_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"search\.tpp: unknown key \(allowed: .*allow_tp_mismatch"):
+        parse_plan({**SMALL, "search": {"tpp": [1]}})
+    no_budget = {k: v for k, v in SMALL.items() if k != "max_gpus"}
+    with pytest.raises(ConfigError, match="max_gpus.*target_rate_rps"):
+        parse_plan(no_budget)
+    with pytest.raises(ConfigError, match="slo: .*at least one target"):
+        parse_plan({**SMALL, "slo": {}})
+    closed = {**SMALL["workload"], "arrival": {"process": "closed", "concurrency": 8}}
+    with pytest.raises(ConfigError, match="closed-loop"):
+        parse_plan({**SMALL, "workload": closed, "target_rate_rps": 5})
+    unpriced = tmp_path / "unpriced.yaml"
+    unpriced.write_text(yaml.safe_dump({**SMALL, "hardware": "h20"}))
+    with pytest.raises(ConfigError, match="usd_per_gpu_hour: hardware 'h20' has no list price"):
+        plan(unpriced, write=False)
+
+
+def test_traffic_target_sets_the_workload_rate():
+    cfg = parse_plan({**SMALL, "target_rate_rps": 12.5})
+    assert cfg.workload_data()["arrival"]["rate_rps"] == 12.5
+    assert cfg.gpu_limit(8) == 4
+    cfg = parse_plan({**{k: v for k, v in SMALL.items() if k != "max_gpus"}, "target_rate_rps": 3})
+    assert cfg.gpu_limit(8) == 32  # no budget: up to four NVLink domains
+
+
+def test_candidates_cover_modes_counts_and_tp_mismatch():
+    cfg = parse_plan(SMALL)
+    deps = enumerate_deployments(cfg, load_model_spec("llama-3.1-8b"), 4)
+    labels = {d.label for d in deps}
+    assert {"4x colocated TP1", "2x colocated TP2", "3P TP1 + 1D TP1", "2P TP1 + 1D TP2",
+            "1P TP2 + 2D TP1"} <= labels
+    assert all(d.num_gpus <= 4 for d in deps)
+    same_tp = enumerate_deployments(parse_plan({**SMALL, "search": {"tp": [1, 2],
+                                                                  "allow_tp_mismatch": False}}),
+                                    load_model_spec("llama-3.1-8b"), 4)
+    assert all(len({s.tp for _, _, s in d.roles}) == 1 for d in same_tp)
+    # A dense model gets no EP or DeepEP shapes even when the search lists them.
+    dense = parse_plan({**SMALL, "search": {"tp": [2], "ep": [1, 2], "moe_a2a": ["none", "deepep"]}})
+    assert {s for d in enumerate_deployments(dense, load_model_spec("llama-3.1-8b"), 4)
+            for _, _, s in d.roles} == {RoleShape(2)}
+
+
+def test_price_columns():
+    summary = {"num_gpus": 4, "output_tok_s": 2000.0, "goodput_req_s": 10.0}
+    cols = price_columns(summary, 3.0)
+    assert cols["usd_per_hour"] == 12.0
+    assert cols["usd_per_mtok"] == pytest.approx(12.0 / 3600 / 2000 * 1e6)
+    assert cols["goodput_req_per_usd"] == pytest.approx(10 * 3600 / 12)
+    assert all(math.isnan(v) for v in price_columns(summary, None).values())
+
+
+def test_cli_plan_end_to_end(tmp_path):
+    tiny = {**SMALL, "name": "tiny_plan", "max_gpus": 2,
+            "search": {"tp": [1], "modes": ["colocated", "disaggregated"]},
+            "workload": {**SMALL["workload"], "num_requests": 40,
+                         "arrival": {"process": "poisson", "rate_rps": 10}},
+            "slo": {"ttft_p90_s": 1.0, "itl_p90_s": 0.05}}
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny))
+    run = subprocess.run([sys.executable, "-m", "pdsim.cli", "plan", "tiny.yaml", "--jobs", "1"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr + run.stdout
+    assert "recommended: 1x colocated TP1" in run.stdout
+    assert "python -m sglang.launch_server" in run.stdout
+    out = tmp_path / "results" / "tiny_plan"
+    candidates = pd.read_csv(out / "candidates.csv")
+    assert len(candidates) == 3 and candidates["simulated"].any()
+    assert load_plan(tmp_path / "tiny.yaml").name == "tiny_plan"
+    bad = subprocess.run([sys.executable, "-m", "pdsim.cli", "plan", "missing.yaml"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no such plan file" in bad.stdout
