@@ -117,7 +117,9 @@ def _best(rows: pd.DataFrame, primary: str, secondary: str) -> pd.Series | None:
 
 
 def _best_section(frame: pd.DataFrame) -> str:
-    clients = "concurrency" in frame and frame["concurrency"].nunique() > 1
+    # A P:D label does not say the client count; a label of another sweep already does.
+    clients = ("concurrency" in frame and frame["concurrency"].nunique() > 1
+               and is_pd_sweep(varying_fields(frame)))
 
     def name(row: pd.Series) -> str:
         return f"{row[PD_RATIO]} @ {int(row['concurrency'])} clients" if clients else row[PD_RATIO]
