@@ -110,10 +110,11 @@ class Stage:
     precomputed for x <= DENSE_MAX; beyond, the parts are evaluated one by one.
     """
 
-    __slots__ = ("parts", "seconds", "extrapolated", "_n")
+    __slots__ = ("parts", "size", "seconds", "extrapolated", "_n")
 
     def __init__(self, parts: Sequence[Curve]) -> None:
         self.parts = tuple(parts)
+        self.size = len(self.parts)  # lookups one evaluation makes
         self._n = DENSE_MAX if self.parts else 0
         xs = np.arange(1, self._n + 1, dtype=float)
         total = np.zeros(self._n + 1)
@@ -123,9 +124,6 @@ class Stage:
             ext[1:] += c.static_extrapolated | (xs < c.lo) | (xs > c.hi)
         self.seconds = array("d", total.tolist())
         self.extrapolated = array("B", ext.tolist())  # parts per stage stay far below 256
-
-    def __len__(self) -> int:
-        return len(self.parts)
 
     def at(self, x: int) -> tuple[float, int]:
         """(seconds, extrapolated parts) at size x; x <= 0 costs nothing."""
@@ -140,12 +138,13 @@ class Grid2:
     """Seconds of one op versus two sizes (batch, sequence), from a measured grid.
 
     `zs_s[i][j]` is the time at (xs1[i], xs2[j]); NaN where the table has no measurement. A
-    missing cell is filled from the nearest measured cell of its column (same sequence, largest
-    measured batch below it) scaled by the roofline, and marked: a lookup touching a filled cell
-    or leaving the grid counts as extrapolated.
+    missing cell is filled from the nearest measured batch of its column (same sequence) scaled
+    by the roofline, and marked: a lookup that gives a filled point weight, or leaves the grid,
+    counts as extrapolated.
     """
 
-    __slots__ = ("static_extrapolated", "_l1", "_l2", "_lz", "_filled", "_roofline", "_lo", "_hi")
+    __slots__ = ("static_extrapolated", "_l1", "_l2", "_lz", "_filled", "_near_filled",
+                 "_roofline", "_lo1", "_hi1", "_lo2", "_hi2")
 
     def __init__(self, xs1: Sequence[float], xs2: Sequence[float], zs_s: np.ndarray,
                  roofline: Callable[[float, float], float],
@@ -159,33 +158,46 @@ class Grid2:
             for i in np.flatnonzero(np.isnan(z[:, j])):
                 k = measured[np.argmin(np.abs(measured - i))]
                 z[i, j] = z[k, j] * roofline(xs1[i], x2) / roofline(xs1[k], x2)
-        self._l1, self._l2 = np.log(xs1).tolist(), np.log(xs2).tolist()
+        l1, l2 = np.log(xs1), np.log(xs2)
+        if len(l1) == 1:  # one measured batch (or sequence): a flat second row keeps the maths
+            l1, z, filled = np.append(l1, l1[0] + 1.0), np.vstack([z, z]), np.vstack([filled] * 2)
+        if len(l2) == 1:
+            l2, z = np.append(l2, l2[0] + 1.0), np.hstack([z, z])
+            filled = np.hstack([filled, filled])
+        self._l1, self._l2 = l1.tolist(), l2.tolist()
         self._lz = np.log(z).tolist()
         self._filled = filled.tolist()
+        # cells (i, j) with an unmeasured corner: the only ones where the flags need a look
+        near = filled[:-1, :-1] | filled[1:, :-1] | filled[:-1, 1:] | filled[1:, 1:]
+        self._near_filled = near.tolist()
         self._roofline = roofline
-        self._lo = (float(xs1[0]), float(xs2[0]))
-        self._hi = (float(xs1[-1]), float(xs2[-1]))
+        self._lo1, self._hi1 = float(xs1[0]), float(xs1[-1])
+        self._lo2, self._hi2 = float(xs2[0]), float(xs2[-1])
         self.static_extrapolated = static_extrapolated
 
     def at(self, x1: float, x2: float) -> tuple[float, bool]:
         """(seconds, whether the answer is extrapolated) at (x1, x2)."""
-        c1 = min(max(x1, self._lo[0]), self._hi[0])
-        c2 = min(max(x2, self._lo[1]), self._hi[1])
+        c1 = self._lo1 if x1 < self._lo1 else self._hi1 if x1 > self._hi1 else x1
+        c2 = self._lo2 if x2 < self._lo2 else self._hi2 if x2 > self._hi2 else x2
         l1, l2 = self._l1, self._l2
-        i = min(max(bisect_right(l1, math.log(c1)) - 1, 0), len(l1) - 2) if len(l1) > 1 else 0
-        j = min(max(bisect_right(l2, math.log(c2)) - 1, 0), len(l2) - 2) if len(l2) > 1 else 0
-        i1, j1 = min(i + 1, len(l1) - 1), min(j + 1, len(l2) - 1)
-        w1 = (math.log(c1) - l1[i]) / (l1[i1] - l1[i]) if i1 != i else 0.0
-        w2 = (math.log(c2) - l2[j]) / (l2[j1] - l2[j]) if j1 != j else 0.0
-        lz = self._lz
-        z = ((1 - w1) * ((1 - w2) * lz[i][j] + w2 * lz[i][j1])
-             + w1 * ((1 - w2) * lz[i1][j] + w2 * lz[i1][j1]))
+        g1, g2 = math.log(c1), math.log(c2)
+        i = bisect_right(l1, g1) - 1
+        if i > len(l1) - 2:
+            i = len(l1) - 2
+        j = bisect_right(l2, g2) - 1
+        if j > len(l2) - 2:
+            j = len(l2) - 2
+        w1 = (g1 - l1[i]) / (l1[i + 1] - l1[i])
+        w2 = (g2 - l2[j]) / (l2[j + 1] - l2[j])
+        row, nxt = self._lz[i], self._lz[i + 1]
+        z = ((1 - w1) * ((1 - w2) * row[j] + w2 * row[j + 1])
+             + w1 * ((1 - w2) * nxt[j] + w2 * nxt[j + 1]))
         seconds = math.exp(z)
-        f = self._filled
-        extra = self.static_extrapolated or (
-            (f[i][j] and w1 < 1 and w2 < 1) or (f[i][j1] and w1 < 1 and w2 > 0)
-            or (f[i1][j] and w1 > 0 and w2 < 1) or (f[i1][j1] and w1 > 0 and w2 > 0)
-        )
+        extra = self.static_extrapolated
+        if not extra and self._near_filled[i][j]:
+            f, g = self._filled[i], self._filled[i + 1]
+            extra = ((f[j] and w1 < 1 and w2 < 1) or (f[j + 1] and w1 < 1 and w2 > 0)
+                     or (g[j] and w1 > 0 and w2 < 1) or (g[j + 1] and w1 > 0 and w2 > 0))
         if c1 != x1 or c2 != x2:
             seconds *= self._roofline(x1, x2) / self._roofline(c1, c2)
             extra = True

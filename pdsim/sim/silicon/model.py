@@ -143,12 +143,12 @@ class SiliconCostModel:
             if n == 0:
                 continue
             t, e = plan.proj.at(n)
-            lookups += len(plan.proj)
+            lookups += plan.proj.size
             extra += e
             if prefill:
                 s, e = plan.prefill_proj.at(prefill)
                 t += s
-                lookups += len(plan.prefill_proj) + 1
+                lookups += plan.prefill_proj.size + 1
                 extra += e
                 s, e = _prefill_attention(plan.context_attn, prefill,
                                           shape.prefill_attn_pairs * scale)
@@ -157,7 +157,7 @@ class SiliconCostModel:
             if reqs:
                 s, e = plan.decode_proj.at(reqs * q)
                 t += s
-                lookups += len(plan.decode_proj) + 1
+                lookups += plan.decode_proj.size + 1
                 extra += e
                 avg_ctx = max(shape.decode_context_tokens / shape.decode_reqs, 1.0)
                 s, e = plan.generation_attn.at(reqs, avg_ctx)
@@ -173,10 +173,10 @@ class SiliconCostModel:
         return slowest
 
     def _stage(self, stage: Stage, x: int) -> float:
-        if x <= 0 or not stage.parts:
+        if x <= 0 or not stage.size:
             return 0.0
         s, e = stage.at(x)
-        self.lookups += len(stage)
+        self.lookups += stage.size
         self.extrapolated_lookups += e
         return s
 
