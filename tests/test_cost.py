@@ -3,9 +3,11 @@ should be, TP and DP attention priced as SGLang runs them) and the registry hold
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from pdsim.config import parse_experiment
+from pdsim.config import expand_sweep, load_experiment, parse_experiment
 from pdsim.core.batch import BatchShape, extend_attn_pairs
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cost import (
@@ -362,6 +364,7 @@ WORKLOAD = {"num_requests": 1, "seed": 0, "arrival": {"process": "poisson", "rat
 def test_role_and_deepep_reach_the_cost_model_from_an_experiment() -> None:
     cfg = parse_experiment({
         "name": "deepep", "model": "deepseek-v3", "hardware": "h200",
+        "cost_model": {"name": "roofline"},
         "cluster": {"prefill": {"tp": 8, "ep": 8, "dp_attention": 8, "moe_a2a": "deepep"},
                     "decode": {"tp": 16, "ep": 16, "dp_attention": 16, "moe_a2a": "deepep",
                                "two_batch_overlap": True}},
@@ -435,3 +438,19 @@ def test_fp8_on_a100_is_a_clear_error() -> None:
     saved = roofline().step_time_s([prefill(n)]) - roofline(fp8_attention).step_time_s(
         [prefill(n)])
     assert saved == pytest.approx(kernel_s - fp8_kernel_s, rel=1e-6) and saved > 0
+
+
+def test_ep_scaling_experiment_builds_every_point() -> None:
+    path = Path(__file__).parent.parent / "experiments" / "ep_scaling.yaml"
+    cfg, raw = load_experiment(path)
+    points = expand_sweep(cfg, raw, str(path))
+    seen = set()
+    for swept, point in points:
+        decode = build_cluster(point, str(path.parent)).decode.cost()
+        par = decode.parallel
+        assert par.moe_a2a == "deepep" and par.tp == par.ep == par.dp_attention
+        seen.add((par.ep, par.two_batch_overlap))
+        # 128 clients per decode GPU, each DP rank allowed 128 running requests.
+        assert point.workload.arrival.concurrency == 128 * par.ep
+        assert point.cluster.decode.scheduler.max_running_requests == 128 * par.ep
+    assert seen == {(ep, tbo) for ep in (8, 16, 32, 72) for tbo in (False, True)}
