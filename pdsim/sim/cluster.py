@@ -18,6 +18,7 @@ import math
 from contextlib import contextmanager
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import simpy
@@ -252,7 +253,7 @@ class Simulation:
 
     def _request_done(self, req: Request) -> None:
         self.final[req.rid] = req
-        self._source.finished(int(req.rid))
+        self._source.finished()
         if len(self.final) == self.num_requests:
             self._all_done.succeed()
 
@@ -302,7 +303,8 @@ class Simulation:
         self._sent_s = [math.nan] * self.num_requests
         self._router = Router(self.cluster.router_policy, len(self.prefills), len(self.serving),
                               self.router_seed)
-        self._source = OpenLoop(arrival_s) if closed_loop is None else ClosedLoopSource(closed_loop)
+        self._source: ArrivalSource = (OpenLoop(arrival_s) if closed_loop is None
+                                       else ClosedLoopSource(closed_loop))
         self._source.start(self)
         with _few_gc_passes():
             self.env.run(until=self._all_done | self._give_up)
@@ -346,6 +348,15 @@ class Simulation:
         return records
 
 
+class ArrivalSource(Protocol):
+    """Decides when each request of a run is sent (`Simulation.submit`)."""
+
+    def start(self, sim: Simulation) -> None: ...
+
+    def finished(self) -> None:
+        """A request ended (completed or failed)."""
+
+
 class OpenLoop:
     """Requests sent at the workload's arrival times, whatever the cluster does."""
 
@@ -365,7 +376,7 @@ class OpenLoop:
                 yield env.timeout(at - env.now)
             sim.submit(i, sent)
 
-    def finished(self, index: int) -> None:
+    def finished(self) -> None:
         pass
 
 
@@ -382,7 +393,7 @@ class ClosedLoopSource:
         for _ in range(min(self.loop.concurrency, sim.num_requests)):
             self._send(0.0)
 
-    def finished(self, index: int) -> None:
+    def finished(self) -> None:
         if self.next_index < self.sim.num_requests:
             self._send(self.sim.env.now + self.loop.think_time_s)
 
