@@ -74,6 +74,7 @@ def run_sim(model: str, timings, arrival, n_in, n_out):
             "cluster": {"mode": "colocated", "colocated": {"instances": 1, "scheduler": {
                 "num_pages": PAGES, "page_size": PAGE_SIZE, **SCHED}}},
             "cost_model": {"name": "profiled", "params": {"timings": str(path)}},
+            "router": {"frontend_latency_s": 0.0},  # the real side is an Engine, no HTTP
             "workload": {"num_requests": 1, "seed": 0,
                          "arrival": {"process": "poisson", "rate_rps": 1},
                          "input_len": {"dist": "fixed", "value": 1},
