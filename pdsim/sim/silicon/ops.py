@@ -327,21 +327,27 @@ class OpTables:
     def wideep_moe(self, phase: str, hidden: int, inter: int, topk: int, experts: int, ep: int,
                    dtype: str, distribution: str) -> Curve | None:
         """Routed experts under DeepEP (DeepGEMM grouped GEMMs; phase "context" for normal
-        mode, "generation" for low-latency mode) over the layer's total tokens: measured only
-        at DeepSeek-V3's expert shape, so None for any other shape, dtype or EP size."""
+        mode, "generation" for low-latency mode) over the layer's total tokens. Measured only
+        at DeepSeek-V3's expert shape and FP8 blocks, so None for any other; an EP size the
+        table lacks (72) is scaled from the nearest measured one by the roofline and counted."""
         t = self._table("moe", f"wideep_{phase}_moe_perf.parquet")
         if t is None:
             return None
         wanted = "uniform" if distribution == "balanced" else distribution
-        sel = t[(t["hidden_size"] == hidden) & (t["inter_size"] == inter) & (t["topk"] == topk)
-                & (t["num_experts"] == experts) & (t["moe_tp_size"] == 1)
-                & (t["moe_ep_size"] == ep) & (t["distribution"] == wanted)
-                & t["moe_dtype"].isin(MOE_DTYPES[dtype])]
-        if sel.empty:
+        t = t[(t["hidden_size"] == hidden) & (t["inter_size"] == inter) & (t["topk"] == topk)
+              & (t["num_experts"] == experts) & (t["moe_tp_size"] == 1)
+              & (t["distribution"] == wanted) & t["moe_dtype"].isin(MOE_DTYPES[dtype])]
+        if t.empty:
             return None
-        g = sel.groupby("num_tokens")["latency"].min()
-        roofline = self.moe_roofline(hidden, inter, topk, experts, 1, ep, dtype)
-        return Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, roofline)
+        have = min(sorted(int(e) for e in t["moe_ep_size"].unique()),
+                   key=lambda e: (abs(math.log(e / ep)), e))
+        g = t[t["moe_ep_size"] == have].groupby("num_tokens")["latency"].min()
+        have_roof = self.moe_roofline(hidden, inter, topk, experts, 1, have, dtype)
+        curve = Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
+        if have != ep:
+            want_roof = self.moe_roofline(hidden, inter, topk, experts, 1, ep, dtype)
+            curve = curve.scaled(lambda x: want_roof(x) / have_roof(x))
+        return curve
 
     # ----- communication -----------------------------------------------------------------------
 
