@@ -185,6 +185,29 @@ def test_sim_bootstrap_delay_slows_the_first_handshake_only():
 REAL_SEED, REAL_FRACTION, REAL_N = 5, 0.3, 12
 
 
+def test_real_transfer_faults_fail_before_the_write_and_slow_nics_sleep():
+    from runtime.faults import InjectedFault, TransferFaults, check_serving
+
+    faults = FaultsConfig(seed=1, fail_transfers=0.5,
+                          slow_nic=[{"role": "prefill", "instance": 1, "factor": 3}])
+    assert TransferFaults.for_instance(faults, "decode", 0) is None  # decode ranks do not send
+    plain, slow = (TransferFaults.for_instance(faults, "prefill", i) for i in (0, 1))
+    assert plain.nic_factor == 1.0 and slow.nic_factor == 3.0
+    rids = [str(i) for i in range(20)]
+    for room, rid in enumerate(rids):
+        plain.sender_created(rid, room)
+    for room, rid in enumerate(rids):
+        if transfer_fails(1, 0.5, rid):
+            with pytest.raises(InjectedFault, match=TRANSFER_FAULT):
+                plain.before_write(room)
+        plain.before_write(room)  # a room fails once; later chunks find it failed anyway
+    start = time.monotonic()
+    slow.after_write(0.05)
+    assert 0.1 <= time.monotonic() - start < 0.5  # (3 - 1) x 0.05 s
+    with pytest.raises(ValueError, match="faults.slow_nic.0.role: 'decode'; allowed when serving"):
+        check_serving(FaultsConfig(slow_nic=[{"role": "decode", "factor": 2}]))
+
+
 def test_failed_transfers_are_the_same_requests_in_both_backends():
     from pd_harness import body, generate, pd_config, start_worker, stop_workers, wait_healthy
 
@@ -196,7 +219,9 @@ def test_failed_transfers_are_the_same_requests_in_both_backends():
     assert {r.rid for r in sim.records if not r.ok} == chosen
     sim.check_pools_full()
     # The real deployment: the same rids through a prefill and a decode worker, all at once.
-    cfg = pd_config("tiny-llama").model_copy(update={"faults": FaultsConfig(**faults)})
+    # The bootstrap server also answers 1 s late: a decode rank's first lookup (two answers).
+    real = FaultsConfig(**faults, bootstrap_delay_s=1.0)
+    cfg = pd_config("tiny-llama").model_copy(update={"faults": real})
     workers = [start_worker(cfg, "prefill"), start_worker(cfg, "decode")]
     try:
         wait_healthy(workers)
@@ -204,7 +229,12 @@ def test_failed_transfers_are_the_same_requests_in_both_backends():
         rng = np.random.default_rng(0)
         bodies = [body(str(i), rng.integers(1, 200, size=40).tolist(), 4, pre)
                   for i in range(REAL_N)]
+        start = time.monotonic()
         outcomes = generate(pre, dec, bodies)
+        assert time.monotonic() - start >= 2.0  # every request waited for the first lookup
+        start = time.monotonic()
+        (later,) = generate(pre, dec, [body("later", bodies[0]["input_ids"], 4, pre)])
+        assert time.monotonic() - start < 2.0 and len(later.token_ids) == 4  # cached answers
         failed = {b["rid"] for b, o in zip(bodies, outcomes) if o.error}
         assert failed == chosen
         for b, o in zip(bodies, outcomes):
