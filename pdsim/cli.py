@@ -158,23 +158,31 @@ def serve(
         [], help="--role router: a prefill worker's URL (repeat for several)"),
     decode_url: list[str] = typer.Option(
         [], help="--role router: a decode worker's URL (repeat for several)"),
+    api_key: Optional[str] = typer.Option(
+        None, help="clients must send `Authorization: Bearer KEY` (also PDSIM_API_KEY)"),
+    insecure: bool = typer.Option(
+        False, help="--role: run without a cluster secret (PDSIM_CLUSTER_SECRET); only on a "
+        "machine no one else can reach"),
 ) -> None:
     """Serve a real model with an OpenAI-compatible HTTP API until Ctrl-C or SIGTERM:
     colocated, or disaggregated (prefill and decode workers behind a router)."""
     from runtime.serve_config import ServeConfig, load_serve_config
 
+    security = {k: v for k, v in (("api_key", api_key), ("insecure", insecure or None))
+                if v is not None} or None
     try:
-        cfg = load_serve_config(config, model=model)
+        cfg = load_serve_config(config, model=model, security=security)
         if isinstance(cfg, ServeConfig):
             if role is not None:
                 raise ConfigError(f"--role {role}: only a disaggregated config has roles")
-            cfg = load_serve_config(config, model=model, host=host, port=port)
+            cfg = load_serve_config(config, model=model, host=host, port=port,
+                                    security=security)
         elif role not in (None, "prefill", "decode", "router"):
             raise ConfigError(f"--role {role!r}; allowed: prefill, decode, router")
         elif host is not None or (port is not None and role in (None, "router")):
             section = role if role in ("prefill", "decode") else "router"
             moved = {"host": host} if section != "router" else {"host": host, "port": port}
-            cfg = load_serve_config(config, model=model,
+            cfg = load_serve_config(config, model=model, security=security,
                                     **{section: {k: v for k, v in moved.items() if v is not None}})
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)

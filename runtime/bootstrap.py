@@ -6,6 +6,11 @@ returns the instance's `ParallelInfo` (sizes, page size, KV dtype) instead. Unti
 rank (tp_size * dp_size * pp_size, learned from the first registration) has registered, every
 `GET /route` answers 503, so a decode rank never talks to half an instance. `GET /health` is 200.
 
+With a `ClusterKey`, `/route` needs the deployment's `X-PDSIM-Auth` token (401 without it). A
+rank registers once: the same registration again is a no-op, a different one for a registered
+rank is refused with 409 (a restarted prefill instance starts a new bootstrap server, so a
+registered rank never moves while its server lives; anything else is a mistake or an attack).
+
 `BootstrapServer` runs aiohttp on its own event loop in a background thread (`start` / `stop`);
 `BootstrapClient` is a small synchronous client (urllib) that retries with backoff while the
 server is unreachable or still answers 503.
@@ -24,9 +29,15 @@ from dataclasses import MISSING, asdict, dataclass, fields
 
 from aiohttp import web
 
+from runtime.security import ClusterKey, cluster_middleware
+
 
 class BootstrapError(RuntimeError):
     """The bootstrap server refused a request, or did not become ready in time."""
+
+
+class RankConflict(ValueError):
+    """A rank registered again with a different address or layout."""
 
 
 class BootstrapMismatchError(ValueError):
@@ -163,7 +174,13 @@ class _Directory:
             raise ValueError(
                 f"rank {reg.key} registers {reg.info()}, but the instance already has {self.info}"
             )
-        self.ranks[reg.key] = reg  # a restarted rank re-registers: last one wins
+        known = self.ranks.get(reg.key)
+        if known is not None and known != reg:
+            raise RankConflict(
+                f"rank (dp, tp, pp) = {reg.key} is registered at {known.ip}:{known.zmq_port} "
+                f"(session {known.session_id!r}); refusing {reg.ip}:{reg.zmq_port} (session "
+                f"{reg.session_id!r}): a restarted instance starts a new bootstrap server")
+        self.ranks[reg.key] = reg
 
 
 def _error(status: int, message: str, **extra: object) -> web.Response:
@@ -183,9 +200,11 @@ def _int_param(query, name: str) -> int:
 class BootstrapServer:
     """`PUT/GET /route` and `GET /health` on `host:port` (port 0 picks a free one)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0,
+                 key: ClusterKey | None = None) -> None:
         self.host = host
         self.port = port
+        self._key = key
         self._dir = _Directory()
         self.answer_delay_s = 0.0  # fault injection: every GET /route answers this much later
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -241,7 +260,8 @@ class BootstrapServer:
         self.stop()
 
     async def _serve(self) -> None:
-        app = web.Application()
+        app = web.Application(
+            middlewares=[] if self._key is None else [cluster_middleware(self._key)])
         app.router.add_put("/route", self._put_route)
         app.router.add_get("/route", self._get_route)
         app.router.add_get("/health", self._health)
@@ -263,6 +283,8 @@ class BootstrapServer:
         try:
             reg = RankRegistration.from_json(body)
             self._dir.register(reg)
+        except RankConflict as exc:
+            return _error(409, str(exc))
         except ValueError as exc:
             return _error(400, str(exc))
         return web.json_response({"status": "registered", "registered": len(self._dir.ranks),
@@ -302,8 +324,11 @@ class BootstrapClient:
     """Synchronous access to one bootstrap server, retrying while it is not ready."""
 
     def __init__(self, host: str, port: int, *, timeout_s: float = 30.0,
-                 backoff_s: float = 0.05, max_backoff_s: float = 1.0) -> None:
+                 backoff_s: float = 0.05, max_backoff_s: float = 1.0,
+                 key: ClusterKey | None = None) -> None:
         self.base = f"http://{host}:{port}"
+        self._headers = {"Content-Type": "application/json",
+                         **({} if key is None else key.headers())}
         self.timeout_s = timeout_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
@@ -337,7 +362,7 @@ class BootstrapClient:
         data = None if body is None else json.dumps(body).encode()
         while True:
             req = urllib.request.Request(self.base + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+                                         headers=self._headers)
             try:
                 with urllib.request.urlopen(req, timeout=max(0.1, self.timeout_s)) as resp:
                     return json.loads(resp.read() or b"{}")
@@ -358,6 +383,7 @@ class BootstrapClient:
 
 def _error_text(exc: urllib.error.HTTPError) -> str:
     try:
-        return json.loads(exc.read()).get("error", "")
+        error = json.loads(exc.read()).get("error", "")
+        return error.get("message", "") if isinstance(error, dict) else error
     except (ValueError, AttributeError):
         return exc.reason or ""

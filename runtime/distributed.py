@@ -1,7 +1,8 @@
 """The ranks of one tensor-parallel instance: a gloo process group and the collectives they need.
 
 `TPGroup.join(init_method, rank, size)` forms a group over `tcp://HOST:PORT` (rank 0 hosts the
-rendezvous store; every rank must be started with the same address and size). `TPGroup.single()`
+rendezvous store, listening on HOST only; every rank must be started with the same address and
+size). Gloo's own connections listen on `bind_host`, loopback by default. `TPGroup.single()`
 is the one-rank group, whose collectives return their input, so callers need no tp=1 branches.
 
 The group holds its own store and gloo process group; nothing is registered with
@@ -83,13 +84,16 @@ class TPGroup:
             raise ValueError(f"init_method {init_method!r}; expected tcp://HOST:PORT")
         timeout = timedelta(seconds=timeout_s)
         try:
+            # TCPStore alone would listen on every interface: rank 0 hands it a socket bound to
+            # the host (the store owns and closes it)
+            fd = _listen(parts.hostname, parts.port).detach() if rank == 0 else None
             store = dist.TCPStore(parts.hostname, parts.port, size, is_master=rank == 0,
-                                  timeout=timeout, wait_for_workers=True)
+                                  timeout=timeout, wait_for_workers=True, master_listen_fd=fd)
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
             pg = dist.ProcessGroupGloo(store, rank, size, options)
-        except RuntimeError as exc:  # DistStoreError, DistNetworkError, gloo's own errors
+        except (RuntimeError, OSError) as exc:  # Dist*Error, gloo's own, the port is taken
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise JoinTimeout(
                 f"tp rank {rank} of {size} at {init_method}: the group did not form within "
@@ -206,6 +210,20 @@ class TPGroup:
 
 
 # ---- starting ranks (tests, benchmarks) ------------------------------------------------------
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host:port` only, for rank 0's rendezvous store."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def free_port(host: str = "127.0.0.1") -> int:

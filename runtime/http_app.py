@@ -1,9 +1,17 @@
-"""An aiohttp server in front of a backend (an `Engine` or the router's client): the lifecycle
-and the response counting shared by the OpenAI server and the PD workers."""
+"""An aiohttp server in front of a backend (an `Engine` or the router's client): the lifecycle,
+the response counting and the authentication shared by the OpenAI server and the PD workers.
+
+`protect(...)` before `start()`: with a `ClusterKey` every path but `/health` (and `/info`) needs
+the deployment's `X-PDSIM-Auth` token (the workers' internal API); with an API key every path but
+`/health` needs `Authorization: Bearer KEY` (the public API). Refused calls get a 401 JSON error
+and never reach a handler.
+"""
 
 from __future__ import annotations
 
 from aiohttp import web
+
+from runtime.security import ClusterKey, api_key_middleware, cluster_middleware
 
 MAX_BODY_BYTES = 64 << 20  # a larger request body gets 413
 
@@ -18,12 +26,21 @@ class AppServer:
         self._runner: web.AppRunner | None = None
         self.host = ""
         self.port = 0
+        self._guards: list = []
 
     def make_app(self) -> web.Application:
         raise NotImplementedError
 
     def counted(self, path: str) -> bool:
         raise NotImplementedError
+
+    def protect(self, *, cluster_key: ClusterKey | None = None, api_key: str | None = None,
+                open_paths: tuple[str, ...] = ("/health", "/info")) -> None:
+        """Require the cluster token and/or the API key on every path but `open_paths`."""
+        if cluster_key is not None:
+            self._guards.append(cluster_middleware(cluster_key, open_paths))
+        if api_key:
+            self._guards.append(api_key_middleware(api_key, open_paths))
 
     @property
     def url(self) -> str:
@@ -34,7 +51,9 @@ class AppServer:
         listening fails (the port is taken, say) nothing is left running."""
         if not self.engine.running:
             self.engine.start()
-        runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None,
+        app = self.make_app()
+        app.middlewares[0:0] = self._guards  # before anything else runs
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=5.0)
         await runner.setup()
         try:

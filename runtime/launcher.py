@@ -16,6 +16,13 @@ not exited after `stop_timeout_s` is killed. The workers also die with the launc
 
 Ports: a role's `port` (and prefill's `bootstrap_port`) is instance 0's, instance i adds i; 0
 means a free port, picked here and handed to the worker.
+
+Security: `launch` uses the configured cluster secret (`PDSIM_CLUSTER_SECRET`, else
+`security.cluster_secret`) or generates a fresh one for this deployment, and hands it to every
+worker in its environment (never on its command line); the router sends the derived token on
+every call to a worker. `--role router` alone needs the secret the workers were given (or
+`security.insecure`). The router's public API requires `security.api_key` (or `PDSIM_API_KEY`)
+when one is set.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from runtime.security import api_key, deployment_secret, key_of, resolve_secret, secret_env
 from runtime.faults import Killer
 from runtime.serve_config import ROLES, PDServeConfig
 
@@ -56,8 +64,9 @@ class WorkerProcess:
         return f"{self.role} worker {self.instance}"
 
 
-def spawn_workers(config: PDServeConfig) -> list[WorkerProcess]:
-    """Start every prefill and decode instance of `config` (not waiting for them)."""
+def spawn_workers(config: PDServeConfig, secret: str | None = None) -> list[WorkerProcess]:
+    """Start every prefill and decode instance of `config` (not waiting for them), `secret` in
+    their environment."""
     from runtime.distributed import free_port
     from runtime.pd.worker import child_env, python_command
 
@@ -73,7 +82,7 @@ def spawn_workers(config: PDServeConfig) -> list[WorkerProcess]:
                     payload["bootstrap_port"] = (config.bootstrap_port(i)
                                                  or free_port(config.transfer.host))
                 command = python_command("instance", payload)
-                env = child_env()
+                env = {**child_env(), **secret_env(secret)}
                 proc = subprocess.Popen(command, env=env, start_new_session=True)
                 workers.append(WorkerProcess(role, i, f"http://{spec.host}:{port}", proc,
                                              command, env))
@@ -125,10 +134,11 @@ async def wait_healthy(workers: Sequence[WorkerProcess], stop: asyncio.Event,
 
 
 def make_router(config: PDServeConfig, prefill: Sequence[str], decode: Sequence[str],
-                health: dict[str, dict], seed: int | None = None):
+                health: dict[str, dict], seed: int | None = None, secret: str | None = None):
     """The `PDRouter` (runtime/router.py) in front of the given workers; `health` holds each
     prefill worker's `/health` (its bootstrap server). `seed` (default: the config's) seeds the
-    router's policy (its bootstrap rooms always come from the OS)."""
+    router's policy (its bootstrap rooms always come from the OS). `secret`: the workers'
+    cluster secret; the config's API key (if any) guards the router's API."""
     from runtime.router import PDRouter, WorkerAddress
     from runtime.server import Limits, load_text_side, model_config_of
 
@@ -142,11 +152,16 @@ def make_router(config: PDServeConfig, prefill: Sequence[str], decode: Sequence[
     pre = [WorkerAddress(url=u, bootstrap_host=health[u]["bootstrap_host"],
                          bootstrap_port=health[u]["bootstrap_port"]) for u in prefill]
     dec = [WorkerAddress(url=u) for u in decode]
-    return PDRouter(pre, dec, policy=config.router.policy, tokenizer=text.tokenizer,
-                    model_name=config.model_name, limits=limits,
-                    seed=config.seed if seed is None else seed,
-                    chat_template=text.chat_template, eos_ids=text.eos_ids,
-                    default_chat_max_tokens=config.default_max_tokens)
+    key = key_of(secret)
+    router = PDRouter(pre, dec, policy=config.router.policy, tokenizer=text.tokenizer,
+                      model_name=config.model_name, limits=limits,
+                      seed=config.seed if seed is None else seed,
+                      chat_template=text.chat_template, eos_ids=text.eos_ids,
+                      default_chat_max_tokens=config.default_max_tokens,
+                      max_inflight_requests=config.max_inflight_requests,
+                      headers=None if key is None else key.headers())
+    router.server.protect(api_key=api_key(config.security.api_key))
+    return router
 
 
 def _stop_event() -> asyncio.Event:
@@ -176,7 +191,8 @@ async def _launch(config: PDServeConfig, on_ready, startup_timeout_s: float,
     from runtime.pd.worker import stop_processes
 
     stop = _stop_event()
-    workers = spawn_workers(config)
+    secret = deployment_secret(config.security.cluster_secret)
+    workers = spawn_workers(config, secret)
     router = None
     status = 0
     killer, kills = Killer(config.faults), None  # fault injection: kills and restarts
@@ -186,7 +202,7 @@ async def _launch(config: PDServeConfig, on_ready, startup_timeout_s: float,
             return 0
         prefill = [w.url for w in workers if w.role == "prefill"]
         decode = [w.url for w in workers if w.role == "decode"]
-        router = make_router(config, prefill, decode, health)
+        router = make_router(config, prefill, decode, health, secret=secret)
         await router.start(config.router.host, config.router.port)
         if on_ready is not None:
             on_ready(router.url)
@@ -231,6 +247,8 @@ def serve_router(config: PDServeConfig, prefill_urls: Sequence[str] = (),
 
     prefill = urls(prefill_urls, config.router.prefill_urls, "prefill")
     decode = urls(decode_urls, config.router.decode_urls, "decode")
+    secret = resolve_secret(config.security.cluster_secret, insecure=config.security.insecure,
+                            what="the router")
 
     async def main() -> int:
         stop = _stop_event()
@@ -242,7 +260,7 @@ def serve_router(config: PDServeConfig, prefill_urls: Sequence[str] = (),
         for u in prefill:
             if health[u].get("role") != "prefill" or not health[u].get("bootstrap_port"):
                 raise LaunchError(f"{u} is not a prefill worker (its /health: {health[u]})")
-        router = make_router(config, prefill, decode, health)
+        router = make_router(config, prefill, decode, health, secret=secret)
         await router.start(config.router.host, config.router.port)
         try:
             if on_ready is not None:

@@ -89,7 +89,8 @@ class PDClient:
     def __init__(self, prefill: Sequence[WorkerAddress], decode: Sequence[WorkerAddress], *,
                  policy: str = "round_robin", seed: int = 0, max_records: int = 100_000,
                  connect_timeout_s: float = 10.0, read_timeout_s: float = 300.0,
-                 health_timeout_s: float = 1.0, health_ttl_s: float = 1.0) -> None:
+                 health_timeout_s: float = 1.0, health_ttl_s: float = 1.0,
+                 headers: dict[str, str] | None = None) -> None:
         if not prefill or not decode:
             raise ValueError(f"a PD router needs prefill and decode workers, got {len(prefill)} "
                              f"prefill and {len(decode)} decode")
@@ -112,6 +113,7 @@ class PDClient:
         self.health_ttl_s = health_ttl_s
         self._health: dict[str, str] = {}
         self._health_at = -math.inf
+        self._headers = headers or {}  # on every call to a worker: the cluster's auth token
         self._t0 = time.monotonic()
 
     # ---- Backend ----------------------------------------------------------------------------
@@ -125,7 +127,8 @@ class PDClient:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s,
                                         sock_read=self._read_timeout_s)
         connector = aiohttp.TCPConnector(limit=0)  # one stream per request; no pool cap
-        self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=connector,
+                                              headers=self._headers)
         self._t0 = time.monotonic()
         return self
 
@@ -311,8 +314,9 @@ class PDRouter:
                  tokenizer: Tokenizer, model_name: str, limits: Limits, policy: str = "round_robin",
                  seed: int = 0, chat_template: ChatTemplate | None = None,
                  eos_ids: Sequence[int] = (), default_chat_max_tokens: int = 256,
-                 max_inflight_requests: int = 4096) -> None:
-        self.client = PDClient(prefill, decode, policy=policy, seed=seed)
+                 max_inflight_requests: int = 4096,
+                 headers: dict[str, str] | None = None) -> None:
+        self.client = PDClient(prefill, decode, policy=policy, seed=seed, headers=headers)
         self.server = OpenAIServer(self.client, tokenizer, model_name=model_name, limits=limits,
                                    chat_template=chat_template, eos_ids=eos_ids,
                                    default_chat_max_tokens=default_chat_max_tokens,

@@ -52,6 +52,23 @@ class ServeSchedulerKnobs(_Spec):
         64, ge=0, description="KV tokens set aside per running request when admitting new ones")
 
 
+class SecuritySpec(_Spec):
+    """The cluster secret and the public API key (runtime/security.py; docs/serving.md,
+    "Security"). Neither is ever written out: `model_dump` leaves them out, and the launcher
+    hands the secret to the processes it starts in their environment."""
+
+    cluster_secret: str | None = Field(
+        None, min_length=16, exclude=True, repr=False,
+        description="authenticates internal calls and messages (PDSIM_CLUSTER_SECRET wins); "
+        "`pdsim serve` of a whole deployment generates one when none is given")
+    api_key: str | None = Field(
+        None, min_length=1, exclude=True, repr=False,
+        description="clients of the public API must send `Authorization: Bearer KEY` "
+        "(also PDSIM_API_KEY); none: the API is open")
+    insecure: bool = Field(
+        False, description="a role started alone (--role) may run without a cluster secret")
+
+
 class _ServeBase(_Spec):
     """What every serving mode shares: the model, its tokenizer and the KV page size."""
 
@@ -73,6 +90,7 @@ class _ServeBase(_Spec):
     max_inflight_requests: int = Field(
         4096, ge=1, description="requests one server (colocated server, PD worker or router) "
         "answers at once; more get 503 with Retry-After")
+    security: SecuritySpec = SecuritySpec()
 
     @field_validator("model")
     @classmethod

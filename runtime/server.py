@@ -829,9 +829,11 @@ def _generation_eos(directory: Path) -> list[int]:
 
 def serve(config: ServeConfig, on_ready: Callable[[OpenAIServer], None] | None = None) -> None:
     """Run a server until SIGINT or SIGTERM, then shut down cleanly."""
+    from runtime.security import api_key
 
     async def main() -> None:
         server = build_server(config)
+        server.protect(api_key=api_key(config.security.api_key))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

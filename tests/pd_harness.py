@@ -36,7 +36,8 @@ def pd_config(model: str, **changes) -> PDServeConfig:
         prefill=dict(num_pages=64, metadata_slots=16, threads=1),
         decode=dict(num_pages=128, metadata_slots=16, threads=1),
         transfer=dict(heartbeat_interval_s=0.5, heartbeat_timeout_s=10.0,
-                      bootstrap_timeout_s=30.0, waiting_timeout_s=30.0))
+                      bootstrap_timeout_s=30.0, waiting_timeout_s=30.0),
+        security=dict(insecure=True))  # tests/test_security.py covers the cluster secret
     for key, value in changes.items():
         base[key] = {**base[key], **value} if isinstance(value, dict) else value
     return PDServeConfig.model_validate(base)

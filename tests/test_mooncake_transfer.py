@@ -255,12 +255,13 @@ class Cluster:
 
     @classmethod
     def start(cls, n, m, *, mla=False, total_heads=4, config=CONFIG):
+        """`config.key` also guards the bootstrap server."""
         rng = np.random.default_rng(n * 10 + m)
         layers, pages, page_size, head_dim = 2, 24, 4, 8
         heads = 1 if mla else total_heads
         full = [rng.standard_normal((pages, page_size, heads, head_dim)).astype(np.float32)
                 for _ in range(layers if mla else 2 * layers)]
-        server = BootstrapServer().start()
+        server = BootstrapServer(key=config.key).start()
         prefill, decode = [], []
         for r in range(n):
             rank = Rank.make(tp_rank=r, tp_size=n, total_heads=total_heads, mla=mla, fill=full)

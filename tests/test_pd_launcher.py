@@ -1,7 +1,8 @@
 """`pdsim serve` with a disaggregated config, as a user runs it: the launcher starts a prefill
 instance (two rank processes) and a decode instance, then the router; the OpenAI client talks to
-the router; `--role router` starts a second router alone in front of the same workers; SIGTERM
-stops everything, leaving no process behind and every port free."""
+the router; `--role router` starts a second router alone in front of the same workers (it needs
+their cluster secret); SIGTERM stops everything, leaving no process behind and every port free.
+A role alone refuses to start without a cluster secret unless `--insecure`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from openai import OpenAI
 
 from pd_harness import REPO, Proc
+from runtime.security import SECRET_ENV, new_secret
 
 CONFIG = """\
 mode: disaggregated
@@ -70,8 +72,8 @@ def port_free(port: int) -> bool:
     return True
 
 
-def complete(url: str) -> list[int]:
-    client = OpenAI(base_url=url, api_key="unused", max_retries=0)
+def complete(url: str, api_key: str = "unused") -> list[int]:
+    client = OpenAI(base_url=url, api_key=api_key, max_retries=0)
     reply = client.completions.create(model="tiny-llama", prompt="Hello, disaggregated world",
                                       max_tokens=10, temperature=0,
                                       extra_body={"return_token_ids": True})
@@ -79,7 +81,8 @@ def complete(url: str) -> list[int]:
     return reply.choices[0].token_ids
 
 
-def test_launcher_serves_and_stops_cleanly_on_sigterm(tmp_path):
+def test_launcher_serves_and_stops_cleanly_on_sigterm(tmp_path, monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, new_secret())  # the deployment's, for the second router
     cfg = tmp_path / "pd.yaml"
     cfg.write_text(CONFIG)
     launcher = Proc(str(cfg))
@@ -121,15 +124,17 @@ def test_launcher_serves_and_stops_cleanly_on_sigterm(tmp_path):
             launcher.proc.kill()
 
 
-def test_one_role_alone_and_cli_errors(tmp_path):
+def test_one_role_alone_and_cli_errors(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
     cfg = tmp_path / "pd.yaml"
     cfg.write_text(CONFIG)
-    worker = Proc(str(cfg), "--role", "decode", "--port", "0")
+    worker = Proc(str(cfg), "--role", "decode", "--port", "0", "--insecure")
     try:
         url = worker.wait_for(r"decode worker 0 \(tiny-llama, tp 1\) at (http://\S+)").group(1)
         with urllib.request.urlopen(url + "/health") as resp:
             health = json.loads(resp.read())
         assert (health["role"], health["status"], health["tp"]) == ("decode", "ok", 1)
+        assert "INSECURE: decode worker 0 runs without a cluster secret" in "".join(worker.seen)
         assert worker.stop() == 0
         worker.wait_for(r"pdsim serve: stopped", timeout_s=5)
     finally:
@@ -143,6 +148,10 @@ def test_one_role_alone_and_cli_errors(tmp_path):
         ([str(cfg), "--role", "prefill", "--instance", "3"],
          "prefill instance 3; the config has 1"),
         ([str(cfg), "--role", "router"], "needs the prefill workers' URLs"),
+        ([str(cfg), "--role", "decode"], f"decode worker 0 needs the deployment's cluster "
+                                         f"secret: set {SECRET_ENV}"),
+        ([str(cfg), "--role", "router", "--prefill-url", "http://127.0.0.1:1", "--decode-url",
+          "http://127.0.0.1:2"], "the router needs the deployment's cluster secret"),
     ):
         out = subprocess.run([sys.executable, "-m", "pdsim.cli", "serve", *args], cwd=REPO,
                              capture_output=True, text=True, timeout=60)

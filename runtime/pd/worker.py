@@ -77,9 +77,12 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     from runtime.server import load_served_model, load_text_side, resolve_device
     from runtime.transfer.layout import KVArgs
     from runtime.transfer.metadata import MetadataBuffer
+    from runtime.security import key_of, resolve_secret
     from runtime.faults import TransferFaults
     from runtime.transfer.mooncake import MooncakeConfig, MooncakeKVManager
 
+    key = key_of(resolve_secret(config.security.cluster_secret,
+                                insecure=config.security.insecure, what=f"{spec.role} rank"))
     role = config.role(spec.role)
     torch.set_num_threads(role.threads or max(1, (os.cpu_count() or 1) // spec.tp))
     device = resolve_device(config.device)
@@ -101,7 +104,7 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     manager = MooncakeKVManager(args, MooncakeConfig(
         host=t.host, protocol=t.protocol, device_name=t.device_name, num_workers=t.num_workers,
         bootstrap_timeout_s=t.bootstrap_timeout_s, heartbeat_interval_s=t.heartbeat_interval_s,
-        heartbeat_timeout_s=t.heartbeat_timeout_s))
+        heartbeat_timeout_s=t.heartbeat_timeout_s, key=key))
     manager.prefill.faults = TransferFaults.for_instance(config.faults, spec.role, spec.instance)
     try:
         if spec.role == "prefill":
@@ -216,12 +219,15 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
     from runtime.distributed import free_port
     from runtime.model.tp import check_tp
     from runtime.pd.http import WorkerInfo, WorkerServer
+    from runtime.security import key_of, resolve_secret, secret_env
     from runtime.server import model_config_of
 
     spec_cfg = config.role(role)
     if not 0 <= instance < spec_cfg.instances:
         raise ValueError(f"{role} instance {instance}; the config has {spec_cfg.instances}")
     check_tp(model_config_of(config), spec_cfg.tp)  # a clear error before any process starts
+    secret = resolve_secret(config.security.cluster_secret, insecure=config.security.insecure,
+                            what=f"{role} worker {instance}")
     host = spec_cfg.host
     port = config.worker_port(role, instance) if port is None else port
     bootstrap = None
@@ -231,7 +237,7 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
         spec = RankSpec(role, instance, 0, spec_cfg.tp)
         if role == "prefill":
             bport = config.bootstrap_port(instance) if bootstrap_port is None else bootstrap_port
-            bootstrap = BootstrapServer(config.transfer.host, bport)
+            bootstrap = BootstrapServer(config.transfer.host, bport, key_of(secret))
             bootstrap.answer_delay_s = config.faults.bootstrap_delay_s  # fault injection
             bootstrap.start()
             spec = RankSpec(role, instance, 0, spec_cfg.tp, bootstrap_host=config.transfer.host,
@@ -242,7 +248,7 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
                 payload = {"parent_pid": os.getpid(), "config": config.model_dump(mode="json"),
                            "spec": {**asdict(spec), "rank": r}}
                 followers.append(subprocess.Popen(python_command("follower", payload),
-                                                  env=child_env()))
+                                                  env={**child_env(), **secret_env(secret)}))
         group = join_group(spec)
         rank = build_rank(config, spec, group)
         info = WorkerInfo(role=role, instance=instance, tp=spec.tp, model=config.model_name,
@@ -251,6 +257,7 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
                           bootstrap_host=spec.bootstrap_host, bootstrap_port=spec.bootstrap_port)
         server = WorkerServer(rank.engine, info,
                               max_inflight_requests=config.max_inflight_requests)
+        server.protect(cluster_key=key_of(secret))
         status = asyncio.run(_serve(server, host, port, followers, on_ready))
     finally:
         if rank is not None:

@@ -1,19 +1,28 @@
 """ZMQ point to point: one PULL socket bound per rank, one PUSH socket per peer it writes to.
 
-Frames are `messages.encode` output (msgpack), one message per frame. `send` may be called from
-any thread (a lock guards the PUSH sockets); `recv` only from the one service thread.
+Frames are `messages.encode` output (msgpack), one message per frame; with a `ClusterKey` each
+frame is sealed (an HMAC-SHA256 tag before the body) and a frame whose tag does not match is
+dropped and counted in `rejected_frames`, never decoded. `send` may be called from any thread (a
+lock guards the PUSH sockets); `recv` only from the one service thread.
+
+At most `max_peers` PUSH sockets stay open: the least recently used one is closed (with whatever
+is still queued for it) when a new peer needs a socket, and `forget` closes a peer's at once.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 
 import zmq
 
+from runtime.security import ClusterKey
 from runtime.transfer.messages import Message, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
+
+MAX_PEERS = 256
 
 
 class ChannelError(RuntimeError):
@@ -21,7 +30,10 @@ class ChannelError(RuntimeError):
 
 
 class ZmqChannel:
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", key: ClusterKey | None = None, *,
+                 max_peers: int = MAX_PEERS) -> None:
+        if max_peers < 1:
+            raise ValueError(f"max_peers={max_peers}; allowed: >= 1")
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -29,22 +41,38 @@ class ZmqChannel:
         self.host = host
         self.port = port
         self.endpoint = f"tcp://{host}:{port}"
-        self._push: dict[str, zmq.Socket] = {}
+        self._key = key
+        self._max_peers = max_peers
+        self._push: OrderedDict[str, zmq.Socket] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
         self._closed = False
+        self.rejected_frames = 0  # unauthenticated (bad or missing tag)
+        self.bad_frames = 0  # authenticated (or no key) but not a valid message
+
+    @property
+    def num_peers(self) -> int:
+        """PUSH sockets open now."""
+        return len(self._push)
 
     def send(self, endpoint: str, msg: Message) -> None:
         """Queue `msg` for `endpoint` without blocking (ZMQ delivers it once connected)."""
         frame = encode(msg)
+        if self._key is not None:
+            frame = self._key.seal(frame)
         with self._lock:
             if self._closed:
                 raise ChannelError("channel is closed")
             sock = self._push.get(endpoint)
             if sock is None:
+                while len(self._push) >= self._max_peers:
+                    _, old = self._push.popitem(last=False)
+                    old.close()
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 100)  # on close, a moment to flush the last aborts
                 sock.connect(endpoint)
                 self._push[endpoint] = sock
+            else:
+                self._push.move_to_end(endpoint)
             try:
                 sock.send(frame, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -52,14 +80,28 @@ class ZmqChannel:
                                    "(peer gone or not reading)") from None
 
     def recv(self, timeout_ms: int) -> Message | None:
-        """The next valid message, or None after `timeout_ms`; bad frames are logged and dropped."""
+        """The next valid message, or None after `timeout_ms`; bad frames are counted, logged
+        (the first and every 1000th) and dropped."""
         if not self._pull.poll(timeout_ms):
             return None
         frame = self._pull.recv(copy=True)
+        if self._key is not None:
+            body = self._key.open(frame)
+            if body is None:
+                self.rejected_frames += 1
+                if self.rejected_frames % 1000 == 1:
+                    log.warning("dropping an unauthenticated frame of %d bytes on %s (%d so far):"
+                                " its sender does not hold this deployment's cluster secret",
+                                len(frame), self.endpoint, self.rejected_frames)
+                return None
+            frame = body
         try:
             return decode(frame)
         except ProtocolError as exc:
-            log.warning("dropping a bad frame on %s: %s", self.endpoint, exc)
+            self.bad_frames += 1
+            if self.bad_frames % 1000 == 1:
+                log.warning("dropping a bad frame on %s (%d so far): %s", self.endpoint,
+                            self.bad_frames, exc)
             return None
 
     def forget(self, endpoint: str) -> None:

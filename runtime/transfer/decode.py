@@ -20,6 +20,7 @@ from pdsim.core.kvpoll import KVPoll
 from runtime.bootstrap import (
     BootstrapClient, ParallelInfo, RankRegistration, check_compatible,
 )
+from runtime.security import ClusterKey
 from runtime.transfer.channel import ChannelError, ZmqChannel
 from runtime.transfer.layout import KVArgs, Target, plan_targets
 from runtime.transfer.messages import (
@@ -59,8 +60,10 @@ class _Server:
 
 class DecodeSide:
     def __init__(self, args: KVArgs, session_id: str, channel: ZmqChannel, epoch: Epoch, *,
-                 bootstrap_timeout_s: float = 30.0, bootstrap_threads: int = 4) -> None:
+                 bootstrap_timeout_s: float = 30.0, bootstrap_threads: int = 4,
+                 key: ClusterKey | None = None) -> None:
         self.args = args
+        self._key = key
         self._session_id = session_id
         self._channel = channel
         self._epoch = epoch
@@ -241,7 +244,7 @@ class DecodeSide:
             server = self._servers.get((host, port))
             if server is not None and server.info is not None:
                 return server
-        server = _Server(BootstrapClient(host, port, timeout_s=self._timeout_s))
+        server = _Server(BootstrapClient(host, port, timeout_s=self._timeout_s, key=self._key))
         info = server.client.parallel_info()
         check_compatible(info, page_size=self.args.page_size, kv_dtype=self.args.kv_dtype)
         if info.is_mla != self.args.is_mla:

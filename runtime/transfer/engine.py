@@ -15,6 +15,11 @@ Facts about the Mooncake Python API this relies on (checked against 0.3.13.post1
 - `batch_transfer_sync_write(target, srcs, dsts, lens)` returns 0 once the bytes are in place
   (since 0.3.12; earlier TCP writes completed when the bytes left the sender). It returns -1 for
   an unreachable peer.
+- It listens on every interface, whatever `local_hostname` says: the P2P handshake (RPC) port on
+  0.0.0.0 and the TCP transport's data port on `::` (dual stack). Mooncake's source binds both
+  to INADDR_ANY / in6addr_any and has no setting for the address (MC_TCP_BIND_ADDRESS only names
+  the address it advertises, outside P2P mode); MC_MIN_RPC_PORT / MC_MAX_RPC_PORT narrow the
+  port range, which helps a firewall rule. `exposed` lists what this engine opened.
 - Over TCP, more than about 2,000 slices in flight on one engine overflow the transport's lane
   queue ("TCP lane queue-full rejection"): that batch fails and so does every later write to the
   same peer. So writes go out in batches of at most `max_batch` descriptors, with at most
@@ -26,6 +31,8 @@ from __future__ import annotations
 import re
 import threading
 from importlib import metadata
+
+from runtime.security import exposed
 
 MIN_VERSION = (0, 3, 12)
 _DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
@@ -96,7 +103,9 @@ class MooncakeEngine:
             raise ValueError(
                 f"need 1 <= max_batch <= max_inflight, got {max_batch}, {max_inflight}")
         self._engine = TransferEngine()
+        before = set(exposed())
         rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        self.exposed = sorted(set(exposed()) - before, key=lambda x: x.port)
         if rc != 0:
             raise TransferEngineError(
                 f"TransferEngine.initialize({hostname!r}, 'P2PHANDSHAKE', {protocol!r}, "

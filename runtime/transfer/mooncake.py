@@ -14,7 +14,13 @@ sends heartbeats. A prefill rank uses its senders (see `prefill.py`), a decode r
 
 `config.host` is both the ZMQ bind address and the engine's hostname that peers connect to, so on
 a cluster it must be this host's routable IP. The caller keeps the KV and metadata memory alive
-until `close()`.
+until `close()`. With `config.key` (the deployment's `ClusterKey`) every ZMQ frame is sealed and
+checked; frames without the key are dropped and counted (`rejected_frames`).
+
+The Mooncake engine itself cannot be told where to listen: its handshake (RPC) port and its TCP
+data port bind every interface whatever `host` says (`MooncakeEngine.exposed`), and peers that
+reach them can read and write the registered KV memory. The manager logs that at start-up,
+naming the ports; docs/serving.md says what to firewall.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 
 from pdsim.core.kvpoll import KVPoll
 from runtime.bootstrap import BootstrapClient, RankRegistration
+from runtime.security import ClusterKey
 from runtime.transfer.channel import ZmqChannel
 from runtime.transfer.decode import DecodeSide
 from runtime.transfer.engine import MooncakeEngine
@@ -51,6 +58,7 @@ class MooncakeConfig:
     heartbeat_timeout_s: float = 20.0
     max_batch: int = 512  # descriptors per batch_transfer_sync_write call
     max_inflight: int = 1024  # descriptors in flight over all workers
+    key: ClusterKey | None = None  # seals every ZMQ frame and bootstrap call; None: insecure
 
 
 class MooncakeKVManager:
@@ -62,16 +70,23 @@ class MooncakeKVManager:
                              f"got {args.metadata_item_len}")
         self.engine = MooncakeEngine(config.host, config.protocol, config.device_name,
                                      max_batch=config.max_batch, max_inflight=config.max_inflight)
+        if self.engine.exposed:
+            log.warning(
+                "the Mooncake transfer engine listens on %s (every interface) although the "
+                "configured host is %s: it cannot be bound to one address. Anyone who reaches "
+                "these ports can read and write this rank's registered KV memory; firewall them "
+                "(docs/serving.md, Security)",
+                ", ".join(f"{x.address}:{x.port}" for x in self.engine.exposed), config.host)
         for ptr, length in zip(args.kv_data_ptrs, args.kv_data_lens):
             self.engine.register(ptr, length, owner=args.owners)
         self.engine.register(args.metadata_ptr, args.metadata_len, owner=args.owners)
         self.metadata = MetadataBuffer.at_address(args.metadata_ptr, args.metadata_len)
-        self.channel = ZmqChannel(config.host)
+        self.channel = ZmqChannel(config.host, config.key)
         self._epoch = Epoch()
         self.prefill = PrefillSide(args, self.engine, self.channel, self._epoch,
-                                   config.num_workers)
+                                   config.num_workers, unclaimed_ttl_s=config.bootstrap_timeout_s)
         self.decode = DecodeSide(args, self.engine.session_id, self.channel, self._epoch,
-                                 bootstrap_timeout_s=config.bootstrap_timeout_s)
+                                 bootstrap_timeout_s=config.bootstrap_timeout_s, key=config.key)
         self._stop = threading.Event()
         self._service = threading.Thread(target=self._serve, name="kv-service", daemon=True)
         self._service.start()
@@ -89,7 +104,8 @@ class MooncakeKVManager:
             tp_size=a.tp_size, dp_rank=a.dp_rank, dp_size=a.dp_size, pp_rank=pp_rank,
             pp_size=pp_size, page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla,
             total_kv_heads=a.total_kv_heads, session_id=self.session_id)
-        BootstrapClient(host, port, timeout_s=self.config.bootstrap_timeout_s).register(reg)
+        BootstrapClient(host, port, timeout_s=self.config.bootstrap_timeout_s,
+                        key=self.config.key).register(reg)
         return reg
 
     def poll_epoch(self) -> int:

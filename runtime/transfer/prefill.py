@@ -6,6 +6,13 @@ its `TransferInfo` (one, or decode_tp / prefill_tp of them), then `WaitingForInp
 queues one chunk on the room's worker (rooms are pinned to a worker, so chunks run in order);
 the worker writes the chunk to every real target and, on the last chunk, the metadata slot too,
 then reports `Success` (or `Failed`) to every target over ZMQ.
+
+Peer state stays bounded whatever arrives: heartbeats and aborts count only from decode ranks that
+registered (`RegisterDecode`), and a heartbeat's echo goes to the endpoint the rank registered,
+never to one a message names. A room that a message creates before this rank's sender exists
+(transfer info or an abort that overtook the request) is "unclaimed": at most
+`MAX_UNCLAIMED_ROOMS` are kept, each for `unclaimed_ttl_s`. A registered rank silent for the
+heartbeat timeout, with no unfinished room, is forgotten and its ZMQ socket closed.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from runtime.transfer.state import Epoch, RoomState
 log = logging.getLogger(__name__)
 
 MAX_FAILED_ROOMS = 4096  # failed rooms remembered after their sender is gone
+MAX_UNCLAIMED_ROOMS = 4096  # rooms messages created before their sender, at most
+MAX_PEER_ERRORS = 256  # why recent decode ranks could not register
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +109,7 @@ class _Room(RoomState):
     num_pages: int = -1
     metadata_slot: int = -1
     queued_pages: int = 0
+    claimed: bool = True  # False while only messages, no sender, know the room
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +122,9 @@ class _Chunk:
 
 class PrefillSide:
     def __init__(self, args: KVArgs, engine: MooncakeEngine, channel: ZmqChannel, epoch: Epoch,
-                 num_workers: int = 2) -> None:
+                 num_workers: int = 2, *, unclaimed_ttl_s: float = 30.0) -> None:
         self.args = args
+        self.unclaimed_ttl_s = unclaimed_ttl_s
         self._engine = engine
         self._channel = channel
         self._epoch = epoch
@@ -121,8 +132,10 @@ class PrefillSide:
         self._rooms: dict[int, _Room] = {}
         self._failed: OrderedDict[int, _Room] = OrderedDict()  # forgotten failed rooms, newest last
         self._peers: dict[str, PeerPlan] = {}  # decode session id → plan
-        self._peer_errors: dict[str, str] = {}
+        self._peer_errors: OrderedDict[str, str] = OrderedDict()
         self._last_seen: dict[str, float] = {}
+        self._unclaimed: OrderedDict[int, float] = OrderedDict()  # room → created, oldest first
+        self.dropped_messages = 0  # heartbeats and aborts from unregistered decode ranks
         self.faults = None  # runtime.faults.TransferFaults: injected failures and a slow NIC
         self._queues = [queue.SimpleQueue() for _ in range(num_workers)]
         self._workers = [threading.Thread(target=self._work, args=(q,), daemon=True,
@@ -189,6 +202,7 @@ class PrefillSide:
         if self.faults is not None:
             self.faults.forget(room)
         with self._lock:
+            self._unclaimed.pop(room, None)
             r = self._rooms.pop(room, None)
             if r is not None and r.state is KVPoll.Failed:
                 # A decode rank that has not written yet still learns why (its transfer info
@@ -205,6 +219,8 @@ class PrefillSide:
         except ValueError as exc:
             with self._lock:
                 self._peer_errors[msg.session_id] = str(exc)
+                while len(self._peer_errors) > MAX_PEER_ERRORS:
+                    self._peer_errors.popitem(last=False)
             log.warning("%s", exc)
             return
         with self._lock:
@@ -218,10 +234,15 @@ class PrefillSide:
             if failed is not None:  # this side gave up and forgot the room: say why
                 self._report(failed, [msg])
                 return
-            r = self._room(msg.room)
-            r.infos[msg.decode_tp_rank] = msg
-            self._last_seen[msg.session_id] = time.monotonic()
             peer = self._peers.get(msg.session_id)
+            if peer is None and msg.session_id not in self._peer_errors \
+                    and msg.room not in self._rooms:
+                self.dropped_messages += 1  # no sender waits for it, and no one to tell
+                return
+            r = self._message_room(msg.room)
+            r.infos[msg.decode_tp_rank] = msg
+            if peer is not None:
+                self._last_seen[msg.session_id] = time.monotonic()
             if peer is None:
                 self._fail(r, self._peer_errors.get(
                     msg.session_id, f"decode session {msg.session_id} never registered"))
@@ -238,39 +259,93 @@ class PrefillSide:
 
     def on_abort(self, msg: Abort) -> None:
         with self._lock:
+            if msg.session_id not in self._peers:
+                self.dropped_messages += 1
+                return
             if msg.room in self._failed:
                 return
-            r = self._room(msg.room)
+            r = self._message_room(msg.room)  # an abort may overtake its request
             if not r.done:  # the decode side already knows: no status back
                 self._update(r, KVPoll.Failed, f"decode side aborted: {msg.reason}")
 
     def on_heartbeat(self, msg: Heartbeat) -> None:
         with self._lock:
+            peer = self._peers.get(msg.session_id)
+            if peer is None:
+                self.dropped_messages += 1
+                return
             self._last_seen[msg.session_id] = time.monotonic()
         try:
-            self._channel.send(msg.endpoint, Heartbeat(session_id=self._engine.session_id,
-                                                       endpoint=self._channel.endpoint, reply=True))
+            self._channel.send(peer.reg.endpoint, Heartbeat(
+                session_id=self._engine.session_id, endpoint=self._channel.endpoint, reply=True))
         except ChannelError:
             pass
 
     def check_liveness(self, timeout_s: float) -> None:
-        """Fail unfinished rooms whose decode session has been silent for `timeout_s`."""
+        """Fail unfinished rooms whose decode session has been silent for `timeout_s`; forget
+        silent decode ranks that no unfinished room needs, and expired unclaimed rooms."""
         now = time.monotonic()
+        gone = []
         with self._lock:
+            busy = set()
             for r in self._rooms.values():
                 silent = max((now - self._last_seen.get(i.session_id, now)
                               for i in r.infos.values()), default=0.0)
                 if not r.done and silent > timeout_s:
                     self._fail(r, f"decode side silent for {silent:.1f} s (heartbeat timeout "
                                   f"{timeout_s} s)")
+                if not r.done:
+                    busy.update(i.session_id for i in r.infos.values())
+            for sid, seen in list(self._last_seen.items()):
+                if now - seen > timeout_s and sid not in busy:
+                    del self._last_seen[sid]
+                    peer = self._peers.pop(sid, None)
+                    if peer is not None:
+                        gone.append(peer.reg.endpoint)
+            self._expire_unclaimed(now)
+        for endpoint in gone:
+            self._channel.forget(endpoint)
+
+    @property
+    def num_peers(self) -> int:
+        return len(self._peers)
+
+    @property
+    def num_rooms(self) -> int:
+        return len(self._rooms)
 
     # ---- internals (the caller holds the lock) -----------------------------------------------
 
     def _room(self, room: int) -> _Room:
+        """The sender's room (created, or claimed from the messages that came first)."""
         r = self._rooms.get(room)
         if r is None:
             r = self._rooms[room] = _Room(room=room)
+        elif not r.claimed:
+            r.claimed = True
+            del self._unclaimed[room]
         return r
+
+    def _message_room(self, room: int) -> _Room:
+        """The room a message names; a new one is unclaimed until its sender asks for it."""
+        r = self._rooms.get(room)
+        if r is None:
+            now = time.monotonic()
+            self._expire_unclaimed(now)
+            r = self._rooms[room] = _Room(room=room, claimed=False)
+            self._unclaimed[room] = now
+            while len(self._unclaimed) > MAX_UNCLAIMED_ROOMS:
+                old, _ = self._unclaimed.popitem(last=False)
+                del self._rooms[old]
+        return r
+
+    def _expire_unclaimed(self, now: float) -> None:
+        while self._unclaimed:
+            room, born = next(iter(self._unclaimed.items()))
+            if now - born <= self.unclaimed_ttl_s:
+                break
+            del self._unclaimed[room]
+            del self._rooms[room]
 
     def _update(self, r: _Room, new: KVPoll, reason: str = "") -> None:
         if r.update(new, reason):
@@ -302,8 +377,11 @@ class PrefillSide:
                 r = self._rooms.get(chunk.room)
                 if r is None or r.state is KVPoll.Failed:
                     continue
-                targets = [(i, self._peers[i.session_id]) for i in r.infos.values()]
+                targets = [(i, self._peers.get(i.session_id)) for i in r.infos.values()]
                 slot = r.metadata_slot
+                if any(peer is None for _, peer in targets):
+                    self._fail(r, "a decode rank of this room is no longer registered")
+                    continue
             try:
                 if self.faults is not None:
                     self.faults.before_write(chunk.room)  # raises for an injected failure
