@@ -20,7 +20,7 @@ from pdsim.planning import load_plan, meets, parse_plan, plan
 from pdsim.planning.candidates import Deployment, RoleShape, enumerate_deployments
 from pdsim.planning.launch import sglang_commands
 from pdsim.planning.prefilter import Prefilter
-from pdsim.planning.search import pareto_frontier
+from pdsim.planning.search import pareto_frontier, tpot_percentiles
 from pdsim.runner import run_experiment
 from pdsim.specs.hardware import load_hardware_spec
 from pdsim.specs.models import load_model_spec
@@ -289,3 +289,21 @@ def test_cli_plan_end_to_end(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "pdsim.cli", "plan", "missing.yaml"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no such plan file" in bad.stdout
+
+
+def test_tpot_percentiles_are_over_requests_mean_itl():
+    frame = pd.DataFrame({"status": ["ok", "ok", "ok", "failed"], "in_window": [True] * 4,
+                          "itl_mean_s": [0.01, 0.02, 0.03, 9.0]})
+    got = tpot_percentiles(frame)
+    assert got["tpot_p50_s"] == pytest.approx(0.02)
+    assert got["tpot_p90_s"] == pytest.approx(0.028)  # linear interpolation, failed one left out
+
+
+def test_tpot_floor_discards_when_one_request_steps_are_too_slow():
+    cfg = parse_plan({**SMALL, "slo": {"tpot_p90_s": 0.001}})
+    model, hw = load_model_spec(cfg.model), load_hardware_spec(cfg.hardware)
+    filt = Prefilter(cfg, model, hw, generate(cfg.workload_data()))
+    dep = Deployment("colocated", (("colocated", 1, RoleShape(2)),))
+    verdict = filt.check(dep)
+    assert not verdict.keep and verdict.reason.startswith("TPOT floor")
+    assert cfg.slo.request_slo().itl_s == 0.001  # goodput's per-request mean-ITL bound

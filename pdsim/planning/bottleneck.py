@@ -10,7 +10,7 @@ The bottleneck is the resource under the most pressure:
 - network: the KV bytes per second each decode instance receives over its NIC line rate;
 - decode memory: the decode side's mean running batch over the batch its KV pool holds at the
   mean context, or the 90th percentile wait for decode room (KV pages) over the TTFT target;
-- decode compute: the ITL percentile over its target.
+- decode compute: the ITL (or TPOT) percentile over its target, the larger.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ def _p90(values: pd.Series) -> float:
 
 
 def find_bottleneck(row: dict, requests: pd.DataFrame, *, ttft_target_s: float | None,
-                    itl_target: tuple[int, float] | None, decode_kv_batch: float,
+                    latency_targets: list[tuple[str, int, float]], decode_kv_batch: float,
                     decode_nic_bytes_s: float) -> Bottleneck:
-    """`row`: the candidate's summary; `requests`: its per-request frame; `decode_kv_batch`:
+    """`row`: the candidate's summary; `requests`: its per-request frame; `latency_targets`:
+    the plan's (metric, percentile, bound) on ITL and TPOT; `decode_kv_batch`:
     requests the decode (or colocated) side's KV pools hold at the mean context, all instances;
     `decode_nic_bytes_s`: the NIC line rate of all decode instances together."""
     ok = requests[requests["status"] == "ok"]
@@ -57,12 +58,13 @@ def find_bottleneck(row: dict, requests: pd.DataFrame, *, ttft_target_s: float |
     duration = row.get("duration_s", math.nan)
     nic_use = (row.get("kv_transfer_gb", 0.0) * 1e9 / duration / decode_nic_bytes_s
                if not colocated and duration and duration == duration and decode_nic_bytes_s else 0.0)
-    if itl_target:
-        q, bound = itl_target
-        itl = row.get(f"itl_p{q}_s", math.nan)
-        itl_use = itl / bound if itl == itl else 0.0
-    else:
-        q, bound, itl, itl_use = 90, math.nan, row.get("itl_p90_s", math.nan), 0.0
+    decode_use, decode_words = 0.0, f"ITL p90 {row.get('itl_p90_s', math.nan) * 1e3:,.1f} ms"
+    for metric, q, bound in latency_targets:
+        value = row.get(f"{metric}_p{q}_s", math.nan)
+        if value == value and value / bound >= decode_use:
+            decode_use = value / bound
+            decode_words = (f"{metric.upper()} p{q} {value * 1e3:,.1f} ms of the "
+                            f"{bound * 1e3:,.1f} ms target")
     ms = 1e3
     options = {
         "prefill compute": (max(busy, prefill_wait / ttft),
@@ -76,8 +78,7 @@ def find_bottleneck(row: dict, requests: pd.DataFrame, *, ttft_target_s: float |
                           f"decode KV pools {kv_use:.0%} full on average (mean batch "
                           f"{batch:,.1f} of ~{decode_kv_batch:,.0f}); wait for decode room p90 "
                           f"{room_wait * ms:,.0f} ms"),
-        "decode compute": (itl_use, f"ITL p{q} {itl * ms:,.1f} ms of the {bound * ms:,.1f} ms "
-                           "target" if bound == bound else f"ITL p90 {itl * ms:,.1f} ms"),
+        "decode compute": (decode_use, decode_words),
     }
     name = max(options, key=lambda k: options[k][0])
     pressure, words = options[name]

@@ -43,8 +43,9 @@ class _Spec(BaseModel):
 
 
 class PlanSLO(_Spec):
-    """Latency targets as percentiles over the run's requests (the summary's columns): a
-    deployment meets the plan's SLO when every target given holds and no request failed."""
+    """Latency targets as percentiles: TTFT over requests, ITL over every inter-token gap
+    pooled (as SGLang's bench_serving reports it), TPOT over requests' mean ITL. A deployment
+    meets the plan's SLO when every target given holds and no request failed."""
 
     ttft_p50_s: float | None = Field(None, gt=0)
     ttft_p90_s: float | None = Field(None, gt=0)
@@ -52,6 +53,9 @@ class PlanSLO(_Spec):
     itl_p50_s: float | None = Field(None, gt=0)
     itl_p90_s: float | None = Field(None, gt=0)
     itl_p99_s: float | None = Field(None, gt=0)
+    tpot_p50_s: float | None = Field(None, gt=0)
+    tpot_p90_s: float | None = Field(None, gt=0)
+    tpot_p99_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _some_target(self) -> PlanSLO:
@@ -63,16 +67,16 @@ class PlanSLO(_Spec):
         """Summary column → bound, for the targets given."""
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
-    def percentile_targets(self, metric: Literal["ttft", "itl"]) -> list[tuple[int, float]]:
+    def percentile_targets(self, metric: Literal["ttft", "itl", "tpot"]) -> list[tuple[int, float]]:
         """The targets given on `metric` as (percentile, seconds)."""
         given = [(q, getattr(self, f"{metric}_p{q}_s")) for q in PERCENTILES]
         return [(q, v) for q, v in given if v is not None]
 
     def request_slo(self) -> SLO:
         """The per-request SLO that goodput counts: each request's TTFT and mean ITL within the
-        plan's tightest TTFT and ITL bounds (no bound on a metric: no limit on it)."""
+        plan's tightest TTFT and ITL/TPOT bounds (no bound on a metric: no limit on it)."""
         ttft = [v for k, v in self.targets().items() if k.startswith("ttft")]
-        itl = [v for k, v in self.targets().items() if k.startswith("itl")]
+        itl = [v for k, v in self.targets().items() if k.startswith(("itl", "tpot"))]
         return SLO(ttft_s=min(ttft, default=1e9), itl_s=min(itl, default=1e9))
 
 

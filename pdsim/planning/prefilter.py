@@ -5,9 +5,9 @@ Every test here is a *necessary* condition for the SLO, checked with optimistic 
 (capacities multiplied by the plan's `prefilter.slack`), so the filter errs towards keeping:
 
 - **memory**: the weights fit next to at least one KV page (pdsim.sim.build's sizing).
-- **ITL floor**: a gap between two tokens of a request lasts at least the decode step that
-  produced the second one. If even a one-request step takes longer than an ITL target, every
-  gap misses it.
+- **ITL / TPOT floor**: a gap between two tokens of a request lasts at least the decode step
+  that produced the second one. If even a one-request step takes longer than an ITL or TPOT
+  target, every gap, and every request's mean gap, misses it.
 - **TTFT floor**: a request's TTFT is at least the frontend latency plus its prefill alone
   (chunk by chunk); if the TTFT percentile of these floors misses a target, the run does.
 - **prefill capacity**: the prefill side computes at most C_p tokens/s (its best tokens per
@@ -20,7 +20,10 @@ Every test here is a *necessary* condition for the SLO, checked with optimistic 
   most K (running slots plus what the KV pool can hold) are still decoding at a_last + D, so the
   decode work of the m - K smallest outputs must fit in C_d (a_last + D).
 
-The two capacity tests need open-loop arrivals and a whole-run measurement window; with a
+- **colocated, both at once**: pdsim's colocated scheduler runs a prefill step or a decode
+  step, never both in one, so the two times above add up on the same GPUs.
+
+The capacity tests need open-loop arrivals and a whole-run measurement window; with a
 closed loop or a window only the memory and floor tests run.
 """
 
@@ -158,11 +161,13 @@ class Prefilter:
         slo = self.plan.slo
         itl_targets = slo.percentile_targets("itl")
         _, _, dcap = serving
-        for q, bound_s in itl_targets:
-            step = dcap.decode_step_s[1] / self.slack
-            if step > bound_s:
-                return Verdict(False, f"ITL floor: a one-request decode step takes {step * 1e3:.1f} "
-                               f"ms > ITL p{q} target {bound_s * 1e3:.1f} ms")
+        step = dcap.decode_step_s[1] / self.slack
+        for metric in ("itl", "tpot"):  # a request's mean gap is no shorter than its gaps
+            for q, bound_s in slo.percentile_targets(metric):
+                if step > bound_s:
+                    return Verdict(False, f"{metric.upper()} floor: a one-request decode step "
+                                   f"takes {step * 1e3:.1f} ms > {metric.upper()} p{q} target "
+                                   f"{bound_s * 1e3:.1f} ms")
         reason = self._ttft_floor(first[2], slo.percentile_targets("ttft"))
         if reason:
             return Verdict(False, reason)
@@ -177,19 +182,27 @@ class Prefilter:
         n_req = len(self._sorted_inputs)
         in_flight = serving[1] * dcap.dp * (dcap.max_batch(self.min_context_tokens)
                                             + dcap.kv_tokens_per_rank // self.min_context_tokens)
+        def discard(reason: str) -> Verdict:
+            return Verdict(False, reason, verdict.prefill_util, verdict.decode_util)
+
         for q, bound_s in slo.percentile_targets("ttft"):
             m = _needed(q, n_req)
             horizon = a_last + bound_s
             need_p = float(self._sorted_inputs[:m].sum())
             if need_p > p_rate * horizon:
-                return Verdict(False, f"prefill capacity: the {m} smallest prompts ({need_p:,.0f} "
-                               f"tokens) exceed {p_rate:,.0f} tokens/s x {horizon:.1f} s, yet "
-                               f"must be prefilled by then to meet TTFT p{q}", verdict.prefill_util, verdict.decode_util)
-            need_d = float(self._sorted_decode_work[:max(0, m - in_flight)].sum())
+                return discard(f"prefill capacity: the {m} smallest prompts ({need_p:,.0f} tokens) "
+                               f"exceed {p_rate:,.0f} tokens/s x {horizon:.1f} s, yet must be "
+                               f"prefilled by then to meet TTFT p{q}")
+            done = max(0, m - in_flight)
+            need_d = float(self._sorted_decode_work[:done].sum())
             if need_d > d_rate * horizon:
-                return Verdict(False, f"decode capacity: {m - in_flight} requests' decode "
-                               f"({need_d:,.0f} tokens) exceeds {d_rate:,.0f} tokens/s x "
-                               f"{horizon:.1f} s, yet must be done by then to meet TTFT p{q}", verdict.prefill_util, verdict.decode_util)
+                return discard(f"decode capacity: {done} requests' decode ({need_d:,.0f} tokens) "
+                               f"exceeds {d_rate:,.0f} tokens/s x {horizon:.1f} s, yet must be "
+                               f"done by then to meet TTFT p{q}")
+            if dep.mode == "colocated" and need_p / p_rate + need_d / d_rate > horizon:
+                return discard(f"prefill + decode capacity: prefilling {m} prompts and decoding "
+                               f"{done} answers take more than {horizon:.1f} s on the same GPUs, "
+                               f"yet must be done by then to meet TTFT p{q}")
         return verdict
 
     def _offered(self, work_sorted: np.ndarray) -> float:

@@ -18,7 +18,7 @@ from pdsim.config import ConfigError, parse_experiment
 from pdsim.metrics import price_columns
 from pdsim.planning.bottleneck import Bottleneck, find_bottleneck
 from pdsim.planning.candidates import Deployment, enumerate_deployments
-from pdsim.planning.config import PlanConfig, load_plan, price_per_gpu_hour
+from pdsim.planning.config import PERCENTILES, PlanConfig, load_plan, price_per_gpu_hour
 from pdsim.planning.launch import LaunchCommands, experiment_yaml, sglang_commands
 from pdsim.planning.prefilter import Prefilter, RoleCapacity
 from pdsim.runner import PointResult, run_point
@@ -175,6 +175,16 @@ def _sim_row(cfg: PlanConfig, r: PointResult, price: float) -> dict:
     return row
 
 
+def tpot_percentiles(requests: pd.DataFrame) -> dict[str, float]:
+    """Percentiles over completed requests (in the measurement window) of each one's mean ITL
+    (its TPOT), which the summary gives only as a mean."""
+    done = requests[(requests["status"] == "ok") & requests["in_window"]]
+    tpot = done["itl_mean_s"].to_numpy(float)
+    tpot = tpot[np.isfinite(tpot)]
+    return {f"tpot_p{q}_s": float(np.percentile(tpot, q)) if len(tpot) else math.nan
+            for q in PERCENTILES}
+
+
 def _bottleneck(cfg: PlanConfig, dep: Deployment, r: PointResult, filt: Prefilter,
                 hw: HardwareSpec) -> Bottleneck:
     role, n, shape = dep.roles[-1]
@@ -185,9 +195,9 @@ def _bottleneck(cfg: PlanConfig, dep: Deployment, r: PointResult, filt: Prefilte
                 if isinstance(cap, RoleCapacity) else 0.0)
     nic = n * shape.tp * hw.rdma_gbps * 1e9
     ttft = cfg.slo.percentile_targets("ttft")
-    itl = cfg.slo.percentile_targets("itl")
+    decode = [(m, q, v) for m in ("itl", "tpot") for q, v in cfg.slo.percentile_targets(m)]
     return find_bottleneck(r.summary, r.requests, ttft_target_s=ttft[-1][1] if ttft else None,
-                           itl_target=itl[-1] if itl else None, decode_kv_batch=kv_batch,
+                           latency_targets=decode, decode_kv_batch=kv_batch,
                            decode_nic_bytes_s=nic)
 
 
@@ -216,6 +226,7 @@ def _simulate(cfg: PlanConfig, deployments: list[Deployment], order: list[int], 
 
     def done(r: PointResult, bar: Callable[[], None]) -> None:
         nonlocal cutoff
+        r.summary.update(tpot_percentiles(r.requests))
         results[r.index] = r
         if cfg.objective == "cost" and meets(cfg, r.summary):
             cutoff = min(cutoff, deployments[r.index].num_gpus * price * (1 + cfg.search.cost_slack))
