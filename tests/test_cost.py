@@ -32,6 +32,8 @@ from pdsim.specs.precision import Precision
 
 H100 = load_hardware_spec("h100")
 LLAMA_8B = model_preset("llama-3.1-8b")
+DSV3 = model_preset("deepseek-v3")
+H200 = load_hardware_spec("h200")
 NO_OVERHEADS = dict(step_overhead_s=0.0, extend_overhead_s=0.0, layer_overhead_s=0.0,
                     gemm_floor_s=0.0, attn_floor_s=0.0, moe_floor_s=0.0, decode_attn_req_s=0.0)
 
@@ -176,6 +178,31 @@ def test_dp_attention_waits_for_the_slowest_rank() -> None:
     assert cost.step_time_s([short_ctx] * 8) > cost.step_time_s([short_ctx] + [BatchShape()] * 7)
 
 
+def test_speculative_query_tokens_are_gemm_rows_and_attention_queries() -> None:
+    cost = roofline(**NO_OVERHEADS)
+    # 64 requests verifying 3 drafts each: 256 rows through every GEMM and the LM head, like
+    # 256 one-token requests (without context, attention adds only their KV writes).
+    verify = BatchShape(decode_reqs=64, decode_query_len=4)
+    assert cost.step_time_s([verify]) == pytest.approx(
+        cost.step_time_s([BatchShape(decode_reqs=256)]), rel=1e-12)
+    # GQA decode attention is memory-bound: the context is read once for all 4 queries, and
+    # only the 3 extra query tokens' KV entries are written.
+    shape = BatchShape(decode_reqs=8, decode_context_tokens=8 * 4096, decode_query_len=4)
+    one = BatchShape(decode_reqs=8, decode_context_tokens=8 * 4096)
+    kv_layer = LLAMA_8B.kv_bytes_per_token() / LLAMA_8B.num_layers
+    rate = H100.hbm_gbps * 1e9 * cost.params.bw_efficiency
+    assert cost.attention_kernels_s(shape) - cost.attention_kernels_s(one) == pytest.approx(
+        8 * 3 * kv_layer / rate, rel=1e-9)
+    # MLA's absorbed decode attention over all 128 heads (DP attention) is compute-bound: 3
+    # queries a request take 3 times as long.
+    mla = roofline(DSV3, H200, tp=8, dp_attention=8, ep=8, **NO_OVERHEADS)
+    ctx = 8 * 4096
+    t1 = mla.attention_kernels_s(BatchShape(decode_reqs=8, decode_context_tokens=ctx))
+    t3 = mla.attention_kernels_s(BatchShape(decode_reqs=8, decode_context_tokens=ctx,
+                                            decode_query_len=3))
+    assert t3 == pytest.approx(3 * t1, rel=1e-9)
+
+
 def test_h20_trades_compute_for_bandwidth() -> None:
     h20 = load_hardware_spec("h20")
     assert roofline(hardware=h20).step_time_s([prefill(4096)]) > 4 * roofline().step_time_s(
@@ -239,9 +266,6 @@ def test_kv_capacity_error_when_weights_do_not_fit() -> None:
 
 
 # ----- DeepEP and two-batch overlap -----------------------------------------------------------
-
-DSV3 = model_preset("deepseek-v3")
-H200 = load_hardware_spec("h200")
 
 
 def deepep(ep=8, hardware=H200, tbo=False, role="decode", model=DSV3, **params):
