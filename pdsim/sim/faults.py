@@ -85,7 +85,8 @@ class SimFaults:
         return True
 
     def track(self, preq: Request, dreq: Request) -> None:
-        self._routes[dreq.rid] = (preq, dreq)
+        if self.config.kill:
+            self._routes[dreq.rid] = (preq, dreq)
 
     # ---- kills ---------------------------------------------------------------------------------
 
@@ -98,6 +99,7 @@ class SimFaults:
     def _kill(self, kill: KillFault) -> None:
         inst = self._instance(kill.role, kill.instance)
         inst.kill()
+        inst.schedulers = self._fresh(inst)  # holds nothing now: its load for the router is 0
         reason = f"{kill.role} worker {kill.instance} died"
         for rid, (preq, dreq) in list(self._routes.items()):
             if dreq.finished:
@@ -113,10 +115,11 @@ class SimFaults:
                 self.sim.serving[dreq.decode_instance].post_abort(rid, reason)
         if kill.restart_after_s is not None:
             self.sim.env.timeout(kill.restart_after_s).callbacks.append(
-                lambda _ev: self._restart(inst))
+                lambda _ev: inst.restart(self._fresh(inst)))
 
-    def _restart(self, inst: SimInstance) -> None:
-        """The same instance as a new process: fresh schedulers, pools and transfer endpoints."""
+    def _fresh(self, inst: SimInstance) -> list:
+        """The instance's schedulers as a new process has them: empty queues, full pools, new
+        transfer endpoints."""
         fresh = []
         for sched in inst.schedulers:
             old = sched.kv
@@ -124,4 +127,4 @@ class SimFaults:
                               inst.notify)
             cls = PrefillScheduler if isinstance(sched, PrefillScheduler) else DecodeScheduler
             fresh.append(cls(sched.config, kv, sched.instance_id))
-        inst.restart(fresh)
+        return fresh
