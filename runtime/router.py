@@ -259,8 +259,8 @@ class PDClient:
                     return
                 deliver(sink, event)
                 event = await anext(events, None)
-            raise WorkerError(502, f"decode worker {worker.url} closed the stream without "
-                              "finishing the request")
+            raise WorkerError(502, f"decode worker {worker.url} failed: the stream ended before "
+                              "the request finished")
 
     async def _abort_both(self, pre: WorkerAddress, dec: WorkerAddress, rid: str,
                           reason: str) -> None:

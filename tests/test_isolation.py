@@ -1,21 +1,28 @@
 """One bad request fails alone (issue 8): among concurrent innocent requests, a poison one gets a
 400 naming its field -- or, if it gets past validation, fails by itself -- and every innocent one
-completes with exactly its greedy tokens. On the colocated server here; through the router in
-front of real workers (prefill tp 2) in tests/test_pd_ends.py. Also the typed per-step TP
-broadcast (runtime/pd/step_messages.py): what does not fit is refused before it is sent."""
+completes with all its tokens: on the colocated server, and through the router of a real
+deployment (`pdsim serve`, prefill tp 2). Then that deployment's decode worker is killed (-9)
+mid-stream: every client still gets an error event and `data: [DONE]`. Also the typed per-step
+TP broadcast (runtime/pd/step_messages.py): what does not fit is refused before it is sent."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import queue
+import signal
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import aiohttp
 import pytest
 
+from pd_harness import Proc
 from runtime.engine import StreamEvent
 from runtime.pd import step_messages as steps
 from runtime.sampling import SamplingParams
@@ -142,3 +149,121 @@ def test_a_step_round_trips():
 def test_what_does_not_fit_a_step_is_refused_when_built(change):
     with pytest.raises(steps.StepMessageError):
         replace(ADD, **change)
+
+
+# ---- through the router of a real deployment ---------------------------------------------------
+
+PD_CONFIG = """\
+mode: disaggregated
+model: tiny-llama
+seed: 0
+device: cpu
+page_size: 8
+scheduler: {max_running_requests: 48, max_prefill_tokens: 512, chunked_prefill_size: 256,
+            num_reserved_decode_tokens: 8}
+prefill: {tp: 2, num_pages: 128, threads: 1}
+decode: {num_pages: 512, threads: 1}
+router: {port: 0}
+transfer: {heartbeat_interval_s: 0.5, heartbeat_timeout_s: 5.0}
+"""
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    cfg = tmp_path_factory.mktemp("iso") / "pd.yaml"
+    cfg.write_text(PD_CONFIG)
+    launcher = Proc(str(cfg))
+    try:
+        url = launcher.wait_for(r"at (http://\S+)/v1$").group(1)
+        decode = launcher.wait_for(r"decode worker 0 \(tiny-llama, tp 1\) at (http://\S+)")
+        yield launcher, url, decode.group(1)
+    finally:
+        if launcher.proc.poll() is None:
+            launcher.proc.kill()
+        launcher.proc.wait(30)
+
+
+async def post_all(url: str, bodies: list[bytes]) -> list[tuple[int, dict]]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        async def one(raw: bytes):
+            async with session.post(url, data=raw,
+                                    headers={"Content-Type": "application/json"}) as resp:
+                return resp.status, await resp.json(content_type=None)
+
+        return await asyncio.gather(*(one(b) for b in bodies))
+
+
+def test_poison_requests_through_the_router_with_prefill_tp2_fail_alone(deployment):
+    _, url, _ = deployment
+    bodies = [innocent(i) for i in range(30)]
+    bodies[2::5] = [("{" + p + ', "max_tokens": 4}').encode() for p, _ in POISONS]
+    answers = asyncio.run(post_all(url + "/v1/completions", bodies))
+    for raw, (status, body) in zip(bodies, answers):
+        poison = [param for p, param in POISONS if ("{" + p).encode() in raw]
+        if poison:
+            assert status == 400 and body["error"]["param"] == poison[0], (raw, body)
+        else:
+            assert status == 200 and len(body["choices"][0]["token_ids"]) == TOKENS, body
+    status, health = asyncio.run(get(url + "/health"))
+    assert status == 200 and health["status"] == "ok", health
+
+
+async def get(url: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        async with session.get(url) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+
+def worker_pid(launcher: Proc, role: str) -> int:
+    """The pid of the launcher's `role` worker instance process (from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == launcher.proc.pid and "--instance" in cmd and f'"role": "{role}"' in cmd:
+            return int(entry.name)
+    raise AssertionError(f"no {role} worker below the launcher")
+
+
+def test_killing_the_decode_worker_mid_stream_ends_every_stream(deployment):
+    """Under the launcher: kill -9 of the decode worker once every stream has a token; each
+    client gets an error event and `[DONE]` (the launcher then stops the deployment)."""
+    launcher, url, _ = deployment
+    n = 12
+    ends: list[list[str]] = []
+
+    async def run() -> None:
+        first = asyncio.Semaphore(0)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            async def one(i: int) -> list[str]:
+                body = {"prompt": f"stream {i}", "max_tokens": 1500, "temperature": 0,
+                        "ignore_eos": True, "stream": True}
+                data: list[str] = []
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    async for raw in resp.content:
+                        line = raw.decode().strip()
+                        if line.startswith("data:"):
+                            if not data:
+                                first.release()
+                            data.append(line[5:].strip())
+                return data
+
+            tasks = [asyncio.create_task(one(i)) for i in range(n)]
+            for _ in range(n):
+                await asyncio.wait_for(first.acquire(), 30)
+            os.kill(worker_pid(launcher, "decode"), signal.SIGKILL)
+            killed = time.monotonic()
+            ends.extend(await asyncio.gather(*tasks))
+            assert time.monotonic() - killed < 15
+
+    asyncio.run(run())
+    for data in ends:
+        assert data[-1] == "[DONE]", data[-3:]
+        assert "error" in json.loads(data[-2]), data[-3:]
+    assert launcher.proc.wait(60) == 1  # a worker died: the launcher stopped everything

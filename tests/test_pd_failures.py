@@ -7,12 +7,15 @@ crossed metadata slot. After each, every page, request slot and metadata slot is
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import random
 import re
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import replace
 
 import aiohttp
@@ -302,3 +305,68 @@ def test_killing_the_decode_worker(cluster):
     (o,) = generate(p, fresh, [body("after", prompt(12, 1), 6, p)])
     assert o.decode_status == 200 and o.token_ids == before
     assert_pools_full(p, fresh)
+
+
+def test_separate_roles_decode_killed_mid_stream_every_client_gets_an_end(cluster):
+    """Roles started apart (as `--role`), the router alone in front of them: kill -9 of the
+    decode worker mid-stream ends every client's stream with an error event and `[DONE]`, the
+    router's /health turns 503 naming the worker, and a new request fails fast with 503."""
+    from runtime.launcher import make_router
+
+    cfg, w = cluster
+    p, d = w["prefill"], w["decode"]
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def on_loop(coro, timeout_s: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
+
+    router = make_router(cfg, [p.url], [d.url], {p.url: p.get("/health")})
+    on_loop(router.start())
+
+    async def streams(n: int) -> list[list[str]]:
+        first = asyncio.Semaphore(0)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            async def one(i: int) -> list[str]:
+                data: list[str] = []
+                async with session.post(router.url + "/v1/completions", json={
+                        "prompt": f"apart {i}", "max_tokens": 400, "temperature": 0,
+                        "ignore_eos": True, "stream": True}) as resp:
+                    assert resp.status == 200
+                    async for raw in resp.content:
+                        if raw.startswith(b"data:"):
+                            if not data:
+                                first.release()
+                            data.append(raw[5:].decode().strip())
+                return data
+
+            tasks = [asyncio.create_task(one(i)) for i in range(n)]
+            for _ in range(n):
+                await asyncio.wait_for(first.acquire(), 30)
+            d.proc.send_signal(signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 15)
+
+    try:
+        for data in asyncio.run(streams(6)):
+            assert data[-1] == "[DONE]" and "error" in json.loads(data[-2]), data[-3:]
+        time.sleep(router.client.health_ttl_s)
+        status, health = get_json(router.url + "/health")
+        assert status == 503 and list(health["problems"]) == [f"decode worker 0 ({d.url})"]
+        start = time.monotonic()
+        status, err = post_json(router.url + "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 503 and "decode worker" in err["error"]["message"], err
+        assert time.monotonic() - start < 2.0
+        assert_pools_full(p)
+    finally:
+        on_loop(router.close())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
+def get_json(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())

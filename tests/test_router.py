@@ -7,6 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -21,11 +25,12 @@ class ScriptedWorker:
     """A prefill or decode worker whose answers the test decides."""
 
     def __init__(self, role: str, *, prefill_status: int = 200, decode_status: int = 200,
-                 token_delay_s: float = 0.0):
+                 token_delay_s: float = 0.0, die_after: int | None = None):
         self.role = role
         self.prefill_status = prefill_status
         self.decode_status = decode_status
         self.token_delay_s = token_delay_s
+        self.die_after = die_after  # decode: cut the connection after this many events
         self.generated: list[dict] = []
         self.aborted: list[dict] = []
         self.runner: web.AppRunner | None = None
@@ -35,11 +40,15 @@ class ScriptedWorker:
         app = web.Application()
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort", self.abort)
+        app.router.add_get("/health", self.health)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
         self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "role": self.role})
 
     async def abort(self, request: web.Request) -> web.Response:
         self.aborted.append(await request.json())
@@ -65,6 +74,9 @@ class ScriptedWorker:
         # Echo the prompt's bytes back (no BOS), one token per event, then finish by length.
         ids = [t for t in body["input_ids"] if t < 256][: body["max_new_tokens"]]
         for i, tok in enumerate(ids):
+            if i == self.die_after:  # as if killed: the connection drops mid-stream
+                request.transport.close()
+                return resp
             await asyncio.sleep(self.token_delay_s)
             last = i == len(ids) - 1
             event = {"token_ids": [tok], "logprobs": [-0.5], "finished": last,
@@ -227,3 +239,99 @@ def test_three_hundred_concurrent_streams_complete_with_none_lost(cluster):
     assert sum(len(w.generated) for w in cluster.decode) == 300
     cluster.wait_for(lambda: len(cluster.router.records) == 300)
     assert all(r.ok for r in cluster.router.records)
+
+
+# ---- every client gets an end; health; overload ----------------------------------------------
+
+
+def sse(url: str, body: dict, timeout_s: float = 10.0) -> tuple[int, list]:
+    """POST a streaming request; its status and every `data:` payload up to the end."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            lines = [line.decode().strip() for line in resp]
+            return resp.status, [ln[5:].strip() for ln in lines if ln.startswith("data:")]
+    except urllib.error.HTTPError as exc:
+        return exc.code, [json.loads(exc.read())]
+
+
+@pytest.mark.parametrize("cluster", [{"decode": {"die_after": 2, "token_delay_s": 0.02}}],
+                         indirect=True)
+def test_a_decode_worker_dying_mid_stream_ends_every_stream_with_an_error_and_done(
+        cluster, caplog):
+    url = f"{cluster.router.url}/v1/completions"
+    body = {"model": "tiny", "prompt": "abcdefgh", "max_tokens": 8, "stream": True}
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda _: sse(url, body), range(8)))
+    for status, data in outs:
+        assert status == 200 and data[-1] == "[DONE]", data
+        error = json.loads(data[-2])["error"]
+        assert "failed" in error["message"] and error["type"] == "server_error", error
+    cluster.wait_for(lambda: len(cluster.router.records) == 8)
+    assert not any(r.ok for r in cluster.router.records)
+    assert "never retrieved" not in caplog.text and "Traceback" not in caplog.text
+
+
+def test_health_names_a_worker_that_is_down_and_requests_to_it_fail_fast():
+    c = Cluster([ScriptedWorker("prefill")], [ScriptedWorker("decode")])
+    try:
+        status, body = get_json(c.router.url + "/health")
+        assert status == 200 and body["status"] == "ok"
+        c.run(c.prefill[0].runner.cleanup())  # the prefill worker goes away
+        time.sleep(c.router.client.health_ttl_s)  # the last probe's answers expire
+        status, body = get_json(c.router.url + "/health")
+        assert status == 503 and body["error"]["type"] == "server_error"
+        assert list(body["problems"]) == [f"prefill worker 0 ({c.prefill[0].url})"], body
+        start = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as e:
+            c.client().completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert e.value.status_code == 503 and "prefill worker" in str(e.value)
+        assert time.monotonic() - start < 2.0
+    finally:
+        c.run(c.router.close())
+        c.run(c.decode[0].runner.cleanup())
+        c.loop.call_soon_threadsafe(c.loop.stop)
+
+
+@pytest.mark.parametrize("cluster", [{"decode": {"token_delay_s": 0.3}}], indirect=True)
+def test_more_requests_than_the_bound_get_503_with_retry_after(cluster):
+    cluster.router.server.max_inflight_requests = 2
+    url = f"{cluster.router.url}/v1/completions"
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 3, "stream": True}
+    with ThreadPoolExecutor(2) as pool:
+        slow = [pool.submit(sse, url, body) for _ in range(2)]
+        cluster.wait_for(lambda: len(cluster.router.client._tasks) == 2)
+        req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 503 and e.value.headers["Retry-After"] == "1"
+        assert "in flight" in json.loads(e.value.read())["error"]["message"]
+        assert [f.result()[1][-1] for f in slow] == ["[DONE]", "[DONE]"]
+
+
+def test_aiohttp_refusals_are_json_errors(cluster):
+    url = cluster.router.url
+    status, body = get_json(url + "/v1/completions")  # GET where only POST is served
+    assert status == 405 and body["error"]["type"] == "invalid_request_error"
+    status, body = get_json(url + "/nowhere")
+    assert status == 404 and "error" in body
+    req = urllib.request.Request(url + "/v1/completions", data=b"x" * (70 << 20),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=30)
+        raise AssertionError("a 70 MB body was accepted")
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 413 and json.loads(exc.read())["error"]["type"] == \
+            "invalid_request_error"
+    except (ConnectionError, urllib.error.URLError):
+        pytest.skip("the server closed the connection before the client read the 413")
+
+
+def get_json(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())

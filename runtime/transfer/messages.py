@@ -122,9 +122,9 @@ def decode(frame: bytes) -> Message:
     if not isinstance(body, dict):
         raise ProtocolError(f"frame is a msgpack {type(body).__name__}, expected a map")
     kind = body.pop("type", None)
-    cls = MESSAGE_TYPES.get(kind)
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None  # a list is unhashable
     if cls is None:
-        raise ProtocolError(f"unknown message type {kind!r}; known: {sorted(MESSAGE_TYPES)}")
+        raise ProtocolError(f"unknown message type {kind!r:.80}; known: {sorted(MESSAGE_TYPES)}")
     version = body.pop("version", None)
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
