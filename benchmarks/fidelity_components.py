@@ -5,10 +5,11 @@
 1. Leave-one-out on NVIDIA's tables (aiconfigurator-core, framework sglang): for a random
    sample of interior grid points of each op kind, hide the point and predict it from its
    neighbours along the size axis the simulator looks up (tokens, sequence or context length,
-   message size) with the silicon model's log-log interpolation, and from the shape alone with
-   the roofline's formula at its default efficiencies (pdsim.sim.cost.RooflineParams). The
-   neighbours are twice as far apart as in the real lookup, so silicon's error is an upper
-   bound. Printed: median and P90 relative error per op kind and model.
+   message size) with the silicon model's interpolation (a monotone cubic in log-log space,
+   pdsim.sim.silicon.interp), and from the shape alone with the roofline's formula at its
+   default efficiencies (pdsim.sim.cost.RooflineParams). The neighbours are twice as far apart
+   as in the real lookup, so silicon's error is an upper bound. Printed: median and P90
+   relative error per op kind and model.
 2. Against Vidur's measured A100 profile (CodeLlama-34B shapes; ../shared/anchors/vidur-data):
    the silicon model's a100_sxm lookups for the same ops, side by side with Vidur's medians.
 """

@@ -34,9 +34,13 @@ def test_curve_is_exact_at_grid_points_and_monotone_between():
         assert not curve.extrapolated(x)
     dense = [curve(x) for x in range(1, 257)]
     assert all(b >= a for a, b in zip(dense, dense[1:]))
-    # between two points: log-log linear, i.e. a power law through both
-    assert curve(8) == pytest.approx(math.sqrt(1.2e-5 * 2e-5), rel=1e-9)
+    assert 1.2e-5 < curve(8) < 2e-5
     assert curve(8.5) == pytest.approx(curve.values(np.array([8.5]))[0])
+    # where the data turns, the cubic stays between its two neighbours (no overshoot)
+    bumpy = Curve([1, 2, 4, 8], [1e-5, 3e-5, 2e-5, 4e-5], _linear_roofline)
+    between = bumpy.values(np.linspace(2, 4, 50))
+    assert between.max() <= 3e-5 * (1 + 1e-12) and between.min() >= 2e-5 * (1 - 1e-12)
+    assert all(b <= a + 1e-18 for a, b in zip(between, between[1:]))
 
 
 def test_curve_extrapolates_by_the_roofline_ratio_and_says_so():

@@ -1,10 +1,11 @@
 """Latency between and beyond measured grid points.
 
-Inside a table's grid, latency is interpolated linearly in log(size) → log(latency): exact at
-grid points, monotone between two of them, and right for the power laws kernels follow (flat at
-a launch floor, then linear in size). Outside the grid, the nearest measured point is scaled by
-the ratio of a roofline estimate at the asked size to the roofline at that point, and the
-lookup counts as extrapolated.
+Inside a table's grid, log(latency) is interpolated over log(size) with a monotone cubic
+(PCHIP, Fritsch-Carlson slopes): exact at grid points, monotone between two of them, and
+following the bend from a kernel's launch floor into its power-law growth, which a straight
+line between doubled sizes cuts (benchmarks/fidelity_components.py measures both). Outside the
+grid, the nearest measured point is scaled by the ratio of a roofline estimate at the asked
+size to the roofline at that point, and the lookup counts as extrapolated.
 
 `Curve` is one op over one size (tokens); `Stage` sums the curves a step looks up at the same
 size, precomputed densely so that a lookup is a list index; `Grid2` is one op over two sizes
@@ -23,16 +24,47 @@ import numpy as np
 DENSE_MAX = 65536  # integer sizes up to this are looked up in a precomputed array
 
 
+REFINE = 8  # a 2-D grid gets this many sub-intervals per measured interval, by PCHIP
+
+
+def pchip_slopes(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Fritsch-Carlson slopes at each point: zero where the data turns, a weighted harmonic
+    mean of the neighbouring secants elsewhere, so each cubic piece stays monotone."""
+    h = np.diff(x)
+    m = np.diff(y) / h
+    if len(x) == 2:
+        return np.array([m[0], m[0]])
+    d = np.zeros_like(y)
+    w1, w2 = 2 * h[1:] + h[:-1], h[1:] + 2 * h[:-1]
+    same = m[:-1] * m[1:] > 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d[1:-1] = np.where(same, (w1 + w2) / (w1 / m[:-1] + w2 / m[1:]), 0.0)
+    for end, (h0, h1, m0, m1) in ((0, (h[0], h[1], m[0], m[1])),
+                                  (-1, (h[-1], h[-2], m[-1], m[-2]))):
+        slope = ((2 * h0 + h1) * m0 - h0 * m1) / (h0 + h1)
+        if np.sign(slope) != np.sign(m0):
+            slope = 0.0
+        elif np.sign(m0) != np.sign(m1) and abs(slope) > 3 * abs(m0):
+            slope = 3 * m0
+        d[end] = slope
+    return d
+
+
+def pchip(x: np.ndarray, y: np.ndarray, d: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """The monotone cubic through (x, y) with slopes d, at q (clamped into [x0, x-1])."""
+    q = np.clip(np.asarray(q, dtype=float), x[0], x[-1])
+    k = np.clip(np.searchsorted(x, q, side="right") - 1, 0, len(x) - 2)
+    h = x[k + 1] - x[k]
+    t = (q - x[k]) / h
+    t2, t3 = t * t, t * t * t
+    return ((2 * t3 - 3 * t2 + 1) * y[k] + (t3 - 2 * t2 + t) * h * d[k]
+            + (3 * t2 - 2 * t3) * y[k + 1] + (t3 - t2) * h * d[k + 1])
+
+
 def log_interp(x: float, lxs: Sequence[float], lys: Sequence[float]) -> float:
-    """exp of the piecewise-linear interpolation of (log x → log y) at x, inside [xs0, xs-1]."""
-    lx = math.log(x)
-    i = bisect_right(lxs, lx) - 1
-    if i >= len(lxs) - 1:
-        return math.exp(lys[-1])
-    if i < 0:
-        return math.exp(lys[0])
-    w = (lx - lxs[i]) / (lxs[i + 1] - lxs[i])
-    return math.exp(lys[i] + w * (lys[i + 1] - lys[i]))
+    """exp of the monotone cubic through (log x_i, log y_i) at x, inside [x0, x-1]."""
+    lx, ly = np.asarray(lxs, dtype=float), np.asarray(lys, dtype=float)
+    return float(np.exp(pchip(lx, ly, pchip_slopes(lx, ly), math.log(x))))
 
 
 class Curve:
@@ -44,7 +76,7 @@ class Curve:
     so every lookup rests on a roofline scaling and counts as extrapolated.
     """
 
-    __slots__ = ("lo", "hi", "static_extrapolated", "_lxs", "_lys", "_roofline")
+    __slots__ = ("lo", "hi", "static_extrapolated", "_lxs", "_lys", "_slopes", "_roofline")
 
     def __init__(self, xs: Sequence[float], ys_s: Sequence[float],
                  roofline: Callable[[float], float], static_extrapolated: bool = False) -> None:
@@ -53,7 +85,8 @@ class Curve:
             raise ValueError("a curve needs ascending positive sizes and positive latencies")
         self.lo, self.hi = float(xs_a[0]), float(xs_a[-1])
         self.static_extrapolated = static_extrapolated
-        self._lxs, self._lys = np.log(xs_a).tolist(), np.log(ys_a).tolist()
+        self._lxs, self._lys = np.log(xs_a), np.log(ys_a)
+        self._slopes = pchip_slopes(self._lxs, self._lys) if len(xs_a) > 1 else np.zeros(1)
         self._roofline = roofline
 
     @property
@@ -65,16 +98,9 @@ class Curve:
     def roofline(self) -> Callable[[float], float]:
         return self._roofline
 
-    def _compute(self, x: float) -> float:
-        if x < self.lo:
-            return math.exp(self._lys[0]) * self._roofline(x) / self._roofline(self.lo)
-        if x > self.hi:
-            return math.exp(self._lys[-1]) * self._roofline(x) / self._roofline(self.hi)
-        return log_interp(x, self._lxs, self._lys)
-
     def __call__(self, x: float) -> float:
         """Seconds at size x (0 → 0)."""
-        return self._compute(x) if x > 0 else 0.0
+        return float(self.values(np.array([x]))[0]) if x > 0 else 0.0
 
     def extrapolated(self, x: float) -> bool:
         return self.static_extrapolated or x < self.lo or x > self.hi
@@ -82,7 +108,10 @@ class Curve:
     def values(self, xs: np.ndarray) -> np.ndarray:
         """Seconds at each of `xs` (> 0), vectorised; the roofline must accept arrays."""
         xs = np.asarray(xs, dtype=float)
-        out = np.exp(np.interp(np.log(xs), self._lxs, self._lys))
+        if len(self._lxs) == 1:
+            out = np.full(xs.shape, math.exp(self._lys[0]))
+        else:
+            out = np.exp(pchip(self._lxs, self._lys, self._slopes, np.log(xs)))
         for mask, edge, ly in ((xs < self.lo, self.lo, self._lys[0]),
                                (xs > self.hi, self.hi, self._lys[-1])):
             if mask.any():
@@ -158,14 +187,18 @@ class Grid2:
             for i in np.flatnonzero(np.isnan(z[:, j])):
                 k = measured[np.argmin(np.abs(measured - i))]
                 z[i, j] = z[k, j] * roofline(xs1[i], x2) / roofline(xs1[k], x2)
-        l1, l2 = np.log(xs1), np.log(xs2)
+        l1, l2 = np.log(np.asarray(xs1, dtype=float)), np.log(np.asarray(xs2, dtype=float))
         if len(l1) == 1:  # one measured batch (or sequence): a flat second row keeps the maths
             l1, z, filled = np.append(l1, l1[0] + 1.0), np.vstack([z, z]), np.vstack([filled] * 2)
         if len(l2) == 1:
             l2, z = np.append(l2, l2[0] + 1.0), np.hstack([z, z])
             filled = np.hstack([filled, filled])
+        lz = np.log(z)
+        l1, lz, filled = _refine(l1, lz, filled)
+        l2, lzt, filled_t = _refine(l2, lz.T, filled.T)
+        lz, filled = lzt.T, filled_t.T
         self._l1, self._l2 = l1.tolist(), l2.tolist()
-        self._lz = np.log(z).tolist()
+        self._lz = lz.tolist()
         self._filled = filled.tolist()
         # cells (i, j) with an unmeasured corner: the only ones where the flags need a look
         near = filled[:-1, :-1] | filled[1:, :-1] | filled[:-1, 1:] | filled[1:, 1:]
@@ -202,3 +235,20 @@ class Grid2:
             seconds *= self._roofline(x1, x2) / self._roofline(c1, c2)
             extra = True
         return seconds, bool(extra)
+
+
+def _refine(l: np.ndarray, lz: np.ndarray, filled: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split each interval of axis 0 into REFINE by the monotone cubic along that axis, so
+    bilinear lookups on the finer grid follow it. A new point between a measured and a
+    filled one is marked filled."""
+    slopes = [pchip_slopes(l, lz[:, j]) for j in range(lz.shape[1])]
+    points, rows, marks = [], [], []
+    for i in range(len(l) - 1):
+        q = l[i] + (l[i + 1] - l[i]) * np.arange(REFINE) / REFINE
+        points.append(q)
+        rows.append(np.stack([pchip(l, lz[:, j], slopes[j], q)
+                              for j in range(lz.shape[1])], axis=1))
+        marks.append(np.vstack([filled[i]] + [filled[i] | filled[i + 1]] * (REFINE - 1)))
+    return (np.concatenate([*points, l[-1:]]), np.vstack([*rows, lz[-1:]]),
+            np.vstack([*marks, filled[-1:]]))
