@@ -199,3 +199,19 @@ def test_dp_assignment_in_the_simulator(assignment):
         router = Router(cfg.router.policy, 1, 1, cfg.seed)
         rooms = [router.route(lambda i: 0, lambda i: 0)[2] for _ in range(16)]
         assert taken == [sum(room % 4 == r for room in rooms) for r in range(4)]
+
+
+def test_a_failed_request_frees_its_client_for_the_next():
+    data = experiment(4, num_requests=40)
+    data["workload"]["input_len"] = {"dist": "uniform", "low": 100, "high": 4000}
+    data["cluster"]["decode"]["scheduler"] = {"num_pages": 200, "page_size": 16}  # 3,200 tokens
+    cfg = parse_experiment(data)
+    wl = generate(cfg.workload)
+    sim = Simulation(build_cluster(cfg), cfg.seed, cfg.max_duration_s)
+    records = sim.run(wl.arrival_s, wl.input_tokens, wl.output_tokens, wl.closed_loop).records
+    failed = [r for r in records if not r.ok]
+    assert failed and len(failed) < len(records)
+    assert all("pool holds 3200" in r.error for r in failed)
+    arrivals = np.sort([r.arrival_s for r in records])
+    finishes = np.sort([r.finish_s for r in records])
+    np.testing.assert_array_equal(arrivals[4:], finishes[:-4])  # failures hand on at once too
