@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 

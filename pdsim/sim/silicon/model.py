@@ -272,7 +272,8 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         lora, rope, nope, v = dims
         qk = nope + rope
         if model.q_lora_rank:
-            proj += [ops.gemm(model.q_lora_rank, h, ad), ops.gemm(heads * qk, model.q_lora_rank, ad)]
+            q_lora = model.q_lora_rank
+            proj += [ops.gemm(q_lora, h, ad), ops.gemm(heads * qk, q_lora, ad)]
         else:
             proj.append(ops.gemm(heads * qk, h, ad))
         proj += [ops.gemm(lora + rope, h, ad), ops.gemm(h, heads * v, ad)]
