@@ -127,6 +127,25 @@ def test_a_request_whose_sampling_fails_fails_alone_in_the_engine(server):
     engine.check_pools_full()
 
 
+def test_a_prompt_too_long_for_the_prefill_pool_states_one_limit():
+    from runtime.server import BadRequest, ChatTemplate, Limits, RequestParser
+
+    pd = RequestParser(TOK, Limits(max_model_len=1024, pool_tokens=256, max_position=2048,
+                                   model_vocab=512), ChatTemplate(), [], 16)
+    with pytest.raises(BadRequest) as info:
+        pd.completion({"prompt": [1] * 300, "max_tokens": 1})
+    assert (info.value.param, info.value.message) == (
+        "prompt", "the prompt has 300 tokens; allowed: at most 256 (the prefill KV pool holds "
+        "256 tokens)")
+    assert len(pd.completion({"prompt": [1] * 256, "max_tokens": 1}).prompt_ids) == 256
+    colocated = RequestParser(TOK, Limits(max_model_len=512, pool_tokens=512, max_position=2048,
+                                          model_vocab=512), ChatTemplate(), [], 16)
+    with pytest.raises(BadRequest) as info:
+        colocated.completion({"prompt": [1] * 512, "max_tokens": 1})
+    assert info.value.message.endswith("at most 511 (a prompt and one new token must fit in the "
+                                       "KV pool of 512 tokens)")
+
+
 # ---- the per-step TP broadcast ---------------------------------------------------------------
 
 ADD = steps.AddRequest(rid="r", prompt_ids=[1, 2, 3], max_new_tokens=4, arrival_s=0.25,

@@ -1,7 +1,10 @@
 """The failure edges of disaggregated serving (DESIGN.md), on real workers over loopback: bootstrap
 and waiting-for-KV timeouts, aborts and refusals reaching the other side, a decode worker killed
-mid-run (its requests fail with the reason; prefill goes on with a fresh decode worker), and a
-crossed metadata slot. After each, every page, request slot and metadata slot is back.
+mid-run (its requests fail with the reason; prefill goes on with a fresh decode worker), a
+crossed metadata slot, a request whose sampling fails on either side (it fails alone), and the
+router in front of roles started apart when the decode worker is killed mid-stream (every client
+gets an error event and `[DONE]`; /health names the worker). After each, every page, request slot
+and metadata slot is back.
 """
 
 from __future__ import annotations
@@ -370,3 +373,55 @@ def get_json(url: str) -> tuple[int, dict]:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def test_a_request_whose_sampling_fails_fails_alone_on_either_side():
+    """A real prefill and decode pair in this process; one request's sampling is broken on the
+    prefill side (its first token), another's on the decode side (a seed validation keeps out,
+    smuggled in): each fails with the reason, the other requests of their batches finish."""
+    import torch
+
+    from runtime.bootstrap import BootstrapServer
+    from runtime.distributed import TPGroup
+    from runtime.pd.worker import RankSpec, build_rank
+    from runtime.sampling import SamplingParams
+
+    bad = SamplingParams(temperature=1.0, seed=1)
+    object.__setattr__(bad, "seed", 2**64)
+    threads = torch.get_num_threads()
+    cfg = config()
+    server = BootstrapServer().start()
+    ranks = []
+    try:
+        for role in ("prefill", "decode"):
+            spec = RankSpec(role, 0, 0, 1, bootstrap_host="127.0.0.1", bootstrap_port=server.port)
+            ranks.append(build_rank(cfg, spec, TPGroup.single()))
+        pre, dec = (r.engine.start() for r in ranks)
+        events = {side: queue.Queue() for side in ("p", "d")}
+        poisoned = {"p": 2, "d": 4}  # the request whose sampling breaks on that side
+        for i in range(6):
+            kw = dict(rid=f"s{i}", bootstrap_host="127.0.0.1", bootstrap_port=server.port,
+                      bootstrap_room=7000 + i)
+            for side, engine in (("d", dec), ("p", pre)):
+                sampling = bad if poisoned[side] == i else SamplingParams(temperature=0.5, seed=i)
+                engine.submit(prompt(20, i), 6, lambda e, i=i, q=events[side]: q.put((i, e)),
+                              sampling=sampling, **kw)
+        final = {}
+        for side, q in events.items():
+            final[side] = {}
+            while len(final[side]) < 6:
+                i, event = q.get(timeout=30)
+                if event.finished:
+                    final[side][i] = event
+        assert "sampling failed" in final["p"][2].error and final["d"][2].error
+        assert final["p"][4].error is None and "sampling failed" in final["d"][4].error
+        for i in (0, 1, 3, 5):
+            assert final["p"][i].error is None and final["d"][i].error is None
+            assert final["d"][i].completion_tokens == 6
+        for engine in (pre, dec):
+            engine.check_pools_full(timeout=10)
+    finally:
+        for r in ranks:
+            r.close()
+        server.stop()
+        torch.set_num_threads(threads)
