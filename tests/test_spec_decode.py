@@ -317,3 +317,30 @@ def test_the_draft_takes_its_weights_and_kv_from_the_pool():
 def test_bad_speculative_config_says_what_is_wrong(speculative, message):
     with pytest.raises(ConfigError, match=message):
         parse_experiment(experiment(speculative))
+
+
+def test_the_shipped_experiment_runs_end_to_end_with_its_plots(tmp_path):
+    import yaml
+
+    from pdsim.runner import run_experiment
+
+    raw = yaml.safe_load(open("experiments/spec_decode.yaml"))
+    raw["workload"]["num_requests"] = 40  # the shipped file, shrunk, on the faster roofline
+    raw["cost_model"] = {"name": "roofline"}
+    raw["metrics"] = {"warmup_requests": 8, "cooldown_requests": 8}
+    raw["sweep"]["workload.arrival.concurrency"] = [2, 8]
+    settings = "speculative.method,speculative.num_draft_tokens,speculative.acceptance.rates"
+    raw["sweep"][settings] = [raw["sweep"][settings][i] for i in (0, 3, 6)]  # none, k=3 hi, lo
+    path = tmp_path / "spec_decode.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    summary, out = run_experiment(path, tmp_path / "out", jobs=1, progress=False)
+    assert len(summary) == 2 * 3
+    assert (out / "throughput_vs_itl.png").is_file() and (out / "itl.png").is_file()
+    method = summary["sweep.speculative.method"]
+    k = summary["sweep.speculative.num_draft_tokens"]
+    high = summary["sweep.speculative.acceptance.rates"].map(lambda r: r[0] == 0.85)
+    for clients in (2, 8):
+        at = summary["concurrency"] == clients
+        plain = summary[at & (method == "none")]["itl_mean_s"].item()
+        best = summary[at & (method == "mtp") & (k == 3) & high]["itl_mean_s"].item()
+        assert best < 0.9 * plain
