@@ -175,13 +175,15 @@ def _block_rate(block: str, dtype: str, hardware: HardwareSpec, p: RooflineParam
 
 @register_cost_model("roofline")
 class RooflineCostModel:
-    """Per part of a layer, time = max(FLOPs / compute rate, bytes / memory rate), summed.
+    """Per part of a layer, time = kernel floors + max(FLOPs / compute rate, bytes / memory
+    rate), summed.
 
     Parts: attention projections and attention itself (per attention-DP rank, on that rank's
     own shape; the step waits for the slowest rank), the dense MLP or MoE block, memory-bound
     elementwise kernels, the LM head once, the collectives (TP all-reduces, or DeepEP's
-    dispatch/combine), a kernel-launch floor per layer and a fixed per-step overhead. Each
-    block's GEMMs run at the peak of its weight format (`ModelSpec.precision`).
+    dispatch/combine, optionally overlapped with compute) and a fixed per-step overhead. Each
+    block's GEMMs run at the peak of its weight format (`ModelSpec.precision`); the floors and
+    efficiencies are fitted on measured kernel tables (docs/cost_model.md).
     """
 
     def __init__(
@@ -427,8 +429,8 @@ class RooflineCostModel:
         if self._moe_layers:
             total += self._moe_layers * self._moe_layers_s(shapes, attn, mlp_comm, tokens,
                                                            max_rank_tokens, has_prefill)
-        total += self._lm_floor_s + max(lm_rows * self._lm_s_tok,
-                     (self._lm_w_bytes + lm_rows * self._lm_act_tok) / mem_rate)
+        total += self._lm_floor_s + max(
+            lm_rows * self._lm_s_tok, (self._lm_w_bytes + lm_rows * self._lm_act_tok) / mem_rate)
         total += self._step_overhead_s
         if has_prefill:
             total += self._extend_overhead_s
