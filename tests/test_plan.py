@@ -307,3 +307,15 @@ def test_tpot_floor_discards_when_one_request_steps_are_too_slow():
     verdict = filt.check(dep)
     assert not verdict.keep and verdict.reason.startswith("TPOT floor")
     assert cfg.slo.request_slo().itl_s == 0.001  # goodput's per-request mean-ITL bound
+
+
+def test_without_the_prefilter_a_deployment_that_cannot_be_built_is_reported_not_fatal():
+    cfg = parse_plan({**SMALL, "model": "llama-3.1-70b", "max_gpus": 2,
+                      "search": {"tp": [1, 2], "modes": ["colocated"]},
+                      "workload": {**SMALL["workload"], "num_requests": 10}})
+    result = plan(cfg, prefilter=False, write=False, jobs=1)
+    table = result.candidates.set_index("label")
+    # 70B in BF16 does not fit one 80 GB H100: the simulator refuses it, with the reason.
+    assert not table.loc["1x colocated TP1", "simulated"]
+    assert "does not fit" in table.loc["1x colocated TP1", "sim_error"]
+    assert table.loc["1x colocated TP2", "simulated"]

@@ -1,15 +1,17 @@
 """Name what limits a simulated deployment, in words.
 
 Each resource gets a *pressure*: 1 means it uses up its share of the SLO or of its capacity.
-The bottleneck is the resource under the most pressure:
+The bottleneck is the resource under the most pressure; the runner-up resource is named too:
 
-- prefill compute: the prefill instances' busy fraction, or the 90th percentile of the time a
-  request spends waiting for and in prefill over the TTFT target, whichever is larger;
+- prefill compute: the prefill instances' busy fraction, or the 90th percentile of the time
+  from a request's arrival to the end of its prefill over the TTFT target, whichever is larger
+  (a disaggregated request waits in the bootstrap queue while its prefill instance runs a
+  step, so that wait is prefill's);
 - KV transfer: the 90th percentile of the time from the end of prefill to the KV arriving at
   decode, over the TTFT target;
 - network: the KV bytes per second each decode instance receives over its NIC line rate;
-- decode memory: the decode side's mean running batch over the batch its KV pool holds at the
-  mean context, or the 90th percentile wait for decode room (KV pages) over the TTFT target;
+- decode memory: the decode side's mean running batch over the batch its KV pools hold at the
+  mean context;
 - decode compute: the ITL (or TPOT) percentile over its target, the larger.
 """
 
@@ -47,10 +49,8 @@ def find_bottleneck(row: dict, requests: pd.DataFrame, *, ttft_target_s: float |
     ok = requests[requests["status"] == "ok"]
     ttft = ttft_target_s or _p90(ok["ttft_s"]) or 1.0
     colocated = row["mode"] == "colocated"
-    start = ok["arrival_s"] if colocated else ok["bootstrap_done_s"]
-    prefill_wait = _p90(ok["prefill_end_s"] - start)
+    prefill_wait = _p90(ok["prefill_end_s"] - ok["arrival_s"])
     transfer = 0.0 if colocated else _p90(ok["transfer_done_s"] - ok["prefill_end_s"])
-    room_wait = 0.0 if colocated else _p90(ok["bootstrap_done_s"] - ok["arrival_s"])
     busy = row.get("prefill_busy_frac", math.nan)
     busy = 0.0 if busy != busy else busy
     batch = row.get("decode_mean_batch", math.nan) * row["decode_instances"]
@@ -69,17 +69,15 @@ def find_bottleneck(row: dict, requests: pd.DataFrame, *, ttft_target_s: float |
     options = {
         "prefill compute": (max(busy, prefill_wait / ttft),
                             ("" if colocated else f"prefill busy {busy:.0%}; ")
-                            + f"waiting for and in prefill p90 {prefill_wait * ms:,.0f} ms of "
+                            + f"arrival to end of prefill p90 {prefill_wait * ms:,.0f} ms of "
                             f"the {ttft * ms:,.0f} ms TTFT target"),
         "KV transfer": (transfer / ttft, f"KV transfer p90 {transfer * ms:,.1f} ms of the "
                         f"{ttft * ms:,.0f} ms TTFT target"),
         "network": (nic_use, f"decode NICs {nic_use:.0%} used by KV traffic"),
-        "decode memory": (max(kv_use, room_wait / ttft),
-                          f"decode KV pools {kv_use:.0%} full on average (mean batch "
-                          f"{batch:,.1f} of ~{decode_kv_batch:,.0f}); wait for decode room p90 "
-                          f"{room_wait * ms:,.0f} ms"),
+        "decode memory": (kv_use, f"decode KV pools {kv_use:.0%} full on average (mean batch "
+                          f"{batch:,.1f} of ~{decode_kv_batch:,.0f})"),
         "decode compute": (decode_use, decode_words),
     }
-    name = max(options, key=lambda k: options[k][0])
-    pressure, words = options[name]
-    return Bottleneck(name, pressure, words)
+    first, second = sorted(options, key=lambda k: options[k][0], reverse=True)[:2]
+    pressure, words = options[first]
+    return Bottleneck(first, pressure, f"{words}; next: {second}, {options[second][1]}")

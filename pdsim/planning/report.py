@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from pdsim.planning.search import Choice, PlanResult, _axis
+from pdsim.planning.search import Choice, PlanResult, axis_column
 
 FRONTIER_COLUMNS = ("label", "num_gpus", "usd_per_hour", "output_tok_s_per_gpu", "usd_per_mtok",
                     "goodput_req_s_per_gpu", "goodput_req_per_usd", "feasible", "bottleneck")
@@ -42,7 +42,7 @@ def plot_frontier(result: PlanResult, path: Path) -> Path:
     ok = sims[sims["feasible"] == True]  # noqa: E712
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for col, metric in enumerate(("ttft", "itl")):
-        x = _axis(cfg, metric)
+        x = axis_column(cfg, metric)
         bound = cfg.slo.targets().get(x)
         for row, y in enumerate(("output_tok_s_per_gpu", "usd_per_mtok")):
             ax = axes[row][col]
@@ -135,7 +135,7 @@ def report_text(result: PlanResult, plots: list[str]) -> str:
     lines += ["## Pareto frontier", "",
               "tok/s/GPU against the TTFT and ITL percentiles (`frontier.csv`; every candidate "
               "with its pre-filter verdict in `candidates.csv`).", ""]
-    ttft, itl = _axis(cfg, "ttft"), _axis(cfg, "itl")
+    ttft, itl = axis_column(cfg, "ttft"), axis_column(cfg, "itl")
     cols = list(FRONTIER_COLUMNS[:2]) + [ttft, itl] + list(FRONTIER_COLUMNS[3:])
     lines.append("| " + " | ".join(c.removesuffix("_s").replace("_", " ") + " (ms)"
                                    if c in (ttft, itl) else c.replace("_", " ") for c in cols) + " |")
@@ -156,6 +156,6 @@ def report_text(result: PlanResult, plots: list[str]) -> str:
 def summary_frame(result: PlanResult) -> pd.DataFrame:
     """The frontier with the columns the CLI prints."""
     cfg = result.plan
-    cols = ["label", "num_gpus", _axis(cfg, "ttft"), _axis(cfg, "itl"), "output_tok_s_per_gpu",
-            "usd_per_mtok", "feasible", "bottleneck"]
+    cols = ["label", "num_gpus", axis_column(cfg, "ttft"), axis_column(cfg, "itl"),
+            "output_tok_s_per_gpu", "usd_per_mtok", "feasible", "bottleneck"]
     return result.frontier[cols]

@@ -105,13 +105,16 @@ def plan(source: PlanConfig | str | Path, *, out_dir: str | Path | None = None,
     results = _simulate(cfg, deployments, list(survivors["candidate"]), price, jobs, progress,
                         base_dir)
     timings["simulate_s"] = time.perf_counter() - t0
-    timings["simulated"] = len(results)
 
-    sims = pd.DataFrame([_sim_row(cfg, r, price) for r in results.values()])
+    errors = {c: r for c, r in results.items() if isinstance(r, str)}
+    results = {c: r for c, r in results.items() if isinstance(r, PointResult)}
+    timings["simulated"] = len(results)
+    sims = pd.DataFrame([_sim_row(r, price) for r in results.values()])
     if len(sims):
         table = table.merge(sims.drop(columns=["num_gpus", "usd_per_hour"]), on="candidate",
                             how="left")
     table["simulated"] = table["candidate"].isin(results)
+    table["sim_error"] = [errors.get(c, "") for c in table["candidate"]]
     table["feasible"] = table["candidate"].map(
         {c: meets(cfg, r.summary) for c, r in results.items()})
     for c, r in results.items():
@@ -153,7 +156,7 @@ def pareto_frontier(table: pd.DataFrame, cfg: PlanConfig) -> pd.DataFrame:
     sims = table[table["simulated"] & table["output_tok_s_per_gpu"].notna()]
     if sims.empty:
         return sims
-    ttft, itl = _axis(cfg, "ttft"), _axis(cfg, "itl")
+    ttft, itl = axis_column(cfg, "ttft"), axis_column(cfg, "itl")
     vals = np.column_stack([-sims["output_tok_s_per_gpu"].to_numpy(float),
                             sims[ttft].to_numpy(float), sims[itl].to_numpy(float)])
     vals = np.nan_to_num(vals, nan=np.inf)
@@ -161,14 +164,14 @@ def pareto_frontier(table: pd.DataFrame, cfg: PlanConfig) -> pd.DataFrame:
     return sims[keep].sort_values("output_tok_s_per_gpu", ascending=False)
 
 
-def _axis(cfg: PlanConfig, metric: str) -> str:
+def axis_column(cfg: PlanConfig, metric: str) -> str:
     """The summary column a metric is judged by: its highest percentile target, else p90."""
     targets = cfg.slo.percentile_targets(metric)
     q = targets[-1][0] if targets else 90
     return f"{metric}_p{q}_s"
 
 
-def _sim_row(cfg: PlanConfig, r: PointResult, price: float) -> dict:
+def _sim_row(r: PointResult, price: float) -> dict:
     row = {"candidate": r.index, **{k: v for k, v in r.summary.items()
                                     if k not in ("point", "mode", "label")}}
     row.update(price_columns(r.summary, price))
@@ -208,11 +211,20 @@ def _choice(cfg: PlanConfig, dep: Deployment, table: pd.DataFrame, r: PointResul
                   sglang_commands(dep, cfg, hw.gpus_per_node), experiment_yaml(dep, cfg))
 
 
+def _run_candidate(index: int, cfg, swept: dict, base_dir: str | None) -> PointResult | str:
+    """One simulation; a deployment the simulator cannot build (its weights do not fit, say)
+    comes back as the reason instead of failing the plan."""
+    try:
+        return run_point(index, cfg, swept, base_dir)
+    except ConfigError as exc:
+        return str(exc)
+
+
 def _simulate(cfg: PlanConfig, deployments: list[Deployment], order: list[int], price: float,
-              jobs: int | None, progress: bool, base_dir: str | None) -> dict[int, PointResult]:
+              jobs: int | None, progress: bool, base_dir: str | None) -> dict[int, PointResult | str]:
     """Simulate candidates cheapest first, at most `search.max_simulations`; with the cost
     objective, once one meets the SLO stop submitting those costing more than (1 + cost_slack)
-    times it."""
+    times it. A candidate that cannot be built maps to the reason."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     order = order[:cfg.search.max_simulations]
@@ -224,13 +236,15 @@ def _simulate(cfg: PlanConfig, deployments: list[Deployment], order: list[int], 
         data = deployments[c].experiment_data(cfg, name=f"{cfg.name}_{c}")
         return c, parse_experiment(data, f"plan {cfg.name}, candidate {deployments[c].label}"), {}, base_dir
 
-    def done(r: PointResult, bar: Callable[[], None]) -> None:
+    def done(c: int, r: PointResult | str, bar: Callable[[], None]) -> None:
         nonlocal cutoff
-        r.summary.update(tpot_percentiles(r.requests))
-        results[r.index] = r
-        if cfg.objective == "cost" and meets(cfg, r.summary):
-            cutoff = min(cutoff, deployments[r.index].num_gpus * price * (1 + cfg.search.cost_slack))
+        results[c] = r
         bar()
+        if isinstance(r, str):
+            return
+        r.summary.update(tpot_percentiles(r.requests))
+        if cfg.objective == "cost" and meets(cfg, r.summary):
+            cutoff = min(cutoff, deployments[c].num_gpus * price * (1 + cfg.search.cost_slack))
 
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
@@ -243,18 +257,19 @@ def _simulate(cfg: PlanConfig, deployments: list[Deployment], order: list[int], 
                 c = pending.pop(0)
                 if deployments[c].num_gpus * price > cutoff:
                     break
-                done(run_point(*args(c)), advance)
+                done(c, _run_candidate(*args(c)), advance)
         else:
             with ProcessPoolExecutor(max_workers=jobs) as pool:
-                running = set()
+                running: dict = {}
                 while pending or running:
                     while pending and len(running) < jobs and \
                             deployments[pending[0]].num_gpus * price <= cutoff:
-                        running.add(pool.submit(run_point, *args(pending.pop(0))))
+                        c = pending.pop(0)
+                        running[pool.submit(_run_candidate, *args(c))] = c
                     if not running:
                         break
-                    finished, running = wait(running, return_when=FIRST_COMPLETED)
+                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
                     for fut in finished:
-                        done(fut.result(), advance)
+                        done(running.pop(fut), fut.result(), advance)
         bar.update(task, total=len(results))
     return results
