@@ -17,12 +17,13 @@ import yaml
 
 from pdsim.config import ExperimentConfig, expand_sweep, load_experiment
 from pdsim.faults import fault_summary, first_kill_s
-from pdsim.metrics import records_frame, summarize
+from pdsim.metrics import price_columns, records_frame, summarize
 from pdsim.plots import plot_experiment, plot_latency_cdfs, sweep_labels
 from pdsim.report import write_report
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cluster import simulate
 from pdsim.sim.silicon import cost_columns
+from pdsim.specs.hardware import load_hardware_spec
 from pdsim.workload import ClosedLoop, generate
 
 
@@ -73,6 +74,8 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
     row = {"point": index, **point_columns(cfg, rate, workload.closed_loop),
            **{f"sweep.{k}": v for k, v in swept.items()}}
     row.update(summarize(result.records, num_gpus=cluster.num_gpus, slo=cfg.slo, window=cfg.metrics))
+    # usd_per_hour, usd_per_mtok, goodput_req_per_usd at the hardware's price (NaN: none)
+    row.update(price_columns(row, load_hardware_spec(cfg.hardware, base_dir).usd_per_gpu_hour))
     row["sim_time_s"] = result.sim_time_s
     row["prefill_busy_frac"] = result.prefill_busy_frac
     row["decode_busy_frac"] = result.decode_busy_frac
