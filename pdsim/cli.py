@@ -216,6 +216,9 @@ def _serve_disaggregated(cfg, role, instance, port, bootstrap_port, prefill_url,
     try:
         if role in ("prefill", "decode"):
             from runtime.pd.worker import ready_line, serve_instance
+            from runtime.transfer.bindshim import reexec_with_preload
+
+            reexec_with_preload(cfg.transfer.host)  # keeps Mooncake's ports on transfer.host
 
             status = serve_instance(
                 cfg, role, instance, port=port, bootstrap_port=bootstrap_port,

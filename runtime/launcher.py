@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from runtime.security import api_key, deployment_secret, key_of, resolve_secret, secret_env
 from runtime.faults import Killer
 from runtime.serve_config import ROLES, PDServeConfig
+from runtime.transfer.bindshim import preload_env
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,8 @@ def spawn_workers(config: PDServeConfig, secret: str | None = None) -> list[Work
                     payload["bootstrap_port"] = (config.bootstrap_port(i)
                                                  or free_port(config.transfer.host))
                 command = python_command("instance", payload)
-                env = {**child_env(), **secret_env(secret)}
+                env = {**child_env(), **secret_env(secret),
+                       **preload_env(config.transfer.host)}  # Mooncake's ports: see bindshim
                 proc = subprocess.Popen(command, env=env, start_new_session=True)
                 workers.append(WorkerProcess(role, i, f"http://{spec.host}:{port}", proc,
                                              command, env))

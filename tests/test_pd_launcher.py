@@ -18,7 +18,8 @@ from pathlib import Path
 from openai import OpenAI
 
 from pd_harness import REPO, Proc
-from runtime.security import SECRET_ENV, new_secret
+from runtime.security import SECRET_ENV, listeners, new_secret
+from runtime.transfer import bindshim
 
 CONFIG = """\
 mode: disaggregated
@@ -135,6 +136,8 @@ def test_one_role_alone_and_cli_errors(tmp_path, monkeypatch):
             health = json.loads(resp.read())
         assert (health["role"], health["status"], health["tp"]) == ("decode", "ok", 1)
         assert "INSECURE: decode worker 0 runs without a cluster secret" in "".join(worker.seen)
+        if bindshim.build() is not None:  # rank 0 re-executed itself with the bind() wrapper
+            assert all(x.loopback for x in listeners(worker.proc.pid))
         assert worker.stop() == 0
         worker.wait_for(r"pdsim serve: stopped", timeout_s=5)
     finally:

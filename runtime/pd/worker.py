@@ -221,6 +221,7 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
     from runtime.pd.http import WorkerInfo, WorkerServer
     from runtime.security import key_of, resolve_secret, secret_env
     from runtime.server import model_config_of
+    from runtime.transfer.bindshim import preload_env
 
     spec_cfg = config.role(role)
     if not 0 <= instance < spec_cfg.instances:
@@ -247,8 +248,8 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
             for r in range(1, spec.tp):
                 payload = {"parent_pid": os.getpid(), "config": config.model_dump(mode="json"),
                            "spec": {**asdict(spec), "rank": r}}
-                followers.append(subprocess.Popen(python_command("follower", payload),
-                                                  env={**child_env(), **secret_env(secret)}))
+                env = {**child_env(), **secret_env(secret), **preload_env(config.transfer.host)}
+                followers.append(subprocess.Popen(python_command("follower", payload), env=env))
         group = join_group(spec)
         rank = build_rank(config, spec, group)
         info = WorkerInfo(role=role, instance=instance, tp=spec.tp, model=config.model_name,

@@ -97,7 +97,7 @@ class ZmqChannel:
             frame = body
         try:
             return decode(frame)
-        except ProtocolError as exc:
+        except (ProtocolError, TypeError, ValueError) as exc:  # whatever the bytes, never raise
             self.bad_frames += 1
             if self.bad_frames % 1000 == 1:
                 log.warning("dropping a bad frame on %s (%d so far): %s", self.endpoint,

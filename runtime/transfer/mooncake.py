@@ -18,9 +18,11 @@ until `close()`. With `config.key` (the deployment's `ClusterKey`) every ZMQ fra
 checked; frames without the key are dropped and counted (`rejected_frames`).
 
 The Mooncake engine itself cannot be told where to listen: its handshake (RPC) port and its TCP
-data port bind every interface whatever `host` says (`MooncakeEngine.exposed`), and peers that
-reach them can read and write the registered KV memory. The manager logs that at start-up,
-naming the ports; docs/serving.md says what to firewall.
+data port bind every interface whatever `host` says, and peers that reach them can read and
+write the registered KV memory. Worker processes started with the bind() wrapper
+(runtime/transfer/bindshim.py) keep them on `host`; otherwise (`MooncakeEngine.exposed`) the
+manager logs at start-up which ports are open to every interface; docs/serving.md says what to
+firewall.
 """
 
 from __future__ import annotations
