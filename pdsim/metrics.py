@@ -12,13 +12,15 @@ import math
 from collections.abc import Iterable, Sequence
 from itertools import chain
 from operator import attrgetter
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdsim.core.records import RequestRecord
+
+if TYPE_CHECKING:  # pandas is imported by `records_frame` only: a plain run need not load it
+    import pandas as pd
 
 NAN = math.nan
 
@@ -152,12 +154,14 @@ def _share_shared_gaps(gaps: np.ndarray, gap_counts: np.ndarray) -> np.ndarray:
     return np.repeat(np.add.reduceat(gaps, starts) / sizes, sizes)
 
 
-def records_frame(records: Iterable[RequestRecord]) -> pd.DataFrame:
+def records_frame(records: Iterable[RequestRecord]) -> "pd.DataFrame":
     """One row per request, the columns and values of `RequestRecord.to_row()`, in that order.
 
     Built column by column from lists rather than by calling `to_row()` per record, which is
     about a hundred times slower on long token lists.
     """
+    import pandas as pd
+
     records = list(records)
     columns: dict[str, object] = {name: list(map(attrgetter(name), records)) for name in _RECORD_FIELDS}
     arrival = np.asarray(columns["arrival_s"], dtype=np.float64)

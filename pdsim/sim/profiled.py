@@ -16,14 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from pdsim.core.batch import BatchShape
 from pdsim.sim.cost import Parallelism, register_cost_model
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
+
+if TYPE_CHECKING:  # pandas loads when a profiled model is built, not with every simulation
+    import pandas as pd
 
 FEATURES = ("prefill_tokens", "prefill_attn_pairs", "decode_reqs", "decode_context_tokens")
 MIN_FORWARDS = 8
@@ -67,7 +70,7 @@ class ProfiledCostModel:
                  role: str = "colocated") -> None:
         # kv_dtype_bytes and role are accepted as every cost model's are; the measured
         # forwards already carry their effect.
-        frame = timings if isinstance(timings, pd.DataFrame) else _read(Path(timings))
+        frame = timings if not isinstance(timings, (str, Path)) else _read(Path(timings))
         self.extend_base_s, self.decode_base_s, slopes = fit_linear_costs(frame)
         self._a, self._b, self._c, self._d = (float(v) for v in slopes)
 
@@ -83,7 +86,9 @@ class ProfiledCostModel:
         return worst
 
 
-def _read(path: Path) -> pd.DataFrame:
+def _read(path: Path) -> "pd.DataFrame":
+    import pandas as pd
+
     if not path.is_file():
         raise ValueError(f"no timings file at {path} (an executor's save_timings output)")
     return pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
+
+if TYPE_CHECKING:  # imported where used: a simulation alone need not load pandas
+    import pandas as pd
 
 
 class WorkloadError(ValueError):
@@ -148,7 +150,9 @@ class Workload:
             raise ValueError("scaled: a closed-loop workload has no arrival times to rescale")
         return Workload(self.arrival_s / rate_factor, self.input_tokens, self.output_tokens, self.num_dropped)
 
-    def to_frame(self) -> pd.DataFrame:
+    def to_frame(self) -> "pd.DataFrame":
+        import pandas as pd
+
         columns = ("arrival_s", "input_tokens", "output_tokens")
         return pd.DataFrame({name: getattr(self, name) for name in columns})
 

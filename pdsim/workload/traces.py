@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import pandas as pd
 
 from pdsim.workload.arrays import TraceNotFoundError, Workload, WorkloadError
 
@@ -111,6 +110,8 @@ _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 def read_azure(path: str | Path) -> Workload:
     """Azure LLM inference CSV: `TIMESTAMP`, `ContextTokens`, `GeneratedTokens`."""
+    import pandas as pd  # here only: a simulation alone need not load pandas
+
     path = Path(path)
     try:
         header = pd.read_csv(path, nrows=0).columns
