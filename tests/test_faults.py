@@ -219,8 +219,8 @@ def test_failed_transfers_are_the_same_requests_in_both_backends():
     assert {r.rid for r in sim.records if not r.ok} == chosen
     sim.check_pools_full()
     # The real deployment: the same rids through a prefill and a decode worker, all at once.
-    # The bootstrap server also answers 1 s late: a decode rank's first lookup (two answers).
-    real = FaultsConfig(**faults, bootstrap_delay_s=1.0)
+    # The bootstrap server also answers 1.5 s late: a decode rank's first lookup (two answers).
+    real = FaultsConfig(**faults, bootstrap_delay_s=1.5)
     cfg = pd_config("tiny-llama").model_copy(update={"faults": real})
     workers = [start_worker(cfg, "prefill"), start_worker(cfg, "decode")]
     try:
@@ -231,10 +231,10 @@ def test_failed_transfers_are_the_same_requests_in_both_backends():
                   for i in range(REAL_N)]
         start = time.monotonic()
         outcomes = generate(pre, dec, bodies)
-        assert time.monotonic() - start >= 2.0  # every request waited for the first lookup
+        assert time.monotonic() - start >= 3.0  # every request waited for the first lookup
         start = time.monotonic()
         (later,) = generate(pre, dec, [body("later", bodies[0]["input_ids"], 4, pre)])
-        assert time.monotonic() - start < 2.0 and len(later.token_ids) == 4  # cached answers
+        assert time.monotonic() - start < 3.0 and len(later.token_ids) == 4  # cached answers
         failed = {b["rid"] for b, o in zip(bodies, outcomes) if o.error}
         assert failed == chosen
         for b, o in zip(bodies, outcomes):
@@ -308,8 +308,22 @@ async def _kill_scenario(url: str) -> tuple[list[dict], list[dict], dict]:
     return inflight, down, after
 
 
-def test_killed_decode_worker_fails_its_requests_in_both_backends(tmp_path):
+def _pools_full(url: str, headers: dict, timeout_s: float = 20.0) -> dict:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(urllib.request.Request(url + "/pools", headers=headers),
+                                    timeout=30) as resp:
+            state = json.loads(resp.read())
+        if state["full"] or time.monotonic() > deadline:
+            return state
+        time.sleep(0.1)
+
+
+def test_killed_decode_worker_fails_its_requests_in_both_backends(tmp_path, monkeypatch):
     from pd_harness import Proc
+    from runtime.security import SECRET_ENV, key_of, new_secret
 
     # The simulator: three long requests in flight, then arrivals while it is down and after.
     data = experiment({"kill": [{"role": "decode", "at_s": KILL_S, "restart_after_s": BACK_S}]})
@@ -321,23 +335,29 @@ def test_killed_decode_worker_fails_its_requests_in_both_backends(tmp_path):
     # The real deployment, killed by the launcher at the same time after it serves.
     cfg = tmp_path / "pd.yaml"
     cfg.write_text(KILL_CONFIG)
+    secret = new_secret()
+    monkeypatch.setenv(SECRET_ENV, secret)  # the deployment's: /pools needs it
     launcher = Proc(str(cfg))
     try:
         url = launcher.wait_for(r"\(disaggregated: .*\) at (http://\S+/v1)").group(1)
         inflight, down, after = asyncio.run(_kill_scenario(url))
         launcher.wait_for(r"fault injection: restart decode worker 0", timeout_s=5)
         assert launcher.proc.poll() is None  # the launcher took the kill for a fault, not a crash
+        for role in ("prefill", "decode"):  # the prefill side freed what the dead one asked for
+            worker = launcher.wait_for(rf"{role} worker 0 .* at (http://[^\s,]+)").group(1)
+            state = _pools_full(worker, key_of(secret).headers())
+            assert state["full"], (role, state)
     finally:
         assert launcher.stop() == 0
     # Streams in flight: each ends with an error soon after the kill (sim: at the kill).
     assert all(r.error == "decode worker 0 died" and r.finish_s == KILL_S for r in s_inflight)
-    for r in inflight:
-        assert r["ended"] and r["error"] and 0 < r["tokens"], r
-        assert KILL_S - 0.5 < r["end"] < KILL_S + 2.0, r
+    for r in inflight:  # (bounds loose for a busy machine; measured: 50-60 ms after the kill)
+        assert r["ended"] and r["error"] and r["tokens"] < 1500, r
+        assert KILL_S - 0.5 < r["end"] < KILL_S + 5.0, r
     # Sent while it is down: refused at once by the router (it keeps routing there).
     assert all("unreachable" in r.error and r.finish_s - r.arrival_s < 0.05 for r in s_down)
     for r in down:
-        assert r["ended"] and "unreachable" in r["error"] and r["end"] - r["sent"] < 1.0, r
+        assert r["ended"] and "unreachable" in r["error"] and r["end"] - r["sent"] < 2.0, r
     # After the restart: served again (the real one needs its start-up time on top).
     assert s_after.ok and after["ended"] and after["error"] is None and after["tokens"] == 8
     assert after["sent"] > KILL_S + BACK_S
