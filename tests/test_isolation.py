@@ -12,6 +12,7 @@ import json
 import os
 import queue
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -152,6 +153,57 @@ ADD = steps.AddRequest(rid="r", prompt_ids=[1, 2, 3], max_new_tokens=4, arrival_
                        stop_token_ids=[7], temperature=0.7, top_k=0, top_p=1.0, seed=None,
                        bootstrap_host="127.0.0.1", bootstrap_port=1234, bootstrap_room=5,
                        top_logprobs=0)
+
+
+def _tp2_decode_instance(group) -> dict:
+    """One rank of a tp-2 decode instance of tiny-llama. Rank 0 submits two requests that do not
+    fit a step message (a seed beyond 64 bits smuggled past validation; a stop id beyond msgpack)
+    and one that does, then asks every rank whether its pools are full: a collective that only
+    answers if both ranks are still in step."""
+    from pd_harness import pd_config
+    from runtime.pd.worker import RankSpec, build_rank
+
+    rank = build_rank(pd_config("tiny-llama", decode={"tp": 2}),
+                      RankSpec("decode", 0, group.rank, 2), group)
+    engine = rank.engine.start()
+    try:
+        if group.rank != 0:
+            engine.join(120)  # until rank 0 broadcasts the stop
+            return {"stopped": not engine.running}
+        bad_seed = SamplingParams(temperature=1.0, seed=1)
+        object.__setattr__(bad_seed, "seed", 2**64)
+        events: queue.Queue = queue.Queue()
+        meet = dict(bootstrap_host="127.0.0.1", bootstrap_port=9)  # nobody there
+        engine.submit([1, 2, 3], 4, lambda e: events.put(("seed", e)), sampling=bad_seed,
+                      rid="seed", bootstrap_room=1, **meet)
+        engine.submit([1, 2, 3], 4, lambda e: events.put(("stop", e)), stop_token_ids=[10**20],
+                      rid="stop", bootstrap_room=2, **meet)
+        engine.submit([1, 2, 3], 4, lambda e: events.put(("ok", e)), rid="ok",
+                      bootstrap_room=3, **meet)
+        engine.abort("ok", "aborted by the test")  # broadcast to rank 1 like the add
+        ends = {}
+        while len(ends) < 3:
+            name, event = events.get(timeout=60)
+            ends[name] = [event.status, event.error]
+        engine.check_pools_full(timeout=30)
+        return {"ends": ends, "pools": engine.pools(30)}
+    finally:
+        engine.stop()
+        rank.manager.close()
+        # Mooncake's destructor holds an exiting process up for many seconds (the workers leave
+        # with os._exit for this, runtime/pd/worker.py): leave soon after the result is out.
+        threading.Timer(3.0, os._exit, (0,)).start()
+
+
+def test_requests_that_do_not_fit_the_tp_step_fail_alone_before_the_broadcast():
+    from runtime.distributed import run_ranks
+
+    lead, follower = run_ranks(_tp2_decode_instance, 2, timeout_s=180)
+    for name in ("seed", "stop"):
+        status, error = lead["ends"][name]
+        assert status == 400 and error.startswith("invalid request: "), (name, error)
+    assert lead["ends"]["ok"] == [None, "aborted by the test"]  # broadcast, then aborted
+    assert lead["pools"] == {"full": True, "detail": ""} and follower == {"stopped": True}
 
 
 def test_a_step_round_trips():

@@ -203,7 +203,7 @@ def test_an_unreachable_decode_worker_is_a_503_with_retry_after():
 
 
 @pytest.mark.parametrize("cluster", [{"decode": {"token_delay_s": 0.05}}], indirect=True)
-def test_a_client_that_goes_away_aborts_both_sides(cluster):
+def test_a_client_that_goes_away_aborts_both_sides(cluster, caplog):
     import http.client
     from urllib.parse import urlsplit
 
@@ -221,6 +221,7 @@ def test_a_client_that_goes_away_aborts_both_sides(cluster):
     cluster.wait_for(lambda: cluster.prefill[0].aborted and any(d.aborted for d in cluster.decode))
     assert cluster.prefill[0].aborted[0]["reason"] == "client disconnected"
     assert any(d.aborted for d in cluster.decode)
+    assert "Traceback" not in caplog.text and "never retrieved" not in caplog.text
 
 
 def test_three_hundred_concurrent_streams_complete_with_none_lost(cluster):

@@ -271,7 +271,7 @@ def test_a_burst_of_concurrent_requests_leaves_the_pools_full(server, client):
         assert out == reference_greedy(server, ids, 24, stop=())
 
 
-def test_a_client_that_disconnects_is_aborted(server, client):
+def test_a_client_that_disconnects_is_aborted(server, client, caplog):
     name = model_name(server)
     engine = server.engine
     before = len(engine.records)
@@ -299,6 +299,7 @@ def test_a_client_that_disconnects_is_aborted(server, client):
     for r in new:
         assert r.status == "failed" and r.error == "client disconnected"
         assert r.output_tokens < 480
+    assert "Traceback" not in caplog.text and "Error handling request" not in caplog.text
 
 
 def test_records_have_the_lifecycle_timestamps(server, client):
