@@ -73,7 +73,8 @@ class FaultsConfig(_Spec):
                 if item.instance >= n:
                     allowed = f"0..{n - 1}" if n else "none (the deployment has no such role)"
                     raise ValueError(f"faults.{kind}.{i}.instance: {item.instance}; allowed: "
-                                     f"{allowed} ({item.role} has {n} instances)")
+                                     f"{allowed} ({item.role} has {n} instance"
+                                     f"{'' if n == 1 else 's'})")
         if not instances and (self.fail_transfers or self.bootstrap_delay_s):
             name = "fail_transfers" if self.fail_transfers else "bootstrap_delay_s"
             raise ValueError(f"faults.{name}: {getattr(self, name)}; allowed: 0 when serving "

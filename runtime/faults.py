@@ -85,13 +85,12 @@ class TransferFaults:
 
 class Killer:
     """The launcher's kills and restarts. `run(workers)` follows the schedule (times from its
-    start); `killed(worker)` says whether a worker's exit is the fault's doing, so the launcher
-    does not take it for a crash."""
+    start); `killed(role, instance)` says whether that worker is down by the fault's doing, so
+    the launcher does not take its exit for a crash."""
 
     def __init__(self, faults: FaultsConfig) -> None:
         self.faults = faults
         self._down: set[tuple[str, int]] = set()
-        self.events: list[tuple[float, str]] = []  # (seconds since start, what happened)
 
     def killed(self, role: str, instance: int) -> bool:
         return (role, instance) in self._down
@@ -115,5 +114,4 @@ class Killer:
             else:
                 w.proc = subprocess.Popen(w.command, env=w.env, start_new_session=True)
                 self._down.discard((k.role, k.instance))
-            self.events.append((time.monotonic() - start, f"{what} {k.role} worker {k.instance}"))
             log.warning("fault injection: %s %s worker %d", what, k.role, k.instance)
