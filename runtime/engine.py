@@ -75,10 +75,6 @@ class EngineStopped(RuntimeError):
     """The engine no longer takes requests."""
 
 
-class Overloaded(RuntimeError):
-    """Too many requests in flight: the caller should answer 503 with Retry-After."""
-
-
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait before trying again
 # Failures that mean "too busy right now" (a request that waited its turn too long), not a fault.
 BUSY_FAILURES = ("shutting down", "bootstrap timed out", "KV did not arrive within")

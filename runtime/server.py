@@ -39,9 +39,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from runtime.engine import (
-    RETRY_AFTER_S, Engine, EngineStopped, Overloaded, StreamEvent, failure_status,
-)
+from runtime.engine import RETRY_AFTER_S, Engine, EngineStopped, StreamEvent, failure_status
 from runtime.http_app import MAX_BODY_BYTES, AppServer, json_errors
 from runtime.sampling import SamplingError, SamplingParams, parse_sampling
 from runtime.serve_config import PDServeConfig, ServeConfig
@@ -512,8 +510,6 @@ class OpenAIServer(AppServer):
                                top_logprobs=params.top_logprobs)
         except EngineStopped:
             return busy_response("the server is shutting down")
-        except Overloaded as exc:
-            return busy_response(str(exc))
         finished = False
         self._inflight += 1
         try:
