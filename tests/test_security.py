@@ -437,3 +437,22 @@ def test_a_deployment_listens_on_loopback_and_refuses_strangers(tmp_path, monkey
     finally:
         if launcher.proc.poll() is None:
             launcher.proc.kill()
+
+
+def test_the_api_key_guards_the_colocated_server():
+    from runtime.serve_config import ServeConfig
+    from runtime.server import BackgroundServer, build_server
+
+    server = build_server(ServeConfig(model="tiny-llama", port=0, num_pages=32, page_size=8,
+                                      device="cpu"))
+    server.protect(api_key="colocated-key")
+    with BackgroundServer(server) as srv:
+        body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "colocated-key"}):
+            status, reply = http("POST", srv.url + "/v1/completions", body, headers)
+            assert status == 401 and reply["error"]["type"] == "authentication_error"
+        assert http("GET", srv.url + "/v1/models")[0] == 401
+        assert http("GET", srv.url + "/health")[0] == 200
+        status, reply = http("POST", srv.url + "/v1/completions", body,
+                             {"Authorization": "Bearer colocated-key"})
+        assert status == 200 and reply["usage"]["completion_tokens"] == 2
