@@ -75,7 +75,8 @@ class MooncakeKVManager:
         if self.engine.exposed:
             log.warning(
                 "the Mooncake transfer engine listens on %s (every interface) although the "
-                "configured host is %s: it cannot be bound to one address. Anyone who reaches "
+                "configured host is %s: Mooncake has no setting for it, and this process runs "
+                "without the bind() wrapper (runtime/transfer/bindshim.py). Anyone who reaches "
                 "these ports can read and write this rank's registered KV memory; firewall them "
                 "(docs/serving.md, Security)",
                 ", ".join(f"{x.address}:{x.port}" for x in self.engine.exposed), config.host)
