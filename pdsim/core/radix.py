@@ -1,0 +1,275 @@
+"""Radix prefix cache: KV pages of finished prompts kept for requests that start the same way.
+
+A tree with one node per cached page, keyed by the page's content (a *page key*): a tuple of
+`page_size` token ids in the real backend, a key derived from a trace's prefix-block ids in the
+simulator (`block_page_keys`). A node's pages hold the KV of every token from the root down to
+it, so the path of keys a request matches is the prefix it can skip. Only whole pages are cached.
+
+Ownership. A page is in exactly one state: free (in the `PagePool`), held by a request only
+(its suffix, not yet cached), or cached (a node owns it; requests that matched it hold it by
+reference). `lock(node)` pins a node and its ancestors for a request that uses them; a pinned
+page is never evicted. Unpinned nodes are evicted leaf first, least recently used first, when
+`alloc` finds too few free pages; their pages go back to the pool. So "nothing leaked" means
+`free + cached == total` with nothing pinned (`check_full`).
+
+The cache is clock-free: every call that uses or adds a prefix takes `now` (any non-decreasing
+number; the simulator passes simulated seconds, the real backend wall-clock seconds).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from pdsim.core.pool import PagePool
+
+PageKey = Hashable
+
+
+def token_page_keys(token_ids: Sequence[int], page_size: int) -> list[tuple[int, ...]]:
+    """One key per whole page of `token_ids`: the page's token ids; a partial last page has none."""
+    whole = len(token_ids) - len(token_ids) % page_size
+    return [tuple(token_ids[i:i + page_size]) for i in range(0, whole, page_size)]
+
+
+def block_page_keys(block_ids: Sequence[int], block_tokens: int, num_tokens: int,
+                    page_size: int) -> list[tuple[int, ...]]:
+    """One key per whole page of a prompt known only by its prefix-block ids.
+
+    Block `b` covers tokens `[b * block_tokens, (b + 1) * block_tokens)`; equal ids at the same
+    place after equal earlier ids mean equal tokens (a Mooncake trace's `hash_ids`). A page's key
+    is its start offset within its first block and the ids of every block it overlaps, so two
+    prompts get equal keys for a page exactly when the blocks under it are equal (the tree
+    conditions each key on the path above it).
+    """
+    if num_tokens > len(block_ids) * block_tokens:
+        raise ValueError(
+            f"{len(block_ids)} blocks of {block_tokens} tokens cannot cover {num_tokens} tokens")
+    keys = []
+    for start in range(0, num_tokens - page_size + 1, page_size):
+        first, last = start // block_tokens, (start + page_size - 1) // block_tokens
+        keys.append((start - first * block_tokens, *block_ids[first:last + 1]))
+    return keys
+
+
+def max_match_pages(input_len: int, page_size: int) -> int:
+    """Pages of a prompt a request may take from the cache: the last prompt token is always
+    computed, since its forward yields the first output token."""
+    return (input_len - 1) // page_size
+
+
+class Node:
+    __slots__ = ("key", "page", "parent", "children", "lock_ref", "last_access_s")
+
+    def __init__(self, key: PageKey, page: int, parent: Node | None, now: float):
+        self.key = key
+        self.page = page
+        self.parent = parent
+        self.children: dict[PageKey, Node] = {}
+        self.lock_ref = 0
+        self.last_access_s = now
+
+    def path_pages(self) -> list[int]:
+        """Pages from the root's first child down to this node."""
+        pages = []
+        node = self
+        while node.parent is not None:
+            pages.append(node.page)
+            node = node.parent
+        return pages[::-1]
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The longest cached prefix of some keys: its pages in order and the deepest node (the
+    root when nothing matched), which the request locks while it uses the pages."""
+
+    node: Node
+    pages: list[int]
+    cached_tokens: int
+
+
+class RadixCache:
+    """Page-granular prefix cache over a `PagePool` (see the module docstring)."""
+
+    def __init__(self, pool: PagePool):
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.root = Node(None, -1, None, float("-inf"))
+        self.root.lock_ref = 1  # never evicted, never counted
+        self._num_nodes = 0
+        self._num_locked = 0
+        self._heap: list[tuple[float, int, Node]] = []  # eviction candidates, stale entries skipped
+        self._seq = 0
+
+    # ---- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def total_cached_pages(self) -> int:
+        return self._num_nodes
+
+    @property
+    def evictable_pages(self) -> int:
+        """Cached pages no request pins; eviction can free all of them."""
+        return self._num_nodes - self._num_locked
+
+    @property
+    def available_pages(self) -> int:
+        """Pages an `alloc` can hand out: free plus evictable."""
+        return self.pool.num_free + self.evictable_pages
+
+    # ---- lookups and pins ----------------------------------------------------------------------
+
+    def match_prefix(self, keys: Sequence[PageKey], now: float) -> PrefixMatch:
+        """The longest cached prefix of `keys`; marks its pages used at `now`."""
+        node = self.root
+        pages = []
+        for key in keys:
+            child = node.children.get(key)
+            if child is None:
+                break
+            node = child
+            node.last_access_s = now
+            pages.append(node.page)
+        self._push_if_evictable(node)
+        return PrefixMatch(node, pages, len(pages) * self.page_size)
+
+    def lock(self, node: Node) -> None:
+        """Pin `node` and its ancestors (a request uses their pages)."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._num_locked += 1
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        """Undo one `lock(node)`."""
+        leaf = node
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise ValueError("radix cache: unlock of a node that is not locked")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._num_locked -= 1
+            node = node.parent
+        self._push_if_evictable(leaf)
+
+    # ---- adding --------------------------------------------------------------------------------
+
+    def insert(self, keys: Sequence[PageKey], pages: Sequence[int], now: float) -> PrefixMatch:
+        """Cache `pages[i]` as the page of `keys[:i + 1]`, for every whole page in `keys`.
+
+        Where a key is already cached under another page, the cache keeps its own and returns
+        the given one to the pool (two requests computed the same prefix). The result holds the
+        cache's pages for `keys`: a caller that goes on using them swaps them in for its own.
+        The caller keeps ownership of `pages[len(keys):]`.
+        """
+        if len(pages) < len(keys):
+            raise ValueError(f"radix insert: {len(keys)} keys but only {len(pages)} pages")
+        node = self.root
+        out = []
+        duplicates = []
+        for key, page in zip(keys, pages):
+            child = node.children.get(key)
+            if child is None:
+                child = Node(key, page, node, now)
+                node.children[key] = child
+                self._num_nodes += 1
+            else:
+                child.last_access_s = now
+                if child.page != page:
+                    duplicates.append(page)
+            node = child
+            out.append(node.page)
+        if duplicates:
+            self.pool.free_many(duplicates)
+        self._push_if_evictable(node)
+        return PrefixMatch(node, out, len(out) * self.page_size)
+
+    def cache_finished(self, keys: Sequence[PageKey], pages: Sequence[int], locked: Node,
+                       now: float) -> None:
+        """A request is done with `pages` (its whole KV, `keys` its whole pages): cache them,
+        free the rest (the partial last page, pages past the keys) and drop its pin."""
+        self.insert(keys, pages, now)
+        rest = pages[len(keys):]
+        if rest:
+            self.pool.free_many(rest)
+        self.unlock(locked)
+
+    # ---- allocation and eviction ---------------------------------------------------------------
+
+    def alloc(self, n: int) -> list[int] | None:
+        """`n` pages from the pool, evicting unpinned cached pages as needed; None (and nothing
+        evicted) when even eviction cannot make room."""
+        short = n - self.pool.num_free
+        if short > 0:
+            if short > self.evictable_pages:
+                return None
+            self.evict(short)
+        return self.pool.alloc_many(n)
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to `num_pages` unpinned cached pages, least recently used leaves first; the
+        number freed (fewer only when fewer are evictable)."""
+        freed = []
+        heap = self._heap
+        while len(freed) < num_pages and heap:
+            access_s, _, node = heapq.heappop(heap)
+            if not self._is_evictable_leaf(node) or node.last_access_s != access_s:
+                continue  # stale entry: used, pinned, grown or evicted since it was pushed
+            parent = node.parent
+            del parent.children[node.key]
+            node.parent = None
+            self._num_nodes -= 1
+            freed.append(node.page)
+            self._push_if_evictable(parent)
+        if freed:
+            self.pool.free_many(freed)
+        return len(freed)
+
+    def _is_evictable_leaf(self, node: Node) -> bool:
+        return node.parent is not None and not node.children and node.lock_ref == 0
+
+    def _push_if_evictable(self, node: Node) -> None:
+        if not self._is_evictable_leaf(node):
+            return
+        if len(self._heap) > 2 * self._num_nodes + 64:
+            self._rebuild_heap()
+        self._seq += 1
+        heapq.heappush(self._heap, (node.last_access_s, self._seq, node))
+
+    def _rebuild_heap(self) -> None:
+        """Drop stale entries: one entry per evictable leaf, in LRU order."""
+        self._heap = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if self._is_evictable_leaf(node):
+                self._seq += 1
+                self._heap.append((node.last_access_s, self._seq, node))
+        heapq.heapify(self._heap)
+
+    # ---- checks --------------------------------------------------------------------------------
+
+    def cached_pages(self) -> list[int]:
+        """Every cached page (tree order); for checks and tests."""
+        pages = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            pages.append(node.page)
+            stack.extend(node.children.values())
+        return pages
+
+    def check_full(self) -> None:
+        """Raise unless every page is free or cached and nothing is pinned (a run leaked
+        nothing)."""
+        if self._num_locked:
+            raise AssertionError(f"radix cache: {self._num_locked} cached pages still pinned")
+        held = self.pool.num_used - self._num_nodes
+        if held:
+            raise AssertionError(
+                f"{self.pool.name} pool leaked {held} pages: {self.pool.num_used} in use, "
+                f"{self._num_nodes} of them cached")
