@@ -20,7 +20,7 @@ from pdsim.planning import load_plan, meets, parse_plan, plan
 from pdsim.planning.candidates import Deployment, RoleShape, enumerate_deployments
 from pdsim.planning.launch import sglang_commands
 from pdsim.planning.prefilter import Prefilter
-from pdsim.planning.search import pareto_frontier, tpot_percentiles
+from pdsim.planning.search import rank_feasible, pareto_frontier, tpot_percentiles
 from pdsim.runner import run_experiment
 from pdsim.specs.hardware import load_hardware_spec
 from pdsim.specs.models import load_model_spec
@@ -86,6 +86,14 @@ def test_recommendation_meets_the_slo_and_is_the_cheapest_that_does(full, planne
     # $/Mtok: the hour's price over the output tokens served in it.
     assert rec.summary["usd_per_mtok"] == pytest.approx(
         s["num_gpus"] * 2.95 / 3600 / s["output_tok_s"] * 1e6)
+
+
+def test_goodput_objective_ranks_by_goodput_per_gpu(full):
+    cfg = parse_plan({**SMALL, "objective": "goodput_per_gpu"})
+    best = rank_feasible(cfg, full.candidates)[0]
+    feasible = full.feasible
+    top = feasible.loc[feasible["goodput_req_s_per_gpu"].idxmax(), "candidate"]
+    assert best == top
 
 
 def test_bottlenecks_name_the_limiting_resource(full):

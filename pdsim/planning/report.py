@@ -1,5 +1,6 @@
 """Write a plan's results: candidates.csv, frontier.csv, frontier.png, report.md,
-recommended.yaml (pdsim's experiment) and launch.sh (SGLang's commands)."""
+recommended.yaml (pdsim's experiment), launch.sh (SGLang's commands) and plan.yaml (the plan
+as validated, defaults left out)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import math
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
-from pdsim.planning.search import Choice, PlanResult, axis_column
+from pdsim.planning.search import Choice, PlanResult, axis_column, latency_columns
 
 FRONTIER_COLUMNS = ("label", "num_gpus", "usd_per_hour", "output_tok_s_per_gpu", "usd_per_mtok",
                     "goodput_req_s_per_gpu", "goodput_req_per_usd", "feasible", "bottleneck")
@@ -24,7 +26,8 @@ def write_plan(result: PlanResult, out: Path) -> Path:
         (out / "recommended.yaml").write_text(result.recommended.experiment_yaml)
         (out / "launch.sh").write_text(result.recommended.launch.script())
     (out / "report.md").write_text(report_text(result, [p.name for p in plots]))
-    (out / "plan.yaml").write_text(cfg.model_dump_json(indent=2, exclude_defaults=True))
+    (out / "plan.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_defaults=True),
+                                                  sort_keys=False))
     return out
 
 
@@ -133,16 +136,17 @@ def report_text(result: PlanResult, plots: list[str]) -> str:
                   "```", "", "pdsim's experiment for it: `recommended.yaml` "
                   "(`pdsim run recommended.yaml` reproduces these figures).", ""]
     lines += ["## Pareto frontier", "",
-              "tok/s/GPU against the TTFT and ITL percentiles (`frontier.csv`; every candidate "
-              "with its pre-filter verdict in `candidates.csv`).", ""]
-    ttft, itl = axis_column(cfg, "ttft"), axis_column(cfg, "itl")
-    cols = list(FRONTIER_COLUMNS[:2]) + [ttft, itl] + list(FRONTIER_COLUMNS[3:])
+              "Deployments no other beats on tok/s/GPU and every targeted latency at once, "
+              "feasible or not (`frontier.csv`; every candidate with its pre-filter verdict in "
+              "`candidates.csv`).", ""]
+    lat = latency_columns(cfg)
+    cols = list(FRONTIER_COLUMNS[:2]) + lat + list(FRONTIER_COLUMNS[2:])
     lines.append("| " + " | ".join(c.removesuffix("_s").replace("_", " ") + " (ms)"
-                                   if c in (ttft, itl) else c.replace("_", " ") for c in cols) + " |")
+                                   if c in lat else c.replace("_", " ") for c in cols) + " |")
     lines.append("|" + "---|" * len(cols))
     for _, row in result.frontier.iterrows():
-        lines.append("| " + " | ".join(_fmt(row[c], "ms" if c in (ttft, itl) else "")
-                                       for c in cols) + " |")
+        lines.append("| " + " | ".join(_fmt(row[c], "ms" if c in lat else "") for c in cols)
+                     + " |")
     lines.append("")
     for p in plots:
         lines += [f"![{p}]({p})", ""]
@@ -156,6 +160,6 @@ def report_text(result: PlanResult, plots: list[str]) -> str:
 def summary_frame(result: PlanResult) -> pd.DataFrame:
     """The frontier with the columns the CLI prints."""
     cfg = result.plan
-    cols = ["label", "num_gpus", axis_column(cfg, "ttft"), axis_column(cfg, "itl"),
-            "output_tok_s_per_gpu", "usd_per_mtok", "feasible", "bottleneck"]
+    cols = ["label", "num_gpus", *latency_columns(cfg), "output_tok_s_per_gpu", "usd_per_mtok",
+            "feasible", "bottleneck"]
     return result.frontier[cols]

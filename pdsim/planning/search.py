@@ -121,7 +121,7 @@ def plan(source: PlanConfig | str | Path, *, out_dir: str | Path | None = None,
         b = _bottleneck(cfg, deployments[c], r, filt, hw)
         table.loc[table["candidate"] == c, ["bottleneck", "bottleneck_detail"]] = (b.name, b.words)
 
-    ranked = _rank(cfg, table)
+    ranked = rank_feasible(cfg, table)
     choices = [_choice(cfg, deployments[int(c)], table, results[int(c)], filt, hw)
                for c in ranked[:2]]
     result = PlanResult(cfg, price, table, pareto_frontier(table, cfg),
@@ -141,7 +141,8 @@ def meets(cfg: PlanConfig, summary: dict) -> bool:
     return all(summary[col] <= bound for col, bound in cfg.slo.targets().items())
 
 
-def _rank(cfg: PlanConfig, table: pd.DataFrame) -> list[int]:
+def rank_feasible(cfg: PlanConfig, table: pd.DataFrame) -> list[int]:
+    """The feasible candidates, best first by the plan's objective."""
     ok = table[table["feasible"] == True]  # noqa: E712
     if cfg.objective == "cost":
         ok = ok.sort_values(["usd_per_hour", "usd_per_mtok", "candidate"])
@@ -152,16 +153,23 @@ def _rank(cfg: PlanConfig, table: pd.DataFrame) -> list[int]:
 
 
 def pareto_frontier(table: pd.DataFrame, cfg: PlanConfig) -> pd.DataFrame:
-    """Simulated rows no other row beats on tok/s/GPU, the TTFT and the ITL percentile at once."""
+    """Simulated rows no other row beats on tok/s/GPU and every latency the SLO targets (the
+    TTFT and ITL p90 when it targets none) at once."""
     sims = table[table["simulated"] & table["output_tok_s_per_gpu"].notna()]
     if sims.empty:
         return sims
-    ttft, itl = axis_column(cfg, "ttft"), axis_column(cfg, "itl")
-    vals = np.column_stack([-sims["output_tok_s_per_gpu"].to_numpy(float),
-                            sims[ttft].to_numpy(float), sims[itl].to_numpy(float)])
+    vals = np.column_stack([-sims["output_tok_s_per_gpu"].to_numpy(float)]
+                           + [sims[col].to_numpy(float) for col in latency_columns(cfg)])
     vals = np.nan_to_num(vals, nan=np.inf)
     keep = [not np.any(np.all(vals <= v, axis=1) & np.any(vals < v, axis=1)) for v in vals]
     return sims[keep].sort_values("output_tok_s_per_gpu", ascending=False)
+
+
+def latency_columns(cfg: PlanConfig) -> list[str]:
+    """The summary's latency columns a plan is judged on: its targets, and the TTFT and ITL
+    columns of the plots."""
+    return list(dict.fromkeys([axis_column(cfg, "ttft"), axis_column(cfg, "itl"),
+                               *cfg.slo.targets()]))
 
 
 def axis_column(cfg: PlanConfig, metric: str) -> str:
