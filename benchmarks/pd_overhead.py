@@ -27,6 +27,11 @@ import numpy as np
 from openai import OpenAI
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from runtime.security import SECRET_ENV, ClusterKey, new_secret  # noqa: E402
+
+SECRET = new_secret()
 COMMON = """\
 model: {model}
 seed: 0
@@ -50,7 +55,8 @@ class Server:
         self.file = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
         self.file.write(config)
         self.file.close()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "GLOG_minloglevel": "2"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "GLOG_minloglevel": "2",
+               SECRET_ENV: SECRET}  # the deployment's: the workers' /records need its token
         self.proc = subprocess.Popen([sys.executable, "-m", "pdsim.cli", "serve", self.file.name],
                                      cwd=REPO, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
@@ -96,7 +102,9 @@ def measure(url: str, model: str, n: int, prompt_tokens: int) -> dict[str, tuple
 
 
 def records(url: str) -> dict[str, dict]:
-    with urllib.request.urlopen(url + "/records", timeout=10) as resp:
+    request = urllib.request.Request(url + "/records",
+                                     headers=ClusterKey.from_secret(SECRET).headers())
+    with urllib.request.urlopen(request, timeout=10) as resp:
         return {r["rid"]: r for r in json.loads(resp.read())}
 
 

@@ -11,6 +11,7 @@ import urllib.request
 import openai
 
 from pd_harness import Proc
+from runtime.security import SECRET_ENV, ClusterKey, new_secret
 
 CONFIG = """\
 mode: disaggregated
@@ -26,14 +27,17 @@ router: {port: 0, policy: least_loaded}
 """
 N = 300
 TOKENS = 6
+SECRET = new_secret()  # the deployment's: the workers' /pools and /records need its token
 
 
 def get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as resp:
+    request = urllib.request.Request(url, headers=ClusterKey.from_secret(SECRET).headers())
+    with urllib.request.urlopen(request, timeout=10) as resp:
         return json.loads(resp.read())
 
 
-def test_three_hundred_concurrent_streams_through_real_workers(tmp_path):
+def test_three_hundred_concurrent_streams_through_real_workers(tmp_path, monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, SECRET)
     cfg = tmp_path / "pd.yaml"
     cfg.write_text(CONFIG)
     launcher = Proc(str(cfg))
