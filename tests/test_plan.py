@@ -5,6 +5,7 @@ CLI."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import subprocess
@@ -328,3 +329,28 @@ def test_without_the_prefilter_a_deployment_that_cannot_be_built_is_reported_not
     assert not table.loc["1x colocated TP1", "simulated"]
     assert "does not fit" in table.loc["1x colocated TP1", "sim_error"]
     assert table.loc["1x colocated TP2", "simulated"]
+
+
+def test_closed_loop_plan_runs_without_the_capacity_tests():
+    closed = {**SMALL["workload"], "num_requests": 40,
+              "arrival": {"process": "closed", "concurrency": 4}}
+    cfg = parse_plan({**SMALL, "workload": closed, "max_gpus": 2,
+                      "search": {"tp": [1], "modes": ["colocated"]},
+                      "slo": {"ttft_p90_s": 1.0, "itl_p90_s": 0.05}})
+    result = plan(cfg, write=False, jobs=1)
+    # The load is the clients': no offered rate, so no utilisation bound and no capacity test.
+    assert result.candidates["prefill_util_bound"].isna().all()
+    assert result.candidates["prefilter_keep"].all()
+    assert result.recommended is not None and result.recommended.deployment.num_gpus == 1
+
+
+def test_traffic_target_rescales_a_trace_replay(tmp_path):
+    rows = [{"timestamp": 1000 * i, "input_length": 500, "output_length": 20} for i in range(21)]
+    (tmp_path / "trace.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump({**SMALL, "workload": {"trace": "trace.jsonl"},
+                                         "target_rate_rps": 4.0}))
+    cfg = load_plan(plan_file)
+    assert cfg.workload_data()["target_rate_rps"] == 4.0
+    workload = generate(cfg.workload_data(), tmp_path)
+    assert workload.arrival_s[-1] == pytest.approx(20 / 4.0)  # 1 req/s in the file, 4 asked
