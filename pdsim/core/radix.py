@@ -60,24 +60,150 @@ def max_match_pages(input_len: int, page_size: int) -> int:
 
 
 class Node:
-    __slots__ = ("key", "page", "parent", "children", "lock_ref", "last_access_s")
+    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access_s")
 
-    def __init__(self, key: PageKey, page: int, parent: Node | None, now: float):
+    def __init__(self, key: PageKey, value, parent: Node | None, now: float):
         self.key = key
-        self.page = page
+        self.value = value
         self.parent = parent
         self.children: dict[PageKey, Node] = {}
         self.lock_ref = 0
         self.last_access_s = now
 
-    def path_pages(self) -> list[int]:
-        """Pages from the root's first child down to this node."""
-        pages = []
-        node = self
-        while node.parent is not None:
-            pages.append(node.page)
+
+class PrefixTree:
+    """A tree of key sequences, one node per key, each node holding a value (a page index in
+    the cache, nothing in the router's approximate trees), with pins and LRU leaf eviction.
+
+    Eviction candidates sit in a heap keyed by last use; an entry goes stale when its node is
+    used again, pinned, given a child or evicted, and is skipped when popped, so a use costs
+    O(log n) and an eviction pass never scans the whole tree.
+    """
+
+    def __init__(self):
+        self.root = Node(None, None, None, float("-inf"))
+        self.root.lock_ref = 1  # never evicted, never counted
+        self.num_nodes = 0
+        self.num_locked = 0
+        self._heap: list[tuple[float, int, Node]] = []
+        self._seq = 0
+
+    def match(self, keys: Sequence[PageKey], now: float) -> tuple[Node, list]:
+        """The deepest node on the longest stored prefix of `keys` and the values on the way;
+        the path counts as used at `now`."""
+        node = self.root
+        values = []
+        for key in keys:
+            child = node.children.get(key)
+            if child is None:
+                break
+            node = child
+            node.last_access_s = now
+            values.append(node.value)
+        self._push_if_evictable(node)
+        return node, values
+
+    def match_length(self, keys: Sequence[PageKey]) -> int:
+        """How many leading `keys` are stored; marks nothing used."""
+        node = self.root
+        depth = 0
+        for key in keys:
+            node = node.children.get(key)
+            if node is None:
+                break
+            depth += 1
+        return depth
+
+    def insert(self, keys: Sequence[PageKey], values: Sequence, now: float) -> tuple[Node, list, list]:
+        """Store `values[i]` under `keys[:i + 1]` where nothing is stored yet. Returns the deepest
+        node, the stored values along `keys`, and the given values that were not stored because
+        another value already was (duplicates)."""
+        node = self.root
+        stored = []
+        duplicates = []
+        for key, value in zip(keys, values):
+            child = node.children.get(key)
+            if child is None:
+                child = Node(key, value, node, now)
+                node.children[key] = child
+                self.num_nodes += 1
+            else:
+                child.last_access_s = now
+                if child.value != value:
+                    duplicates.append(value)
+            node = child
+            stored.append(node.value)
+        self._push_if_evictable(node)
+        return node, stored, duplicates
+
+    def lock(self, node: Node) -> None:
+        """Pin `node` and its ancestors."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.num_locked += 1
+            node.lock_ref += 1
             node = node.parent
-        return pages[::-1]
+
+    def unlock(self, node: Node) -> None:
+        """Undo one `lock(node)`."""
+        leaf = node
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise ValueError("prefix tree: unlock of a node that is not locked")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.num_locked -= 1
+            node = node.parent
+        self._push_if_evictable(leaf)
+
+    def evict(self, num_nodes: int) -> list:
+        """Remove up to `num_nodes` unpinned nodes, least recently used leaves first; their values."""
+        evicted = []
+        heap = self._heap
+        while len(evicted) < num_nodes and heap:
+            access_s, _, node = heapq.heappop(heap)
+            if not self._is_evictable_leaf(node) or node.last_access_s != access_s:
+                continue  # stale entry
+            parent = node.parent
+            del parent.children[node.key]
+            node.parent = None
+            self.num_nodes -= 1
+            evicted.append(node.value)
+            self._push_if_evictable(parent)
+        return evicted
+
+    def values(self) -> list:
+        """Every stored value (tree order)."""
+        out = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node.value)
+            stack.extend(node.children.values())
+        return out
+
+    def _is_evictable_leaf(self, node: Node) -> bool:
+        return node.parent is not None and not node.children and node.lock_ref == 0
+
+    def _push_if_evictable(self, node: Node) -> None:
+        if not self._is_evictable_leaf(node):
+            return
+        if len(self._heap) > 2 * self.num_nodes + 64:
+            self._rebuild_heap()
+        self._seq += 1
+        heapq.heappush(self._heap, (node.last_access_s, self._seq, node))
+
+    def _rebuild_heap(self) -> None:
+        """Drop stale entries: one entry per evictable leaf."""
+        self._heap = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if self._is_evictable_leaf(node):
+                self._seq += 1
+                self._heap.append((node.last_access_s, self._seq, node))
+        heapq.heapify(self._heap)
 
 
 @dataclass(frozen=True)
@@ -96,66 +222,33 @@ class RadixCache:
     def __init__(self, pool: PagePool):
         self.pool = pool
         self.page_size = pool.page_size
-        self.root = Node(None, -1, None, float("-inf"))
-        self.root.lock_ref = 1  # never evicted, never counted
-        self._num_nodes = 0
-        self._num_locked = 0
-        self._heap: list[tuple[float, int, Node]] = []  # eviction candidates, stale entries skipped
-        self._seq = 0
-
-    # ---- sizes ---------------------------------------------------------------------------------
+        self.tree = PrefixTree()
 
     @property
     def total_cached_pages(self) -> int:
-        return self._num_nodes
+        return self.tree.num_nodes
 
     @property
     def evictable_pages(self) -> int:
         """Cached pages no request pins; eviction can free all of them."""
-        return self._num_nodes - self._num_locked
+        return self.tree.num_nodes - self.tree.num_locked
 
     @property
     def available_pages(self) -> int:
         """Pages an `alloc` can hand out: free plus evictable."""
         return self.pool.num_free + self.evictable_pages
 
-    # ---- lookups and pins ----------------------------------------------------------------------
-
     def match_prefix(self, keys: Sequence[PageKey], now: float) -> PrefixMatch:
         """The longest cached prefix of `keys`; marks its pages used at `now`."""
-        node = self.root
-        pages = []
-        for key in keys:
-            child = node.children.get(key)
-            if child is None:
-                break
-            node = child
-            node.last_access_s = now
-            pages.append(node.page)
-        self._push_if_evictable(node)
+        node, pages = self.tree.match(keys, now)
         return PrefixMatch(node, pages, len(pages) * self.page_size)
 
     def lock(self, node: Node) -> None:
         """Pin `node` and its ancestors (a request uses their pages)."""
-        while node is not self.root:
-            if node.lock_ref == 0:
-                self._num_locked += 1
-            node.lock_ref += 1
-            node = node.parent
+        self.tree.lock(node)
 
     def unlock(self, node: Node) -> None:
-        """Undo one `lock(node)`."""
-        leaf = node
-        while node is not self.root:
-            if node.lock_ref <= 0:
-                raise ValueError("radix cache: unlock of a node that is not locked")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self._num_locked -= 1
-            node = node.parent
-        self._push_if_evictable(leaf)
-
-    # ---- adding --------------------------------------------------------------------------------
+        self.tree.unlock(node)
 
     def insert(self, keys: Sequence[PageKey], pages: Sequence[int], now: float) -> PrefixMatch:
         """Cache `pages[i]` as the page of `keys[:i + 1]`, for every whole page in `keys`.
@@ -167,25 +260,10 @@ class RadixCache:
         """
         if len(pages) < len(keys):
             raise ValueError(f"radix insert: {len(keys)} keys but only {len(pages)} pages")
-        node = self.root
-        out = []
-        duplicates = []
-        for key, page in zip(keys, pages):
-            child = node.children.get(key)
-            if child is None:
-                child = Node(key, page, node, now)
-                node.children[key] = child
-                self._num_nodes += 1
-            else:
-                child.last_access_s = now
-                if child.page != page:
-                    duplicates.append(page)
-            node = child
-            out.append(node.page)
+        node, stored, duplicates = self.tree.insert(keys, pages, now)
         if duplicates:
             self.pool.free_many(duplicates)
-        self._push_if_evictable(node)
-        return PrefixMatch(node, out, len(out) * self.page_size)
+        return PrefixMatch(node, stored, len(stored) * self.page_size)
 
     def cache_finished(self, keys: Sequence[PageKey], pages: Sequence[int], locked: Node,
                        now: float) -> None:
@@ -196,8 +274,6 @@ class RadixCache:
         if rest:
             self.pool.free_many(rest)
         self.unlock(locked)
-
-    # ---- allocation and eviction ---------------------------------------------------------------
 
     def alloc(self, n: int) -> list[int] | None:
         """`n` pages from the pool, evicting unpinned cached pages as needed; None (and nothing
@@ -212,64 +288,25 @@ class RadixCache:
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` unpinned cached pages, least recently used leaves first; the
         number freed (fewer only when fewer are evictable)."""
-        freed = []
-        heap = self._heap
-        while len(freed) < num_pages and heap:
-            access_s, _, node = heapq.heappop(heap)
-            if not self._is_evictable_leaf(node) or node.last_access_s != access_s:
-                continue  # stale entry: used, pinned, grown or evicted since it was pushed
-            parent = node.parent
-            del parent.children[node.key]
-            node.parent = None
-            self._num_nodes -= 1
-            freed.append(node.page)
-            self._push_if_evictable(parent)
+        freed = self.tree.evict(num_pages)
         if freed:
             self.pool.free_many(freed)
         return len(freed)
-
-    def _is_evictable_leaf(self, node: Node) -> bool:
-        return node.parent is not None and not node.children and node.lock_ref == 0
-
-    def _push_if_evictable(self, node: Node) -> None:
-        if not self._is_evictable_leaf(node):
-            return
-        if len(self._heap) > 2 * self._num_nodes + 64:
-            self._rebuild_heap()
-        self._seq += 1
-        heapq.heappush(self._heap, (node.last_access_s, self._seq, node))
-
-    def _rebuild_heap(self) -> None:
-        """Drop stale entries: one entry per evictable leaf, in LRU order."""
-        self._heap = []
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            if self._is_evictable_leaf(node):
-                self._seq += 1
-                self._heap.append((node.last_access_s, self._seq, node))
-        heapq.heapify(self._heap)
 
     # ---- checks --------------------------------------------------------------------------------
 
     def cached_pages(self) -> list[int]:
         """Every cached page (tree order); for checks and tests."""
-        pages = []
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            pages.append(node.page)
-            stack.extend(node.children.values())
-        return pages
+        return self.tree.values()
 
     def check_full(self) -> None:
         """Raise unless every page is free or cached and nothing is pinned (a run leaked
         nothing)."""
-        if self._num_locked:
-            raise AssertionError(f"radix cache: {self._num_locked} cached pages still pinned")
-        held = self.pool.num_used - self._num_nodes
+        tree = self.tree
+        if tree.num_locked:
+            raise AssertionError(f"radix cache: {tree.num_locked} cached pages still pinned")
+        held = self.pool.num_used - tree.num_nodes
         if held:
             raise AssertionError(
                 f"{self.pool.name} pool leaked {held} pages: {self.pool.num_used} in use, "
-                f"{self._num_nodes} of them cached")
+                f"{tree.num_nodes} of them cached")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
+
+from pdsim.core.radix import PrefixTree
 
 ROOM_BITS = 63
 
@@ -37,9 +39,11 @@ def pick_dp_rank(assignment: str, room: int, dp_size: int, queue_length: Callabl
 
 
 class Policy(Protocol):
-    """Picks one of `n` instances; `load(i)` is instance i's current load (lower is better)."""
+    """Picks one of `n` instances; `load(i)` is instance i's current load (lower is better);
+    `keys` is the request's prompt as a sequence of prefix keys (pages or blocks; empty when
+    the caller has none), which only cache-aware policies read."""
 
-    def pick(self, n: int, load: Callable[[int], float]) -> int: ...
+    def pick(self, n: int, load: Callable[[int], float], keys: Sequence[Hashable] = ()) -> int: ...
 
 
 POLICIES: dict[str, Callable[[random.Random], Policy]] = {}
@@ -60,7 +64,7 @@ class RandomPolicy:
     def __init__(self, rng: random.Random):
         self.rng = rng
 
-    def pick(self, n, load):
+    def pick(self, n, load, keys=()):
         return self.rng.randrange(n)
 
 
@@ -69,7 +73,7 @@ class RoundRobinPolicy:
     def __init__(self, rng: random.Random):
         self.next = 0
 
-    def pick(self, n, load):
+    def pick(self, n, load, keys=()):
         i = self.next % n
         self.next = i + 1
         return i
@@ -82,7 +86,7 @@ class PowerOfTwoPolicy:
     def __init__(self, rng: random.Random):
         self.rng = rng
 
-    def pick(self, n, load):
+    def pick(self, n, load, keys=()):
         if n == 1:
             return 0
         a, b = self.rng.sample(range(n), 2)
@@ -96,7 +100,7 @@ class LeastLoadedPolicy:
     def __init__(self, rng: random.Random):
         self.offset = 0
 
-    def pick(self, n, load):
+    def pick(self, n, load, keys=()):
         start = self.offset % n
         self.offset = start + 1
         best = start
@@ -109,12 +113,79 @@ class LeastLoadedPolicy:
         return best
 
 
-def make_policy(name: str, rng: random.Random) -> Policy:
+@register_policy("cache_aware")
+class CacheAwarePolicy:
+    """SGLang router's cache-aware policy, over prefix keys instead of text.
+
+    It keeps one approximate prefix tree per instance: the keys of every request it sent there,
+    so it never asks an instance what it holds. When the loads are imbalanced, that is
+    `max - min > balance_abs_threshold` and `max > balance_rel_threshold * min`, it sends the
+    request to the least loaded instance. Otherwise it finds the instance whose tree holds the
+    longest prefix of the request's keys; if that prefix is more than `cache_threshold` of the
+    keys the request goes there, else to the least loaded instance (ties: the smaller tree, the
+    instance with the most room for a new prefix, as SGLang's fallback picks; then the lower
+    index). The chosen instance's tree then gets the request's keys. A tree over
+    `max_tree_nodes` nodes drops its least recently used leaves, where SGLang prunes on a timer:
+    time here is the count of requests routed, so the core stays clock-free.
+
+    The thresholds are in the unit of the load signal the caller passes (SGLang's: requests in
+    flight). Defaults are sgl-router's (cache 0.3, absolute 64, relative 1.5).
+    """
+
+    def __init__(self, rng: random.Random, cache_threshold: float = 0.3,
+                 balance_abs_threshold: float = 64, balance_rel_threshold: float = 1.5,
+                 max_tree_nodes: int = 1 << 20):
+        checks = (("cache_threshold", cache_threshold, 0 <= cache_threshold <= 1, "in [0, 1]"),
+                  ("balance_abs_threshold", balance_abs_threshold, balance_abs_threshold >= 0, ">= 0"),
+                  ("balance_rel_threshold", balance_rel_threshold, balance_rel_threshold >= 1, ">= 1"),
+                  ("max_tree_nodes", max_tree_nodes, max_tree_nodes >= 1, ">= 1"))
+        for name, value, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"cache_aware router: {name} must be {allowed}, got {value!r}")
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.max_tree_nodes = max_tree_nodes
+        self.trees: list[PrefixTree] = []
+        self.routed = 0
+
+    def pick(self, n, load, keys=()):
+        while len(self.trees) < n:
+            self.trees.append(PrefixTree())
+        trees = self.trees
+        loads = [load(i) for i in range(n)]
+        least = min(range(n), key=lambda i: (loads[i], trees[i].num_nodes, i))
+        choice = least
+        if keys and not self.imbalanced(min(loads), max(loads)):
+            matched = [trees[i].match_length(keys) for i in range(n)]
+            best = min(range(n), key=lambda i: (-matched[i], loads[i], i))
+            if matched[best] > self.cache_threshold * len(keys):
+                choice = best
+        self.routed += 1
+        if keys:
+            tree = trees[choice]
+            tree.insert(keys, [None] * len(keys), float(self.routed))
+            if tree.num_nodes > self.max_tree_nodes:
+                tree.evict(tree.num_nodes - self.max_tree_nodes)
+        return choice
+
+    def imbalanced(self, lowest: float, highest: float) -> bool:
+        return (highest - lowest > self.balance_abs_threshold
+                and highest > self.balance_rel_threshold * lowest)
+
+
+def make_policy(name: str, rng: random.Random, **options) -> Policy:
+    """The policy registered as `name`; `options` go to its constructor (its thresholds)."""
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown router policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    return factory(rng)
+    try:
+        return factory(rng, **options)
+    except TypeError:
+        if not options:
+            raise
+        raise ValueError(f"router policy {name!r} does not take options {sorted(options)}") from None
 
 
 class Router:
@@ -127,7 +198,7 @@ class Router:
     """
 
     def __init__(self, policy: str, num_prefill: int, num_decode: int, seed: int,
-                 room_rng: random.Random | None = None):
+                 room_rng: random.Random | None = None, policy_options: dict | None = None):
         if num_prefill < 0 or num_decode < 1:
             raise ValueError(
                 f"a router needs at least one decode (or colocated) instance and no negative "
@@ -135,16 +206,24 @@ class Router:
             )
         self.rng = random.Random(seed)
         self.policy_name = policy
-        self.prefill_policy = make_policy(policy, random.Random(self.rng.getrandbits(64)))
-        self.decode_policy = make_policy(policy, random.Random(self.rng.getrandbits(64)))
+        options = policy_options or {}
+        self.prefill_policy = make_policy(policy, random.Random(self.rng.getrandbits(64)), **options)
+        self.decode_policy = make_policy(policy, random.Random(self.rng.getrandbits(64)), **options)
         self.num_prefill = num_prefill
         self.num_decode = num_decode
         self.room_rng = room_rng or self.rng
 
     def route(
-        self, prefill_load: Callable[[int], float], decode_load: Callable[[int], float]
+        self, prefill_load: Callable[[int], float], decode_load: Callable[[int], float],
+        keys: Sequence[Hashable] = (),
     ) -> tuple[int, int, int]:
-        """(prefill instance, decode instance, bootstrap room)."""
-        p = self.prefill_policy.pick(self.num_prefill, prefill_load) if self.num_prefill else -1
-        d = self.decode_policy.pick(self.num_decode, decode_load)
+        """(prefill instance, decode instance, bootstrap room). `keys` (the prompt's prefix
+        keys) go to the side that computes the prompt: the prefill side, or the serving side
+        of colocated instances."""
+        if self.num_prefill:
+            p = self.prefill_policy.pick(self.num_prefill, prefill_load, keys)
+            d = self.decode_policy.pick(self.num_decode, decode_load)
+        else:
+            p = -1
+            d = self.decode_policy.pick(self.num_decode, decode_load, keys)
         return p, d, new_bootstrap_room(self.room_rng)
