@@ -69,6 +69,16 @@ def test_the_secret_comes_from_the_environment_or_the_config(monkeypatch, caplog
     assert len(fresh) == 3 and all(len(s) == 64 for s in fresh)
 
 
+def test_secrets_never_leave_in_a_dumped_config():
+    from runtime.serve_config import PDServeConfig
+
+    cfg = PDServeConfig.model_validate({"security": {"cluster_secret": SECRET,
+                                                     "api_key": "public-key"}})
+    assert cfg.security.cluster_secret == SECRET and cfg.security.api_key == "public-key"
+    dumped = json.dumps(cfg.model_dump(mode="json"))
+    assert SECRET not in dumped and "public-key" not in dumped and SECRET not in repr(cfg)
+
+
 # ---- ZMQ -----------------------------------------------------------------------------------
 
 BEAT = m.Heartbeat(session_id="127.0.0.1:1", endpoint="tcp://127.0.0.1:2", reply=False)
@@ -395,6 +405,13 @@ def test_a_deployment_listens_on_loopback_and_refuses_strangers(tmp_path, monkey
             assert len(off_loopback) == 3, off_loopback  # the three ranks; not the launcher
             assert all(len(a) == 2 for a in off_loopback.values()), off_loopback
             assert set().union(*off_loopback.values()) == warned
+
+        # The secret went to every worker in its environment, never on a command line.
+        for pid in pids - {launcher.proc.pid}:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert SECRET.encode() not in f.read()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                assert f"{SECRET_ENV}={SECRET}".encode() in f.read().split(b"\0")
 
         # Internal endpoints refuse calls without the token; /health stays open.
         rid_body = {"rid": "someone-elses", "reason": "mine now"}
