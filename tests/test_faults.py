@@ -219,8 +219,10 @@ def test_failed_transfers_are_the_same_requests_in_both_backends():
     assert {r.rid for r in sim.records if not r.ok} == chosen
     sim.check_pools_full()
     # The real deployment: the same rids through a prefill and a decode worker, all at once.
-    # The bootstrap server also answers 1.5 s late: a decode rank's first lookup (two answers).
-    real = FaultsConfig(**faults, bootstrap_delay_s=1.5)
+    # The bootstrap server also answers 1.5 s late: a decode rank's first lookup (two answers);
+    # the prefill NIC is slowed too (it changes no outcome).
+    real = FaultsConfig(**faults, bootstrap_delay_s=1.5,
+                        slow_nic=[{"role": "prefill", "factor": 2}])
     cfg = pd_config("tiny-llama").model_copy(update={"faults": real})
     workers = [start_worker(cfg, "prefill"), start_worker(cfg, "decode")]
     try:
