@@ -68,16 +68,23 @@ class RoleConfig(_Spec):
         "and a MoE model)")
     two_batch_overlap: bool = Field(
         False, description="SGLang's --enable-two-batch-overlap (needs moe_a2a: deepep)")
+    moe_dense_tp: Literal[1] | None = Field(
+        None, description="SGLang's --moe-dense-tp-size: None = tp; 1 = dense MLP layers "
+        "data-parallel, per GPU on its own tokens (needs dp_attention > 1)")
+    dp_lm_head: bool = Field(
+        False, description="SGLang's --enable-dp-lm-head: LM head and embedding per "
+        "attention-DP rank (needs dp_attention > 1)")
     scheduler: SchedulerKnobs = SchedulerKnobs()
 
     @model_validator(mode="after")
     def _divides(self) -> RoleConfig:
-        from pdsim.sim.cost import check_moe_a2a
+        from pdsim.sim.cost import check_dp_options, check_moe_a2a
 
         for name in ("dp_attention", "ep"):
             if self.tp % getattr(self, name):
                 raise ValueError(f"{name}={getattr(self, name)} must divide tp={self.tp}")
         check_moe_a2a(self.moe_a2a, self.two_batch_overlap, self.tp, self.ep)
+        check_dp_options(self.moe_dense_tp, self.dp_lm_head, self.dp_attention)
         return self
 
     @property

@@ -16,9 +16,11 @@ from pdsim.sim.cost import (
     RooflineCostModel,
     RooflineParams,
     cost_model_names,
+    gemm_time_s,
     kv_capacity_tokens,
     make_cost_model,
     register_cost_model,
+    weight_bytes_per_gpu,
 )
 from pdsim.sim.moe_comm import (
     LinkBytes,
@@ -268,9 +270,10 @@ def test_kv_capacity_error_when_weights_do_not_fit() -> None:
 # ----- DeepEP and two-batch overlap -----------------------------------------------------------
 
 
-def deepep(ep=8, hardware=H200, tbo=False, role="decode", model=DSV3, **params):
+def deepep(ep=8, hardware=H200, tbo=False, role="decode", model=DSV3, dense_tp=None,
+           **params):
     parallel = Parallelism(tp=ep, dp_attention=ep, ep=ep, moe_a2a="deepep",
-                           two_batch_overlap=tbo)
+                           two_batch_overlap=tbo, moe_dense_tp=dense_tp)
     return make_cost_model("roofline", model, hardware, parallel, role=role, **params)
 
 
@@ -304,13 +307,15 @@ def test_deepep_switches_from_nvlink_to_rdma_beyond_one_node() -> None:
     # NVLink domain and when they sit in two 8-GPU nodes. Per token and call, in one domain
     # 8 * 15/16 = 7.5 copies cross NVLink at half of 450 GB/s; in two nodes 3.5 cross
     # NVLink and 4 cross the 50 GB/s NIC at 90 %, which then sets the time, and each call pays
-    # the RDMA latency too.
+    # the RDMA latency too. The dense layers run data-parallel (moe_dense_tp=1), so DeepEP is
+    # the only collective.
     p, shapes = RooflineParams(), [decode(128, 2048)] * 16
     nvlink, nic = 450e9 * p.deepep_ll_nvlink_efficiency, 50e9 * p.deepep_rdma_efficiency
     one_domain_s = 128 * 7.5 * (7392 + 14336) / nvlink
     two_nodes_s = 128 * 4 * (7392 + 14336) / nic + 2 * p.deepep_rdma_latency_s
     one_domain = H200.model_copy(update={"gpus_per_node": 16})
-    grown = deepep(16).step_time_s(shapes) - deepep(16, one_domain).step_time_s(shapes)
+    grown = (deepep(16, dense_tp=1).step_time_s(shapes)
+             - deepep(16, one_domain, dense_tp=1).step_time_s(shapes))
     assert grown == pytest.approx(DSV3.num_moe_layers * (two_nodes_s - one_domain_s), rel=1e-9)
 
 
@@ -478,3 +483,88 @@ def test_ep_scaling_experiment_builds_every_point() -> None:
         assert point.workload.arrival.concurrency == 128 * par.ep
         assert point.cluster.decode.scheduler.max_running_requests == 128 * par.ep
     assert seen == {(ep, tbo) for ep in (8, 16, 32, 72) for tbo in (False, True)}
+
+
+# ----- dense MLP and LM head under DP attention, per-op breakdown ----------------------------
+
+
+def test_moe_dense_tp_and_dp_lm_head_need_dp_attention_and_take_sglangs_values() -> None:
+    with pytest.raises(ValueError, match="moe_dense_tp=1 .* dp_attention > 1"):
+        Parallelism(tp=8, ep=8, moe_dense_tp=1)
+    with pytest.raises(ValueError, match="dp_lm_head .* dp_attention > 1"):
+        Parallelism(tp=8, dp_lm_head=True)
+    with pytest.raises(ValueError, match="moe_dense_tp"):
+        Parallelism(tp=8, dp_attention=8, moe_dense_tp=2)
+
+
+def test_weights_per_gpu_follow_deepep_dense_tp_and_dp_lm_head() -> None:
+    # EP 16 over 16 GPUs, DP attention 16. DeepEP replicates the shared expert (FP8: 1 B a
+    # weight), moe_dense_tp=1 the dense MLPs (FP8), dp_lm_head the embedding and LM head (BF16).
+    base = Parallelism(tp=16, dp_attention=16, ep=16)
+    deep = base.model_copy(update={"moe_a2a": "deepep"})
+    full = deep.model_copy(update={"moe_dense_tp": 1, "dp_lm_head": True})
+    shared = DSV3.num_moe_layers * DSV3.expert_params
+    dense = DSV3.num_dense_layers * DSV3.dense_mlp_params
+    head = (DSV3.embedding_params + DSV3.lm_head_params) * 2
+    w = {name: weight_bytes_per_gpu(DSV3, par) for name, par in
+         (("base", base), ("deep", deep), ("full", full))}
+    assert w["deep"] - w["base"] == pytest.approx(shared * 15 / 16, abs=2)
+    assert w["full"] - w["deep"] == pytest.approx((dense + head) * 15 / 16, abs=2)
+    # ... and the KV pool shrinks by exactly those bytes (per-token bytes: one MLA latent).
+    per_token = DSV3.kv_bytes_per_token_per_rank(1, 2)
+    lost = kv_capacity_tokens(DSV3, H200, base) - kv_capacity_tokens(DSV3, H200, full)
+    assert lost == pytest.approx((w["full"] - w["base"]) / per_token, abs=1)
+
+
+def test_breakdown_adds_up_to_the_step_time() -> None:
+    shapes = [decode(100, 1000)] * 15 + [BatchShape(prefill_tokens=512,
+                                                     prefill_attn_pairs=512 * 513 // 2)]
+    for cost in (deepep(16, tbo=True, role="colocated"), deepep(16, dense_tp=1),
+                 roofline(DSV3, H200, tp=8, dp_attention=4, ep=8), roofline()):
+        parts = cost.step_breakdown_s(shapes[:cost.parallel.dp_attention])
+        assert sum(parts.values()) == pytest.approx(cost.step_time_s(
+            shapes[:cost.parallel.dp_attention]), rel=1e-12)
+        assert parts["attention"] > 0 and parts["lm_head"] > 0 and parts["overhead"] > 0
+
+
+def test_dense_mlp_data_parallel_has_no_collective_and_prices_one_gpus_tokens() -> None:
+    shapes = [decode(100, 1000)] * 16
+    tp_dense = deepep(16).step_breakdown_s(shapes)
+    dp_dense = deepep(16, dense_tp=1).step_breakdown_s(shapes)
+    assert tp_dense["dense_comm"] > 0 and dp_dense["dense_comm"] == 0
+    # Whole dense MLP on 100 tokens per GPU, at any EP size.
+    assert dp_dense["dense_mlp"] == pytest.approx(
+        deepep(72, dense_tp=1).step_breakdown_s([decode(100, 1000)] * 72)["dense_mlp"])
+    p = RooflineParams()
+    inter, h = DSV3.intermediate_size, DSV3.hidden_size
+    mem = H200.hbm_gbps * 1e9 * p.bw_efficiency
+    one_layer = 2 * p.gemm_floor_s + 100 * 3 * inter * 2 / mem + max(
+        2 * 100 * DSV3.dense_mlp_params / (H200.fp8_tflops * 1e12 * p.fp8_gemm_mfu),
+        (DSV3.dense_mlp_params + 100 * (2 * h + 3 * inter) * 2) / mem)
+    assert dp_dense["dense_mlp"] == pytest.approx(DSV3.num_dense_layers * one_layer)
+
+
+def test_collectives_beyond_one_node_run_at_the_nic_rate() -> None:
+    # The dense layers' all-gather + reduce-scatter over 16 GPUs in two 8-GPU nodes: ring
+    # bytes 2 (n - 1) / n per token over the 50 GB/s NIC, not the 450 GB/s NVLink.
+    shapes, p = [decode(100, 1000)] * 16, RooflineParams()
+    tokens = 1600
+    ring_bytes = tokens * 2 * 15 / 16 * DSV3.hidden_size * 2
+    two_nodes = deepep(16).step_breakdown_s(shapes)["dense_comm"]
+    one_domain = deepep(16, H200.model_copy(update={"gpus_per_node": 16})).step_breakdown_s(
+        shapes)["dense_comm"]
+    per_layer = p.allreduce_latency_s + ring_bytes / (H200.rdma_gbps * 1e9 * p.comm_efficiency)
+    assert two_nodes == pytest.approx(DSV3.num_dense_layers * per_layer)
+    assert one_domain < two_nodes / 5
+
+
+def test_dp_lm_head_prices_the_slowest_ranks_rows_over_its_gpus() -> None:
+    shapes = [decode(100, 1000)] * 7 + [decode(120, 1000)]
+    par = Parallelism(tp=8, dp_attention=8, ep=8, moe_a2a="deepep", dp_lm_head=True)
+    cost = make_cost_model("roofline", DSV3, H200, par, role="decode")
+    want = gemm_time_s(120, DSV3.vocab_size, DSV3.hidden_size, DSV3.precision.lm_head, H200,
+                       RooflineParams())
+    assert cost.step_breakdown_s(shapes)["lm_head"] == pytest.approx(want)
+    assert deepep(8).step_breakdown_s(shapes)["lm_head"] == pytest.approx(gemm_time_s(
+        820, DSV3.vocab_size / 8, DSV3.hidden_size, DSV3.precision.lm_head, H200,
+        RooflineParams()))

@@ -25,7 +25,8 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
                hw: HardwareSpec, nic_efficiency: float = 1.0,
                base_dir: str | None = None) -> RoleSpec:
     par = Parallelism(tp=role.tp, dp_attention=role.dp_attention, ep=role.ep,
-                      moe_a2a=role.moe_a2a, two_batch_overlap=role.two_batch_overlap)
+                      moe_a2a=role.moe_a2a, two_batch_overlap=role.two_batch_overlap,
+                      moe_dense_tp=role.moe_dense_tp, dp_lm_head=role.dp_lm_head)
     knobs = role.scheduler
     kv_bytes = role.kv_bytes(cfg.kv_dtype_bytes)
     # Every cost model prices KV reads in the role's KV dtype unless told otherwise, and

@@ -22,6 +22,9 @@ from pdsim.specs.models import ModelSpec
 from pdsim.specs.precision import DTYPES, gemm_peak_tflops
 
 ACT_BYTES = 2  # activations are bf16
+# The parts `step_breakdown_s` reports, in step order (both cost models).
+BREAKDOWN_PARTS = ("attention", "dense_mlp", "dense_comm", "moe_experts", "moe_comm",
+                   "tbo_overlap", "lm_head", "overhead")
 
 
 class Parallelism(BaseModel):
@@ -38,6 +41,11 @@ class Parallelism(BaseModel):
         tokens (pdsim.sim.moe_comm); needs ep = tp > 1, as SGLang sets it.
     two_batch_overlap: split each step into two micro-batches and overlap one's DeepEP
         communication with the other's compute (SGLang's `--enable-two-batch-overlap`).
+    moe_dense_tp: GPUs the dense MLP layers split over (SGLang's `--moe-dense-tp-size`):
+        None (SGLang's default) = tp, on the gathered tokens of all DP ranks with the MLP's
+        collective; 1 = each GPU runs the whole dense MLP on its own tokens, no collective.
+    dp_lm_head: SGLang's `--enable-dp-lm-head`: embedding and LM head split over each
+        attention-DP rank's GPUs, each rank on its own rows, instead of over tp.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -47,6 +55,8 @@ class Parallelism(BaseModel):
     ep: int = Field(default=1, ge=1)
     moe_a2a: Literal["none", "deepep"] = "none"
     two_batch_overlap: bool = False
+    moe_dense_tp: Literal[1] | None = None
+    dp_lm_head: bool = False
 
     @model_validator(mode="after")
     def _check_divides(self) -> Parallelism:
@@ -54,6 +64,7 @@ class Parallelism(BaseModel):
             if self.tp % getattr(self, label):
                 raise ValueError(f"{label}={getattr(self, label)} must divide tp={self.tp}")
         check_moe_a2a(self.moe_a2a, self.two_batch_overlap, self.tp, self.ep)
+        check_dp_options(self.moe_dense_tp, self.dp_lm_head, self.dp_attention)
         return self
 
     @property
@@ -74,6 +85,23 @@ def check_moe_a2a(moe_a2a: str, two_batch_overlap: bool, tp: int, ep: int) -> No
             f"two_batch_overlap overlaps DeepEP's dispatch/combine with compute: it needs "
             f"moe_a2a='deepep', got {moe_a2a!r}"
         )
+
+
+def check_dp_options(moe_dense_tp: int | None, dp_lm_head: bool, dp_attention: int) -> None:
+    """SGLang accepts --moe-dense-tp-size 1 and --enable-dp-lm-head only with DP attention
+    (pdsim's rule for the first: without it every GPU would run the whole MLP on all tokens)."""
+    for label, on in (("moe_dense_tp=1", moe_dense_tp == 1), ("dp_lm_head", dp_lm_head)):
+        if on and dp_attention < 2:
+            raise ValueError(f"{label} runs per attention-DP rank: it needs dp_attention > 1, "
+                             f"got dp_attention={dp_attention}")
+
+
+def weight_bytes_per_gpu(model: ModelSpec, parallel: Parallelism) -> int:
+    """Weight bytes on one GPU under `parallel` (shared experts replicated under DeepEP, dense
+    MLP over moe_dense_tp, LM head per DP rank with dp_lm_head): what KV capacity subtracts."""
+    return model.weight_bytes_per_rank(
+        parallel.tp, parallel.ep, parallel.dp_attention, deepep=parallel.moe_a2a == "deepep",
+        dense_tp=parallel.moe_dense_tp, dp_lm_head=parallel.dp_lm_head)
 
 
 @runtime_checkable
@@ -173,6 +201,16 @@ def _block_rate(block: str, dtype: str, hardware: HardwareSpec, p: RooflineParam
     return _peak_flops(block, dtype, hardware) * mfu[DTYPES[dtype].compute]
 
 
+def gemm_time_s(rows: float, n: int, k: int, dtype: str, hardware: HardwareSpec,
+                p: RooflineParams, block: str = "lm_head") -> float:
+    """One (rows x k) @ (k x n) GEMM with `dtype` weights as the roofline prices a block's
+    GEMMs: its floor + max(FLOPs / achieved rate, (weights + activations) / memory rate)."""
+    mem_rate = hardware.hbm_gbps * 1e9 * p.bw_efficiency
+    flops_s = 2.0 * rows * n * k / _block_rate(block, dtype, hardware, p)
+    bytes_ = n * k * DTYPES[dtype].weight_bytes + rows * (n + k) * ACT_BYTES
+    return p.gemm_floor_s + max(flops_s, bytes_ / mem_rate)
+
+
 @register_cost_model("roofline")
 class RooflineCostModel:
     """Per part of a layer, time = kernel floors + max(FLOPs / compute rate, bytes / memory
@@ -256,13 +294,17 @@ class RooflineCostModel:
         # Two fused add+RMSNorms (read x and residual, write both) and RoPE (read+write q, k).
         self._attn_elem_s_tok = (8 * h + 2 * rope_elems) * ACT_BYTES / mem_rate
 
-        # Dense MLP layers, on the tokens of all DP ranks, over tp GPUs.
+        # Dense MLP layers: on the tokens of all DP ranks over tp GPUs, or with moe_dense_tp=1
+        # whole on each GPU over its own tokens (its rank's tokens split over attention TP).
         self._dense_layers = model.num_dense_layers
+        self._dense_dp = parallel.moe_dense_tp == 1
+        dense_tp = parallel.moe_dense_tp or tp
         dense_rate = _block_rate("dense_mlp", prec.dense_mlp, hardware, p)
         self._dense_floor_s = 2 * p.gemm_floor_s  # gate_up and down
-        inter = model.intermediate_size / tp
-        self._dense_s_tok = 2 * model.dense_mlp_params / tp / dense_rate
-        self._dense_w_bytes = model.dense_mlp_params * DTYPES[prec.dense_mlp].weight_bytes / tp
+        inter = model.intermediate_size / dense_tp
+        self._dense_s_tok = 2 * model.dense_mlp_params / dense_tp / dense_rate
+        self._dense_w_bytes = (model.dense_mlp_params * DTYPES[prec.dense_mlp].weight_bytes
+                               / dense_tp)
         self._dense_act_tok = (2 * h + 3 * inter) * ACT_BYTES  # gate_up in/out, down in/out
         self._dense_elem_s_tok = 3 * inter * ACT_BYTES / mem_rate  # silu(gate) * up
 
@@ -308,23 +350,25 @@ class RooflineCostModel:
                 self._moe_global_act_tok += shared_act_tok
                 self._moe_global_elem_s_tok += shared_elem_s_tok
 
-        # LM head on the last position of each sequence, split over tp.
-        lm_rate = _block_rate("lm_head", prec.lm_head, hardware, p)
-        self._lm_floor_s = p.gemm_floor_s
-        lm_params = model.vocab_size * h
-        self._lm_s_tok = 2 * lm_params / tp / lm_rate
-        self._lm_w_bytes = lm_params * DTYPES[prec.lm_head].weight_bytes / tp
-        self._lm_act_tok = (h + model.vocab_size / tp) * ACT_BYTES
+        # LM head on the last position of each sequence, split over tp; with dp_lm_head over
+        # each DP rank's GPUs, on that rank's rows (the slowest rank's).
+        self._dp_lm_head = parallel.dp_lm_head
+        lm_tp = attn_tp if parallel.dp_lm_head else tp
+        self._lm_gemm = (model.vocab_size / lm_tp, h, prec.lm_head, hardware, p)
 
         # Per layer: an all-reduce in each attention-TP group after the output projection, and
         # across all tp GPUs around the MLP (an all-reduce; with DP attention an all-gather
         # before and a reduce-scatter after, which move the same bytes). Ring all-reduce time:
         # 2 (n - 1) / n * bytes / link bandwidth, plus a fixed latency per call. DeepEP
-        # replaces the MLP collective of MoE layers.
-        link = hardware.nvlink_gbps * 1e9 * p.comm_efficiency
-        self._attn_ar_s_tok = 2 * (attn_tp - 1) / attn_tp * h * ACT_BYTES / link
+        # replaces the MLP collective of MoE layers. A group larger than one node's NVLink
+        # domain is bound by the RDMA NICs.
+        def link(gpus: int) -> float:
+            gbps = hardware.nvlink_gbps if gpus <= hardware.gpus_per_node else hardware.rdma_gbps
+            return gbps * 1e9 * p.comm_efficiency
+
+        self._attn_ar_s_tok = 2 * (attn_tp - 1) / attn_tp * h * ACT_BYTES / link(attn_tp)
         self._attn_ar_fixed_s = p.allreduce_latency_s if attn_tp > 1 else 0.0
-        self._mlp_ar_s_tok = 2 * (tp - 1) / tp * h * ACT_BYTES / link
+        self._mlp_ar_s_tok = 2 * (tp - 1) / tp * h * ACT_BYTES / link(tp)
         self._mlp_ar_fixed_s = p.allreduce_latency_s if tp > 1 else 0.0
         if self._deepep:
             self._a2a = {mode: self._deepep_cost(mode) for mode in ("low_latency", "normal")}
@@ -401,7 +445,15 @@ class RooflineCostModel:
         return self._moe_floor_s + max(flops_s, (w_bytes + act) / self._mem_rate) + elem
 
     def step_time_s(self, shapes: Sequence[BatchShape]) -> float:
-        tokens = lm_rows = max_rank_tokens = 0
+        return sum(self.step_breakdown_s(shapes).values())
+
+    def step_breakdown_s(self, shapes: Sequence[BatchShape]) -> dict[str, float]:
+        """Seconds of one step by part, summed over its layers; the values add up to
+        `step_time_s`. Parts: attention (projections, kernels, attention-TP all-reduce,
+        norms, per-layer overhead), dense_mlp, dense_comm, moe_experts (routed, shared,
+        router), moe_comm (the MLP collective or DeepEP's dispatch/combine), tbo_overlap
+        (what two-batch overlap hides: <= 0), lm_head, overhead (per step and extend)."""
+        tokens = lm_rows = max_rank_tokens = max_rank_rows = 0
         has_prefill = False
         for shape in shapes:
             n = shape.num_tokens
@@ -409,55 +461,65 @@ class RooflineCostModel:
                 continue
             tokens += n
             max_rank_tokens = max(max_rank_tokens, n)
-            lm_rows += shape.decode_reqs * shape.decode_query_len
+            rows = shape.decode_reqs * shape.decode_query_len
             if shape.prefill_tokens:
                 has_prefill = True
-                lm_rows += 1  # at least one sequence ends in this rank's prefill
+                rows += 1  # at least one sequence ends in this rank's prefill
+            lm_rows += rows
+            max_rank_rows = max(max_rank_rows, rows)
+        parts = dict.fromkeys(BREAKDOWN_PARTS, 0.0)
         if tokens == 0:
-            return 0.0
+            return parts
         mem_rate = self._mem_rate
         attn = self._attention_s(shapes, 1.0) + self._layer_overhead_s
         mlp_comm = self._mlp_ar_fixed_s + tokens * self._mlp_ar_s_tok
-        total = 0.0
         if self._dense_layers:
-            dense = self._dense_floor_s + max(
-                tokens * self._dense_s_tok,
-                (self._dense_w_bytes + tokens * self._dense_act_tok) / mem_rate)
-            total += self._dense_layers * (
-                attn + dense + tokens * self._dense_elem_s_tok + mlp_comm
-            )
+            layers = self._dense_layers
+            n = max_rank_tokens / self.parallel.attn_tp if self._dense_dp else tokens
+            parts["attention"] += layers * attn
+            parts["dense_mlp"] = layers * (self._dense_floor_s + n * self._dense_elem_s_tok + max(
+                n * self._dense_s_tok, (self._dense_w_bytes + n * self._dense_act_tok) / mem_rate))
+            parts["dense_comm"] = 0.0 if self._dense_dp else layers * mlp_comm
         if self._moe_layers:
-            total += self._moe_layers * self._moe_layers_s(shapes, attn, mlp_comm, tokens,
-                                                           max_rank_tokens, has_prefill)
-        total += self._lm_floor_s + max(
-            lm_rows * self._lm_s_tok, (self._lm_w_bytes + lm_rows * self._lm_act_tok) / mem_rate)
-        total += self._step_overhead_s
-        if has_prefill:
-            total += self._extend_overhead_s
-        return total
+            self._add_moe_layers(parts, shapes, attn, mlp_comm, tokens, max_rank_tokens,
+                                 has_prefill)
+        if self._dp_lm_head:
+            lm_rows = max_rank_rows
+        parts["lm_head"] = gemm_time_s(lm_rows, *self._lm_gemm)
+        parts["overhead"] = self._step_overhead_s + (self._extend_overhead_s if has_prefill
+                                                     else 0.0)
+        return parts
 
-    def _moe_layers_s(self, shapes: Sequence[BatchShape], attn: float, mlp_comm: float,
-                      tokens: int, max_rank_tokens: int, has_prefill: bool) -> float:
-        """One MoE layer (attention included), averaged over the layers of a step.
+    def _add_moe_layers(self, parts: dict[str, float], shapes: Sequence[BatchShape],
+                        attn: float, mlp_comm: float, tokens: int, max_rank_tokens: int,
+                        has_prefill: bool) -> None:
+        """Add the MoE layers' parts (attention included) to `parts`.
 
         With two-batch overlap each micro-batch (half of every rank's batch) computes while
         the other communicates: a layer takes max(2 c, 2 x) for a micro-batch's compute c and
-        communication x, and the step pays one unoverlapped min(c, x) to fill the pipeline,
-        spread here over the MoE layers."""
+        communication x, and the step pays one unoverlapped min(c, x) to fill the pipeline;
+        tbo_overlap is that against attention + experts + communication unsplit."""
+        layers = self._moe_layers
+        parts["attention"] += layers * attn
         if not self._deepep:
-            return attn + self._moe_s(tokens, tokens) + mlp_comm
+            parts["moe_experts"] = layers * self._moe_s(tokens, tokens)
+            parts["moe_comm"] = layers * mlp_comm
+            return
         # Each GPU sends its share of its rank's tokens and receives its share of all of them.
         gpu_tokens = max(max_rank_tokens / self.parallel.attn_tp, tokens / self.parallel.tp)
         role = self.params.role
         normal = role == "prefill" or (role == "colocated" and has_prefill)
         fixed_s, per_token_s = self._a2a["normal" if normal else "low_latency"]
-        if not self._tbo:
-            return attn + self._moe_s(tokens, gpu_tokens) + fixed_s + gpu_tokens * per_token_s
-        half_compute = (self._attention_s(shapes, 0.5) + self._layer_overhead_s
-                        + self._moe_s(tokens / 2, gpu_tokens / 2))
-        half_comm = fixed_s + gpu_tokens / 2 * per_token_s
-        fill = min(half_compute, half_comm) / self._moe_layers
-        return 2 * max(half_compute, half_comm) + fill
+        experts = self._moe_s(tokens, gpu_tokens)
+        comm = fixed_s + gpu_tokens * per_token_s
+        parts["moe_experts"] = layers * experts
+        parts["moe_comm"] = layers * comm
+        if self._tbo:
+            half_compute = (self._attention_s(shapes, 0.5) + self._layer_overhead_s
+                            + self._moe_s(tokens / 2, gpu_tokens / 2))
+            half_comm = fixed_s + gpu_tokens / 2 * per_token_s
+            overlapped = layers * 2 * max(half_compute, half_comm) + min(half_compute, half_comm)
+            parts["tbo_overlap"] = overlapped - layers * (attn + experts + comm)
 
 
 def kv_capacity_tokens(
@@ -478,7 +540,7 @@ def kv_capacity_tokens(
     if not 0 < mem_fraction_static <= 1:
         raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
     budget = hardware.hbm_bytes * mem_fraction_static
-    weights = model.weight_bytes_per_rank(parallel.tp, parallel.ep, parallel.dp_attention)
+    weights = weight_bytes_per_gpu(model, parallel)
     free = budget - weights
     if free <= 0:
         raise ValueError(

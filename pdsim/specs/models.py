@@ -260,13 +260,18 @@ class ModelSpec(BaseModel):
         """Bytes of all weights, each block in its own format."""
         return self.weight_bytes_per_rank()
 
-    def weight_bytes_per_rank(self, tp: int = 1, ep: int = 1, dp_attention: int = 1) -> int:
+    def weight_bytes_per_rank(self, tp: int = 1, ep: int = 1, dp_attention: int = 1, *,
+                              deepep: bool = False, dense_tp: int | None = None,
+                              dp_lm_head: bool = False) -> int:
         """Weight bytes one GPU of a `tp`-GPU instance holds (SGLang's sharding).
 
-        Embedding, LM head, dense MLPs and shared experts are split over `tp`; attention
-        weights over the attention-TP group `tp // dp_attention` (each DP-attention rank holds a
-        copy); routed experts over `ep` (whole experts) and then over `tp // ep` (slices);
-        norms and the router are replicated. Each block's params count at its format's bytes.
+        Attention weights split over the attention-TP group `tp // dp_attention` (each
+        DP-attention rank holds a copy); routed experts over `ep` (whole experts) and then over
+        `tp // ep` (slices); shared experts over `tp`, or replicated under DeepEP (`deepep`:
+        SGLang runs them with tp_size 1); dense MLPs over `dense_tp` GPUs (SGLang's
+        `--moe-dense-tp-size`; None: tp); embedding and LM head over tp, or over the
+        attention-TP group with `dp_lm_head`; norms and the router are replicated. Each
+        block's params count at its format's bytes.
         """
         _check_divides("dp_attention", dp_attention, tp)
         if ep != 1 and not self.is_moe:
@@ -277,12 +282,13 @@ class ModelSpec(BaseModel):
         routed = shared = 0.0
         if self.is_moe:
             routed = self.num_experts * self.expert_params / ep / (tp // ep)
-            shared = self.num_shared_experts * self.expert_params / tp
+            shared = self.num_shared_experts * self.expert_params / (1 if deepep else tp)
         blocks = [
             (p.attention, self.num_layers * self.attn_params_per_layer / attn_tp),
-            (p.dense_mlp, self.num_dense_layers * self.dense_mlp_params / tp),
+            (p.dense_mlp, self.num_dense_layers * self.dense_mlp_params / (dense_tp or tp)),
             (p.moe_experts, self.num_moe_layers * (routed + shared)),
-            (p.lm_head, (self.embedding_params + self.lm_head_params) / tp),
+            (p.lm_head, (self.embedding_params + self.lm_head_params)
+             / (attn_tp if dp_lm_head else tp)),
             ("bf16", self.num_layers * self.norm_params_per_layer + self.hidden_size),
             ("bf16", self.num_moe_layers * self.router_params),
         ]

@@ -26,7 +26,7 @@ from functools import lru_cache
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdsim.core.batch import BatchShape
-from pdsim.sim.cost import Parallelism, Role
+from pdsim.sim.cost import BREAKDOWN_PARTS, Parallelism, Role
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Grid2, Stage
 from pdsim.sim.silicon.ops import ACT_BYTES, MissingTable, op_tables
@@ -75,13 +75,16 @@ class _Plan:
     generation_attn: Grid2
     gen_flops_rel: float  # generation attention at q = 1: FLOP time / max(FLOP, byte time)
     gen_bytes_rel: float  # ... and byte time / max(FLOP, byte time)
-    dense: Stage  # over the instance's tokens: dense MLP + its collective
-    moe_global: Stage  # over the instance's tokens: routed experts (+ shared, collective)
+    dense_dp: bool  # moe_dense_tp=1: dense MLP whole on each GPU, over its own tokens
+    dense: Stage  # over the instance's tokens (or one GPU's, dense_dp): dense MLP GEMMs
+    mlp_comm: Stage  # over the instance's tokens: the MLP collective (dense, MoE without DeepEP)
+    moe_global: Stage  # over the instance's tokens: routed experts (+ shared without DeepEP)
     moe_global_ll: Stage  # the same under DeepEP's low-latency mode (decode kernels)
     moe_local: Stage  # over one GPU's tokens (DeepEP): shared experts, router
     a2a_low_latency: Stage | None  # over one GPU's tokens
     a2a_normal: Stage | None
-    lm_head: Stage
+    lm_head: Stage  # over the instance's rows, or the slowest rank's with dp_lm_head
+    dp_lm_head: bool
     elementwise_s_tok: float  # per layer, per token of a rank
     elementwise_floor_s: float  # per layer
 
@@ -181,8 +184,14 @@ class SiliconCostModel:
         return s
 
     def step_time_s(self, shapes: Sequence[BatchShape]) -> float:
+        return sum(self.step_breakdown_s(shapes).values())
+
+    def step_breakdown_s(self, shapes: Sequence[BatchShape]) -> dict[str, float]:
+        """Seconds of one step by part, summed over its layers, adding up to `step_time_s`
+        (the parts of pdsim.sim.cost.BREAKDOWN_PARTS; attention includes the elementwise
+        kernels)."""
         plan = self._plan
-        tokens = lm_rows = max_rank_tokens = 0
+        tokens = lm_rows = max_rank_tokens = max_rank_rows = 0
         has_prefill = False
         for shape in shapes:
             n = shape.num_tokens
@@ -190,42 +199,59 @@ class SiliconCostModel:
                 continue
             tokens += n
             max_rank_tokens = max(max_rank_tokens, n)
-            lm_rows += shape.decode_reqs * shape.decode_query_len
+            rows = shape.decode_reqs * shape.decode_query_len
             if shape.prefill_tokens:
                 has_prefill = True
-                lm_rows += 1  # at least one sequence ends in this rank's prefill
+                rows += 1  # at least one sequence ends in this rank's prefill
+            lm_rows += rows
+            max_rank_rows = max(max_rank_rows, rows)
+        parts = dict.fromkeys(BREAKDOWN_PARTS, 0.0)
         if tokens == 0:
-            return 0.0
+            return parts
         attn = self._attention_s(shapes, 1.0)
         attn += max(plan.elementwise_floor_s, max_rank_tokens * plan.elementwise_s_tok)
-        total = 0.0
         if plan.dense_layers:
-            total += plan.dense_layers * (attn + self._stage(plan.dense, tokens))
+            layers = plan.dense_layers
+            parts["attention"] += layers * attn
+            if plan.dense_dp:
+                gpu_tokens = -(-max_rank_tokens // self.parallel.attn_tp)
+                parts["dense_mlp"] = layers * self._stage(plan.dense, gpu_tokens)
+            else:
+                parts["dense_mlp"] = layers * self._stage(plan.dense, tokens)
+                parts["dense_comm"] = layers * self._stage(plan.mlp_comm, tokens)
         if plan.moe_layers:
-            total += plan.moe_layers * self._moe_layer_s(shapes, attn, tokens, max_rank_tokens,
-                                                         has_prefill)
-        total += self._stage(plan.lm_head, lm_rows)
-        total += self.params.step_overhead_s
-        if has_prefill:
-            total += self.params.extend_overhead_s
-        return total
+            self._add_moe_layers(parts, shapes, attn, tokens, max_rank_tokens, has_prefill)
+        parts["lm_head"] = self._stage(plan.lm_head,
+                                       max_rank_rows if plan.dp_lm_head else lm_rows)
+        parts["overhead"] = self.params.step_overhead_s + (
+            self.params.extend_overhead_s if has_prefill else 0.0)
+        return parts
 
-    def _moe_layer_s(self, shapes: Sequence[BatchShape], attn: float, tokens: int,
-                     max_rank_tokens: int, has_prefill: bool) -> float:
-        """One MoE layer, attention included. Two-batch overlap follows the roofline's rule
-        (pdsim.sim.cost): max(2 c, 2 x) per layer for a micro-batch's compute c and DeepEP
-        time x, plus one unoverlapped min(c, x) per step, spread over the MoE layers."""
+    def _add_moe_layers(self, parts: dict[str, float], shapes: Sequence[BatchShape],
+                        attn: float, tokens: int, max_rank_tokens: int,
+                        has_prefill: bool) -> None:
+        """Add the MoE layers' parts (attention included). Two-batch overlap follows the
+        roofline's rule (pdsim.sim.cost): max(2 c, 2 x) per layer for a micro-batch's compute
+        c and DeepEP time x, plus one unoverlapped min(c, x) per step; tbo_overlap is that
+        against attention + experts + DeepEP unsplit."""
         plan, par = self._plan, self.parallel
+        layers = plan.moe_layers
+        parts["attention"] += layers * attn
         if par.moe_a2a != "deepep":
-            return attn + self._stage(plan.moe_global, tokens)
+            parts["moe_experts"] = layers * self._stage(plan.moe_global, tokens)
+            parts["moe_comm"] = layers * self._stage(plan.mlp_comm, tokens)
+            return
         gpu_tokens = max(-(-max_rank_tokens // par.attn_tp), -(-tokens // par.tp))
         role = self.params.role
         normal = role == "prefill" or (role == "colocated" and has_prefill)
         a2a = plan.a2a_normal if normal else plan.a2a_low_latency
         experts = plan.moe_global if normal else plan.moe_global_ll
+        compute = self._stage(experts, tokens) + self._stage(plan.moe_local, gpu_tokens)
+        comm = self._stage(a2a, gpu_tokens)
+        parts["moe_experts"] = layers * compute
+        parts["moe_comm"] = layers * comm
         if not par.two_batch_overlap:
-            return (attn + self._stage(experts, tokens)
-                    + self._stage(plan.moe_local, gpu_tokens) + self._stage(a2a, gpu_tokens))
+            return
         half_tokens, half_gpu = -(-tokens // 2), -(-gpu_tokens // 2)
         half_compute = (self._attention_s(shapes, 0.5)
                         + max(plan.elementwise_floor_s,
@@ -233,8 +259,8 @@ class SiliconCostModel:
                         + self._stage(experts, half_tokens)
                         + self._stage(plan.moe_local, half_gpu))
         half_comm = self._stage(a2a, half_gpu)
-        return (2 * max(half_compute, half_comm)
-                + min(half_compute, half_comm) / plan.moe_layers)
+        overlapped = layers * 2 * max(half_compute, half_comm) + min(half_compute, half_comm)
+        parts["tbo_overlap"] = overlapped - layers * (attn + compute + comm)
 
 
 def _prefill_attention(grid: Grid2, tokens: int, pairs: float) -> tuple[float, bool]:
@@ -306,12 +332,13 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
     else:
         mlp_comm = [ops.nccl("all_gather", tp, h), ops.nccl("reduce_scatter", tp, h)]
 
-    inter = model.intermediate_size // tp
-    dense = [ops.gemm(2 * inter, h, prec.dense_mlp), ops.gemm(h, inter, prec.dense_mlp),
-             *mlp_comm] if model.num_dense_layers else []
+    # Dense MLP over tp, or with moe_dense_tp=1 whole on each GPU (no collective).
+    inter = model.intermediate_size // (par.moe_dense_tp or tp)
+    dense = [ops.gemm(2 * inter, h, prec.dense_mlp),
+             ops.gemm(h, inter, prec.dense_mlp)] if model.num_dense_layers else []
 
     moe_global, moe_global_ll, moe_local, a2a_ll, a2a_normal = [], [], [], None, None
-    mlp_act = 3 * inter
+    mlp_act = 3 * (model.intermediate_size // tp)
     if model.is_moe:
         md = prec.moe_experts
         deepep = par.moe_a2a == "deepep"
@@ -338,12 +365,12 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
                 raise MissingTable(f"silicon: {system} has no DeepEP tables; use moe_a2a 'none' "
                                  f"or the roofline cost model")
         else:
-            moe_global += local + mlp_comm
+            moe_global += local
             moe_global_ll = moe_global
         mlp_act = max(mlp_act, 3 * (model.moe_intermediate_size * model.experts_per_token // ep
                                     + shared))
 
-    lm = [ops.gemm(model.vocab_size // tp, h, prec.lm_head)]
+    lm = [ops.gemm(model.vocab_size // (attn_tp if par.dp_lm_head else tp), h, prec.lm_head)]
     mem = hw.hbm_gbps * 1e9 * p.bw_efficiency
     return _Plan(
         layers=model.num_layers,
@@ -356,13 +383,16 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         generation_attn=generation,
         gen_flops_rel=gen_flops / max(gen_flops, gen_bytes),
         gen_bytes_rel=gen_bytes / max(gen_flops, gen_bytes),
+        dense_dp=par.moe_dense_tp == 1,
         dense=Stage(dense),
+        mlp_comm=Stage(mlp_comm),
         moe_global=Stage(moe_global),
         moe_global_ll=Stage(moe_global_ll),
         moe_local=Stage(moe_local),
         a2a_low_latency=Stage([a2a_ll]) if a2a_ll else None,
         a2a_normal=Stage([a2a_normal]) if a2a_normal else None,
         lm_head=Stage(lm),
+        dp_lm_head=par.dp_lm_head,
         elementwise_s_tok=(8 * h + 2 * rope_elems + mlp_act) * ACT_BYTES / mem,
         elementwise_floor_s=ELEMENTWISE_KERNELS * p.kernel_floor_s,
     )
