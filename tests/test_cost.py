@@ -475,13 +475,19 @@ def test_ep_scaling_experiment_builds_every_point() -> None:
     points = expand_sweep(cfg, raw, str(path))
     seen = set()
     for swept, point in points:
-        decode = build_cluster(point, str(path.parent)).decode.cost()
-        par = decode.parallel
+        role = build_cluster(point, str(path.parent)).decode
+        par = role.cost().parallel
         assert par.moe_a2a == "deepep" and par.tp == par.ep == par.dp_attention
+        assert par.moe_dense_tp == 1 and par.dp_lm_head
         seen.add((par.ep, par.two_batch_overlap))
-        # 128 clients per decode GPU, each DP rank allowed 128 running requests.
-        assert point.workload.arrival.concurrency == 128 * par.ep
-        assert point.cluster.decode.scheduler.max_running_requests == 128 * par.ep
+        # 256 clients per decode GPU, each DP rank allowed 256 running requests ...
+        assert point.workload.arrival.concurrency == 256 * par.ep
+        assert point.cluster.decode.scheduler.max_running_requests == 256 * par.ep
+        # ... so that the KV pool (a mean prompt plus the reserved decode tokens a request)
+        # bounds the batch at EP 8 and the clients from EP 16 on, as the YAML's comment says.
+        per_request = (1024 + 3072) / 2 + point.cluster.decode.scheduler.num_reserved_decode_tokens
+        fit = role.scheduler.num_pages * role.scheduler.page_size / per_request
+        assert (fit < 256) == (par.ep == 8)
     assert seen == {(ep, tbo) for ep in (8, 16, 32, 72) for tbo in (False, True)}
 
 

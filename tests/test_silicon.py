@@ -235,3 +235,20 @@ def test_without_the_package_silicon_says_how_to_install_and_auto_uses_the_roofl
     assert resolve_cost_model("auto", h100) == "roofline"
     assert type(make_cost_model("auto", model, h100, Parallelism())).__name__ == (
         "RooflineCostModel")
+
+
+@needs_tables
+def test_silicon_breakdown_adds_up_and_dense_dp_drops_the_collective():
+    model, h200 = load_model_spec("deepseek-v3"), load_hardware_spec("h200")
+    shapes = [BatchShape(decode_reqs=100, decode_context_tokens=100_000)] * 16
+    parts = {}
+    for dense_tp in (None, 1):
+        par = Parallelism(tp=16, dp_attention=16, ep=16, moe_a2a="deepep", two_batch_overlap=True,
+                          moe_dense_tp=dense_tp, dp_lm_head=dense_tp == 1)
+        cost = make_cost_model("silicon", model, h200, par, role="decode")
+        parts[dense_tp] = cost.step_breakdown_s(shapes)
+        assert sum(parts[dense_tp].values()) == pytest.approx(cost.step_time_s(shapes), rel=1e-12)
+    # Over 16 GPUs in two nodes the gathered dense MLP pays an all-gather + reduce-scatter of
+    # all 1600 tokens over the NICs; run whole per GPU it has none, and the MoE layers are alike.
+    assert parts[None]["dense_comm"] > 5 * parts[1]["dense_mlp"] and parts[1]["dense_comm"] == 0
+    assert parts[None]["moe_comm"] == parts[1]["moe_comm"]

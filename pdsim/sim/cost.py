@@ -11,7 +11,7 @@ parallelism) triple: how many KV tokens fit (`kv_capacity_tokens`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -201,14 +201,34 @@ def _block_rate(block: str, dtype: str, hardware: HardwareSpec, p: RooflineParam
     return _peak_flops(block, dtype, hardware) * mfu[DTYPES[dtype].compute]
 
 
-def gemm_time_s(rows: float, n: int, k: int, dtype: str, hardware: HardwareSpec,
+class GemmTerms(NamedTuple):
+    """One GEMM's roofline terms: time = floor_s + max(rows * s_per_row,
+    (fixed_bytes + rows * bytes_per_row) / mem_rate)."""
+
+    floor_s: float
+    s_per_row: float
+    fixed_bytes: float
+    bytes_per_row: float
+    mem_rate: float
+
+    def at(self, rows: float) -> float:
+        return self.floor_s + max(rows * self.s_per_row,
+                                  (self.fixed_bytes + rows * self.bytes_per_row) / self.mem_rate)
+
+
+def gemm_terms(n: float, k: int, dtype: str, hardware: HardwareSpec, p: RooflineParams,
+               block: str = "lm_head") -> GemmTerms:
+    """A (rows x k) @ (k x n) GEMM with `dtype` weights as the roofline prices a block's GEMMs:
+    its floor + max(FLOPs / achieved rate, (weights + activations) / memory rate)."""
+    return GemmTerms(p.gemm_floor_s, 2.0 * n * k / _block_rate(block, dtype, hardware, p),
+                     n * k * DTYPES[dtype].weight_bytes, (n + k) * ACT_BYTES,
+                     hardware.hbm_gbps * 1e9 * p.bw_efficiency)
+
+
+def gemm_time_s(rows: float, n: float, k: int, dtype: str, hardware: HardwareSpec,
                 p: RooflineParams, block: str = "lm_head") -> float:
-    """One (rows x k) @ (k x n) GEMM with `dtype` weights as the roofline prices a block's
-    GEMMs: its floor + max(FLOPs / achieved rate, (weights + activations) / memory rate)."""
-    mem_rate = hardware.hbm_gbps * 1e9 * p.bw_efficiency
-    flops_s = 2.0 * rows * n * k / _block_rate(block, dtype, hardware, p)
-    bytes_ = n * k * DTYPES[dtype].weight_bytes + rows * (n + k) * ACT_BYTES
-    return p.gemm_floor_s + max(flops_s, bytes_ / mem_rate)
+    """Seconds of one GEMM (`gemm_terms`) on `rows` rows."""
+    return gemm_terms(n, k, dtype, hardware, p, block).at(rows)
 
 
 @register_cost_model("roofline")
@@ -354,7 +374,7 @@ class RooflineCostModel:
         # each DP rank's GPUs, on that rank's rows (the slowest rank's).
         self._dp_lm_head = parallel.dp_lm_head
         lm_tp = attn_tp if parallel.dp_lm_head else tp
-        self._lm_gemm = (model.vocab_size / lm_tp, h, prec.lm_head, hardware, p)
+        self._lm_gemm = gemm_terms(model.vocab_size / lm_tp, h, prec.lm_head, hardware, p)
 
         # Per layer: an all-reduce in each attention-TP group after the output projection, and
         # across all tp GPUs around the MLP (an all-reduce; with DP attention an all-gather
@@ -445,14 +465,19 @@ class RooflineCostModel:
         return self._moe_floor_s + max(flops_s, (w_bytes + act) / self._mem_rate) + elem
 
     def step_time_s(self, shapes: Sequence[BatchShape]) -> float:
-        return sum(self.step_breakdown_s(shapes).values())
+        return sum(self._parts(shapes))
 
     def step_breakdown_s(self, shapes: Sequence[BatchShape]) -> dict[str, float]:
-        """Seconds of one step by part, summed over its layers; the values add up to
-        `step_time_s`. Parts: attention (projections, kernels, attention-TP all-reduce,
-        norms, per-layer overhead), dense_mlp, dense_comm, moe_experts (routed, shared,
-        router), moe_comm (the MLP collective or DeepEP's dispatch/combine), tbo_overlap
-        (what two-batch overlap hides: <= 0), lm_head, overhead (per step and extend)."""
+        """Seconds of one step by part (`BREAKDOWN_PARTS`), summed over its layers; the
+        values add up to `step_time_s`. attention: projections, kernels, attention-TP
+        all-reduce, norms, per-layer overhead; moe_experts: routed and shared experts, router;
+        moe_comm: the MLP collective or DeepEP's dispatch/combine; tbo_overlap: what two-batch
+        overlap changes (negative where it hides communication, positive where splitting a
+        weight-bound batch reads the weights twice); overhead: per step and extend."""
+        return dict(zip(BREAKDOWN_PARTS, self._parts(shapes)))
+
+    def _parts(self, shapes: Sequence[BatchShape]) -> tuple[float, ...]:
+        """The step's parts in `BREAKDOWN_PARTS` order."""
         tokens = lm_rows = max_rank_tokens = max_rank_rows = 0
         has_prefill = False
         for shape in shapes:
@@ -467,44 +492,41 @@ class RooflineCostModel:
                 rows += 1  # at least one sequence ends in this rank's prefill
             lm_rows += rows
             max_rank_rows = max(max_rank_rows, rows)
-        parts = dict.fromkeys(BREAKDOWN_PARTS, 0.0)
         if tokens == 0:
-            return parts
-        mem_rate = self._mem_rate
+            return (0.0,) * len(BREAKDOWN_PARTS)
         attn = self._attention_s(shapes, 1.0) + self._layer_overhead_s
         mlp_comm = self._mlp_ar_fixed_s + tokens * self._mlp_ar_s_tok
+        attention = dense_mlp = dense_comm = 0.0
         if self._dense_layers:
             layers = self._dense_layers
             n = max_rank_tokens / self.parallel.attn_tp if self._dense_dp else tokens
-            parts["attention"] += layers * attn
-            parts["dense_mlp"] = layers * (self._dense_floor_s + n * self._dense_elem_s_tok + max(
-                n * self._dense_s_tok, (self._dense_w_bytes + n * self._dense_act_tok) / mem_rate))
-            parts["dense_comm"] = 0.0 if self._dense_dp else layers * mlp_comm
+            attention = layers * attn
+            dense_mlp = layers * (self._dense_floor_s + n * self._dense_elem_s_tok + max(
+                n * self._dense_s_tok,
+                (self._dense_w_bytes + n * self._dense_act_tok) / self._mem_rate))
+            dense_comm = 0.0 if self._dense_dp else layers * mlp_comm
+        experts = comm = tbo = 0.0
         if self._moe_layers:
-            self._add_moe_layers(parts, shapes, attn, mlp_comm, tokens, max_rank_tokens,
-                                 has_prefill)
-        if self._dp_lm_head:
-            lm_rows = max_rank_rows
-        parts["lm_head"] = gemm_time_s(lm_rows, *self._lm_gemm)
-        parts["overhead"] = self._step_overhead_s + (self._extend_overhead_s if has_prefill
-                                                     else 0.0)
-        return parts
+            attention += self._moe_layers * attn
+            experts, comm, tbo = self._moe_layers_s(shapes, attn, mlp_comm, tokens,
+                                                    max_rank_tokens, has_prefill)
+        lm_head = self._lm_gemm.at(max_rank_rows if self._dp_lm_head else lm_rows)
+        overhead = self._step_overhead_s + (self._extend_overhead_s if has_prefill else 0.0)
+        return attention, dense_mlp, dense_comm, experts, comm, tbo, lm_head, overhead
 
-    def _add_moe_layers(self, parts: dict[str, float], shapes: Sequence[BatchShape],
-                        attn: float, mlp_comm: float, tokens: int, max_rank_tokens: int,
-                        has_prefill: bool) -> None:
-        """Add the MoE layers' parts (attention included) to `parts`.
+    def _moe_layers_s(self, shapes: Sequence[BatchShape], attn: float, mlp_comm: float,
+                      tokens: int, max_rank_tokens: int, has_prefill: bool
+                      ) -> tuple[float, float, float]:
+        """The MoE layers' (experts, communication, two-batch-overlap change), attention
+        apart.
 
         With two-batch overlap each micro-batch (half of every rank's batch) computes while
         the other communicates: a layer takes max(2 c, 2 x) for a micro-batch's compute c and
         communication x, and the step pays one unoverlapped min(c, x) to fill the pipeline;
-        tbo_overlap is that against attention + experts + communication unsplit."""
+        the change is that against attention + experts + communication unsplit."""
         layers = self._moe_layers
-        parts["attention"] += layers * attn
         if not self._deepep:
-            parts["moe_experts"] = layers * self._moe_s(tokens, tokens)
-            parts["moe_comm"] = layers * mlp_comm
-            return
+            return layers * self._moe_s(tokens, tokens), layers * mlp_comm, 0.0
         # Each GPU sends its share of its rank's tokens and receives its share of all of them.
         gpu_tokens = max(max_rank_tokens / self.parallel.attn_tp, tokens / self.parallel.tp)
         role = self.params.role
@@ -512,14 +534,14 @@ class RooflineCostModel:
         fixed_s, per_token_s = self._a2a["normal" if normal else "low_latency"]
         experts = self._moe_s(tokens, gpu_tokens)
         comm = fixed_s + gpu_tokens * per_token_s
-        parts["moe_experts"] = layers * experts
-        parts["moe_comm"] = layers * comm
+        tbo = 0.0
         if self._tbo:
             half_compute = (self._attention_s(shapes, 0.5) + self._layer_overhead_s
                             + self._moe_s(tokens / 2, gpu_tokens / 2))
             half_comm = fixed_s + gpu_tokens / 2 * per_token_s
             overlapped = layers * 2 * max(half_compute, half_comm) + min(half_compute, half_comm)
-            parts["tbo_overlap"] = overlapped - layers * (attn + experts + comm)
+            tbo = overlapped - layers * (attn + experts + comm)
+        return layers * experts, layers * comm, tbo
 
 
 def kv_capacity_tokens(

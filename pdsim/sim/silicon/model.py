@@ -184,12 +184,15 @@ class SiliconCostModel:
         return s
 
     def step_time_s(self, shapes: Sequence[BatchShape]) -> float:
-        return sum(self.step_breakdown_s(shapes).values())
+        return sum(self._parts(shapes))
 
     def step_breakdown_s(self, shapes: Sequence[BatchShape]) -> dict[str, float]:
         """Seconds of one step by part, summed over its layers, adding up to `step_time_s`
-        (the parts of pdsim.sim.cost.BREAKDOWN_PARTS; attention includes the elementwise
-        kernels)."""
+        (pdsim.sim.cost.BREAKDOWN_PARTS, as the roofline's; attention includes the
+        elementwise kernels)."""
+        return dict(zip(BREAKDOWN_PARTS, self._parts(shapes)))
+
+    def _parts(self, shapes: Sequence[BatchShape]) -> tuple[float, ...]:
         plan = self._plan
         tokens = lm_rows = max_rank_tokens = max_rank_rows = 0
         has_prefill = False
@@ -205,42 +208,41 @@ class SiliconCostModel:
                 rows += 1  # at least one sequence ends in this rank's prefill
             lm_rows += rows
             max_rank_rows = max(max_rank_rows, rows)
-        parts = dict.fromkeys(BREAKDOWN_PARTS, 0.0)
         if tokens == 0:
-            return parts
+            return (0.0,) * len(BREAKDOWN_PARTS)
         attn = self._attention_s(shapes, 1.0)
         attn += max(plan.elementwise_floor_s, max_rank_tokens * plan.elementwise_s_tok)
+        attention = dense_mlp = dense_comm = 0.0
         if plan.dense_layers:
             layers = plan.dense_layers
-            parts["attention"] += layers * attn
+            attention = layers * attn
             if plan.dense_dp:
                 gpu_tokens = -(-max_rank_tokens // self.parallel.attn_tp)
-                parts["dense_mlp"] = layers * self._stage(plan.dense, gpu_tokens)
+                dense_mlp = layers * self._stage(plan.dense, gpu_tokens)
             else:
-                parts["dense_mlp"] = layers * self._stage(plan.dense, tokens)
-                parts["dense_comm"] = layers * self._stage(plan.mlp_comm, tokens)
+                dense_mlp = layers * self._stage(plan.dense, tokens)
+                dense_comm = layers * self._stage(plan.mlp_comm, tokens)
+        experts = comm = tbo = 0.0
         if plan.moe_layers:
-            self._add_moe_layers(parts, shapes, attn, tokens, max_rank_tokens, has_prefill)
-        parts["lm_head"] = self._stage(plan.lm_head,
-                                       max_rank_rows if plan.dp_lm_head else lm_rows)
-        parts["overhead"] = self.params.step_overhead_s + (
+            attention += plan.moe_layers * attn
+            experts, comm, tbo = self._moe_layers_s(shapes, attn, tokens, max_rank_tokens,
+                                                    has_prefill)
+        lm_head = self._stage(plan.lm_head, max_rank_rows if plan.dp_lm_head else lm_rows)
+        overhead = self.params.step_overhead_s + (
             self.params.extend_overhead_s if has_prefill else 0.0)
-        return parts
+        return attention, dense_mlp, dense_comm, experts, comm, tbo, lm_head, overhead
 
-    def _add_moe_layers(self, parts: dict[str, float], shapes: Sequence[BatchShape],
-                        attn: float, tokens: int, max_rank_tokens: int,
-                        has_prefill: bool) -> None:
-        """Add the MoE layers' parts (attention included). Two-batch overlap follows the
-        roofline's rule (pdsim.sim.cost): max(2 c, 2 x) per layer for a micro-batch's compute
-        c and DeepEP time x, plus one unoverlapped min(c, x) per step; tbo_overlap is that
-        against attention + experts + DeepEP unsplit."""
+    def _moe_layers_s(self, shapes: Sequence[BatchShape], attn: float, tokens: int,
+                      max_rank_tokens: int, has_prefill: bool) -> tuple[float, float, float]:
+        """The MoE layers' (experts, communication, two-batch-overlap change), attention
+        apart. Two-batch overlap follows the roofline's rule (pdsim.sim.cost): max(2 c, 2 x)
+        per layer for a micro-batch's compute c and DeepEP time x, plus one unoverlapped
+        min(c, x) per step, against attention + experts + DeepEP unsplit."""
         plan, par = self._plan, self.parallel
         layers = plan.moe_layers
-        parts["attention"] += layers * attn
         if par.moe_a2a != "deepep":
-            parts["moe_experts"] = layers * self._stage(plan.moe_global, tokens)
-            parts["moe_comm"] = layers * self._stage(plan.mlp_comm, tokens)
-            return
+            return (layers * self._stage(plan.moe_global, tokens),
+                    layers * self._stage(plan.mlp_comm, tokens), 0.0)
         gpu_tokens = max(-(-max_rank_tokens // par.attn_tp), -(-tokens // par.tp))
         role = self.params.role
         normal = role == "prefill" or (role == "colocated" and has_prefill)
@@ -248,19 +250,18 @@ class SiliconCostModel:
         experts = plan.moe_global if normal else plan.moe_global_ll
         compute = self._stage(experts, tokens) + self._stage(plan.moe_local, gpu_tokens)
         comm = self._stage(a2a, gpu_tokens)
-        parts["moe_experts"] = layers * compute
-        parts["moe_comm"] = layers * comm
-        if not par.two_batch_overlap:
-            return
-        half_tokens, half_gpu = -(-tokens // 2), -(-gpu_tokens // 2)
-        half_compute = (self._attention_s(shapes, 0.5)
-                        + max(plan.elementwise_floor_s,
-                              max_rank_tokens / 2 * plan.elementwise_s_tok)
-                        + self._stage(experts, half_tokens)
-                        + self._stage(plan.moe_local, half_gpu))
-        half_comm = self._stage(a2a, half_gpu)
-        overlapped = layers * 2 * max(half_compute, half_comm) + min(half_compute, half_comm)
-        parts["tbo_overlap"] = overlapped - layers * (attn + compute + comm)
+        tbo = 0.0
+        if par.two_batch_overlap:
+            half_tokens, half_gpu = -(-tokens // 2), -(-gpu_tokens // 2)
+            half_compute = (self._attention_s(shapes, 0.5)
+                            + max(plan.elementwise_floor_s,
+                                  max_rank_tokens / 2 * plan.elementwise_s_tok)
+                            + self._stage(experts, half_tokens)
+                            + self._stage(plan.moe_local, half_gpu))
+            half_comm = self._stage(a2a, half_gpu)
+            overlapped = layers * 2 * max(half_compute, half_comm) + min(half_compute, half_comm)
+            tbo = overlapped - layers * (attn + compute + comm)
+        return layers * compute, layers * comm, tbo
 
 
 def _prefill_attention(grid: Grid2, tokens: int, pairs: float) -> tuple[float, bool]:
