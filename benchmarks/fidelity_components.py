@@ -6,8 +6,8 @@
    sample of interior grid points of each op kind, hide the point and predict it from its
    neighbours along the size axis the simulator looks up (tokens, sequence or context length,
    message size) with the silicon model's interpolation (a monotone cubic in log-log space,
-   pdsim.sim.silicon.interp), and from the shape alone with the roofline's formula at its
-   default efficiencies (pdsim.sim.cost.RooflineParams). The neighbours are twice as far apart
+   pdsim.sim.silicon.interp), and from the shape alone with the roofline cost model itself
+   (pdsim.sim.cost at its default RooflineParams: floors, per-format efficiencies). The neighbours are twice as far apart
    as in the real lookup, so silicon's error is an upper bound. Printed: median and P90
    relative error per op kind and model.
 2. Against Vidur's measured A100 profile (CodeLlama-34B shapes; ../shared/anchors/vidur-data):
@@ -23,14 +23,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from pdsim.sim.cost import Parallelism, RooflineCostModel, RooflineParams
+from pdsim.core.batch import BatchShape
+from pdsim.sim.cost import Parallelism, RooflineCostModel, RooflineParams, gemm_time_s
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import log_interp
-from pdsim.sim.silicon.ops import DEEPEP_NUM_SMS, TABLE_GPUS_PER_NODE, OpTables
-from pdsim.specs import ModelSpec, load_hardware_spec
+from pdsim.sim.silicon.ops import _TABLE_TO_PDSIM, DEEPEP_NUM_SMS, TABLE_GPUS_PER_NODE, OpTables
+from pdsim.specs import ModelSpec, load_hardware_spec, model_preset
 from pdsim.specs.hardware import HardwareSpec
+from pdsim.specs.precision import Precision
 
 RP = RooflineParams()
+DSV3 = model_preset("deepseek-v3")  # the MLA tables' shape (kv_lora 512, rope 64, nope/v 128)
 HARDWARE = {system: preset for preset, system in tables.SYSTEMS.items()}
 Series = tuple[np.ndarray, np.ndarray, Callable[[float], float]]  # sizes, seconds, roofline
 
@@ -44,45 +47,58 @@ def _grouped(t: pd.DataFrame, keys: list[str], x: str, y: str, scale: float
 
 
 class Rooflines:
-    """The roofline's formula per op, at RooflineParams' default efficiencies."""
+    """The roofline cost model users run (pdsim.sim.cost, default RooflineParams), per op:
+    a one-layer model of the op's shape is built and the model's own pieces price it."""
 
     def __init__(self, hw: HardwareSpec) -> None:
         self.hw = hw
-        self.mem = hw.hbm_gbps * 1e9 * RP.bw_efficiency
-
-    def peak(self, dtype: str) -> float:
-        fp8 = dtype.startswith("fp8") and self.hw.fp8_tflops
-        fp4 = dtype == "nvfp4" and self.hw.fp4_tflops
-        return (self.hw.fp4_tflops if fp4 else self.hw.fp8_tflops if fp8
-                else self.hw.bf16_tflops) * 1e12
 
     def gemm(self, n: int, k: int, dtype: str) -> Callable[[float], float]:
-        rate = self.peak(dtype) * RP.gemm_mfu
-        wb = 1.0 if dtype.startswith("fp8") else 0.5 if dtype == "nvfp4" else 2.0
-        return lambda m: max(2 * m * n * k / rate, (n * k * wb + 2 * m * (n + k)) / self.mem)
+        fmt = _TABLE_TO_PDSIM[dtype]
+        return lambda m: gemm_time_s(m, n, k, fmt, self.hw, RP)
 
-    def attention(self, flops_per: float, bytes_per: float, fp8: bool = False
-                  ) -> Callable[[float], float]:
-        rate = self.peak("fp8" if fp8 else "bf16") * RP.attn_mfu
-        return lambda units: max(units * flops_per / rate, units * bytes_per / self.mem)
+    def _cost(self, spec: ModelSpec, par: Parallelism = Parallelism(), kv_bytes: float = 2
+              ) -> RooflineCostModel:
+        return RooflineCostModel(spec, self.hw, par, kv_dtype_bytes=kv_bytes)
+
+    def _gqa(self, h: int, kvh: int, d: int, kvb: int, fp8: bool) -> RooflineCostModel:
+        prec = Precision(attention_compute="fp8" if fp8 else "bf16")
+        spec = ModelSpec(name="attn", num_layers=1, hidden_size=h * d, num_attention_heads=h,
+                         num_kv_heads=kvh, head_dim=d, intermediate_size=1024, vocab_size=8,
+                         precision=prec)
+        return self._cost(spec, kv_bytes=kvb)
+
+    def prefill(self, b: int, h: int, kvh: int, d: int, kvb: int, fp8: bool
+                ) -> Callable[[float], float]:
+        """b fresh causal sequences of s tokens."""
+        cost = self._gqa(h, kvh, d, kvb, fp8)
+        return lambda s: cost.attention_kernels_s(
+            BatchShape(prefill_tokens=int(b * s), prefill_attn_pairs=b * s * (s + 1) // 2))
+
+    def decode(self, cost: RooflineCostModel, b: int) -> Callable[[float], float]:
+        """b requests with c tokens of context each."""
+        return lambda c: cost.attention_kernels_s(
+            BatchShape(decode_reqs=b, decode_context_tokens=int(b * c)))
+
+    def mla(self, heads: int, kvb: int) -> RooflineCostModel:
+        return self._cost(DSV3.model_copy(update={"num_attention_heads": heads}), kv_bytes=kvb)
 
     def moe(self, h: int, inter: int, topk: int, experts: int, mtp: int, mep: int,
             dtype: str) -> Callable[[float], float]:
-        rate = self.peak(dtype) * RP.gemm_mfu
-        wb = 1.0 if dtype.startswith("fp8") else 0.5 if "4" in dtype else 2.0
-        slice_ = inter / mtp
-
-        def at(tokens: float) -> float:
-            pairs = tokens * topk / mep
-            hit = experts / mep * (1 - (1 - topk / experts) ** tokens)
-            return max(6 * h * slice_ * pairs / rate,
-                       (hit * 3 * h * slice_ * wb + pairs * (2 * h + 3 * slice_) * 2) / self.mem)
-
-        return at
+        spec = ModelSpec(name="moe", num_layers=1, hidden_size=h, num_attention_heads=8,
+                         num_kv_heads=8, head_dim=128, intermediate_size=1024, vocab_size=8,
+                         num_experts=experts, experts_per_token=topk, moe_intermediate_size=inter,
+                         precision=Precision(moe_experts=_TABLE_TO_PDSIM[dtype]))
+        cost = self._cost(spec, Parallelism(tp=mtp * mep, ep=mep))
+        return lambda tokens: cost._moe_s(tokens, tokens)
 
     def all_reduce(self, gpus: int) -> Callable[[float], float]:
-        link = self.hw.nvlink_gbps * 1e9 * RP.comm_efficiency
-        return lambda size: RP.allreduce_latency_s + 2 * (gpus - 1) / gpus * size / link
+        """An all-reduce of `size` bytes: the model's attention-TP all-reduce at tp=gpus."""
+        spec = ModelSpec(name="ar", num_layers=1, hidden_size=4096, num_attention_heads=32,
+                         num_kv_heads=8, head_dim=128, intermediate_size=1024, vocab_size=8)
+        cost = self._cost(spec, Parallelism(tp=gpus))
+        tok_bytes = spec.hidden_size * 2
+        return lambda size: cost._attn_ar_fixed_s + size / tok_bytes * cost._attn_ar_s_tok
 
     def deepep(self, hidden: int, topk: int, experts: int, ep: int, mode: str
                ) -> Callable[[float], float]:
@@ -105,30 +121,28 @@ def series(ops: OpTables, roof: Rooflines) -> dict[str, list[Series]]:
     keys = ["num_heads", "num_key_value_heads", "head_dim", "attn_dtype", "kv_cache_dtype",
             "batch_size"]
     for (h, kvh, d, ad, kd, b), xs, ys in _grouped(t, keys, "isl", "latency", 1e-3):
-        shape = (b, h, kvh, d, 1 if kd == "fp8" else 2, ad == "fp8")
         out.setdefault("attention prefill", []).append(
-            (xs, ys, lambda s, shape=shape: _prefill(roof, s, *shape)))
+            (xs, ys, roof.prefill(b, h, kvh, d, 1 if kd == "fp8" else 2, ad == "fp8")))
     t = ops._need("attention", "generation_attention_perf.parquet")
     t = t[t.window_size == 0]
     keys = ["num_heads", "num_key_value_heads", "head_dim", "kv_cache_dtype", "batch_size"]
     for (h, kvh, d, kd, b), xs, ys in _grouped(t, keys, "step", "latency", 1e-3):
-        kvb = 1 if kd == "fp8" else 2
-        r = roof.attention(4 * h * d, 2 * kvh * d * kvb)
-        out.setdefault("attention decode", []).append((xs, ys, lambda c, r=r, b=b: r(b * c)))
+        cost = roof._gqa(h, kvh, d, 1 if kd == "fp8" else 2, False)
+        out.setdefault("attention decode", []).append((xs, ys, roof.decode(cost, b)))
     t = ops._table("mla", "context_mla_perf.parquet")
     if t is not None:
         for (h, kd, b), xs, ys in _grouped(t, ["num_heads", "kv_cache_dtype", "batch_size"],
                                            "isl", "latency", 1e-3):
-            r = roof.attention(2 * h * (192 + 128) / 2, 0.0)  # per causal pair, x2 below
-            out.setdefault("MLA context", []).append(
-                (xs, ys, lambda s, r=r, b=b: r(b * s * (s + 1))))
+            cost = roof.mla(h, 1 if kd == "fp8" else 2)
+            out.setdefault("MLA context", []).append((xs, ys, lambda s, c=cost, b=b: (
+                c.attention_kernels_s(BatchShape(prefill_tokens=int(b * s),
+                                                 prefill_attn_pairs=b * s * (s + 1) // 2)))))
     t = ops._table("mla", "generation_mla_perf.parquet")
     if t is not None:
         for (h, kd, b), xs, ys in _grouped(t, ["num_heads", "kv_cache_dtype", "batch_size"],
                                            "step", "latency", 1e-3):
-            # scores over latent + rope (576), values over the latent (512)
-            r = roof.attention(2 * h * (576 + 512), 576 * (1 if kd == "fp8" else 2))
-            out.setdefault("MLA generation", []).append((xs, ys, lambda c, r=r, b=b: r(b * c)))
+            cost = roof.mla(h, 1 if kd == "fp8" else 2)
+            out.setdefault("MLA generation", []).append((xs, ys, roof.decode(cost, b)))
     t = ops._need("moe", "moe_perf.parquet")
     keys = ["moe_dtype", "hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size",
             "moe_ep_size", "distribution"]
@@ -155,15 +169,6 @@ def series(ops: OpTables, roof: Rooflines) -> dict[str, list[Series]]:
         for (gpus,), xs, ys in _grouped(t, ["num_gpus"], "message_size", "latency", 1e-3):
             out.setdefault("all-reduce", []).append((xs, ys, roof.all_reduce(gpus)))
     return out
-
-
-def _prefill(roof: Rooflines, s: float, b: int, h: int, kvh: int, d: int, kvb: int,
-             fp8: bool) -> float:
-    """Causal prefill attention of b sequences of s tokens: QK^T and PV over s(s+1)/2 pairs
-    each, q and the output read and written, the KV written once."""
-    rate = roof.peak("fp8" if fp8 else "bf16") * RP.attn_mfu
-    flops = 4 * h * d * b * s * (s + 1) / 2
-    return max(flops / rate, b * s * (2 * h * d * 2 + 2 * kvh * d * kvb) / roof.mem)
 
 
 def leave_one_out(all_series: list[Series], samples: int, rng: np.random.Generator
