@@ -380,6 +380,12 @@ async def _worker_error(resp: aiohttp.ClientResponse, worker: WorkerAddress) -> 
         message, param = str(error["message"]), error.get("param")
     except (ValueError, KeyError, TypeError, AttributeError, aiohttp.ClientError):
         message = (await resp.text(errors="replace"))[:200] or resp.reason or "no reason given"
-    return WorkerError(resp.status, f"{worker.url}: {message}",
-                       param if isinstance(param, str) else None)
+    if isinstance(param, str):  # the worker API's field, as the client named it
+        param = OPENAI_FIELD.get(param, param.removeprefix("sampling."))
+    else:
+        param = None
+    return WorkerError(resp.status, f"{worker.url}: {message}", param)
+
+
+OPENAI_FIELD = {"input_ids": "prompt", "max_new_tokens": "max_tokens"}
 

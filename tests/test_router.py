@@ -25,12 +25,14 @@ class ScriptedWorker:
     """A prefill or decode worker whose answers the test decides."""
 
     def __init__(self, role: str, *, prefill_status: int = 200, decode_status: int = 200,
-                 token_delay_s: float = 0.0, die_after: int | None = None):
+                 token_delay_s: float = 0.0, die_after: int | None = None,
+                 hold_s: float = 0.0):
         self.role = role
         self.prefill_status = prefill_status
         self.decode_status = decode_status
         self.token_delay_s = token_delay_s
         self.die_after = die_after  # decode: cut the connection after this many events
+        self.hold_s = hold_s  # decode: no answer at all this long (a real one waits for the KV)
         self.generated: list[dict] = []
         self.aborted: list[dict] = []
         self.runner: web.AppRunner | None = None
@@ -41,7 +43,7 @@ class ScriptedWorker:
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort", self.abort)
         app.router.add_get("/health", self.health)
-        self.runner = web.AppRunner(app)
+        self.runner = web.AppRunner(app, handler_cancellation=True)  # like the real workers
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
@@ -61,9 +63,11 @@ class ScriptedWorker:
             await asyncio.sleep(0.01)
             if self.prefill_status != 200:
                 return web.json_response({"error": {"message": "prompt too long for the pool",
-                                                    "type": "invalid_request_error"}},
+                                                    "type": "invalid_request_error",
+                                                    "param": "input_ids"}},
                                          status=self.prefill_status)
             return web.json_response({"rid": body["rid"], "status": "ok"})
+        await asyncio.sleep(self.hold_s)
         if self.decode_status != 200:
             return web.json_response({"error": {"message": "decode refused"}},
                                      status=self.decode_status)
@@ -178,6 +182,17 @@ def test_a_prefill_refusal_before_the_first_token_reaches_the_client_with_its_st
         list(cluster.client().completions.create(model="tiny", prompt="x", max_tokens=1,
                                                  stream=True))
     cluster.wait_for(lambda: sum(len(d.aborted) for d in cluster.decode) == 2)  # the decode side was told to drop both
+
+
+@pytest.mark.parametrize("cluster", [{"prefill": {"prefill_status": 400},
+                                      "decode": {"hold_s": 30.0}}], indirect=True)
+def test_a_prefill_refusal_does_not_wait_for_a_decode_side_that_waits_for_kv(cluster):
+    start = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as e:
+        cluster.client().completions.create(model="tiny", prompt="hello", max_tokens=5)
+    assert time.monotonic() - start < 2.0
+    assert e.value.body["param"] == "prompt"  # the worker's input_ids, in the client's terms
+    cluster.wait_for(lambda: sum(len(d.aborted) for d in cluster.decode) == 1)
 
 
 @pytest.mark.parametrize("cluster", [{"decode": {"decode_status": 503}}], indirect=True)
