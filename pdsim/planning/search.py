@@ -4,10 +4,9 @@ cheapest first, and pick the recommendation, the runner-up and the Pareto fronti
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,12 +14,13 @@ import numpy as np
 import pandas as pd
 
 from pdsim.config import ConfigError, parse_experiment
+from pdsim.executors import open_pool
 from pdsim.metrics import price_columns
 from pdsim.planning.bottleneck import Bottleneck, find_bottleneck
 from pdsim.planning.candidates import Deployment, enumerate_deployments
 from pdsim.planning.config import PERCENTILES, PlanConfig, load_plan, price_per_gpu_hour
 from pdsim.planning.launch import LaunchCommands, experiment_yaml, sglang_commands
-from pdsim.planning.prefilter import Prefilter, RoleCapacity
+from pdsim.planning.prefilter import Prefilter, RoleCapacity, Verdict
 from pdsim.runner import PointResult, run_point
 from pdsim.specs.hardware import HardwareSpec, load_hardware_spec
 from pdsim.specs.models import load_model_spec
@@ -60,9 +60,11 @@ class PlanResult:
 
 def plan(source: PlanConfig | str | Path, *, out_dir: str | Path | None = None,
          jobs: int | None = None, progress: bool = False, prefilter: bool | None = None,
-         write: bool = True, base_dir: str | None = None) -> PlanResult:
+         write: bool = True, base_dir: str | None = None, executor: str = "local",
+         ray_address: str | None = None) -> PlanResult:
     """Run a plan (a PlanConfig or a PLAN.yaml path); write results/<name>/ unless `write` is
-    False. `prefilter` overrides the plan's `prefilter.enabled`."""
+    False. `prefilter` overrides the plan's `prefilter.enabled`. `executor`/`ray_address`: where
+    the simulations run (pdsim.executors: `local` process pool or `ray`)."""
     if not isinstance(source, PlanConfig):
         path = Path(source)
         source, base_dir = load_plan(path), str(path.parent.resolve())
@@ -87,43 +89,23 @@ def plan(source: PlanConfig | str | Path, *, out_dir: str | Path | None = None,
     t0 = time.perf_counter()
     filt = Prefilter(cfg, model, hw, workload, base_dir)
     use_filter = cfg.prefilter.enabled if prefilter is None else prefilter
-    rows = []
-    for i, dep in enumerate(deployments):
-        verdict = filt.check(dep) if use_filter else None
-        rows.append({"candidate": i, "label": dep.label, "mode": dep.mode, "num_gpus": dep.num_gpus,
-                     "usd_per_hour": dep.num_gpus * price,
-                     "prefilter_keep": True if verdict is None else verdict.keep,
-                     "prefilter_reason": "" if verdict is None else verdict.reason,
-                     "prefill_util_bound": math.nan if verdict is None else verdict.prefill_util,
-                     "decode_util_bound": math.nan if verdict is None else verdict.decode_util})
-    table = pd.DataFrame(rows)
+    table = _prefilter_table(deployments, filt if use_filter else None, price)
     timings["prefilter_s"] = time.perf_counter() - t0
     timings["candidates"] = len(deployments)
 
     t0 = time.perf_counter()
     survivors = table[table["prefilter_keep"]].sort_values(["usd_per_hour", "candidate"])
     results = _simulate(cfg, deployments, list(survivors["candidate"]), price, jobs, progress,
-                        base_dir)
+                        base_dir, executor, ray_address)
     timings["simulate_s"] = time.perf_counter() - t0
-
-    errors = {c: r for c, r in results.items() if isinstance(r, str)}
-    results = {c: r for c, r in results.items() if isinstance(r, PointResult)}
+    table, results, bottlenecks = _with_simulations(cfg, table, deployments, results, price,
+                                                    filt, hw)
     timings["simulated"] = len(results)
-    sims = pd.DataFrame([_sim_row(r, price) for r in results.values()])
-    if len(sims):
-        table = table.merge(sims.drop(columns=["num_gpus", "usd_per_hour"]), on="candidate",
-                            how="left")
-    table["simulated"] = table["candidate"].isin(results)
-    table["sim_error"] = [errors.get(c, "") for c in table["candidate"]]
-    table["feasible"] = table["candidate"].map(
-        {c: meets(cfg, r.summary) for c, r in results.items()})
-    for c, r in results.items():
-        b = _bottleneck(cfg, deployments[c], r, filt, hw)
-        table.loc[table["candidate"] == c, ["bottleneck", "bottleneck_detail"]] = (b.name, b.words)
 
-    ranked = rank_feasible(cfg, table)
-    choices = [_choice(cfg, deployments[int(c)], table, results[int(c)], filt, hw)
-               for c in ranked[:2]]
+    choices = [Choice(deployments[c], table[table["candidate"] == c].iloc[0], bottlenecks[c],
+                      sglang_commands(deployments[c], cfg, hw.gpus_per_node),
+                      experiment_yaml(deployments[c], cfg))
+               for c in rank_feasible(cfg, table)[:2]]
     result = PlanResult(cfg, price, table, pareto_frontier(table, cfg),
                         choices[0] if choices else None, choices[1] if len(choices) > 1 else None,
                         timings)
@@ -132,6 +114,41 @@ def plan(source: PlanConfig | str | Path, *, out_dir: str | Path | None = None,
 
         result.out_dir = write_plan(result, Path(out_dir) if out_dir else Path("results") / cfg.name)
     return result
+
+
+def _prefilter_table(deployments: list[Deployment], filt: Prefilter | None,
+                     price: float) -> pd.DataFrame:
+    """One row per deployment with its cost and the pre-filter's verdict (None: all kept)."""
+    rows = []
+    for i, dep in enumerate(deployments):
+        v = filt.check(dep) if filt is not None else Verdict(True)
+        rows.append({"candidate": i, "label": dep.label, "mode": dep.mode, "num_gpus": dep.num_gpus,
+                     "usd_per_hour": dep.num_gpus * price, "prefilter_keep": v.keep,
+                     "prefilter_reason": v.reason, "prefill_util_bound": v.prefill_util,
+                     "decode_util_bound": v.decode_util})
+    return pd.DataFrame(rows)
+
+
+def _with_simulations(cfg: PlanConfig, table: pd.DataFrame, deployments: list[Deployment],
+                      results: dict[int, PointResult | str], price: float, filt: Prefilter,
+                      hw: HardwareSpec):
+    """The table with each simulated candidate's summary, price columns, feasibility and
+    bottleneck; the successful results; the bottlenecks by candidate."""
+    errors = {c: r for c, r in results.items() if isinstance(r, str)}
+    results = {c: r for c, r in results.items() if isinstance(r, PointResult)}
+    sims = pd.DataFrame([_sim_row(r, price) for r in results.values()])
+    if len(sims):
+        table = table.merge(sims.drop(columns=["num_gpus", "usd_per_hour"]), on="candidate",
+                            how="left")
+    table["simulated"] = table["candidate"].isin(results)
+    table["sim_error"] = [errors.get(c, "") for c in table["candidate"]]
+    table["feasible"] = table["candidate"].map(
+        {c: meets(cfg, r.summary) for c, r in results.items()})
+    bottlenecks = {c: _bottleneck(cfg, deployments[c], r, filt, hw) for c, r in results.items()}
+    table["bottleneck"] = table["candidate"].map({c: b.name for c, b in bottlenecks.items()})
+    table["bottleneck_detail"] = table["candidate"].map(
+        {c: b.words for c, b in bottlenecks.items()})
+    return table, results, bottlenecks
 
 
 def meets(cfg: PlanConfig, summary: dict) -> bool:
@@ -212,13 +229,6 @@ def _bottleneck(cfg: PlanConfig, dep: Deployment, r: PointResult, filt: Prefilte
                            decode_nic_bytes_s=nic)
 
 
-def _choice(cfg: PlanConfig, dep: Deployment, table: pd.DataFrame, r: PointResult,
-            filt: Prefilter, hw: HardwareSpec) -> Choice:
-    row = table[table["candidate"] == r.index].iloc[0]
-    return Choice(dep, row, _bottleneck(cfg, dep, r, filt, hw),
-                  sglang_commands(dep, cfg, hw.gpus_per_node), experiment_yaml(dep, cfg))
-
-
 def _run_candidate(index: int, cfg, swept: dict, base_dir: str | None) -> PointResult | str:
     """One simulation; a deployment the simulator cannot build (its weights do not fit, say)
     comes back as the reason instead of failing the plan."""
@@ -229,14 +239,14 @@ def _run_candidate(index: int, cfg, swept: dict, base_dir: str | None) -> PointR
 
 
 def _simulate(cfg: PlanConfig, deployments: list[Deployment], order: list[int], price: float,
-              jobs: int | None, progress: bool, base_dir: str | None) -> dict[int, PointResult | str]:
+              jobs: int | None, progress: bool, base_dir: str | None, executor: str = "local",
+              ray_address: str | None = None) -> dict[int, PointResult | str]:
     """Simulate candidates cheapest first, at most `search.max_simulations`; with the cost
     objective, once one meets the SLO stop submitting those costing more than (1 + cost_slack)
     times it. A candidate that cannot be built maps to the reason."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     order = order[:cfg.search.max_simulations]
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(order) or 1))
     results: dict[int, PointResult] = {}
     cutoff = math.inf
 
@@ -256,28 +266,21 @@ def _simulate(cfg: PlanConfig, deployments: list[Deployment], order: list[int], 
 
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
-    with Progress(*columns, disable=not progress, transient=False) as bar:
+    with Progress(*columns, disable=not progress, transient=False) as bar, \
+            open_pool(executor, jobs, ray_address, tasks=len(order)) as pool:
         task = bar.add_task(f"simulating {cfg.name}", total=len(order))
         advance = lambda: bar.advance(task)  # noqa: E731
         pending = list(order)
-        if jobs == 1:
-            while pending:
+        running: dict = {}  # with one local worker each task runs as it is submitted
+        while pending or running:
+            while pending and len(running) < pool.workers and \
+                    deployments[pending[0]].num_gpus * price <= cutoff:
                 c = pending.pop(0)
-                if deployments[c].num_gpus * price > cutoff:
-                    break
-                done(c, _run_candidate(*args(c)), advance)
-        else:
-            with ProcessPoolExecutor(max_workers=jobs) as pool:
-                running: dict = {}
-                while pending or running:
-                    while pending and len(running) < jobs and \
-                            deployments[pending[0]].num_gpus * price <= cutoff:
-                        c = pending.pop(0)
-                        running[pool.submit(_run_candidate, *args(c))] = c
-                    if not running:
-                        break
-                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                    for fut in finished:
-                        done(running.pop(fut), fut.result(), advance)
+                running[pool.submit(_run_candidate, *args(c))] = c
+            if not running:
+                break
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                done(running.pop(fut), fut.result(), advance)
         bar.update(task, total=len(results))
     return results
