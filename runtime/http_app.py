@@ -9,9 +9,13 @@ and never reach a handler.
 
 from __future__ import annotations
 
+import logging
+
 from aiohttp import web
 
 from runtime.security import ClusterKey, api_key_middleware, cluster_middleware
+
+log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20  # a larger request body gets 413
 
@@ -103,3 +107,8 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         return web.json_response(
             {"error": {"message": message, "type": kind, "param": None, "code": None}},
             status=exc.status, headers=headers)
+    except Exception as exc:  # noqa: BLE001 - a bug in a handler: logged, answered in JSON
+        log.exception("%s %s failed", request.method, request.path)
+        return web.json_response({"error": {"message": f"server error: {exc!r}",
+                                            "type": "server_error", "param": None,
+                                            "code": None}}, status=500)

@@ -25,6 +25,7 @@ notebooks, benchmarks).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import logging
@@ -683,6 +684,13 @@ class OpenAIServer(AppServer):
         except ConnectionResetError:  # the client went away mid-stream: one line, no traceback
             log.info("%s: the client disconnected mid-stream", rid)
             self.engine.abort(rid, "client disconnected")
+        except Exception as exc:  # noqa: BLE001 - a bug here still ends the stream properly
+            log.exception("%s: the stream failed", rid)
+            self.engine.abort(rid, f"server error: {exc!r}")
+            with contextlib.suppress(ConnectionResetError):
+                await send(_error_body(f"server error: {exc!r}", "server_error"))
+                await send("[DONE]")
+                await response.write_eof()
         return response
 
 

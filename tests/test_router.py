@@ -26,13 +26,14 @@ class ScriptedWorker:
 
     def __init__(self, role: str, *, prefill_status: int = 200, decode_status: int = 200,
                  token_delay_s: float = 0.0, die_after: int | None = None,
-                 hold_s: float = 0.0):
+                 hold_s: float = 0.0, junk_token_at: int | None = None):
         self.role = role
         self.prefill_status = prefill_status
         self.decode_status = decode_status
         self.token_delay_s = token_delay_s
         self.die_after = die_after  # decode: cut the connection after this many events
         self.hold_s = hold_s  # decode: no answer at all this long (a real one waits for the KV)
+        self.junk_token_at = junk_token_at  # decode: this event carries an id no tokenizer has
         self.generated: list[dict] = []
         self.aborted: list[dict] = []
         self.runner: web.AppRunner | None = None
@@ -83,6 +84,7 @@ class ScriptedWorker:
                 return resp
             await asyncio.sleep(self.token_delay_s)
             last = i == len(ids) - 1
+            tok = 10**6 if i == self.junk_token_at else tok
             event = {"token_ids": [tok], "logprobs": [-0.5], "finished": last,
                      "finish_reason": "length" if last else None, "error": None,
                      "prompt_tokens": len(body["input_ids"]), "completion_tokens": i + 1}
@@ -287,6 +289,29 @@ def test_a_decode_worker_dying_mid_stream_ends_every_stream_with_an_error_and_do
     cluster.wait_for(lambda: len(cluster.router.records) == 8)
     assert not any(r.ok for r in cluster.router.records)
     assert "never retrieved" not in caplog.text and "Traceback" not in caplog.text
+
+
+@pytest.mark.parametrize("cluster", [{"decode": {"junk_token_at": 2}}], indirect=True)
+def test_a_stream_that_breaks_in_the_server_still_ends_with_an_error_and_done(cluster):
+    """A token id the tokenizer cannot decode (a broken worker): the client gets an error event
+    and `[DONE]`, not a cut connection; the non-streaming form gets a JSON 500."""
+    url = f"{cluster.router.url}/v1/completions"
+    body = {"model": "tiny", "prompt": "abcdef", "max_tokens": 6}
+    status, data = sse(url, {**body, "stream": True})
+    assert status == 200 and data[-1] == "[DONE]"
+    assert "server error" in json.loads(data[-2])["error"]["message"]
+    status, answer = get_json_post(url, body)
+    assert status == 500 and answer["error"]["type"] == "server_error"
+
+
+def get_json_post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
 def test_health_names_a_worker_that_is_down_and_requests_to_it_fail_fast():

@@ -29,6 +29,7 @@ When a client goes away before its answer, the request is aborted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -275,6 +276,13 @@ class WorkerServer(AppServer):
         except ConnectionResetError:  # the router went away mid-stream: one line, no traceback
             log.info("%s: the client disconnected mid-stream", rid)
             self.engine.abort(rid, "client disconnected")
+        except Exception as exc:  # noqa: BLE001 - a bug here still ends the stream properly
+            log.exception("%s: the stream failed", rid)
+            self.engine.abort(rid, f"worker error: {exc!r}")
+            end = event_json(StreamEvent(finished=True, error=f"worker error: {exc!r}"))
+            with contextlib.suppress(ConnectionResetError):
+                await response.write(f"data: {json.dumps(end)}\n\ndata: [DONE]\n\n".encode())
+                await response.write_eof()
         return response
 
     async def abort(self, request: web.Request) -> web.Response:
