@@ -84,21 +84,22 @@ def test_the_less_loaded_instance_learns_the_prefix_it_was_sent():
 
 
 def test_the_approximate_trees_forget_least_recently_routed_prefixes():
-    p = policy(max_tree_nodes=10)
+    p = policy(max_tree_size=10)
     flat = loads([0])
-    p.pick(1, flat, prompt("old", 5, "x", n_tail=0))
+    p.pick(1, flat, prompt("old", 3, "x", n_tail=2))
     p.pick(1, flat, prompt("new", 5, "y", n_tail=0))
-    assert p.trees[0].num_nodes == 10
-    p.pick(1, flat, prompt("newer", 3, "z", n_tail=0))
-    assert p.trees[0].num_nodes == 10
-    assert p.trees[0].match_length(prompt("old", 5, "x", n_tail=0)) == 2  # its leaves went first
-    assert p.trees[0].match_length(prompt("new", 5, "y", n_tail=0)) == 5
+    p.pick(1, flat, prompt("old", 3, "z", n_tail=2))  # old's run splits: "old" + tails x and z
+    assert p.trees[0].num_values == 12 - 2  # over 10: x, the least recently used leaf, went
+    tree = p.trees[0]
+    assert tree.match_length(prompt("old", 3, "x", n_tail=2)) == 3
+    assert tree.match_length(prompt("old", 3, "z", n_tail=2)) == 5
+    assert tree.match_length(prompt("new", 5, "y", n_tail=0)) == 5
 
 
 def test_without_keys_it_is_least_loaded():
     p = policy()
     assert p.pick(3, loads([5, 1, 3])) == 1
-    assert p.trees[1].num_nodes == 0
+    assert p.trees[1].num_values == 0
 
 
 def test_router_sends_keys_to_the_side_that_computes_the_prompt():
@@ -107,8 +108,8 @@ def test_router_sends_keys_to_the_side_that_computes_the_prompt():
     p1, _, _ = pd.route(flat, flat, prompt("sys", 8, "a"))
     p2, _, _ = pd.route(flat, flat, prompt("sys", 8, "b"))
     assert p1 == p2
-    assert sum(t.num_nodes for t in pd.prefill_policy.trees) == 8 + 2 + 2  # one tree, two tails
-    assert sum(t.num_nodes for t in pd.decode_policy.trees) == 0
+    assert sum(t.num_values for t in pd.prefill_policy.trees) == 8 + 2 + 2  # one tree, two tails
+    assert sum(t.num_values for t in pd.decode_policy.trees) == 0
     colocated = Router("cache_aware", 0, 3, seed=0)
     d1 = colocated.route(flat, loads([0, 0, 0]), prompt("sys", 8, "a"))[1]
     assert colocated.route(flat, loads([0, 0, 0]), prompt("sys", 8, "b"))[1] == d1

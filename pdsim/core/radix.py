@@ -22,6 +22,8 @@ import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from pdsim.core.pool import PagePool
 
 PageKey = Hashable
@@ -34,20 +36,26 @@ def token_page_keys(token_ids: Sequence[int], page_size: int) -> list[tuple[int,
 
 
 def block_page_keys(block_ids: Sequence[int], block_tokens: int, num_tokens: int,
-                    page_size: int) -> list[tuple[int, ...]]:
+                    page_size: int) -> list:
     """One key per whole page of a prompt known only by its prefix-block ids.
 
     Block `b` covers tokens `[b * block_tokens, (b + 1) * block_tokens)`; equal ids at the same
-    place after equal earlier ids mean equal tokens (a Mooncake trace's `hash_ids`). A page's key
-    is its start offset within its first block and the ids of every block it overlaps, so two
-    prompts get equal keys for a page exactly when the blocks under it are equal (the tree
-    conditions each key on the path above it).
+    place after equal earlier ids mean equal tokens (a Mooncake trace's `hash_ids`). Two prompts
+    get equal keys for a page exactly when the blocks under it are equal (the tree conditions
+    each key on the path above it). When pages tile blocks, page `j` of block id `b` is the int
+    `b * pages_per_block + j` (cheap: the simulator makes millions); otherwise a page's key is
+    its start offset within its first block and the ids of every block it overlaps.
     """
     if num_tokens > len(block_ids) * block_tokens:
         raise ValueError(
             f"{len(block_ids)} blocks of {block_tokens} tokens cannot cover {num_tokens} tokens")
+    n = num_tokens // page_size
+    if block_tokens % page_size == 0:
+        per = block_tokens // page_size
+        j = np.arange(n, dtype=np.int64)
+        return (np.asarray(block_ids, dtype=np.int64)[j // per] * per + j % per).tolist()
     keys = []
-    for start in range(0, num_tokens - page_size + 1, page_size):
+    for start in range(0, n * page_size, page_size):
         first, last = start // block_tokens, (start + page_size - 1) // block_tokens
         keys.append((start - first * block_tokens, *block_ids[first:last + 1]))
     return keys
@@ -60,79 +68,109 @@ def max_match_pages(input_len: int, page_size: int) -> int:
 
 
 class Node:
-    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access_s")
+    """An edge of the tree: a run of keys and their values, below `parent`."""
 
-    def __init__(self, key: PageKey, value, parent: Node | None, now: float):
-        self.key = key
-        self.value = value
+    __slots__ = ("keys", "values", "parent", "children", "lock_ref", "last_access_s")
+
+    def __init__(self, keys: list, values: list, parent: Node | None, now: float):
+        self.keys = keys
+        self.values = values
         self.parent = parent
-        self.children: dict[PageKey, Node] = {}
+        self.children: dict[PageKey, Node] = {}  # by the first key of the child's run
         self.lock_ref = 0
         self.last_access_s = now
 
 
-class PrefixTree:
-    """A tree of key sequences, one node per key, each node holding a value (a page index in
-    the cache, nothing in the router's approximate trees), with pins and LRU leaf eviction.
+def _common_length(run: list, keys: Sequence, pos: int) -> int:
+    """How many leading keys of `run` equal `keys[pos:]`."""
+    m = min(len(run), len(keys) - pos)
+    if run[:m] == list(keys[pos:pos + m]):
+        return m
+    n = 0
+    while run[n] == keys[pos + n]:
+        n += 1
+    return n
 
-    Eviction candidates sit in a heap keyed by last use; an entry goes stale when its node is
-    used again, pinned, given a child or evicted, and is skipped when popped, so a use costs
-    O(log n) and an eviction pass never scans the whole tree.
+
+class PrefixTree:
+    """A radix tree of key sequences, each key holding a value (a page index in the cache,
+    nothing in the router's approximate trees), with pins and LRU leaf eviction.
+
+    A node holds a run of keys, so a prompt of thousands of pages that branches nowhere is one
+    node; a lookup that ends inside a run splits it. Eviction candidates sit in a heap keyed by
+    last use; an entry goes stale when its node is used again, pinned, given a child or evicted,
+    and is skipped when popped, so an eviction never scans the whole tree. Sizes count values.
     """
 
     def __init__(self):
-        self.root = Node(None, None, None, float("-inf"))
+        self.root = Node([], [], None, float("-inf"))
         self.root.lock_ref = 1  # never evicted, never counted
-        self.num_nodes = 0
-        self.num_locked = 0
+        self.num_values = 0
+        self.num_locked = 0  # values in pinned nodes
         self._heap: list[tuple[float, int, Node]] = []
         self._seq = 0
 
     def match(self, keys: Sequence[PageKey], now: float) -> tuple[Node, list]:
-        """The deepest node on the longest stored prefix of `keys` and the values on the way;
-        the path counts as used at `now`."""
+        """The node that ends the longest stored prefix of `keys` (a run is split so that one
+        does) and the values on the way; the path counts as used at `now`."""
         node = self.root
         values = []
-        for key in keys:
-            child = node.children.get(key)
+        pos = 0
+        while pos < len(keys):
+            child = node.children.get(keys[pos])
             if child is None:
                 break
+            n = _common_length(child.keys, keys, pos)
+            if n < len(child.keys):  # ends inside the run: split there (no child matches next)
+                child = self._split(child, n)
+            child.last_access_s = now
+            values.extend(child.values)
             node = child
-            node.last_access_s = now
-            values.append(node.value)
+            pos += n
         self._push_if_evictable(node)
         return node, values
 
     def match_length(self, keys: Sequence[PageKey]) -> int:
-        """How many leading `keys` are stored; marks nothing used."""
+        """How many leading `keys` are stored; changes nothing."""
         node = self.root
-        depth = 0
-        for key in keys:
-            node = node.children.get(key)
+        pos = 0
+        while pos < len(keys):
+            node = node.children.get(keys[pos])
             if node is None:
                 break
-            depth += 1
-        return depth
+            n = _common_length(node.keys, keys, pos)
+            pos += n
+            if n < len(node.keys):
+                break
+        return pos
 
     def insert(self, keys: Sequence[PageKey], values: Sequence, now: float) -> tuple[Node, list, list]:
-        """Store `values[i]` under `keys[:i + 1]` where nothing is stored yet. Returns the deepest
-        node, the stored values along `keys`, and the given values that were not stored because
-        another value already was (duplicates)."""
+        """Store `values[i]` under `keys[:i + 1]` where nothing is stored yet. Returns the node
+        ending `keys`, the stored values along `keys`, and the given values that were not
+        stored because another value already was (duplicates)."""
         node = self.root
-        stored = []
-        duplicates = []
-        for key, value in zip(keys, values):
-            child = node.children.get(key)
+        stored: list = []
+        duplicates: list = []
+        pos = 0
+        while pos < len(keys):
+            child = node.children.get(keys[pos])
             if child is None:
-                child = Node(key, value, node, now)
-                node.children[key] = child
-                self.num_nodes += 1
-            else:
-                child.last_access_s = now
-                if child.value != value:
-                    duplicates.append(value)
+                child = Node(list(keys[pos:]), list(values[pos:len(keys)]), node, now)
+                node.children[keys[pos]] = child
+                self.num_values += len(child.values)
+                stored.extend(child.values)
+                node = child
+                break
+            n = _common_length(child.keys, keys, pos)
+            if n < len(child.keys):
+                child = self._split(child, n)
+            child.last_access_s = now
+            given = values[pos:pos + n]
+            if child.values != list(given):
+                duplicates.extend(g for g, v in zip(given, child.values) if g != v)
+            stored.extend(child.values)
             node = child
-            stored.append(node.value)
+            pos += n
         self._push_if_evictable(node)
         return node, stored, duplicates
 
@@ -140,7 +178,7 @@ class PrefixTree:
         """Pin `node` and its ancestors."""
         while node is not self.root:
             if node.lock_ref == 0:
-                self.num_locked += 1
+                self.num_locked += len(node.values)
             node.lock_ref += 1
             node = node.parent
 
@@ -152,23 +190,24 @@ class PrefixTree:
                 raise ValueError("prefix tree: unlock of a node that is not locked")
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self.num_locked -= 1
+                self.num_locked -= len(node.values)
             node = node.parent
         self._push_if_evictable(leaf)
 
-    def evict(self, num_nodes: int) -> list:
-        """Remove up to `num_nodes` unpinned nodes, least recently used leaves first; their values."""
-        evicted = []
+    def evict(self, num_values: int) -> list:
+        """Remove unpinned leaves, least recently used first, until at least `num_values`
+        values are gone or nothing unpinned is left; the removed values."""
+        evicted: list = []
         heap = self._heap
-        while len(evicted) < num_nodes and heap:
+        while len(evicted) < num_values and heap:
             access_s, _, node = heapq.heappop(heap)
             if not self._is_evictable_leaf(node) or node.last_access_s != access_s:
                 continue  # stale entry
             parent = node.parent
-            del parent.children[node.key]
+            del parent.children[node.keys[0]]
             node.parent = None
-            self.num_nodes -= 1
-            evicted.append(node.value)
+            self.num_values -= len(node.values)
+            evicted.extend(node.values)
             self._push_if_evictable(parent)
         return evicted
 
@@ -178,9 +217,19 @@ class PrefixTree:
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
-            out.append(node.value)
+            out.extend(node.values)
             stack.extend(node.children.values())
         return out
+
+    def _split(self, node: Node, at: int) -> Node:
+        """Cut `node`'s run after `at` keys; the new upper part (returned) keeps its pins."""
+        upper = Node(node.keys[:at], node.values[:at], node.parent, node.last_access_s)
+        upper.lock_ref = node.lock_ref
+        node.parent.children[node.keys[0]] = upper
+        node.keys, node.values = node.keys[at:], node.values[at:]
+        node.parent = upper
+        upper.children[node.keys[0]] = node
+        return upper
 
     def _is_evictable_leaf(self, node: Node) -> bool:
         return node.parent is not None and not node.children and node.lock_ref == 0
@@ -188,7 +237,7 @@ class PrefixTree:
     def _push_if_evictable(self, node: Node) -> None:
         if not self._is_evictable_leaf(node):
             return
-        if len(self._heap) > 2 * self.num_nodes + 64:
+        if len(self._heap) > 2 * self.num_values + 64:
             self._rebuild_heap()
         self._seq += 1
         heapq.heappush(self._heap, (node.last_access_s, self._seq, node))
@@ -226,12 +275,12 @@ class RadixCache:
 
     @property
     def total_cached_pages(self) -> int:
-        return self.tree.num_nodes
+        return self.tree.num_values
 
     @property
     def evictable_pages(self) -> int:
         """Cached pages no request pins; eviction can free all of them."""
-        return self.tree.num_nodes - self.tree.num_locked
+        return self.tree.num_values - self.tree.num_locked
 
     @property
     def available_pages(self) -> int:
@@ -305,8 +354,8 @@ class RadixCache:
         tree = self.tree
         if tree.num_locked:
             raise AssertionError(f"radix cache: {tree.num_locked} cached pages still pinned")
-        held = self.pool.num_used - tree.num_nodes
+        held = self.pool.num_used - tree.num_values
         if held:
             raise AssertionError(
                 f"{self.pool.name} pool leaked {held} pages: {self.pool.num_used} in use, "
-                f"{tree.num_nodes} of them cached")
+                f"{tree.num_values} of them cached")

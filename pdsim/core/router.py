@@ -125,7 +125,7 @@ class CacheAwarePolicy:
     keys the request goes there, else to the least loaded instance (ties: the smaller tree, the
     instance with the most room for a new prefix, as SGLang's fallback picks; then the lower
     index). The chosen instance's tree then gets the request's keys. A tree over
-    `max_tree_nodes` nodes drops its least recently used leaves, where SGLang prunes on a timer:
+    `max_tree_size` keys drops its least recently used leaves, where SGLang prunes on a timer:
     time here is the count of requests routed, so the core stays clock-free.
 
     The thresholds are in the unit of the load signal the caller passes (SGLang's: requests in
@@ -134,18 +134,18 @@ class CacheAwarePolicy:
 
     def __init__(self, rng: random.Random, cache_threshold: float = 0.3,
                  balance_abs_threshold: float = 64, balance_rel_threshold: float = 1.5,
-                 max_tree_nodes: int = 1 << 20):
+                 max_tree_size: int = 1 << 20):
         checks = (("cache_threshold", cache_threshold, 0 <= cache_threshold <= 1, "in [0, 1]"),
                   ("balance_abs_threshold", balance_abs_threshold, balance_abs_threshold >= 0, ">= 0"),
                   ("balance_rel_threshold", balance_rel_threshold, balance_rel_threshold >= 1, ">= 1"),
-                  ("max_tree_nodes", max_tree_nodes, max_tree_nodes >= 1, ">= 1"))
+                  ("max_tree_size", max_tree_size, max_tree_size >= 1, ">= 1"))
         for name, value, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"cache_aware router: {name} must be {allowed}, got {value!r}")
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
-        self.max_tree_nodes = max_tree_nodes
+        self.max_tree_size = max_tree_size
         self.trees: list[PrefixTree] = []
         self.routed = 0
 
@@ -154,7 +154,7 @@ class CacheAwarePolicy:
             self.trees.append(PrefixTree())
         trees = self.trees
         loads = [load(i) for i in range(n)]
-        least = min(range(n), key=lambda i: (loads[i], trees[i].num_nodes, i))
+        least = min(range(n), key=lambda i: (loads[i], trees[i].num_values, i))
         choice = least
         if keys and not self.imbalanced(min(loads), max(loads)):
             matched = [trees[i].match_length(keys) for i in range(n)]
@@ -165,8 +165,8 @@ class CacheAwarePolicy:
         if keys:
             tree = trees[choice]
             tree.insert(keys, [None] * len(keys), float(self.routed))
-            if tree.num_nodes > self.max_tree_nodes:
-                tree.evict(tree.num_nodes - self.max_tree_nodes)
+            if tree.num_values > self.max_tree_size:
+                tree.evict(tree.num_values - self.max_tree_size)
         return choice
 
     def imbalanced(self, lowest: float, highest: float) -> bool:

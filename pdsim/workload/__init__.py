@@ -14,6 +14,9 @@ workload:                     # synthetic
   input_len: {dist: lognormal, mean: 2048, cv: 1.0, min: 16, max: 32768}
   output_len: {dist: empirical, path: ../shared/traces/conversation_trace.jsonl, column: output}
   # also {dist: fixed, value: 128} and {dist: uniform, low: 16, high: 512} (both ends included)
+  # prefix: {system_prompts: 8, system_prompt_len: 2000, share: 0.8}  # shared system prompts
+  # conversation: {turns: 4, think_time_s: 30}   # prompt = last prompt + its answer + new text
+  # prefix_block_tokens: 64                      # granularity of the prefix blocks (default 64)
 
 workload:                     # trace replay
   trace: ../shared/traces/AzureLLMInferenceTrace_conv.csv
@@ -27,7 +30,9 @@ workload:                     # trace replay
 
 Modules: `arrays` (the Workload value), `registry` (names to spec classes), `synthetic`
 (arrival processes, length distributions), `traces` (reading Mooncake and Azure files),
-`replay` (windowing and rescaling a trace). A new arrival process or length distribution is a
+`replay` (windowing and rescaling a trace), `prefix` (system prompts, conversations and the hit
+rate of an unbounded prefix cache). A Mooncake trace's `hash_ids` and the synthetic prefixes
+become `Workload.prefix` (`PrefixBlocks`). A new arrival process or length distribution is a
 subclass of `ArrivalProcess` / `LengthDistribution` with `process: Literal["name"] = "name"`
 (or `dist: ...`) decorated with `ARRIVAL_PROCESSES.register` / `LENGTH_DISTRIBUTIONS.register`.
 """
@@ -40,7 +45,14 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, ConfigDict, TypeAdapter
 
-from pdsim.workload.arrays import ClosedLoop, TraceNotFoundError, Workload, WorkloadError
+from pdsim.workload.arrays import ClosedLoop, PrefixBlocks, TraceNotFoundError, Workload, WorkloadError
+from pdsim.workload.prefix import (
+    Conversation,
+    SharedPrefix,
+    ideal_cached_blocks,
+    ideal_cached_tokens,
+    ideal_hit_rate,
+)
 from pdsim.workload.registry import Registry, Spec
 from pdsim.workload.replay import TraceWorkload
 from pdsim.workload.synthetic import (
@@ -77,13 +89,16 @@ __all__ = [
     "ClosedLoop",
     "ClosedLoopArrival",
     "ConstantArrival",
+    "Conversation",
     "EmpiricalLength",
     "FixedLength",
     "GammaArrival",
     "LengthDistribution",
     "LognormalLength",
     "PoissonArrival",
+    "PrefixBlocks",
     "Registry",
+    "SharedPrefix",
     "Spec",
     "SyntheticWorkload",
     "TraceFormat",
@@ -95,6 +110,9 @@ __all__ = [
     "WorkloadError",
     "detect_format",
     "generate",
+    "ideal_cached_blocks",
+    "ideal_cached_tokens",
+    "ideal_hit_rate",
     "parse_workload_config",
     "read_azure",
     "read_mooncake",

@@ -1,4 +1,5 @@
-"""The workload value: requests in arrival order, as three read-only numpy arrays."""
+"""The workload value: requests in arrival order, as three read-only numpy arrays (and, where
+known, each prompt's prefix-block ids)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,71 @@ class ClosedLoop:
 
 
 @dataclass(frozen=True, eq=False)
+class PrefixBlocks:
+    """Each request's prompt as prefix-block ids: request i's tokens
+    `[b * block_tokens, (b + 1) * block_tokens)` are block `ids_of(i)[b]`, and two prompts with
+    equal ids up to block b (a Mooncake trace's `hash_ids`) hold equal tokens up to its end.
+
+    Stored flat (one int64 array of ids, one of offsets: request i's ids are
+    `ids[offsets[i]:offsets[i + 1]]`), so a trace of 10^4 requests costs a few MB.
+    """
+
+    block_tokens: int
+    ids: np.ndarray
+    offsets: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.block_tokens < 1:
+            raise WorkloadError(f"prefix block_tokens must be >= 1, got {self.block_tokens}")
+        ids = np.array(self.ids, dtype=np.int64)
+        offsets = np.array(self.offsets, dtype=np.int64)
+        if offsets.ndim != 1 or not len(offsets) or offsets[0] != 0 or offsets[-1] != len(ids) \
+                or np.any(np.diff(offsets) < 0):
+            raise WorkloadError("prefix offsets must start at 0, never decrease and end at len(ids)")
+        for name, arr in (("ids", ids), ("offsets", offsets)):
+            arr.flags.writeable = False
+            object.__setattr__(self, name, arr)
+
+    @classmethod
+    def from_lists(cls, block_tokens: int, per_request) -> PrefixBlocks:
+        """From one sequence of block ids per request."""
+        lengths = np.fromiter((len(b) for b in per_request), dtype=np.int64, count=len(per_request))
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = np.concatenate([np.asarray(b, dtype=np.int64) for b in per_request]) \
+            if len(per_request) else np.zeros(0, dtype=np.int64)
+        return cls(block_tokens, flat, offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def ids_of(self, i: int) -> np.ndarray:
+        return self.ids[self.offsets[i]:self.offsets[i + 1]]
+
+    def num_blocks(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def take(self, rows: np.ndarray | slice) -> PrefixBlocks:
+        """The blocks of the requests `rows` (indices or a slice), in that order."""
+        rows = np.arange(len(self))[rows] if isinstance(rows, slice) else np.asarray(rows, dtype=np.int64)
+        lengths = self.num_blocks()[rows]
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        starts = self.offsets[rows]
+        # for every output id, its source index: start of its request + position within it
+        within = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+        return PrefixBlocks(self.block_tokens, self.ids[np.repeat(starts, lengths) + within], offsets)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PrefixBlocks):
+            return NotImplemented
+        return (self.block_tokens == other.block_tokens and np.array_equal(self.ids, other.ids)
+                and np.array_equal(self.offsets, other.offsets))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True, eq=False)
 class Workload:
     """Requests in arrival order: arrival time (s), input and output tokens, one index per request.
 
@@ -56,6 +122,8 @@ class Workload:
     trace's `max_input_tokens`), so a report can say what was left out. With `closed_loop` the
     requests are sent in index order by that many clients and `arrival_s` is all zero: the real
     times exist only once a backend has served them (they are in its per-request records).
+    `prefix`, when the source knows it, says which prompts share which prefixes (block ids
+    covering every prompt token); without it every prompt counts as unique.
     """
 
     arrival_s: np.ndarray
@@ -63,6 +131,7 @@ class Workload:
     output_tokens: np.ndarray
     num_dropped: int = 0
     closed_loop: ClosedLoop | None = None
+    prefix: PrefixBlocks | None = None
 
     def __post_init__(self) -> None:
         arrival = np.array(self.arrival_s, dtype=np.float64)
@@ -95,6 +164,16 @@ class Workload:
             raise WorkloadError(
                 "a closed-loop workload has no arrival times of its own: arrival_s must be all zero"
             )
+        if self.prefix is not None:
+            if len(self.prefix) != len(inputs):
+                raise WorkloadError(
+                    f"prefix holds blocks of {len(self.prefix)} requests, the workload has {len(inputs)}")
+            short = np.flatnonzero(self.prefix.num_blocks() * self.prefix.block_tokens < inputs)
+            if len(short):
+                i = int(short[0])
+                raise WorkloadError(
+                    f"request {i}: {self.prefix.num_blocks()[i]} prefix blocks of "
+                    f"{self.prefix.block_tokens} tokens cannot cover its {inputs[i]} input tokens")
         for name, arr in (("arrival_s", arrival), ("input_tokens", inputs), ("output_tokens", outputs)):
             arr.flags.writeable = False
             object.__setattr__(self, name, arr)
@@ -111,6 +190,7 @@ class Workload:
             and np.array_equal(self.arrival_s, other.arrival_s)
             and np.array_equal(self.input_tokens, other.input_tokens)
             and np.array_equal(self.output_tokens, other.output_tokens)
+            and self.prefix == other.prefix
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable-looking contents; compare, don't hash
@@ -139,8 +219,9 @@ class Workload:
         """The first `n` requests."""
         if n < 0:
             raise ValueError(f"head: n must be >= 0, got {n}")
+        prefix = None if self.prefix is None else self.prefix.take(slice(0, n))
         return Workload(self.arrival_s[:n], self.input_tokens[:n], self.output_tokens[:n],
-                        self.num_dropped, self.closed_loop)
+                        self.num_dropped, self.closed_loop, prefix)
 
     def scaled(self, rate_factor: float) -> Workload:
         """The same requests with every arrival time divided by `rate_factor` (2.0: twice the rate)."""
@@ -148,7 +229,8 @@ class Workload:
             raise ValueError(f"scaled: rate_factor must be a finite number > 0, got {rate_factor!r}")
         if self.closed_loop is not None:
             raise ValueError("scaled: a closed-loop workload has no arrival times to rescale")
-        return Workload(self.arrival_s / rate_factor, self.input_tokens, self.output_tokens, self.num_dropped)
+        return Workload(self.arrival_s / rate_factor, self.input_tokens, self.output_tokens,
+                        self.num_dropped, prefix=self.prefix)
 
     def to_frame(self) -> "pd.DataFrame":
         import pandas as pd

@@ -74,14 +74,16 @@ class TraceWorkload(Spec):
         if num_dropped:
             log.info("workload %s: dropped %d requests over max_input_tokens", self.trace, num_dropped)
 
+        prefix = None if trace.prefix is None else trace.prefix.take(rows)
         if self.closed_loop is not None:
             return Workload(np.zeros(len(rows)), trace.input_tokens[rows], trace.output_tokens[rows],
-                            num_dropped, self.closed_loop.closed_loop)
+                            num_dropped, self.closed_loop.closed_loop, prefix)
         workload = Workload(
             trace.arrival_s[rows] - self.start_s,
             trace.input_tokens[rows],
             trace.output_tokens[rows],
             num_dropped,
+            prefix=prefix,
         )
         if self.rate_scale is not None:
             return workload.scaled(self.rate_scale)

@@ -14,6 +14,7 @@ import numpy as np
 from pydantic import BeforeValidator, Field, SerializeAsAny, model_validator
 
 from pdsim.workload.arrays import ClosedLoop, TraceNotFoundError, Workload, WorkloadError
+from pdsim.workload.prefix import Conversation, SharedPrefix, prefixed_requests
 from pdsim.workload.registry import Registry, Spec
 from pdsim.workload.traces import TraceFormat, read_trace, resolve_path
 
@@ -204,27 +205,58 @@ LengthSpec = SerializeAsAny[Annotated[LengthDistribution, BeforeValidator(LENGTH
 
 
 class SyntheticWorkload(Spec):
-    """`num_requests` requests from an arrival process and two length distributions."""
+    """`num_requests` requests from an arrival process and two length distributions.
+
+    With `prefix` (shared system prompts) or `conversation` (multi-turn), `input_len` draws
+    each request's new user text; its prompt is the system prompt (if it has one), the
+    conversation so far and that text, and the workload carries prefix blocks of
+    `prefix_block_tokens` tokens (the granularity at which prompts are known to be equal). With
+    `conversation`, the arrival process times the conversations' first turns.
+    """
 
     num_requests: int = Field(ge=1)
     seed: int = Field(ge=0)
     arrival: ArrivalSpec
     input_len: LengthSpec
     output_len: LengthSpec
+    prefix: SharedPrefix | None = None
+    conversation: Conversation | None = None
+    prefix_block_tokens: int = Field(64, ge=1, description="tokens per prefix block")
 
-    COMPONENTS: ClassVar[tuple[str, ...]] = ("arrival", "input_len", "output_len")
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("arrival", "input_len", "output_len", "prefix")
+
+    @model_validator(mode="after")
+    def _open_loop_conversations(self) -> SyntheticWorkload:
+        if self.conversation is not None and isinstance(self.arrival, ClosedLoopArrival):
+            raise ValueError("conversation needs an open-loop arrival process (poisson, gamma, "
+                             "constant), not process: closed")
+        return self
 
     def build(self, base_dir: str | Path | None = None) -> Workload:
         """Draw the workload; `base_dir` resolves an empirical distribution's relative path."""
         seeds = np.random.SeedSequence(self.seed).spawn(len(self.COMPONENTS))
-        arrival_rng, input_rng, output_rng = (np.random.default_rng(s) for s in seeds)
+        arrival_rng, input_rng, output_rng, prefix_rng = (np.random.default_rng(s) for s in seeds)
         input_tokens = self._lengths("input_len", input_rng, base_dir)
         output_tokens = self._lengths("output_len", output_rng, base_dir)
+        prefix = None
+        if self.prefix is not None or self.conversation is not None:
+            turns = self.conversation.turns if self.conversation is not None else 1
+            input_tokens, prefix = prefixed_requests(input_tokens, output_tokens, self.prefix, turns,
+                                                     self.prefix_block_tokens, prefix_rng)
         if isinstance(self.arrival, ClosedLoopArrival):
             zeros = np.zeros(self.num_requests)
-            return Workload(zeros, input_tokens, output_tokens, closed_loop=self.arrival.closed_loop)
-        arrival_s = self.arrival.arrival_times(self.num_requests, arrival_rng)
-        return Workload(arrival_s, input_tokens, output_tokens)
+            return Workload(zeros, input_tokens, output_tokens, closed_loop=self.arrival.closed_loop,
+                            prefix=prefix)
+        if self.conversation is None:
+            arrival_s = self.arrival.arrival_times(self.num_requests, arrival_rng)
+            return Workload(arrival_s, input_tokens, output_tokens, prefix=prefix)
+        turns = self.conversation.turns
+        starts = self.arrival.arrival_times(-(-self.num_requests // turns), arrival_rng)
+        index = np.arange(self.num_requests)
+        arrival_s = starts[index // turns] + (index % turns) * self.conversation.think_time_s
+        order = np.argsort(arrival_s, kind="stable")
+        return Workload(arrival_s[order], input_tokens[order], output_tokens[order],
+                        prefix=prefix.take(order))
 
     def _lengths(self, field: str, rng: np.random.Generator, base_dir: str | Path | None) -> np.ndarray:
         try:

@@ -14,7 +14,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pdsim.workload.arrays import TraceNotFoundError, Workload, WorkloadError
+from pdsim.workload.arrays import PrefixBlocks, TraceNotFoundError, Workload, WorkloadError
+
+MOONCAKE_BLOCK_TOKENS = 512  # tokens per `hash_ids` block in the Mooncake FAST'25 traces
 
 TraceFormat = Literal["auto", "mooncake", "azure"]
 
@@ -73,17 +75,19 @@ def _mooncake_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _trace_workload(path: Path, times_s: np.ndarray, inputs: Any, outputs: Any) -> Workload:
+def _trace_workload(path: Path, times_s: np.ndarray, inputs: Any, outputs: Any,
+                    prefix: PrefixBlocks | None = None) -> Workload:
     if len(times_s):
         times_s = times_s - times_s[0]
     try:
-        return Workload(times_s, inputs, outputs)
+        return Workload(times_s, inputs, outputs, prefix=prefix)
     except WorkloadError as exc:
         raise WorkloadError(f"trace {str(path)!r}: {exc}") from None
 
 
 def read_mooncake(path: str | Path) -> Workload:
-    """Mooncake JSONL: `timestamp` (ms), `input_length`, `output_length` per line."""
+    """Mooncake JSONL: `timestamp` (ms), `input_length`, `output_length` per line; when every
+    row has `hash_ids`, they become the workload's `prefix` (512 tokens a block)."""
     path = Path(path)
     rows = _mooncake_rows(path)
     try:
@@ -93,7 +97,13 @@ def read_mooncake(path: str | Path) -> Workload:
         )
     except (TypeError, ValueError) as exc:
         raise WorkloadError(f"trace {str(path)!r}: a Mooncake field is not a number ({exc})") from None
-    return _trace_workload(path, times_ms / 1000.0, inputs, outputs)
+    prefix = None
+    if rows and all("hash_ids" in r for r in rows):
+        try:
+            prefix = PrefixBlocks.from_lists(MOONCAKE_BLOCK_TOKENS, [r["hash_ids"] for r in rows])
+        except (TypeError, ValueError) as exc:
+            raise WorkloadError(f"trace {str(path)!r}: hash_ids must be lists of integers ({exc})") from None
+    return _trace_workload(path, times_ms / 1000.0, inputs, outputs, prefix)
 
 
 def read_mooncake_hash_ids(path: str | Path) -> tuple[np.ndarray, ...]:
