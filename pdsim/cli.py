@@ -26,6 +26,13 @@ TABLE_COLUMNS = (
 )
 
 
+EXECUTOR_OPTION = typer.Option(
+    "local", help="where simulations run: local (a process pool) or ray (one Ray task each)")
+RAY_ADDRESS_OPTION = typer.Option(
+    None, help="--executor ray: the cluster to join (auto, ray://HEAD:10001); default: start a "
+    "local Ray instance")
+
+
 def _fmt(col: str | None, row) -> str:
     if col is None:  # what the sweep varies at this point (pdsim.plots.sweep_labels)
         return str(row["label"])
@@ -47,14 +54,18 @@ def _fmt(col: str | None, row) -> str:
 def run(
     experiment: Path = typer.Argument(..., help="experiment YAML, e.g. experiments/ratio_sweep.yaml"),
     out: Optional[Path] = typer.Option(None, help="output directory (default results/<name>)"),
-    jobs: Optional[int] = typer.Option(None, help="sweep points run in parallel (default: CPUs)"),
+    jobs: Optional[int] = typer.Option(None, help="sweep points run in parallel (default: CPUs, "
+                                       "or the Ray cluster's)"),
     quiet: bool = typer.Option(False, help="no progress bar or table"),
+    executor: str = EXECUTOR_OPTION,
+    ray_address: Optional[str] = RAY_ADDRESS_OPTION,
 ) -> None:
     """Simulate every point of an experiment and write tables, plots and a report."""
     from pdsim.runner import run_experiment
 
     try:
-        summary, out_dir = run_experiment(experiment, out, jobs, progress=not quiet)
+        summary, out_dir = run_experiment(experiment, out, jobs, progress=not quiet,
+                                          executor=executor, ray_address=ray_address)
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
         raise typer.Exit(2) from None
@@ -95,6 +106,8 @@ def plan(
     jobs: Optional[int] = typer.Option(None, help="simulations run in parallel (default: CPUs)"),
     no_prefilter: bool = typer.Option(False, help="simulate every candidate (slow)"),
     quiet: bool = typer.Option(False, help="no progress bar or tables"),
+    executor: str = EXECUTOR_OPTION,
+    ray_address: Optional[str] = RAY_ADDRESS_OPTION,
 ) -> None:
     """Find the cheapest deployment meeting a plan's SLO: pre-filter, simulate, recommend,
     and write the frontier, plots, report.md and launch commands (docs/planning.md)."""
@@ -103,7 +116,8 @@ def plan(
 
     try:
         result = run_plan(plan_file, out_dir=out, jobs=jobs, progress=not quiet,
-                          prefilter=False if no_prefilter else None)
+                          prefilter=False if no_prefilter else None, executor=executor,
+                          ray_address=ray_address)
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None

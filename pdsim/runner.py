@@ -6,8 +6,6 @@ per request of every point), PNG plots, report.md and the config that produced t
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ import pandas as pd
 import yaml
 
 from pdsim.config import ExperimentConfig, expand_sweep, load_experiment
+from pdsim.executors import Pool, open_pool
 from pdsim.faults import fault_summary, first_kill_s
 from pdsim.metrics import price_columns, records_frame, summarize
 from pdsim.plots import plot_experiment, plot_latency_cdfs, sweep_labels
@@ -91,13 +90,12 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
     return PointResult(index, row, frame)
 
 
-def _run_point_job(args) -> PointResult:
-    return run_point(*args)
-
-
 def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: int | None = None,
-                   progress: bool = True) -> tuple[pd.DataFrame, Path]:
-    """Run every sweep point of the experiment at `path`; return the summary and the output dir."""
+                   progress: bool = True, executor: str = "local",
+                   ray_address: str | None = None) -> tuple[pd.DataFrame, Path]:
+    """Run every sweep point of the experiment at `path`; return the summary and the output dir.
+    `executor`: `local` (a process pool of `jobs` processes) or `ray` (one Ray task per point,
+    on the cluster at `ray_address`, default a local instance); pdsim.executors."""
     path = Path(path)
     cfg, raw = load_experiment(path)
     points = expand_sweep(cfg, raw, str(path))
@@ -106,9 +104,9 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
         build_cluster(point_cfg, base_dir)  # fail on a bad point before simulating any
     out = Path(out_dir) if out_dir else Path("results") / cfg.name
     out.mkdir(parents=True, exist_ok=True)
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(points)))
     args = [(i, pcfg, swept, base_dir) for i, (swept, pcfg) in enumerate(points)]
-    results = _execute(args, jobs, progress, cfg.name)
+    with open_pool(executor, jobs, ray_address, tasks=len(args)) as pool:
+        results = _execute(pool, args, progress, cfg.name)
     results.sort(key=lambda r: r.index)
     summary = pd.DataFrame([r.summary for r in results])
     summary.insert(1, "label", sweep_labels(summary))
@@ -122,23 +120,15 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
     return summary, out
 
 
-def _execute(args: list, jobs: int, show: bool, name: str) -> list[PointResult]:
+def _execute(pool: Pool, args: list, show: bool, name: str) -> list[PointResult]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, disable=not show, transient=False) as bar:
         task = bar.add_task(f"simulating {name}", total=len(args))
-        if jobs == 1:
-            results = []
-            for a in args:
-                results.append(run_point(*a))
-                bar.advance(task)
-            return results
         results = []
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = [pool.submit(_run_point_job, a) for a in args]
-            for fut in as_completed(futures):
-                results.append(fut.result())
-                bar.advance(task)
+        for result in pool.imap_unordered(run_point, args):
+            results.append(result)
+            bar.advance(task)
         return results

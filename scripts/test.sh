@@ -12,6 +12,6 @@ fi
 
 # Pin torch first: the CPU build is on this machine's disk; an unpinned torch pulls a CUDA build.
 python -m pip install -q --disable-pip-version-check torch==2.13.0
-python -m pip install -q --disable-pip-version-check -e '.[real,test,silicon]'
+python -m pip install -q --disable-pip-version-check -e '.[real,test,silicon,ray]'
 
 python -m pytest -q "$@"
