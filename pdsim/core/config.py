@@ -15,7 +15,9 @@ class SchedulerConfig:
     one extend batch; `chunked_prefill_size` cuts longer prompts into chunks (0 disables chunking,
     so a prompt longer than the budget runs alone). `num_reserved_decode_tokens` is set aside per
     running or queued request when admitting new ones, so admitted requests can keep decoding.
-    `speculation` (simulator only) makes decode steps verify draft tokens.
+    `speculation` (simulator only) makes decode steps verify draft tokens. `prefix_cache` gives
+    colocated and prefill schedulers a radix cache of prompt pages (`pdsim.core.radix`); a
+    request takes from it only if it carries `prefix_keys`.
     """
 
     num_pages: int
@@ -29,6 +31,7 @@ class SchedulerConfig:
     bootstrap_timeout_s: float = 300.0
     waiting_timeout_s: float = 300.0
     speculation: Speculation | None = None
+    prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_running_requests", "max_prefill_tokens",

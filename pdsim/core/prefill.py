@@ -6,9 +6,10 @@ Queues, in the order a request passes them:
   (`WaitingForInput`). Then, if a metadata slot and a request slot are free, `init` the sender
   with the page count and move on. `Failed` aborts; staying in `Bootstrapping` longer than
   `bootstrap_timeout_s` aborts too. Prefill forces `max_new_tokens = 1`.
-- **waiting**: the shared extend planner (token budget per batch, chunked prefill). After each
-  chunk its complete pages are handed to the sender; the last chunk also writes the metadata
-  (first token, logprob, cached tokens, room) and sends the remaining pages.
+- **waiting**: the shared extend planner (token budget per batch, chunked prefill; with a prefix
+  cache, the prompt's cached pages are reused and only the rest is computed). After each
+  chunk its complete pages (cached ones included) are handed to the sender; the last chunk also
+  writes the metadata (first token, logprob, cached tokens, room) and sends the remaining pages.
 - **inflight**: poll the sender; `Success` frees the KV, `Failed` aborts.
 """
 
@@ -24,6 +25,8 @@ from pdsim.core.transfer import FirstTokenMetadata, KVManager
 
 
 class PrefillScheduler(InstanceScheduler):
+    caches_prefixes = True
+
     def __init__(self, config: SchedulerConfig, kv_manager: KVManager, instance_id: int = 0):
         super().__init__(config, instance_id)
         self.kv = kv_manager
@@ -131,6 +134,10 @@ class PrefillScheduler(InstanceScheduler):
 
     def _admit_extend(self, req: Request, tokens: int) -> bool:
         return True  # slots were taken when it left the bootstrap queue; pages are per chunk
+
+    def _match_prefix(self, req: Request, now: float) -> None:
+        super()._match_prefix(req, now)
+        self.pending_tokens -= req.computed_tokens  # cached: never computed here
 
     def on_batch_done(self, batch, result, now: float) -> None:
         self.pending_tokens -= batch.shape.prefill_tokens

@@ -27,6 +27,7 @@ class Request:
     max_new_tokens: int
     arrival_s: float = NAN
     prompt_ids: list[int] | None = None  # None in the simulator, which needs only lengths
+    prefix_keys: list | None = None  # one key per whole prompt page, for the prefix cache
     stop_token_ids: frozenset[int] = frozenset()
     sampling: object = None  # opaque to the core; the executor reads it
     bootstrap_host: str = ""
@@ -50,6 +51,7 @@ class Request:
     sender: object = None
     receiver: object = None
     sent_pages: int = 0  # prefill side: pages already handed to the sender
+    cache_node: object = None  # the prefix-cache node it pins (its matched prefix)
 
     # Running-batch bookkeeping (see RunningBatch)
     join_step: int = 0

@@ -18,15 +18,19 @@ from pdsim.core.batch import Batch, BatchResult, BatchShape, ExtendSegment, exte
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.pages import num_pages
 from pdsim.core.pool import IndexPool, PagePool
+from pdsim.core.radix import RadixCache, max_match_pages
 from pdsim.core.request import Request
 from pdsim.core.running import RunningBatch, SpeculativeRunningBatch
 
 
 class InstanceScheduler:
+    caches_prefixes = False  # whether `config.prefix_cache` gives this kind a RadixCache
+
     def __init__(self, config: SchedulerConfig, instance_id: int = 0, req_slots: int | None = None):
         self.config = config
         self.instance_id = instance_id
         self.pool = PagePool(config.num_pages, config.page_size)
+        self.cache = RadixCache(self.pool) if config.prefix_cache and self.caches_prefixes else None
         self.req_slots = IndexPool(req_slots or config.max_running_requests, "request slot")
         self.waiting: deque[Request] = deque()
         spec = config.speculation
@@ -59,13 +63,45 @@ class InstanceScheduler:
     def _admit_extend(self, req: Request, tokens: int) -> bool:
         """Whether a request that has no KV yet may start its extend of `tokens` new tokens."""
         if req.req_slot < 0:
-            if self.pool.free_tokens - self._reserved_tokens() < req.fill_len - req.computed_tokens:
+            if self._free_tokens() - self._reserved_tokens() < req.fill_len - req.computed_tokens:
                 return False
             slot = self.req_slots.alloc()
             if slot is None:
                 return False
             req.req_slot = slot
         return True
+
+    def _free_tokens(self) -> int:
+        """KV tokens new requests can have: free pages, plus cached pages nobody pins."""
+        free = self.pool.num_free + (self.cache.evictable_pages if self.cache is not None else 0)
+        return free * self.config.page_size
+
+    def _alloc_pages(self, n: int) -> list[int] | None:
+        """`n` pages, evicting unpinned cached prefixes if needed; None when there are not."""
+        return self.pool.alloc_many(n) if self.cache is None else self.cache.alloc(n)
+
+    def _match_prefix(self, req: Request, now: float) -> None:
+        """At admission: take the longest cached prefix of the request's prompt pages (pinned
+        until it finishes), so its extend starts after them."""
+        limit = min(len(req.prefix_keys), max_match_pages(req.fill_len, self.config.page_size))
+        match = self.cache.match_prefix(req.prefix_keys[:limit], now)
+        self.cache.lock(match.node)
+        req.cache_node = match.node
+        req.pages = list(match.pages)
+        req.computed_tokens = match.cached_tokens
+        if req.num_output == 0:
+            req.cached_tokens = match.cached_tokens
+
+    def _release_pages(self, req: Request, now: float) -> None:
+        """Give back the request's pages: with a cache, its computed whole prompt pages join
+        the cache (where they are not already) and its pin drops; the rest go to the pool."""
+        if self.cache is not None and req.cache_node is not None:
+            whole = min(len(req.prefix_keys), req.computed_tokens // self.config.page_size)
+            self.cache.cache_finished(req.prefix_keys[:whole], req.pages, req.cache_node, now)
+            req.cache_node = None
+        elif req.pages:
+            self.pool.free_many(req.pages)
+        req.pages = []
 
     # ----- planning --------------------------------------------------------------------------
 
@@ -83,6 +119,8 @@ class InstanceScheduler:
         pairs = 0.0
         while self.waiting and budget > 0:
             req = self.waiting[0]
+            if self.cache is not None and req.cache_node is None and req.prefix_keys and not req.pages:
+                self._match_prefix(req, now)
             take = req.fill_len - req.computed_tokens
             if cfg.chunked_prefill_size:
                 take = min(take, cfg.chunked_prefill_size, budget)
@@ -93,7 +131,7 @@ class InstanceScheduler:
             # All of the fill's pages at its first chunk: a half-prefilled request then never
             # waits for pages, so requests holding partial KV cannot deadlock the pool.
             new_pages = num_pages(req.fill_len, cfg.page_size) - len(req.pages)
-            pages = self.pool.alloc_many(new_pages)
+            pages = self._alloc_pages(new_pages)
             if pages is None:
                 break
             req.pages.extend(pages)
@@ -114,7 +152,7 @@ class InstanceScheduler:
         if not running.reqs:
             return None
         due = running.pages_due()
-        pages = self.pool.alloc_many(len(due)) if due else None
+        pages = self._alloc_pages(len(due)) if due else None
         if pages is not None:  # the common case: one page each, no retraction needed
             for req, page in zip(due, pages):
                 running.add_page(req, page)
@@ -122,28 +160,28 @@ class InstanceScheduler:
         for req in due:
             if req not in running.reqs:
                 continue  # retracted for an earlier request of this step
-            page = self.pool.alloc()
+            page = self._alloc_pages(1)
             while page is None:
-                if not self._retract_one():
+                if not self._retract_one(now):
                     raise RuntimeError("KV pool exhausted with nothing left to retract")
                 if req not in running.reqs:
                     break  # it was the victim itself
-                page = self.pool.alloc()
+                page = self._alloc_pages(1)
             if page is not None:
-                running.add_page(req, page)
+                running.add_page(req, page[0])
         if not running.reqs:
             return None
         return running.plan(now)
 
-    def _retract_one(self) -> bool:
+    def _retract_one(self, now: float) -> bool:
         """Free the KV of the running request with the most tokens left to generate; it goes
-        back to the front of the waiting queue and is recomputed (prompt + generated tokens)."""
+        back to the front of the waiting queue and is recomputed (prompt + generated tokens;
+        with a cache, from its cached prompt pages on)."""
         if not self.running.reqs:
             return False
         victim = max(self.running.reqs, key=lambda r: (r.max_new_tokens - r.out_at_join + r.join_step, r.arrival_s))
         self.running.leave(victim)
-        self.pool.free_many(victim.pages)
-        victim.pages = []
+        self._release_pages(victim, now)
         victim.computed_tokens = 0
         self.waiting.appendleft(victim)
         return True
@@ -199,10 +237,8 @@ class InstanceScheduler:
 
     # ----- endings ---------------------------------------------------------------------------
 
-    def _release(self, req: Request) -> None:
-        if req.pages:
-            self.pool.free_many(req.pages)
-            req.pages = []
+    def _release(self, req: Request, now: float) -> None:
+        self._release_pages(req, now)
         if req.req_slot >= 0:
             self.req_slots.free(req.req_slot)
             req.req_slot = -1
@@ -211,7 +247,7 @@ class InstanceScheduler:
             req.metadata_slot = -1
 
     def _finish(self, req: Request, now: float) -> None:
-        self._release(req)
+        self._release(req, now)
         req.finish_s = now
         req.finished = True
         self.num_active -= 1
@@ -239,8 +275,9 @@ class InstanceScheduler:
         return False
 
     def check_pools_full(self) -> None:
-        """Raise unless every page and slot is back (call when the instance is idle)."""
-        self.pool.check_full()
+        """Raise unless every page and slot is back (call when the instance is idle); with a
+        prefix cache, back means free or cached and not pinned."""
+        (self.pool if self.cache is None else self.cache).check_full()
         self.req_slots.check_full()
         if self.metadata_slots is not None:
             self.metadata_slots.check_full()
@@ -257,6 +294,8 @@ class InstanceScheduler:
 
 class ColocatedScheduler(InstanceScheduler):
     """Prefill and decode on the same instance: the baseline PD disaggregation is compared with."""
+
+    caches_prefixes = True
 
     def add_request(self, req: Request, now: float) -> None:
         self.num_active += 1

@@ -1,0 +1,150 @@
+"""The colocated and prefill schedulers with a radix prefix cache: a request computes only the
+suffix after its cached prefix, reports it as cached tokens, and every page is free or cached
+(unpinned) when the instance is idle."""
+
+from __future__ import annotations
+
+import random
+
+from core_harness import Driver, FixedExecutor, StubKV
+
+from pdsim.core.batch import BatchResult
+from pdsim.core.config import SchedulerConfig
+from pdsim.core.kvpoll import KVPoll
+from pdsim.core.prefill import PrefillScheduler
+from pdsim.core.radix import token_page_keys
+from pdsim.core.request import Request
+from pdsim.core.scheduler import ColocatedScheduler
+
+PAGE = 4
+
+
+def cfg(**kw) -> SchedulerConfig:
+    base = dict(num_pages=64, page_size=PAGE, max_running_requests=16, max_prefill_tokens=64,
+                chunked_prefill_size=32, num_reserved_decode_tokens=4, prefix_cache=True,
+                metadata_slots=8)
+    base.update(kw)
+    return SchedulerConfig(**base)
+
+
+def req(rid: str, tokens: list[int], n_out: int = 3, room: int = 0) -> Request:
+    return Request(rid, len(tokens), n_out, arrival_s=0.0, bootstrap_room=room,
+                   prefix_keys=token_page_keys(tokens, PAGE))
+
+
+SYSTEM = list(range(100, 116))  # 16 tokens: four pages
+
+
+def extends(ex: FixedExecutor) -> list[tuple[str, int, int]]:
+    return [(g.req.rid, g.start, g.end) for b in ex.batches if b.kind == "extend" for g in b.segments]
+
+
+def test_a_later_request_computes_only_the_suffix_after_the_cached_prefix():
+    s = ColocatedScheduler(cfg())
+    ex = FixedExecutor(extend_s=1.0, decode_s=0.25)
+    d = Driver(ex, log=False)
+    d.add_instance("C", s)
+    r0, r1 = req("r0", SYSTEM + [1, 2, 3]), req("r1", SYSTEM + [7, 8, 9, 10, 11])
+    d.submit(0.0, "C", r0)
+    d.submit(5.0, "C", r1)  # after r0 finished and cached its whole pages
+    d.run()
+    assert extends(ex) == [("r0", 0, 19), ("r1", 16, 21)]
+    assert (r0.cached_tokens, r1.cached_tokens) == (0, 16)
+    assert r1.num_output == 3 and not r1.error
+    assert s.cache.total_cached_pages == 4 + 1  # the system prompt, and r1's own fifth page
+    s.check_pools_full()
+
+
+def test_without_the_cache_every_prompt_is_computed_whole():
+    s = ColocatedScheduler(cfg(prefix_cache=False))
+    ex = FixedExecutor()
+    d = Driver(ex, log=False)
+    d.add_instance("C", s)
+    d.submit(0.0, "C", req("r0", SYSTEM + [1, 2, 3]))
+    d.submit(5.0, "C", req("r1", SYSTEM + [7, 8, 9, 10, 11]))
+    d.run()
+    assert s.cache is None
+    assert extends(ex) == [("r0", 0, 19), ("r1", 0, 21)]
+    s.check_pools_full()
+
+
+def test_an_identical_prompt_still_computes_its_last_token():
+    s = ColocatedScheduler(cfg())
+    ex = FixedExecutor()
+    d = Driver(ex, log=False)
+    d.add_instance("C", s)
+    d.submit(0.0, "C", req("r0", SYSTEM))
+    d.submit(5.0, "C", req("r1", SYSTEM))
+    d.run()
+    assert extends(ex) == [("r0", 0, 16), ("r1", 12, 16)]  # three pages reused, the fourth recomputed
+    s.check_pools_full()
+
+
+def test_memory_pressure_evicts_and_retracts_without_leaking_a_page():
+    """Many requests over a few shared prefixes in a small pool: the cache must give pages back
+    for new requests and decode growth, pins must hold, and the run must end clean."""
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(50) for _ in range(rng.choice([8, 12, 20]))] for _ in range(3)]
+    s = ColocatedScheduler(cfg(num_pages=40, max_prefill_tokens=48, chunked_prefill_size=16,
+                               num_reserved_decode_tokens=2))
+    ex = FixedExecutor(extend_s=1.0, decode_s=0.25)
+    d = Driver(ex, log=False)
+    d.add_instance("C", s)
+    reqs = []
+    for i in range(40):
+        tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 12))]
+        r = req(f"r{i}", tokens, n_out=rng.randrange(1, 30))
+        reqs.append(r)
+        d.submit(rng.uniform(0, 30), "C", r)
+    d.run()
+    assert all(r.finished and not r.error and r.num_output == r.max_new_tokens for r in reqs)
+    assert sum(r.cached_tokens for r in reqs) > 0
+    s.check_pools_full()
+    assert s.cache.total_cached_pages > 0 and s.pool.num_free < s.pool.size
+
+
+def test_prefill_sends_cached_pages_and_reports_cached_tokens():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = PrefillScheduler(cfg(), kv)
+    first, second = req("p0", SYSTEM + [1, 2], room=11), req("p1", SYSTEM + [5, 6, 7], room=12)
+    s.add_request(first, 0.0)
+    b = s.step(0.0)
+    s.on_batch_done(b, BatchResult(1.0), 1.0)
+    kv["p0"].state = KVPoll.Success
+    s.step(1.0)
+    assert first.finished and s.pending_tokens == 0
+    cached_pages = kv["p0"].sends()[0][0][:4]
+
+    s.add_request(second, 2.0)
+    assert s.pending_tokens == 19
+    b = s.step(2.0)
+    assert [(g.start, g.end) for g in b.segments] == [(16, 19)]
+    assert s.pending_tokens == 3  # the cached 16 are not computed here
+    s.on_batch_done(b, BatchResult(1.0), 3.0)
+    assert s.pending_tokens == 0
+    assert ("init", 5, second.metadata_slot) in kv["p1"].calls  # the decode side gets every page
+    sent = [p for pages, _ in kv["p1"].sends() for p in pages]
+    assert sent[:4] == cached_pages and len(sent) == 5
+    assert kv.metadata.read(second.metadata_slot).cached_tokens == 16
+    kv["p1"].state = KVPoll.Success
+    s.step(3.0)
+    assert second.finished and not second.error
+    s.check_pools_full()
+
+
+def test_aborting_a_request_that_matched_drops_its_pin():
+    s = ColocatedScheduler(cfg(num_pages=12))
+    d = Driver(FixedExecutor(), log=False)
+    d.add_instance("C", s)
+    d.submit(0.0, "C", req("r0", SYSTEM + [1]))
+    d.run()
+    assert s.cache.evictable_pages == 4
+    hog = s.pool.alloc_many(6)  # held by others: 2 pages stay free
+    r1 = req("r1", SYSTEM + list(range(24)))
+    s.add_request(r1, 10.0)
+    assert s.step(10.0) is None  # matched and pinned 4 pages, but 6 more do not fit
+    assert r1.cached_tokens == 16 and s.cache.evictable_pages == 0
+    assert s.abort("r1", "client left", 11.0)
+    assert s.cache.evictable_pages == 4 and r1.cache_node is None
+    s.pool.free_many(hog)
+    s.check_pools_full()
