@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pdsim.core.radix import block_page_keys
+
 if TYPE_CHECKING:  # imported where used: a simulation alone need not load pandas
     import pandas as pd
 
@@ -93,6 +95,10 @@ class PrefixBlocks:
 
     def num_blocks(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    def page_keys(self, i: int, num_tokens: int, page_size: int) -> list:
+        """Request i's prefix-cache keys: one per whole page of its first `num_tokens` tokens."""
+        return block_page_keys(self.ids_of(i).tolist(), self.block_tokens, num_tokens, page_size)
 
     def take(self, rows: np.ndarray | slice) -> PrefixBlocks:
         """The blocks of the requests `rows` (indices or a slice), in that order."""
