@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
-from itertools import chain
 from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -18,6 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdsim.core.records import RequestRecord
+from pdsim.core.token_times import flatten_times
 
 if TYPE_CHECKING:  # pandas is imported by `records_frame` only: a plain run need not load it
     import pandas as pd
@@ -128,8 +128,7 @@ class _TokenTimes(NamedTuple):
 def _token_times(records: Sequence[RequestRecord]) -> _TokenTimes:
     lists = [r.token_times_s for r in records]
     counts = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
-    total = int(counts.sum())
-    flat = np.fromiter(chain.from_iterable(lists), dtype=np.float64, count=total)
+    flat = flatten_times(lists, int(counts.sum()))
     diffs = np.diff(flat)
     # diffs[j] = flat[j+1] - flat[j]; it crosses a record boundary when flat[j+1] starts a record.
     starts = np.cumsum(counts) - counts

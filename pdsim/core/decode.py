@@ -80,6 +80,13 @@ class DecodeScheduler(InstanceScheduler):
     def _num_decoding(self) -> int:
         return len(self.running) + len(self.transfer) + len(self.prebuilt) + len(self.waiting)
 
+    def _only_decoding(self) -> bool:
+        # Prealloc stays blocked while pages only shrink; transfers move on outside events or
+        # at their timeouts (the simulator ends a run of steps at the next one); prebuilt
+        # requests wait while the batch is full.
+        return not self.waiting and (not self.prebuilt
+                                     or len(self.running) >= self.config.max_running_requests)
+
     def abort(self, rid: str, reason: str, now: float) -> bool:
         """Also searches the prealloc, transfer and prebuilt queues; a request still waiting for
         its KV aborts its receiver, so the prefill side stops sending."""

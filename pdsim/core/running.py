@@ -14,17 +14,74 @@ request emits a variable number of tokens per step (simulator only).
 
 from __future__ import annotations
 
+import heapq
 import random
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
 from itertools import accumulate
 
+import numpy as np
+
 from pdsim.core.batch import Batch, BatchResult, BatchShape
 from pdsim.core.pool import PagePool
 from pdsim.core.request import Request
+from pdsim.core.token_times import TokenTimes
 
 TRIM_EVERY_STEPS = 4096
+
+
+class StepTimes:
+    """End time of every decode step (step k + 1 at index k), in fixed-size NumPy chunks.
+
+    A leaving request takes views of the chunks for the steps it ran (see `TokenTimes`), so the
+    times are stored once however many requests shared the steps. Chunks before every running
+    request's join are dropped from here (`forget_before`); views still in records keep theirs.
+    """
+
+    CHUNK = 2048
+
+    def __init__(self) -> None:
+        self.chunks: dict[int, np.ndarray] = {}
+        self.count = 0  # steps recorded
+
+    def append(self, t: float) -> None:
+        c, i = divmod(self.count, self.CHUNK)
+        if i == 0:
+            self.chunks[c] = np.empty(self.CHUNK)
+        self.chunks[c][i] = t
+        self.count += 1
+
+    def extend(self, times: list[float]) -> None:
+        done = 0
+        while done < len(times):
+            c, i = divmod(self.count, self.CHUNK)
+            if i == 0:
+                self.chunks[c] = np.empty(self.CHUNK)
+            take = min(self.CHUNK - i, len(times) - done)
+            self.chunks[c][i : i + take] = times[done : done + take]
+            done += take
+            self.count += take
+
+    def views(self, first: int, stop: int) -> list[np.ndarray]:
+        """The end times of steps `first + 1 .. stop` (indices first .. stop - 1), as views."""
+        out = []
+        size = self.CHUNK
+        while first < stop:
+            c, i = divmod(first, size)
+            take = min(size - i, stop - first)
+            out.append(self.chunks[c][i : i + take])
+            first += take
+        return out
+
+    def forget_before(self, index: int) -> None:
+        for c in [c for c in self.chunks if (c + 1) * self.CHUNK <= index]:
+            del self.chunks[c]
+
+    @property
+    def kept(self) -> int:
+        """Step times still held here (whole chunks)."""
+        return len(self.chunks) * self.CHUNK
 
 
 class RunningBatch:
@@ -33,10 +90,10 @@ class RunningBatch:
         self.page_size = pool.page_size
         self.reqs: dict[Request, None] = {}  # insertion-ordered set
         self.step = 0  # decode steps completed
-        self.step_end_s: list[float] = []  # end time of step k+1 at index k - self._times_base
-        self._times_base = 0
+        self.step_end_s = StepTimes()
         self.context_tokens = 0  # sum of the KV lengths of the requests in the batch
         self._finish_at: dict[int, list[Request]] = defaultdict(list)
+        self._finish_steps: list[int] = []  # heap of the keys of _finish_at (some stale)
         self._grow_at: dict[int, list[Request]] = defaultdict(list)
 
     def __len__(self) -> int:
@@ -49,7 +106,11 @@ class RunningBatch:
         req.out_at_join = req.num_output
         self.reqs[req] = None
         self.context_tokens += req.computed_tokens
-        self._finish_at[self._finish_step(req)].append(req)
+        finish = self._finish_step(req)
+        bucket = self._finish_at[finish]
+        if not bucket:
+            heapq.heappush(self._finish_steps, finish)
+        bucket.append(req)
         self._schedule_growth(req)
 
     @staticmethod
@@ -58,8 +119,7 @@ class RunningBatch:
 
     def _schedule_growth(self, req: Request) -> None:
         # Step count at which the KV fills its pages; the next step then needs one more page.
-        kv = req.kv_at_join + self.step - req.join_step
-        req.grow_step = self.step + len(req.pages) * self.page_size - kv
+        req.grow_step = req.join_step + len(req.pages) * self.page_size - req.kv_at_join
         self._grow_at[req.grow_step].append(req)
 
     def kv_len(self, req: Request) -> int:
@@ -72,8 +132,7 @@ class RunningBatch:
         req.computed_tokens = req.kv_at_join + steps
         req.num_output = req.out_at_join + steps
         self.context_tokens -= req.computed_tokens
-        base = self._times_base
-        req.token_times_s.extend(self.step_end_s[req.join_step - base : self.step - base])
+        _add_times(req, self.step_end_s.views(req.join_step, self.step))
         self._forget(req)
 
     def _forget(self, req: Request) -> None:
@@ -93,7 +152,8 @@ class RunningBatch:
 
     def add_page(self, req: Request, page: int) -> None:
         req.pages.append(page)
-        self._schedule_growth(req)
+        req.grow_step += self.page_size
+        self._grow_at[req.grow_step].append(req)
 
     def plan(self, now: float) -> Batch:
         n = len(self.reqs)
@@ -125,9 +185,71 @@ class RunningBatch:
 
     def _trim_times(self) -> None:
         """Forget the end times of steps before every running request joined."""
-        low = min((r.join_step for r in self.reqs), default=self.step)
-        del self.step_end_s[: low - self._times_base]
-        self._times_base = low
+        self.step_end_s.forget_before(min((r.join_step for r in self.reqs), default=self.step))
+
+    # ----- runs of steps (the simulator's fast path) ---------------------------------------------
+
+    def next_finish_step(self) -> int | None:
+        """The step count at which the next request finishes by length (None: none running)."""
+        heap, buckets = self._finish_steps, self._finish_at
+        while heap and not buckets.get(heap[0]):
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def quiet_steps(self, max_steps: int, free_pages: int) -> int:
+        """How many decode steps, from the one just planned, can run back to back with nothing
+        but page growth between them: none but the last ends a request by length, and the pages
+        the steps in between need (after each step, for the next) come out of `free_pages`.
+        Without stop tokens (the simulator) the batch is then the same requests all along.
+        A speculative batch answers 1 (its steps are not this regular)."""
+        finish = self.next_finish_step()
+        limit = max_steps if finish is None else min(max_steps, finish - self.step)
+        need = [0] * limit  # need[j]: pages due after step j (1-based; index 0 unused)
+        ps, grow, step = self.page_size, self._grow_at, self.step
+        used = 0
+        for j in range(1, limit):
+            # Requests due now, plus those that got a page `page_size` steps ago in this run.
+            need[j] = len(grow.get(step + j, ())) + (need[j - ps] if j > ps else 0)
+            used += need[j]
+            if used > free_pages:
+                return j  # the step after j needs pages the pool may not have: stop there
+        return limit
+
+    def complete_run(self, end_times_s: list[float]) -> list[Request]:
+        """Account `len(end_times_s)` decode steps of the same batch, run back to back (see
+        `quiet_steps`): between them the due pages are allocated as `_plan_decode` would,
+        in the same order. Returns the requests done after the last step (still in the batch)."""
+        n, pool = len(self.reqs), self.pool
+        first = self.step
+        last = len(end_times_s)
+        for j in range(1, last):
+            due = self._grow_at.pop(first + j, None)
+            if due:
+                pages = pool.alloc_many(len(due))
+                if pages is None:
+                    raise RuntimeError("a decode run was planned beyond the free KV pages")
+                for req, page in zip(due, pages):
+                    self.add_page(req, page)
+            if self._finish_at.get(first + j):
+                raise RuntimeError(f"a decode run crossed step {first + j}, where requests finish")
+        self.step = first + last
+        self.step_end_s.extend(end_times_s)
+        self.context_tokens += n * last
+        if first // TRIM_EVERY_STEPS != self.step // TRIM_EVERY_STEPS:
+            self._trim_times()
+        return self._finish_at.pop(self.step, [])
+
+
+def _add_times(req: Request, views: list[np.ndarray]) -> None:
+    """Append step end times to a request's token times: as views for a `TokenTimes` (the
+    simulator's requests), as floats for a plain list (the real backend's, which go to JSON)."""
+    times = req.token_times_s
+    if isinstance(times, TokenTimes):
+        for v in views:
+            times.extend(v)
+    else:
+        for v in views:
+            times.extend(v.tolist())
 
 
 def _nones():
@@ -235,6 +357,9 @@ class SpeculativeRunningBatch(RunningBatch):
     def kv_len(self, req: Request) -> int:
         return req.kv_at_join + req.emitted_by_step[self.step - req.join_step]
 
+    def quiet_steps(self, max_steps: int, free_pages: int) -> int:
+        return 1  # a step's growth and page needs vary per request: no runs of steps
+
     def pages_due(self) -> list[Request]:
         """Requests that need more pages before the next step, once per page they need."""
         due = self._grow_at.pop(self.step, [])
@@ -262,9 +387,9 @@ class SpeculativeRunningBatch(RunningBatch):
         req.computed_tokens = req.kv_at_join + emitted[steps]
         req.num_output = req.out_at_join + emitted[steps]
         self.context_tokens -= req.computed_tokens
-        times, base = self.step_end_s, self._times_base
-        for j in range(steps):
-            req.token_times_s.extend([times[join + j - base]] * (emitted[j + 1] - emitted[j]))
+        if steps:
+            times = np.concatenate(self.step_end_s.views(join, join + steps))
+            _add_times(req, [np.repeat(times, np.diff(emitted[: steps + 1]))])
         self._forget(req)
         req.emitted_by_step = None
 

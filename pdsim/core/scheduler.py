@@ -186,6 +186,28 @@ class InstanceScheduler:
         self.waiting.appendleft(victim)
         return True
 
+    def decode_run_steps(self, max_steps: int) -> int:
+        """After a `step` that planned a decode: how many decode steps (at most `max_steps`)
+        could run back to back with each `step` between them doing nothing but the running
+        batch's page growth, if nothing outside the scheduler happens meanwhile. A simulator
+        runs them as one event and settles them with `on_decode_run_done`; the outcome is the
+        same as one by one. 1 when no such run is possible."""
+        if not self._only_decoding():
+            return 1
+        return self.running.quiet_steps(max_steps, self.pool.num_free)
+
+    def _only_decoding(self) -> bool:
+        """Whether a `step` now would plan nothing but the running batch's next decode (what it
+        skips stays skipped while the free pages only shrink)."""
+        return not self.waiting
+
+    def on_decode_run_done(self, end_times_s: list[float]) -> None:
+        """Settle a run of decode steps (`decode_run_steps`) that ended at `end_times_s`."""
+        now = end_times_s[-1]
+        for req in self.running.complete_run(end_times_s):
+            self.running.leave(req)
+            self._finish(req, now)
+
     # ----- results ---------------------------------------------------------------------------
 
     def on_batch_done(self, batch: Batch, result: BatchResult, now: float) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import gc
 import math
+from bisect import bisect_left
+from heapq import heappush
 from contextlib import contextmanager
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from typing import Protocol
 
 import numpy as np
 import simpy
+from simpy.events import NORMAL
 
 from pdsim.core.batch import BatchResult, BatchShape
 from pdsim.core.config import SchedulerConfig
@@ -31,6 +34,7 @@ from pdsim.core.records import RequestRecord
 from pdsim.core.request import Request
 from pdsim.core.router import Router, pick_dp_rank
 from pdsim.core.scheduler import ColocatedScheduler, InstanceScheduler
+from pdsim.core.token_times import TokenTimes
 from pdsim.faults import FaultsConfig
 from pdsim.sim.cost import CostModel
 from pdsim.sim.faults import SimFaults
@@ -38,6 +42,7 @@ from pdsim.sim.network import Link, NetworkModel, SimFabric, SimKVManager
 from pdsim.workload import ClosedLoop
 
 EMPTY = BatchShape()
+MAX_RUN_STEPS = 4096  # decode steps one event may cover (see SimInstance._decode_run)
 
 
 @dataclass(frozen=True)
@@ -92,8 +97,9 @@ class SimResult:
 class SimInstance:
     def __init__(self, env: simpy.Environment, schedulers: Sequence[InstanceScheduler],
                  cost: CostModel, on_done: Callable[[Request], None], wakes_on_arrival: bool,
-                 wakeup_s: float = 0.0):
+                 wakeup_s: float = 0.0, decode_runs: bool = True):
         self.env = env
+        self.decode_runs = decode_runs
         self.wakes_on_arrival = wakes_on_arrival
         self.wakeup_s = wakeup_s
         self.schedulers = list(schedulers)
@@ -107,7 +113,9 @@ class SimInstance:
         self.alive = True
         self.generation = 0  # bumped by kill(): the running process then ends
         self.aborts: list[tuple[str, str]] = []  # (rid, reason), applied before the next step
-        env.process(self._run())
+        self._in_run = False  # inside a run of decode steps that a notify must cut short
+        self._run_horizon = 2  # steps the next run may plan: doubles while runs go uncut
+        self._proc = env.process(self._run())
 
     def kill(self) -> None:
         """Stop at once (fault injection, pdsim/sim/faults.py): a forward in progress is lost."""
@@ -120,7 +128,8 @@ class SimInstance:
         self.alive = True
         self.aborts.clear()
         self._wake, self._timer_at = None, math.inf
-        self.env.process(self._run())
+        self._in_run = False
+        self._proc = self.env.process(self._run())
 
     def post_abort(self, rid: str, reason: str) -> None:
         """Abort `rid` between forwards, as a real worker applies an abort from its inbox."""
@@ -140,6 +149,9 @@ class SimInstance:
     def notify(self) -> None:
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
+        elif self._in_run:
+            self._in_run = False
+            self._proc.interrupt()
 
     def _arm_timer(self, now: float) -> None:
         """Make sure the instance wakes for the earliest queue timeout of its schedulers."""
@@ -184,6 +196,14 @@ class SimInstance:
                 if self.wakeup_s:
                     yield env.timeout(self.wakeup_s)
                 continue
+            if single and self.decode_runs and batches[0].kind == "decode":
+                steps = scheds[0].decode_run_steps(self._run_horizon)
+                if steps > 1:
+                    yield from self._decode_run(scheds[0], batches[0], now, steps)
+                    if gen != self.generation:
+                        return  # killed during the run: the step in progress is lost
+                    self._drain()
+                    continue
             if single:
                 duration = self.cost.step_time_s((batches[0].shape,))
             else:
@@ -202,11 +222,75 @@ class SimInstance:
             self._drain()
 
 
+    def _decode_run(self, sched: InstanceScheduler, batch, now: float, steps: int):
+        """Up to `steps` decode steps of an unchanging batch (`decode_run_steps`) as one event.
+
+        Step times come from the cost model in closed form: the batch keeps its requests and
+        its context grows by one token per request per step; end times add up exactly as one
+        timeout per step would. The run also ends at the first step end at or after the next
+        queue timeout. An outside event (`notify`: KV progress, an arrival, an abort, a kill)
+        cuts it at the end of the step in progress, where a step-by-step driver would first
+        see the change; only the steps that ran are settled, so the records are the same as
+        one event per step (ties of an outside event with a step end at the same float time
+        excepted: here the outside event counts first)."""
+        env, cost, n, gen = self.env, self.cost, batch.shape.decode_reqs, self.generation
+        deadline = sched.next_deadline_s(now)
+        deadline = math.inf if deadline is None else deadline
+        shape = batch.shape
+        ends, durations = [], []
+        t = now
+        for _ in range(steps):
+            d = cost.step_time_s((shape,))
+            t += d
+            ends.append(t)
+            durations.append(d)
+            if t >= deadline:
+                break
+            shape = BatchShape(decode_reqs=n, decode_context_tokens=shape.decode_context_tokens + n)
+        self._in_run = True
+        try:
+            yield _At(env, ends[-1])
+        except simpy.Interrupt:
+            # The step in progress ends at the first end time at or after the interruption;
+            # killed, the steps before it count as done and that one is lost.
+            ends = ends[: bisect_left(ends, env.now) + (self.generation == gen)]
+            if ends and ends[-1] > env.now:
+                yield _At(env, ends[-1])
+        # Plan about twice what ran: an outside event that cuts runs short wastes little.
+        self._run_horizon = min(MAX_RUN_STEPS, max(2, 2 * len(ends)))
+        self._in_run = False
+        for d in durations[: len(ends)]:
+            self.busy_s += d
+            self.decode_req_s += d * n
+        self.steps += len(ends)
+        if self.generation == gen:
+            sched.on_decode_run_done(ends)
+
+
+class _At(simpy.Timeout):
+    """A timeout that fires at the absolute time `at`. SimPy schedules `now + delay`, which
+    cannot always land on a given float (rounding), and a run of steps must end exactly where
+    step-by-step timeouts would; so this pushes onto the event queue as `Environment.schedule`
+    does, with the time itself (SimPy 4 internals: `_queue`, `_eid`)."""
+
+    def __init__(self, env: simpy.Environment, at: float):
+        if at < env.now:
+            raise ValueError(f"cannot schedule at {at!r}, before now ({env.now!r})")
+        self.env = env
+        self.callbacks = []
+        self._value = None
+        self._delay = at - env.now
+        self._ok = True
+        heappush(env._queue, (at, NORMAL, next(env._eid), self))
+
+
 class Simulation:
     """One simulated run of a cluster on a workload."""
 
-    def __init__(self, cluster: ClusterSpec, seed: int, max_duration_s: float = math.inf):
+    def __init__(self, cluster: ClusterSpec, seed: int, max_duration_s: float = math.inf,
+                 decode_runs: bool = True):
         self.cluster = cluster
+        self.decode_runs = decode_runs
         self.env = simpy.Environment()
         self.fabric = SimFabric(self.env, cluster.network)
         self.router_seed = seed
@@ -242,7 +326,7 @@ class Simulation:
             on_done = self._prefill_done if kind == "prefill" else self._request_done
             inst = SimInstance(self.env, scheds, role.cost(), on_done,
                                wakes_on_arrival=kind == "colocated",
-                               wakeup_s=role.wakeup_s)
+                               wakeup_s=role.wakeup_s, decode_runs=self.decode_runs)
             holder.append(inst)
             insts.append(inst)
         self.instances.extend(insts)
@@ -272,7 +356,8 @@ class Simulation:
             self._scheduler_for(pre, room).add_request(preq, now)
             pre.admitted()
         dec = self.serving[d]
-        dreq = Request(rid, n_in, n_out, arrival_s=sent_s, bootstrap_room=room, prefill_instance=p)
+        dreq = Request(rid, n_in, n_out, arrival_s=sent_s, bootstrap_room=room, prefill_instance=p,
+                       token_times_s=TokenTimes())  # compact: views of the step times
         self._scheduler_for(dec, room).add_request(dreq, now)
         dec.admitted()
         if self.faults is not None:
@@ -427,8 +512,11 @@ def _few_gc_passes():
 
 
 def simulate(cluster: ClusterSpec, arrival_s, input_tokens, output_tokens, *, seed: int = 0,
-             max_duration_s: float = math.inf, closed_loop: ClosedLoop | None = None) -> SimResult:
-    return Simulation(cluster, seed, max_duration_s).run(
+             max_duration_s: float = math.inf, closed_loop: ClosedLoop | None = None,
+             decode_runs: bool = True) -> SimResult:
+    """Serve the workload on the cluster. `decode_runs=False` simulates every decode step as
+    its own event (the reference the faster runs of steps must match)."""
+    return Simulation(cluster, seed, max_duration_s, decode_runs).run(
         np.asarray(arrival_s, dtype=float), np.asarray(input_tokens), np.asarray(output_tokens),
         closed_loop,
     )

@@ -1,0 +1,124 @@
+"""The simulator's runs of decode steps (one event for k steps) give exactly the records of one
+event per step: every timestamp and every token time equal, bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdsim.config import parse_experiment
+from pdsim.sim.build import build_cluster
+from pdsim.sim.cluster import SimInstance, simulate
+from pdsim.workload import generate
+
+
+def experiment(mode: str = "disaggregated", **extra) -> dict:
+    cluster = ({"mode": "colocated", "colocated": {"instances": 1}} if mode == "colocated"
+               else {"prefill": {"instances": 1}, "decode": {"instances": 1}})
+    data = {
+        "name": "fast", "seed": 1, "model": "llama-3.1-8b", "hardware": "h100",
+        "cost_model": {"name": "roofline"},
+        "cluster": cluster,
+        "workload": {
+            "num_requests": 150, "seed": 3,
+            "arrival": {"process": "poisson", "rate_rps": 4},
+            "input_len": {"dist": "uniform", "low": 16, "high": 3000},
+            "output_len": {"dist": "uniform", "low": 1, "high": 400},
+        },
+    }
+    data.update(extra)
+    return data
+
+
+def both_ways(data: dict, monkeypatch):
+    """(step-by-step result, runs-of-steps result, decode steps settled by runs)."""
+    cfg = parse_experiment(data)
+    wl = generate(cfg.workload)
+    settled = []
+    original = SimInstance._decode_run
+
+    def counting(self, sched, batch, now, steps):
+        before = self.steps
+        yield from original(self, sched, batch, now, steps)
+        settled.append(self.steps - before)
+
+    monkeypatch.setattr(SimInstance, "_decode_run", counting)
+    results = [simulate(build_cluster(cfg), wl.arrival_s, wl.input_tokens, wl.output_tokens,
+                        seed=cfg.seed, max_duration_s=cfg.max_duration_s,
+                        closed_loop=wl.closed_loop, decode_runs=runs)
+               for runs in (False, True)]
+    return results[0], results[1], settled
+
+
+def assert_same_records(slow, fast) -> None:
+    assert len(slow.records) == len(fast.records)
+    for a, b in zip(slow.records, fast.records):
+        for name in a.__slots__:
+            x, y = getattr(a, name), getattr(b, name)
+            if name == "token_times_s":
+                assert list(x) == list(y), f"request {a.rid}: token times differ"
+            else:
+                assert x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y)), \
+                    f"request {a.rid}: {name} {x!r} != {y!r}"
+    assert slow.sim_time_s == fast.sim_time_s
+    assert [i.steps for i in slow.instances] == [i.steps for i in fast.instances]
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_runs_of_steps_give_the_step_by_step_records(mode, monkeypatch):
+    slow, fast, settled = both_ways(experiment(mode), monkeypatch)
+    assert_same_records(slow, fast)
+    assert all(r.ok for r in fast.records)
+    # The runs did the work: most decode steps were settled many at a time.
+    assert sum(settled) > 0.5 * sum(i.steps for i in fast.instances if i.schedulers[0].running.step)
+    assert max(settled) >= 20
+
+
+def test_a_tight_pool_retracts_the_same_requests(monkeypatch):
+    """Runs stop where the pool cannot give the next step its pages; retraction then happens
+    as step by step (here many times)."""
+    data = experiment("colocated")
+    data["cluster"]["colocated"]["scheduler"] = {"num_pages": 400, "num_reserved_decode_tokens": 0}
+    data["workload"]["arrival"]["rate_rps"] = 20
+    slow, fast, settled = both_ways(data, monkeypatch)
+    assert_same_records(slow, fast)
+    assert any(r.ok for r in fast.records) and settled
+
+
+def test_closed_loop_and_timeouts(monkeypatch):
+    data = experiment(network={"transfer_floor_s": 0.04})
+    data["cluster"]["decode"]["scheduler"] = {"waiting_timeout_s": 0.05}
+    data["workload"]["arrival"] = {"process": "closed", "concurrency": 12, "think_time_s": 0.0}
+    slow, fast, settled = both_ways(data, monkeypatch)
+    assert_same_records(slow, fast)
+    assert settled
+
+
+def test_a_decode_kill_mid_run(monkeypatch):
+    data = experiment(faults={"kill": [{"role": "decode", "instance": 0, "at_s": 9.0,
+                                        "restart_after_s": 2.0}]})
+    slow, fast, _ = both_ways(data, monkeypatch)
+    assert_same_records(slow, fast)
+    assert any(not r.ok for r in fast.records) and any(r.ok for r in fast.records)
+
+
+def test_speculative_decoding_runs_step_by_step(monkeypatch):
+    """A speculative batch emits a varying number of tokens per step: no runs of steps."""
+    data = experiment(speculative={"method": "mtp", "num_draft_tokens": 2,
+                                   "acceptance": {"rates": [0.8, 0.6]}})
+    slow, fast, settled = both_ways(data, monkeypatch)
+    assert_same_records(slow, fast)
+    assert settled == []
+
+
+def test_token_times_are_views_not_floats():
+    cfg = parse_experiment(experiment("colocated"))
+    wl = generate(cfg.workload)
+    result = simulate(build_cluster(cfg), wl.arrival_s, wl.input_tokens, wl.output_tokens)
+    longest = max(result.records, key=lambda r: r.output_tokens)
+    times = longest.token_times_s
+    assert len(times) == longest.output_tokens > 100
+    assert len(times._parts) <= 3  # the first token, then one or two views of the step times
+    assert list(times) == sorted(times) and times[0] == longest.first_token_s
+    assert times[-1] == longest.finish_s and times[-1] == list(times)[-1]
