@@ -50,6 +50,7 @@ def test_a_later_request_computes_only_the_suffix_after_the_cached_prefix():
     d.run()
     assert extends(ex) == [("r0", 0, 19), ("r1", 16, 21)]
     assert (r0.cached_tokens, r1.cached_tokens) == (0, 16)
+    assert r1.to_record("ok").cached_tokens == 16  # into the per-request records
     assert r1.num_output == 3 and not r1.error
     assert s.cache.total_cached_pages == 4 + 1  # the system prompt, and r1's own fifth page
     s.check_pools_full()

@@ -30,6 +30,7 @@ class RequestRecord:
     finish_s: float = NAN
     # Emission time of every delivered token (the first included); ITLs are its differences.
     token_times_s: list[float] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens taken from a prefix cache instead of computed
 
     @property
     def ok(self) -> bool:

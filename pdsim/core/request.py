@@ -113,4 +113,5 @@ class Request:
             first_token_s=self.token_times_s[0] if self.token_times_s else NAN,
             finish_s=self.finish_s,
             token_times_s=self.token_times_s,
+            cached_tokens=self.cached_tokens,
         )
