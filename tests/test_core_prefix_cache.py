@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 
 from core_harness import Driver, FixedExecutor, StubKV
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdsim.core.batch import BatchResult
 from pdsim.core.config import SchedulerConfig
@@ -199,3 +201,68 @@ def test_shared_system_prompts_cut_prefill_tokens_and_ttft():
     assert 0.6 * ideal_cached_tokens(w, 16).sum() < cached <= ideal_cached_tokens(w, 16).sum()
     assert on_tokens < 0.35 * off_tokens
     assert on_ttft < 0.5 * off_ttft
+
+
+def test_pd_decode_side_learns_the_cached_tokens_through_the_metadata():
+    from pdsim.core.decode import DecodeScheduler
+    from pdsim.core.fake_transfer import FakeKVManager, FakeWire
+
+    wire = FakeWire()
+    p = PrefillScheduler(cfg(num_pages=16, max_prefill_tokens=8, chunked_prefill_size=8), FakeKVManager(wire))
+    dec = DecodeScheduler(cfg(num_pages=16, prefix_cache=False), FakeKVManager(wire), instance_id=1)
+    drv = Driver(FixedExecutor(extend_s=1.0, decode_s=0.25), log=False)
+    drv.add_instance("P", p)
+    drv.add_instance("D", dec)
+    decoded = []
+    for k in range(4):
+        tokens = SYSTEM[:8] + [k, k + 1, k + 2]
+        at = 3.0 * k  # one at a time: each finds the previous ones' prefix cached
+        pre = req(f"r{k}", tokens, room=500 + k)
+        d = Request(f"r{k}", len(tokens), 3, arrival_s=at, bootstrap_room=500 + k)
+        drv.submit(at, "P", pre)
+        drv.submit(at, "D", d)
+        decoded.append(d)
+    drv.run()
+    assert [d.cached_tokens for d in decoded] == [0, 8, 8, 8]
+    assert all(d.num_output == 3 and not d.error for d in decoded)
+    assert p.cache.total_cached_pages == 2 and p.pending_tokens == 0
+    p.check_pools_full()
+    dec.check_pools_full()
+
+
+PROMPTS = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20), st.integers(1, 12),
+                             st.floats(0, 20)), min_size=1, max_size=25)
+
+
+@settings(max_examples=40, deadline=None)
+@given(PROMPTS, st.integers(24, 60), st.sampled_from([0, 4, 8, 16]))
+def test_any_mix_of_shared_prompts_finishes_clean(specs, num_pages, chunk):
+    """Prompts = one of four shared prefixes (cut to a random length) + a unique tail. Every
+    request finishes with all its tokens; each one's extends start where its cache hit ended and
+    run contiguously to the end of its fill; nothing leaks."""
+    rng = random.Random(len(specs))
+    prefixes = [[rng.randrange(9) for _ in range(24)] for _ in range(4)]
+    s = ColocatedScheduler(cfg(num_pages=num_pages, max_prefill_tokens=24, chunked_prefill_size=chunk,
+                               num_reserved_decode_tokens=2))
+    ex = FixedExecutor(extend_s=1.0, decode_s=0.25)
+    d = Driver(ex, log=False)
+    d.add_instance("C", s)
+    reqs = []
+    for i, (which, cut, n_out, at) in enumerate(specs):
+        tokens = prefixes[which][:cut] + [100 + i, 200 + i]
+        r = req(f"r{i}", tokens, n_out=n_out)
+        reqs.append(r)
+        d.submit(at, "C", r)
+    d.run()
+    s.check_pools_full()
+    segs: dict[str, list[tuple[int, int]]] = {}
+    for rid, start, end in extends(ex):
+        segs.setdefault(rid, []).append((start, end))
+    for r in reqs:
+        assert r.finished and not r.error and r.num_output == r.max_new_tokens
+        runs = segs[r.rid]
+        assert runs[0][0] == r.cached_tokens < r.input_len
+        for (_, end), (start, _) in zip(runs, runs[1:]):
+            # the next chunk, or a recompute after a retraction from a cached page boundary
+            assert start == end or (start < end and start % PAGE == 0)
+        assert runs[-1][1] >= r.input_len
