@@ -6,8 +6,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from core_harness import Driver, FixedExecutor
 
+from pdsim.core.batch import BatchResult
+from pdsim.core.config import SchedulerConfig
+from pdsim.core.request import Request
 from pdsim.core.router import CacheAwarePolicy, Router, make_policy
+from pdsim.core.scheduler import ColocatedScheduler
+from pdsim.workload import generate
 
 
 def prompt(prefix: str, n_shared: int, tail: str, n_tail: int = 2) -> list[tuple[str, int]]:
@@ -122,3 +128,51 @@ def test_bad_options_name_the_field_and_the_allowed_range():
         policy(balance_rel_threshold=0.5)
     with pytest.raises(ValueError, match=r"'round_robin' does not take options \['cache_threshold'\]"):
         make_policy("round_robin", random.Random(0), cache_threshold=0.5)
+
+
+class TokenTimed(FixedExecutor):
+    def execute(self, batch):
+        self.batches.append(batch)
+        return BatchResult(0.01 + 1e-4 * batch.shape.prefill_tokens if batch.kind == "extend" else 0.02)
+
+
+def serve_routed(workload, policy_name: str, instances: int = 4):
+    """Colocated instances with prefix caches behind a router, on a manual clock; the router
+    sees each instance's active requests (the simulator's serving-side load) at arrival."""
+    config = SchedulerConfig(num_pages=1024, page_size=16, max_prefill_tokens=8192, prefix_cache=True)
+    scheds = [ColocatedScheduler(config, i) for i in range(instances)]
+    drv = Driver(TokenTimed(), log=False)  # extends cost 10 ms + 0.1 ms a token, decode steps 20 ms
+    for i, s in enumerate(scheds):
+        drv.add_instance(str(i), s)
+    router = Router(policy_name, 0, instances, seed=1)
+    reqs = []
+    for i, (t, n_in, n_out) in enumerate(zip(workload.arrival_s.tolist(), workload.input_tokens.tolist(),
+                                             workload.output_tokens.tolist())):
+        drv.run(until_s=t)
+        _, d, _ = router.route(lambda _: 0, lambda k: scheds[k].num_active,
+                               workload.prefix.ids_of(i).tolist())
+        r = Request(str(i), n_in, n_out, arrival_s=t, prefix_keys=workload.prefix.page_keys(i, n_in, 16))
+        reqs.append(r)
+        drv.submit(t, str(d), r)
+    drv.run()
+    for s in scheds:
+        s.check_pools_full()
+    hit = sum(r.cached_tokens for r in reqs) / workload.input_tokens.sum()
+    ttft = sum(r.token_times_s[0] - r.arrival_s for r in reqs) / len(reqs)
+    return hit, ttft
+
+
+def test_cache_aware_routing_beats_round_robin_and_least_loaded_on_hits():
+    """Four instances whose caches hold half the system prompts each: routing by prefix keeps
+    each prompt's conversations where it is cached (measured: hit rate 0.84 vs 0.35 round
+    robin, 0.43 least loaded; mean TTFT 59 ms vs 273 and 201 ms)."""
+    w = generate({"num_requests": 240, "seed": 4, "arrival": {"process": "poisson", "rate_rps": 4.0},
+                  "input_len": {"dist": "lognormal", "mean": 300, "cv": 0.5, "min": 16},
+                  "output_len": {"dist": "fixed", "value": 16},
+                  "prefix": {"system_prompts": 8, "system_prompt_len": 2000, "share": 1.0},
+                  "conversation": {"turns": 3, "think_time_s": 5.0}})
+    results = {name: serve_routed(w, name) for name in ("cache_aware", "round_robin", "least_loaded")}
+    hit = {name: r[0] for name, r in results.items()}
+    assert hit["cache_aware"] > hit["round_robin"] + 0.1
+    assert hit["cache_aware"] > hit["least_loaded"] + 0.1
+    assert results["cache_aware"][1] < results["round_robin"][1]
