@@ -54,6 +54,7 @@ class RoleCapacity:
     max_running_per_rank: int
     prefill_tok_s: float  # best prefill tokens/s of the instance
     decode_step_s: dict[int, float]  # batch per rank -> step time at the smallest context
+    decode_floor_s: float  # a step of one request at the smallest context, other ranks idle
     prefill_alone_s: dict[int, float] = field(default_factory=dict)  # prompt length -> time
 
     @property
@@ -138,16 +139,18 @@ class Prefilter:
         limit = max(1, min(sched.max_running_requests, kv_tokens // ctx))
         decode = {b: cost.step_time_s([BatchShape(decode_reqs=b, decode_context_tokens=b * ctx)] * dp)
                   for b in _geometric(limit)}
+        idle = [BatchShape()] * (dp - 1)
+        floor = cost.step_time_s([BatchShape(decode_reqs=1, decode_context_tokens=ctx)] + idle)
         chunk = sched.chunked_prefill_size
         alone = {}
         for n in np.unique(self.workload.input_tokens):
             n = int(n)
             steps = _chunks(n, chunk) if chunk else [(0, n)]
-            idle = [BatchShape()] * (dp - 1)
             alone[n] = sum(cost.step_time_s([BatchShape(prefill_tokens=k,
                                                         prefill_attn_pairs=extend_attn_pairs(k, c))]
                                             + idle) for c, k in steps)
-        return RoleCapacity(shape, kv_tokens, sched.max_running_requests, prefill, decode, alone)
+        return RoleCapacity(shape, kv_tokens, sched.max_running_requests, prefill, decode, floor,
+                            alone)
 
     def check(self, dep: Deployment) -> Verdict:
         caps = []
@@ -161,7 +164,7 @@ class Prefilter:
         slo = self.plan.slo
         itl_targets = slo.percentile_targets("itl")
         _, _, dcap = serving
-        step = dcap.decode_step_s[1] / self.slack
+        step = dcap.decode_floor_s / self.slack
         for metric in ("itl", "tpot"):  # a request's mean gap is no shorter than its gaps
             for q, bound_s in slo.percentile_targets(metric):
                 if step > bound_s:
