@@ -132,7 +132,8 @@ class PlanConfig(_Spec):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
     seed: int = 0
-    model: str | dict[str, Any] = Field(description="a preset, a file or a mapping (as in an experiment)")
+    model: str | dict[str, Any] = Field(
+        description="a preset, a file or a mapping (as in an experiment)")
     hardware: str | dict[str, Any] = Field(description="a preset, a YAML file or a mapping")
     usd_per_gpu_hour: float | None = Field(
         None, gt=0, description="price of one GPU-hour; default: the hardware preset's")

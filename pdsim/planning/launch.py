@@ -106,8 +106,8 @@ def sglang_commands(dep: Deployment, plan: PlanConfig, gpus_per_node: int) -> La
                 router += ["--decode", url]
             else:
                 router += ["--worker-urls", url] if i == 0 else [url]
-    router += ["--policy", ROUTER_POLICY[plan.router.policy], "--host", "0.0.0.0",
-               "--port", str(plan.launch.router_port)]
+    policy = ROUTER_POLICY.get(plan.router.policy, plan.router.policy)
+    router += ["--policy", policy, "--host", "0.0.0.0", "--port", str(plan.launch.router_port)]
     return LaunchCommands(servers, shlex.join(router))
 
 

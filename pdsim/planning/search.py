@@ -252,7 +252,8 @@ def _simulate(cfg: PlanConfig, deployments: list[Deployment], order: list[int], 
 
     def args(c: int):
         data = deployments[c].experiment_data(cfg, name=f"{cfg.name}_{c}")
-        return c, parse_experiment(data, f"plan {cfg.name}, candidate {deployments[c].label}"), {}, base_dir
+        where = f"plan {cfg.name}, candidate {deployments[c].label}"
+        return c, parse_experiment(data, where), {}, base_dir
 
     def done(c: int, r: PointResult | str, bar: Callable[[], None]) -> None:
         nonlocal cutoff
