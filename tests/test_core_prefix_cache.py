@@ -123,11 +123,12 @@ def test_prefill_sends_cached_pages_and_reports_cached_tokens():
     b = s.step(2.0)
     assert [(g.start, g.end) for g in b.segments] == [(16, 19)]
     assert s.pending_tokens == 3  # the cached 16 are not computed here
+    assert ("init", 5, second.metadata_slot) in kv["p1"].calls  # the decode side gets every page
+    assert kv["p1"].sends() == [(cached_pages, False)]  # sent before the suffix's forward runs
     s.on_batch_done(b, BatchResult(1.0), 3.0)
     assert s.pending_tokens == 0
-    assert ("init", 5, second.metadata_slot) in kv["p1"].calls  # the decode side gets every page
-    sent = [p for pages, _ in kv["p1"].sends() for p in pages]
-    assert sent[:4] == cached_pages and len(sent) == 5
+    assert len(kv["p1"].sends()) == 2 and kv["p1"].sends()[1][1]  # then the last page, last=True
+    assert len(kv["p1"].sends()[1][0]) == 1
     assert kv.metadata.read(second.metadata_slot).cached_tokens == 16
     kv["p1"].state = KVPoll.Success
     s.step(3.0)

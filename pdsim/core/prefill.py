@@ -7,9 +7,10 @@ Queues, in the order a request passes them:
   with the page count and move on. `Failed` aborts; staying in `Bootstrapping` longer than
   `bootstrap_timeout_s` aborts too. Prefill forces `max_new_tokens = 1`.
 - **waiting**: the shared extend planner (token budget per batch, chunked prefill; with a prefix
-  cache, the prompt's cached pages are reused and only the rest is computed). After each
-  chunk its complete pages (cached ones included) are handed to the sender; the last chunk also
-  writes the metadata (first token, logprob, cached tokens, room) and sends the remaining pages.
+  cache, the prompt's cached pages are reused, handed to the sender at once, and only the rest
+  is computed). After each chunk its complete pages are handed to the sender; the last chunk
+  also writes the metadata (first token, logprob, cached tokens, room) and sends the remaining
+  pages.
 - **inflight**: poll the sender; `Success` frees the KV, `Failed` aborts.
 """
 
@@ -136,8 +137,13 @@ class PrefillScheduler(InstanceScheduler):
         return True  # slots were taken when it left the bootstrap queue; pages are per chunk
 
     def _match_prefix(self, req: Request, now: float) -> None:
+        """Also sends the cached prefix's pages at once (SGLang's early send of the cached
+        prefix): their KV moves while the suffix is computed."""
         super()._match_prefix(req, now)
         self.pending_tokens -= req.computed_tokens  # cached: never computed here
+        if req.pages:
+            req.sender.send(req.pages, last=False)
+            req.sent_pages = len(req.pages)
 
     def on_batch_done(self, batch, result, now: float) -> None:
         self.pending_tokens -= batch.shape.prefill_tokens
