@@ -40,6 +40,10 @@ class TokenTimes(Sequence):
     def __len__(self) -> int:
         return self._len
 
+    def parts(self) -> list[float | np.ndarray]:
+        """The single times and arrays the times are made of, in order (do not modify)."""
+        return self._parts
+
     def __iter__(self) -> Iterator[float]:
         for part in self._parts:
             if isinstance(part, float):
