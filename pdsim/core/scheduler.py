@@ -39,6 +39,7 @@ class InstanceScheduler:
         self.metadata_slots: IndexPool | None = None  # PD instances only
         self.done: list[Request] = []
         self.num_active = 0  # requests added and not yet done (the router's load signal)
+        self._decode_now = 0.0
 
     # ----- admission -------------------------------------------------------------------------
 
@@ -151,6 +152,7 @@ class InstanceScheduler:
         running = self.running
         if not running.reqs:
             return None
+        self._decode_now = now  # the time `_retract_one` caches a victim's prompt pages at
         due = running.pages_due()
         pages = self._alloc_pages(len(due)) if due else None
         if pages is not None:  # the common case: one page each, no retraction needed
@@ -162,7 +164,7 @@ class InstanceScheduler:
                 continue  # retracted for an earlier request of this step
             page = self._alloc_pages(1)
             while page is None:
-                if not self._retract_one(now):
+                if not self._retract_one():
                     raise RuntimeError("KV pool exhausted with nothing left to retract")
                 if req not in running.reqs:
                     break  # it was the victim itself
@@ -173,15 +175,15 @@ class InstanceScheduler:
             return None
         return running.plan(now)
 
-    def _retract_one(self, now: float) -> bool:
+    def _retract_one(self) -> bool:
         """Free the KV of the running request with the most tokens left to generate; it goes
         back to the front of the waiting queue and is recomputed (prompt + generated tokens;
-        with a cache, from its cached prompt pages on)."""
+        with a cache, from its cached prompt pages on, cached as used at this decode step)."""
         if not self.running.reqs:
             return False
         victim = max(self.running.reqs, key=lambda r: (r.max_new_tokens - r.out_at_join + r.join_step, r.arrival_s))
         self.running.leave(victim)
-        self._release_pages(victim, now)
+        self._release_pages(victim, self._decode_now)
         victim.computed_tokens = 0
         self.waiting.appendleft(victim)
         return True
