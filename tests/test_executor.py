@@ -89,7 +89,7 @@ def test_greedy_through_the_scheduler_equals_direct_generation(model):
     sched = ColocatedScheduler(cfg)
     retractions = []
     retract = sched._retract_one
-    sched._retract_one = lambda: retractions.append(1) or retract()
+    sched._retract_one = lambda *a: retractions.append(1) or retract(*a)
     reqs = [Request(f"r{i}", 5 + 3 * i, 10, arrival_s=0.0, prompt_ids=prompt(5 + 3 * i, i))
             for i in range(6)]
     drive(sched, executor_for(model, cfg), reqs)

@@ -257,7 +257,7 @@ def test_a_burst_of_concurrent_requests_leaves_the_pools_full(server, client):
 
     def count_retractions():  # runs on the engine thread, between forwards
         retract = engine.sched._retract_one
-        engine.sched._retract_one = lambda: retractions.append(1) or retract()
+        engine.sched._retract_one = lambda *a: retractions.append(1) or retract(*a)
 
     engine.call(count_retractions)
     try:
