@@ -123,8 +123,8 @@ def _ray_session(jobs: int | None, address: str | None):
         yield ray
         return
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
-    if address is None and jobs is not None:
-        options["num_cpus"] = jobs
+    if address is None and jobs is not None and not os.environ.get("RAY_ADDRESS"):
+        options["num_cpus"] = jobs  # only a new local instance takes a CPU count
     try:
         ray.init(address=address, **options)
     except ConnectionError as exc:
