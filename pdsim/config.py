@@ -20,10 +20,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdsim.config_errors import format_validation_error
-from pdsim.core.router import POLICIES
-from pdsim.faults import FaultsConfig
-from pdsim.specs.precision import KV_DTYPE_BYTES, KVDTypeName, kv_format
-
+from pdsim.deployment import (  # noqa: F401  (public here too: pdsim.planning imports them)
+    ClusterConfig,
+    Deployment,
+    NetworkConfig,
+    RoleConfig,
+    RouterConfig,
+    SchedulerKnobs,
+    TransferConfig,
+)
 from pdsim.metrics import SLO, MeasurementWindow
 from pdsim.workload import WorkloadConfig
 
@@ -34,112 +39,6 @@ class ConfigError(ValueError):
 
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SchedulerKnobs(_Spec):
-    """Per-scheduler limits (see pdsim.core.config.SchedulerConfig); the KV pool is sized from
-    the GPU memory left after the weights unless `num_pages` is given."""
-
-    page_size: int = Field(16, ge=1)
-    max_running_requests: int = Field(256, ge=1)
-    max_prefill_tokens: int = Field(16384, ge=1)
-    chunked_prefill_size: int = Field(8192, ge=0)
-    num_reserved_decode_tokens: int = Field(512, ge=0)
-    pre_alloc_size: int = Field(64, ge=0)
-    metadata_slots: int = Field(512, ge=1)
-    bootstrap_timeout_s: float = Field(300.0, gt=0)
-    waiting_timeout_s: float = Field(300.0, gt=0)
-    mem_fraction_static: float = Field(0.88, gt=0, le=1)
-    num_pages: int | None = Field(None, ge=1)
-    wakeup_s: float = Field(0.0, ge=0, description="sim only: an idle scheduler notices new "
-                            "work (a request, a finished transfer) this late")
-
-
-class RoleConfig(_Spec):
-    instances: int = Field(1, ge=1)
-    tp: int = Field(1, ge=1)
-    dp_attention: int = Field(1, ge=1)
-    ep: int = Field(1, ge=1)
-    kv_dtype: KVDTypeName | None = Field(
-        None, description="KV-cache dtype (SGLang's --kv-cache-dtype); default: the "
-        "experiment's kv_dtype_bytes")
-    moe_a2a: Literal["none", "deepep"] = Field(
-        "none", description="deepep: SGLang's --moe-a2a-backend deepep (needs ep = tp > 1 "
-        "and a MoE model)")
-    two_batch_overlap: bool = Field(
-        False, description="SGLang's --enable-two-batch-overlap (needs moe_a2a: deepep)")
-    moe_dense_tp: Literal[1] | None = Field(
-        None, description="SGLang's --moe-dense-tp-size: None = tp; 1 = dense MLP layers "
-        "data-parallel, per GPU on its own tokens (needs dp_attention > 1)")
-    dp_lm_head: bool = Field(
-        False, description="SGLang's --enable-dp-lm-head: LM head and embedding per "
-        "attention-DP rank (needs dp_attention > 1)")
-    scheduler: SchedulerKnobs = SchedulerKnobs()
-
-    @model_validator(mode="after")
-    def _divides(self) -> RoleConfig:
-        from pdsim.sim.cost import check_dp_options, check_moe_a2a
-
-        for name in ("dp_attention", "ep"):
-            if self.tp % getattr(self, name):
-                raise ValueError(f"{name}={getattr(self, name)} must divide tp={self.tp}")
-        check_moe_a2a(self.moe_a2a, self.two_batch_overlap, self.tp, self.ep)
-        check_dp_options(self.moe_dense_tp, self.dp_lm_head, self.dp_attention)
-        return self
-
-    @property
-    def gpus(self) -> int:
-        return self.instances * self.tp
-
-    def kv_bytes(self, default_bytes: float) -> float:
-        """Bytes per KV-cache element: this role's kv_dtype, else the experiment's."""
-        return KV_DTYPE_BYTES[self.kv_dtype] if self.kv_dtype else default_bytes
-
-
-class ClusterConfig(_Spec):
-    mode: Literal["disaggregated", "colocated"] = "disaggregated"
-    prefill: RoleConfig = RoleConfig()
-    decode: RoleConfig = RoleConfig()
-    colocated: RoleConfig = RoleConfig(instances=2)
-
-    @model_validator(mode="after")
-    def _same_page_size(self) -> ClusterConfig:
-        if self.mode == "disaggregated":
-            p, d = self.prefill.scheduler.page_size, self.decode.scheduler.page_size
-            if p != d:
-                raise ValueError(
-                    f"prefill page_size {p} != decode page_size {d}: a decode instance "
-                    "cannot pair with a prefill instance of another page size"
-                )
-        return self
-
-    @property
-    def num_gpus(self) -> int:
-        if self.mode == "colocated":
-            return self.colocated.gpus
-        return self.prefill.gpus + self.decode.gpus
-
-
-class NetworkConfig(_Spec):
-    """The KV path between instances. Bandwidths are GB/s (gigabytes) per GPU. Defaults and
-    their sources: docs/cost_model.md, "Fixed costs and KV transfer"."""
-
-    enabled: bool = True
-    protocol: Literal["rdma", "tcp"] = "rdma"
-    bandwidth_gbps: float | None = Field(None, gt=0, description="line rate; default: the hardware's NIC")
-    line_rate_efficiency: float | None = Field(
-        None, gt=0, le=1, description="share of the line rate a transfer reaches; default by protocol")
-    transfer_floor_s: float | None = Field(
-        None, ge=0, description="fixed time of every KV transfer (one per chunk); default by protocol")
-    message_latency_s: float = Field(50e-6, ge=0)
-    first_contact_s: float = Field(2e-3, ge=0)
-    handshake_s: float = Field(0.58e-3, ge=0, description="per request: the decode side's "
-                               "bootstrap lookup and receiver set-up before it asks for the KV")
-    head_slice_efficiency: float = Field(
-        0.5, gt=0, le=1,
-        description="share of the bandwidth reached when GQA KV moves as head slices because "
-        "prefill and decode attention-TP sizes differ (many small writes)",
-    )
 
 
 class CostModelConfig(_Spec):
@@ -155,20 +54,6 @@ class CostModelConfig(_Spec):
         if name not in cost_model_names():
             raise ValueError(f"unknown cost model {name!r}; allowed: {', '.join(cost_model_names())}")
         return name
-
-
-class RouterConfig(_Spec):
-    policy: str = "round_robin"
-    dp_assignment: Literal["room", "shortest_queue"] = "room"
-    frontend_latency_s: float = Field(6.5e-3, ge=0, description="sim only: tokenizer, HTTP and "
-                                      "router time of a request, both ways, counted in its TTFT")
-
-    @field_validator("policy")
-    @classmethod
-    def _known(cls, policy: str) -> str:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown router policy {policy!r}; allowed: {', '.join(sorted(POLICIES))}")
-        return policy
 
 
 class AcceptanceConfig(_Spec):
@@ -241,21 +126,13 @@ class SpeculativeConfig(_Spec):
         return accept_len_probs(rates)
 
 
-class ExperimentConfig(_Spec):
+class ExperimentConfig(Deployment):
+    """A deployment (pdsim.deployment) and what only the simulator reads: the workload, the
+    cost model, speculative decoding, SLOs, the measurement window and sweeps. Real-only
+    fields of the deployment are accepted and ignored, so a serve config is an experiment too."""
+
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
-    seed: int = 0
-    model: str | dict[str, Any] = Field(
-        "llama-3.1-8b", description="a preset, a file (relative to this YAML's folder first) "
-        "or a mapping of ModelSpec fields, optionally over `base: <preset or file>`")
-    hardware: str | dict[str, Any] = Field(
-        "h100", description="a preset, a YAML file or a mapping of HardwareSpec fields, "
-        "optionally over `base:`")
-    kv_dtype_bytes: float = Field(2, gt=0, description="KV-cache bytes per element of the "
-                                  "roles without their own kv_dtype")
-    cluster: ClusterConfig = ClusterConfig()
-    router: RouterConfig = RouterConfig()
-    network: NetworkConfig = NetworkConfig()
     cost_model: CostModelConfig = CostModelConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     workload: WorkloadConfig
@@ -264,31 +141,7 @@ class ExperimentConfig(_Spec):
     max_duration_s: float = Field(
         3600.0, gt=0, description="simulated seconds after the last arrival before giving up"
     )
-    faults: FaultsConfig = FaultsConfig()
     sweep: dict[str, list[Any]] = {}
-
-    @model_validator(mode="after")
-    def _faults_fit(self) -> ExperimentConfig:
-        c = self.cluster
-        self.faults.check_instances({} if c.mode == "colocated" else
-                                    {"prefill": c.prefill.instances, "decode": c.decode.instances})
-        return self
-
-    @model_validator(mode="after")
-    def _one_kv_dtype_across_pd(self) -> ExperimentConfig:
-        c = self.cluster
-        if c.mode == "colocated":
-            return self
-        p, d = c.prefill, c.decode
-        p_bytes, d_bytes = p.kv_bytes(self.kv_dtype_bytes), d.kv_bytes(self.kv_dtype_bytes)
-        if p_bytes != d_bytes or (p.kv_dtype and d.kv_dtype
-                                    and kv_format(p.kv_dtype) != kv_format(d.kv_dtype)):
-            raise ValueError(
-                f"cluster.prefill.kv_dtype {p.kv_dtype or 'default'} ({p_bytes:g} B) and "
-                f"cluster.decode.kv_dtype {d.kv_dtype or 'default'} ({d_bytes:g} B) differ: the KV "
-                "is copied byte for byte from prefill to decode, so both need one KV dtype"
-            )
-        return self
 
 
 def parse_experiment(data: Any, source: str = "<config>") -> ExperimentConfig:

@@ -1,111 +1,81 @@
 """`pdsim serve` configuration: YAML -> one frozen pydantic model.
 
-Unknown keys are rejected; every error names the file, the field path, the bad value and what is
-allowed. `mode` picks the model: "colocated" (`ServeConfig`: one engine runs prefill and decode)
-or "disaggregated" (`PDServeConfig`: prefill and decode workers behind a router).
+A serve config is an experiment (pdsim.config.ExperimentConfig, built on pdsim.deployment): the
+same file is simulated by `pdsim run` and served by `pdsim serve`. `cluster.mode` picks the
+model: "colocated" (`ServeConfig`: one engine runs prefill and decode and serves the API at
+router.host:router.port) or "disaggregated" (`PDServeConfig`: prefill and decode workers behind
+a router). Serving ignores the simulator-only sections (workload, cost_model, network, slo, ...).
 
-    mode: colocated
-    model: tiny-llama          # a preset (tiny-llama, tiny-mla) or a local HF checkpoint directory
-    seed: 0
-    page_size: 16
-    num_pages: 2048
-    scheduler: {max_running_requests: 64, chunked_prefill_size: 512}
-    host: 127.0.0.1
-    port: 30000                # 0 picks a free port
-
-    mode: disaggregated
-    model: tiny-llama
-    page_size: 16
-    prefill: {instances: 1, tp: 1, num_pages: 2048}
-    decode: {instances: 1, tp: 1, num_pages: 2048}
+    cluster:
+      mode: disaggregated
+      prefill: {instances: 1, tp: 1, scheduler: {num_pages: 1024}}
+      decode: {instances: 1, tp: 1, scheduler: {num_pages: 2048}}
+    model: tiny-llama          # a servable preset (tiny-llama, tiny-mla) or a checkpoint directory
     router: {policy: round_robin, port: 30000}
     transfer: {protocol: tcp, heartbeat_interval_s: 2, heartbeat_timeout_s: 20}
+
+The earlier flat layout (`mode:` and `page_size:` at the top, `prefill: {num_pages: ...}`,
+`transfer.bootstrap_timeout_s`) is still read: `from_serve_layout` rewrites it into this one.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from pdsim.config import ConfigError
+from pdsim.config import ConfigError, ExperimentConfig
 from pdsim.config_errors import format_validation_error
 from pdsim.core.config import SchedulerConfig
-from pdsim.faults import FaultsConfig
+from pdsim.deployment import RoleConfig, servable_presets
+from pdsim.workload import WorkloadConfig
 
-MODEL_PRESETS = ("tiny-llama", "tiny-mla")  # runtime.model.config.PRESETS, without importing torch
-
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+ROLES = ("prefill", "decode")
 
 
-class ServeSchedulerKnobs(_Spec):
-    """The scheduler's limits (see `pdsim.core.config.SchedulerConfig`)."""
+class _ServeBase(ExperimentConfig):
+    """What every serving mode shares; the simulator's sections are optional here."""
 
-    max_running_requests: int = Field(64, ge=1, description="requests in the decode batch at most")
-    max_prefill_tokens: int = Field(4096, ge=1, description="new tokens of one extend batch")
-    chunked_prefill_size: int = Field(512, ge=0, description="prefill chunk; 0 disables chunking")
-    num_reserved_decode_tokens: int = Field(
-        64, ge=0, description="KV tokens set aside per running request when admitting new ones")
+    layout_mode: ClassVar[str] = "colocated"  # the mode of a flat-layout mapping without `mode:`
 
+    name: str = Field("serve", pattern=r"^[A-Za-z0-9_.-]+$")
+    model: str | dict[str, Any] = Field(
+        "tiny-llama", description="a servable preset (tiny-llama, tiny-mla) or a local "
+        "checkpoint directory (sim: as an experiment's model)")
+    workload: WorkloadConfig | None = Field(None, description="sim only")
 
-class SecuritySpec(_Spec):
-    """The cluster secret and the public API key (runtime/security.py; docs/serving.md,
-    "Security"). Neither is ever written out: `model_dump` leaves them out, and the launcher
-    hands the secret to the processes it starts in their environment."""
-
-    cluster_secret: str | None = Field(
-        None, min_length=16, exclude=True, repr=False,
-        description="authenticates internal calls and messages (PDSIM_CLUSTER_SECRET wins); "
-        "`pdsim serve` of a whole deployment generates one when none is given")
-    api_key: str | None = Field(
-        None, min_length=1, exclude=True, repr=False,
-        description="clients of the public API must send `Authorization: Bearer KEY` "
-        "(also PDSIM_API_KEY); none: the API is open")
-    insecure: bool = Field(
-        False, description="a role started alone (--role) may run without a cluster secret")
-
-
-class _ServeBase(_Spec):
-    """What every serving mode shares: the model, its tokenizer and the KV page size."""
-
-    model: str = Field("tiny-llama", description="preset name or local checkpoint directory")
-    served_model_name: str | None = Field(
-        None, description="the name clients send as `model` (default: the preset or the "
-        "directory's name)")
-    tokenizer: str | None = Field(
-        None, description="tokenizer.json (or its directory); default: the checkpoint's own "
-        "tokenizer.json, else the byte-level tokenizer")
-    seed: int = Field(0, description="random weights of a preset, and unseeded sampling")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="weights and KV dtype (default: the model config's)")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    page_size: int = Field(16, ge=1)
-    default_max_tokens: int = Field(
-        256, ge=1, description="max_tokens of a chat request that gives none (completions: 16)")
-    max_records: int = Field(100_000, ge=1, description="finished requests' records kept")
-    max_inflight_requests: int = Field(
-        4096, ge=1, description="requests one server (colocated server, PD worker or router) "
-        "answers at once; more get 503 with Retry-After")
-    security: SecuritySpec = SecuritySpec()
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_layout(cls, data: Any) -> Any:
+        return from_serve_layout(data, cls.layout_mode) if isinstance(data, dict) else data
 
     @field_validator("model")
     @classmethod
-    def _known_model(cls, value: str) -> str:
-        if value in MODEL_PRESETS:
+    def _servable(cls, value: str | dict[str, Any]) -> str:
+        presets = servable_presets()
+        if isinstance(value, str) and value in presets:
             return value
-        path = Path(value).expanduser()
-        if not (path / "config.json").is_file():
-            raise ValueError(f"not a preset and not a directory holding config.json; allowed: "
-                             f"{', '.join(MODEL_PRESETS)} or a local checkpoint directory")
+        if not isinstance(value, str) or not (Path(value).expanduser() / "config.json").is_file():
+            raise ValueError(f"{value!r} is not a servable preset and not a directory holding "
+                             f"config.json; allowed: {', '.join(presets)} or a local checkpoint "
+                             "directory (the simulator's presets have no weights)")
         return value
+
+    @model_validator(mode="after")
+    def _real_parallelism(self) -> _ServeBase:
+        for name, role in self.cluster.roles.items():
+            for knob in ("dp_attention", "ep"):
+                if getattr(role, knob) != 1:
+                    raise ValueError(f"cluster.{name}.{knob}: {getattr(role, knob)}; the real "
+                                     "backend serves 1 only (the simulator models more)")
+        return self
 
     @property
     def is_preset(self) -> bool:
-        return self.model in MODEL_PRESETS
+        return self.model in servable_presets()
 
     @property
     def model_name(self) -> str:
@@ -113,147 +83,68 @@ class _ServeBase(_Spec):
             return self.served_model_name
         return self.model if self.is_preset else Path(self.model).expanduser().resolve().name
 
+    def role(self, name: str) -> RoleConfig:
+        roles = self.cluster.roles
+        if name not in roles:
+            raise ValueError(f"role {name!r}; allowed: {', '.join(roles)}")
+        return roles[name]
+
+    def scheduler_config(self, role: str) -> SchedulerConfig:
+        """The core config of one rank of `role` (the one builder: SchedulerKnobs.build)."""
+        spec = self.role(role)
+        return spec.scheduler.build(spec.num_pages, spec.dp_attention, f"cluster.{role}.scheduler")
+
 
 class ServeConfig(_ServeBase):
-    """Colocated serving: one engine, one OpenAI-compatible server."""
-
-    mode: Literal["colocated"] = "colocated"
-    num_pages: int = Field(2048, ge=1)
-    scheduler: ServeSchedulerKnobs = ServeSchedulerKnobs()
-    host: str = "127.0.0.1"
-    port: int = Field(30000, ge=0, le=65535, description="0 picks a free port")
-    records_path: str | None = Field(None, description="write the records here (.csv/.parquet) "
-                                     "at shutdown")
-    timings_path: str | None = Field(None, description="write the forward timings here "
-                                     "(.csv/.parquet) at shutdown")
-
-    def scheduler_config(self) -> SchedulerConfig:
-        s = self.scheduler
-        return SchedulerConfig(
-            num_pages=self.num_pages, page_size=self.page_size,
-            max_running_requests=s.max_running_requests, max_prefill_tokens=s.max_prefill_tokens,
-            chunked_prefill_size=s.chunked_prefill_size,
-            num_reserved_decode_tokens=s.num_reserved_decode_tokens)
-
-
-# ---- disaggregated -------------------------------------------------------------------------
-
-
-class _RoleSpec(_Spec):
-    """The instances of one role (prefill or decode): each is `tp` rank processes."""
-
-    instances: int = Field(1, ge=1, description="instances of this role")
-    tp: int = Field(1, ge=1, description="tensor-parallel ranks (processes) per instance")
-    num_pages: int = Field(2048, ge=1, description="KV pool pages of each instance")
-    metadata_slots: int = Field(256, ge=1, description="first-token metadata slots")
-    host: str = Field("127.0.0.1", description="the workers' HTTP bind address")
-    port: int = Field(0, ge=0, le=65535, description="HTTP port of instance 0 (instance i: "
-                      "port + i); 0 picks free ports")
-    threads: int | None = Field(None, ge=1, description="torch threads per rank (default: "
-                                "the CPUs divided by tp)")
-    scheduler: ServeSchedulerKnobs | None = Field(
-        None, description="this role's scheduler knobs (default: the top-level ones)")
-
-
-class PrefillSpec(_RoleSpec):
-    bootstrap_port: int = Field(0, ge=0, le=65535, description="bootstrap server port of "
-                                "instance 0 (instance i: + i); 0 picks free ports")
-
-
-class DecodeSpec(_RoleSpec):
-    pre_alloc_size: int = Field(
-        64, ge=0, description="request slots beyond max_running_requests for requests whose KV "
-        "is on its way")
-
-
-class RouterSpec(_Spec):
-    policy: str = Field("round_robin", description="how the router picks a (prefill, decode) pair")
-    host: str = "127.0.0.1"
-    port: int = Field(30000, ge=0, le=65535, description="0 picks a free port")
-    prefill_urls: list[str] = Field(
-        default_factory=list, description="`--role router` alone: the prefill workers' URLs "
-        "(default: prefill.host and ports from prefill.port)")
-    decode_urls: list[str] = Field(default_factory=list, description="likewise for decode")
-
-    @field_validator("policy")
-    @classmethod
-    def _known_policy(cls, value: str) -> str:
-        from pdsim.core.router import POLICIES
-
-        if value not in POLICIES:
-            raise ValueError(f"unknown policy; allowed: {', '.join(sorted(POLICIES))}")
-        return value
-
-
-class TransferSpec(_Spec):
-    """The Mooncake transfer engine, ZMQ and the failure timeouts (DESIGN.md "Failure edges")."""
-
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    device_name: str = Field("", description="RDMA device, e.g. mlx5_0 (rdma only)")
-    host: str = Field("127.0.0.1", description="ZMQ bind address and transfer-engine hostname: "
-                      "this machine's routable IP when the roles span machines")
-    num_workers: int = Field(2, ge=1, description="KV-sending threads per prefill rank")
-    heartbeat_interval_s: float = Field(
-        2.0, ge=0, description="decode -> prefill heartbeats; 0 disables them")
-    heartbeat_timeout_s: float = Field(
-        20.0, gt=0, description="a peer silent this long fails its unfinished requests")
-    bootstrap_timeout_s: float = Field(
-        30.0, gt=0, description="prefill: a request whose decode side never says where to "
-        "write fails after this; decode: the bootstrap-server lookup gives up after this")
-    waiting_timeout_s: float = Field(
-        60.0, gt=0, description="decode: a request whose KV does not arrive fails after this")
-    poll_interval_s: float = Field(
-        0.005, gt=0, description="tp > 1: how often rank 0 re-polls transfers in flight")
+    """Colocated serving: one engine, one OpenAI-compatible server at router.host:router.port."""
 
     @model_validator(mode="after")
-    def _consistent(self) -> TransferSpec:
-        if self.protocol == "rdma" and not self.device_name:
-            raise ValueError("protocol rdma needs a device_name (e.g. mlx5_0)")
-        if self.heartbeat_interval_s and self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed "
-                             f"heartbeat_interval_s ({self.heartbeat_interval_s})")
+    def _one_engine(self) -> ServeConfig:
+        if self.cluster.mode != "colocated":
+            raise ValueError("cluster.mode: a ServeConfig is colocated; use PDServeConfig")
+        if self.cluster.colocated.instances != 1:
+            raise ValueError(f"cluster.colocated.instances: {self.cluster.colocated.instances}; "
+                             "the real backend serves one colocated engine (more: simulator only)")
         return self
 
+    @property
+    def host(self) -> str:
+        return self.router.host
 
-ROLES = ("prefill", "decode")
+    @property
+    def port(self) -> int:
+        return self.router.port
+
+    @property
+    def num_pages(self) -> int:
+        return self.cluster.colocated.num_pages
+
+    def scheduler_config(self, role: str = "colocated") -> SchedulerConfig:
+        return super().scheduler_config(role)
 
 
 class PDServeConfig(_ServeBase):
     """Disaggregated serving: prefill and decode workers (each `tp` rank processes) and a router
     with the OpenAI-compatible API in front."""
 
-    mode: Literal["disaggregated"] = "disaggregated"
-    scheduler: ServeSchedulerKnobs = ServeSchedulerKnobs()
-    prefill: PrefillSpec = PrefillSpec()
-    decode: DecodeSpec = DecodeSpec()
-    router: RouterSpec = RouterSpec()
-    transfer: TransferSpec = TransferSpec()
-    faults: FaultsConfig = Field(FaultsConfig(), description="fault injection (pdsim/faults.py)")
+    layout_mode: ClassVar[str] = "disaggregated"
 
     @model_validator(mode="after")
-    def _faults_fit(self) -> PDServeConfig:
+    def _disaggregated(self) -> PDServeConfig:
         from runtime.faults import check_serving
 
-        self.faults.check_instances({r: self.role(r).instances for r in ROLES})
+        if self.cluster.mode != "disaggregated":
+            raise ValueError("cluster.mode: a PDServeConfig is disaggregated; use ServeConfig")
         check_serving(self.faults)
         return self
 
-    def role(self, name: str) -> PrefillSpec | DecodeSpec:
-        if name not in ROLES:
-            raise ValueError(f"role {name!r}; allowed: {', '.join(ROLES)}")
-        return self.prefill if name == "prefill" else self.decode
+    @property
+    def prefill(self) -> RoleConfig:
+        return self.cluster.prefill
 
-    def scheduler_config(self, role: str) -> SchedulerConfig:
-        spec = self.role(role)
-        s = spec.scheduler or self.scheduler
-        t = self.transfer
-        return SchedulerConfig(
-            num_pages=spec.num_pages, page_size=self.page_size,
-            max_running_requests=s.max_running_requests, max_prefill_tokens=s.max_prefill_tokens,
-            chunked_prefill_size=s.chunked_prefill_size,
-            num_reserved_decode_tokens=s.num_reserved_decode_tokens,
-            pre_alloc_size=self.decode.pre_alloc_size, metadata_slots=spec.metadata_slots,
-            bootstrap_timeout_s=t.bootstrap_timeout_s, waiting_timeout_s=t.waiting_timeout_s)
+    @property
+    def decode(self) -> RoleConfig:
+        return self.cluster.decode
 
     def worker_port(self, role: str, instance: int) -> int:
         """The configured HTTP port of instance `instance` of `role` (0: pick a free one)."""
@@ -268,17 +159,65 @@ class PDServeConfig(_ServeBase):
 MODES = {"colocated": ServeConfig, "disaggregated": PDServeConfig}
 
 
+def _plain(value: Any) -> Any:
+    return value.model_dump() if isinstance(value, BaseModel) else copy.deepcopy(value)
+
+
+def from_serve_layout(data: dict, mode: str = "colocated") -> dict:
+    """The earlier flat serve layout rewritten as a deployment (a mapping with `cluster:` is
+    returned as it is): `mode`, `page_size`, `scheduler`, colocated `num_pages`, `host` and
+    `port` and the roles' `num_pages`, `metadata_slots`, `pre_alloc_size` move into
+    `cluster`; `transfer.bootstrap_timeout_s` (which meant both) becomes the scheduler's
+    bootstrap_timeout_s and transfer.handshake_timeout_s, `waiting_timeout_s` the scheduler's.
+    `mode` is the mode of a mapping that names none."""
+    if "cluster" in data:
+        return data
+    data = {k: _plain(v) for k, v in data.items()}
+    mode = data.pop("mode", mode)
+    knobs = {k: v for k, v in (("page_size", data.pop("page_size", None)),) if v is not None}
+    knobs.update(data.pop("scheduler", None) or {})
+    transfer = data.get("transfer") or {}
+    for key in ("bootstrap_timeout_s", "waiting_timeout_s"):
+        if key in transfer:
+            knobs[key] = transfer[key]
+    if "bootstrap_timeout_s" in transfer:
+        transfer["handshake_timeout_s"] = transfer.pop("bootstrap_timeout_s")
+    transfer.pop("waiting_timeout_s", None)
+    router = data.setdefault("router", {}) or {}
+    data["router"] = router
+    if mode == "colocated":
+        for key in ("host", "port"):
+            if key in data:
+                router[key] = data.pop(key)
+        own = {"num_pages": data.pop("num_pages")} if "num_pages" in data else {}
+        data["cluster"] = {"mode": mode, "colocated": {"instances": 1,
+                                                        "scheduler": {**knobs, **own}}}
+        return data
+    cluster: dict[str, Any] = {"mode": mode}
+    for role in ROLES:
+        spec = data.pop(role, None) or {}
+        role_knobs = {**knobs, **(spec.pop("scheduler", None) or {})}
+        for key in ("num_pages", "metadata_slots", "pre_alloc_size"):
+            if key in spec:
+                role_knobs[key] = spec.pop(key)
+        cluster[role] = {**spec, "scheduler": role_knobs}
+    data["cluster"] = cluster
+    return data
+
+
 def parse_serve_config(data: Any, source: str = "<config>") -> ServeConfig | PDServeConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: a serve config is a mapping of keys, got "
                           f"{type(data).__name__}")
-    mode = data.get("mode", "colocated")
+    data = from_serve_layout(data)
+    cluster = data.get("cluster")
+    mode = cluster.get("mode", "disaggregated") if isinstance(cluster, dict) else "disaggregated"
     model = MODES.get(mode) if isinstance(mode, str) else None
     if model is None:
-        raise ConfigError(f"{source}: invalid serve config\n  mode: unknown mode (got {mode!r}); "
-                          f"allowed: {', '.join(MODES)}")
+        raise ConfigError(f"{source}: invalid serve config\n  cluster.mode: unknown mode (got "
+                          f"{mode!r}); allowed: {', '.join(MODES)}")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -288,9 +227,10 @@ def parse_serve_config(data: Any, source: str = "<config>") -> ServeConfig | PDS
 def load_serve_config(path: str | Path | None = None,
                       **overrides: Any) -> ServeConfig | PDServeConfig:
     """The config in `path` (defaults when None) with the non-None `overrides` applied on top
-    (keys, as the CLI options give them; a dict value is merged into that section)."""
+    (keys, as the CLI options give them: `model`, `security`; `host` and `port` (the API's:
+    router); `prefill`, `decode`, `router` (a dict merged into that section))."""
     source = str(path) if path is not None else "<defaults>"
-    data: dict[str, Any] = {}
+    data: dict[str, Any] = {"cluster": {"mode": "colocated", "colocated": {"instances": 1}}}
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -304,11 +244,16 @@ def load_serve_config(path: str | Path | None = None,
                               f"{type(data).__name__}")
     given = {k: v for k, v in overrides.items() if v is not None}
     if given:
-        data = dict(data)
+        data = from_serve_layout(dict(data))
+        data["cluster"] = dict(data.get("cluster") or {})
         for key, value in given.items():
-            if isinstance(value, dict) and isinstance(data.get(key), dict):
-                data[key] = {**data[key], **value}
+            if key in ("host", "port"):
+                data["router"] = {**(data.get("router") or {}), key: value}
+                continue
+            section, parent = (data["cluster"], key) if key in ROLES else (data, key)
+            if isinstance(value, dict) and isinstance(section.get(parent), dict):
+                section[parent] = {**section[parent], **value}
             else:
-                data[key] = value
+                section[parent] = value
         source += f" with command-line options {sorted(given)}"
     return parse_serve_config(data, source)

@@ -39,8 +39,8 @@ def colocated_outputs(model: str) -> list[list[int]]:
     from runtime.serve_config import ServeConfig
 
     cfg = pd_config(model)
-    colo = ServeConfig(model=model, seed=cfg.seed, page_size=cfg.page_size,
-                       num_pages=cfg.decode.num_pages, scheduler=cfg.scheduler)
+    colo = ServeConfig(model=model, seed=cfg.seed, cluster={
+        "mode": "colocated", "colocated": {"instances": 1, "scheduler": cfg.decode.scheduler}})
     net = load_served_model(colo, "cpu")
     text = load_text_side(colo, net.config.vocab_size)
     executor = ModelExecutor(net, num_pages=colo.num_pages, page_size=colo.page_size,

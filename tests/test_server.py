@@ -435,7 +435,7 @@ def test_serve_config_errors_name_file_field_value_and_allowed(tmp_path):
         load_serve_config(bad)
     text = str(info.value)
     assert "prefill.tp: Input should be greater than or equal to 1 (got 0)" in text
-    assert "num_pages: unknown key (allowed: " in text and "prefill, router" in text
+    assert "num_pages: unknown key (allowed: " in text and "cluster, cost_model" in text
     with pytest.raises(ConfigError, match="model: .*allowed: tiny-llama, tiny-mla"):
         load_serve_config(None, model="no-such-model")
     cfg = load_serve_config(REPO / "experiments" / "real_colocated.yaml", port=0)

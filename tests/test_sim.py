@@ -154,7 +154,7 @@ def test_littles_law_holds_on_the_simulated_system():
 
 
 def test_network_disabled_is_faster_than_a_slow_network():
-    slow = run(experiment(network={"bandwidth_gbps": 0.5}))
+    slow = run(experiment(network={"bandwidth_gb_per_s": 0.5}))
     free = run(experiment(network={"enabled": False}))
     assert free.summary["ttft_p50_s"] < slow.summary["ttft_p50_s"]
     # 1500 tokens × 128 KiB at 0.5 GB/s is ~0.4 s of wire time per request.
@@ -222,7 +222,7 @@ def test_gqa_tp_mismatch_moves_kv_as_slower_head_slices_but_mla_does_not():
                           cluster__prefill={"instances": 1, "tp": 8},
                           cluster__decode={"instances": 1, "tp": decode_tp,
                                            "dp_attention": decode_dp},
-                          network={"bandwidth_gbps": 0.5, "head_slice_efficiency": eff},
+                          network={"bandwidth_gb_per_s": 0.5, "head_slice_efficiency": eff},
                           workload__num_requests=40)
         return run(data).summary["ttft_p50_s"]
 

@@ -6,7 +6,6 @@ from functools import partial
 from pathlib import Path
 
 from pdsim.config import ConfigError, ExperimentConfig, RoleConfig
-from pdsim.core.config import SchedulerConfig
 from pdsim.core.running import Speculation
 from pdsim.sim.cluster import ClusterSpec, RoleSpec
 from pdsim.sim.cost import Parallelism, kv_capacity_tokens, make_cost_model
@@ -47,21 +46,11 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
         raise ConfigError(f"cluster.{name}: {exc}") from None
     if num_pages < 1:
         raise ConfigError(f"cluster.{name}: no room for a single KV page after the weights")
-    sched = SchedulerConfig(
-        num_pages=num_pages,
-        page_size=knobs.page_size,
-        max_running_requests=_per_dp_rank(knobs.max_running_requests, role, name,
-                                          "max_running_requests"),
-        max_prefill_tokens=knobs.max_prefill_tokens,
-        chunked_prefill_size=_per_dp_rank(knobs.chunked_prefill_size, role, name,
-                                          "chunked_prefill_size"),
-        num_reserved_decode_tokens=knobs.num_reserved_decode_tokens,
-        pre_alloc_size=knobs.pre_alloc_size,
-        metadata_slots=knobs.metadata_slots,
-        bootstrap_timeout_s=knobs.bootstrap_timeout_s,
-        waiting_timeout_s=knobs.waiting_timeout_s,
-        speculation=_speculation(cfg),
-    )
+    try:
+        sched = knobs.build(num_pages, role.dp_attention, f"cluster.{name}.scheduler",
+                            _speculation(cfg))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     attn_tp = role.tp // role.dp_attention
     # What a page weighs on the wire: every attention-TP rank of the receiving side needs its
     # own slice (GQA) or its own replica (MLA). A speculating draft's KV and last hidden state
@@ -72,22 +61,9 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
                         * attn_tp for m in kv_models)
     net = cfg.network
     line_rate = net.line_rate_efficiency or PROTOCOLS[net.protocol].line_rate_efficiency
-    nic = (net.bandwidth_gbps or hw.rdma_gbps) * 1e9 * role.tp * line_rate * nic_efficiency
+    nic = (net.bandwidth_gb_per_s or hw.rdma_gbps) * 1e9 * role.tp * line_rate * nic_efficiency
     return RoleSpec(role.instances, role.dp_attention, role.tp, sched, cost, nic, kv_page_bytes,
                     state_bytes_per_request=state_bytes, wakeup_s=knobs.wakeup_s)
-
-
-def _per_dp_rank(value: int, role: RoleConfig, name: str, knob: str) -> int:
-    """An instance-wide SGLang flag split over its attention-DP ranks, as SGLang does with DP
-    attention (`max_running_requests`, `chunked_prefill_size`: each rank gets value // dp)."""
-    if role.dp_attention == 1 or value == 0:
-        return value
-    if value < role.dp_attention:
-        raise ConfigError(
-            f"cluster.{name}.scheduler.{knob}: {value} is per instance and split over "
-            f"dp_attention={role.dp_attention} ranks; give at least {role.dp_attention}"
-        )
-    return value // role.dp_attention
 
 
 def _pool_tokens(model: ModelSpec, hw: HardwareSpec, par: Parallelism, mem_fraction: float,

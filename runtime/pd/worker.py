@@ -103,7 +103,7 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     t = config.transfer
     manager = MooncakeKVManager(args, MooncakeConfig(
         host=t.host, protocol=t.protocol, device_name=t.device_name, num_workers=t.num_workers,
-        bootstrap_timeout_s=t.bootstrap_timeout_s, heartbeat_interval_s=t.heartbeat_interval_s,
+        bootstrap_timeout_s=t.handshake_timeout_s, heartbeat_interval_s=t.heartbeat_interval_s,
         heartbeat_timeout_s=t.heartbeat_timeout_s, key=key))
     manager.prefill.faults = TransferFaults.for_instance(config.faults, spec.role, spec.instance)
     try:

@@ -1,0 +1,414 @@
+"""One deployment, two backends: the config sections `pdsim run` simulates and `pdsim serve` serves.
+
+An experiment (pdsim.config.ExperimentConfig) and a serve config (runtime.serve_config) are both
+a `Deployment` plus what only their backend reads, so one YAML file can be simulated and served.
+Every field says whether a backend ignores it ("sim only", "real only"); docs/experiments.md,
+"One deployment, two backends", lists them.
+
+Scheduler knobs are SGLang's flags with SGLang's defaults and its per-instance meaning, as in
+sglang/python/sglang/srt/server_args.py (v0.4.9-v0.5): `--max-prefill-tokens 16384`,
+`--chunked-prefill-size 8192` (its default on 80-140 GB GPUs), `--num-reserved-decode-tokens 512`,
+`--mem-fraction-static` ~0.88 (derived from the GPU memory there), and
+sglang/srt/disaggregation/mooncake/conn.py: SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT and
+SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s each. Where pdsim's default differs, the field says so.
+`SchedulerKnobs.build` is the one place a core `SchedulerConfig` is made from them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pdsim.core.config import SchedulerConfig
+from pdsim.core.router import POLICIES
+from pdsim.core.running import Speculation
+from pdsim.specs.precision import KV_DTYPE_BYTES, KVDTypeName, kv_format
+from pdsim.faults import FaultsConfig
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _renamed(data: Any, old: dict[str, str], section: str) -> Any:
+    """A clear error for a field that was renamed or moved (`old` maps old name -> new place)."""
+    if isinstance(data, dict):
+        for name, new in old.items():
+            if name in data:
+                raise ValueError(f"{section}.{name} is now {new}")
+    return data
+
+
+# ---- model presets ------------------------------------------------------------------------
+
+
+def servable_presets() -> tuple[str, ...]:
+    """The model presets the real backend can build (random weights): runtime.model.config's.
+    Every one is also a simulator preset (pdsim.specs.models), so the same name serves both."""
+    from runtime.model.config import PRESETS  # torch-free
+
+    return tuple(sorted(PRESETS))
+
+
+def model_presets() -> dict[str, tuple[str, ...]]:
+    """Every model preset -> the backends it works with ("sim", "real")."""
+    from pdsim.specs.models import model_preset_names
+
+    real = set(servable_presets())
+    return {name: ("sim", "real") if name in real else ("sim",) for name in model_preset_names()}
+
+
+# ---- scheduler ----------------------------------------------------------------------------
+
+
+class SchedulerKnobs(_Spec):
+    """One instance's scheduler flags, SGLang's names, defaults and meanings (module docstring).
+
+    Per instance, as SGLang's flags: with attention DP, `max_running_requests` and
+    `chunked_prefill_size` are split over the DP ranks (each gets value // dp_attention);
+    `max_prefill_tokens` and the KV pool are per rank."""
+
+    page_size: int = Field(16, ge=1, description="KV tokens per page (SGLang's default is 1; "
+                           "prefill and decode need the same)")
+    max_running_requests: int = Field(
+        256, ge=1, description="requests in the decode batch at most, per instance (SGLang "
+        "derives it from the pool when not given)")
+    max_prefill_tokens: int = Field(16384, ge=1, description="new tokens of one extend batch, "
+                                    "per DP rank")
+    chunked_prefill_size: int = Field(8192, ge=0, description="prefill chunk, per instance; 0 "
+                                      "disables chunking (SGLang: -1)")
+    num_reserved_decode_tokens: int = Field(
+        512, ge=0, description="KV tokens set aside per running or queued request when "
+        "admitting new ones")
+    pre_alloc_size: int = Field(
+        64, ge=0, description="decode: request slots beyond max_running_requests for requests "
+        "whose KV is on its way")
+    metadata_slots: int = Field(512, ge=1, description="first-token metadata slots of a "
+                                "prefill or decode rank")
+    bootstrap_timeout_s: float = Field(
+        300.0, gt=0, description="prefill: a request whose decode side never says where to "
+        "write its KV fails after this (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
+    waiting_timeout_s: float = Field(
+        300.0, gt=0, description="decode: a request whose KV does not arrive fails after this "
+        "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
+    mem_fraction_static: float = Field(
+        0.88, gt=0, le=1, description="sim only: share of GPU memory for weights and KV pool "
+        "when num_pages is not given")
+    num_pages: int | None = Field(
+        None, ge=1, description="KV pool pages per DP rank. None: the simulator sizes it from "
+        "the GPU memory left after the weights; the real backend uses 2048")
+    wakeup_s: float = Field(0.0, ge=0, description="sim only: an idle scheduler notices new "
+                            "work (a request, a finished transfer) this late")
+
+    def build(self, num_pages: int, dp_attention: int = 1, where: str = "scheduler",
+              speculation: Speculation | None = None) -> SchedulerConfig:
+        """The core config of one DP rank of an instance with `num_pages` pages per rank."""
+        return SchedulerConfig(
+            num_pages=num_pages, page_size=self.page_size,
+            max_running_requests=self._per_dp_rank("max_running_requests", dp_attention, where),
+            max_prefill_tokens=self.max_prefill_tokens,
+            chunked_prefill_size=self._per_dp_rank("chunked_prefill_size", dp_attention, where),
+            num_reserved_decode_tokens=self.num_reserved_decode_tokens,
+            pre_alloc_size=self.pre_alloc_size, metadata_slots=self.metadata_slots,
+            bootstrap_timeout_s=self.bootstrap_timeout_s,
+            waiting_timeout_s=self.waiting_timeout_s, speculation=speculation)
+
+    def _per_dp_rank(self, knob: str, dp: int, where: str) -> int:
+        value = getattr(self, knob)
+        if dp == 1 or value == 0:
+            return value
+        if value < dp:
+            raise ValueError(f"{where}.{knob}: {value} is per instance and split over "
+                             f"dp_attention={dp} ranks; give at least {dp}")
+        return value // dp
+
+
+REAL_NUM_PAGES = 2048  # the real backend's KV pool per rank when scheduler.num_pages is None
+
+
+# ---- roles and cluster --------------------------------------------------------------------
+
+
+class RoleConfig(_Spec):
+    """The instances of one role (prefill, decode or colocated): each is `tp` GPUs (sim) or
+    `tp` rank processes (real)."""
+
+    instances: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    dp_attention: int = Field(1, ge=1, description="sim only so far: attention data-parallel "
+                              "ranks per instance (SGLang's --dp-size with --enable-dp-attention)")
+    ep: int = Field(1, ge=1, description="sim only so far: expert-parallel size")
+    kv_dtype: KVDTypeName | None = Field(
+        None, description="sim only: KV-cache dtype (SGLang's --kv-cache-dtype); default: the "
+        "experiment's kv_dtype_bytes")
+    moe_a2a: Literal["none", "deepep"] = Field(
+        "none", description="sim only: deepep is SGLang's --moe-a2a-backend deepep (needs "
+        "ep = tp > 1 and a MoE model)")
+    two_batch_overlap: bool = Field(
+        False, description="sim only: SGLang's --enable-two-batch-overlap (needs moe_a2a: deepep)")
+    moe_dense_tp: Literal[1] | None = Field(
+        None, description="sim only: SGLang's --moe-dense-tp-size: None = tp; 1 = dense MLP "
+        "layers data-parallel, per GPU on its own tokens (needs dp_attention > 1)")
+    dp_lm_head: bool = Field(
+        False, description="sim only: SGLang's --enable-dp-lm-head: LM head and embedding per "
+        "attention-DP rank (needs dp_attention > 1)")
+    scheduler: SchedulerKnobs = SchedulerKnobs()
+    host: str = Field("127.0.0.1", description="real only: the workers' HTTP bind address")
+    port: int = Field(0, ge=0, le=65535, description="real only: HTTP port of instance 0 "
+                      "(instance i: port + i); 0 picks free ports")
+    bootstrap_port: int = Field(0, ge=0, le=65535, description="real only, prefill: bootstrap "
+                                "server port of instance 0 (instance i: + i); 0 picks free ports")
+    threads: int | None = Field(None, ge=1, description="real only: torch threads per rank "
+                                "(default: the CPUs divided by tp)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        return _renamed(data, {k: f"scheduler.{k}" for k in
+                               ("num_pages", "metadata_slots", "pre_alloc_size")}, "role")
+
+    @model_validator(mode="after")
+    def _divides(self) -> RoleConfig:
+        from pdsim.sim.cost import check_dp_options, check_moe_a2a
+
+        for name in ("dp_attention", "ep"):
+            if self.tp % getattr(self, name):
+                raise ValueError(f"{name}={getattr(self, name)} must divide tp={self.tp}")
+        check_moe_a2a(self.moe_a2a, self.two_batch_overlap, self.tp, self.ep)
+        check_dp_options(self.moe_dense_tp, self.dp_lm_head, self.dp_attention)
+        return self
+
+    @property
+    def gpus(self) -> int:
+        return self.instances * self.tp
+
+    @property
+    def num_pages(self) -> int:
+        """The real backend's KV pool pages per rank."""
+        return self.scheduler.num_pages or REAL_NUM_PAGES
+
+    def kv_bytes(self, default_bytes: float) -> float:
+        """Bytes per KV-cache element: this role's kv_dtype, else the experiment's."""
+        return KV_DTYPE_BYTES[self.kv_dtype] if self.kv_dtype else default_bytes
+
+
+class ClusterConfig(_Spec):
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    prefill: RoleConfig = RoleConfig()
+    decode: RoleConfig = RoleConfig()
+    colocated: RoleConfig = Field(RoleConfig(instances=2), description="mode colocated: "
+                                  "instances that each prefill and decode (real: one)")
+
+    @model_validator(mode="after")
+    def _same_page_size(self) -> ClusterConfig:
+        if self.mode == "disaggregated":
+            p, d = self.prefill.scheduler.page_size, self.decode.scheduler.page_size
+            if p != d:
+                raise ValueError(
+                    f"prefill page_size {p} != decode page_size {d}: a decode instance "
+                    "cannot pair with a prefill instance of another page size"
+                )
+        return self
+
+    @property
+    def roles(self) -> dict[str, RoleConfig]:
+        if self.mode == "colocated":
+            return {"colocated": self.colocated}
+        return {"prefill": self.prefill, "decode": self.decode}
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(r.gpus for r in self.roles.values())
+
+
+# ---- router, network, transfer, security ----------------------------------------------------
+
+
+class RouterConfig(_Spec):
+    """The front: picks a (prefill, decode) pair or a colocated instance; real: serves the
+    OpenAI API at host:port (a colocated deployment's one engine serves it there itself)."""
+
+    policy: str = "round_robin"
+    dp_assignment: Literal["room", "shortest_queue"] = Field(
+        "room", description="sim only: how a request's decode DP rank is picked")
+    frontend_latency_s: float = Field(6.5e-3, ge=0, description="sim only: tokenizer, HTTP and "
+                                      "router time of a request, both ways, counted in its TTFT")
+    host: str = Field("127.0.0.1", description="real only: the API's bind address")
+    port: int = Field(30000, ge=0, le=65535, description="real only: the API's port; 0 picks "
+                      "a free one")
+    prefill_urls: list[str] = Field(
+        default_factory=list, description="real only, `--role router` alone: the prefill "
+        "workers' URLs (default: cluster.prefill.host and ports from cluster.prefill.port)")
+    decode_urls: list[str] = Field(default_factory=list, description="real only: likewise for "
+                                   "decode")
+
+    @field_validator("policy")
+    @classmethod
+    def _known(cls, policy: str) -> str:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown router policy {policy!r}; allowed: {', '.join(sorted(POLICIES))}")
+        return policy
+
+
+class NetworkConfig(_Spec):
+    """Sim only: the modelled KV path between instances. Bandwidths are GB/s (gigabytes) per
+    GPU. Defaults and their sources: docs/cost_model.md, "Fixed costs and KV transfer"."""
+
+    enabled: bool = True
+    protocol: Literal["rdma", "tcp"] = "rdma"
+    bandwidth_gb_per_s: float | None = Field(None, gt=0, description="line rate in GB/s; "
+                                             "default: the hardware's NIC")
+    line_rate_efficiency: float | None = Field(
+        None, gt=0, le=1, description="share of the line rate a transfer reaches; default by protocol")
+    transfer_floor_s: float | None = Field(
+        None, ge=0, description="fixed time of every KV transfer (one per chunk); default by protocol")
+    message_latency_s: float = Field(50e-6, ge=0)
+    first_contact_s: float = Field(2e-3, ge=0)
+    handshake_s: float = Field(0.58e-3, ge=0, description="per request: the decode side's "
+                               "bootstrap lookup and receiver set-up before it asks for the KV")
+    head_slice_efficiency: float = Field(
+        0.5, gt=0, le=1,
+        description="share of the bandwidth reached when GQA KV moves as head slices because "
+        "prefill and decode attention-TP sizes differ (many small writes)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _units(cls, data: Any) -> Any:
+        return _renamed(data, {"bandwidth_gbps": "bandwidth_gb_per_s (GB/s)"}, "network")
+
+
+class TransferConfig(_Spec):
+    """Real only: the Mooncake transfer engine, ZMQ and the peers' liveness (DESIGN.md "Failure
+    edges"). The requests' own timeouts are scheduler knobs (bootstrap_timeout_s,
+    waiting_timeout_s)."""
+
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device_name: str = Field("", description="RDMA device, e.g. mlx5_0 (rdma only)")
+    host: str = Field("127.0.0.1", description="ZMQ bind address and transfer-engine hostname: "
+                      "this machine's routable IP when the roles span machines")
+    num_workers: int = Field(2, ge=1, description="KV-sending threads per prefill rank")
+    heartbeat_interval_s: float = Field(
+        2.0, ge=0, description="decode -> prefill heartbeats; 0 disables them")
+    heartbeat_timeout_s: float = Field(
+        20.0, gt=0, description="a peer silent this long fails its unfinished requests")
+    handshake_timeout_s: float = Field(
+        30.0, gt=0, description="decode: a bootstrap-server lookup gives up after this; "
+        "prefill: a decode side's destination for a request not yet seen is kept this long")
+    poll_interval_s: float = Field(
+        0.005, gt=0, description="tp > 1: how often rank 0 re-polls transfers in flight")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        where = "cluster.<role>.scheduler.{} (a scheduler knob; transfer.handshake_timeout_s is " \
+                "the bootstrap-server lookup's)"
+        return _renamed(data, {k: where.format(k) for k in
+                               ("bootstrap_timeout_s", "waiting_timeout_s")}, "transfer")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TransferConfig:
+        if self.protocol == "rdma" and not self.device_name:
+            raise ValueError("protocol rdma needs a device_name (e.g. mlx5_0)")
+        if self.heartbeat_interval_s and self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed "
+                             f"heartbeat_interval_s ({self.heartbeat_interval_s})")
+        return self
+
+
+class SecurityConfig(_Spec):
+    """Real only: the cluster secret and the public API key (runtime/security.py;
+    docs/serving.md, "Security"). Neither is ever written out: `model_dump` leaves them out,
+    and the launcher hands the secret to the processes it starts in their environment."""
+
+    cluster_secret: str | None = Field(
+        None, min_length=16, exclude=True, repr=False,
+        description="authenticates internal calls and messages (PDSIM_CLUSTER_SECRET wins); "
+        "`pdsim serve` of a whole deployment generates one when none is given")
+    api_key: str | None = Field(
+        None, min_length=1, exclude=True, repr=False,
+        description="clients of the public API must send `Authorization: Bearer KEY` "
+        "(also PDSIM_API_KEY); none: the API is open")
+    insecure: bool = Field(
+        False, description="a role started alone (--role) may run without a cluster secret")
+
+
+# ---- the deployment -----------------------------------------------------------------------
+
+
+class Deployment(_Spec):
+    """What is deployed: model, hardware, roles with their parallelism and scheduler knobs,
+    router, KV path; the sections both `pdsim run` and `pdsim serve` read."""
+
+    seed: int = Field(0, description="sim: every random choice; real: a preset's random "
+                      "weights and unseeded sampling")
+    model: str | dict[str, Any] = Field(
+        "llama-3.1-8b", description="sim: a preset, a file (relative to this YAML's folder "
+        "first) or a mapping of ModelSpec fields, optionally over `base: <preset or file>`; "
+        "real: a servable preset (tiny-llama, tiny-mla) or a local checkpoint directory")
+    hardware: str | dict[str, Any] = Field(
+        "h100", description="sim only: a preset, a YAML file or a mapping of HardwareSpec "
+        "fields, optionally over `base:`")
+    kv_dtype_bytes: float = Field(2, gt=0, description="sim only: KV-cache bytes per element "
+                                  "of the roles without their own kv_dtype")
+    cluster: ClusterConfig = ClusterConfig()
+    router: RouterConfig = RouterConfig()
+    network: NetworkConfig = NetworkConfig()
+    transfer: TransferConfig = TransferConfig()
+    faults: FaultsConfig = Field(FaultsConfig(), description="fault injection (pdsim/faults.py)")
+    security: SecurityConfig = SecurityConfig()
+    # Real only: the served model's weights, text side and HTTP limits.
+    served_model_name: str | None = Field(
+        None, description="real only: the name clients send as `model` (default: the preset "
+        "or the directory's name)")
+    tokenizer: str | None = Field(
+        None, description="real only: tokenizer.json (or its directory); default: the "
+        "checkpoint's own tokenizer.json, else the byte-level tokenizer")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="real only: weights and KV dtype (default: the model config's)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="real only")
+    default_max_tokens: int = Field(
+        256, ge=1, description="real only: max_tokens of a chat request that gives none "
+        "(completions: 16)")
+    max_records: int = Field(100_000, ge=1, description="real only: finished requests' "
+                             "records kept")
+    max_inflight_requests: int = Field(
+        4096, ge=1, description="real only: requests one server (colocated server, PD worker "
+        "or router) answers at once; more get 503 with Retry-After")
+    records_path: str | None = Field(None, description="real only, colocated: write the "
+                                     "records here (.csv/.parquet) at shutdown")
+    timings_path: str | None = Field(None, description="real only, colocated: write the "
+                                     "forward timings here (.csv/.parquet) at shutdown")
+
+    @model_validator(mode="after")
+    def _one_kv_dtype_across_pd(self) -> Deployment:
+        c = self.cluster
+        if c.mode == "colocated":
+            return self
+        p, d = c.prefill, c.decode
+        p_bytes, d_bytes = p.kv_bytes(self.kv_dtype_bytes), d.kv_bytes(self.kv_dtype_bytes)
+        if p_bytes != d_bytes or (p.kv_dtype and d.kv_dtype
+                                    and kv_format(p.kv_dtype) != kv_format(d.kv_dtype)):
+            raise ValueError(
+                f"cluster.prefill.kv_dtype {p.kv_dtype or 'default'} ({p_bytes:g} B) and "
+                f"cluster.decode.kv_dtype {d.kv_dtype or 'default'} ({d_bytes:g} B) differ: the KV "
+                "is copied byte for byte from prefill to decode, so both need one KV dtype"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _faults_fit(self) -> Deployment:
+        c = self.cluster
+        self.faults.check_instances({} if c.mode == "colocated" else
+                                    {"prefill": c.prefill.instances, "decode": c.decode.instances})
+        return self
+
+    @property
+    def mode(self) -> str:
+        return self.cluster.mode
+
+    @property
+    def page_size(self) -> int:
+        """KV tokens per page (one value: prefill and decode must agree)."""
+        return next(iter(self.cluster.roles.values())).scheduler.page_size
