@@ -100,3 +100,98 @@ def test_config_is_frozen():
     cfg = parse_experiment(BASE)
     with pytest.raises(Exception):
         cfg.seed = 3
+
+
+# ---- one deployment, two backends (pdsim/deployment.py) -------------------------------------
+
+REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name,roles", [("real_pd", ("prefill", "decode")),
+                                        ("real_colocated", ("colocated",))])
+def test_one_file_is_simulated_and_served_with_the_same_scheduler(name, roles):
+    """`pdsim run` and `pdsim serve` accept the same YAML, and the simulator's schedulers and
+    the real workers' are built from it alike (SchedulerKnobs.build)."""
+    from runtime.serve_config import load_serve_config
+
+    path = REPO / "experiments" / f"{name}.yaml"
+    exp, _ = load_experiment(path)
+    serve = load_serve_config(path)
+    cluster = build_cluster(exp, str(path.parent))
+    for role in roles:
+        sim_sched = getattr(cluster, role).scheduler
+        assert sim_sched == serve.scheduler_config(role)
+        assert sim_sched.max_prefill_tokens == 4096 and sim_sched.chunked_prefill_size == 512
+    assert serve.model_name == "tiny-llama" and serve.router.port == 30000
+
+
+def test_scheduler_defaults_are_sglangs_in_both_backends():
+    from runtime.serve_config import PDServeConfig
+
+    sim = build_cluster(parse_experiment({**BASE, "cluster": {"decode": {"scheduler": {
+        "num_pages": 100}}}})).decode.scheduler
+    real = PDServeConfig().scheduler_config("decode")
+    for cfg in (sim, real):
+        assert (cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.num_reserved_decode_tokens,
+                cfg.bootstrap_timeout_s, cfg.waiting_timeout_s) == (16384, 8192, 512, 300.0, 300.0)
+    assert (sim.num_pages, real.num_pages) == (100, 2048)
+
+
+def test_per_instance_knobs_split_over_dp_ranks():
+    from pdsim.deployment import SchedulerKnobs
+
+    knobs = SchedulerKnobs(max_running_requests=256, chunked_prefill_size=8192)
+    rank = knobs.build(num_pages=10, dp_attention=8)
+    assert (rank.max_running_requests, rank.chunked_prefill_size) == (32, 1024)
+    assert rank.max_prefill_tokens == 16384  # per rank already
+    with pytest.raises(ValueError, match=r"x\.max_running_requests: 4 is per instance.*dp_attention=8"):
+        SchedulerKnobs(max_running_requests=4).build(10, 8, where="x")
+
+
+def test_renamed_and_moved_fields_name_their_new_place():
+    from runtime.serve_config import parse_serve_config
+
+    with pytest.raises(ConfigError, match="network.bandwidth_gbps is now bandwidth_gb_per_s"):
+        parse_experiment({**BASE, "network": {"bandwidth_gbps": 50}})
+    with pytest.raises(ConfigError, match="role.num_pages is now scheduler.num_pages"):
+        parse_experiment({**BASE, "cluster": {"decode": {"num_pages": 50}}})
+    with pytest.raises(ConfigError, match=r"transfer.bootstrap_timeout_s is now cluster.<role>"
+                                          r".scheduler.bootstrap_timeout_s"):
+        parse_serve_config({"cluster": {"mode": "disaggregated"},
+                            "transfer": {"bootstrap_timeout_s": 5}})
+
+
+def test_flat_serve_layout_still_reads_and_splits_bootstrap_timeout():
+    """The earlier serve layout: its transfer.bootstrap_timeout_s meant both the scheduler's
+    timeout and the bootstrap-server lookup's; it now sets both, under their own names."""
+    from runtime.serve_config import PDServeConfig, parse_serve_config
+
+    cfg = parse_serve_config({"mode": "disaggregated", "page_size": 8,
+                              "scheduler": {"max_running_requests": 8},
+                              "decode": {"num_pages": 64, "pre_alloc_size": 4},
+                              "transfer": {"bootstrap_timeout_s": 7, "waiting_timeout_s": 9}})
+    assert isinstance(cfg, PDServeConfig)
+    decode = cfg.scheduler_config("decode")
+    assert (decode.page_size, decode.num_pages, decode.pre_alloc_size) == (8, 64, 4)
+    assert (decode.bootstrap_timeout_s, decode.waiting_timeout_s) == (7, 9)
+    assert cfg.transfer.handshake_timeout_s == 7
+    assert PDServeConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # as workers get it
+
+
+def test_serving_refuses_what_only_the_simulator_models():
+    from runtime.serve_config import parse_serve_config
+
+    with pytest.raises(ConfigError, match="'llama-3.1-8b' is not a servable preset"):
+        parse_serve_config({"model": "llama-3.1-8b", "cluster": {"mode": "disaggregated"}})
+    with pytest.raises(ConfigError, match="cluster.decode.dp_attention: 2; the real backend"):
+        parse_serve_config({"cluster": {"decode": {"tp": 2, "dp_attention": 2}}})
+    with pytest.raises(ConfigError, match="cluster.colocated.instances: 2"):
+        parse_serve_config({"cluster": {"mode": "colocated"}})
+
+
+def test_one_preset_registry_marks_the_servable_presets():
+    from pdsim.deployment import model_presets
+
+    presets = model_presets()
+    assert presets["tiny-llama"] == presets["tiny-mla"] == ("sim", "real")
+    assert presets["llama-3.1-8b"] == ("sim",)
