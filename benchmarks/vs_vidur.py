@@ -150,17 +150,35 @@ def vidur_command(requests: int, cache: Path) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, nargs="+", default=[10_000, 100_000])
+    ap.add_argument("--vidur-requests", type=int, nargs="*",
+                    help="request counts Vidur runs (default: --requests)")
     ap.add_argument("--skip-vidur", action="store_true")
     ap.add_argument("--pdsim-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.pdsim_child:
         pdsim_child(args.pdsim_child)
         return
-    for n in sorted(args.requests):
-        wall, cpu, peak_mb, out = timed([sys.executable, __file__, "--pdsim-child", str(n)])
-        print(f"pdsim  {n:>7} requests: wall {wall:6.1f} s, CPU {cpu:6.1f} s (whole process), "
-              f"peak RSS {peak_mb:,.0f} MB; "
-              f"{out.strip()}")
+    vidur_counts = [] if args.skip_vidur else (
+        args.requests if args.vidur_requests is None else args.vidur_requests)
+    if vidur_counts and not VIDUR_PY.is_file():
+        raise SystemExit(f"no Vidur environment at {VIDUR_PY}; see this script's docstring, "
+                         "or pass --skip-vidur")
+    cache = prepare_vidur_data() if vidur_counts else None
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    if cache is not None:  # the first run trains Vidur's forests and caches them: not timed
+        timed(vidur_command(10, cache), env)
+    for n in sorted(set(args.requests) | set(vidur_counts)):
+        if n in args.requests:
+            wall, cpu, peak_mb, out = timed([sys.executable, __file__, "--pdsim-child", str(n)])
+            print(f"pdsim {n:>7} requests: wall {wall:6.1f} s, CPU {cpu:6.1f} s, peak RSS "
+                  f"{peak_mb:,.0f} MB; {out.strip()}", flush=True)
+        if n in vidur_counts:
+            v_wall, v_cpu, v_peak, _ = timed(vidur_command(n, cache), env)
+            print(f"vidur {n:>7} requests: wall {v_wall:6.1f} s, CPU {v_cpu:6.1f} s, peak RSS "
+                  f"{v_peak:,.0f} MB", flush=True)
+            if n in args.requests:
+                print(f"  pdsim is {v_wall / wall:.1f}x faster by wall time, "
+                      f"{v_cpu / cpu:.1f}x by CPU time", flush=True)
 
 
 if __name__ == "__main__":

@@ -44,23 +44,30 @@ class StepTimes:
     def __init__(self) -> None:
         self.chunks: dict[int, np.ndarray] = {}
         self.count = 0  # steps recorded
+        self._cur = np.empty(0)  # the chunk being filled...
+        self._free = 0  # ...and how many entries it has left
+
+    def _new_chunk(self) -> None:
+        self._cur = self.chunks[self.count // self.CHUNK] = np.empty(self.CHUNK)
+        self._free = self.CHUNK
 
     def append(self, t: float) -> None:
-        c, i = divmod(self.count, self.CHUNK)
-        if i == 0:
-            self.chunks[c] = np.empty(self.CHUNK)
-        self.chunks[c][i] = t
+        if not self._free:
+            self._new_chunk()
+        self._cur[self.CHUNK - self._free] = t
+        self._free -= 1
         self.count += 1
 
     def extend(self, times: list[float]) -> None:
         done = 0
         while done < len(times):
-            c, i = divmod(self.count, self.CHUNK)
-            if i == 0:
-                self.chunks[c] = np.empty(self.CHUNK)
-            take = min(self.CHUNK - i, len(times) - done)
-            self.chunks[c][i : i + take] = times[done : done + take]
+            if not self._free:
+                self._new_chunk()
+            at = self.CHUNK - self._free
+            take = min(self._free, len(times) - done)
+            self._cur[at : at + take] = times[done : done + take]
             done += take
+            self._free -= take
             self.count += take
 
     def views(self, first: int, stop: int) -> list[np.ndarray]:

@@ -97,9 +97,11 @@ class SimResult:
 class SimInstance:
     def __init__(self, env: simpy.Environment, schedulers: Sequence[InstanceScheduler],
                  cost: CostModel, on_done: Callable[[Request], None], wakes_on_arrival: bool,
-                 wakeup_s: float = 0.0, decode_runs: bool = True):
+                 wakeup_s: float = 0.0, decode_runs: bool = True,
+                 next_arrival_s: Callable[[], float] = lambda: math.inf):
         self.env = env
         self.decode_runs = decode_runs
+        self.next_arrival_s = next_arrival_s  # a known wake-up ahead: runs plan no further
         self.wakes_on_arrival = wakes_on_arrival
         self.wakeup_s = wakeup_s
         self.schedulers = list(schedulers)
@@ -115,6 +117,8 @@ class SimInstance:
         self.aborts: list[tuple[str, str]] = []  # (rid, reason), applied before the next step
         self._in_run = False  # inside a run of decode steps that a notify must cut short
         self._run_horizon = 2  # steps the next run may plan: doubles while runs go uncut
+        self._run_backoff = 0  # steps to run one by one before trying a run again
+        self._backoff_len = 0
         self._proc = env.process(self._run())
 
     def kill(self) -> None:
@@ -197,7 +201,11 @@ class SimInstance:
                     yield env.timeout(self.wakeup_s)
                 continue
             if single and self.decode_runs and batches[0].kind == "decode":
-                steps = scheds[0].decode_run_steps(self._run_horizon)
+                steps = 1
+                if self._run_backoff:
+                    self._run_backoff -= 1
+                else:
+                    steps = scheds[0].decode_run_steps(self._run_horizon)
                 if steps > 1:
                     yield from self._decode_run(scheds[0], batches[0], now, steps)
                     if gen != self.generation:
@@ -228,14 +236,14 @@ class SimInstance:
         Step times come from the cost model in closed form: the batch keeps its requests and
         its context grows by one token per request per step; end times add up exactly as one
         timeout per step would. The run also ends at the first step end at or after the next
-        queue timeout. An outside event (`notify`: KV progress, an arrival, an abort, a kill)
-        cuts it at the end of the step in progress, where a step-by-step driver would first
-        see the change; only the steps that ran are settled, so the records are the same as
-        one event per step (ties of an outside event with a step end at the same float time
-        excepted: here the outside event counts first)."""
+        queue timeout or known arrival. An outside event (`notify`: KV progress, an arrival,
+        an abort, a kill) cuts it at the end of the step in progress, where a step-by-step
+        driver would first see the change; only the steps that ran are settled, so the records
+        are the same as one event per step (ties of an outside event with a step end at the
+        same float time excepted: here the outside event counts first)."""
         env, cost, n, gen = self.env, self.cost, batch.shape.decode_reqs, self.generation
         deadline = sched.next_deadline_s(now)
-        deadline = math.inf if deadline is None else deadline
+        deadline = min(math.inf if deadline is None else deadline, self.next_arrival_s())
         shape = batch.shape
         ends, durations = [], []
         t = now
@@ -257,7 +265,13 @@ class SimInstance:
             if ends and ends[-1] > env.now:
                 yield _At(env, ends[-1])
         # Plan about twice what ran: an outside event that cuts runs short wastes little.
+        # Where outside events come about every step, runs cost more than they save: after
+        # a run cut in its first step, go step by step for a while (longer each time).
         self._run_horizon = min(MAX_RUN_STEPS, max(2, 2 * len(ends)))
+        if len(ends) <= 1:
+            self._backoff_len = self._run_backoff = min(64, 2 * self._backoff_len or 2)
+        else:
+            self._backoff_len = 0
         self._in_run = False
         for d in durations[: len(ends)]:
             self.busy_s += d
@@ -295,6 +309,7 @@ class Simulation:
         self.fabric = SimFabric(self.env, cluster.network)
         self.router_seed = seed
         self.max_duration_s = max_duration_s
+        self.next_arrival_s = math.inf  # when the open-loop source sends next (inf: unknown)
         self.final: dict[str, Request] = {}
         self.prefill_side: dict[str, Request] = {}
         self.instances: list[SimInstance] = []
@@ -326,7 +341,9 @@ class Simulation:
             on_done = self._prefill_done if kind == "prefill" else self._request_done
             inst = SimInstance(self.env, scheds, role.cost(), on_done,
                                wakes_on_arrival=kind == "colocated",
-                               wakeup_s=role.wakeup_s, decode_runs=self.decode_runs)
+                               wakeup_s=role.wakeup_s, decode_runs=self.decode_runs,
+                               next_arrival_s=(lambda: self.next_arrival_s)
+                               if kind == "colocated" else lambda: math.inf)
             holder.append(inst)
             insts.append(inst)
         self.instances.extend(insts)
@@ -456,10 +473,11 @@ class OpenLoop:
         env = sim.env
         delay = sim.cluster.frontend_latency_s
         for i, sent in enumerate(self.arrival_s.tolist()):
-            at = sent + delay
+            at = sim.next_arrival_s = sent + delay
             if at > env.now:
                 yield env.timeout(at - env.now)
             sim.submit(i, sent)
+        sim.next_arrival_s = math.inf
 
     def finished(self) -> None:
         pass
