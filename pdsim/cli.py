@@ -258,10 +258,13 @@ def _serve_disaggregated(cfg, role, instance, port, bootstrap_port, prefill_url,
 def presets() -> None:
     """List the model and hardware presets and their main figures (sources: docs/cost_model.md)."""
     from pdsim.specs.hardware import hardware_preset_names, load_hardware_spec
+    from pdsim.deployment import model_presets
     from pdsim.specs.models import model_preset, model_preset_names
 
     models = Table(title="models (pdsim/specs/models.py)")
-    for column in ("name", "params", "active/token", "attention", "MLP", "weight formats"):
+    backends = model_presets()
+    for column in ("name", "params", "active/token", "attention", "MLP", "weight formats",
+                   "backends"):
         models.add_column(column)
     for name in model_preset_names():
         m = model_preset(name)
@@ -274,7 +277,8 @@ def presets() -> None:
         blocks["head"] = m.precision.lm_head
         formats = ", ".join(f"{block} {dtype}" for block, dtype in blocks.items())
         params, active = m.num_params / 1e9, m.active_params_per_token / 1e9
-        models.add_row(name, f"{params:.4g}B", f"{active:.4g}B", m.attention, mlp, formats)
+        models.add_row(name, f"{params:.4g}B", f"{active:.4g}B", m.attention, mlp, formats,
+                       " + ".join(backends[name]))
     hardware = Table(title="hardware, per GPU, dense peaks (pdsim/specs/hardware.py)")
     for column in ("name", "BF16 TF", "FP8 TF", "FP4 TF", "HBM GB", "HBM GB/s", "NVLink GB/s",
                    "NIC GB/s", "NVLink domain", "$/GPU-h"):

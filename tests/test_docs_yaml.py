@@ -3,7 +3,8 @@
 A block is a plan (it has `max_gpus`, `target_rate_rps` or `search`), a serve config (it has
 `mode` and no `workload`), or an experiment (the rest). A block without `name:` that is one or
 more top-level sections (`workload:`, `faults:`, ...) is checked over a minimal config of its
-page's kind. A block whose first line is `# fragment` is not a config and is skipped.
+page's kind. An experiment whose model is a servable preset must be a serve config too. A
+block whose first line is `# fragment` is not a config and is skipped.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import yaml
 
 from pdsim.config import parse_experiment
+from pdsim.deployment import servable_presets
 from pdsim.planning.config import parse_plan
 from runtime.serve_config import parse_serve_config
 
@@ -77,6 +79,8 @@ def test_yaml_block_validates(where: str, text: str) -> None:
     if sections:
         data = {**copy.deepcopy(MINIMAL[kind]), **data}
     PARSERS[kind](data, where)
+    if kind == "experiment" and data.get("model") in servable_presets():
+        parse_serve_config(data, where)  # a deployment both backends take
 
 
 def test_a_broken_block_fails() -> None:

@@ -392,29 +392,25 @@ _PRESETS: dict[str, dict[str, Any]] = {
         num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8, head_dim=128,
         intermediate_size=29568, vocab_size=152064,
     ),
-    # Small stand-ins for tests and CPU runs (not real checkpoints); the same shapes as the
-    # real backend's presets of these names (runtime/model/config.py).
-    "tiny-llama": dict(
-        num_layers=2, hidden_size=128, num_attention_heads=4, num_kv_heads=2, head_dim=32,
-        intermediate_size=256, vocab_size=512,
-    ),
-    # DeepSeek-V3 in miniature: MLA attention, one dense layer, then MoE layers.
-    "tiny-mla": dict(
-        num_layers=2, hidden_size=128, num_attention_heads=4, num_kv_heads=4, head_dim=48,
-        intermediate_size=256, vocab_size=512, attention="mla", kv_lora_rank=64,
-        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=64,
-        num_experts=4, experts_per_token=2, moe_intermediate_size=64, num_shared_experts=1,
-        first_k_dense_layers=1,
-    ),
 }
 
 
+def _servable() -> dict:
+    """The real backend's presets (tiny-llama, tiny-mla: runtime/model/config.py, torch-free),
+    which the simulator reads through their config.json: one registry for both backends."""
+    from runtime.model.config import PRESETS
+
+    return PRESETS
+
+
 def model_preset_names() -> list[str]:
-    return sorted(_PRESETS)
+    return sorted({*_PRESETS, *_servable()})
 
 
 def model_preset(name: str) -> ModelSpec:
     """The preset called `name`; ValueError listing the presets otherwise."""
+    if name in _servable():
+        return model_spec_from_hf_config(_servable()[name].to_hf_config(), name)
     try:
         fields = _PRESETS[name]
     except KeyError:
@@ -521,7 +517,7 @@ def load_model_spec(
     """
     if isinstance(spec, Mapping):
         return _from_fields(spec, "model", base_dir)
-    if isinstance(spec, str) and spec in _PRESETS:
+    if isinstance(spec, str) and spec in model_preset_names():
         return model_preset(spec)
     path, tried = find_spec_file(spec, base_dir, dirs=True)
     if path is not None and path.is_dir():
