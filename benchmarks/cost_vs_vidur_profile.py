@@ -55,7 +55,7 @@ def ms(row: dict[str, str], op: str) -> float:
 
 def model_for(tp: int, **params: float) -> RooflineCostModel:
     """The roofline on an A100 whose NVLink is free: Vidur prices collectives separately."""
-    no_comm = load_hardware_spec("a100").model_copy(update={"nvlink_gbps": 1e12})
+    no_comm = load_hardware_spec("a100").model_copy(update={"nvlink_gb_per_s": 1e12})
     return RooflineCostModel(ONE_LAYER, no_comm, Parallelism(tp=tp), **NO_STEP_COSTS, **params)
 
 

@@ -66,7 +66,7 @@ def gemm(root: Path) -> None:
             big = (x.m >= 4096) & (x.n >= 4096) & (x.k >= 4096)
             mfu = (2 * x.m * x.n * x.k / t / 1e12 / peak)[big].median()
             small = (x.m <= 8) & (x.n * x.k >= 32e6)
-            bw = (x.n * x.k * WEIGHT_BYTES[dtype] / (t - floor) / 1e9 / hw.hbm_gbps)[small]
+            bw = (x.n * x.k * WEIGHT_BYTES[dtype] / (t - floor) / 1e9 / hw.hbm_gb_per_s)[small]
             print(f"  {system:9s} {dtype:9s} floor {floor * 1e6:4.1f} us  mfu {mfu:.2f}  "
                   f"weight-read bw {bw.median():.2f}")
 
@@ -111,7 +111,7 @@ def decode_attention(root: Path) -> None:
         t = x.latency * 1e-3
         floor = t[(x.batch_size == 1) & (x.step <= 16)].median()
         kv_bytes = x.batch_size * (x.step + 1) * x.num_key_value_heads * x.head_dim * 4
-        rest = (t - floor - kv_bytes / (hw.hbm_gbps * 1e9 * bw_eff)) / x.batch_size
+        rest = (t - floor - kv_bytes / (hw.hbm_gb_per_s * 1e9 * bw_eff)) / x.batch_size
         many = (x.batch_size >= 256) & (x.step <= 255)
         print(f"  {system:9s} floor {floor * 1e6:4.1f} us  per request "
               f"{rest[many].median() * 1e6:.3f} us")
@@ -129,7 +129,7 @@ def moe(root: Path) -> None:
         # Saturated points: every expert of a GPU is hit (tokens * topk >> experts per GPU).
         x = x[x.num_tokens * x.topk >= 8 * x.num_experts]
         expert_bytes = 3 * x.hidden_size * x.inter_size * 1.0  # FP8
-        read_s = x.num_experts / x.moe_ep_size * expert_bytes / (hw.hbm_gbps * 1e9 * bw_eff)
+        read_s = x.num_experts / x.moe_ep_size * expert_bytes / (hw.hbm_gb_per_s * 1e9 * bw_eff)
         floor = x.latency * 1e-3 - read_s
         print(f"  {system:9s} floor {floor.median() * 1e6:5.1f} us "
               f"(p25 {floor.quantile(0.25) * 1e6:.1f}, p75 {floor.quantile(0.75) * 1e6:.1f})")
@@ -155,7 +155,7 @@ def deepep(root: Path) -> None:
                 ep = 8 * int(nodes)
                 mode = "normal" if normal else "low_latency"
                 link = "rdma" if ep > hw.gpus_per_node else "nvlink"
-                link_gbps = hw.rdma_gbps if link == "rdma" else hw.nvlink_gbps
+                link_gbps = hw.rdma_gb_per_s if link == "rdma" else hw.nvlink_gb_per_s
                 for op in ("dispatch", "combine"):
                     col = f"{op}_transmit_us" if normal else f"{op}_avg_t_us"
                     y = x[col].to_numpy() * 1e-6

@@ -287,7 +287,7 @@ def presets() -> None:
         h = load_hardware_spec(name)
         hardware.add_row(*(f"{v:g}" if isinstance(v, (int, float)) else "-" if v is None else v
                            for v in (name, h.bf16_tflops, h.fp8_tflops, h.fp4_tflops, h.hbm_gib,
-                                     h.hbm_gbps, h.nvlink_gbps, h.rdma_gbps, h.gpus_per_node,
+                                     h.hbm_gb_per_s, h.nvlink_gb_per_s, h.rdma_gb_per_s, h.gpus_per_node,
                                      h.usd_per_gpu_hour)))
     console.print(models)
     console.print(hardware)

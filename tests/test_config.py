@@ -195,3 +195,11 @@ def test_one_preset_registry_marks_the_servable_presets():
     presets = model_presets()
     assert presets["tiny-llama"] == presets["tiny-mla"] == ("sim", "real")
     assert presets["llama-3.1-8b"] == ("sim",)
+
+
+def test_bandwidths_are_named_in_gigabytes_per_second():
+    from pdsim.specs.hardware import load_hardware_spec
+
+    assert load_hardware_spec("h100").rdma_gb_per_s == 50  # 400 Gb/s NIC
+    with pytest.raises(ValueError, match="rdma_gbps is now rdma_gb_per_s"):
+        load_hardware_spec({"base": "h100", "rdma_gbps": 25})

@@ -131,7 +131,7 @@ def test_small_decode_is_weight_bandwidth_bound() -> None:
     cost = roofline(**NO_OVERHEADS)
     # Every weight is read once per step except the embedding table (a lookup).
     read = LLAMA_8B.weight_bytes - LLAMA_8B.embedding_params * LLAMA_8B.weight_dtype_bytes
-    weights_s = read / (H100.hbm_gbps * 1e9 * cost.params.bw_efficiency)
+    weights_s = read / (H100.hbm_gb_per_s * 1e9 * cost.params.bw_efficiency)
     t1 = cost.step_time_s([decode(1, 512)])
     assert t1 == pytest.approx(weights_s, rel=0.03)
     # Eight times the requests cost almost nothing more: the weights are read once.
@@ -148,7 +148,7 @@ def test_small_decode_is_weight_bandwidth_bound() -> None:
 
 def test_decode_kv_reads_are_bandwidth_priced() -> None:
     cost = roofline()
-    rate = H100.hbm_gbps * 1e9 * cost.params.bw_efficiency
+    rate = H100.hbm_gb_per_s * 1e9 * cost.params.bw_efficiency
     extra_tokens = 64 * 8192
     grown = cost.step_time_s([decode(64, 8192 + 1024)]) - cost.step_time_s([decode(64, 1024)])
     assert grown == pytest.approx(extra_tokens * LLAMA_8B.kv_bytes_per_token() / rate, rel=0.01)
@@ -161,7 +161,7 @@ def test_tp2_speeds_up_a_big_prefill() -> None:
 
 
 def test_all_reduce_only_with_tp() -> None:
-    fast_link = H100.model_copy(update={"nvlink_gbps": 1e9})
+    fast_link = H100.model_copy(update={"nvlink_gb_per_s": 1e9})
     shape = [prefill(4096)]
     assert roofline(tp=1).step_time_s(shape) == roofline(hardware=fast_link).step_time_s(shape)
     assert roofline(tp=4).step_time_s(shape) > roofline(hardware=fast_link, tp=4).step_time_s(shape)
@@ -192,7 +192,7 @@ def test_speculative_query_tokens_are_gemm_rows_and_attention_queries() -> None:
     shape = BatchShape(decode_reqs=8, decode_context_tokens=8 * 4096, decode_query_len=4)
     one = BatchShape(decode_reqs=8, decode_context_tokens=8 * 4096)
     kv_layer = LLAMA_8B.kv_bytes_per_token() / LLAMA_8B.num_layers
-    rate = H100.hbm_gbps * 1e9 * cost.params.bw_efficiency
+    rate = H100.hbm_gb_per_s * 1e9 * cost.params.bw_efficiency
     assert cost.attention_kernels_s(shape) - cost.attention_kernels_s(one) == pytest.approx(
         8 * 3 * kv_layer / rate, rel=1e-9)
     # MLA's absorbed decode attention over all 128 heads (DP attention) is compute-bound: 3
@@ -355,7 +355,7 @@ def test_low_latency_mode_for_decode_and_normal_mode_for_prefill() -> None:
 
 def test_two_batch_overlap_hides_communication_but_never_beats_its_parts() -> None:
     free_links = dict(deepep_ll_latency_s=0.0, deepep_rdma_latency_s=0.0)
-    fast = H200.model_copy(update={"nvlink_gbps": 1e9, "rdma_gbps": 1e9})
+    fast = H200.model_copy(update={"nvlink_gb_per_s": 1e9, "rdma_gb_per_s": 1e9})
     for ep, batch in ((8, 4), (16, 128), (32, 256), (72, 256)):
         shapes = [decode(batch, 2048)] * ep
         plain = deepep(ep).step_time_s(shapes)
@@ -442,7 +442,7 @@ def test_w4a16_reads_half_a_byte_and_computes_in_bf16() -> None:
     # One-request decode reads the weights: int4 blocks at 0.5 + 1/64 B, the LM head in BF16.
     blocks = LLAMA_8B.num_layers * (LLAMA_8B.attn_params_per_layer + LLAMA_8B.dense_mlp_params)
     saved_bytes = blocks * (2 - DTYPES["w4a16"].weight_bytes)
-    rate = H100.hbm_gbps * 1e9 * RooflineParams().bw_efficiency
+    rate = H100.hbm_gb_per_s * 1e9 * RooflineParams().bw_efficiency
     small = [decode(1, 512)]
     saved = roofline(**NO_OVERHEADS).step_time_s(small) - roofline(
         w4, **NO_OVERHEADS).step_time_s(small)
@@ -543,7 +543,7 @@ def test_dense_mlp_data_parallel_has_no_collective_and_prices_one_gpus_tokens() 
         deepep(72, dense_tp=1).step_breakdown_s([decode(100, 1000)] * 72)["dense_mlp"])
     p = RooflineParams()
     inter, h = DSV3.intermediate_size, DSV3.hidden_size
-    mem = H200.hbm_gbps * 1e9 * p.bw_efficiency
+    mem = H200.hbm_gb_per_s * 1e9 * p.bw_efficiency
     one_layer = 2 * p.gemm_floor_s + 100 * 3 * inter * 2 / mem + max(
         2 * 100 * DSV3.dense_mlp_params / (H200.fp8_tflops * 1e12 * p.fp8_gemm_mfu),
         (DSV3.dense_mlp_params + 100 * (2 * h + 3 * inter) * 2) / mem)
@@ -559,7 +559,7 @@ def test_collectives_beyond_one_node_run_at_the_nic_rate() -> None:
     two_nodes = deepep(16).step_breakdown_s(shapes)["dense_comm"]
     one_domain = deepep(16, H200.model_copy(update={"gpus_per_node": 16})).step_breakdown_s(
         shapes)["dense_comm"]
-    per_layer = p.allreduce_latency_s + ring_bytes / (H200.rdma_gbps * 1e9 * p.comm_efficiency)
+    per_layer = p.allreduce_latency_s + ring_bytes / (H200.rdma_gb_per_s * 1e9 * p.comm_efficiency)
     assert two_nodes == pytest.approx(DSV3.num_dense_layers * per_layer)
     assert one_domain < two_nodes / 5
 

@@ -124,7 +124,7 @@ def test_auto_is_silicon_where_tables_exist_and_roofline_elsewhere():
     assert resolve_cost_model("auto", h100) == "silicon"
     assert resolve_cost_model("auto", h20) == "roofline"
     inline = load_hardware_spec({"name": "my-gpu", "bf16_tflops": 100, "hbm_gib": 24,
-                                 "hbm_gbps": 900, "nvlink_gbps": 32, "rdma_gbps": 12.5})
+                                 "hbm_gb_per_s": 900, "nvlink_gb_per_s": 32, "rdma_gb_per_s": 12.5})
     assert resolve_cost_model("auto", inline) == "roofline"
     model = load_model_spec("tiny-llama")
     assert type(make_cost_model("auto", model, h100, Parallelism())).__name__ == (

@@ -254,13 +254,13 @@ def test_hardware_presets_load_and_cite_sources() -> None:
         assert hw.usd_per_gpu_hour is None or 0.2 < hw.usd_per_gpu_hour < 20
     # Same Hopper die, more and faster memory.
     h100, h200 = load_hardware_spec("h100"), load_hardware_spec("h200")
-    assert h200.bf16_tflops == h100.bf16_tflops and h200.hbm_gbps > h100.hbm_gbps
+    assert h200.bf16_tflops == h100.bf16_tflops and h200.hbm_gb_per_s > h100.hbm_gb_per_s
 
 
 def test_new_hardware_presets_match_their_datasheets() -> None:
     hw = {name: load_hardware_spec(name) for name in HARDWARE_PRESETS}
     # H800: the H100's compute with NVLink cut to 400 GB/s both ways.
-    assert hw["h800"].bf16_tflops == hw["h100"].bf16_tflops and hw["h800"].nvlink_gbps == 200
+    assert hw["h800"].bf16_tflops == hw["h100"].bf16_tflops and hw["h800"].nvlink_gb_per_s == 200
     # H20 in two memory sizes, the same compute.
     assert (hw["h20"].hbm_gib, hw["h20-141g"].hbm_gib) == (96, 141)
     assert hw["h20-141g"].fp8_tflops == hw["h20"].fp8_tflops
@@ -286,14 +286,14 @@ def test_unknown_hardware_lists_presets() -> None:
 def test_hardware_from_yaml_and_dict(tmp_path) -> None:
     path = tmp_path / "l40s.yaml"
     path.write_text(
-        "bf16_tflops: 362\nhbm_gib: 48\nhbm_gbps: 864\nnvlink_gbps: 32\nrdma_gbps: 25\n"
+        "bf16_tflops: 362\nhbm_gib: 48\nhbm_gb_per_s: 864\nnvlink_gb_per_s: 32\nrdma_gb_per_s: 25\n"
         "source: my notes\n"
     )
     hw = load_hardware_spec(path)
     assert isinstance(hw, HardwareSpec) and hw.name == "l40s" and hw.fp8_tflops is None
     assert load_hardware_spec(hw.model_dump()) == hw
-    path.write_text("bf16_tflops: -1\nhbm_gib: 48\nhbm_gbps: 864\nnvlink_gbps: 32\n"
-                    "rdma_gbps: 25\nclock_mhz: 2000\n")
+    path.write_text("bf16_tflops: -1\nhbm_gib: 48\nhbm_gb_per_s: 864\nnvlink_gb_per_s: 32\n"
+                    "rdma_gb_per_s: 25\nclock_mhz: 2000\n")
     with pytest.raises(ValueError) as err:
         load_hardware_spec(path)
     message = str(err.value)

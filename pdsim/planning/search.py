@@ -221,7 +221,7 @@ def _bottleneck(cfg: PlanConfig, dep: Deployment, r: PointResult, filt: Prefilte
     kv_batch = (n * shape.dp_attention * min(cap.max_running_per_rank,
                                              cap.kv_tokens_per_rank / mean_ctx)
                 if isinstance(cap, RoleCapacity) else 0.0)
-    nic = n * shape.tp * hw.rdma_gbps * 1e9
+    nic = n * shape.tp * hw.rdma_gb_per_s * 1e9
     ttft = cfg.slo.percentile_targets("ttft")
     decode = [(m, q, v) for m in ("itl", "tpot") for q, v in cfg.slo.percentile_targets(m)]
     return find_bottleneck(r.summary, r.requests, ttft_target_s=ttft[-1][1] if ttft else None,

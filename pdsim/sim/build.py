@@ -61,7 +61,7 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
                         * attn_tp for m in kv_models)
     net = cfg.network
     line_rate = net.line_rate_efficiency or PROTOCOLS[net.protocol].line_rate_efficiency
-    nic = (net.bandwidth_gb_per_s or hw.rdma_gbps) * 1e9 * role.tp * line_rate * nic_efficiency
+    nic = (net.bandwidth_gb_per_s or hw.rdma_gb_per_s) * 1e9 * role.tp * line_rate * nic_efficiency
     return RoleSpec(role.instances, role.dp_attention, role.tp, sched, cost, nic, kv_page_bytes,
                     state_bytes_per_request=state_bytes, wakeup_s=knobs.wakeup_s)
 

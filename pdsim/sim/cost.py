@@ -222,7 +222,7 @@ def gemm_terms(n: float, k: int, dtype: str, hardware: HardwareSpec, p: Roofline
     its floor + max(FLOPs / achieved rate, (weights + activations) / memory rate)."""
     return GemmTerms(p.gemm_floor_s, 2.0 * n * k / _block_rate(block, dtype, hardware, p),
                      n * k * DTYPES[dtype].weight_bytes, (n + k) * ACT_BYTES,
-                     hardware.hbm_gbps * 1e9 * p.bw_efficiency)
+                     hardware.hbm_gb_per_s * 1e9 * p.bw_efficiency)
 
 
 def gemm_time_s(rows: float, n: float, k: int, dtype: str, hardware: HardwareSpec,
@@ -268,7 +268,7 @@ class RooflineCostModel:
         h, nh = model.hidden_size, model.num_attention_heads
         prec = model.precision
         heads = nh / attn_tp  # query heads on one GPU
-        mem_rate = hardware.hbm_gbps * 1e9 * p.bw_efficiency
+        mem_rate = hardware.hbm_gb_per_s * 1e9 * p.bw_efficiency
         self._mem_rate = mem_rate
         self._layers = model.num_layers
 
@@ -383,7 +383,7 @@ class RooflineCostModel:
         # replaces the MLP collective of MoE layers. A group larger than one node's NVLink
         # domain is bound by the RDMA NICs.
         def link(gpus: int) -> float:
-            gbps = hardware.nvlink_gbps if gpus <= hardware.gpus_per_node else hardware.rdma_gbps
+            gbps = hardware.nvlink_gb_per_s if gpus <= hardware.gpus_per_node else hardware.rdma_gb_per_s
             return gbps * 1e9 * p.comm_efficiency
 
         self._attn_ar_s_tok = 2 * (attn_tp - 1) / attn_tp * h * ACT_BYTES / link(attn_tp)
@@ -405,10 +405,10 @@ class RooflineCostModel:
         one = deepep_traffic(1.0, m.hidden_size, m.experts_per_token, self.parallel.ep,
                              hw.gpus_per_node, mode)
         ll = mode == "low_latency"
-        nvlink = hw.nvlink_gbps * 1e9 * (
+        nvlink = hw.nvlink_gb_per_s * 1e9 * (
             p.deepep_ll_nvlink_efficiency if ll else p.deepep_normal_nvlink_efficiency
         )
-        rdma = hw.rdma_gbps * 1e9 * p.deepep_rdma_efficiency
+        rdma = hw.rdma_gb_per_s * 1e9 * p.deepep_rdma_efficiency
         latency = p.deepep_ll_latency_s if ll else p.deepep_normal_latency_s
         if one.dispatch.rdma_bytes > 0:
             latency += p.deepep_rdma_latency_s

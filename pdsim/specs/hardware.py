@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdsim.specs.sources import find_spec_file, merge_fields, not_found, validate_fields
 
@@ -25,9 +25,9 @@ class HardwareSpec(BaseModel):
     fp8_tflops: dense FP8 peak, None where the GPU has no FP8 tensor cores.
     fp4_tflops: dense FP4 (NVFP4/MXFP4) peak, None before Blackwell.
     hbm_gib: memory capacity (the datasheet's figure; the driver keeps ~1 % of it).
-    hbm_gbps: peak memory bandwidth.
-    nvlink_gbps: NVLink bandwidth per GPU, one direction (PCIe cards: their PCIe link).
-    rdma_gbps: per-GPU NIC bandwidth typical of the platform (400 Gb/s = 50 GB/s).
+    hbm_gb_per_s: peak memory bandwidth (GB/s: gigabytes, as every *_gb_per_s).
+    nvlink_gb_per_s: NVLink bandwidth per GPU, one direction (PCIe cards: their PCIe link).
+    rdma_gb_per_s: per-GPU NIC bandwidth typical of the platform (400 Gb/s = 50 GB/s).
     gpus_per_node: GPUs in one NVLink domain (8 in an HGX board, 72 in a GB200 NVL72 rack);
         traffic between GPUs of one domain takes NVLink, beyond it RDMA.
     usd_per_gpu_hour: a rental price for one GPU-hour, None where no public list price was
@@ -41,13 +41,22 @@ class HardwareSpec(BaseModel):
     fp8_tflops: float | None = Field(default=None, gt=0)
     fp4_tflops: float | None = Field(default=None, gt=0)
     hbm_gib: float = Field(gt=0)
-    hbm_gbps: float = Field(gt=0)
-    nvlink_gbps: float = Field(gt=0)
-    rdma_gbps: float = Field(gt=0)
+    hbm_gb_per_s: float = Field(gt=0)
+    nvlink_gb_per_s: float = Field(gt=0)
+    rdma_gb_per_s: float = Field(gt=0)
     gpus_per_node: int = Field(default=8, ge=1)
     usd_per_gpu_hour: float | None = Field(default=None, gt=0)
     source: str = ""
     price_source: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _units(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for part in ("hbm", "nvlink", "rdma"):
+                if f"{part}_gbps" in data:
+                    raise ValueError(f"{part}_gbps is now {part}_gb_per_s (GB/s, gigabytes)")
+        return data
 
     @property
     def hbm_bytes(self) -> int:
@@ -58,8 +67,8 @@ _NO_PRICE = "no public on-demand list price in USD found; set usd_per_gpu_hour"
 
 _PRESETS: dict[str, dict[str, Any]] = {
     "a100": dict(
-        bf16_tflops=312, fp8_tflops=None, hbm_gib=80, hbm_gbps=2039, nvlink_gbps=300,
-        rdma_gbps=25, usd_per_gpu_hour=1.30,
+        bf16_tflops=312, fp8_tflops=None, hbm_gib=80, hbm_gb_per_s=2039, nvlink_gb_per_s=300,
+        rdma_gb_per_s=25, usd_per_gpu_hour=1.30,
         source=(
             "NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column: BF16 312 TFLOPS dense "
             "(624 with sparsity), 80GB HBM2e, 2,039 GB/s, NVLink 600 GB/s (both directions); "
@@ -71,8 +80,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         ),
     ),
     "a10": dict(
-        bf16_tflops=125, fp8_tflops=None, hbm_gib=24, hbm_gbps=600, nvlink_gbps=32,
-        rdma_gbps=3.125, usd_per_gpu_hour=0.86,
+        bf16_tflops=125, fp8_tflops=None, hbm_gib=24, hbm_gb_per_s=600, nvlink_gb_per_s=32,
+        rdma_gb_per_s=3.125, usd_per_gpu_hour=0.86,
         source=(
             "NVIDIA A10 Tensor Core GPU datasheet: BF16 125 TFLOPS dense (250 with sparsity), "
             "no FP8, 24GB GDDR6, 600 GB/s, no NVLink: PCIe Gen4 x16 64 GB/s (both directions) "
@@ -81,8 +90,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source="Lambda on-demand 1x A10 instance, $0.86/h (list price seen 2026-05-07)",
     ),
     "l40s": dict(
-        bf16_tflops=362, fp8_tflops=733, hbm_gib=48, hbm_gbps=864, nvlink_gbps=32,
-        rdma_gbps=50, usd_per_gpu_hour=1.95,
+        bf16_tflops=362, fp8_tflops=733, hbm_gib=48, hbm_gb_per_s=864, nvlink_gb_per_s=32,
+        rdma_gb_per_s=50, usd_per_gpu_hour=1.95,
         source=(
             "NVIDIA L40S datasheet: BF16 362 TFLOPS and FP8 733 TFLOPS dense (733 / 1,466 "
             "with sparsity), 48GB GDDR6, 864 GB/s, no NVLink: PCIe Gen4 x16 64 GB/s (both "
@@ -92,8 +101,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source="Modal on-demand L40S, $1.9512/h (list price seen 2026-05-07)",
     ),
     "h100": dict(
-        bf16_tflops=989, fp8_tflops=1979, hbm_gib=80, hbm_gbps=3350, nvlink_gbps=450,
-        rdma_gbps=50, usd_per_gpu_hour=2.95,
+        bf16_tflops=989, fp8_tflops=1979, hbm_gib=80, hbm_gb_per_s=3350, nvlink_gb_per_s=450,
+        rdma_gb_per_s=50, usd_per_gpu_hour=2.95,
         source=(
             "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: BF16 1,979 and FP8 3,958 "
             "TFLOPS with sparsity (dense is half), 80GB HBM3, 3.35 TB/s, NVLink 900 GB/s (both "
@@ -105,8 +114,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         ),
     ),
     "h800": dict(
-        bf16_tflops=989, fp8_tflops=1979, hbm_gib=80, hbm_gbps=3350, nvlink_gbps=200,
-        rdma_gbps=50,
+        bf16_tflops=989, fp8_tflops=1979, hbm_gib=80, hbm_gb_per_s=3350, nvlink_gb_per_s=200,
+        rdma_gb_per_s=50,
         source=(
             "NVIDIA H800 SXM (China-market H100): the H100 SXM datasheet's BF16 / FP8 peaks, "
             "80GB HBM3 and 3.35 TB/s, NVLink cut to 400 GB/s (both directions) -> 200 one way; "
@@ -116,8 +125,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source=_NO_PRICE + " (China-market part)",
     ),
     "h200": dict(
-        bf16_tflops=989, fp8_tflops=1979, hbm_gib=141, hbm_gbps=4800, nvlink_gbps=450,
-        rdma_gbps=50, usd_per_gpu_hour=3.50,
+        bf16_tflops=989, fp8_tflops=1979, hbm_gib=141, hbm_gb_per_s=4800, nvlink_gb_per_s=450,
+        rdma_gb_per_s=50, usd_per_gpu_hour=3.50,
         source=(
             "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: BF16 1,979 and FP8 3,958 "
             "TFLOPS with sparsity (dense is half), 141GB HBM3e, 4.8 TB/s, NVLink 900 GB/s "
@@ -129,8 +138,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         ),
     ),
     "h20": dict(
-        bf16_tflops=148, fp8_tflops=296, hbm_gib=96, hbm_gbps=4000, nvlink_gbps=450,
-        rdma_gbps=50,
+        bf16_tflops=148, fp8_tflops=296, hbm_gib=96, hbm_gb_per_s=4000, nvlink_gb_per_s=450,
+        rdma_gb_per_s=50,
         source=(
             "NVIDIA HGX H20 product brief (China market, as widely republished): BF16 148 "
             "TFLOPS and FP8 296 TFLOPS dense, 96GB HBM3, 4.0 TB/s, NVLink 900 GB/s (both "
@@ -139,8 +148,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source=_NO_PRICE + " (China-market part)",
     ),
     "h20-141g": dict(
-        bf16_tflops=148, fp8_tflops=296, hbm_gib=141, hbm_gbps=4800, nvlink_gbps=450,
-        rdma_gbps=50,
+        bf16_tflops=148, fp8_tflops=296, hbm_gib=141, hbm_gb_per_s=4800, nvlink_gb_per_s=450,
+        rdma_gb_per_s=50,
         source=(
             "NVIDIA H20 141GB (the 2024 HBM3e refresh of the HGX H20 product brief, as widely "
             "republished): the H20's BF16 148 / FP8 296 TFLOPS dense, 141GB HBM3e at 4.8 "
@@ -149,8 +158,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source=_NO_PRICE + " (China-market part)",
     ),
     "b200": dict(
-        bf16_tflops=2250, fp8_tflops=4500, fp4_tflops=9000, hbm_gib=180, hbm_gbps=8000,
-        nvlink_gbps=900, rdma_gbps=50, usd_per_gpu_hour=6.03,
+        bf16_tflops=2250, fp8_tflops=4500, fp4_tflops=9000, hbm_gib=180, hbm_gb_per_s=8000,
+        nvlink_gb_per_s=900, rdma_gb_per_s=50, usd_per_gpu_hour=6.03,
         source=(
             "NVIDIA HGX B200 / DGX B200 datasheets, per GPU (8-GPU totals / 8): BF16 36, FP8 "
             "72 and FP4 144 PFLOPS with sparsity -> 2.25 / 4.5 / 9 PFLOPS dense, 1,440GB "
@@ -160,8 +169,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source="Spheron on-demand B200 SXM, $6.03/h (published 2026-03-17)",
     ),
     "b300": dict(
-        bf16_tflops=2250, fp8_tflops=4500, fp4_tflops=13500, hbm_gib=288, hbm_gbps=8000,
-        nvlink_gbps=900, rdma_gbps=100,
+        bf16_tflops=2250, fp8_tflops=4500, fp4_tflops=13500, hbm_gib=288, hbm_gb_per_s=8000,
+        nvlink_gb_per_s=900, rdma_gb_per_s=100,
         source=(
             "NVIDIA HGX B300 datasheet, per GPU (8-GPU totals / 8): FP4 144 PFLOPS with "
             "sparsity / 108 dense -> 13.5 PFLOPS dense, FP8 72 and BF16 36 PFLOPS with "
@@ -171,8 +180,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source=_NO_PRICE,
     ),
     "gb200": dict(
-        bf16_tflops=2500, fp8_tflops=5000, fp4_tflops=10000, hbm_gib=186, hbm_gbps=8000,
-        nvlink_gbps=900, rdma_gbps=50, gpus_per_node=72, usd_per_gpu_hour=4.54,
+        bf16_tflops=2500, fp8_tflops=5000, fp4_tflops=10000, hbm_gib=186, hbm_gb_per_s=8000,
+        nvlink_gb_per_s=900, rdma_gb_per_s=50, gpus_per_node=72, usd_per_gpu_hour=4.54,
         source=(
             "NVIDIA GB200 NVL72 datasheet, per GPU (72-GPU rack totals / 72): FP4 1,440, FP8 "
             "720 and BF16 360 PFLOPS with sparsity -> 10 / 5 / 2.5 PFLOPS dense, 13.4TB "
@@ -184,8 +193,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         ),
     ),
     "gb300": dict(
-        bf16_tflops=2500, fp8_tflops=5000, fp4_tflops=15000, hbm_gib=288, hbm_gbps=8000,
-        nvlink_gbps=900, rdma_gbps=100, gpus_per_node=72,
+        bf16_tflops=2500, fp8_tflops=5000, fp4_tflops=15000, hbm_gib=288, hbm_gb_per_s=8000,
+        nvlink_gb_per_s=900, rdma_gb_per_s=100, gpus_per_node=72,
         source=(
             "NVIDIA GB300 NVL72 datasheet, per GPU (72-GPU rack totals / 72): FP4 1,080 PFLOPS "
             "dense -> 15, FP8 720 and BF16 360 PFLOPS with sparsity -> 5 / 2.5 dense, 288GB "

@@ -372,7 +372,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
                                     + shared))
 
     lm = [ops.gemm(model.vocab_size // (attn_tp if par.dp_lm_head else tp), h, prec.lm_head)]
-    mem = hw.hbm_gbps * 1e9 * p.bw_efficiency
+    mem = hw.hbm_gb_per_s * 1e9 * p.bw_efficiency
     return _Plan(
         layers=model.num_layers,
         dense_layers=model.num_dense_layers,

@@ -71,7 +71,7 @@ class OpTables:
         self.system, self.framework, self.hw = system, framework, hardware
         self.version = (tables.current_version(system, framework)
                         if version == "current" else version)
-        self.mem_rate = hardware.hbm_gbps * 1e9
+        self.mem_rate = hardware.hbm_gb_per_s * 1e9
 
     # ----- files -------------------------------------------------------------------------------
 
@@ -351,8 +351,8 @@ class OpTables:
 
     # ----- communication -----------------------------------------------------------------------
 
-    def _link_gbps(self, gpus: int) -> float:
-        return self.hw.nvlink_gbps if gpus <= self.hw.gpus_per_node else self.hw.rdma_gbps
+    def _link_gb_per_s(self, gpus: int) -> float:
+        return self.hw.nvlink_gb_per_s if gpus <= self.hw.gpus_per_node else self.hw.rdma_gb_per_s
 
     def _collective(self, t: pd.DataFrame, gpus: int, hidden: int) -> Curve:
         """A collective's curve over tokens (message = tokens x hidden x 2 bytes) on `gpus`."""
@@ -360,7 +360,7 @@ class OpTables:
                    key=lambda g: (abs(math.log(g / gpus)), -g))
         g = t[t["num_gpus"] == have].groupby("message_size")["latency"].min()
         tok_bytes = hidden * ACT_BYTES
-        link = self._link_gbps(have) * 1e9
+        link = self._link_gb_per_s(have) * 1e9
 
         def ring(n: int, gbps: float) -> Callable:
             return lambda tokens: 10e-6 + 2 * (n - 1) / n * tokens * tok_bytes / gbps
@@ -368,7 +368,7 @@ class OpTables:
         curve = Curve(g.index.to_numpy(float) / tok_bytes, g.to_numpy(float) * 1e-3,
                       ring(have, link))
         if have != gpus:
-            want, got = ring(gpus, self._link_gbps(gpus) * 1e9), ring(have, link)
+            want, got = ring(gpus, self._link_gb_per_s(gpus) * 1e9), ring(have, link)
             curve = curve.scaled(lambda x: want(x) / got(x))
         return curve
 
@@ -437,7 +437,7 @@ class OpTables:
 
         def roofline(h: int, k: int, group: int, domain: int) -> Callable:
             one = deepep_traffic(1.0, h, k, group, domain, mode)
-            nvlink, rdma = self.hw.nvlink_gbps * 1e9, self.hw.rdma_gbps * 1e9
+            nvlink, rdma = self.hw.nvlink_gb_per_s * 1e9, self.hw.rdma_gb_per_s * 1e9
             per_token = sum(max(c.nvlink_bytes / nvlink, c.rdma_bytes / rdma)
                             for c in (one.dispatch, one.combine))
             return lambda tokens: 20e-6 + np.asarray(tokens, float) * per_token
