@@ -81,7 +81,7 @@ def run(
 
 
 @app.command()
-def validate(experiment: Path = typer.Argument(..., help="experiment YAML")) -> None:
+def check(experiment: Path = typer.Argument(..., help="experiment YAML")) -> None:
     """Check an experiment config and list its sweep points without simulating."""
     from pdsim.config import expand_sweep, load_experiment
     from pdsim.sim.build import build_cluster
@@ -97,6 +97,67 @@ def validate(experiment: Path = typer.Argument(..., help="experiment YAML")) -> 
     console.print(f"{experiment}: valid, {len(points)} point(s)")
     for swept, _ in points:
         console.print("  " + (", ".join(f"{k}={v}" for k, v in swept.items()) or "(no sweep)"))
+
+
+@app.command()
+def validate(
+    config: Path = typer.Argument(..., help="a deployment with a workload, e.g. "
+                                  "experiments/validation/pd_1p1d_low.yaml"),
+    calibration: Optional[Path] = typer.Option(
+        None, help="a `pdsim calibrate` file laid over the config before simulating"),
+    tolerance: float = typer.Option(0.15, help="largest relative error of mean TTFT, mean ITL "
+                                    "and output throughput"),
+    tolerance_p90: float = typer.Option(0.25, help="largest relative error of P90 TTFT and ITL"),
+    out: Optional[Path] = typer.Option(None, help="output directory (default "
+                                       "results/validate_<name>)"),
+) -> None:
+    """Serve the deployment for real, replay its workload (exact arrivals and lengths), simulate
+    it, and write the side-by-side table and plots; exit 1 when an error exceeds the tolerance
+    (docs/validation.md)."""
+    from pdsim.validation.compare import Tolerance
+    from pdsim.validation.deployment import ServeError
+    from pdsim.validation.validate import validate as run_validate
+
+    try:
+        result = run_validate(config, calibration=calibration, out_dir=out,
+                              tolerance=Tolerance(mean=tolerance, p90=tolerance_p90))
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    except ServeError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False, markup=False)
+        raise typer.Exit(2) from None
+    print((result.out_dir / "validation.md").read_text())
+    print(f"wrote {result.out_dir}/validation.csv, validation.md, validation.png")
+    if not result.passed:
+        over = ", ".join(result.table.loc[~result.table["within"], "metric"])
+        print(f"outside the tolerance: {over}")
+        raise typer.Exit(1)
+
+
+@app.command()
+def calibrate(
+    config: Path = typer.Argument(..., help="the deployment to calibrate (its model, dtype, "
+                                  "page size, transfer), e.g. experiments/real_pd.yaml"),
+    out: Path = typer.Option(..., "-o", "--out", help="calibration YAML to write; the forward "
+                             "timings go beside it (<name>_timings.csv)"),
+    repeats: int = typer.Option(3, help="timings per batch shape"),
+) -> None:
+    """Measure this machine's forwards over a grid of batch shapes, the KV transfer over
+    message sizes and the HTTP/router front end, and write a calibration file for
+    `pdsim validate --calibration` (docs/validation.md)."""
+    from runtime.calibration import calibrate as run_calibrate
+    from pdsim.validation.deployment import ServeError
+
+    try:
+        path = run_calibrate(config, out, repeats=repeats)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    except ServeError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False, markup=False)
+        raise typer.Exit(2) from None
+    print(f"wrote {path}")
 
 
 @app.command()

@@ -74,8 +74,8 @@ def test_bad_config_exits_2_with_a_clear_message(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
-def test_validate_lists_points(tmp_path):
+def test_check_lists_points(tmp_path):
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY))
-    proc = pdsim("validate", "tiny.yaml", cwd=tmp_path)
+    proc = pdsim("check", "tiny.yaml", cwd=tmp_path)
     assert proc.returncode == 0
     assert "4 point(s)" in proc.stdout

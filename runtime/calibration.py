@@ -1,0 +1,277 @@
+"""`pdsim calibrate`: measure this machine's real backend, component by component, and write a
+calibration file the simulator reads (docs/validation.md, "Calibration").
+
+Three measurements, none of them an end-to-end serving figure:
+
+- **forwards**: the deployment's model (preset weights, dtype, torch threads of a tp-1 rank) run
+  over a grid of batch shapes -- extends of `prefill_tokens` new tokens after `context` cached
+  ones, decodes of `batch` requests at `context` tokens each -- each timed `repeats` times; the
+  rows are the executor's timings table (`ForwardTiming` columns), which the `profiled` cost
+  model fits.
+- **KV transfer**: the Mooncake backend over TCP on loopback (sender `send(last=True)` to the
+  receiver's `Success`, metadata slot and ZMQ status included) for messages of 1..256 pages of
+  this model's KV; a least-squares line gives the per-transfer floor (s) and the bandwidth
+  (GB/s); the receiver's bootstrap lookup and set-up after the first contact is the handshake.
+- **front end**: the deployment served for real (`pdsim serve`), one request at a time;
+  the client's TTFT minus the serving engine's own TTFT (its `/metrics` TTFT sum) is the time
+  of HTTP, tokenizer and, disaggregated, the router, both ways.
+
+The file is a YAML overlay of experiment fields (`cost_model`, `network`, `router`,
+`kv_dtype_bytes`) plus what was measured; `pdsim validate --calibration` lays it over the
+deployment before simulating. The timings table is written beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import statistics
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+PREFILL_TOKENS = (16, 64, 128, 256, 512)
+PREFILL_CONTEXT = (0, 256, 1024)
+DECODE_BATCH = (1, 4, 16, 32, 64)
+DECODE_CONTEXT = (64, 256, 1024)
+TRANSFER_PAGES = (1, 4, 16, 64, 256)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class TransferFit:
+    floor_s: float
+    gb_per_s: float
+    handshake_s: float
+    rows: list[tuple[int, float]]  # (bytes, seconds), best of the repeats per size
+
+
+def _threads(config) -> int:
+    """torch threads of a tp-1 rank as the workers set them (RoleConfig.threads or all CPUs)."""
+    roles = config.cluster.roles.values()
+    given = [r.threads for r in roles if getattr(r, "threads", None)]
+    return given[0] if given else max(1, os.cpu_count() or 1)
+
+
+def profile_forwards(config, *, repeats: int = 3, prefill_tokens: Sequence[int] = PREFILL_TOKENS,
+                     prefill_context: Sequence[int] = PREFILL_CONTEXT,
+                     decode_batch: Sequence[int] = DECODE_BATCH,
+                     decode_context: Sequence[int] = DECODE_CONTEXT):
+    """The executor's timings table over the grid (module docstring), as a DataFrame."""
+    import pandas as pd
+    import torch
+
+    from runtime.executor import TIMING_COLUMNS
+    from runtime.model import AttentionMetadata
+    from runtime.model.kv_cache import PagedKVCache
+    from runtime.model.loading import load_served_model
+
+    torch.set_num_threads(_threads(config))
+    model = load_served_model(config, "cpu")
+    mcfg = model.config
+    page = config.page_size
+    longest = max(max(prefill_tokens) + max(prefill_context), max(decode_context) + 1)
+    pages_per_req = -(-longest // page)
+    most = max(max(decode_batch), 1)
+    kv = PagedKVCache.for_model(mcfg, num_pages=pages_per_req * most, page_size=page,
+                                dtype=getattr(torch, config.dtype) if config.dtype else None)
+    tables = [list(range(i * pages_per_req, (i + 1) * pages_per_req)) for i in range(most)]
+    rng = np.random.default_rng(0)
+
+    def forward(qlens: list[int], cached: list[int]) -> float:
+        ids = torch.as_tensor(rng.integers(1, 256, sum(qlens)), dtype=torch.int64)
+        meta = AttentionMetadata.build(qlens, cached, tables[: len(qlens)], page)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model(ids, meta.positions(), meta, kv).argmax(-1).tolist()  # one row per segment
+        return time.perf_counter() - start
+
+    forward([32], [0])  # lazy initialisation, untimed
+    rows = []
+    for n in prefill_tokens:
+        for c in prefill_context:
+            pairs = n * c + n * (n + 1) / 2
+            for _ in range(repeats):
+                rows.append(("extend", n, pairs, 0, 0, forward([n], [c])))
+    for b in decode_batch:
+        for c in decode_context:
+            for _ in range(repeats):
+                rows.append(("decode", 0, 0.0, b, b * (c + 1), forward([1] * b, [c] * b)))
+    return pd.DataFrame(rows, columns=list(TIMING_COLUMNS))
+
+
+def profile_transfer(config, *, repeats: int = 5,
+                     pages: Sequence[int] = TRANSFER_PAGES) -> TransferFit:
+    """The Mooncake backend over TCP on loopback for this model's KV pages (module docstring)."""
+    import torch
+
+    from pdsim.core.kvpoll import KVPoll
+    from pdsim.core.request import Request
+    from pdsim.core.transfer import FirstTokenMetadata
+    from runtime.model.kv_cache import PagedKVCache
+    from runtime.model.loading import model_config_of
+    from runtime.transfer.bootstrap_server import BootstrapServer
+    from runtime.transfer.layout import KVArgs
+    from runtime.transfer.metadata import MetadataBuffer
+    from runtime.transfer.mooncake import MooncakeConfig, MooncakeKVManager
+
+    mcfg = model_config_of(config)
+    most = max(pages)
+    dtype = getattr(torch, config.dtype) if config.dtype else None
+
+    def side() -> KVArgs:
+        cache = PagedKVCache.for_model(mcfg, num_pages=most, page_size=config.page_size,
+                                       dtype=dtype)
+        return KVArgs.for_cache(cache, MetadataBuffer.allocate(4),
+                                total_kv_heads=mcfg.num_kv_heads)
+
+    src, dst = side(), side()
+    page_bytes = sum(src.kv_item_lens)
+    mc = MooncakeConfig(heartbeat_interval_s=0)
+    server = BootstrapServer().start()
+    prefill, decode = MooncakeKVManager(src, mc), MooncakeKVManager(dst, mc)
+    prefill.register_with_bootstrap("127.0.0.1", server.port)
+    best: dict[int, float] = {}
+    handshakes: list[float] = []
+    room = 0
+
+    def wait(poll, state: KVPoll) -> KVPoll:
+        while (got := poll()) is state:
+            time.sleep(0.0002)
+        return got
+
+    try:
+        for n in [pages[0], *pages]:  # the first round connects the engines: not timed
+            for _ in range(repeats):
+                room += 1
+                req = Request(rid=str(room), input_len=1, max_new_tokens=1,
+                              bootstrap_host="127.0.0.1", bootstrap_port=server.port,
+                              bootstrap_room=room)
+                t0 = time.perf_counter()
+                receiver = decode.create_receiver(req)
+                sender = prefill.create_sender(req)
+                wait(receiver.poll, KVPoll.Bootstrapping)
+                looked_up = time.perf_counter() - t0
+                order = list(range(n))
+                receiver.send_metadata(order, metadata_slot=0)
+                wait(sender.poll, KVPoll.Bootstrapping)
+                sender.init(n, metadata_slot=0)
+                prefill.metadata.write(0, FirstTokenMetadata(room, 1, 0.0, 0))
+                t0 = time.perf_counter()
+                sender.send(order, last=True)
+                while (state := receiver.poll()) not in (KVPoll.Success, KVPoll.Failed):
+                    time.sleep(0.0002)
+                elapsed = time.perf_counter() - t0
+                if state is KVPoll.Failed:
+                    raise RuntimeError(f"calibration transfer failed: {receiver.failure_reason()}")
+                if room > repeats:
+                    best[n] = min(best.get(n, float("inf")), elapsed)
+                    handshakes.append(looked_up)
+                sender.close()
+                receiver.close()
+    finally:
+        prefill.close()
+        decode.close()
+        server.stop()
+    nbytes = np.array([n * page_bytes for n in best], dtype=float)
+    seconds = np.array(list(best.values()))
+    slope, floor = np.polyfit(nbytes, seconds, 1)
+    return TransferFit(floor_s=max(float(floor), 0.0),
+                       gb_per_s=float(1e-9 / slope) if slope > 0 else float("inf"),
+                       handshake_s=statistics.median(handshakes),
+                       rows=[(int(b), float(s)) for b, s in zip(nbytes, seconds)])
+
+
+def _ttft_totals(url: str, headers: dict) -> tuple[float, float]:
+    """(sum, count) of the engine's TTFT histogram from its Prometheus `/metrics`."""
+    request = urllib.request.Request(url + "/metrics", headers=headers)
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        text = resp.read().decode()
+    got = {}
+    for name in ("sum", "count"):
+        m = re.search(rf"^pdsim_time_to_first_token_seconds_{name}(?:{{[^}}]*}})? (\S+)$", text,
+                      re.MULTILINE)
+        if m is None:
+            raise RuntimeError(f"{url}/metrics has no pdsim_time_to_first_token_seconds_{name}")
+        got[name] = float(m.group(1))
+    return got["sum"], got["count"]
+
+
+def measure_frontend(config_path: str | Path, config, *, requests: int = 20) -> float:
+    """Mean client TTFT minus the serving engine's mean TTFT over `requests` sequential
+    16-token requests of one output token, after two for warm-up (module docstring)."""
+    from pdsim.validation.deployment import RealDeployment
+    from pdsim.validation.replay import replay
+    from runtime.security import ClusterKey, new_secret
+
+    secret = new_secret()
+    headers = ClusterKey.from_secret(secret).headers()
+    with RealDeployment(config_path, secret=secret) as real:
+        engine = real.url if config.mode == "colocated" else real.workers[("decode", 0)]
+        model = config.model_name
+        ones = [1, 1]
+        replay(real.url, model, [0.0, 0.0], [16, 16], ones)
+        sum0, count0 = _ttft_totals(engine, headers)
+        client = []
+        for i in range(requests):  # one at a time: nothing queues
+            (rec,) = replay(real.url, model, [0.0], [16], [1], seed=i)
+            if not rec.ok:
+                raise RuntimeError(f"calibration request failed: {rec.error}")
+            client.append(rec.ttft_s)
+        sum1, count1 = _ttft_totals(engine, headers)
+    if count1 - count0 != requests:
+        raise RuntimeError(f"the engine counted {count1 - count0} requests, {requests} were sent")
+    return max(0.0, float(np.mean(client)) - (sum1 - sum0) / requests)
+
+
+def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 3,
+              frontend_requests: int = 20, log=print) -> Path:
+    """Measure (module docstring) and write the calibration YAML and its timings CSV."""
+    import yaml
+
+    from runtime.serve_config import load_serve_config
+
+    config = load_serve_config(config_path)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    timings_path = out_path.with_name(out_path.stem + "_timings.csv")
+    log(f"forwards: {config.model}, {config.dtype or 'default dtype'}, "
+        f"{_threads(config)} torch threads")
+    timings = profile_forwards(config, repeats=repeats)
+    timings.to_csv(timings_path, index=False)
+    log(f"  {len(timings)} forwards -> {timings_path}")
+    transfer = None
+    if config.mode != "colocated":
+        transfer = profile_transfer(config, repeats=max(repeats, 3))
+        log(f"KV transfer (Mooncake TCP loopback): floor {transfer.floor_s * 1e3:.2f} ms, "
+            f"{transfer.gb_per_s:.2f} GB/s, handshake {transfer.handshake_s * 1e3:.2f} ms")
+    frontend = measure_frontend(config_path, config, requests=frontend_requests)
+    log(f"front end (HTTP{'' if config.mode == 'colocated' else ', router'}): "
+        f"{frontend * 1e3:.2f} ms per request")
+    data = {
+        "measured": {
+            "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(), "cpus": os.cpu_count(), "config": str(config_path),
+            "model": config.model, "dtype": config.dtype, "torch_threads": _threads(config),
+            "forwards": len(timings),
+            **({"transfer_bytes_s": [list(r) for r in transfer.rows]} if transfer else {}),
+        },
+        "cost_model": {"name": "profiled", "params": {"timings": timings_path.name}},
+        "router": {"frontend_latency_s": round(frontend, 6)},
+    }
+    if config.dtype:
+        data["kv_dtype_bytes"] = DTYPE_BYTES[config.dtype]
+    if transfer is not None:
+        data["network"] = {
+            "protocol": "tcp", "bandwidth_gb_per_s": round(transfer.gb_per_s, 4),
+            "line_rate_efficiency": 1.0, "transfer_floor_s": round(transfer.floor_s, 6),
+            "handshake_s": round(transfer.handshake_s, 6)}
+    out_path.write_text("# pdsim calibrate: measured on this machine (runtime/calibration.py)\n"
+                        + yaml.safe_dump(data, sort_keys=False))
+    return out_path
