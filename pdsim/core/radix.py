@@ -1,14 +1,15 @@
 """Radix prefix cache: KV pages of finished prompts kept for requests that start the same way.
 
-A tree with one node per cached page, keyed by the page's content (a *page key*): a tuple of
+A radix tree over *page keys*, one key per cached page, naming the page's content: a tuple of
 `page_size` token ids in the real backend, a key derived from a trace's prefix-block ids in the
-simulator (`block_page_keys`). A node's pages hold the KV of every token from the root down to
-it, so the path of keys a request matches is the prefix it can skip. Only whole pages are cached.
+simulator (`block_page_keys`). The pages along a path hold the KV of every token from the root
+down, so the keys a request matches from the root are the prefix it can skip. A node holds a
+run of keys (and their pages); only whole pages are cached.
 
 Ownership. A page is in exactly one state: free (in the `PagePool`), held by a request only
 (its suffix, not yet cached), or cached (a node owns it; requests that matched it hold it by
 reference). `lock(node)` pins a node and its ancestors for a request that uses them; a pinned
-page is never evicted. Unpinned nodes are evicted leaf first, least recently used first, when
+page is never evicted. Unpinned leaves are evicted whole, least recently used first, when
 `alloc` finds too few free pages; their pages go back to the pool. So "nothing leaked" means
 `free + cached == total` with nothing pinned (`check_full`).
 
