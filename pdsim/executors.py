@@ -15,11 +15,10 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 from pdsim.config import ConfigError
 
-ExecutorName = Literal["local", "ray"]
 EXECUTORS = ("local", "ray")
 RAY_MISSING = "--executor ray needs Ray: pip install 'pdsim[ray]'"
 
@@ -90,8 +89,8 @@ def open_pool(executor: str = "local", jobs: int | None = None, ray_address: str
               tasks: int | None = None) -> Iterator[Pool]:
     """A pool for `tasks` tasks (None: unknown) on `executor`. `jobs`: tasks in flight at most
     (default: this machine's CPUs, or the Ray cluster's). `ray_address`: an existing cluster
-    (`auto`, `ray://host:10001`, `host:6379`); default, or when Ray is already initialised in
-    this process, a local Ray instance (started here with `jobs` CPUs, shut down on exit)."""
+    (`auto`, `ray://host:10001`, `host:6379`); default: a new local Ray instance (`jobs` CPUs)
+    shut down on exit. A Ray already initialised in this process is used and left running."""
     if executor not in EXECUTORS:
         raise ConfigError(f"executor: {executor!r}; allowed: {', '.join(EXECUTORS)}")
     if ray_address is not None and executor != "ray":
