@@ -57,6 +57,7 @@ class DecodeScheduler(InstanceScheduler):
         self._prealloc_seen = None
 
     def step(self, now: float):
+        self.emitted.clear()  # the outbox holds the first tokens of this step only
         epoch = self.kv.poll_epoch()
         if self.prealloc:
             seen = (epoch, self.pool.num_free, self.req_slots.num_free,
@@ -174,6 +175,7 @@ class DecodeScheduler(InstanceScheduler):
         req.first_logprob = meta.first_logprob
         token = meta.first_token_id if req.prompt_ids is not None else None
         self._emit(req, token, meta.first_logprob, now)
+        self.emitted.append(req)
         self.prebuilt.append(req)
 
     def _prefilled(self, req: Request, token: int | None, logprob: float, now: float) -> None:

@@ -37,7 +37,11 @@ class InstanceScheduler:
         self.running = (RunningBatch(self.pool) if spec is None
                         else SpeculativeRunningBatch(self.pool, spec))
         self.metadata_slots: IndexPool | None = None  # PD instances only
+        # The outbox a driver drains after each step: `done` (finished or failed requests, kept
+        # until the driver clears it) and `emitted` (requests given a token outside a forward by
+        # the last `step()`: a decode worker's first token, read from the KV metadata).
         self.done: list[Request] = []
+        self.emitted: list[Request] = []
         self.num_active = 0  # requests added and not yet done (the router's load signal)
         self._decode_now = 0.0
 
@@ -280,6 +284,18 @@ class InstanceScheduler:
     def _fail(self, req: Request, reason: str, now: float) -> None:
         req.error = reason
         self._finish(req, now)
+
+    def fail_batch(self, batch: Batch, reason: str, now: float) -> None:
+        """Fail the requests of a planned batch whose forward raised (the others go on). An
+        extend batch's requests go back to the front of the waiting queue first, where the
+        planner took them from, so they are released like any aborted waiting request."""
+        if batch.kind == "extend":
+            reqs = [seg.req for seg in batch.segments]
+            self.waiting.extendleft(reversed(reqs))
+        else:
+            reqs = list(batch.reqs)
+        for req in reqs:
+            self.abort(req.rid, reason, now)
 
     def abort(self, rid: str, reason: str, now: float) -> bool:
         """Fail request `rid` wherever it is queued (its client went away, say): its pages and
