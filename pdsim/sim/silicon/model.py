@@ -7,14 +7,16 @@ Per layer, as SGLang runs it:
   tokens and the absorbed BMMs for decode tokens), prefill attention over (batch, sequence),
   decode attention over (batch, context), and the attention-TP all-reduce;
 - dense MLP (gate_up and down GEMMs) or MoE block (router GEMM, shared-expert GEMMs, the fused
-  routed-expert kernel) on the tokens of all ranks;
+  routed-expert kernel) on the tokens of all ranks; with `moe_dense_tp=1` the dense MLP runs
+  whole on each GPU over its own tokens, with no collective;
 - the MLP's collective: an all-reduce over tp, or with DP attention an all-gather before and a
   reduce-scatter after; under DeepEP, dispatch + combine (low-latency mode for decode, normal
   for prefill) instead, optionally overlapped with compute by two-batch overlap;
 - memory-bound elementwise kernels (norms, RoPE, activation), priced by bandwidth;
 
-and once per step the LM head, a fixed overhead and, for steps with prefill tokens, the extend
-overhead. Op times come from `OpTables`; lookups outside a table's grid are counted.
+and once per step the LM head (over tp on all rows, or with `dp_lm_head` over a rank's GPUs on
+its rows), a fixed overhead and, for steps with prefill tokens, the extend overhead.
+`step_breakdown_s` returns these parts by name. Op times come from `OpTables`; lookups outside a table's grid are counted.
 """
 
 from __future__ import annotations
