@@ -123,13 +123,14 @@ class CacheAwarePolicy:
     request to the least loaded instance. Otherwise it finds the instance whose tree holds the
     longest prefix of the request's keys; if that prefix is more than `cache_threshold` of the
     keys the request goes there, else to the least loaded instance (ties: the smaller tree, the
-    instance with the most room for a new prefix, as SGLang's fallback picks; then the lower
-    index). The chosen instance's tree then gets the request's keys. A tree over
+    instance with the most room for a new prefix, which SGLang's fallback picks outright; then
+    the lower index). The chosen instance's tree then gets the request's keys. A tree over
     `max_tree_size` keys drops its least recently used leaves, where SGLang prunes on a timer:
     time here is the count of requests routed, so the core stays clock-free.
 
     The thresholds are in the unit of the load signal the caller passes (SGLang's: requests in
-    flight). Defaults are sgl-router's (cache 0.3, absolute 64, relative 1.5).
+    flight). Defaults are sgl-router's (cache 0.3, absolute 64, relative 1.5); its tree limit
+    (2**26) counts characters, this one (2**20) keys (pages or blocks).
     """
 
     def __init__(self, rng: random.Random, cache_threshold: float = 0.3,
