@@ -18,10 +18,11 @@ import numpy as np
 class TokenTimes(Sequence):
     __slots__ = ("_parts", "_len")
 
-    def __init__(self, values: Iterable[float] = ()):
+    def __init__(self, values: Iterable[float] | None = None):
         self._parts: list[float | np.ndarray] = []
         self._len = 0
-        self.extend(values)
+        if values is not None:
+            self.extend(values)
 
     def append(self, t: float) -> None:
         self._parts.append(float(t))
@@ -52,6 +53,8 @@ class TokenTimes(Sequence):
                 yield from part.tolist()
 
     def __getitem__(self, index):
+        if index == 0 and self._parts and isinstance(self._parts[0], float):
+            return self._parts[0]  # the first token's time: every record asks for it
         if isinstance(index, slice):
             return self.as_array()[index].tolist()
         n = self._len

@@ -43,6 +43,8 @@ from pdsim.workload import ClosedLoop
 
 EMPTY = BatchShape()
 MAX_RUN_STEPS = 4096  # decode steps one event may cover (see SimInstance._decode_run)
+RUN_WORTH_STEPS = 3  # runs that settle fewer steps on average cost more than they save...
+RUN_BACKOFF_STEPS = 256  # ...so the instance then goes step by step this long
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class SimInstance:
         self._in_run = False  # inside a run of decode steps that a notify must cut short
         self._run_horizon = 2  # steps the next run may plan: doubles while runs go uncut
         self._run_backoff = 0  # steps to run one by one before trying a run again
-        self._backoff_len = 0
+        self._run_mean = float(RUN_WORTH_STEPS)  # moving average of the steps a run settles
         self._proc = env.process(self._run())
 
     def kill(self) -> None:
@@ -265,13 +267,14 @@ class SimInstance:
             if ends and ends[-1] > env.now:
                 yield _At(env, ends[-1])
         # Plan about twice what ran: an outside event that cuts runs short wastes little.
-        # Where outside events come about every step, runs cost more than they save: after
-        # a run cut in its first step, go step by step for a while (longer each time).
+        # Where outside events come every step or two (a busy PD decode instance hears of
+        # each transfer), a run costs more than the events it saves: then go step by step
+        # for a while before trying again.
         self._run_horizon = min(MAX_RUN_STEPS, max(2, 2 * len(ends)))
-        if len(ends) <= 1:
-            self._backoff_len = self._run_backoff = min(64, 2 * self._backoff_len or 2)
-        else:
-            self._backoff_len = 0
+        self._run_mean += 0.25 * (len(ends) - self._run_mean)
+        if self._run_mean < RUN_WORTH_STEPS:
+            self._run_backoff = RUN_BACKOFF_STEPS
+            self._run_mean = float(RUN_WORTH_STEPS)  # judge afresh after the pause
         self._in_run = False
         for d in durations[: len(ends)]:
             self.busy_s += d
