@@ -141,7 +141,7 @@ def calibrate(
                                   "page size, transfer), e.g. experiments/real_pd.yaml"),
     out: Path = typer.Option(..., "-o", "--out", help="calibration YAML to write; the forward "
                              "timings go beside it (<name>_timings.csv)"),
-    repeats: int = typer.Option(3, help="timings per batch shape"),
+    repeats: int = typer.Option(5, help="runs per batch shape (the fastest is kept)"),
 ) -> None:
     """Measure this machine's forwards over a grid of batch shapes, the KV transfer over
     message sizes and the HTTP/router front end, and write a calibration file for
