@@ -1,0 +1,137 @@
+"""Golden outputs, as SimPy keeps them: a small PD scenario through the SimPy driver, its exact
+event log compared line by line with tests/golden/pd_small.log; and the same scenario through
+the core test driver (tests/core_harness.py), whose order of events must be the simulator's.
+
+The log has one line per event: `time instance event rids`, with `event` one of `extend` and
+`decode` (a forward starts, with the requests in it) and `done` (the instance finished the
+request). An intended change of the simulator's behaviour shows up as a diff of this file;
+regenerate it with
+
+    PDSIM_REGEN_GOLDEN=1 python -m pytest tests/test_golden.py
+
+and review the diff before committing it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from core_harness import Driver, FixedExecutor
+
+from pdsim.core.config import SchedulerConfig
+from pdsim.core.decode import DecodeScheduler
+from pdsim.core.fake_transfer import FakeKVManager, FakeWire
+from pdsim.core.prefill import PrefillScheduler
+from pdsim.core.request import Request
+from pdsim.sim.cluster import ClusterSpec, RoleSpec, Simulation
+from pdsim.sim.network import NetworkModel
+
+GOLDEN = Path(__file__).parent / "golden" / "pd_small.log"
+REGEN = os.environ.get("PDSIM_REGEN_GOLDEN") == "1"
+
+EXTEND_S, DECODE_S = 1.0, 0.25
+PREFILL = SchedulerConfig(num_pages=16, page_size=4, max_prefill_tokens=8, chunked_prefill_size=8)
+DECODE = SchedulerConfig(num_pages=16, page_size=4, num_reserved_decode_tokens=4)
+# (arrival s, input tokens, output tokens): chunked prefill (r2), a queue behind one batch.
+WORKLOAD = [(0.0, 8, 3), (0.0, 8, 2), (0.5, 12, 4), (1.2, 4, 2)]
+INSTANT = NetworkModel(enabled=False, message_latency_s=0.0, first_contact_s=0.0,
+                       handshake_s=0.0, transfer_floor_s=0.0)
+
+
+class FixedCost:
+    """Every forward with prefill tokens takes EXTEND_S, a decode step DECODE_S."""
+
+    def step_time_s(self, shapes) -> float:
+        return EXTEND_S if any(s.prefill_tokens for s in shapes) else DECODE_S
+
+
+def simpy_log(network: NetworkModel) -> list[tuple[float, str, str, tuple[str, ...]]]:
+    """Run WORKLOAD through the SimPy driver (one event per decode step) and trace it by
+    wrapping each scheduler's `step` and each instance's `on_done`."""
+    role = dict(instances=1, dp_attention=1, gpus_per_instance=1, cost=FixedCost)
+    cluster = ClusterSpec(mode="disaggregated", router_policy="round_robin", network=network,
+                          prefill=RoleSpec(scheduler=PREFILL, **role),
+                          decode=RoleSpec(scheduler=DECODE, **role))
+    sim = Simulation(cluster, seed=0, decode_runs=False)
+    log = []
+    for name, inst in [("P0", sim.prefills[0]), ("D0", sim.serving[0])]:
+        for sched in inst.schedulers:
+            def step(now, _step=sched.step, _name=name):
+                batch = _step(now)
+                if batch is not None:
+                    reqs = [s.req for s in batch.segments] if batch.kind == "extend" else batch.reqs
+                    log.append((now, _name, batch.kind, tuple(r.rid for r in reqs)))
+                return batch
+            sched.step = step
+
+        def done(req, _done=inst.on_done, _name=name):
+            log.append((sim.env.now, _name, "done", (req.rid,)))
+            _done(req)
+        inst.on_done = done
+    arrival, n_in, n_out = (np.array(c) for c in zip(*WORKLOAD))
+    sim.run(arrival.astype(float), n_in, n_out)
+    return log
+
+
+def render(log) -> str:
+    return "".join(f"{t:.9f} {inst} {event} {' '.join(rids)}\n" for t, inst, event, rids in log)
+
+
+def test_simpy_driver_matches_the_golden_log():
+    got = render(simpy_log(NetworkModel()))  # default KV path: first contact, handshake, floor
+    if REGEN:
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(got)
+    assert GOLDEN.is_file(), f"{GOLDEN} missing: regenerate it with PDSIM_REGEN_GOLDEN=1"
+    assert got.splitlines() == GOLDEN.read_text().splitlines()
+
+
+def lifecycle(log) -> list[tuple[float, str, str]]:
+    """(time, rid, what) per request: its prefill starts, its prefill ends, it starts decoding,
+    it finishes; ties at one time in a canonical order."""
+    seen, out = set(), []
+    for t, inst, event, rids in log:
+        what = {("P", "extend"): "prefill", ("P", "done"): "prefilled",
+                ("D", "decode"): "decoding", ("D", "running"): "decoding",
+                ("D", "done"): "done"}.get((inst[0], event))
+        for rid in rids:
+            if what is not None and (rid, what) not in seen:
+                seen.add((rid, what))
+                out.append((round(t, 9), rid, what))
+    return sorted(out)
+
+
+def harness_log() -> list[tuple[float, str, str, tuple[str, ...]]]:
+    """The same scenario on the core test driver with the instant fake transfer backend."""
+    wire = FakeWire()
+    drv = Driver(FixedExecutor(extend_s=EXTEND_S, decode_s=DECODE_S))
+    drv.add_instance("P0", PrefillScheduler(PREFILL, FakeKVManager(wire), instance_id=0))
+    drv.add_instance("D0", DecodeScheduler(DECODE, FakeKVManager(wire), instance_id=1))
+    for i, (at, n_in, n_out) in enumerate(WORKLOAD):
+        for name in ("P0", "D0"):
+            drv.submit(at, name, Request(str(i), n_in, n_out, arrival_s=at,
+                                         bootstrap_room=1000 + i))
+    drv.run()
+    out = []
+    for entry, t in drv.log:  # "rid P0:queue"
+        rid, where = entry.split()
+        inst, state = where.split(":")
+        out.append((t, inst, state, (rid,)))
+    return out
+
+
+def test_core_harness_runs_the_scenario_in_the_same_order():
+    """With an instant KV path, every request starts prefill, starts decoding and finishes at
+    the same time in the same order under both drivers. The one difference is when the prefill
+    side lets a request go: the fake backend reports `Success` inside the `send` call, so the
+    harness's prefill frees the KV in the step that sent it; the simulated network reports it
+    as an event at the same time, which a prefill instance busy with its next forward polls
+    only after that forward (as a real prefill worker does)."""
+    sim = lifecycle(simpy_log(INSTANT))
+    harness = lifecycle(harness_log())
+    assert len(sim) == len(harness) == 4 * len(WORKLOAD)
+    assert [e for e in sim if e[2] != "prefilled"] == [e for e in harness if e[2] != "prefilled"]
+    released = {rid: t for t, rid, what in harness if what == "prefilled"}
+    assert all(t >= released[rid] for t, rid, what in sim if what == "prefilled")
