@@ -18,6 +18,7 @@ import heapq
 import random
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -222,17 +223,19 @@ class RunningBatch:
                 return j  # the step after j needs pages the pool may not have: stop there
         return limit
 
-    def complete_run(self, end_times_s: list[float]) -> list[Request]:
+    def complete_run(self, end_times_s: list[float],
+                     alloc: Callable[[int], list[int] | None]) -> list[Request]:
         """Account `len(end_times_s)` decode steps of the same batch, run back to back (see
-        `quiet_steps`): between them the due pages are allocated as `_plan_decode` would,
-        in the same order. Returns the requests done after the last step (still in the batch)."""
-        n, pool = len(self.reqs), self.pool
+        `quiet_steps`): between them the due pages come from `alloc` (the scheduler's page
+        allocator) as `_plan_decode` takes them, in the same order. Returns the requests done
+        after the last step (still in the batch)."""
+        n = len(self.reqs)
         first = self.step
         last = len(end_times_s)
         for j in range(1, last):
             due = self._grow_at.pop(first + j, None)
             if due:
-                pages = pool.alloc_many(len(due))
+                pages = alloc(len(due))
                 if pages is None:
                     raise RuntimeError("a decode run was planned beyond the free KV pages")
                 for req, page in zip(due, pages):

@@ -210,7 +210,7 @@ class InstanceScheduler:
     def on_decode_run_done(self, end_times_s: list[float]) -> None:
         """Settle a run of decode steps (`decode_run_steps`) that ended at `end_times_s`."""
         now = end_times_s[-1]
-        for req in self.running.complete_run(end_times_s):
+        for req in self.running.complete_run(end_times_s, self._alloc_pages):
             self.running.leave(req)
             self._finish(req, now)
 
