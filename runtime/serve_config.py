@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from pdsim.config import ConfigError, ExperimentConfig
 from pdsim.config_errors import format_validation_error
@@ -42,9 +42,6 @@ class _ServeBase(ExperimentConfig):
     layout_mode: ClassVar[str] = "colocated"  # the mode of a flat-layout mapping without `mode:`
 
     name: str = Field("serve", pattern=r"^[A-Za-z0-9_.-]+$")
-    model: str | dict[str, Any] = Field(
-        "tiny-llama", description="a servable preset (tiny-llama, tiny-mla) or a local "
-        "checkpoint directory (sim: as an experiment's model)")
     workload: WorkloadConfig | None = Field(None, description="sim only")
 
     @model_validator(mode="before")
@@ -52,17 +49,17 @@ class _ServeBase(ExperimentConfig):
     def _flat_layout(cls, data: Any) -> Any:
         return from_serve_layout(data, cls.layout_mode) if isinstance(data, dict) else data
 
-    @field_validator("model")
-    @classmethod
-    def _servable(cls, value: str | dict[str, Any]) -> str:
+    @model_validator(mode="after")
+    def _servable(self) -> _ServeBase:
+        """The deployment's model (its default too: one default for both backends) must be
+        one the real backend can build."""
         presets = servable_presets()
-        if isinstance(value, str) and value in presets:
-            return value
-        if not isinstance(value, str) or not (Path(value).expanduser() / "config.json").is_file():
-            raise ValueError(f"{value!r} is not a servable preset and not a directory holding "
-                             f"config.json; allowed: {', '.join(presets)} or a local checkpoint "
-                             "directory (the simulator's presets have no weights)")
-        return value
+        if isinstance(self.model, str) and (
+                self.model in presets or (Path(self.model).expanduser() / "config.json").is_file()):
+            return self
+        raise ValueError(f"model: {self.model!r} is not a servable preset and not a directory "
+                         f"holding config.json; allowed: {', '.join(presets)} or a local "
+                         "checkpoint directory (the simulator's presets have no weights)")
 
     @model_validator(mode="after")
     def _real_parallelism(self) -> _ServeBase:
@@ -167,12 +164,12 @@ def from_serve_layout(data: dict, mode: str = "colocated") -> dict:
     """The earlier flat serve layout rewritten as a deployment (a mapping with `cluster:` is
     returned as it is): `mode`, `page_size`, `scheduler`, colocated `num_pages`, `host` and
     `port` and the roles' `num_pages`, `metadata_slots`, `pre_alloc_size` move into
-    `cluster`; `transfer.bootstrap_timeout_s` (which meant both) becomes the scheduler's
+    `cluster`, its model defaults to tiny-llama; `transfer.bootstrap_timeout_s` (which meant both) becomes the scheduler's
     bootstrap_timeout_s and transfer.handshake_timeout_s, `waiting_timeout_s` the scheduler's.
     `mode` is the mode of a mapping that names none."""
     if "cluster" in data:
         return data
-    data = {k: _plain(v) for k, v in data.items()}
+    data = {"model": "tiny-llama", **{k: _plain(v) for k, v in data.items()}}
     mode = data.pop("mode", mode)
     knobs = {k: v for k, v in (("page_size", data.pop("page_size", None)),) if v is not None}
     knobs.update(data.pop("scheduler", None) or {})
@@ -230,7 +227,8 @@ def load_serve_config(path: str | Path | None = None,
     (keys, as the CLI options give them: `model`, `security`; `host` and `port` (the API's:
     router); `prefill`, `decode`, `router` (a dict merged into that section))."""
     source = str(path) if path is not None else "<defaults>"
-    data: dict[str, Any] = {"cluster": {"mode": "colocated", "colocated": {"instances": 1}}}
+    data: dict[str, Any] = {"model": "tiny-llama",
+                            "cluster": {"mode": "colocated", "colocated": {"instances": 1}}}
     if path is not None:
         path = Path(path)
         if not path.is_file():

@@ -184,9 +184,12 @@ def test_serving_refuses_what_only_the_simulator_models():
     with pytest.raises(ConfigError, match="'llama-3.1-8b' is not a servable preset"):
         parse_serve_config({"model": "llama-3.1-8b", "cluster": {"mode": "disaggregated"}})
     with pytest.raises(ConfigError, match="cluster.decode.dp_attention: 2; the real backend"):
-        parse_serve_config({"cluster": {"decode": {"tp": 2, "dp_attention": 2}}})
+        parse_serve_config({"model": "tiny-llama",
+                            "cluster": {"decode": {"tp": 2, "dp_attention": 2}}})
     with pytest.raises(ConfigError, match="cluster.colocated.instances: 2"):
-        parse_serve_config({"cluster": {"mode": "colocated"}})
+        parse_serve_config({"model": "tiny-llama", "cluster": {"mode": "colocated"}})
+    with pytest.raises(ConfigError, match="model: 'llama-3.1-8b' is not a servable"):
+        parse_serve_config({"cluster": {"mode": "disaggregated"}})  # the default: one for both
 
 
 def test_one_preset_registry_marks_the_servable_presets():
