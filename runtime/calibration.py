@@ -12,12 +12,18 @@ Three measurements, none of them an end-to-end serving figure:
   receiver's `Success`, metadata slot and ZMQ status included) for messages of 1..256 pages of
   this model's KV; a least-squares line gives the per-transfer floor (s) and the bandwidth
   (GB/s); the receiver's bootstrap lookup and set-up after the first contact is the handshake.
-- **front end**: the deployment served for real (`pdsim serve`), one request at a time;
-  the client's TTFT minus the serving engine's own TTFT (its `/metrics` TTFT sum) is the time
-  of HTTP, tokenizer and, disaggregated, the router, both ways.
+- **lone requests**: the deployment served for real (`pdsim serve`), requests of 16 prompt and
+  32 output tokens sent one at a time. The client's TTFT minus the serving engine's own TTFT
+  (its `/metrics` histogram) is the front end (HTTP, tokenizer and, disaggregated, the
+  router, both ways: `router.frontend_latency_s`). The client's gap between tokens minus the
+  fitted forward is the step overhead (scheduling, streaming the token out to the client;
+  the profiled model's `step_overhead_s`). The engine's TTFT minus what the simulator already models of it (the
+  forward, a step overhead and, disaggregated, handshake and transfer) is a per-request
+  overhead: added to `network.handshake_s` when disaggregated, the colocated instance's
+  `wakeup_s` otherwise. Queueing plays no part: nothing else is in flight.
 
 The file is a YAML overlay of experiment fields (`cost_model`, `network`, `router`,
-`kv_dtype_bytes`) plus what was measured; `pdsim validate --calibration` lays it over the
+`kv_dtype_bytes`, `cluster`) plus what was measured; `pdsim validate --calibration` lays it over the
 deployment before simulating. The timings table is written beside it.
 """
 
@@ -49,6 +55,7 @@ class TransferFit:
     floor_s: float
     gb_per_s: float
     handshake_s: float
+    page_bytes: int  # one page of this model's KV on one rank
     rows: list[tuple[int, float]]  # (bytes, seconds), best of the repeats per size
 
 
@@ -189,54 +196,71 @@ def profile_transfer(config, *, repeats: int = 5,
     slope, floor = np.polyfit(nbytes, seconds, 1)
     return TransferFit(floor_s=max(float(floor), 0.0),
                        gb_per_s=float(1e-9 / slope) if slope > 0 else float("inf"),
-                       handshake_s=statistics.median(handshakes),
+                       handshake_s=statistics.median(handshakes), page_bytes=page_bytes,
                        rows=[(int(b), float(s)) for b, s in zip(nbytes, seconds)])
 
 
-def _ttft_totals(url: str, headers: dict) -> tuple[float, float]:
-    """(sum, count) of the engine's TTFT histogram from its Prometheus `/metrics`."""
+def _histogram_totals(url: str, headers: dict, name: str) -> tuple[float, float]:
+    """(sum, count) of one of the engine's histograms from its Prometheus `/metrics`."""
     request = urllib.request.Request(url + "/metrics", headers=headers)
     with urllib.request.urlopen(request, timeout=10) as resp:
         text = resp.read().decode()
     got = {}
-    for name in ("sum", "count"):
-        m = re.search(rf"^pdsim_time_to_first_token_seconds_{name}(?:{{[^}}]*}})? (\S+)$", text,
-                      re.MULTILINE)
+    for part in ("sum", "count"):
+        m = re.search(rf"^{name}_{part}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
         if m is None:
-            raise RuntimeError(f"{url}/metrics has no pdsim_time_to_first_token_seconds_{name}")
-        got[name] = float(m.group(1))
+            raise RuntimeError(f"{url}/metrics has no {name}_{part}")
+        got[part] = float(m.group(1))
     return got["sum"], got["count"]
 
 
-def measure_frontend(config_path: str | Path, config, *, requests: int = 20) -> float:
-    """Mean client TTFT minus the serving engine's mean TTFT over `requests` sequential
-    16-token requests of one output token, after two for warm-up (module docstring)."""
+@dataclass(frozen=True)
+class EngineTimes:
+    """Means over requests sent one at a time to an idle deployment."""
+
+    client_ttft_s: float  # at the client
+    engine_ttft_s: float  # the serving engine's own (colocated server or decode worker)
+    engine_itl_s: float  # the engine's gap between tokens of a lone request
+    client_itl_s: float  # the same gaps as the client sees them
+
+
+TTFT_METRIC = "pdsim_time_to_first_token_seconds"
+ITL_METRIC = "pdsim_inter_token_latency_seconds"
+PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS = 16, 32
+
+
+def measure_engine(config_path: str | Path, config, *, requests: int = 20) -> EngineTimes:
+    """Serve the deployment for real and send `requests` requests of PROBE_PROMPT_TOKENS
+    prompt tokens and PROBE_OUTPUT_TOKENS output tokens one at a time (two more first, for
+    warm-up); the engine's TTFT and ITL come from its `/metrics` histograms."""
     from pdsim.validation.deployment import RealDeployment
     from pdsim.validation.replay import replay
     from runtime.security import ClusterKey, new_secret
 
     secret = new_secret()
     headers = ClusterKey.from_secret(secret).headers()
+    n_in, n_out = PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS
     with RealDeployment(config_path, secret=secret) as real:
         engine = real.url if config.mode == "colocated" else real.workers[("decode", 0)]
-        model = config.model_name
-        ones = [1, 1]
-        replay(real.url, model, [0.0, 0.0], [16, 16], ones)
-        sum0, count0 = _ttft_totals(engine, headers)
-        client = []
+        replay(real.url, config.model_name, [0.0, 0.0], [n_in, n_in], [n_out, n_out])
+        before = [_histogram_totals(engine, headers, m) for m in (TTFT_METRIC, ITL_METRIC)]
+        client, gaps = [], []
         for i in range(requests):  # one at a time: nothing queues
-            (rec,) = replay(real.url, model, [0.0], [16], [1], seed=i)
+            (rec,) = replay(real.url, config.model_name, [0.0], [n_in], [n_out], seed=i)
             if not rec.ok:
                 raise RuntimeError(f"calibration request failed: {rec.error}")
             client.append(rec.ttft_s)
-        sum1, count1 = _ttft_totals(engine, headers)
-    if count1 - count0 != requests:
-        raise RuntimeError(f"the engine counted {count1 - count0} requests, {requests} were sent")
-    return max(0.0, float(np.mean(client)) - (sum1 - sum0) / requests)
+            gaps.append((rec.token_times_s[-1] - rec.token_times_s[0]) / (n_out - 1))
+        after = [_histogram_totals(engine, headers, m) for m in (TTFT_METRIC, ITL_METRIC)]
+    (t_sum, t_count), (i_sum, i_count) = ((a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before))
+    if t_count != requests:
+        raise RuntimeError(f"the engine counted {t_count} requests, {requests} were sent")
+    return EngineTimes(float(np.mean(client)), t_sum / t_count, i_sum / i_count,
+                       float(np.mean(gaps)))
 
 
 def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5,
-              frontend_requests: int = 20, log=print) -> Path:
+              probe_requests: int = 20, log=print) -> Path:
     """Measure (module docstring) and write the calibration YAML and its timings CSV."""
     import yaml
 
@@ -256,19 +280,49 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
         transfer = profile_transfer(config, repeats=max(repeats, 3))
         log(f"KV transfer (Mooncake TCP loopback): floor {transfer.floor_s * 1e3:.2f} ms, "
             f"{transfer.gb_per_s:.2f} GB/s, handshake {transfer.handshake_s * 1e3:.2f} ms")
-    frontend = measure_frontend(config_path, config, requests=frontend_requests)
-    log(f"front end (HTTP{'' if config.mode == 'colocated' else ', router'}): "
-        f"{frontend * 1e3:.2f} ms per request")
+    from pdsim.core.batch import BatchShape
+    from pdsim.sim.profiled import ProfiledCostModel
+
+    fit = ProfiledCostModel(None, None, None, timings=timings)
+    n_in, n_out = PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS
+    extend_s = fit.step_time_s([BatchShape(prefill_tokens=n_in,
+                                           prefill_attn_pairs=n_in * (n_in + 1) / 2)])
+    decode_s = fit.step_time_s([BatchShape(decode_reqs=1,
+                                           decode_context_tokens=n_in + n_out // 2)])
+    engine = measure_engine(config_path, config, requests=probe_requests)
+    frontend_s = max(0.0, engine.client_ttft_s - engine.engine_ttft_s)
+    # The client's pace, not the engine's: on this machine tokens reach the client slower than
+    # the engine emits them (docs/validation.md, "Where the error comes from").
+    step_overhead_s = max(0.0, engine.client_itl_s - decode_s)
+    # What a lone request's engine TTFT holds beyond its modelled parts.
+    modelled = extend_s + step_overhead_s
+    if transfer is not None:
+        kv_bytes = -(-n_in // config.page_size) * transfer.page_bytes
+        modelled += transfer.floor_s + transfer.handshake_s + kv_bytes / (transfer.gb_per_s * 1e9)
+    request_overhead_s = max(0.0, engine.engine_ttft_s - modelled)
+    log(f"lone requests ({n_in} -> {n_out} tokens): client TTFT {engine.client_ttft_s * 1e3:.2f} "
+        f"ms, engine TTFT {engine.engine_ttft_s * 1e3:.2f} ms; ITL client "
+        f"{engine.client_itl_s * 1e3:.2f} ms, engine {engine.engine_itl_s * 1e3:.2f} ms, "
+        f"forward alone {decode_s * 1e3:.2f} ms")
+    log(f"  front end {frontend_s * 1e3:.2f} ms, step overhead {step_overhead_s * 1e3:.2f} ms, "
+        f"per-request overhead {request_overhead_s * 1e3:.2f} ms")
     data = {
         "measured": {
             "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "host": platform.node(), "cpus": os.cpu_count(), "config": str(config_path),
             "model": config.model, "dtype": config.dtype, "torch_threads": _threads(config),
             "forwards": len(timings),
+            "probe": {"prompt_tokens": n_in, "output_tokens": n_out,
+                      "client_ttft_s": round(engine.client_ttft_s, 6),
+                      "engine_ttft_s": round(engine.engine_ttft_s, 6),
+                      "engine_itl_s": round(engine.engine_itl_s, 6),
+                      "client_itl_s": round(engine.client_itl_s, 6),
+                      "modelled_ttft_s": round(modelled, 6)},
             **({"transfer_bytes_s": [list(r) for r in transfer.rows]} if transfer else {}),
         },
-        "cost_model": {"name": "profiled", "params": {"timings": timings_path.name}},
-        "router": {"frontend_latency_s": round(frontend, 6)},
+        "cost_model": {"name": "profiled", "params": {
+            "timings": timings_path.name, "step_overhead_s": round(step_overhead_s, 6)}},
+        "router": {"frontend_latency_s": round(frontend_s, 6)},
     }
     if config.dtype:
         data["kv_dtype_bytes"] = DTYPE_BYTES[config.dtype]
@@ -276,7 +330,9 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
         data["network"] = {
             "protocol": "tcp", "bandwidth_gb_per_s": round(transfer.gb_per_s, 4),
             "line_rate_efficiency": 1.0, "transfer_floor_s": round(transfer.floor_s, 6),
-            "handshake_s": round(transfer.handshake_s, 6)}
+            "handshake_s": round(transfer.handshake_s + request_overhead_s, 6)}
+    else:
+        data["cluster"] = {"colocated": {"scheduler": {"wakeup_s": round(request_overhead_s, 6)}}}
     out_path.write_text("# pdsim calibrate: measured on this machine (runtime/calibration.py)\n"
                         + yaml.safe_dump(data, sort_keys=False))
     return out_path

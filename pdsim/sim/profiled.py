@@ -7,7 +7,9 @@ The real executor records every forward as its `BatchShape` fields and wall time
 
 with one fixed cost per kind ("extend": a batch with prefill tokens; "decode") and the four
 slopes shared, fitted by least squares with every coefficient kept ≥ 0. With attention DP the
-step takes the slowest rank, as in the roofline model.
+step takes the slowest rank, as in the roofline model. `step_overhead_s` (default 0; `pdsim
+calibrate` measures it) is added to every step: what a real engine step spends outside the
+forward (scheduling, streaming the tokens out).
 
     cost_model: {name: profiled, params: {timings: results/real_colocated/forward_timings.csv}}
 """
@@ -67,12 +69,16 @@ class ProfiledCostModel:
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism, *,
                  timings: str | Path | pd.DataFrame, kv_dtype_bytes: float = 2,
-                 role: str = "colocated") -> None:
+                 role: str = "colocated", step_overhead_s: float = 0.0) -> None:
         # kv_dtype_bytes and role are accepted as every cost model's are; the measured
         # forwards already carry their effect.
         frame = timings if not isinstance(timings, (str, Path)) else _read(Path(timings))
         self.extend_base_s, self.decode_base_s, slopes = fit_linear_costs(frame)
         self._a, self._b, self._c, self._d = (float(v) for v in slopes)
+        if step_overhead_s < 0:
+            raise ValueError(f"step_overhead_s={step_overhead_s}; must be >= 0")
+        self.extend_base_s += step_overhead_s
+        self.decode_base_s += step_overhead_s
 
     def step_time_s(self, shapes: Sequence[BatchShape]) -> float:
         worst = 0.0

@@ -22,7 +22,7 @@ from pdsim.metrics import records_frame, summarize
 from pdsim.validation.compare import Tolerance, markdown, plot, side_by_side
 
 # Sections of a calibration file that lie over the experiment (runtime/calibration.py).
-OVERLAY_KEYS = ("cost_model", "network", "router", "kv_dtype_bytes")
+OVERLAY_KEYS = ("cost_model", "network", "router", "kv_dtype_bytes", "cluster")
 
 
 @dataclass
