@@ -42,12 +42,12 @@ def workload(n: int, rate: float, seed: int):
 
 
 def run_real(model: str, arrival, n_in, n_out):
-    from pdsim.core.config import SchedulerConfig
+    from pdsim.deployment import SchedulerKnobs
 
     executor = ModelExecutor(build_model(ModelConfig.preset(model), seed=0), num_pages=PAGES,
                              page_size=PAGE_SIZE)
     executor.warmup()
-    engine = Engine(executor, SchedulerConfig(num_pages=PAGES, page_size=PAGE_SIZE, **SCHED))
+    engine = Engine(executor, SchedulerKnobs(page_size=PAGE_SIZE, **SCHED).build(PAGES))
     engine.start()
     done = threading.Semaphore(0)
     rng = np.random.default_rng(7)
