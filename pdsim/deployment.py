@@ -31,12 +31,13 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _renamed(data: Any, old: dict[str, str], section: str) -> Any:
-    """A clear error for a field that was renamed or moved (`old` maps old name -> new place)."""
+def _renamed(data: Any, old: dict[str, str]) -> Any:
+    """A clear error for a field that was renamed or moved (`old` maps old name -> new place);
+    the error's path names the section."""
     if isinstance(data, dict):
         for name, new in old.items():
             if name in data:
-                raise ValueError(f"{section}.{name} is now {new}")
+                raise ValueError(f"{name} is now {new}")
     return data
 
 
@@ -166,7 +167,7 @@ class RoleConfig(_Spec):
     @classmethod
     def _moved(cls, data: Any) -> Any:
         return _renamed(data, {k: f"scheduler.{k}" for k in
-                               ("num_pages", "metadata_slots", "pre_alloc_size")}, "role")
+                               ("num_pages", "metadata_slots", "pre_alloc_size")})
 
     @model_validator(mode="after")
     def _divides(self) -> RoleConfig:
@@ -276,7 +277,7 @@ class NetworkConfig(_Spec):
     @model_validator(mode="before")
     @classmethod
     def _units(cls, data: Any) -> Any:
-        return _renamed(data, {"bandwidth_gbps": "bandwidth_gb_per_s (GB/s)"}, "network")
+        return _renamed(data, {"bandwidth_gbps": "bandwidth_gb_per_s (GB/s)"})
 
 
 class TransferConfig(_Spec):
@@ -305,7 +306,7 @@ class TransferConfig(_Spec):
         where = "cluster.<role>.scheduler.{} (a scheduler knob; transfer.handshake_timeout_s is " \
                 "the bootstrap-server lookup's)"
         return _renamed(data, {k: where.format(k) for k in
-                               ("bootstrap_timeout_s", "waiting_timeout_s")}, "transfer")
+                               ("bootstrap_timeout_s", "waiting_timeout_s")})
 
     @model_validator(mode="after")
     def _consistent(self) -> TransferConfig:
