@@ -9,7 +9,9 @@ from pdsim.core.running import Speculation
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Sizes and limits of one scheduler (one attention-DP rank of one instance).
+    """Sizes and limits of one scheduler (one attention-DP rank of one instance), as
+    `pdsim.deployment.SchedulerKnobs.build` makes it from a config for both backends (the
+    instance-wide flags already split over the DP ranks).
 
     num_pages × page_size is the KV pool in tokens. `max_prefill_tokens` caps the new tokens of
     one extend batch; `chunked_prefill_size` cuts longer prompts into chunks (0 disables chunking,
