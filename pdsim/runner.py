@@ -64,6 +64,7 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
     result = simulate(
         cluster, workload.arrival_s, workload.input_tokens, workload.output_tokens,
         seed=cfg.seed, max_duration_s=cfg.max_duration_s, closed_loop=workload.closed_loop,
+        prefix=workload.prefix,
     )
     if all(r.ok for r in result.records):
         result.check_pools_full()  # an idle cluster must have every page and slot back

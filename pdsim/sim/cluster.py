@@ -39,7 +39,7 @@ from pdsim.faults import FaultsConfig
 from pdsim.sim.cost import CostModel
 from pdsim.sim.faults import SimFaults
 from pdsim.sim.network import Link, NetworkModel, SimFabric, SimKVManager
-from pdsim.workload import ClosedLoop
+from pdsim.workload import ClosedLoop, PrefixBlocks
 
 EMPTY = BatchShape()
 MAX_RUN_STEPS = 4096  # decode steps one event may cover (see SimInstance._decode_run)
@@ -367,21 +367,30 @@ class Simulation:
         self._sent_s[i] = sent_s
         rid = str(i)
         n_in, n_out = self._inputs[i], self._outputs[i]
-        p, d, room = self._router.route(self._prefill_load, self._decode_load)
+        keys = () if self._prefix is None else self._prefix.ids_of(i).tolist()  # router: blocks
+        p, d, room = self._router.route(self._prefill_load, self._decode_load, keys)
         if self.faults is not None and self.faults.refused(rid, n_in, n_out, sent_s, p, d):
             return  # routed to a dead instance
         if self.prefills:
             pre = self.prefills[p]
-            preq = Request(rid, n_in, n_out, arrival_s=sent_s, bootstrap_room=room)
+            preq = Request(rid, n_in, n_out, arrival_s=sent_s, bootstrap_room=room,
+                           prefix_keys=self._page_keys(self.cluster.prefill, i, n_in))
             self._scheduler_for(pre, room).add_request(preq, now)
             pre.admitted()
         dec = self.serving[d]
         dreq = Request(rid, n_in, n_out, arrival_s=sent_s, bootstrap_room=room, prefill_instance=p,
+                       prefix_keys=None if self.prefills else self._page_keys(self.cluster.colocated, i, n_in),
                        token_times_s=TokenTimes())  # compact: views of the step times
         self._scheduler_for(dec, room).add_request(dreq, now)
         dec.admitted()
         if self.faults is not None:
             self.faults.track(preq, dreq)
+
+    def _page_keys(self, role: RoleSpec, i: int, n_in: int) -> list | None:
+        """Request i's prefix-cache keys, when its prompt side caches and the workload knows them."""
+        if self._prefix is None or not role.scheduler.prefix_cache:
+            return None
+        return self._prefix.page_keys(i, n_in, role.scheduler.page_size)
 
     def _scheduler_for(self, inst: SimInstance, room: int) -> InstanceScheduler:
         scheds = inst.schedulers
@@ -396,9 +405,11 @@ class Simulation:
                 lambda _ev: self._give_up.succeed() if not self._give_up.triggered else None)
 
     def run(self, arrival_s: np.ndarray, input_tokens: np.ndarray, output_tokens: np.ndarray,
-            closed_loop: ClosedLoop | None = None) -> SimResult:
+            closed_loop: ClosedLoop | None = None, prefix: PrefixBlocks | None = None) -> SimResult:
         """Serve the requests: open loop at `arrival_s`, or by `closed_loop`'s clients (then
-        `arrival_s` is ignored and the records hold the times the clients sent at)."""
+        `arrival_s` is ignored and the records hold the times the clients sent at). `prefix`
+        (the workload's prefix blocks) keys the router and, where enabled, the prefix caches."""
+        self._prefix = prefix
         self.num_requests = len(input_tokens)
         self._all_done = self.env.event()
         self._give_up = self.env.event()
@@ -534,10 +545,10 @@ def _few_gc_passes():
 
 def simulate(cluster: ClusterSpec, arrival_s, input_tokens, output_tokens, *, seed: int = 0,
              max_duration_s: float = math.inf, closed_loop: ClosedLoop | None = None,
-             decode_runs: bool = True) -> SimResult:
+             decode_runs: bool = True, prefix: PrefixBlocks | None = None) -> SimResult:
     """Serve the workload on the cluster. `decode_runs=False` simulates every decode step as
     its own event (the reference the faster runs of steps must match)."""
     return Simulation(cluster, seed, max_duration_s, decode_runs).run(
         np.asarray(arrival_s, dtype=float), np.asarray(input_tokens), np.asarray(output_tokens),
-        closed_loop,
+        closed_loop, prefix,
     )

@@ -1,0 +1,51 @@
+"""The simulator with prefix caches: a shared-system-prompt workload computes fewer prompt
+tokens and reaches its first tokens sooner with the cache on, in PD and colocated."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pdsim.config import parse_experiment
+from pdsim.sim.build import build_cluster
+from pdsim.sim.cluster import simulate
+from pdsim.workload import generate, ideal_cached_tokens
+
+WORKLOAD = {"num_requests": 200, "seed": 3, "arrival": {"process": "poisson", "rate_rps": 4.0},
+            "input_len": {"dist": "lognormal", "mean": 300, "cv": 0.5, "min": 16},
+            "output_len": {"dist": "fixed", "value": 32},
+            "prefix": {"system_prompts": 4, "system_prompt_len": 6000, "share": 0.9}}
+
+
+def cluster(mode: str, prefix_cache: bool):
+    roles = ({"colocated": {"instances": 1}} if mode == "colocated"
+             else {"prefill": {"instances": 1}, "decode": {"instances": 1}})
+    cfg = parse_experiment({"name": "t", "model": "llama-3.1-8b", "hardware": "h100",
+                            "cluster": {"mode": mode, **roles}, "workload": WORKLOAD})
+    spec = build_cluster(cfg)
+    role = "colocated" if mode == "colocated" else "prefill"
+    r = getattr(spec, role)
+    r = dataclasses.replace(r, scheduler=dataclasses.replace(r.scheduler, prefix_cache=prefix_cache))
+    return dataclasses.replace(spec, **{role: r})
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_shared_prompts_hit_the_cache_and_cut_ttft(mode):
+    """Measured: PD mean TTFT 0.286 -> 0.036 s (0.91 of prompt tokens cached), colocated
+    0.262 -> 0.030 s (0.89)."""
+    w = generate(WORKLOAD)
+    runs = {}
+    for on in (False, True):
+        result = simulate(cluster(mode, on), w.arrival_s, w.input_tokens, w.output_tokens, seed=1,
+                          prefix=w.prefix)
+        result.check_pools_full()
+        assert all(r.ok for r in result.records)
+        runs[on] = result.records
+    cached = np.array([r.cached_tokens for r in runs[True]])
+    assert not any(r.cached_tokens for r in runs[False])
+    ideal = ideal_cached_tokens(w, 16)
+    assert 0.8 * ideal.sum() < cached.sum() <= ideal.sum()
+    ttft = {on: np.mean([r.ttft_s for r in recs]) for on, recs in runs.items()}
+    assert ttft[True] < 0.5 * ttft[False]
