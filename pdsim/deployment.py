@@ -101,6 +101,9 @@ class SchedulerKnobs(_Spec):
         "the GPU memory left after the weights; the real backend uses 2048")
     wakeup_s: float = Field(0.0, ge=0, description="sim only: an idle scheduler notices new "
                             "work (a request, a finished transfer) this late")
+    disable_radix_cache: bool = Field(
+        False, description="SGLang's --disable-radix-cache: the prefill and colocated "
+        "schedulers keep a radix prefix cache unless true (decode has none)")
 
     def build(self, num_pages: int, dp_attention: int = 1, where: str = "scheduler",
               speculation: Speculation | None = None) -> SchedulerConfig:
@@ -113,7 +116,8 @@ class SchedulerKnobs(_Spec):
             num_reserved_decode_tokens=self.num_reserved_decode_tokens,
             pre_alloc_size=self.pre_alloc_size, metadata_slots=self.metadata_slots,
             bootstrap_timeout_s=self.bootstrap_timeout_s,
-            waiting_timeout_s=self.waiting_timeout_s, speculation=speculation)
+            waiting_timeout_s=self.waiting_timeout_s, speculation=speculation,
+            prefix_cache=not self.disable_radix_cache)
 
     def _per_dp_rank(self, knob: str, dp: int, where: str) -> int:
         value = getattr(self, knob)

@@ -49,3 +49,18 @@ def test_shared_prompts_hit_the_cache_and_cut_ttft(mode):
     assert 0.8 * ideal.sum() < cached.sum() <= ideal.sum()
     ttft = {on: np.mean([r.ttft_s for r in recs]) for on, recs in runs.items()}
     assert ttft[True] < 0.5 * ttft[False]
+
+
+def test_radix_cache_on_by_default_as_sglang_and_disabled_per_role():
+    roles = {"prefill": {"instances": 1, "scheduler": {"disable_radix_cache": True}},
+             "decode": {"instances": 1}}
+    cfg = parse_experiment({"name": "t", "model": "llama-3.1-8b", "hardware": "h100",
+                            "cluster": {"mode": "disaggregated", **roles}, "workload": WORKLOAD})
+    spec = build_cluster(cfg)
+    assert not spec.prefill.scheduler.prefix_cache
+    assert spec.decode.scheduler.prefix_cache  # on by default (decode schedulers keep none)
+    on = cluster("colocated", True)
+    assert build_cluster(parse_experiment({
+        "name": "t", "model": "llama-3.1-8b", "hardware": "h100",
+        "cluster": {"mode": "colocated", "colocated": {"instances": 1}},
+        "workload": WORKLOAD})).colocated.scheduler == on.colocated.scheduler
