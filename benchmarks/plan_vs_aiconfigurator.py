@@ -62,7 +62,7 @@ CASES = {
                       {"modes": ["disaggregated", "colocated"], "tp": [1, 2, 4, 8]}, 20.0),
     "deepseek-v3": Case("deepseek-v3", "deepseek-ai/DeepSeek-V3", 32,
                         {"modes": ["disaggregated", "colocated"], "tp": [8, 16],
-                         "dp_attention": [1, 8], "ep": [1, 8]}, 20.0),
+                         "dp_attention": [1, 8, 16], "ep": [1, 8, 16]}, 20.0),
 }
 
 
@@ -213,7 +213,8 @@ def _row(tool: str, label: str, gpus: int, s: dict | None, search_s: float,
     return row
 
 
-def run_case(name: str, case: Case, jobs: int, duration_s: float, executor: str) -> pd.DataFrame:
+def run_case(name: str, case: Case, jobs: int, duration_s: float, executor: str,
+             rate_rps: float | None = None) -> pd.DataFrame:
     print(f"\n== {name}: {case.hf_model} on {case.gpus} H200, ISL {ISL} / OSL {OSL}, "
           f"TTFT {TTFT_S:g} s, TPOT {TPOT_S * 1e3:g} ms ==", flush=True)
     aic: list[AicChoice] = []
@@ -228,7 +229,7 @@ def run_case(name: str, case: Case, jobs: int, duration_s: float, executor: str)
               flush=True)
         for err in a.errors:
             print(f"  (skipped a higher-ranked configuration: {err})")
-    rate = aic[0].rate_rps if aic else case.fallback_rate_rps
+    rate = rate_rps or (aic[0].rate_rps if aic else case.fallback_rate_rps)
     cfg = parse_plan(plan_data(case, name, rate, duration_s), f"{name} plan")
     print(f"pdsim plan at {rate:.2f} req/s, {cfg.workload.num_requests} requests ...", flush=True)
     t0 = time.perf_counter()
@@ -269,9 +270,13 @@ def main() -> None:
     ap.add_argument("--duration-s", type=float, default=40.0,
                     help="seconds of arrivals simulated per candidate (requests = rate x this)")
     ap.add_argument("--executor", choices=["local", "ray"], default="local")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="offered load in req/s (default: the rate aiconfigurator predicts for "
+                    "its recommendation)")
     args = ap.parse_args()
     names = list(CASES) if args.case == "all" else [args.case]
-    frames = [run_case(n, CASES[n], args.jobs, args.duration_s, args.executor) for n in names]
+    frames = [run_case(n, CASES[n], args.jobs, args.duration_s, args.executor, args.rate)
+              for n in names]
     table = pd.concat(frames, ignore_index=True)
     print()
     print(markdown(table))
