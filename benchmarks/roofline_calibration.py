@@ -155,7 +155,7 @@ def deepep(root: Path) -> None:
                 ep = 8 * int(nodes)
                 mode = "normal" if normal else "low_latency"
                 link = "rdma" if ep > hw.gpus_per_node else "nvlink"
-                link_gbps = hw.rdma_gb_per_s if link == "rdma" else hw.nvlink_gb_per_s
+                link_gb_per_s = hw.rdma_gb_per_s if link == "rdma" else hw.nvlink_gb_per_s
                 for op in ("dispatch", "combine"):
                     col = f"{op}_transmit_us" if normal else f"{op}_avg_t_us"
                     y = x[col].to_numpy() * 1e-6
@@ -168,7 +168,7 @@ def deepep(root: Path) -> None:
                     _, slope = _fit(moved[big], y[big])
                     print(f"  {system:9s} {Path(path).parent.name:11s} {mode:11s} EP{ep:<3d} "
                           f"{op:8s} one token {y[0] * 1e6:5.1f} us  {link} share "
-                          f"{1 / slope / 1e9 / link_gbps:.2f}")
+                          f"{1 / slope / 1e9 / link_gb_per_s:.2f}")
 
 
 def main() -> None:
