@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from core_harness import Driver, FixedExecutor
 
 from pdsim.core.batch import BatchResult
@@ -208,3 +210,38 @@ def test_a_long_running_batch_keeps_no_history_of_departed_requests():
     assert sorted(r.rid for r in waiting) == sorted(r.rid for r in live)
     growing = [r for bucket in rb._grow_at.values() for r in bucket]
     assert sorted(r.rid for r in growing) == sorted(r.rid for r in live)
+
+
+def test_token_times_read_as_a_list_of_floats():
+    import numpy as np
+
+    from pdsim.core.token_times import TokenTimes, flatten_times
+
+    steps = np.array([1.0, 1.5, 2.25, 3.0])
+    t = TokenTimes([0.5])
+    t.extend(steps[1:3])  # a view: kept, not copied
+    t.append(4.0)
+    assert len(t) == 4 and t == [0.5, 1.5, 2.25, 4.0] and t != [0.5, 1.5, 2.25]
+    assert (t[0], t[1], t[-1], t[-2], t[1:3]) == (0.5, 1.5, 4.0, 2.25, [1.5, 2.25])
+    assert list(t) == sorted(t) and all(type(x) is float for x in t)
+    with pytest.raises(IndexError):
+        t[4]
+    assert flatten_times([t, [7.0, 8.0], TokenTimes()], 6).tolist() == [0.5, 1.5, 2.25, 4.0, 7.0, 8.0]
+
+
+def test_a_leaving_request_keeps_views_of_the_step_times():
+    from pdsim.core.token_times import TokenTimes
+
+    pool = PagePool(32, page_size=4)
+    rb = RunningBatch(pool)
+    a = prefilled("a", 4, 4, pool)
+    a.token_times_s = TokenTimes([0.0])
+    rb.join(a)
+    for t in (1.0, 2.0, 3.0):
+        for r in rb.pages_due():
+            rb.add_page(r, pool.alloc())
+        done = rb.complete(rb.plan(t - 1.0), BatchResult(1.0), t)
+    assert done == [a]
+    rb.leave(a)
+    assert a.token_times_s == [0.0, 1.0, 2.0, 3.0]
+    assert [type(p).__name__ for p in a.token_times_s.parts()] == ["float", "ndarray"]
