@@ -61,11 +61,9 @@ class TransferFit:
 
 def _threads(config) -> int:
     """torch threads of the decode ranks as the PD workers set them (runtime/pd/worker.py); a
-    colocated server keeps torch's default."""
-    import torch
-
+    colocated server keeps torch's default, one per CPU."""
     if config.mode == "colocated":
-        return torch.get_num_threads()
+        return max(1, os.cpu_count() or 1)
     role = config.decode
     return role.threads or max(1, (os.cpu_count() or 1) // role.tp)
 
@@ -216,7 +214,7 @@ def _histogram_totals(url: str, headers: dict, name: str) -> tuple[float, float]
 
 @dataclass(frozen=True)
 class EngineTimes:
-    """Means over requests sent one at a time to an idle deployment."""
+    """Medians over requests sent one at a time to an idle deployment."""
 
     client_ttft_s: float  # at the client
     engine_ttft_s: float  # the serving engine's own (colocated server or decode worker)
@@ -232,7 +230,8 @@ PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS = 16, 32
 def measure_engine(config_path: str | Path, config, *, requests: int = 20) -> EngineTimes:
     """Serve the deployment for real and send `requests` requests of PROBE_PROMPT_TOKENS
     prompt tokens and PROBE_OUTPUT_TOKENS output tokens one at a time (two more first, for
-    warm-up); the engine's TTFT and ITL come from its `/metrics` histograms."""
+    warm-up); the engine's TTFT and ITL come from its `/metrics` histograms, read around
+    each request."""
     from pdsim.validation.deployment import RealDeployment
     from pdsim.validation.replay import replay
     from runtime.security import ClusterKey, new_secret
@@ -243,20 +242,23 @@ def measure_engine(config_path: str | Path, config, *, requests: int = 20) -> En
     with RealDeployment(config_path, secret=secret) as real:
         engine = real.url if config.mode == "colocated" else real.workers[("decode", 0)]
         replay(real.url, config.model_name, [0.0, 0.0], [n_in, n_in], [n_out, n_out])
-        before = [_histogram_totals(engine, headers, m) for m in (TTFT_METRIC, ITL_METRIC)]
-        client, gaps = [], []
+        rows = []
         for i in range(requests):  # one at a time: nothing queues
+            before = [_histogram_totals(engine, headers, m) for m in (TTFT_METRIC, ITL_METRIC)]
             (rec,) = replay(real.url, config.model_name, [0.0], [n_in], [n_out], seed=i)
             if not rec.ok:
                 raise RuntimeError(f"calibration request failed: {rec.error}")
-            client.append(rec.ttft_s)
-            gaps.append((rec.token_times_s[-1] - rec.token_times_s[0]) / (n_out - 1))
-        after = [_histogram_totals(engine, headers, m) for m in (TTFT_METRIC, ITL_METRIC)]
-    (t_sum, t_count), (i_sum, i_count) = ((a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before))
-    if t_count != requests:
-        raise RuntimeError(f"the engine counted {t_count} requests, {requests} were sent")
-    return EngineTimes(float(np.mean(client)), t_sum / t_count, i_sum / i_count,
-                       float(np.mean(gaps)))
+            (t_sum, t_n), (i_sum, i_n) = (
+                (a[0] - b[0], a[1] - b[1]) for a, b in zip(
+                    [_histogram_totals(engine, headers, m) for m in (TTFT_METRIC, ITL_METRIC)],
+                    before))
+            if t_n != 1 or i_n < 1:
+                raise RuntimeError(f"the engine counted {t_n} requests and {i_n} gaps for one "
+                                   f"request of {n_out} tokens")
+            gap = (rec.token_times_s[-1] - rec.token_times_s[0]) / (n_out - 1)
+            rows.append((rec.ttft_s, t_sum, i_sum / i_n, gap))
+    # Medians: a moment of load from other processes on a shared machine moves a mean.
+    return EngineTimes(*(float(v) for v in np.median(np.array(rows), axis=0)))
 
 
 def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5,

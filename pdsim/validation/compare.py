@@ -21,7 +21,8 @@ METRICS = (
     ("E2E mean", "e2e_mean_s"), ("E2E P50", "e2e_p50_s"), ("E2E P90", "e2e_p90_s"),
     ("E2E P99", "e2e_p99_s"),
     ("throughput (output tok/s)", "output_tok_s"), ("throughput (req/s)", "request_throughput_req_s"),
-    ("goodput (req/s)", "goodput_req_s"), ("completed", "completed"),
+    ("goodput (req/s)", "goodput_req_s"), ("goodput per GPU (req/s)", "goodput_req_s_per_gpu"),
+    ("completed", "completed"),
 )
 
 

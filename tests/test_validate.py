@@ -1,0 +1,116 @@
+"""`pdsim validate` and `pdsim calibrate` (docs/validation.md).
+
+The end-to-end test serves a 1 prefill : 1 decode tiny-llama deployment for real (Mooncake over
+TCP on loopback), replays 12 requests, simulates them with the committed calibration of this
+kind of machine and checks the exit code against the table written. Its latency tolerance is
+wide on purpose: docs/validation.md shows what TTFT and ITL errors a shared CPU gives today.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from pdsim.core.records import RequestRecord
+from pdsim.metrics import SLO, summarize
+from pdsim.validation.compare import METRICS, Tolerance, markdown, side_by_side
+from pdsim.validation.validate import calibrated
+
+REPO = Path(__file__).resolve().parents[1]
+PD_1P1D = REPO / "experiments" / "validation" / "pd_1p1d_low.yaml"
+CALIBRATION = REPO / "experiments" / "validation" / "calibration" / "pd.yaml"
+
+
+def pdsim(*args, cwd, timeout=240):
+    env = {**os.environ, "GLOG_minloglevel": "2"}
+    return subprocess.run([sys.executable, "-m", "pdsim.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_validate_a_pd_deployment_end_to_end(tmp_path):
+    raw = yaml.safe_load(PD_1P1D.read_text())
+    raw["workload"]["num_requests"] = 12
+    raw["cost_model"]["params"]["timings"] = str(
+        REPO / "experiments" / "calibration" / "tiny_llama_cpu_timings.csv")
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(raw))
+    proc = pdsim("validate", "tiny.yaml", "--calibration", str(CALIBRATION), "--tolerance", "0.6",
+                 "--tolerance-p90", "0.8", "--out", "out", cwd=tmp_path)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = pd.read_csv(tmp_path / "out" / "validation.csv").set_index("metric")
+    assert list(table.index) == [label for label, _ in METRICS]
+    # The exit code is the table's verdict.
+    assert proc.returncode == (0 if table["within"].all() else 1)
+    assert table.loc["completed", "real"] == table.loc["completed", "sim"] == 12
+    # Open loop below saturation: both serve what arrives.
+    assert abs(table.loc["throughput (output tok/s)", "error"]) <= 0.15
+    for label in ("TTFT mean", "ITL mean", "E2E mean"):
+        assert table.loc[label, "real"] > 0 and table.loc[label, "sim"] > 0
+    real = pd.read_csv(tmp_path / "out" / "real_requests.csv")
+    assert len(real) == 12 and (real["status"] == "ok").all()
+    assert (tmp_path / "out" / "validation.png").stat().st_size > 10_000
+    assert "| TTFT P90 |" in (tmp_path / "out" / "validation.md").read_text()
+
+
+def _records(ttft_s: float, gap_s: float, n: int = 10) -> list[RequestRecord]:
+    out = []
+    for i in range(n):
+        t0 = float(i)
+        times = [t0 + ttft_s + k * gap_s for k in range(4)]
+        out.append(RequestRecord(rid=str(i), input_tokens=8, output_tokens=4, status="ok",
+                                 arrival_s=t0, first_token_s=times[0], finish_s=times[-1],
+                                 token_times_s=times))
+    return out
+
+
+def test_tolerance_flags_exactly_the_metrics_outside_it():
+    slo = SLO(ttft_s=1.0, itl_s=1.0)
+    real = summarize(_records(0.100, 0.010), num_gpus=2, slo=slo)
+    sim = summarize(_records(0.110, 0.020), num_gpus=2, slo=slo)  # TTFT +10%, ITL +100%
+    table = side_by_side(real, sim, Tolerance(mean=0.15, p90=0.25)).set_index("metric")
+    assert table.loc["TTFT mean", "error"] == pytest.approx(0.10)
+    assert table.loc["ITL mean", "error"] == pytest.approx(1.0)
+    assert list(table.index[~table["within"]]) == ["ITL mean", "ITL P90"]
+    assert math.isnan(table.loc["TTFT P99", "limit"]) and table.loc["TTFT P99", "within"]
+    text = markdown(table.reset_index(), "t")
+    assert "| ITL mean | 10.0 ms | 20.0 ms | +100.0% | ±15% | **over** |" in text
+
+
+def test_calibration_lies_over_the_experiment(tmp_path):
+    raw = yaml.safe_load(PD_1P1D.read_text())
+    cfg = calibrated(raw, str(PD_1P1D), CALIBRATION)
+    calib = yaml.safe_load(CALIBRATION.read_text())
+    assert cfg.cost_model.name == "profiled"
+    assert Path(cfg.cost_model.params["timings"]) == (CALIBRATION.parent / calib["cost_model"][
+        "params"]["timings"]).resolve()
+    assert cfg.router.frontend_latency_s == calib["router"]["frontend_latency_s"]
+    assert cfg.network.transfer_floor_s == calib["network"]["transfer_floor_s"]
+    assert cfg.router.policy == raw["router"]["policy"]  # what the calibration does not set stays
+    (tmp_path / "bad.yaml").write_text("cost_model: {name: profiled}\nbogus: 1\n")
+    (tmp_path / "x.yaml").write_text(yaml.safe_dump(raw))
+    proc = pdsim("validate", "x.yaml", "--calibration", "bad.yaml", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert "bogus" in proc.stdout and "allowed" in proc.stdout
+
+
+def test_profile_forwards_and_transfer_measure_real_components():
+    from runtime.calibration import profile_forwards, profile_transfer
+    from runtime.executor import TIMING_COLUMNS
+    from runtime.serve_config import load_serve_config
+
+    config = load_serve_config(PD_1P1D)
+    frame = profile_forwards(config, repeats=1, prefill_tokens=(16, 64), prefill_context=(0,),
+                             decode_batch=(1, 4), decode_context=(64,))
+    assert list(frame.columns) == list(TIMING_COLUMNS) and len(frame) == 4
+    assert (frame["duration_s"] > 0).all()
+    assert list(frame["prefill_attn_pairs"][:2]) == [16 * 17 / 2, 64 * 65 / 2]
+    assert list(frame["decode_context_tokens"][2:]) == [65, 4 * 65]
+    fit = profile_transfer(config, repeats=2, pages=(1, 8, 64))
+    assert [b for b, _ in fit.rows] == [n * fit.page_bytes for n in (1, 8, 64)]
+    assert fit.floor_s >= 0 and fit.gb_per_s > 0 and 0 < fit.handshake_s < 1
