@@ -272,16 +272,23 @@ class NetworkConfig(_Spec):
     first_contact_s: float = Field(2e-3, ge=0)
     handshake_s: float = Field(0.58e-3, ge=0, description="per request: the decode side's "
                                "bootstrap lookup and receiver set-up before it asks for the KV")
-    head_slice_efficiency: float = Field(
-        0.5, gt=0, le=1,
-        description="share of the bandwidth reached when GQA KV moves as head slices because "
-        "prefill and decode attention-TP sizes differ (many small writes)",
-    )
+    sharing: Literal["fair", "fifo"] = Field(
+        "fair", description="fair: transfers in flight share each NIC max-min fairly; fifo: one "
+        "chunk at a time holds both NICs")
+    per_descriptor_s: float | None = Field(
+        None, ge=0, description="NIC time of one descriptor (contiguous write) on one GPU; "
+        "default by protocol. GQA head slices across a TP mismatch are one per token slot")
+    intra_node: bool = Field(False, description="prefill and decode share a node: the KV moves "
+                             "over NVLink (the hardware's nvlink_gb_per_s, unless "
+                             "bandwidth_gb_per_s is given)")
 
     @model_validator(mode="before")
     @classmethod
     def _units(cls, data: Any) -> Any:
-        return _renamed(data, {"bandwidth_gbps": "bandwidth_gb_per_s (GB/s)"})
+        return _renamed(data, {
+            "bandwidth_gbps": "bandwidth_gb_per_s (GB/s)",
+            "head_slice_efficiency": "per_descriptor_s (head slices cost their descriptors; "
+                                     "the flat efficiency is gone)"})
 
 
 class TransferConfig(_Spec):

@@ -214,20 +214,3 @@ def test_utilisation_and_kv_bytes_are_reported():
     assert result.decode_mean_batch == pytest.approx(in_decode, rel=0.05)
     colo = simulate_cfg(experiment(cluster__mode="colocated"))[2]
     assert colo.kv_transfer_gb == 0 and np.isnan(colo.prefill_busy_frac)
-
-
-def test_gqa_tp_mismatch_moves_kv_as_slower_head_slices_but_mla_does_not():
-    def ttft(model: str, decode_tp: int, eff: float, decode_dp: int = 1) -> float:
-        data = experiment(model=model, hardware="h200",
-                          cluster__prefill={"instances": 1, "tp": 8},
-                          cluster__decode={"instances": 1, "tp": decode_tp,
-                                           "dp_attention": decode_dp},
-                          network={"bandwidth_gb_per_s": 0.5, "head_slice_efficiency": eff},
-                          workload__num_requests=40)
-        return run(data).summary["ttft_p50_s"]
-
-    # Llama-3.1-70B (GQA, 8 KV heads): TP 8 → 4 writes head slices at half the bandwidth.
-    assert ttft("llama-3.1-70b", 4, 0.5) > 1.5 * ttft("llama-3.1-70b", 4, 1.0)
-    assert ttft("llama-3.1-70b", 8, 0.5) == ttft("llama-3.1-70b", 8, 1.0)  # no mismatch
-    # DeepSeek-V3 (MLA): attention TP 8 → 4 still sends whole pages of the replicated latent.
-    assert ttft("deepseek-v3", 8, 0.5, decode_dp=2) == ttft("deepseek-v3", 8, 1.0, decode_dp=2)

@@ -9,7 +9,7 @@ from pdsim.config import ConfigError, ExperimentConfig, RoleConfig
 from pdsim.core.running import Speculation
 from pdsim.sim.cluster import ClusterSpec, RoleSpec
 from pdsim.sim.cost import Parallelism, kv_capacity_tokens, make_cost_model
-from pdsim.sim.network import PROTOCOLS, NetworkModel
+from pdsim.sim.network import PROTOCOLS, NetworkModel, descriptor_counts
 from pdsim.sim.speculative import (
     draft_spec,
     draft_state_bytes_per_request,
@@ -21,8 +21,7 @@ from pdsim.specs.models import ModelSpec, load_model_spec
 
 
 def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelSpec,
-               hw: HardwareSpec, nic_efficiency: float = 1.0,
-               base_dir: str | None = None) -> RoleSpec:
+               hw: HardwareSpec, base_dir: str | None = None) -> RoleSpec:
     par = Parallelism(tp=role.tp, dp_attention=role.dp_attention, ep=role.ep,
                       moe_a2a=role.moe_a2a, two_batch_overlap=role.two_batch_overlap,
                       moe_dense_tp=role.moe_dense_tp, dp_lm_head=role.dp_lm_head)
@@ -60,8 +59,11 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     kv_page_bytes = sum(knobs.page_size * m.kv_bytes_per_token_per_rank(attn_tp, kv_bytes)
                         * attn_tp for m in kv_models)
     net = cfg.network
-    line_rate = net.line_rate_efficiency or PROTOCOLS[net.protocol].line_rate_efficiency
-    nic = (net.bandwidth_gb_per_s or hw.rdma_gb_per_s) * 1e9 * role.tp * line_rate * nic_efficiency
+    if net.intra_node:  # NVLink: no protocol stack between the GPUs
+        nic = (net.bandwidth_gb_per_s or hw.nvlink_gb_per_s) * 1e9 * role.tp
+    else:
+        line_rate = net.line_rate_efficiency or PROTOCOLS[net.protocol].line_rate_efficiency
+        nic = (net.bandwidth_gb_per_s or hw.rdma_gb_per_s) * 1e9 * role.tp * line_rate
     return RoleSpec(role.instances, role.dp_attention, role.tp, sched, cost, nic, kv_page_bytes,
                     state_bytes_per_request=state_bytes, wakeup_s=knobs.wakeup_s)
 
@@ -102,32 +104,40 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(str(exc)) from None
     net = cfg.network
-    floor = net.transfer_floor_s
+    proto = PROTOCOLS[net.protocol]
+    c = cfg.cluster
+    per_run, per_page = (0.0, 0.0) if c.mode == "colocated" else descriptor_counts(
+        model.num_layers, 1 if model.is_mla else 2, c.prefill.scheduler.page_size,
+        model.num_kv_heads, c.prefill.tp // c.prefill.dp_attention,
+        c.decode.tp // c.decode.dp_attention, model.is_mla)
     network = NetworkModel(
         enabled=net.enabled,
         message_latency_s=net.message_latency_s,
         first_contact_s=net.first_contact_s,
         handshake_s=net.handshake_s,
-        transfer_floor_s=PROTOCOLS[net.protocol].transfer_floor_s if floor is None else floor,
+        transfer_floor_s=proto.transfer_floor_s if net.transfer_floor_s is None
+        else net.transfer_floor_s,
+        sharing=net.sharing,
+        per_descriptor_s=proto.per_descriptor_s if net.per_descriptor_s is None
+        else net.per_descriptor_s,
+        descriptors_per_run=per_run,
+        descriptors_per_page=per_page,
     )
     overheads = {"frontend_latency_s": cfg.router.frontend_latency_s,
                  "dp_assignment": cfg.router.dp_assignment}
-    c = cfg.cluster
     if c.mode == "colocated":
         return ClusterSpec("colocated", cfg.router.policy, network,
                            colocated=build_role(cfg, c.colocated, "colocated", model, hw,
                                                 base_dir=base_dir), **overheads)
     # GQA KV split over different attention-TP sizes on the two sides moves as head slices:
-    # many small writes instead of whole pages (DESIGN.md, "TP mismatch").
-    sliced = not model.is_mla and (c.prefill.tp // c.prefill.dp_attention
-                                   != c.decode.tp // c.decode.dp_attention)
-    eff = net.head_slice_efficiency if sliced else 1.0
+    # many small writes instead of whole pages (DESIGN.md, "TP mismatch"), priced by the
+    # network model per descriptor.
     return ClusterSpec(
         "disaggregated",
         cfg.router.policy,
         network,
-        prefill=build_role(cfg, c.prefill, "prefill", model, hw, eff, base_dir),
-        decode=build_role(cfg, c.decode, "decode", model, hw, eff, base_dir),
+        prefill=build_role(cfg, c.prefill, "prefill", model, hw, base_dir),
+        decode=build_role(cfg, c.decode, "decode", model, hw, base_dir),
         faults=cfg.faults,
         **overheads,
     )

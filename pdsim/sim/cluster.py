@@ -332,7 +332,7 @@ class Simulation:
             holder: list[SimInstance] = []
             notify = lambda h=holder: h[0].notify()  # noqa: E731  (bound once the instance exists)
             scheds: list[InstanceScheduler] = []
-            link = Link(role.nic_bytes_per_s)  # the instance's NICs, shared by its DP ranks
+            link = Link(role.nic_bytes_per_s, role.gpus_per_instance)  # its NICs, shared by its DP ranks
             for _ in range(role.dp_attention):
                 if kind == "colocated":
                     scheds.append(ColocatedScheduler(role.scheduler, i))
@@ -434,10 +434,10 @@ class Simulation:
         )
 
     def _prefill_load(self, i: int) -> float:
-        return sum(s.pending_tokens for s in self.prefills[i].schedulers)
+        return sum(s.load() for s in self.prefills[i].schedulers)
 
     def _decode_load(self, i: int) -> float:
-        return sum(s.num_active for s in self.serving[i].schedulers)
+        return sum(s.load() for s in self.serving[i].schedulers)
 
     def _records(self, input_tokens) -> list[RequestRecord]:
         records = []

@@ -1,18 +1,27 @@
 """The simulator's transfer backend: the core's KV manager, sender and receiver over a network
-model that charges handshake latency and, per KV transfer, a fixed floor plus bytes / bandwidth.
+model that charges handshake latency and, per KV transfer, a fixed floor plus the time its bytes
+and descriptors take on the NICs.
 
-Each instance has one NIC link (per GPU bandwidth × GPUs that send in parallel, at the share of
-the line rate the protocol reaches). A chunk occupies the sender's and the receiver's link from
-the moment both are free: FIFO sharing of the bottleneck, enough to see a network that cannot
-carry the KV. With `enabled: false` the bytes move for free (NVLink-attached or a what-if); the
-per-transfer floor and the message latencies remain. The floor is latency, not link time:
-concurrent transfers overlap their floors.
+Each instance has one NIC link (per GPU bandwidth × its GPUs, which send their slices in
+parallel, at the share of the line rate the protocol reaches). `sharing: fair` (default): the
+transfers in flight share every link max-min fairly, each at the smallest fair share along its
+path (sender's link and receiver's link), recomputed whenever one starts or ends
+(processor sharing). `sharing: fifo`: a chunk occupies both links alone from the moment both
+are free. Every transfer also costs `per_descriptor_s` of NIC time per descriptor (one per
+buffer and run of pages contiguous on both sides, or per token slot when GQA heads move as
+slices across a TP mismatch). With `enabled: false` the bytes move for free; the per-transfer
+floor and the message latencies remain. The floor is latency, not link time: concurrent
+transfers overlap their floors.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
 
 import simpy
 
@@ -26,13 +35,17 @@ class Protocol:
 
     line_rate_efficiency: float  # share of the NIC's line rate a large transfer reaches
     transfer_floor_s: float  # fixed time of one transfer: posting, completion, status hand-off
+    per_descriptor_s: float  # NIC time of one descriptor (one contiguous write) on one GPU's NIC
 
 
 PROTOCOLS = {
-    # Mooncake's README: 87 GB/s over 4 x 200 Gb/s RoCE (100 GB/s); the floor is an assumption.
-    "rdma": Protocol(line_rate_efficiency=0.87, transfer_floor_s=1.0e-3),
-    # Mooncake's README: ~36 GB/s over the same NICs; the floor from benchmarks/pd_overhead.py.
-    "tcp": Protocol(line_rate_efficiency=0.36, transfer_floor_s=2.7e-3),
+    # Mooncake's README: 87 GB/s over 4 x 200 Gb/s RoCE (100 GB/s); the floor is an assumption,
+    # and so is the descriptor cost (~10 M work requests a second posted per GPU).
+    "rdma": Protocol(line_rate_efficiency=0.87, transfer_floor_s=1.0e-3, per_descriptor_s=0.1e-6),
+    # Mooncake's README: ~36 GB/s over the same NICs; the floor from benchmarks/pd_overhead.py;
+    # the descriptor cost from benchmarks/transfer_bench.py: 64 MiB as 65,536 head slices of
+    # 1 KiB took 0.86 s against 0.035 s as whole pages, 12.6 us a descriptor.
+    "tcp": Protocol(line_rate_efficiency=0.36, transfer_floor_s=2.7e-3, per_descriptor_s=12.6e-6),
 }
 
 
@@ -43,20 +56,87 @@ class NetworkModel:
     first_contact_s: float = 2e-3  # HTTP bootstrap lookup + registration, once per pair
     handshake_s: float = 0.58e-3  # per request after the first: lookup + receiver set-up
     transfer_floor_s: float = PROTOCOLS["rdma"].transfer_floor_s  # per chunk sent
+    sharing: Literal["fair", "fifo"] = "fair"
+    per_descriptor_s: float = PROTOCOLS["rdma"].per_descriptor_s
+    # Descriptors of a P -> D transfer, all ranks together (`descriptor_counts`): per run of
+    # pages contiguous on both sides, and per page (GQA head slices: per token slot).
+    descriptors_per_run: float = 0.0
+    descriptors_per_page: float = 0.0
+
+
+def descriptor_counts(layers: int, kv_buffers_per_layer: int, page_size: int, kv_heads: int,
+                      src_attn_tp: int, dst_attn_tp: int, mla: bool) -> tuple[float, float]:
+    """(per run, per page) descriptors of one P -> D transfer, summed over ranks, as
+    runtime/transfer/layout.py writes them: whole pages merge into one descriptor per buffer
+    per contiguous run, per receiving rank (MLA: each decode rank gets the replicated latent;
+    GQA with equal attention TP: rank to rank). GQA across a TP mismatch writes each
+    overlapping (sender, receiver) rank pair's head slice into every token slot: page_size
+    descriptors per page per buffer per pair."""
+    buffers = layers * kv_buffers_per_layer
+    if mla or src_attn_tp == dst_attn_tp:
+        return float(buffers * dst_attn_tp), 0.0
+    pairs = max(min(src_attn_tp, kv_heads), min(dst_attn_tp, kv_heads))
+    return 0.0, float(buffers * page_size * pairs)
+
+
+def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> int:
+    """Runs of pages contiguous on both sides (each run is one descriptor per buffer)."""
+    if len(src_pages) < 2 or len(src_pages) != len(dst_pages):
+        return len(src_pages)
+    s, d = np.diff(np.asarray(src_pages)), np.diff(np.asarray(dst_pages))
+    return 1 + int(np.count_nonzero((s != 1) | (d != 1)))
 
 
 class Link:
-    """A NIC shared first come, first served; `SimFabric.transfer_end` books it."""
+    """One instance's NICs: `bytes_per_s` for all its `gpus` together (fair sharing reads the
+    flows on it, FIFO books `busy_until`)."""
 
-    def __init__(self, bytes_per_s: float):
+    def __init__(self, bytes_per_s: float, gpus: int = 1):
         self.bytes_per_s = bytes_per_s
+        self.gpus = gpus
         self.busy_until = 0.0
+
+
+class _Flow:
+    __slots__ = ("src", "dst", "remaining", "rate", "on_sent")
+
+    def __init__(self, src: Link, dst: Link, work_bytes: float, on_sent: Callable[[], None]):
+        self.src, self.dst = src, dst
+        self.remaining = work_bytes
+        self.rate = 0.0
+        self.on_sent = on_sent
+
+
+def max_min_rates(flows: Sequence[_Flow]) -> None:
+    """Set each flow's rate to its max-min fair share (progressive filling): the link whose
+    remaining capacity over its unfixed flows is smallest fixes those flows at that share."""
+    capacity: dict[Link, float] = {}
+    for f in flows:
+        capacity[f.src] = f.src.bytes_per_s
+        capacity[f.dst] = f.dst.bytes_per_s
+    open_flows = list(flows)
+    while open_flows:
+        count: dict[Link, int] = {}
+        for f in open_flows:
+            for link in {f.src, f.dst}:
+                count[link] = count.get(link, 0) + 1
+        bottleneck = min(count, key=lambda link: capacity[link] / count[link])
+        share = capacity[bottleneck] / count[bottleneck]
+        rest = []
+        for f in open_flows:
+            if f.src is bottleneck or f.dst is bottleneck:
+                f.rate = share
+                for link in {f.src, f.dst}:
+                    capacity[link] -= share
+            else:
+                rest.append(f)
+        open_flows = rest
 
 
 class _Room:
     __slots__ = (
         "sender_state", "receiver_state", "dst_manager", "dst_slot", "reason", "chunks_pending",
-        "last_sent", "src_manager", "expected_pages", "sent_pages", "metadata_sent",
+        "last_sent", "src_manager", "expected_pages", "sent_pages", "metadata_sent", "dst_pages",
     )
 
     def __init__(self) -> None:
@@ -71,6 +151,7 @@ class _Room:
         self.expected_pages = -1
         self.sent_pages = 0
         self.metadata_sent = None
+        self.dst_pages: Sequence[int] = ()
 
 
 class SimFabric:
@@ -82,6 +163,9 @@ class SimFabric:
         self.rooms: dict[int, _Room] = {}
         self.kv_bytes = 0.0  # KV bytes sent over the fabric so far
         self._contacted: set[tuple[int, int]] = set()
+        self._flows: list[_Flow] = []  # fair sharing: transfers whose bytes are on the wire
+        self._flows_at_s = 0.0  # when `remaining` was last brought up to date
+        self._next_end = None  # the pending timeout that ends the next flow
         self.faults = None  # a pdsim.sim.faults.SimFaults when faults are injected
 
     def join(self, room_id: int, *, sender: "SimKVManager | None" = None,
@@ -109,16 +193,58 @@ class SimFabric:
         self._contacted.add(key)
         return self.model.first_contact_s
 
-    def transfer_end(self, src: Link, dst: Link, nbytes: float) -> float:
-        """Reserve both links for `nbytes`; the simulated time the last byte lands."""
-        now = self.env.now
+    def transfer(self, src: Link, dst: Link, nbytes: float, descriptors: float,
+                 on_landed: Callable[[], None]) -> None:
+        """Move `nbytes` (plus `descriptors` writes) from `src` to `dst`; `on_landed` runs when
+        the last byte has landed and the transfer's floor has passed."""
         self.kv_bytes += nbytes
+        floor = self.model.transfer_floor_s
+        done = lambda: self.later(floor, on_landed)  # noqa: E731
         if not self.model.enabled:
-            return now + self.model.transfer_floor_s
-        start = max(now, src.busy_until, dst.busy_until)
-        sent = start + nbytes / min(src.bytes_per_s, dst.bytes_per_s)
-        src.busy_until = dst.busy_until = sent
-        return sent + self.model.transfer_floor_s
+            done()
+            return
+        # Descriptors cost NIC time on the sender's GPUs, in parallel: bytes it could have sent.
+        descriptor_s = descriptors * self.model.per_descriptor_s / src.gpus
+        if math.isinf(min(src.bytes_per_s, dst.bytes_per_s)):  # a link without a limit
+            self.later(descriptor_s, done)
+            return
+        work = nbytes + descriptor_s * src.bytes_per_s
+        if self.model.sharing == "fifo":
+            now = self.env.now
+            start = max(now, src.busy_until, dst.busy_until)
+            src.busy_until = dst.busy_until = start + work / min(src.bytes_per_s, dst.bytes_per_s)
+            self.later(src.busy_until - now, done)
+            return
+        self._advance()
+        self._flows.append(_Flow(src, dst, work, done))
+        self._reshare()
+
+    def _advance(self) -> None:
+        now = self.env.now
+        dt = now - self._flows_at_s
+        if dt > 0:
+            for f in self._flows:
+                f.remaining -= f.rate * dt
+        self._flows_at_s = now
+
+    def _reshare(self) -> None:
+        if not self._flows:
+            return
+        max_min_rates(self._flows)
+        wait = max(0.0, min(f.remaining / f.rate for f in self._flows))
+        ev = self._next_end = self.env.timeout(wait)
+        ev.callbacks.append(self._flow_ends)
+
+    def _flow_ends(self, ev) -> None:
+        if ev is not self._next_end:
+            return  # superseded by a later start or end
+        self._advance()
+        # Done: within a picosecond of its last byte (what float rounding leaves over).
+        ended = [f for f in self._flows if f.remaining <= f.rate * 1e-12]
+        self._flows = [f for f in self._flows if f.remaining > f.rate * 1e-12]
+        self._reshare()
+        for f in ended:
+            f.on_sent()
 
     def fail(self, r: _Room, reason: str) -> None:
         if r.sender_state is KVPoll.Failed and r.receiver_state is KVPoll.Failed:
@@ -204,9 +330,13 @@ class SimKVSender(_Endpoint):
         nbytes = len(page_indices) * self.manager.bytes_per_page
         if last:
             nbytes += self.manager.state_bytes_per_request
-        end = self.fabric.transfer_end(self.manager.link, dst.link, nbytes)
+        model = self.fabric.model
+        first = room.sent_pages - len(page_indices)
+        dst_pages = room.dst_pages[first:room.sent_pages]
+        descriptors = (model.descriptors_per_page * len(page_indices)
+                       + model.descriptors_per_run * page_runs(page_indices, dst_pages))
         room.chunks_pending += 1
-        self.fabric.later(end - self.fabric.env.now, self._chunk_landed)
+        self.fabric.transfer(self.manager.link, dst.link, nbytes, descriptors, self._chunk_landed)
 
     def _chunk_landed(self) -> None:
         room = self.room
@@ -244,6 +374,7 @@ class SimKVReceiver(_Endpoint):
     def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
         room = self.room
         room.dst_slot = metadata_slot
+        room.dst_pages = page_indices
         room.receiver_state = advance(room.receiver_state, KVPoll.Transferring)
         self.manager.epoch += 1
         self.fabric.later(self.fabric.model.message_latency_s, self._metadata_arrived)
