@@ -24,7 +24,7 @@ from pdsim.config import parse_experiment
 from pdsim.metrics import SLO, summarize
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cluster import simulate
-from runtime.engine import Engine
+from runtime.driver import Engine
 from runtime.executor import ModelExecutor
 from runtime.model import ModelConfig, build_model
 from runtime.sampling import SamplingParams

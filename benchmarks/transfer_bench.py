@@ -24,8 +24,8 @@ import numpy as np  # noqa: E402
 from pdsim.core.kvpoll import KVPoll  # noqa: E402
 from pdsim.core.request import Request  # noqa: E402
 from pdsim.core.transfer import FirstTokenMetadata  # noqa: E402
-from runtime.bootstrap import BootstrapServer  # noqa: E402
-from runtime.transfer.engine import MooncakeEngine, mooncake_version  # noqa: E402
+from runtime.transfer.bootstrap_server import BootstrapServer  # noqa: E402
+from runtime.transfer.mooncake_engine import MooncakeEngine, mooncake_version  # noqa: E402
 from runtime.transfer.layout import KVArgs, page_descriptors  # noqa: E402
 from runtime.transfer.metadata import MetadataBuffer  # noqa: E402
 from runtime.transfer.mooncake import MooncakeConfig, MooncakeKVManager  # noqa: E402

@@ -114,6 +114,8 @@ def validate(
     """Serve the deployment for real, replay its workload (exact arrivals and lengths), simulate
     it, and write the side-by-side table and plots; exit 1 when an error exceeds the tolerance
     (docs/validation.md)."""
+    from rich.markup import escape
+
     from pdsim.validation.compare import Tolerance
     from pdsim.validation.deployment import ServeError
     from pdsim.validation.validate import validate as run_validate
@@ -125,7 +127,7 @@ def validate(
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None
     except ServeError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False, markup=False)
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
     print((result.out_dir / "validation.md").read_text())
     print(f"wrote {result.out_dir}/validation.csv, validation.md, validation.png")
@@ -146,8 +148,10 @@ def calibrate(
     """Measure this machine's forwards over a grid of batch shapes, the KV transfer over
     message sizes and the HTTP/router front end, and write a calibration file for
     `pdsim validate --calibration` (docs/validation.md)."""
-    from runtime.calibration import calibrate as run_calibrate
+    from rich.markup import escape
+
     from pdsim.validation.deployment import ServeError
+    from runtime.calibration import calibrate as run_calibrate
 
     try:
         path = run_calibrate(config, out, repeats=repeats)
@@ -155,7 +159,7 @@ def calibrate(
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None
     except ServeError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False, markup=False)
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
     print(f"wrote {path}")
 
@@ -164,7 +168,8 @@ def calibrate(
 def plan(
     plan_file: Path = typer.Argument(..., help="plan YAML, e.g. experiments/plan_qwen3_32b.yaml"),
     out: Optional[Path] = typer.Option(None, help="output directory (default results/<name>)"),
-    jobs: Optional[int] = typer.Option(None, help="simulations run in parallel (default: CPUs)"),
+    jobs: Optional[int] = typer.Option(None, help="simulations run in parallel (default: CPUs, "
+                                       "or the Ray cluster's)"),
     no_prefilter: bool = typer.Option(False, "--no-prefilter",
                                       help="simulate every candidate (slow)"),
     quiet: bool = typer.Option(False, help="no progress bar or tables"),

@@ -9,8 +9,8 @@ handed) and one sampling generator per non-greedy request. The core's convention
   the first `start` are already cached and `req.pages` covers every slot below `end`. One token is
   returned per segment; only those of last chunks (`seg.is_last`) are sampled, so chunking never
   moves a request's random stream.
-- `decode` batch: request `req` feeds `req.output_ids[-1]` at position
-  `req.kv_at_join + batch.step - 1 - req.join_step` (its KV length before the step).
+- `decode` batch: request `req` feeds `req.output_ids[-1]` at position `batch.kv_lens()[i]`
+  (its KV length before the step).
 
 `req.sampling` is a `runtime.sampling.SamplingParams` (None means greedy). A seeded request draws
 from its own generator, so its tokens never depend on what else is batched with it; an unseeded
@@ -36,7 +36,7 @@ import torch
 
 from pdsim.core.batch import Batch, BatchResult
 from pdsim.core.request import Request
-from runtime.kv_cache import PagedKVCache
+from runtime.model.kv_cache import PagedKVCache
 from runtime.model import AttentionMetadata, CausalLM
 from runtime.sampling import SamplingParams, make_generator, sample
 
@@ -163,13 +163,10 @@ class ModelExecutor:
         return self._forward(ids, query_lens, cached_lens, tables, reqs, sampled)
 
     def _decode(self, batch: Batch) -> tuple[list[int], list[float]]:
-        ids, cached_lens, tables = [], [], []
-        for req in batch.reqs:
-            ids.append(req.output_ids[-1])
-            cached_lens.append(req.kv_at_join + batch.step - 1 - req.join_step)
-            tables.append(req.pages)
+        ids = [req.output_ids[-1] for req in batch.reqs]
+        tables = [req.pages for req in batch.reqs]
         n = len(batch.reqs)
-        return self._forward(ids, [1] * n, cached_lens, tables, batch.reqs, [True] * n)
+        return self._forward(ids, [1] * n, batch.kv_lens(), tables, batch.reqs, [True] * n)
 
     def _forward(self, ids: list[int], query_lens: list[int], cached_lens: list[int],
                  tables: Sequence[Sequence[int]], reqs: Sequence[Request],

@@ -9,7 +9,7 @@
   long, as through a NIC of 1/factor the bandwidth. The prefill side cannot tell which decode
   instance a write goes to, so a decode role's NIC cannot be slowed here (config error).
 - **bootstrap_delay_s**: the prefill instance's bootstrap server answers every `GET /route` that
-  much later (runtime/bootstrap.py `answer_delay_s`).
+  much later (runtime/transfer/bootstrap_server.py `answer_delay_s`).
 - **kill** (`Killer`, run by the launcher): at `at_s` after the router serves, SIGKILL to the
   worker's process group (rank 0 and its rank processes); with `restart_after_s`, the launcher
   starts the same command again then (same ports), and the router, which keeps its worker list,

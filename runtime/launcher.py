@@ -142,7 +142,8 @@ def make_router(config: PDServeConfig, prefill: Sequence[str], decode: Sequence[
     router's policy (its bootstrap rooms always come from the OS). `secret`: the workers'
     cluster secret; the config's API key (if any) guards the router's API."""
     from runtime.router import PDRouter, WorkerAddress
-    from runtime.server import Limits, load_text_side, model_config_of
+    from runtime.model.loading import load_text_side, model_config_of
+    from runtime.openai.protocol import Limits
 
     mcfg = model_config_of(config)
     text = load_text_side(config, mcfg.vocab_size)

@@ -35,10 +35,12 @@ import aiohttp
 
 from pdsim.core.records import RequestRecord
 from pdsim.core.router import Router
-from runtime.engine import EngineStopped, Sink, StreamEvent, deliver
+from runtime.chat_template import ChatTemplate
+from runtime.openai.protocol import Limits
+from runtime.openai.server import OpenAIServer
 from runtime.sampling import SamplingParams
 from runtime.serve_metrics import ServeMetrics
-from runtime.server import ChatTemplate, Limits, OpenAIServer
+from runtime.streams import EngineStopped, Sink, StreamEvent, deliver
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from runtime.checks import is_int, short_repr
+
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (SGLang's floor is 1e-6)
 MAX_TEMPERATURE = 2.0  # the OpenAI API's upper bound
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit signed integer
@@ -61,10 +63,6 @@ class SamplingError(ValueError):
         self.field = field
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_finite(v: Any) -> bool:
     if not isinstance(v, (int, float)) or isinstance(v, bool):
         return False
@@ -80,28 +78,23 @@ def parse_sampling(raw: dict, *, default_temperature: float) -> SamplingParams:
     temperature = raw.get("temperature")
     temperature = default_temperature if temperature is None else temperature
     if not _is_finite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
-        raise SamplingError("temperature", f"temperature={_short(temperature)}; allowed: a "
+        raise SamplingError("temperature", f"temperature={short_repr(temperature)}; allowed: a "
                             f"number in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_BELOW:g}: greedy)")
     top_p = raw.get("top_p")
     top_p = 1.0 if top_p is None else top_p
     if not _is_finite(top_p) or not 0 < top_p <= 1:
-        raise SamplingError("top_p", f"top_p={_short(top_p)}; allowed: a number in (0, 1]")
+        raise SamplingError("top_p", f"top_p={short_repr(top_p)}; allowed: a number in (0, 1]")
     top_k = raw.get("top_k")
     top_k = 0 if top_k is None or top_k == -1 else top_k
-    if not _is_int(top_k) or not 0 <= top_k <= TOP_K_MAX:
-        raise SamplingError("top_k", f"top_k={_short(top_k)}; allowed: an integer in "
+    if not is_int(top_k) or not 0 <= top_k <= TOP_K_MAX:
+        raise SamplingError("top_k", f"top_k={short_repr(top_k)}; allowed: an integer in "
                             f"1..{TOP_K_MAX}, or 0 or -1 (off)")
     seed = raw.get("seed")
-    if seed is not None and not (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
-        raise SamplingError("seed", f"seed={_short(seed)}; allowed: null or an integer in "
+    if seed is not None and not (is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
+        raise SamplingError("seed", f"seed={short_repr(seed)}; allowed: null or an integer in "
                             "-2**63..2**63-1")
     return SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                           seed=seed)
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,7 +11,7 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from runtime.bootstrap import (
+from runtime.transfer.bootstrap_server import (
     BootstrapClient, BootstrapError, BootstrapMismatchError, BootstrapServer, ParallelInfo,
     RankRegistration, check_compatible,
 )

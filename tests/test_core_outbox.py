@@ -1,14 +1,16 @@
-"""The core's outbox and failure entry point, as a driver uses them: `emitted` holds the requests
-given a token outside a forward by the last step (a decode worker's first token, from the KV
-metadata), and `fail_batch` fails a planned batch whose forward raised, releasing everything."""
+"""What a driver reads from the core: the outbox (`emitted`: the requests the last step gave a
+token outside a forward, a decode worker's first token from the KV metadata), `fail_batch` for a
+forward that raised, each decode plan's KV lengths, and `load()`, the router's signal."""
 
 from __future__ import annotations
 
+import pytest
 from core_harness import StubKV
 
-from pdsim.core.batch import BatchResult
+from pdsim.core.batch import Batch, BatchResult
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.decode import DecodeScheduler
+from pdsim.core.prefill import PrefillScheduler
 from pdsim.core.request import Request
 from pdsim.core.scheduler import ColocatedScheduler
 
@@ -64,3 +66,34 @@ def test_fail_batch_fails_a_decode_batch_only():
     assert [r.rid for r in s.done] == ["a"] and a.error.startswith("forward failed")
     assert list(s.waiting) == [c] and not c.finished
 
+
+
+def test_a_decode_plan_carries_each_requests_kv_length():
+    s = ColocatedScheduler(cfg())
+    a = Request("a", 5, 9, arrival_s=0.0)
+    s.add_request(a, 0.0)
+    s.on_batch_done(s.step(0.0), BatchResult(0.1, [1], [0.0]), 1.0)  # prefill: KV 5
+    for t in (2.0, 3.0):
+        s.on_batch_done(s.step(t), BatchResult(0.1, [1], [0.0]), t + 0.5)  # KV 6, 7
+    b = Request("b", 3, 9, arrival_s=3.0)
+    s.add_request(b, 3.0)
+    s.on_batch_done(s.step(3.5), BatchResult(0.1, [1], [0.0]), 4.0)  # b's prefill: KV 3
+    batch = s.step(4.0)
+    assert batch.kind == "decode" and [r.rid for r in batch.reqs] == ["a", "b"]
+    assert batch.kv_lens() == [7, 3]
+    with pytest.raises(ValueError, match="extend batch"):
+        Batch("extend", batch.shape, 0.0, segments=[]).kv_lens()
+
+
+def test_load_is_pending_prompt_tokens_on_prefill_and_active_requests_elsewhere():
+    kv = StubKV()
+    p = PrefillScheduler(cfg(), kv)
+    p.add_request(Request("p1", 10, 1, arrival_s=0.0, bootstrap_room=1), 0.0)
+    p.add_request(Request("p2", 7, 1, arrival_s=0.0, bootstrap_room=2), 0.0)
+    assert p.load() == 17
+    d = DecodeScheduler(cfg(), kv)
+    d.add_request(Request("d1", 10, 4, arrival_s=0.0, bootstrap_room=3), 0.0)
+    c = ColocatedScheduler(cfg())
+    for i in range(3):
+        c.add_request(Request(f"c{i}", 4, 4, arrival_s=0.0), 0.0)
+    assert (d.load(), c.load()) == (1, 3)

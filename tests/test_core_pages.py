@@ -1,11 +1,11 @@
-"""Page arithmetic: page counts, page indices of token slots, and transfer descriptors."""
+"""Page arithmetic: page counts and transfer descriptors."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pdsim.core.pages import group_contiguous_runs, num_pages, token_to_page_indices
+from pdsim.core.pages import group_contiguous_runs, num_pages
 
 
 @pytest.mark.parametrize(
@@ -14,17 +14,6 @@ from pdsim.core.pages import group_contiguous_runs, num_pages, token_to_page_ind
 )
 def test_num_pages_rounds_up(tokens, page_size, pages):
     assert num_pages(tokens, page_size) == pages
-
-
-def test_token_to_page_indices_visits_each_page_once():
-    page_size = 4
-    pages = [3, 7, 2]
-    slots = [p * page_size + off for p in pages for off in range(page_size)][:10]  # last page partial
-    out = token_to_page_indices(slots, page_size)
-    assert isinstance(out, np.ndarray)
-    assert out.tolist() == [3, 7, 2]
-    assert token_to_page_indices(np.arange(8, 16), 4).tolist() == [2, 3]
-    assert token_to_page_indices([], 4).tolist() == []
 
 
 def test_seed_example():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdsim.core.pool import IndexPool, PagePool, ReqSlotPool
+from pdsim.core.pool import IndexPool, PagePool
 
 
 def test_alloc_hands_out_lowest_first_and_runs_dry():
@@ -85,21 +85,12 @@ def test_page_pool_counts_free_tokens():
     assert pool.page_size == 16
 
 
-def test_req_slot_pool_holds_running_plus_reserve():
-    pool = ReqSlotPool(max_running=4, pre_alloc_size=2)
-    assert pool.size == 6 and pool.max_running == 4 and pool.pre_alloc_size == 2
-    assert pool.alloc_many(6) == [0, 1, 2, 3, 4, 5]
-    assert pool.alloc() is None
-    assert ReqSlotPool(3).size == 3
-
-
 @pytest.mark.parametrize(
     "make,message",
     [
         (lambda: IndexPool(0, "thing"), "thing pool size must be positive, got 0"),
         (lambda: PagePool(0, 16), "pool size must be positive"),
         (lambda: PagePool(4, 0), "page_size must be positive, got 0"),
-        (lambda: ReqSlotPool(4, -1), "pre_alloc_size must be >= 0, got -1"),
     ],
 )
 def test_bad_sizes_are_rejected(make, message):

@@ -17,10 +17,11 @@ from pdsim.core.batch import BatchResult
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.request import Request
 from pdsim.core.scheduler import ColocatedScheduler
-from runtime.engine import Engine, StreamEvent
+from runtime.driver import Engine
 from runtime.executor import TIMING_COLUMNS, ModelExecutor
 from runtime.model import AttentionMetadata, ModelConfig, build_model
 from runtime.sampling import SamplingParams
+from runtime.streams import StreamEvent
 from runtime.tokenizer import ByteTokenizer
 
 VOCAB = ByteTokenizer.vocab_size

@@ -18,8 +18,10 @@ from hypothesis import strategies as st
 from runtime.pd import step_messages
 from runtime.pd.http import GENERATE_FIELDS, parse_generate
 from runtime.serve_config import ServeConfig
-from runtime.server import BackgroundServer, BadRequest, ChatTemplate, GenParams, Limits
-from runtime.server import RequestParser
+from runtime.chat_template import ChatTemplate
+from runtime.checks import BadRequest
+from runtime.openai.protocol import GenParams, Limits, RequestParser
+from runtime.openai.server import BackgroundServer
 from runtime.tokenizer import ByteTokenizer
 from runtime.transfer import messages
 

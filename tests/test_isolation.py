@@ -25,11 +25,11 @@ import aiohttp
 import pytest
 
 from pd_harness import Proc
-from runtime.engine import StreamEvent
+from runtime.streams import StreamEvent
 from runtime.pd import step_messages as steps
 from runtime.sampling import SamplingParams
 from runtime.serve_config import ServeConfig
-from runtime.server import BackgroundServer
+from runtime.openai.server import BackgroundServer
 from runtime.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -130,7 +130,9 @@ def test_a_request_whose_sampling_fails_fails_alone_in_the_engine(server):
 
 
 def test_a_prompt_too_long_for_the_prefill_pool_states_one_limit():
-    from runtime.server import BadRequest, ChatTemplate, Limits, RequestParser
+    from runtime.chat_template import ChatTemplate
+    from runtime.checks import BadRequest
+    from runtime.openai.protocol import Limits, RequestParser
 
     pd = RequestParser(TOK, Limits(max_model_len=1024, pool_tokens=256, max_position=2048,
                                    model_vocab=512), ChatTemplate(), [], 16)

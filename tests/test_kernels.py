@@ -181,7 +181,7 @@ def test_triton_store_kv_matches_reference(heads, dim):
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mla"])
 def test_model_decode_with_triton_kernels_matches_torch(preset, monkeypatch):
-    from runtime.kv_cache import PagedKVCache
+    from runtime.model.kv_cache import PagedKVCache
     from runtime.model import ModelConfig, build_model
 
     model = build_model(ModelConfig.preset(preset), seed=3)

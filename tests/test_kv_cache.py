@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime import kernels
-from runtime.kv_cache import PagedKVCache
+from runtime.model.kv_cache import PagedKVCache
 from runtime.model.config import ModelConfig
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from runtime.kv_cache import PagedKVCache
+from runtime.model.kv_cache import PagedKVCache
 from runtime.model import AttentionMetadata, ModelConfig, build_model, load_model, save_safetensors
 from runtime.sampling import SamplingParams, filtered_probs, make_generator, sample
 from runtime.tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, load_tokenizer

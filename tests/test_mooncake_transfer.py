@@ -14,9 +14,9 @@ import pytest
 from pdsim.core.kvpoll import KVPoll
 from pdsim.core.request import Request
 from pdsim.core.transfer import FirstTokenMetadata
-from runtime.bootstrap import BootstrapServer
+from runtime.transfer.bootstrap_server import BootstrapServer
 from runtime.transfer import messages as m
-from runtime.transfer.engine import MooncakeEngine, TransferEngineError, check_version
+from runtime.transfer.mooncake_engine import MooncakeEngine, TransferEngineError, check_version
 from runtime.transfer.layout import (
     KVArgs, Target, head_range, page_descriptors, plan_targets,
 )

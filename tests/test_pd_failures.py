@@ -167,7 +167,7 @@ def test_crossed_metadata_is_caught():
     the core schedulers), the prefill side writing a wrong room into the metadata slot."""
     import torch
 
-    from runtime.bootstrap import BootstrapServer
+    from runtime.transfer.bootstrap_server import BootstrapServer
     from runtime.distributed import TPGroup
     from runtime.pd.worker import RankSpec, build_rank
 
@@ -381,7 +381,7 @@ def test_a_request_whose_sampling_fails_fails_alone_on_either_side():
     smuggled in): each fails with the reason, the other requests of their batches finish."""
     import torch
 
-    from runtime.bootstrap import BootstrapServer
+    from runtime.transfer.bootstrap_server import BootstrapServer
     from runtime.distributed import TPGroup
     from runtime.pd.worker import RankSpec, build_rank
     from runtime.sampling import SamplingParams

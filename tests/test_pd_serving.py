@@ -33,9 +33,9 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 def colocated_outputs(model: str) -> list[list[int]]:
     """The reference: the colocated engine (the same scheduler knobs) on the same prompts."""
-    from runtime.engine import Engine
+    from runtime.driver import Engine
     from runtime.executor import ModelExecutor
-    from runtime.server import load_served_model, load_text_side
+    from runtime.model.loading import load_served_model, load_text_side
     from runtime.serve_config import ServeConfig
 
     cfg = pd_config(model)
@@ -127,7 +127,8 @@ def test_worker_endpoints(cluster):
                                                                     prefill.bootstrap_port)
     assert decode.get("/info")["bootstrap_port"] == 0
     load = decode.get("/load")
-    assert load["num_active"] == 0 and load["pending_tokens"] == 0 and "transfer" in load["queues"]
+    assert load["load"] == load["num_active"] == load["pending_tokens"] == 0
+    assert "transfer" in load["queues"]
     rows = decode.get("/records")
     assert rows and all(r["status"] == "ok" for r in rows)
     assert all(r["decode_instance"] == 0 and len(r["token_times_s"]) == r["output_tokens"]

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from runtime.router import PDRouter, WorkerAddress
-from runtime.server import Limits
+from runtime.openai.protocol import Limits
 from runtime.tokenizer import ByteTokenizer
 
 

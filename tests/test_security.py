@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from pdsim.core.kvpoll import KVPoll
-from runtime.bootstrap import BootstrapClient, BootstrapError, BootstrapServer, RankRegistration
+from runtime.transfer.bootstrap_server import BootstrapClient, BootstrapError, BootstrapServer, RankRegistration
 from runtime.distributed import run_ranks
 from runtime.security import (
     AUTH_HEADER, SECRET_ENV, ClusterKey, SecurityError, deployment_secret, listeners,
@@ -318,7 +318,7 @@ def test_the_mooncake_engine_says_truthfully_where_it_listens(caplog):
 SHIM_PROBE = """
 import json, socket, sys
 from runtime.security import listeners
-from runtime.transfer.engine import MooncakeEngine
+from runtime.transfer.mooncake_engine import MooncakeEngine
 engine = MooncakeEngine("127.0.0.1")
 mine = socket.socket()
 mine.bind(("0.0.0.0", 0))
@@ -458,7 +458,7 @@ def test_a_deployment_listens_on_loopback_and_refuses_strangers(tmp_path, monkey
 
 def test_the_api_key_guards_the_colocated_server():
     from runtime.serve_config import ServeConfig
-    from runtime.server import BackgroundServer, build_server
+    from runtime.openai.server import BackgroundServer, build_server
 
     server = build_server(ServeConfig(model="tiny-llama", port=0, num_pages=32, page_size=8,
                                       device="cpu"))

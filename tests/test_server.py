@@ -29,7 +29,7 @@ from openai import OpenAI
 
 from runtime.model import AttentionMetadata
 from runtime.serve_config import ServeConfig, load_serve_config
-from runtime.server import BackgroundServer
+from runtime.openai.server import BackgroundServer
 from runtime.tokenizer import ByteTokenizer
 
 from pdsim.config import ConfigError

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runtime.distributed import JoinTimeout, RankFailed, TPGroup, free_port, run_ranks
-from runtime.kv_cache import PagedKVCache
+from runtime.model.kv_cache import PagedKVCache
 from runtime.model import AttentionMetadata, ModelConfig, build_model
 from runtime.model.tp import apply_tp, check_tp, head_range, kv_head_range
 

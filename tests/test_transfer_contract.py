@@ -43,7 +43,7 @@ def fake_pair() -> Pair:
 
 
 def mooncake_pair() -> Pair:
-    from runtime.bootstrap import BootstrapServer
+    from runtime.transfer.bootstrap_server import BootstrapServer
     from runtime.transfer.layout import KVArgs
     from runtime.transfer.metadata import MetadataBuffer
     from runtime.transfer.mooncake import MooncakeKVManager

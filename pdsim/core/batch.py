@@ -60,9 +60,10 @@ class ExtendSegment:
 class Batch:
     """A forward the scheduler has planned; a driver runs it and hands back a `BatchResult`.
 
-    `extend` batches carry segments (prefill, chunked prefill or recompute); `decode` batches carry
-    the running requests in order and `step`, the running batch's step the forward computes (a
-    request's KV length in it is `req.kv_at_join + step - 1 - req.join_step`).
+    `extend` batches carry segments (prefill, chunked prefill or recompute: each says which of
+    its request's tokens it computes); `decode` batches carry the running requests in order and
+    `step`, the running batch's step the forward computes, from which `kv_lens()` gives each
+    request's KV length: a plan is complete, an executor reads no running-batch bookkeeping.
     """
 
     kind: str  # "extend" or "decode"
@@ -71,6 +72,15 @@ class Batch:
     segments: list[ExtendSegment] | None = None
     reqs: list[Request] | None = None
     step: int = 0
+
+    def kv_lens(self) -> list[int]:
+        """A decode batch's KV length of each request before this step, in `reqs` order.
+        O(requests), for executors that read every request anyway (the simulator does not)."""
+        if self.kind != "decode":
+            raise ValueError(f"kv_lens() of a {self.kind} batch; its segments say what is cached")
+        if self.shape.decode_query_len != 1:
+            raise ValueError("kv_lens() of a speculative decode step (simulator only)")
+        return [r.kv_at_join + self.step - 1 - r.join_step for r in self.reqs]
 
 
 @dataclass(slots=True)

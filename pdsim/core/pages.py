@@ -12,16 +12,6 @@ def num_pages(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-def token_to_page_indices(token_slots: Sequence[int] | np.ndarray, page_size: int) -> np.ndarray:
-    """Page index of every page touched by a page-aligned run of token slots.
-
-    Token slots are `page * page_size + offset`; a request's slots start each page at offset 0,
-    so taking every `page_size`-th slot visits each of its pages once.
-    """
-    slots = np.asarray(token_slots, dtype=np.int64)
-    return slots[::page_size] // page_size
-
-
 def group_contiguous_runs(
     src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray
 ) -> list[tuple[int, int, int]]:

@@ -84,19 +84,3 @@ class PagePool(IndexPool):
     @property
     def free_tokens(self) -> int:
         return self.num_free * self.page_size
-
-
-class ReqSlotPool(IndexPool):
-    """Request slots; `reserve` of them are kept for requests that wait for their KV.
-
-    The decode side sizes this `max_running + pre_alloc_size`: the running batch is capped at
-    `max_running` elsewhere, so the extra `pre_alloc_size` slots always remain for preallocation
-    and requests whose KV is still in flight never starve the running batch.
-    """
-
-    def __init__(self, max_running: int, pre_alloc_size: int = 0, name: str = "request slot"):
-        if pre_alloc_size < 0:
-            raise ValueError(f"pre_alloc_size must be >= 0, got {pre_alloc_size}")
-        super().__init__(max_running + pre_alloc_size, name)
-        self.max_running = max_running
-        self.pre_alloc_size = pre_alloc_size

@@ -66,6 +66,9 @@ class PrefillScheduler(InstanceScheduler):
             self._poll_inflight(now)
         return self._plan_extend(now)
 
+    def load(self) -> float:
+        return self.pending_tokens
+
     def next_deadline_s(self, now: float) -> float | None:
         return next_deadline(self.bootstrap, self.config.bootstrap_timeout_s, now)
 

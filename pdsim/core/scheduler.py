@@ -322,6 +322,11 @@ class InstanceScheduler:
         if self.metadata_slots is not None:
             self.metadata_slots.check_full()
 
+    def load(self) -> float:
+        """The router's load signal, the same in the simulator and in serving: requests added
+        and not yet done (a prefill scheduler counts prompt tokens not yet computed instead)."""
+        return self.num_active
+
     def next_deadline_s(self, now: float) -> float | None:
         """The next time after `now` at which a queued request may time out (None: none may),
         so an idle driver knows when to call `step` even if nothing else happens."""

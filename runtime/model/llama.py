@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from runtime import kernels
 from runtime.model.attention import AttentionMetadata, dense_causal_attention, paged_attention
 from runtime.model.config import ModelConfig
+from runtime.model.kv_cache import PagedKVCache
 from runtime.model.layers import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from runtime.kv_cache import PagedKVCache
 
 
 class GQAAttention(nn.Module):

@@ -13,18 +13,14 @@ use as an independent check of the absorption.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from runtime import kernels
 from runtime.model.attention import AttentionMetadata, dense_causal_attention, paged_attention
 from runtime.model.config import ModelConfig
+from runtime.model.kv_cache import PagedKVCache
 from runtime.model.layers import RMSNorm, RotaryEmbedding
-
-if TYPE_CHECKING:
-    from runtime.kv_cache import PagedKVCache
 
 
 class MLAAttention(nn.Module):

@@ -6,19 +6,15 @@ Parameter names follow HF Llama / Qwen2 / DeepSeek-V2 (`model.layers.0.self_attn
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from runtime.model.attention import AttentionMetadata
 from runtime.model.config import ModelConfig
+from runtime.model.kv_cache import PagedKVCache
 from runtime.model.layers import GatedMLP, MoE, RMSNorm, RotaryEmbedding
 from runtime.model.llama import GQAAttention
 from runtime.model.mla import MLAAttention
-
-if TYPE_CHECKING:
-    from runtime.kv_cache import PagedKVCache
 
 
 class DecoderLayer(nn.Module):

@@ -1,10 +1,11 @@
 """Prefill and decode workers for disaggregated serving (docs/serving.md).
 
 - `kv`: the poll snapshot every rank of an instance agrees on (`SnapshotKV`).
-- `engine`: `PDEngine`, the serving engine over a prefill or decode scheduler, in lock step
-  across tensor-parallel ranks.
+- `lockstep_engine`: `PDEngine`, the serving engine over a prefill or decode scheduler, in lock
+  step across tensor-parallel ranks (`step_messages`: the typed step it broadcasts).
 - `http`: the worker HTTP API (`WorkerServer`), which the router talks to.
 - `worker`: building a rank and running an instance (rank processes, bootstrap server).
 
-runtime/launcher.py starts whole deployments (`pdsim serve` with a disaggregated config).
+Nothing here imports the OpenAI front (runtime/openai/). runtime/launcher.py starts whole
+deployments (`pdsim serve` with a disaggregated config).
 """

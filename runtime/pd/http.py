@@ -19,7 +19,8 @@
   through the transfer layer).
 - `GET /health` (also `/info`): role, instance, tp, model, and a prefill worker's bootstrap
   server; 503 once the engine stopped.
-- `GET /load` `{"num_active", "pending_tokens", "queues"}`, `GET /metrics` (Prometheus),
+- `GET /load` `{"load", "num_active", "pending_tokens", "queues"}` (`load`: the scheduler's
+  `load()`, the signal the simulator's router uses), `GET /metrics` (Prometheus),
   `GET /records` (the finished requests' `RequestRecord`s), `GET /pools` `{"full", "detail"}`
   (every rank: are all pages, request slots and metadata slots back?).
 
@@ -38,13 +39,13 @@ from typing import Any
 
 from aiohttp import web
 
-from runtime.engine import RETRY_AFTER_S, EngineStopped, StreamEvent, failure_status
+from runtime.checks import BadRequest, check_text, check_token_ids, is_int, parse_json
 from runtime.executor import MAX_TOP_LOGPROBS
 from runtime.http_app import MAX_BODY_BYTES, AppServer, json_errors
-from runtime.pd.engine import PDEngine
+from runtime.pd.lockstep_engine import PDEngine
 from runtime.sampling import SAMPLING_FIELDS, SamplingError, SamplingParams, parse_sampling
 from runtime.serve_metrics import CONTENT_TYPE
-from runtime.server import BadRequest, check_text, check_token_ids, parse_json
+from runtime.streams import RETRY_AFTER_S, EngineStopped, StreamEvent, failure_status
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,6 @@ class GenerateParams:
     bootstrap_room: int
 
 
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def parse_generate(body: Any, *, model_vocab: int, max_position: int) -> GenerateParams:
     """A `/generate` body, checked field by field (`BadRequest` names the field)."""
     if not isinstance(body, dict):
@@ -89,7 +86,7 @@ def parse_generate(body: Any, *, model_vocab: int, max_position: int) -> Generat
     check_text("rid", rid)
     ids = check_token_ids("input_ids", body["input_ids"], model_vocab, empty_ok=False)
     max_new = body["max_new_tokens"]
-    if not _int(max_new) or max_new < 1:
+    if not is_int(max_new) or max_new < 1:
         raise BadRequest("max_new_tokens", f"max_new_tokens={max_new!r}; allowed: an integer >= 1")
     if len(ids) + max_new > max_position:
         raise BadRequest("max_new_tokens", f"input ({len(ids)} tokens) + max_new_tokens "
@@ -99,16 +96,16 @@ def parse_generate(body: Any, *, model_vocab: int, max_position: int) -> Generat
     stop = check_token_ids("stop_token_ids", body.get("stop_token_ids") or [], model_vocab,
                            empty_ok=True)
     top = body.get("top_logprobs") or 0
-    if not _int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+    if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
         raise BadRequest("top_logprobs", f"top_logprobs={top!r}; allowed: an integer "
                          f"0..{MAX_TOP_LOGPROBS}")
     host, port, room = body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"]
     if not isinstance(host, str) or not 0 < len(host) <= 255:
         raise BadRequest("bootstrap_host", f"bootstrap_host={host!r:.80}; allowed: a host name")
     check_text("bootstrap_host", host)
-    if not _int(port) or not 0 < port < 65536:
+    if not is_int(port) or not 0 < port < 65536:
         raise BadRequest("bootstrap_port", f"bootstrap_port={port!r}; allowed: 1..65535")
-    if not _int(room) or not 0 <= room < ROOM_LIMIT:
+    if not is_int(room) or not 0 <= room < ROOM_LIMIT:
         raise BadRequest("bootstrap_room", f"bootstrap_room={room!r}; allowed: 0..2**63-1")
     return GenerateParams(rid, ids, max_new, sampling, stop, top, host, port, room)
 

@@ -1,5 +1,5 @@
 """What rank 0 of a tensor-parallel instance tells its other ranks at the start of every loop
-iteration (runtime/pd/engine.py): a versioned `Step` of typed operations, encoded with msgpack.
+iteration (runtime/pd/lockstep_engine.py): a versioned `Step` of typed operations, encoded with msgpack.
 
 A message is checked when it is built: every field has its declared type, every integer fits a
 64-bit signed integer (msgpack's range), and an `AddRequest` holds what the other ranks can build

@@ -73,8 +73,8 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
 
     from runtime.executor import ModelExecutor
     from runtime.model.tp import apply_tp
-    from runtime.pd.engine import PDEngine
-    from runtime.server import load_served_model, load_text_side, resolve_device
+    from runtime.pd.lockstep_engine import PDEngine
+    from runtime.model.loading import load_served_model, load_text_side, resolve_device
     from runtime.transfer.layout import KVArgs
     from runtime.transfer.metadata import MetadataBuffer
     from runtime.security import key_of, resolve_secret
@@ -215,12 +215,12 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
                    on_ready: Callable[[InstanceAddress], None] | None = None) -> int:
     """Run instance `instance` of `role` until SIGINT or SIGTERM (or until a rank fails);
     returns the exit status. `port` / `bootstrap_port` override the configured ones."""
-    from runtime.bootstrap import BootstrapServer
+    from runtime.transfer.bootstrap_server import BootstrapServer
     from runtime.distributed import free_port
     from runtime.model.tp import check_tp
     from runtime.pd.http import WorkerInfo, WorkerServer
     from runtime.security import key_of, resolve_secret, secret_env
-    from runtime.server import model_config_of
+    from runtime.model.loading import model_config_of
     from runtime.transfer.bindshim import preload_env
 
     spec_cfg = config.role(role)

@@ -2,11 +2,12 @@
 
 - `layout`: `KVArgs` (one rank's registered buffers) and the TP-mismatch arithmetic.
 - `messages`: the versioned msgpack wire format.
-- `engine`: a checked wrapper of Mooncake's `TransferEngine`.
+- `mooncake_engine`: a checked wrapper of Mooncake's `TransferEngine`.
 - `metadata`: first-token metadata slots in registered memory.
 - `channel`: ZMQ PULL/PUSH sockets carrying those messages.
 - `state`: a room's forward-only state and the manager's poll epoch.
 - `prefill`, `decode`: the two halves of the protocol; `mooncake`: the manager, sender, receiver.
+- `bootstrap_server`: the HTTP bootstrap server (rank discovery) and its client.
 
 Importing this package does not import mooncake; constructing a manager does.
 """

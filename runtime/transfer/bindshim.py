@@ -1,7 +1,7 @@
 """Keep Mooncake's listeners on the configured host.
 
 Mooncake's transfer engine binds its handshake and TCP data ports to every interface and has no
-setting for the address (runtime/transfer/engine.py). `bindshim.c` wraps `bind()`: loaded with
+setting for the address (runtime/transfer/mooncake_engine.py). `bindshim.c` wraps `bind()`: loaded with
 LD_PRELOAD into a worker process, it turns a wildcard bind made by Mooncake's own code into a
 bind to `PDSIM_BIND_HOST`, and passes every other bind through. The launcher starts its workers
 with it (`preload_env`), a rank 0 starts its other ranks with it, and `pdsim serve --role`

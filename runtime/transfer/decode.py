@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pdsim.core.kvpoll import KVPoll
-from runtime.bootstrap import (
+from runtime.transfer.bootstrap_server import (
     BootstrapClient, ParallelInfo, RankRegistration, check_compatible,
 )
 from runtime.security import ClusterKey

@@ -1,7 +1,7 @@
 """Where bytes go: the buffers of one rank (`KVArgs`), who talks to whom under a TP mismatch, and
 the (src, dst, length) descriptors of one chunk.
 
-A KV buffer is `[num_pages, page_size, heads, head_dim]` (see runtime/kv_cache.py): page `p` is
+A KV buffer is `[num_pages, page_size, heads, head_dim]` (see runtime/model/kv_cache.py): page `p` is
 `ptr + p * item_len`, token `t` of it `+ t * item_len / page_size`, and head `h` of that token
 `+ h * head_bytes`.
 
@@ -75,7 +75,7 @@ class KVArgs:
     @classmethod
     def for_cache(cls, cache, metadata, *, tp_rank: int = 0, tp_size: int = 1,
                   total_kv_heads: int | None = None, dp_rank: int = 0, dp_size: int = 1) -> KVArgs:
-        """From a `runtime.kv_cache.PagedKVCache` and a `MetadataBuffer`; a GQA cache needs the
+        """From a `runtime.model.kv_cache.PagedKVCache` and a `MetadataBuffer`; a GQA cache needs the
         model's `total_kv_heads` (a rank's own count may be a replica)."""
         if not cache.mla and total_kv_heads is None:
             raise ValueError("KVArgs.for_cache: pass total_kv_heads for a GQA cache")

@@ -35,11 +35,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdsim.core.kvpoll import KVPoll
-from runtime.bootstrap import BootstrapClient, RankRegistration
+from runtime.transfer.bootstrap_server import BootstrapClient, RankRegistration
 from runtime.security import ClusterKey
 from runtime.transfer.channel import ZmqChannel
 from runtime.transfer.decode import DecodeSide
-from runtime.transfer.engine import MooncakeEngine
+from runtime.transfer.mooncake_engine import MooncakeEngine
 from runtime.transfer.layout import KVArgs
 from runtime.transfer.messages import Abort, Heartbeat, RegisterDecode, Status, TransferInfo
 from runtime.transfer.metadata import SLOT_BYTES, MetadataBuffer

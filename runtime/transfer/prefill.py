@@ -28,7 +28,7 @@ import numpy as np
 
 from pdsim.core.kvpoll import KVPoll
 from runtime.transfer.channel import ChannelError, ZmqChannel
-from runtime.transfer.engine import MooncakeEngine
+from runtime.transfer.mooncake_engine import MooncakeEngine
 from runtime.transfer.layout import (
     HeadSlice, KVArgs, decode_ranks_per_prefill_rank, head_range, head_slice,
     head_slice_descriptors, page_descriptors,

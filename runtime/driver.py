@@ -1,16 +1,18 @@
-"""The serving engine: one thread drives a core scheduler with a `ModelExecutor`.
+"""The serving engine: one thread drives a core scheduler with a `ModelExecutor`, the same loop
+as the simulator's instance process (pdsim/sim/cluster.py), on a monotonic wall clock whose zero
+is `start()`:
 
-The scheduler is the colocated baseline's `ColocatedScheduler` unless another one is given (the
-PD workers pass a `PrefillScheduler` or `DecodeScheduler`, see runtime/pd/engine.py). The loop
-is the core's driver contract, on a monotonic wall clock whose zero is `start()`:
+    now, stop = sync.begin(inbox, apply)    # agree on this iteration's requests, aborts, clock
+    batch = sched.step(now)                 # plan; then stream the core's outbox (`emitted`)
+    result = executor.execute(batch)        # a torch forward, measured
+    sched.on_batch_done(batch, result, now) # (a forward that raises: sched.fail_batch)
+    stream the new tokens and the finished requests (`sched.done`)
 
-    now = sync()                       # take new requests and aborts from the inbox
-    batch = sched.step(now)            # None: nothing to run, sleep until something happens
-    result = executor.execute(batch)   # a torch forward, measured
-    sched.on_batch_done(batch, result, now)
-
-`_sync` and `_idle_timeout` are the hooks a subclass changes (the PD engine broadcasts the
-inbox to its tensor-parallel ranks and reduces their transfer polls there).
+The engine is composed, not subclassed: the scheduler is the colocated baseline's
+`ColocatedScheduler` unless another is given (a PD worker passes a `PrefillScheduler` or
+`DecodeScheduler`); the synchroniser `sync` is `LocalSync` (one process) unless another is given
+(a PD worker's `LockstepSync`, runtime/pd/lockstep_engine.py, broadcasts rank 0's inputs to the
+tensor-parallel ranks and MIN-reduces their transfer polls); `gauges` says what the metrics show.
 
 Other threads talk to the engine only through its inbox (`submit`, `abort`, `call`), which the
 loop drains between forwards, so the scheduler and the executor are touched by the engine
@@ -36,9 +38,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from pdsim.core.batch import Batch
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.records import RequestRecord
 from pdsim.core.request import Request
@@ -46,46 +47,9 @@ from pdsim.core.scheduler import ColocatedScheduler, InstanceScheduler
 from runtime.executor import ModelExecutor, save_table
 from runtime.sampling import SamplingParams
 from runtime.serve_metrics import ServeMetrics
+from runtime.streams import EngineStopped, Sink, StreamEvent, deliver
 
 log = logging.getLogger(__name__)
-
-TopLogprobs = tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class StreamEvent:
-    """New tokens of one request; the last event of a request has `finished` set."""
-
-    token_ids: tuple[int, ...] = ()
-    logprobs: tuple[float, ...] = ()
-    top_logprobs: tuple[TopLogprobs, ...] = ()  # one entry per token when they were asked for
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" or "length" when finished without error
-    error: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0  # tokens generated in all, on the last event
-    status: int | None = None  # HTTP status of an error raised before any token (router)
-    param: str | None = None  # the request field a 4xx error is about
-
-
-Sink = Callable[[StreamEvent], None]
-
-
-class EngineStopped(RuntimeError):
-    """The engine no longer takes requests."""
-
-
-RETRY_AFTER_S = 1  # what a 503 tells the client to wait before trying again
-# Failures that mean "too busy right now" (a request that waited its turn too long), not a fault.
-BUSY_FAILURES = ("shutting down", "bootstrap timed out", "KV did not arrive within")
-
-
-def failure_status(event: StreamEvent) -> int:
-    """The HTTP status of a failed request: its own (a refusal), 503 when the server was too
-    busy or is stopping (the client may retry), else 500."""
-    if event.status:
-        return event.status
-    return 503 if event.error and any(m in event.error for m in BUSY_FAILURES) else 500
 
 
 @dataclass(slots=True)
@@ -100,14 +64,67 @@ class _Stream:
 # Request fields a submitter may set beyond the prompt and sampling (PD: where the two sides meet).
 REQUEST_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
+Item = tuple[str, Any]  # an inbox entry: ("add" | "abort" | "call", its arguments)
+Apply = Callable[[str, Any, float], None]  # applies one entry to the scheduler at a time
+
+
+class Synchroniser(Protocol):
+    """Where the ranks of an instance agree on each iteration's inputs (one rank: nothing)."""
+
+    def begin(self, items: list[Item], stopping: bool, now: float,
+              apply: Apply) -> tuple[float, bool]:
+        """Agree on this iteration's inputs and `apply` them in order; returns the iteration's
+        clock and whether to stop. Raises when the ranks cannot agree (a peer is gone): the
+        engine then stops."""
+        ...
+
+    def idle_timeout(self, sched: InstanceScheduler, now: float) -> float | None:
+        """How long to sleep when nothing runs (None: until the inbox gets something; 0: not)."""
+        ...
+
+    def release(self, req: Request) -> None:
+        """`req` is done: forget what the synchroniser keeps about it."""
+        ...
+
+
+class LocalSync:
+    """One process: the inbox as it is, the engine's own clock."""
+
+    def begin(self, items: list[Item], stopping: bool, now: float,
+              apply: Apply) -> tuple[float, bool]:
+        for kind, item in items:
+            apply(kind, item, now)
+        return now, stopping
+
+    def idle_timeout(self, sched: InstanceScheduler, now: float) -> float | None:
+        return None if sched.is_idle else 0.01
+
+    def release(self, req: Request) -> None:
+        pass
+
+
+def scheduler_gauges(sched: InstanceScheduler) -> dict[str, float]:
+    """The gauges every engine shows: running and waiting requests, KV pages, request slots."""
+    used = sched.pool.num_used
+    return {
+        "pdsim_num_requests_running": len(sched.running),
+        "pdsim_num_requests_waiting": len(sched.waiting),
+        "pdsim_kv_pages_used": used,
+        "pdsim_kv_pages_total": sched.pool.size,
+        "pdsim_kv_usage_ratio": used / sched.pool.size,
+        "pdsim_request_slots_used": sched.req_slots.num_used,
+    }
+
 
 class Engine:
     """`scheduler`: the core scheduler to drive (built with `config`); default a
-    `ColocatedScheduler(config, instance_id)`."""
+    `ColocatedScheduler(config, instance_id)`. `sync`: default `LocalSync()`. `gauges`: the
+    scheduler's gauges for the metrics; default `scheduler_gauges`."""
 
     def __init__(self, executor: ModelExecutor, config: SchedulerConfig, *, instance_id: int = 0,
-                 scheduler: InstanceScheduler | None = None, max_records: int = 100_000,
-                 metrics: ServeMetrics | None = None) -> None:
+                 scheduler: InstanceScheduler | None = None, sync: Synchroniser | None = None,
+                 gauges: Callable[[InstanceScheduler], dict[str, float]] = scheduler_gauges,
+                 max_records: int = 100_000, metrics: ServeMetrics | None = None) -> None:
         if (config.num_pages, config.page_size) != (executor.kv.num_pages, executor.page_size):
             raise ValueError(
                 f"scheduler pool {config.num_pages} pages x {config.page_size} tokens differs from "
@@ -118,9 +135,12 @@ class Engine:
         self.executor = executor
         self.config = config
         self.sched = scheduler if scheduler is not None else ColocatedScheduler(config, instance_id)
+        self.sync: Synchroniser = sync if sync is not None else LocalSync()
+        self.gauges = gauges
         self.metrics = metrics or ServeMetrics()
         self.records: deque[RequestRecord] = deque(maxlen=max_records)
         self._streams: dict[str, _Stream] = {}
+        self._rooms: dict[int, str] = {}  # bootstrap room -> rid, of the PD requests not done
         self._inbox: deque[tuple[str, Any]] = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -171,7 +191,8 @@ class Engine:
 
     # ---- the inbox (any thread) --------------------------------------------------------------
 
-    def _post(self, kind: str, item: Any) -> None:
+    def post(self, kind: str, item: Any) -> None:
+        """Queue an inbox entry for the engine thread (`submit`, `abort`, `call` use it)."""
         with self._cond:
             if self._stopping or self._thread is None:
                 raise EngineStopped("the engine is not running")
@@ -191,20 +212,25 @@ class Engine:
         req = Request(rid, len(prompt_ids), max_new_tokens, arrival_s=self.now(),
                       prompt_ids=list(prompt_ids), stop_token_ids=frozenset(stop_token_ids),
                       sampling=sampling, **fields)
-        self._post("add", (req, sink, top_logprobs))
+        self.post("add", (req, sink, top_logprobs))
         return rid
 
     def abort(self, rid: str, reason: str = "aborted by the client") -> None:
         """Fail `rid` (no-op if it already finished); its sink gets the error event."""
         try:
-            self._post("abort", (rid, reason))
+            self.post("abort", (rid, reason))
         except EngineStopped:
             pass  # shutting down fails every request anyway
+
+    def wake(self) -> None:
+        """Wake an idle loop (a transfer made progress)."""
+        with self._cond:
+            self._cond.notify()
 
     def call(self, fn: Callable[[], Any], timeout: float | None = 30.0) -> Any:
         """Run `fn()` on the engine thread between two forwards and return its result."""
         fut: Future = Future()
-        self._post("call", (fn, fut))
+        self.post("call", (fn, fut))
         return fut.result(timeout)
 
     def has_request(self, rid: str, timeout: float | None = 30.0) -> bool:
@@ -225,7 +251,7 @@ class Engine:
 
     def _run(self) -> None:
         while True:
-            now, stop = self._sync()
+            now, stop = self._begin()
             if stop:
                 break
             try:
@@ -234,13 +260,13 @@ class Engine:
                 log.exception("scheduler step failed")
                 self._fail_all(f"scheduler error: {exc}")
                 continue
-            self._after_step()
+            self._push_new(self.sched.emitted)  # tokens from outside a forward
             if batch is None:
                 self._finish_done()
                 self._update_gauges()
                 with self._cond:
                     if not self._inbox and not self._stopping:
-                        timeout = self._idle_timeout(now)
+                        timeout = self.sync.idle_timeout(self.sched, now)
                         if timeout is None or timeout > 0:
                             self._cond.wait(timeout)
                 continue
@@ -248,7 +274,10 @@ class Engine:
                 result = self.executor.execute(batch)
             except Exception as exc:
                 log.exception("forward failed")
-                self._batch_failed(batch, f"forward failed: {exc}")
+                self.executor.take_failures()
+                self.sched.fail_batch(batch, f"forward failed: {exc}", self.now())
+                self._finish_done()
+                self._update_gauges()
                 continue
             self.sched.on_batch_done(batch, result, self.now())
             self._fail_unsampled()
@@ -262,30 +291,22 @@ class Engine:
         self._fail_all("server shutting down")
         self._update_gauges()
 
-    # ---- hooks (the PD engine's differ) --------------------------------------------------------
-
-    def _sync(self) -> tuple[float, bool]:
-        """Start an iteration: apply what the inbox holds; returns (now, whether to stop)."""
-        now = self.now()
-        for kind, item in self._take_inbox():
-            self._apply(kind, item, now)
-        return now, self._stopping
-
-    def _after_step(self) -> None:
-        """After `sched.step`, before the forward (the PD engine streams first tokens here)."""
-
-    def _idle_timeout(self, now: float) -> float | None:
-        """How long to sleep when there is nothing to run (None: until the inbox gets
-        something; 0: do not sleep)."""
-        return None if self.sched.is_idle else 0.01
-
-    # ---- the inbox, applied (engine thread) ----------------------------------------------------
-
-    def _take_inbox(self) -> list[tuple[str, Any]]:
+    def _begin(self) -> tuple[float, bool]:
+        """Start an iteration: agree on the inputs (`sync`) and apply them; (now, stop)."""
         with self._cond:
             items = list(self._inbox)
             self._inbox.clear()
-        return items
+            stopping = self._stopping
+        try:
+            return self.sync.begin(items, stopping, self.now(), self._apply)
+        except Exception as exc:  # a collective failed (a peer rank is gone), or worse
+            log.exception("the synchroniser failed")
+            with self._cond:
+                self._stopping = True
+            self._fail_all(f"failed to sync with the other ranks: {exc}")
+            return self.now(), True
+
+    # ---- the inbox, applied (engine thread) ----------------------------------------------------
 
     def _apply(self, kind: str, item: Any, now: float) -> None:
         if kind == "add":
@@ -308,12 +329,20 @@ class Engine:
             deliver(sink, StreamEvent(finished=True, error=f"request id {req.rid!r} is in use",
                                       prompt_tokens=req.input_len, status=409))
             return
+        owner = self._rooms.get(req.bootstrap_room) if req.bootstrap_room >= 0 else None
+        if owner is not None:
+            deliver(sink, StreamEvent(
+                finished=True, prompt_tokens=req.input_len, status=409,
+                error=f"bootstrap room {req.bootstrap_room} is in use by request {owner!r}"))
+            return
         stream = self._streams[req.rid] = _Stream(req, sink, top_logprobs)
         if top_logprobs:
             self.executor.want_top_logprobs(req.rid, top_logprobs)
         self.sched.add_request(req, now)
         # The core fails a request it can never hold (longer than the KV pool) at once.
         stream.rejected = req.finished
+        if req.bootstrap_room >= 0 and not req.finished:
+            self._rooms[req.bootstrap_room] = req.rid
         self._finish_done()
 
     def _fail_unsampled(self) -> None:
@@ -327,20 +356,6 @@ class Engine:
                 stream = self._streams.get(rid)
                 if stream is not None and stream.req.finished and not stream.req.error:
                     stream.req.error = reason
-
-    def _batch_failed(self, batch: Batch, reason: str) -> None:
-        """Fail the requests of a batch whose forward raised; the others go on."""
-        self.executor.take_failures()
-        now = self.now()
-        if batch.kind == "extend":
-            reqs = [seg.req for seg in batch.segments]
-            self.sched.waiting.extendleft(reversed(reqs))  # where the planner took them from
-        else:
-            reqs = batch.reqs
-        for req in reqs:
-            self.sched.abort(req.rid, reason, now)
-        self._finish_done()
-        self._update_gauges()
 
     def _fail_all(self, reason: str) -> None:
         now = self.now()
@@ -378,6 +393,9 @@ class Engine:
         done = list(self.sched.done)
         self.sched.done.clear()
         for req in done:
+            self.sync.release(req)
+            if self._rooms.get(req.bootstrap_room) == req.rid:
+                del self._rooms[req.bootstrap_room]
             record = req.to_record("failed" if req.error else "ok")
             self.records.append(record)
             self.metrics.observe_request(record)
@@ -397,19 +415,7 @@ class Engine:
             self.executor.release(req.rid)
 
     def _update_gauges(self) -> None:
-        self.metrics.set_gauges(self._gauges())
-
-    def _gauges(self) -> dict[str, float]:
-        s = self.sched
-        used = s.pool.num_used
-        return {
-            "pdsim_num_requests_running": len(s.running),
-            "pdsim_num_requests_waiting": len(s.waiting),
-            "pdsim_kv_pages_used": used,
-            "pdsim_kv_pages_total": s.pool.size,
-            "pdsim_kv_usage_ratio": used / s.pool.size,
-            "pdsim_request_slots_used": s.req_slots.num_used,
-        }
+        self.metrics.set_gauges(self.gauges(self.sched))
 
     # ---- results -----------------------------------------------------------------------------
 
@@ -422,11 +428,3 @@ class Engine:
     def save_records(self, path: str | Path) -> Path:
         """Write the records to `.csv` or `.parquet` (by the file's suffix)."""
         return save_table(self.records_frame(), path, "records")
-
-
-def deliver(sink: Sink, event: StreamEvent) -> None:
-    """Hand `event` to `sink`; a sink that raises loses the event, not its caller."""
-    try:
-        sink(event)
-    except Exception:  # a consumer gone (its event loop closed, say) must not stop the engine
-        log.debug("dropping an event for a closed sink", exc_info=True)

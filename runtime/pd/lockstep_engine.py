@@ -1,0 +1,299 @@
+"""The engine of one rank of a prefill or decode worker instance: the serving `Engine`
+(runtime/driver.py: the thread, inbox, streams, records and metrics) composed with a
+`PrefillScheduler` or `DecodeScheduler` over a Mooncake `KVManager` seen through `SnapshotKV`
+(runtime/pd/kv.py), and a `LockstepSync` that keeps the `tp` ranks of an instance running their
+schedulers and model forwards in lock step, SGLang style. At the start of each iteration:
+
+1. rank 0 takes its inbox (new requests, aborts, pool checks) and broadcasts it with its clock
+   reading `now` and whether to stop, one typed `Step` message (runtime/pd/step_messages.py);
+   the other ranks wait for it. A request that does not fit the message (a value out of range)
+   fails alone on rank 0 and is not sent;
+2. every rank applies those operations in order, with that `now`, then takes one poll snapshot
+   (`SnapshotKV.refresh`: one `all_reduce_min_int`, the MIN reduction of SGLang's
+   `poll_and_all_reduce`);
+3. every rank calls `sched.step(now)` -- the same inputs, so the same batch -- and runs the
+   forward (whose all-reduces keep the ranks together).
+
+Only rank 0 has clients: its sinks get the tokens; the other ranks' requests stream nowhere.
+Rank 0 sleeps while there is nothing to do until its inbox gets something, its transfer
+manager reports progress (`on_progress`), a queue timeout falls due, or -- with tp > 1 --
+`poll_interval_s` passes while transfers are in flight (another rank may be the one that moved)
+or `tick_s` passes (so the waiting ranks' collectives never time out).
+
+A decode worker's first token comes in the KV metadata, not from a forward: the core puts the
+request in its outbox (`sched.emitted`) and the engine streams it like any other token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from pdsim.core.config import SchedulerConfig
+from pdsim.core.decode import DecodeScheduler
+from pdsim.core.prefill import PrefillScheduler
+from pdsim.core.request import Request
+from pdsim.core.scheduler import InstanceScheduler
+from runtime.distributed import TPGroup
+from runtime.driver import Apply, Engine, Item, scheduler_gauges
+from runtime.executor import ModelExecutor
+from runtime.sampling import SamplingParams
+from runtime.pd import step_messages as steps
+from runtime.pd.kv import SnapshotKV
+from runtime.serve_metrics import GAUGES, ServeMetrics
+from runtime.streams import StreamEvent, deliver
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+
+PD_GAUGES = {
+    **GAUGES,
+    "pdsim_num_requests_bootstrap": "Prefill: requests waiting for the decode side (bootstrap).",
+    "pdsim_num_requests_inflight": "Prefill: requests whose KV is being sent.",
+    "pdsim_num_requests_prealloc": "Decode: requests waiting for KV pages (prealloc).",
+    "pdsim_num_requests_transfer": "Decode: requests whose KV is on its way.",
+    "pdsim_num_requests_prebuilt": "Decode: requests with their KV, waiting to join the batch.",
+    "pdsim_metadata_slots_used": "First-token metadata slots in use.",
+    "pdsim_transfers_pending": "Transfers not yet finished on every TP rank.",
+}
+
+
+def _discard(event: StreamEvent) -> None:
+    """The sink of a request on a rank without clients."""
+
+
+class LockstepSync:
+    """The synchroniser of a PD rank (`TPGroup.single()`: tp = 1, nothing is broadcast):
+    rank 0 broadcasts its inputs as one `Step`, every rank refreshes the MIN-reduced poll
+    snapshot. `pools_status` runs on every rank at the same point for a "pools" inbox entry."""
+
+    def __init__(self, group: TPGroup, kv: SnapshotKV, pools_status: Callable[[], dict],
+                 *, poll_interval_s: float = 0.005, tick_s: float = 1.0) -> None:
+        self.group = group
+        self.kv = kv
+        self.pools_status = pools_status
+        self.poll_interval_s = poll_interval_s
+        self.tick_s = tick_s
+
+    @property
+    def is_leader(self) -> bool:
+        return self.group.rank == 0
+
+    def begin(self, items: list[Item], stopping: bool, now: float,
+              apply: Apply) -> tuple[float, bool]:
+        if self.is_leader:
+            if not self.group.is_single:
+                items, ops = self._sendable(items)
+                self.group.broadcast_bytes(steps.encode(steps.Step(now=now, stop=stopping,
+                                                                   ops=ops)))
+            items = [("call", (self.pools_status, item)) if kind == "pools" else (kind, item)
+                     for kind, item in items]
+        else:
+            step = steps.decode(self.group.broadcast_bytes(None))
+            now, stopping, items = step.now, step.stop, [self._item_of(op) for op in step.ops]
+        for kind, item in items:
+            apply(kind, item, now)
+        self.kv.refresh()
+        return now, stopping
+
+    def _sendable(self, items: list[Item]) -> tuple[list[Item], list[steps.Op]]:
+        """The inbox entries the other ranks can be told of, and their operations. A request that
+        does not fit a step message fails here, alone, before anything is broadcast."""
+        kept, ops = [], []
+        for kind, item in items:
+            try:
+                op = _op_of(kind, item)
+            except steps.StepMessageError as exc:
+                log.warning("not broadcast to the TP ranks (%s): %s", kind, exc)
+                if kind == "add":
+                    req, sink, _top = item
+                    deliver(sink, StreamEvent(finished=True, error=f"invalid request: {exc}",
+                                              prompt_tokens=req.input_len, status=400))
+                continue
+            kept.append((kind, item))
+            if op is not None:
+                ops.append(op)
+        return kept, ops
+
+    def _item_of(self, op: steps.Op) -> Item:
+        """A broadcast operation as a follower's inbox entry."""
+        if isinstance(op, steps.AddRequest):
+            return "add", (_request_of(op), _discard, op.top_logprobs)
+        if isinstance(op, steps.AbortRequest):
+            return "abort", (op.rid, op.reason)
+        return "call", (self.pools_status, Future())
+
+    def idle_timeout(self, sched: InstanceScheduler, now: float) -> float | None:
+        if not self.is_leader or self.kv.inner.poll_epoch() != self.kv.inner_epoch_seen:
+            return 0  # followers wait in the next broadcast; news arrived since the snapshot
+        waits = []
+        deadline = sched.next_deadline_s(now)
+        if deadline is not None:
+            waits.append(max(0.0, deadline - now))
+        if not self.group.is_single:
+            waits.append(self.tick_s)
+            if self.kv.num_pending:
+                waits.append(self.poll_interval_s)
+        if not sched.is_idle:
+            waits.append(0.5)  # a safety net; progress wakes the loop earlier
+        return min(waits) if waits else None
+
+    def release(self, req: Request) -> None:
+        self.kv.release(req)
+
+
+class PDEngine:
+    """One rank's engine: an `Engine` over the role's scheduler with a `LockstepSync`.
+    `kv_manager` is this rank's real transfer manager (Mooncake); `group` the instance's TP
+    group (`TPGroup.single()` for tp = 1)."""
+
+    def __init__(self, executor: ModelExecutor, config: SchedulerConfig, *, role: str,
+                 kv_manager, group: TPGroup | None = None, instance_id: int = 0,
+                 max_records: int = 100_000, metrics: ServeMetrics | None = None,
+                 poll_interval_s: float = 0.005, tick_s: float = 1.0) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role {role!r}; allowed: {', '.join(ROLES)}")
+        self.role = role
+        self.group = group or TPGroup.single()
+        self.kv = SnapshotKV(kv_manager, self.group)
+        make = PrefillScheduler if role == "prefill" else DecodeScheduler
+        self.sched = make(config, self.kv, instance_id)
+        self.load: dict[str, float] = {"load": 0, "num_active": 0, "pending_tokens": 0}
+        self.queues: dict[str, int] = {}
+        self.sync = LockstepSync(self.group, self.kv, self._pools_status,
+                                 poll_interval_s=poll_interval_s, tick_s=tick_s)
+        self.driver = Engine(executor, config, scheduler=self.sched, sync=self.sync,
+                             gauges=self._gauges, max_records=max_records,
+                             metrics=metrics or ServeMetrics(PD_GAUGES))
+        self.metrics = self.driver.metrics
+        self.records = self.driver.records
+        if self.is_leader:
+            kv_manager.on_progress(self.driver.wake)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.group.rank == 0
+
+    # ---- the driver's lifecycle and inbox ------------------------------------------------------
+
+    def start(self) -> PDEngine:
+        self.driver.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        self.driver.stop(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        self.driver.join(timeout)
+
+    async def shutdown(self) -> None:
+        await self.driver.shutdown()
+
+    @property
+    def running(self) -> bool:
+        return self.driver.running
+
+    def submit(self, *args: Any, **kwargs: Any) -> str:
+        if not self.is_leader:
+            raise RuntimeError("only rank 0 of an instance takes requests")
+        return self.driver.submit(*args, **kwargs)
+
+    def abort(self, rid: str, reason: str = "aborted by the client") -> None:
+        self.driver.abort(rid, reason)
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = 30.0) -> Any:
+        return self.driver.call(fn, timeout)
+
+    def has_request(self, rid: str, timeout: float | None = 30.0) -> bool:
+        return self.driver.has_request(rid, timeout)
+
+    def pools(self, timeout: float | None = 30.0) -> dict[str, Any]:
+        """Ask every rank whether all its pages, request slots and metadata slots are back and
+        its transfers released: `{"full": bool, "detail": str}` (rank 0 only)."""
+        fut: Future = Future()
+        self.driver.post("pools", fut)
+        return fut.result(timeout)
+
+    def check_pools_full(self, timeout: float = 30.0) -> None:
+        """Wait until every rank is idle with its pools full; AssertionError after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not (state := self.pools(timeout))["full"]:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"pools not full after {timeout} s: {state['detail']}")
+            time.sleep(0.02)
+
+    # ---- parts handed to the driver (engine thread) --------------------------------------------
+
+    def _pools_status(self) -> dict[str, Any]:
+        """Every rank, at the same point: this rank's leftovers, MIN-reduced over the ranks."""
+        s, problems = self.sched, []
+        if not s.is_idle:
+            problems.append(f"{s.num_active} requests active")
+        for pool in (s.pool, s.req_slots, s.metadata_slots):
+            if pool.num_used:
+                problems.append(f"{pool.num_used} of {pool.size} {pool.name}s in use")
+        if self.kv.num_live:
+            problems.append(f"{self.kv.num_live} transfer endpoints not released")
+        flags = [1] * self.group.size
+        flags[self.group.rank] = 0 if problems else 1
+        flags = self.group.all_reduce_min_int(flags)
+        others = [r for r, ok in enumerate(flags) if not ok and r != self.group.rank]
+        if others:
+            problems.append(f"tp ranks {others} are not full either"
+                            if problems else f"tp ranks {others} are not full")
+        return {"full": all(flags), "detail": "; ".join(problems)}
+
+    def _gauges(self, sched: InstanceScheduler) -> dict[str, float]:
+        gauges = scheduler_gauges(sched)
+        if isinstance(sched, PrefillScheduler):
+            queues = {"bootstrap": len(sched.bootstrap), "waiting": len(sched.waiting),
+                      "inflight": len(sched.inflight)}
+            pending = sched.pending_tokens
+        else:
+            queues = {"prealloc": len(sched.prealloc), "transfer": len(sched.transfer),
+                      "prebuilt": len(sched.prebuilt), "waiting": len(sched.waiting),
+                      "running": len(sched.running)}
+            pending = (sum(r.input_len for r in sched.prealloc)
+                       + sum(r.input_len for r in sched.transfer))
+        self.queues = queues
+        self.load = {"load": sched.load(), "num_active": sched.num_active,
+                     "pending_tokens": pending}
+        for name, n in queues.items():
+            gauges[f"pdsim_num_requests_{name}"] = n
+        gauges["pdsim_metadata_slots_used"] = sched.metadata_slots.num_used
+        gauges["pdsim_transfers_pending"] = self.kv.num_pending
+        return gauges
+
+
+# ---- the broadcast operations --------------------------------------------------------------
+
+
+def _op_of(kind: str, item: Any) -> steps.Op | None:
+    """An inbox entry as the operation the other ranks apply (None: rank 0 only). Raises
+    `StepMessageError` for a request that does not fit the message."""
+    if kind == "add":
+        req, _sink, top = item
+        s = req.sampling if req.sampling is not None else SamplingParams()
+        return steps.AddRequest(
+            rid=req.rid, prompt_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens,
+            arrival_s=req.arrival_s, stop_token_ids=sorted(req.stop_token_ids),
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+            bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port,
+            bootstrap_room=req.bootstrap_room, top_logprobs=top)
+    if kind == "abort":
+        return steps.AbortRequest(*item)
+    if kind == "pools":
+        return steps.CheckPools()
+    return None  # "call": runs on rank 0 alone and must not change the scheduler's state
+
+
+def _request_of(op: steps.AddRequest) -> Request:
+    return Request(
+        op.rid, len(op.prompt_ids), op.max_new_tokens, arrival_s=op.arrival_s,
+        prompt_ids=op.prompt_ids, stop_token_ids=frozenset(op.stop_token_ids),
+        sampling=op.sampling(), bootstrap_host=op.bootstrap_host,
+        bootstrap_port=op.bootstrap_port, bootstrap_room=op.bootstrap_room)
