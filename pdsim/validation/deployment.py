@@ -34,7 +34,8 @@ class RealDeployment:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "GLOG_minloglevel": "2",
                SECRET_ENV: secret}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdsim.cli", "serve", str(config), "--port", "0"],
+            [sys.executable, "-m", "pdsim.cli", "serve", str(Path(config).resolve()), "--port",
+             "0"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True)
         self.lines: list[str] = []
