@@ -168,7 +168,8 @@ def calibrate(
 def plan(
     plan_file: Path = typer.Argument(..., help="plan YAML, e.g. experiments/plan_qwen3_32b.yaml"),
     out: Optional[Path] = typer.Option(None, help="output directory (default results/<name>)"),
-    jobs: Optional[int] = typer.Option(None, help="simulations run in parallel (default: CPUs)"),
+    jobs: Optional[int] = typer.Option(None, help="simulations run in parallel (default: CPUs, "
+                                       "or the Ray cluster's)"),
     no_prefilter: bool = typer.Option(False, "--no-prefilter",
                                       help="simulate every candidate (slow)"),
     quiet: bool = typer.Option(False, help="no progress bar or tables"),
