@@ -434,10 +434,10 @@ class Simulation:
         )
 
     def _prefill_load(self, i: int) -> float:
-        return sum(s.pending_tokens for s in self.prefills[i].schedulers)
+        return sum(s.load() for s in self.prefills[i].schedulers)
 
     def _decode_load(self, i: int) -> float:
-        return sum(s.num_active for s in self.serving[i].schedulers)
+        return sum(s.load() for s in self.serving[i].schedulers)
 
     def _records(self, input_tokens) -> list[RequestRecord]:
         records = []
