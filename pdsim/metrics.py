@@ -344,6 +344,7 @@ def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO,
     met = int(_latencies_meet(ttft, tpot, slo).sum())  # failed requests never meet it
     input_tokens = sum(r.input_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
+    cached_tokens = sum(r.cached_tokens for r in done)
 
     summary: dict = {"num_requests": n, "completed": n_done, "failed": n - n_done, "num_gpus": num_gpus}
     summary |= _percentiles(ttft, "ttft", (50, 90, 99))
@@ -359,6 +360,8 @@ def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO,
         "goodput_req_s": rate(met),
         "goodput_req_s_per_gpu": rate(met) / num_gpus,
         "slo_attainment": met / n if n else NAN,
+        # prompt tokens taken from a prefix cache / prompt tokens, completed requests
+        "prefix_hit_rate": cached_tokens / input_tokens if input_tokens else NAN,
         "duration_s": duration,
         "window_start_s": start,
         "window_end_s": end,

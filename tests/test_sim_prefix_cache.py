@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pdsim.config import parse_experiment
+from pdsim.metrics import SLO, summarize
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cluster import simulate
 from pdsim.workload import generate, ideal_cached_tokens
@@ -47,6 +48,9 @@ def test_shared_prompts_hit_the_cache_and_cut_ttft(mode):
     assert not any(r.cached_tokens for r in runs[False])
     ideal = ideal_cached_tokens(w, 16)
     assert 0.8 * ideal.sum() < cached.sum() <= ideal.sum()
+    hit_rate = summarize(runs[True], num_gpus=1, slo=SLO())["prefix_hit_rate"]
+    assert hit_rate == pytest.approx(cached.sum() / sum(r.input_tokens for r in runs[True]))
+    assert summarize(runs[False], num_gpus=1, slo=SLO())["prefix_hit_rate"] == 0
     ttft = {on: np.mean([r.ttft_s for r in recs]) for on, recs in runs.items()}
     assert ttft[True] < 0.5 * ttft[False]
 
