@@ -142,3 +142,20 @@ def test_the_flat_head_slice_efficiency_is_gone_with_a_clear_error():
 
     with pytest.raises(ConfigError, match="head_slice_efficiency.*per_descriptor_s"):
         parse_experiment(_experiment(head_slice_efficiency=0.5))
+
+
+def test_each_dp_rank_sends_through_its_own_gpus_nics():
+    from pdsim.config import parse_experiment
+    from pdsim.sim.build import build_cluster
+    from pdsim.sim.cluster import Simulation
+
+    data = _experiment()
+    data["model"] = "deepseek-v3"
+    data["cluster"] = {"prefill": {"instances": 1, "tp": 8, "dp_attention": 2},
+                       "decode": {"instances": 1, "tp": 8}}
+    spec = build_cluster(parse_experiment(data))
+    sim = Simulation(spec, 0)
+    a, b = (s.kv.link for s in sim.prefills[0].schedulers)
+    assert a is not b and a.gpus == b.gpus == 4
+    assert a.bytes_per_s == pytest.approx(spec.prefill.nic_bytes_per_s / 2)
+    assert sim.serving[0].schedulers[0].kv.link.gpus == 8

@@ -332,11 +332,13 @@ class Simulation:
             holder: list[SimInstance] = []
             notify = lambda h=holder: h[0].notify()  # noqa: E731  (bound once the instance exists)
             scheds: list[InstanceScheduler] = []
-            link = Link(role.nic_bytes_per_s, role.gpus_per_instance)  # its NICs, shared by its DP ranks
-            for _ in range(role.dp_attention):
+            dp = role.dp_attention
+            for _ in range(dp):
                 if kind == "colocated":
                     scheds.append(ColocatedScheduler(role.scheduler, i))
                     continue
+                # A DP rank's KV lives on its own GPUs: it sends through their NICs only.
+                link = Link(role.nic_bytes_per_s / dp, max(1, role.gpus_per_instance // dp))
                 kv = SimKVManager(self.fabric, key_base + i, link, role.kv_bytes_per_page, notify,
                                   role.state_bytes_per_request)
                 cls = PrefillScheduler if kind == "prefill" else DecodeScheduler

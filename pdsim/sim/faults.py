@@ -48,7 +48,8 @@ class SimFaults:
                 model, first_contact_s=model.first_contact_s + 2 * config.bootstrap_delay_s)
         for slow in config.slow_nic:
             inst = self._instance(slow.role, slow.instance)
-            inst.schedulers[0].kv.link.bytes_per_s /= slow.factor  # one link for all its ranks
+            for sched in inst.schedulers:  # one link per DP rank
+                sched.kv.link.bytes_per_s /= slow.factor
         for kill in config.kill:
             sim.env.timeout(kill.at_s).callbacks.append(lambda _ev, k=kill: self._kill(k))
 
