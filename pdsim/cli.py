@@ -154,6 +154,11 @@ def calibrate(
     from runtime.calibration import calibrate as run_calibrate
 
     try:
+        from runtime.serve_config import load_serve_config
+        from runtime.transfer.bindshim import reexec_with_preload
+
+        # Mooncake's ports on transfer.host, as a worker's (its transfers are measured here).
+        reexec_with_preload(load_serve_config(config).transfer.host)
         path = run_calibrate(config, out, repeats=repeats)
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
