@@ -2,8 +2,8 @@
 model that charges handshake latency and, per KV transfer, a fixed floor plus the time its bytes
 and descriptors take on the NICs.
 
-Each instance has one NIC link (per GPU bandwidth × its GPUs, which send their slices in
-parallel, at the share of the line rate the protocol reaches). `sharing: fair` (default): the
+Each DP rank of an instance has one NIC link (per GPU bandwidth × its GPUs, which send their
+slices in parallel, at the share of the line rate the protocol reaches). `sharing: fair` (default): the
 transfers in flight share every link max-min fairly, each at the smallest fair share along its
 path (sender's link and receiver's link), recomputed whenever one starts or ends
 (processor sharing). `sharing: fifo`: a chunk occupies both links alone from the moment both
