@@ -29,7 +29,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 
@@ -38,6 +38,7 @@ from pdsim.core.router import Router
 from runtime.chat_template import ChatTemplate
 from runtime.openai.protocol import Limits
 from runtime.openai.server import OpenAIServer
+from runtime.pd.worker_messages import GenerateParams
 from runtime.sampling import SamplingParams
 from runtime.serve_metrics import ServeMetrics
 from runtime.streams import EngineStopped, Sink, StreamEvent, deliver
@@ -149,17 +150,11 @@ class PDClient:
         if not self.running:
             raise EngineStopped("the router is not running")
         rid = rid or uuid.uuid4().hex
-        sampling = sampling or SamplingParams()
-        body = {
-            "rid": rid,
-            "input_ids": list(prompt_ids),
-            "max_new_tokens": max_new_tokens,
-            "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                         "top_k": sampling.top_k, "seed": sampling.seed},
-            "stop_token_ids": list(stop_token_ids),
-            "top_logprobs": top_logprobs,
-        }
-        task = asyncio.get_running_loop().create_task(self._serve(body, sink))
+        request = GenerateParams(
+            rid, list(prompt_ids), max_new_tokens, sampling or SamplingParams(),
+            list(stop_token_ids), top_logprobs, bootstrap_host="", bootstrap_port=0,
+            bootstrap_room=0)  # where the two sides meet: set once a pair is picked
+        task = asyncio.get_running_loop().create_task(self._serve(request, sink))
         self._tasks[rid] = task
         task.add_done_callback(lambda _t: self._tasks.pop(rid, None))
         return rid
@@ -171,14 +166,14 @@ class PDClient:
 
     # ---- one request ------------------------------------------------------------------------
 
-    async def _serve(self, body: dict, sink: Sink) -> None:
+    async def _serve(self, request: GenerateParams, sink: Sink) -> None:
         """Every way this ends, `sink` gets a last event: the decode stream's own, or an error
         (a worker's refusal with its status, a worker gone mid-stream, a timeout, a cancel)."""
         p, d, room = self.router.route(self._inflight_prefill.__getitem__,
                                        self._inflight_decode.__getitem__)
         pre, dec = self.prefill[p], self.decode[d]
-        body = {**body, "bootstrap_host": pre.bootstrap_host,
-                "bootstrap_port": pre.bootstrap_port, "bootstrap_room": room}
+        body = replace(request, bootstrap_host=pre.bootstrap_host,
+                       bootstrap_port=pre.bootstrap_port, bootstrap_room=room).to_body()
         record = RequestRecord(rid=body["rid"], input_tokens=len(body["input_ids"]),
                                output_tokens=0, status="failed", prefill_instance=p,
                                decode_instance=d, arrival_s=self.now())

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.pd import step_messages
-from runtime.pd.http import GENERATE_FIELDS, parse_generate
+from runtime.pd.worker_messages import GENERATE_FIELDS, parse_generate
 from runtime.serve_config import ServeConfig
 from runtime.chat_template import ChatTemplate
 from runtime.checks import BadRequest
@@ -70,6 +70,7 @@ generate_bodies = st.fixed_dictionaries({}, optional={
         k: json_values | st.floats(-1, 3) for k in ("temperature", "top_p", "top_k", "seed")})
     | json_values,
     "bootstrap_room": st.integers(-1, 2**64) | json_values,
+    "version": st.just(1) | json_values,
 })
 
 

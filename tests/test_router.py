@@ -157,6 +157,7 @@ def test_both_workers_get_the_request_with_one_room_and_tokens_stream_back(clust
     (pre,) = cluster.prefill[0].generated
     dec = cluster.decode[0].generated[0]
     assert pre["bootstrap_room"] == dec["bootstrap_room"] and 0 <= pre["bootstrap_room"] < 2**63
+    assert pre["version"] == dec["version"] == 1  # the typed body (runtime/pd/worker_messages.py)
     assert pre["bootstrap_host"] == dec["bootstrap_host"] == "127.0.0.1"
     assert pre["bootstrap_port"] == dec["bootstrap_port"] == 9999
     assert pre["input_ids"][-5:] == list(b"hello") and pre["max_new_tokens"] == 5

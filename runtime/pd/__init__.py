@@ -3,7 +3,8 @@
 - `kv`: the poll snapshot every rank of an instance agrees on (`SnapshotKV`).
 - `lockstep_engine`: `PDEngine`, the serving engine over a prefill or decode scheduler, in lock
   step across tensor-parallel ranks (`step_messages`: the typed step it broadcasts).
-- `http`: the worker HTTP API (`WorkerServer`), which the router talks to.
+- `http`: the worker HTTP API (`WorkerServer`), which the router talks to; `worker_messages`:
+  its typed, versioned `/generate` body.
 - `worker`: building a rank and running an instance (rank processes, bootstrap server).
 
 Nothing here imports the OpenAI front (runtime/openai/). runtime/launcher.py starts whole
