@@ -159,3 +159,13 @@ def test_each_dp_rank_sends_through_its_own_gpus_nics():
     assert a is not b and a.gpus == b.gpus == 4
     assert a.bytes_per_s == pytest.approx(spec.prefill.nic_bytes_per_s / 2)
     assert sim.serving[0].schedulers[0].kv.link.gpus == 8
+
+
+def test_runs_of_decode_steps_match_step_by_step_over_contended_fair_nics(monkeypatch):
+    """The fast path stays exact when transfers share the NICs (only transfers change)."""
+    from test_fast_path import assert_same_records, both_ways, experiment
+
+    data = experiment("disaggregated", network={"bandwidth_gb_per_s": 2.0, "sharing": "fair"})
+    slow, fast, settled = both_ways(data, monkeypatch)
+    assert_same_records(slow, fast)
+    assert sum(settled) > 0
