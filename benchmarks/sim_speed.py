@@ -18,7 +18,6 @@ import cProfile
 import pstats
 import time
 
-import numpy as np
 
 from pdsim.config import parse_experiment
 from pdsim.core.batch import BatchShape, extend_attn_pairs

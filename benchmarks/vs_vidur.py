@@ -1,7 +1,8 @@
 """pdsim against Vidur 0.0.26 on Vidur's own scenario: CodeLlama-34B on A100 at TP 2, one
 replica, Poisson 2 req/s, 1,024 input / 256 output tokens.
 
-    python benchmarks/vs_vidur.py [--requests 10000 100000] [--skip-vidur]
+    python benchmarks/vs_vidur.py [--requests 10000 100000] [--vidur-requests 10000]
+                                  [--skip-vidur]
 
 Each simulator runs as a whole process (imports, simulation, metrics), timed from outside;
 peak memory is the child's `ru_maxrss`. pdsim runs the roofline on a colocated instance
@@ -12,7 +13,10 @@ its own virtual environment, `.bench/vidur-venv` (gitignored, never a pdsim depe
 
 Vidur needs its A100 profiling tables: VIDUR_DATA (default /work/shared/anchors/vidur-data)
 must hold its `data/profiling/...` tree; `prepare_vidur_data` lays them out in the offline
-form 0.0.26 reads under `.bench/vidur-work`.
+form 0.0.26 reads under `.bench/vidur-work`. Vidur's execution-time forests are trained and
+their prediction tables built on its first run (one small forest per op rather than its
+27-point grid search: tens of minutes here, cached); a 10-request Vidur run before the timed
+ones makes sure that is not timed. On a shared machine compare CPU times.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ def pdsim_child(requests: int) -> None:
                       seed=cfg.seed)
     sim_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     summary = summarize(result.records, num_gpus=2, slo=cfg.slo)
-    print(json.dumps({"peak_rss_mb_before_metrics": round(sim_rss_mb),"completed": summary["completed"], "ttft_p50_s": summary["ttft_p50_s"],
+    print(json.dumps({"peak_rss_mb_before_metrics": round(sim_rss_mb),
+                      "completed": summary["completed"], "ttft_p50_s": summary["ttft_p50_s"],
                       "itl_p50_s": summary["itl_p50_s"], "sim_time_s": result.sim_time_s}))
 
 

@@ -95,7 +95,7 @@ class TokenTimes(Sequence):
 
 
 def flatten_times(seqs: Sequence[Sequence[float]], total: int) -> np.ndarray:
-    """Every sequence's times one after the other (`total` of them), lists and `TokenTimes` alike."""
+    """Every sequence's times one after the other (`total` in all); lists and `TokenTimes`."""
     out = np.empty(total)
     pos = 0
     for times in seqs:
