@@ -106,7 +106,10 @@ class PDClient:
         self.router = Router(policy, len(prefill), len(decode), seed, room_rng=random.SystemRandom())
         self.metrics = ServeMetrics()
         self.records: deque[RequestRecord] = deque(maxlen=max_records)
-        self._inflight_prefill = [0] * len(prefill)  # the policies' load signal
+        # The policies' load signal, what the core schedulers' load() counts in the simulator:
+        # per prefill worker the prompt tokens sent whose prefill call has not returned (its KV
+        # not yet computed and sent), per decode worker the requests in flight.
+        self._prefill_tokens = [0] * len(prefill)
         self._inflight_decode = [0] * len(decode)
         self._tasks: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -169,7 +172,7 @@ class PDClient:
     async def _serve(self, request: GenerateParams, sink: Sink) -> None:
         """Every way this ends, `sink` gets a last event: the decode stream's own, or an error
         (a worker's refusal with its status, a worker gone mid-stream, a timeout, a cancel)."""
-        p, d, room = self.router.route(self._inflight_prefill.__getitem__,
+        p, d, room = self.router.route(self._prefill_tokens.__getitem__,
                                        self._inflight_decode.__getitem__)
         pre, dec = self.prefill[p], self.decode[d]
         body = replace(request, bootstrap_host=pre.bootstrap_host,
@@ -177,9 +180,11 @@ class PDClient:
         record = RequestRecord(rid=body["rid"], input_tokens=len(body["input_ids"]),
                                output_tokens=0, status="failed", prefill_instance=p,
                                decode_instance=d, arrival_s=self.now())
-        self._inflight_prefill[p] += 1
+        n_in = len(request.input_ids)
+        self._prefill_tokens[p] += n_in
         self._inflight_decode[d] += 1
         prefill_call = asyncio.create_task(self._prefill(pre, body))
+        prefill_call.add_done_callback(lambda _t: self._prefill_done(p, n_in))
         try:
             await self._relay(dec, body, prefill_call, sink, record)
         except asyncio.CancelledError as exc:
@@ -202,13 +207,20 @@ class PDClient:
             if not prefill_call.done():
                 prefill_call.cancel()
             await asyncio.gather(prefill_call, return_exceptions=True)
-            self._inflight_prefill[p] -= 1
             self._inflight_decode[d] -= 1
             record.finish_s = self.now()
             if record.token_times_s:
                 record.first_token_s = record.token_times_s[0]
             self.records.append(record)
             self.metrics.observe_request(record)
+
+    def loads(self) -> tuple[list[int], list[int]]:
+        """The policies' load signal now: per prefill worker the prompt tokens whose prefill call
+        has not returned, per decode worker the requests in flight."""
+        return list(self._prefill_tokens), list(self._inflight_decode)
+
+    def _prefill_done(self, p: int, prompt_tokens: int) -> None:
+        self._prefill_tokens[p] -= prompt_tokens
 
     async def _prefill(self, worker: WorkerAddress, body: dict) -> None:
         async with _calling("prefill", worker):

@@ -167,6 +167,22 @@ def test_both_workers_get_the_request_with_one_room_and_tokens_stream_back(clust
     assert record.arrival_s <= record.first_token_s <= record.finish_s
 
 
+def test_the_policies_load_signal_is_the_simulators(cluster):
+    """Prefill: prompt tokens whose prefill has not returned; decode: requests in flight (the
+    core schedulers' load())."""
+    events = []
+
+    async def start():
+        cluster.router.client.submit([104, 105, 106, 107], 3, events.append)
+        await asyncio.sleep(0)  # the request is routed and its worker calls are under way
+        return cluster.router.client.loads()
+
+    prefill, decode = cluster.run(start())
+    assert prefill == [4] and sorted(decode) == [0, 1]
+    cluster.wait_for(lambda: events and events[-1].finished)
+    assert cluster.router.client.loads() == ([0], [0, 0])
+
+
 def test_round_robin_spreads_requests_over_decode_workers(cluster):
     client = cluster.client()
     for _ in range(4):
