@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from pdsim.core.batch import Batch, BatchShape, ExtendSegment, extend_attn_pairs
+from pdsim.core.batch import BatchShape, DecodeBatch, ExtendBatch, ExtendSegment, extend_attn_pairs
 from pdsim.core.pages import num_pages
 from pdsim.core.request import Request
 from runtime.executor import ModelExecutor
@@ -42,11 +42,11 @@ def make_requests(batch: int, prompt_len: int, extra_tokens: int, page_size: int
     return reqs
 
 
-def prefill_batch(reqs: list[Request]) -> Batch:
+def prefill_batch(reqs: list[Request]) -> ExtendBatch:
     segs = [ExtendSegment(r, 0, r.input_len) for r in reqs]
     shape = BatchShape(prefill_tokens=sum(r.input_len for r in reqs),
                        prefill_attn_pairs=sum(extend_attn_pairs(r.input_len, 0) for r in reqs))
-    return Batch("extend", shape, 0.0, segments=segs)
+    return ExtendBatch(shape, 0.0, segs)
 
 
 def time_prefill(executor: ModelExecutor, reqs: list[Request]) -> float:
@@ -63,7 +63,7 @@ def time_decode(executor: ModelExecutor, reqs: list[Request], steps: int) -> flo
     for step in range(1, steps + 1):
         context = sum(r.input_len + step - 1 for r in reqs)
         shape = BatchShape(decode_reqs=len(reqs), decode_context_tokens=context + len(reqs))
-        res = executor.execute(Batch("decode", shape, 0.0, reqs=reqs, step=step))
+        res = executor.execute(DecodeBatch(shape, 0.0, reqs, step))
         for req, tok in zip(reqs, res.token_ids):
             req.output_ids.append(tok)
         total += res.duration_s

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from pdsim.core.batch import Batch, BatchResult
+from pdsim.core.batch import Batch, BatchResult, DecodeBatch, ExtendBatch
 from pdsim.core.request import Request
 from runtime.model.kv_cache import PagedKVCache
 from runtime.model import AttentionMetadata, CausalLM
@@ -146,7 +146,7 @@ class ModelExecutor:
                                           s.decode_reqs, s.decode_context_tokens, duration))
         return BatchResult(duration_s=duration, token_ids=token_ids, logprobs=logprobs)
 
-    def _extend(self, batch: Batch) -> tuple[list[int], list[float]]:
+    def _extend(self, batch: ExtendBatch) -> tuple[list[int], list[float]]:
         ids: list[int] = []
         query_lens, cached_lens, tables, reqs, sampled = [], [], [], [], []
         for seg in batch.segments:
@@ -162,7 +162,7 @@ class ModelExecutor:
             sampled.append(seg.is_last)
         return self._forward(ids, query_lens, cached_lens, tables, reqs, sampled)
 
-    def _decode(self, batch: Batch) -> tuple[list[int], list[float]]:
+    def _decode(self, batch: DecodeBatch) -> tuple[list[int], list[float]]:
         ids = [req.output_ids[-1] for req in batch.reqs]
         tables = [req.pages for req in batch.reqs]
         n = len(batch.reqs)

@@ -8,6 +8,7 @@ O(1) however many requests it holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pdsim.core.request import Request
 
@@ -57,30 +58,38 @@ class ExtendSegment:
 
 
 @dataclass(slots=True)
-class Batch:
-    """A forward the scheduler has planned; a driver runs it and hands back a `BatchResult`.
+class ExtendBatch:
+    """A planned extend forward (prefill, chunked prefill or recompute): each segment says which
+    of its request's tokens it computes and how many are cached. A driver runs it and hands back
+    a `BatchResult`."""
 
-    `extend` batches carry segments (prefill, chunked prefill or recompute: each says which of
-    its request's tokens it computes); `decode` batches carry the running requests in order and
-    `step`, the running batch's step the forward computes, from which `kv_lens()` gives each
-    request's KV length: a plan is complete, an executor reads no running-batch bookkeeping.
-    """
-
-    kind: str  # "extend" or "decode"
+    kind: ClassVar[str] = "extend"
     shape: BatchShape
     start_s: float
-    segments: list[ExtendSegment] | None = None
-    reqs: list[Request] | None = None
-    step: int = 0
+    segments: list[ExtendSegment]
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """A planned decode step of the running requests, in order; `step` is the running batch's
+    step the forward computes, from which `kv_lens()` gives each request's KV length, so the plan
+    is complete: an executor reads no running-batch bookkeeping."""
+
+    kind: ClassVar[str] = "decode"
+    shape: BatchShape
+    start_s: float
+    reqs: list[Request]
+    step: int
 
     def kv_lens(self) -> list[int]:
-        """A decode batch's KV length of each request before this step, in `reqs` order.
-        O(requests), for executors that read every request anyway (the simulator does not)."""
-        if self.kind != "decode":
-            raise ValueError(f"kv_lens() of a {self.kind} batch; its segments say what is cached")
+        """Each request's KV length before this step, in `reqs` order. O(requests), for
+        executors that read every request anyway (the simulator does not)."""
         if self.shape.decode_query_len != 1:
             raise ValueError("kv_lens() of a speculative decode step (simulator only)")
         return [r.kv_at_join + self.step - 1 - r.join_step for r in self.reqs]
+
+
+Batch = ExtendBatch | DecodeBatch  # what a scheduler plans; `kind` says which
 
 
 @dataclass(slots=True)

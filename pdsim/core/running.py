@@ -24,7 +24,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from pdsim.core.batch import Batch, BatchResult, BatchShape
+from pdsim.core.batch import BatchResult, BatchShape, DecodeBatch
 from pdsim.core.pool import PagePool
 from pdsim.core.request import Request
 from pdsim.core.token_times import TokenTimes
@@ -163,12 +163,12 @@ class RunningBatch:
         req.grow_step += self.page_size
         self._grow_at[req.grow_step].append(req)
 
-    def plan(self, now: float) -> Batch:
+    def plan(self, now: float) -> DecodeBatch:
         n = len(self.reqs)
         shape = BatchShape(decode_reqs=n, decode_context_tokens=self.context_tokens + n)
-        return Batch("decode", shape, now, reqs=list(self.reqs), step=self.step + 1)
+        return DecodeBatch(shape, now, list(self.reqs), self.step + 1)
 
-    def complete(self, batch: Batch, result: BatchResult, now: float) -> list[Request]:
+    def complete(self, batch: DecodeBatch, result: BatchResult, now: float) -> list[Request]:
         """Account one finished decode step; return the requests that are done (still in the batch)."""
         done = self._advance(now)
         self.context_tokens += len(self.reqs)
@@ -403,13 +403,13 @@ class SpeculativeRunningBatch(RunningBatch):
         self._forget(req)
         req.emitted_by_step = None
 
-    def plan(self, now: float) -> Batch:
+    def plan(self, now: float) -> DecodeBatch:
         n, q = len(self.reqs), self._query_len
         shape = BatchShape(decode_reqs=n, decode_context_tokens=self.context_tokens + n * q,
                            decode_query_len=q)
-        return Batch("decode", shape, now, reqs=list(self.reqs), step=self.step + 1)
+        return DecodeBatch(shape, now, list(self.reqs), self.step + 1)
 
-    def complete(self, batch: Batch, result: BatchResult, now: float) -> list[Request]:
+    def complete(self, batch: DecodeBatch, result: BatchResult, now: float) -> list[Request]:
         if result.token_ids is not None:
             raise ValueError("speculative decoding is simulated only: an executor that returns "
                              "token ids cannot verify draft tokens")

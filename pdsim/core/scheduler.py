@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from pdsim.core.batch import Batch, BatchResult, BatchShape, ExtendSegment, extend_attn_pairs
+from pdsim.core.batch import (
+    Batch, BatchResult, BatchShape, ExtendBatch, ExtendSegment, extend_attn_pairs,
+)
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.pages import num_pages
 from pdsim.core.pool import IndexPool, PagePool
@@ -150,7 +152,7 @@ class InstanceScheduler:
         if not segments:
             return None
         shape = BatchShape(prefill_tokens=tokens, prefill_attn_pairs=pairs)
-        return Batch("extend", shape, now, segments=segments)
+        return ExtendBatch(shape, now, segments)
 
     def _plan_decode(self, now: float) -> Batch | None:
         running = self.running
