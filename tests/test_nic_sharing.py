@@ -169,3 +169,21 @@ def test_runs_of_decode_steps_match_step_by_step_over_contended_fair_nics(monkey
     slow, fast, settled = both_ways(data, monkeypatch)
     assert_same_records(slow, fast)
     assert sum(settled) > 0
+
+
+def test_mla_tp_mismatch_moves_the_receivers_replicas_through_the_ranks_that_send():
+    from pdsim.config import parse_experiment
+    from pdsim.sim.build import build_cluster
+
+    def spec(decode_dp: int):
+        data = _experiment()
+        data["model"] = "deepseek-v3"
+        data["cluster"] = {"prefill": {"instances": 1, "tp": 8},
+                           "decode": {"instances": 1, "tp": 8, "dp_attention": decode_dp}}
+        return build_cluster(parse_experiment(data))
+
+    same, half = spec(1), spec(2)
+    # Attention TP 8 -> 4 (DP 2): four prefill ranks send (the other four are dummies), four
+    # replicas land.
+    assert half.prefill.nic_bytes_per_s == pytest.approx(same.prefill.nic_bytes_per_s / 2)
+    assert half.decode.kv_bytes_per_page == pytest.approx(same.decode.kv_bytes_per_page / 2)

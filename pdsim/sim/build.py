@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -106,10 +107,12 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
     net = cfg.network
     proto = PROTOCOLS[net.protocol]
     c = cfg.cluster
-    per_run, per_page = (0.0, 0.0) if c.mode == "colocated" else descriptor_counts(
+    pd = c.mode != "colocated"
+    src_attn = c.prefill.tp // c.prefill.dp_attention if pd else 0
+    dst_attn = c.decode.tp // c.decode.dp_attention if pd else 0
+    per_run, per_page = (0.0, 0.0) if not pd else descriptor_counts(
         model.num_layers, 1 if model.is_mla else 2, c.prefill.scheduler.page_size,
-        model.num_kv_heads, c.prefill.tp // c.prefill.dp_attention,
-        c.decode.tp // c.decode.dp_attention, model.is_mla)
+        model.num_kv_heads, src_attn, dst_attn, model.is_mla)
     network = NetworkModel(
         enabled=net.enabled,
         message_latency_s=net.message_latency_s,
@@ -125,18 +128,21 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
     )
     overheads = {"frontend_latency_s": cfg.router.frontend_latency_s,
                  "dp_assignment": cfg.router.dp_assignment}
-    if c.mode == "colocated":
+    if not pd:
         return ClusterSpec("colocated", cfg.router.policy, network,
                            colocated=build_role(cfg, c.colocated, "colocated", model, hw,
                                                 base_dir=base_dir), **overheads)
     # GQA KV split over different attention-TP sizes on the two sides moves as head slices:
     # many small writes instead of whole pages (DESIGN.md, "TP mismatch"), priced by the
     # network model per descriptor.
+    prefill = build_role(cfg, c.prefill, "prefill", model, hw, base_dir)
+    if model.is_mla and src_attn > dst_attn:  # only dst_attn prefill ranks send; the rest idle
+        prefill = replace(prefill, nic_bytes_per_s=prefill.nic_bytes_per_s * dst_attn / src_attn)
     return ClusterSpec(
         "disaggregated",
         cfg.router.policy,
         network,
-        prefill=build_role(cfg, c.prefill, "prefill", model, hw, base_dir),
+        prefill=prefill,
         decode=build_role(cfg, c.decode, "decode", model, hw, base_dir),
         faults=cfg.faults,
         **overheads,

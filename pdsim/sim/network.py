@@ -327,7 +327,7 @@ class SimKVSender(_Endpoint):
             room.last_sent = True
             room.metadata_sent = self.manager.metadata.read(self._metadata_slot)
         dst = room.dst_manager
-        nbytes = len(page_indices) * self.manager.bytes_per_page
+        nbytes = len(page_indices) * dst.bytes_per_page  # what lands: the receiver's slices
         if last:
             nbytes += self.manager.state_bytes_per_request
         model = self.fabric.model
