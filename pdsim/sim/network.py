@@ -3,10 +3,10 @@ model that charges handshake latency and, per KV transfer, a fixed floor plus th
 and descriptors take on the NICs.
 
 Each DP rank of an instance has one NIC link (per GPU bandwidth × its GPUs, which send their
-slices in parallel, at the share of the line rate the protocol reaches). `sharing: fair` (default): the
-transfers in flight share every link max-min fairly, each at the smallest fair share along its
-path (sender's link and receiver's link), recomputed whenever one starts or ends
-(processor sharing). `sharing: fifo`: a chunk occupies both links alone from the moment both
+slices in parallel, at the share of the line rate the protocol reaches). `sharing: fair`
+(default): the transfers in flight share every link max-min fairly, each at the smallest fair
+share along its path (sender's link and receiver's link), recomputed whenever one starts or
+ends (processor sharing). `sharing: fifo`: a chunk occupies both links alone from the moment both
 are free. Every transfer also costs `per_descriptor_s` of NIC time per descriptor (one per
 buffer and run of pages contiguous on both sides, or per token slot when GQA heads move as
 slices across a TP mismatch). With `enabled: false` the bytes move for free; the per-transfer
