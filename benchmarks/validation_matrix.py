@@ -24,6 +24,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pdsim.metrics import SLO, summarize  # noqa: E402
+from pdsim.validation.compare import Tolerance, side_by_side  # noqa: E402
 from pdsim.validation.validate import validate  # noqa: E402
 from runtime.calibration import calibrate  # noqa: E402
 
@@ -33,9 +35,16 @@ MEAN_METRICS = ("TTFT mean", "ITL mean", "throughput (output tok/s)")
 P90_METRICS = ("TTFT P90", "ITL P90")
 GOALS = {"mean": 0.05, "p90": 0.10}
 TIE = 0.05
+REPEAT = "pd_1p1d_low"  # served twice: how far two real runs of one workload differ
 
 
-def run_matrix(reuse: bool) -> tuple[dict, pd.DataFrame]:
+def real_vs_real(first, second) -> pd.DataFrame:
+    """The side-by-side table of two real runs (`sim` holds the second)."""
+    one, two = (summarize(r, num_gpus=1, slo=SLO()) for r in (first, second))
+    return side_by_side(one, two, Tolerance())
+
+
+def run_matrix(reuse: bool) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
     calibrations = {"disaggregated": CALIBRATION / "pd.yaml",
                     "colocated": CALIBRATION / "colocated.yaml"}
     sources = {"disaggregated": MATRIX / "pd_1p1d_low.yaml",
@@ -59,9 +68,14 @@ def run_matrix(reuse: bool) -> tuple[dict, pd.DataFrame]:
             row[f"{metric}|sim"] = table.loc[metric, "sim"]
             row[f"{metric}|error"] = table.loc[metric, "error"]
         rows.append(row)
+        if config.stem == REPEAT:
+            print(f"== pdsim validate {config.relative_to(REPO)} (again)", flush=True)
+            again = validate(config, calibration=calibrations[mode],
+                             out_dir=REPO / "results" / "validation" / f"{config.stem}_again")
+            repeat = real_vs_real(result.real, again.real)
     measured = {mode: yaml.safe_load(path.read_text())["measured"]
                 for mode, path in calibrations.items()}
-    return measured, pd.DataFrame(rows)
+    return measured, pd.DataFrame(rows), repeat
 
 
 def _ms(v: float) -> str:
@@ -72,7 +86,7 @@ def _pct(v: float) -> str:
     return "–" if v != v else f"{v:+.0%}"
 
 
-def render(measured: dict, frame: pd.DataFrame, took_s: float) -> str:
+def render(measured: dict, frame: pd.DataFrame, repeat: pd.DataFrame, took_s: float) -> str:
     med = {m: float(np.median(np.abs(frame[f"{m}|error"]))) for m in MEAN_METRICS + P90_METRICS}
     real_rank = list(frame.sort_values("goodput per GPU (req/s)|real", ascending=False,
                                        kind="stable")["deployment"])
@@ -173,6 +187,11 @@ def render(measured: dict, frame: pd.DataFrame, took_s: float) -> str:
         f"Real: {', '.join(real_rank)}.",
         f"Simulated: {', '.join(sim_rank)}.",
         "",
+        f"The noise floor: {REPEAT} served twice on the same workload, the second real run",
+        "against the first: " + ", ".join(
+            f"{m} {_pct(repeat.set_index('metric').loc[m, 'error'])}"
+            for m in MEAN_METRICS + P90_METRICS) + ".",
+        "",
         "Calibration of this run (experiments/validation/calibration/): lone requests of 16 → 32",
         f"tokens, disaggregated: client TTFT {_ms(pd_probe['client_ttft_s'])} ms, engine TTFT "
         f"{_ms(pd_probe['engine_ttft_s'])} ms, ITL at the client {_ms(pd_probe['client_itl_s'])} ms "
@@ -200,8 +219,8 @@ def render(measured: dict, frame: pd.DataFrame, took_s: float) -> str:
         "  one deflates them.",
         "- **A shared, oversubscribed machine.** Other processes run beside the deployment (the",
         "  load average was far above the 2 cores while this was measured); the profile keeps the",
-        "  fastest of 5 runs, the served requests get whatever the machine gives them. Repeat",
-        "  runs of one deployment move mean TTFT by tens of percent here.",
+        "  fastest of 5 runs, the served requests get whatever the machine gives them; two real",
+        "  runs of one workload differ by the noise floor above.",
         "- **Contention between roles.** The simulator gives every instance its own GPU; here a",
         "  prefill and a decode worker (three processes for 2:1 and 1:2) share 2 cores, so one",
         "  role's forward slows the other's. The near-saturation loads show it most.",
@@ -238,14 +257,16 @@ def main() -> None:
     start = time.monotonic()
     if args.render_only:
         frame = pd.read_csv(out / "matrix.csv")
+        repeat = pd.read_csv(out / "repeat.csv")
         measured = {mode: yaml.safe_load((CALIBRATION / f"{name}.yaml").read_text())["measured"]
                     for mode, name in (("disaggregated", "pd"), ("colocated", "colocated"))}
     else:
-        measured, frame = run_matrix(args.reuse_calibration)
+        measured, frame, repeat = run_matrix(args.reuse_calibration)
         out.mkdir(parents=True, exist_ok=True)
         frame.to_csv(out / "matrix.csv", index=False)
+        repeat.to_csv(out / "repeat.csv", index=False)
     took_s = float(frame["wall_s"].sum()) if args.render_only else time.monotonic() - start
-    args.doc.write_text(render(measured, frame, took_s))
+    args.doc.write_text(render(measured, frame, repeat, took_s))
     print(f"wrote {out / 'matrix.csv'} and {args.doc}")
 
 

@@ -6,7 +6,7 @@ Three measurements, none of them an end-to-end serving figure:
 - **forwards**: the deployment's model (preset weights, dtype, a decode rank's torch threads) run
   over a grid of batch shapes -- extends of `prefill_tokens` new tokens after `context` cached
   ones, decodes of `batch` requests at `context` tokens each -- each the fastest of `repeats`
-  runs (other processes on a shared machine only add time); the rows are the executor's
+  passes over the grid (other processes on a shared machine only add time); the rows are the executor's
   timings table (`ForwardTiming` columns), which the `profiled` cost model fits.
 - **KV transfer**: the Mooncake backend over TCP on loopback (sender `send(last=True)` to the
   receiver's `Success`, metadata slot and ZMQ status included) for messages of 1..256 pages of
@@ -29,6 +29,7 @@ deployment before simulating. The timings table is written beside it.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
@@ -101,18 +102,18 @@ def profile_forwards(config, *, repeats: int = 5, prefill_tokens: Sequence[int] 
             model(ids, meta.positions(), meta, kv).argmax(-1).tolist()  # one row per segment
         return time.perf_counter() - start
 
-    def best(qlens: list[int], cached: list[int]) -> float:
-        # Other processes on the machine only ever add time: keep the fastest of the repeats.
-        return min(forward(qlens, cached) for _ in range(repeats))
-
+    shapes = [("extend", n, n * c + n * (n + 1) / 2, 0, 0, [n], [c])
+              for n in prefill_tokens for c in prefill_context]
+    shapes += [("decode", 0, 0.0, b, b * (c + 1), [1] * b, [c] * b)
+               for b in decode_batch for c in decode_context]
     forward([32], [0])  # lazy initialisation, untimed
-    rows = []
-    for n in prefill_tokens:
-        for c in prefill_context:
-            rows.append(("extend", n, n * c + n * (n + 1) / 2, 0, 0, best([n], [c])))
-    for b in decode_batch:
-        for c in decode_context:
-            rows.append(("decode", 0, 0.0, b, b * (c + 1), best([1] * b, [c] * b)))
+    # The whole grid `repeats` times over, keeping each shape's fastest: other processes on
+    # the machine only add time, and a burst of them then spoils one pass, not every run of
+    # a shape.
+    best = [math.inf] * len(shapes)
+    for _ in range(repeats):
+        best = [min(b, forward(*shape[5:])) for b, shape in zip(best, shapes)]
+    rows = [(*shape[:5], t) for shape, t in zip(shapes, best)]
     return pd.DataFrame(rows, columns=list(TIMING_COLUMNS))
 
 
