@@ -45,6 +45,7 @@ EMPTY = BatchShape()
 MAX_RUN_STEPS = 4096  # decode steps one event may cover (see SimInstance._decode_run)
 RUN_WORTH_STEPS = 3  # runs that settle fewer steps on average cost more than they save...
 RUN_BACKOFF_STEPS = 256  # ...so the instance then goes step by step this long
+STEP_MEMO_SIZE = 65_536  # one-shape step times an instance remembers (cleared when full)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class SimInstance:
         self._run_horizon = 2  # steps the next run may plan: doubles while runs go uncut
         self._run_backoff = 0  # steps to run one by one before trying a run again
         self._run_mean = float(RUN_WORTH_STEPS)  # moving average of the steps a run settles
+        self._step_memo: dict[tuple, float] = {}
         self._proc = env.process(self._run())
 
     def kill(self) -> None:
@@ -173,6 +175,20 @@ class SimInstance:
         self._timer_at = math.inf
         self.notify()
 
+    def _one_shape_s(self, shape: BatchShape) -> float:
+        """The cost model's time for a step of one shape, remembered: cost models are pure
+        functions of the shapes, and equal shapes recur (every prefill of one prompt length,
+        decode batches that come back to a size and context)."""
+        key = (shape.prefill_tokens, shape.prefill_attn_pairs, shape.decode_reqs,
+               shape.decode_context_tokens, shape.decode_query_len)
+        memo = self._step_memo
+        duration = memo.get(key)
+        if duration is None:
+            if len(memo) >= STEP_MEMO_SIZE:
+                memo.clear()
+            duration = memo[key] = self.cost.step_time_s((shape,))
+        return duration
+
     def _drain(self) -> None:
         for sched in self.schedulers:
             if sched.done:
@@ -215,7 +231,7 @@ class SimInstance:
                     self._drain()
                     continue
             if single:
-                duration = self.cost.step_time_s((batches[0].shape,))
+                duration = self._one_shape_s(batches[0].shape)
             else:
                 duration = self.cost.step_time_s([b.shape if b else EMPTY for b in batches])
             yield env.timeout(duration)
@@ -243,14 +259,14 @@ class SimInstance:
         driver would first see the change; only the steps that ran are settled, so the records
         are the same as one event per step (ties of an outside event with a step end at the
         same float time excepted: here the outside event counts first)."""
-        env, cost, n, gen = self.env, self.cost, batch.shape.decode_reqs, self.generation
+        env, n, gen = self.env, batch.shape.decode_reqs, self.generation
         deadline = sched.next_deadline_s(now)
         deadline = min(math.inf if deadline is None else deadline, self.next_arrival_s())
         shape = batch.shape
         ends, durations = [], []
         t = now
         for _ in range(steps):
-            d = cost.step_time_s((shape,))
+            d = self._one_shape_s(shape)
             t += d
             ends.append(t)
             durations.append(d)
