@@ -231,14 +231,16 @@ class SimInstance:
                     self._drain()
                     continue
             if single:
+                decode_reqs = batches[0].shape.decode_reqs
                 duration = self._one_shape_s(batches[0].shape)
             else:
+                decode_reqs = sum(b.shape.decode_reqs for b in batches if b is not None)
                 duration = self.cost.step_time_s([b.shape if b else EMPTY for b in batches])
             yield env.timeout(duration)
             if gen != self.generation:
                 return  # killed during the forward: its results are lost
             self.busy_s += duration
-            self.decode_req_s += duration * sum(b.shape.decode_reqs for b in batches if b is not None)
+            self.decode_req_s += duration * decode_reqs
             self.steps += 1
             result = BatchResult(duration)
             now = env.now
