@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 
 import simpy
 
@@ -80,11 +79,20 @@ def descriptor_counts(layers: int, kv_buffers_per_layer: int, page_size: int, kv
 
 
 def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> int:
-    """Runs of pages contiguous on both sides (each run is one descriptor per buffer)."""
-    if len(src_pages) < 2 or len(src_pages) != len(dst_pages):
-        return len(src_pages)
-    s, d = np.diff(np.asarray(src_pages)), np.diff(np.asarray(dst_pages))
-    return 1 + int(np.count_nonzero((s != 1) | (d != 1)))
+    """Runs of pages contiguous on both sides (each run is one descriptor per buffer).
+
+    Plain Python: a request's few dozen pages, once per transfer, cost NumPy more in array
+    set-up than the count itself; both sides one run (the common case) is two list compares."""
+    n = len(src_pages)
+    if n < 2 or n != len(dst_pages):
+        return n
+    s0, d0 = src_pages[0], dst_pages[0]
+    if (list(src_pages) == list(range(s0, s0 + n))
+            and list(dst_pages) == list(range(d0, d0 + n))):
+        return 1
+    return 1 + sum(1 for s, s_next, d, d_next
+                   in zip(src_pages, src_pages[1:], dst_pages, dst_pages[1:])
+                   if s_next - s != 1 or d_next - d != 1)
 
 
 class Link:
