@@ -72,9 +72,10 @@ class SchedulerKnobs(_Spec):
 
     page_size: int = Field(16, ge=1, description="KV tokens per page (SGLang's default is 1; "
                            "prefill and decode need the same)")
-    max_running_requests: int = Field(
-        256, ge=1, description="requests in the decode batch at most, per instance (SGLang "
-        "derives it from the pool when not given)")
+    max_running_requests: int | None = Field(
+        None, ge=1, description="requests in a batch at most, per instance (split over DP "
+        "ranks). None: SGLang's derivation per rank, min(pool tokens // 2, request pool), the "
+        "request pool being pool tokens * 512 / context length clamped to 2048..4096")
     max_prefill_tokens: int = Field(16384, ge=1, description="new tokens of one extend batch, "
                                     "per DP rank")
     chunked_prefill_size: int = Field(8192, ge=0, description="prefill chunk, per instance; 0 "
@@ -110,7 +111,7 @@ class SchedulerKnobs(_Spec):
         """The core config of one DP rank of an instance with `num_pages` pages per rank."""
         return SchedulerConfig(
             num_pages=num_pages, page_size=self.page_size,
-            max_running_requests=self._per_dp_rank("max_running_requests", dp_attention, where),
+            max_running_requests=self._running_per_rank(num_pages, dp_attention, where),
             max_prefill_tokens=self.max_prefill_tokens,
             chunked_prefill_size=self._per_dp_rank("chunked_prefill_size", dp_attention, where),
             num_reserved_decode_tokens=self.num_reserved_decode_tokens,
@@ -118,6 +119,16 @@ class SchedulerKnobs(_Spec):
             bootstrap_timeout_s=self.bootstrap_timeout_s,
             waiting_timeout_s=self.waiting_timeout_s, speculation=speculation,
             prefix_cache=not self.disable_radix_cache)
+
+    def _running_per_rank(self, num_pages: int, dp: int, where: str) -> int:
+        if self.max_running_requests is not None:
+            return self._per_dp_rank("max_running_requests", dp, where)
+        # sglang/srt/model_executor/model_runner.py (init_memory_pool) sizes the request pool
+        # from the KV pool of the rank; the scheduler then caps running requests at half the
+        # pool's tokens. Only the 2048..4096 clamp depends on the context length.
+        pool_tokens = num_pages * self.page_size
+        req_pool = min(max(pool_tokens * 512 // SGLANG_CONTEXT_LEN, 2048), 4096)
+        return max(1, min(pool_tokens // 2, req_pool))
 
     def _per_dp_rank(self, knob: str, dp: int, where: str) -> int:
         value = getattr(self, knob)
@@ -129,6 +140,7 @@ class SchedulerKnobs(_Spec):
         return value // dp
 
 
+SGLANG_CONTEXT_LEN = 131072  # context length assumed when deriving the request pool (Llama-3.1, Qwen3, DeepSeek-V3 ~128k)
 REAL_NUM_PAGES = 2048  # the real backend's KV pool per rank when scheduler.num_pages is None
 
 

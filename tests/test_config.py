@@ -148,6 +148,19 @@ def test_per_instance_knobs_split_over_dp_ranks():
         SchedulerKnobs(max_running_requests=4).build(10, 8, where="x")
 
 
+def test_max_running_requests_unset_is_derived_from_the_pool_as_sglang_does():
+    from pdsim.deployment import SchedulerKnobs
+
+    knobs = SchedulerKnobs(page_size=16)
+    assert knobs.max_running_requests is None
+    # A small pool: half its tokens. 100 pages x 16 = 1600 tokens -> 800.
+    assert knobs.build(num_pages=100).max_running_requests == 800
+    # 2**18 tokens: the request pool's 2048 floor (2**18 * 512 / 131072 = 1024 < 2048).
+    assert knobs.build(num_pages=2**14).max_running_requests == 2048
+    # 2**20 tokens: 4096 (its ceiling); per DP rank, not split, since each rank has its own pool.
+    assert knobs.build(num_pages=2**16, dp_attention=8).max_running_requests == 4096
+
+
 def test_renamed_and_moved_fields_name_their_new_place():
     from runtime.serve_config import parse_serve_config
 

@@ -59,9 +59,10 @@ def _instance(plan: PlanConfig, role: str, index: int, shape: RoleShape,
         argv += ["--ep-size", str(shape.ep)]
     if shape.moe_a2a != "none":
         argv += ["--moe-a2a-backend", shape.moe_a2a]
-    argv += ["--mem-fraction-static", f"{knobs.mem_fraction_static:g}",
-             "--max-running-requests", str(knobs.max_running_requests),
-             "--chunked-prefill-size", str(knobs.chunked_prefill_size),
+    argv += ["--mem-fraction-static", f"{knobs.mem_fraction_static:g}"]
+    if knobs.max_running_requests is not None:
+        argv += ["--max-running-requests", str(knobs.max_running_requests)]
+    argv += ["--chunked-prefill-size", str(knobs.chunked_prefill_size),
              "--max-prefill-tokens", str(knobs.max_prefill_tokens),
              "--page-size", str(knobs.page_size)]
     if plan.kv_dtype_bytes == 1:
