@@ -118,6 +118,10 @@ class _Flow:
 def max_min_rates(flows: Sequence[_Flow]) -> None:
     """Set each flow's rate to its max-min fair share (progressive filling): the link whose
     remaining capacity over its unfixed flows is smallest fixes those flows at that share."""
+    if len(flows) == 1:  # what the filling below gives a lone flow, without its set-up
+        f = flows[0]
+        f.rate = min(f.src.bytes_per_s, f.dst.bytes_per_s)
+        return
     capacity: dict[Link, float] = {}
     for f in flows:
         capacity[f.src] = f.src.bytes_per_s
