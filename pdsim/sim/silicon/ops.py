@@ -15,15 +15,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import cached_property, lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from pdsim.sim.moe_comm import deepep_traffic
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Grid2
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.precision import DTYPES, gemm_peak_tflops
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 ACT_BYTES = 2
 DEEPEP_NUM_SMS = 20  # DeepEP's default SM count for normal-mode kernels (Buffer.num_sms)
@@ -298,6 +301,7 @@ class OpTables:
     def moe(self, hidden: int, inter: int, topk: int, experts: int, moe_tp: int, moe_ep: int,
             dtype: str, distribution: str) -> Curve:
         """Routed experts of one MoE layer (fused MoE kernel) over the layer's total tokens."""
+        import pandas as pd  # here, not at import: the roofline-only simulator never reads a table
         t = self._need("moe", "moe_perf.parquet")
         wanted = MOE_DTYPES[dtype]
         present = set(t["moe_dtype"].unique())
@@ -409,6 +413,7 @@ class OpTables:
         newest version that measured that many (older releases measured multi-node runs). A
         shape or node count the tables lack is scaled from the nearest measured one by the
         ratio of DeepEP's link-time roofline (pdsim.sim.moe_comm) and counted."""
+        import pandas as pd
         file = f"wideep_deepep_{'ll' if mode == 'low_latency' else 'normal'}_perf.parquet"
         paths = tables.table_paths(self.system, "comm", self.framework, self.version, file)
         if not paths:

@@ -17,9 +17,12 @@ import importlib.util
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import yaml
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 PACKAGE = "aiconfigurator_core"
 INSTALL_HINT = "pip install 'pdsim[silicon]' (aiconfigurator-core==0.12.0)"
@@ -124,6 +127,8 @@ def nccl_path(system: str) -> Path | None:
 @lru_cache(maxsize=64)
 def read_table(path: Path) -> pd.DataFrame:
     """A parquet table (cached: every cost-model instance of a run shares it)."""
+    import pandas as pd  # here, not at import: pandas takes ~0.25 s to import
+
     return pd.read_parquet(path)
 
 
