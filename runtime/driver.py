@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pdsim.core.config import SchedulerConfig
+from pdsim.core.radix import token_page_keys
 from pdsim.core.records import RequestRecord
 from pdsim.core.request import Request
 from pdsim.core.scheduler import ColocatedScheduler, InstanceScheduler
@@ -103,9 +104,15 @@ class LocalSync:
         pass
 
 
+def pages_in_use(sched: InstanceScheduler) -> int:
+    """KV pages requests hold or pin: cached prefix pages nobody pins count as free (an
+    allocation evicts them), as SGLang's token usage counts them."""
+    return sched.pool.num_used - (sched.cache.evictable_pages if sched.cache is not None else 0)
+
+
 def scheduler_gauges(sched: InstanceScheduler) -> dict[str, float]:
     """The gauges every engine shows: running and waiting requests, KV pages, request slots."""
-    used = sched.pool.num_used
+    used = pages_in_use(sched)
     return {
         "pdsim_num_requests_running": len(sched.running),
         "pdsim_num_requests_waiting": len(sched.waiting),
@@ -338,6 +345,8 @@ class Engine:
         stream = self._streams[req.rid] = _Stream(req, sink, top_logprobs)
         if top_logprobs:
             self.executor.want_top_logprobs(req.rid, top_logprobs)
+        if self.sched.cache is not None:  # every TP rank keys alike: their schedulers stay equal
+            req.prefix_keys = token_page_keys(req.prompt_ids, self.config.page_size)
         self.sched.add_request(req, now)
         # The core fails a request it can never hold (longer than the KV pool) at once.
         stream.rejected = req.finished
@@ -409,7 +418,7 @@ class Engine:
                     reason = "length"
                 deliver(stream.sink, self._new_tokens(
                     stream, finished=True, finish_reason=reason, error=req.error or None,
-                    completion_tokens=req.num_output,
+                    completion_tokens=req.num_output, cached_tokens=req.cached_tokens,
                     status=400 if stream.rejected and req.error else None,
                     param="prompt" if stream.rejected and req.error else None))
             self.executor.release(req.rid)

@@ -378,6 +378,7 @@ def _event(obj: dict) -> StreamEvent:
         error=obj.get("error"),
         prompt_tokens=int(obj.get("prompt_tokens", 0)),
         completion_tokens=int(obj.get("completion_tokens", 0)),
+        cached_tokens=int(obj.get("cached_tokens", 0)),
     )
 
 

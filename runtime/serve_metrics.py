@@ -151,7 +151,7 @@ class ServeMetrics:
 GAUGES = {
     "pdsim_num_requests_running": "Requests in the running (decode) batch.",
     "pdsim_num_requests_waiting": "Requests waiting for a prefill (or a recompute).",
-    "pdsim_kv_pages_used": "KV cache pages in use.",
+    "pdsim_kv_pages_used": "KV cache pages in use (unpinned cached prefix pages count as free).",
     "pdsim_kv_pages_total": "KV cache pages in the pool.",
     "pdsim_kv_usage_ratio": "Fraction of the KV cache pages in use.",
     "pdsim_request_slots_used": "Request slots in use.",

@@ -24,6 +24,7 @@ class StreamEvent:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0  # tokens generated in all, on the last event
+    cached_tokens: int = 0  # prompt tokens a prefix cache supplied, on the last event
     status: int | None = None  # HTTP status of an error raised before any token (router)
     param: str | None = None  # the request field a 4xx error is about
 

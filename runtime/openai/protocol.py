@@ -245,4 +245,5 @@ def error_response(event: StreamEvent) -> web.Response:
 
 def usage(event: StreamEvent) -> dict:
     return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-            "total_tokens": event.prompt_tokens + event.completion_tokens}
+            "total_tokens": event.prompt_tokens + event.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": event.cached_tokens}}

@@ -10,7 +10,8 @@
   `200 {"rid", "status": "ok", "token_ids", "logprobs", "top_logprobs"}` (the first token, for
   information: the decode side streams it), else an error status.
   Decode: `200` and a server-sent-event stream, one `data: {"token_ids", "logprobs",
-  "top_logprobs", "finished", "finish_reason", "error", "prompt_tokens", "completion_tokens"}`
+  "top_logprobs", "finished", "finish_reason", "error", "prompt_tokens", "completion_tokens",
+  "cached_tokens"}`
   per engine event (the first carries the first token, from the prefill side's metadata), then
   `data: [DONE]`. A request that fails before its first token gets an error status instead.
   Errors are `{"error": {"message", "type", "param", "code"}}`: 400 for a malformed request or
@@ -56,6 +57,7 @@ def event_json(event: StreamEvent) -> dict:
         "top_logprobs": [[[i, v] for i, v in top] for top in event.top_logprobs],
         "finished": event.finished, "finish_reason": event.finish_reason, "error": event.error,
         "prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
+        "cached_tokens": event.cached_tokens,
     }
 
 

@@ -38,7 +38,7 @@ from pdsim.core.prefill import PrefillScheduler
 from pdsim.core.request import Request
 from pdsim.core.scheduler import InstanceScheduler
 from runtime.distributed import TPGroup
-from runtime.driver import Apply, Engine, Item, scheduler_gauges
+from runtime.driver import Apply, Engine, Item, pages_in_use, scheduler_gauges
 from runtime.executor import ModelExecutor
 from runtime.sampling import SamplingParams
 from runtime.pd import step_messages as steps
@@ -234,8 +234,9 @@ class PDEngine:
         if not s.is_idle:
             problems.append(f"{s.num_active} requests active")
         for pool in (s.pool, s.req_slots, s.metadata_slots):
-            if pool.num_used:
-                problems.append(f"{pool.num_used} of {pool.size} {pool.name}s in use")
+            used = pages_in_use(s) if pool is s.pool else pool.num_used
+            if used:
+                problems.append(f"{used} of {pool.size} {pool.name}s in use")
         if self.kv.num_live:
             problems.append(f"{self.kv.num_live} transfer endpoints not released")
         flags = [1] * self.group.size
