@@ -151,6 +151,27 @@ def make_cost_model(
 Role = Literal["prefill", "decode", "colocated"]
 
 
+def step_totals(shapes: Sequence[BatchShape]) -> tuple[int, int, int, int, bool]:
+    """What every cost model needs of a step's per-rank shapes: (tokens through the MLP,
+    the largest rank's tokens, LM-head rows, the largest rank's LM-head rows, whether any rank
+    runs prefill). A rank with prefill ends at least one sequence, so it adds an LM-head row."""
+    tokens = lm_rows = max_rank_tokens = max_rank_rows = 0
+    has_prefill = False
+    for shape in shapes:
+        n = shape.num_tokens
+        if n == 0:
+            continue
+        tokens += n
+        max_rank_tokens = max(max_rank_tokens, n)
+        rows = shape.decode_reqs * shape.decode_query_len
+        if shape.prefill_tokens:
+            has_prefill = True
+            rows += 1
+        lm_rows += rows
+        max_rank_rows = max(max_rank_rows, rows)
+    return tokens, max_rank_tokens, lm_rows, max_rank_rows, has_prefill
+
+
 class RooflineParams(BaseModel):
     """Efficiency factors and fixed costs of the roofline model (see docs/cost_model.md).
 
@@ -478,20 +499,7 @@ class RooflineCostModel:
 
     def _parts(self, shapes: Sequence[BatchShape]) -> tuple[float, ...]:
         """The step's parts in `BREAKDOWN_PARTS` order."""
-        tokens = lm_rows = max_rank_tokens = max_rank_rows = 0
-        has_prefill = False
-        for shape in shapes:
-            n = shape.num_tokens
-            if n == 0:
-                continue
-            tokens += n
-            max_rank_tokens = max(max_rank_tokens, n)
-            rows = shape.decode_reqs * shape.decode_query_len
-            if shape.prefill_tokens:
-                has_prefill = True
-                rows += 1  # at least one sequence ends in this rank's prefill
-            lm_rows += rows
-            max_rank_rows = max(max_rank_rows, rows)
+        tokens, max_rank_tokens, lm_rows, max_rank_rows, has_prefill = step_totals(shapes)
         if tokens == 0:
             return (0.0,) * len(BREAKDOWN_PARTS)
         attn = self._attention_s(shapes, 1.0) + self._layer_overhead_s

@@ -28,7 +28,7 @@ from functools import lru_cache
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdsim.core.batch import BatchShape
-from pdsim.sim.cost import BREAKDOWN_PARTS, Parallelism, Role
+from pdsim.sim.cost import BREAKDOWN_PARTS, Parallelism, Role, step_totals
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Grid2, Stage
 from pdsim.sim.silicon.ops import ACT_BYTES, MissingTable, op_tables
@@ -196,20 +196,7 @@ class SiliconCostModel:
 
     def _parts(self, shapes: Sequence[BatchShape]) -> tuple[float, ...]:
         plan = self._plan
-        tokens = lm_rows = max_rank_tokens = max_rank_rows = 0
-        has_prefill = False
-        for shape in shapes:
-            n = shape.num_tokens
-            if n == 0:
-                continue
-            tokens += n
-            max_rank_tokens = max(max_rank_tokens, n)
-            rows = shape.decode_reqs * shape.decode_query_len
-            if shape.prefill_tokens:
-                has_prefill = True
-                rows += 1  # at least one sequence ends in this rank's prefill
-            lm_rows += rows
-            max_rank_rows = max(max_rank_rows, rows)
+        tokens, max_rank_tokens, lm_rows, max_rank_rows, has_prefill = step_totals(shapes)
         if tokens == 0:
             return (0.0,) * len(BREAKDOWN_PARTS)
         attn = self._attention_s(shapes, 1.0)
