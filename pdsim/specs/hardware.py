@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pdsim.specs.sources import find_spec_file, merge_fields, not_found, validate_fields
+from pdsim.specs.sources import (
+    find_spec_file, merge_fields, not_found, read_spec_yaml, validate_fields,
+)
 
 
 class HardwareSpec(BaseModel):
@@ -228,15 +229,7 @@ def load_hardware_spec(
     path, tried = find_spec_file(spec, base_dir)
     if path is None:
         raise ValueError(not_found("hardware", spec, hardware_preset_names(), tried, "a YAML file"))
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ValueError(f"{path}: not valid YAML ({err})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of HardwareSpec fields")
-    if "base" not in data:
-        data.setdefault("name", path.stem)
-    return _from_fields(data, str(path), path.parent)
+    return _from_fields(read_spec_yaml(path, "HardwareSpec"), str(path), path.parent)
 
 
 def _from_fields(data: Mapping[str, Any], where: str, base_dir: str | Path | None) -> HardwareSpec:

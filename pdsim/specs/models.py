@@ -27,12 +27,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdsim.specs.precision import DTYPES, DTypeName, Precision
 from pdsim.specs.quantization import precision_from_hf_config
-from pdsim.specs.sources import find_spec_file, merge_fields, not_found, validate_fields
+from pdsim.specs.sources import (
+    find_spec_file, merge_fields, not_found, read_spec_yaml, validate_fields,
+)
 
 MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 MOE_FIELDS = ("num_experts", "experts_per_token", "moe_intermediate_size")
@@ -528,15 +529,7 @@ def load_model_spec(
                       "a config.json (or its directory) or a YAML file of ModelSpec fields")
         )
     if path.suffix in (".yaml", ".yml"):
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
-            raise ValueError(f"{path}: not valid YAML ({err})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of ModelSpec fields")
-        if "base" not in data:
-            data.setdefault("name", path.stem)
-        return _from_fields(data, str(path), path.parent)
+        return _from_fields(read_spec_yaml(path, "ModelSpec"), str(path), path.parent)
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as err:
