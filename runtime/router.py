@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 import aiohttp
 
+from pdsim.core.radix import token_page_keys
 from pdsim.core.records import RequestRecord
 from pdsim.core.router import Router
 from runtime.chat_template import ChatTemplate
@@ -86,14 +87,15 @@ class PDClient:
     connect_timeout_s: connecting to a worker; read_timeout_s: the most a worker may stay silent
     (a decode stream before its first token waits for the KV: keep it above the transfer
     timeouts); health_timeout_s / health_ttl_s: the workers' `/health` probes, and how long one
-    round of answers is reused.
+    round of answers is reused. page_size: the prefill workers' KV page size; given, the
+    policy gets each prompt's page keys (`token_page_keys`), which `cache_aware` routes by.
     """
 
     def __init__(self, prefill: Sequence[WorkerAddress], decode: Sequence[WorkerAddress], *,
                  policy: str = "round_robin", seed: int = 0, max_records: int = 100_000,
                  connect_timeout_s: float = 10.0, read_timeout_s: float = 300.0,
                  health_timeout_s: float = 1.0, health_ttl_s: float = 1.0,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, page_size: int = 0) -> None:
         if not prefill or not decode:
             raise ValueError(f"a PD router needs prefill and decode workers, got {len(prefill)} "
                              f"prefill and {len(decode)} decode")
@@ -104,6 +106,7 @@ class PDClient:
         self.decode = list(decode)
         # Rooms from the OS: routers sharing workers must not draw the same ones.
         self.router = Router(policy, len(prefill), len(decode), seed, room_rng=random.SystemRandom())
+        self.page_size = page_size  # > 0: the policy gets each prompt's page keys (cache_aware)
         self.metrics = ServeMetrics()
         self.records: deque[RequestRecord] = deque(maxlen=max_records)
         # The policies' load signal, what the core schedulers' load() counts in the simulator:
@@ -172,8 +175,9 @@ class PDClient:
     async def _serve(self, request: GenerateParams, sink: Sink) -> None:
         """Every way this ends, `sink` gets a last event: the decode stream's own, or an error
         (a worker's refusal with its status, a worker gone mid-stream, a timeout, a cancel)."""
+        keys = token_page_keys(request.input_ids, self.page_size) if self.page_size else ()
         p, d, room = self.router.route(self._prefill_tokens.__getitem__,
-                                       self._inflight_decode.__getitem__)
+                                       self._inflight_decode.__getitem__, keys)
         pre, dec = self.prefill[p], self.decode[d]
         body = replace(request, bootstrap_host=pre.bootstrap_host,
                        bootstrap_port=pre.bootstrap_port, bootstrap_room=room).to_body()
@@ -324,8 +328,9 @@ class PDRouter:
                  seed: int = 0, chat_template: ChatTemplate | None = None,
                  eos_ids: Sequence[int] = (), default_chat_max_tokens: int = 256,
                  max_inflight_requests: int = 4096,
-                 headers: dict[str, str] | None = None) -> None:
-        self.client = PDClient(prefill, decode, policy=policy, seed=seed, headers=headers)
+                 headers: dict[str, str] | None = None, page_size: int = 0) -> None:
+        self.client = PDClient(prefill, decode, policy=policy, seed=seed, headers=headers,
+                               page_size=page_size)
         self.server = OpenAIServer(self.client, tokenizer, model_name=model_name, limits=limits,
                                    chat_template=chat_template, eos_ids=eos_ids,
                                    default_chat_max_tokens=default_chat_max_tokens,

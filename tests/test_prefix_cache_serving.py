@@ -5,11 +5,17 @@ over loopback), where the decode side learns the hit from the KV metadata."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 from openai import OpenAI
 
+from runtime.openai.protocol import Limits
 from runtime.openai.server import BackgroundServer
+from runtime.router import PDRouter, WorkerAddress
 from runtime.serve_config import ServeConfig
+from runtime.tokenizer import ByteTokenizer
 from tests.pd_harness import body, generate, pd_config, start_worker, stop_workers, wait_healthy
 
 PAGE = 8
@@ -77,3 +83,44 @@ def test_pd_decode_tokens_equal_with_and_without_the_prefill_cache():
         assert cached.wait_pools_full()["full"] and decode.wait_pools_full()["full"]
     finally:
         stop_workers([cached, plain, decode])
+
+
+def test_cache_aware_router_sends_a_repeated_prefix_to_the_prefill_worker_that_holds_it():
+    """Two prefill workers, one decode worker and the real router (`cache_aware`, keyed by the
+    prompt's pages): X, X', Y, Y' (X' repeats X's system prompt) go to prefill 0, 0, 1, 1 (round
+    robin would alternate), and each repeat finds its prefix in that worker's cache."""
+    cfg = pd_config("tiny-llama", prefill={"instances": 2})
+    prefill = [start_worker(cfg, "prefill", instance=i) for i in range(2)]
+    decode = start_worker(cfg, "decode")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def on_loop(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    try:
+        wait_healthy([*prefill, decode])
+        router = PDRouter(
+            [WorkerAddress(w.url, "127.0.0.1", w.bootstrap_port) for w in prefill],
+            [WorkerAddress(decode.url)], tokenizer=ByteTokenizer(), model_name="tiny",
+            limits=Limits(max_model_len=512, pool_tokens=512, max_position=4096,
+                          model_vocab=ByteTokenizer.vocab_size),
+            policy="cache_aware", page_size=cfg.page_size)
+        on_loop(router.start())
+        client = OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        x = "System prompt X: answer briefly, in plain words, and exactly. "
+        y = "Another preamble Y, unlike the first one from its first byte on. "
+        hits = []
+        for prompt in (x + "First?", x + "Second one?", y + "Third?", y + "And fourth?"):
+            reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=3,
+                                              temperature=0, extra_body={"ignore_eos": True})
+            hits.append(reply.usage.prompt_tokens_details.cached_tokens)
+        assert [r.prefill_instance for r in router.client.records] == [0, 0, 1, 1]
+        shared = [(len(p.encode()) + 1) // cfg.page_size * cfg.page_size for p in (x, y)]  # + BOS
+        assert hits == [0, shared[0], 0, shared[1]] and min(shared) > 0
+        on_loop(router.close())
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        stop_workers([*prefill, decode])
