@@ -68,3 +68,40 @@ def test_radix_cache_on_by_default_as_sglang_and_disabled_per_role():
         "name": "t", "model": "llama-3.1-8b", "hardware": "h100",
         "cluster": {"mode": "colocated", "colocated": {"instances": 1}},
         "workload": WORKLOAD})).colocated.scheduler == on.colocated.scheduler
+
+
+def test_early_sent_cached_pages_land_before_the_suffix_forward_ends(monkeypatch):
+    """On a hit the prefill instance ships the cached prefix's pages as the suffix's forward
+    starts (a non-last chunk); they land while it runs, and the last chunk follows it."""
+    from pdsim.sim import network
+
+    sends = []  # per chunk: [sent at, last, landed at]
+    send, landed = network.SimKVSender.send, network.SimKVSender._chunk_landed
+
+    def record_send(self, page_indices, last):
+        sends.append([self.fabric.env.now, last, None, self.room])
+        send(self, page_indices, last)
+
+    def record_landed(self):
+        chunk = next(c for c in sends if c[3] is self.room and c[2] is None)
+        chunk[2] = self.fabric.env.now
+        landed(self)
+
+    monkeypatch.setattr(network.SimKVSender, "send", record_send)
+    monkeypatch.setattr(network.SimKVSender, "_chunk_landed", record_landed)
+    workload = {"num_requests": 2, "seed": 0, "arrival": {"process": "constant", "rate_rps": 0.5},
+                "input_len": {"dist": "fixed", "value": 2000},
+                "output_len": {"dist": "fixed", "value": 4},
+                "prefix": {"system_prompts": 1, "system_prompt_len": 2000, "share": 1.0}}
+    w = generate(workload)
+    result = simulate(cluster("disaggregated", True), w.arrival_s, w.input_tokens,
+                      w.output_tokens, seed=1, prefix=w.prefix)
+    result.check_pools_full()
+    first, second = sorted(result.records, key=lambda r: r.arrival_s)
+    assert first.cached_tokens == 0 and second.cached_tokens > 1000
+    early = [c for c in sends if c[0] >= second.arrival_s and not c[1]]
+    last = [c for c in sends if c[0] >= second.arrival_s and c[1]]
+    assert len(early) == 1 and len(last) == 1
+    sent_at, _, landed_at, _ = early[0]
+    assert second.prefill_start_s <= sent_at < landed_at < second.prefill_end_s
+    assert last[0][0] >= second.prefill_end_s  # the suffix's pages leave after its forward

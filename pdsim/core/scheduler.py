@@ -143,7 +143,7 @@ class InstanceScheduler:
                 break
             req.pages.extend(pages)
             self.waiting.popleft()
-            if req.computed_tokens == 0 and req.prefill_start_s != req.prefill_start_s:
+            if req.prefill_start_s != req.prefill_start_s:  # its first extend (after any hit)
                 req.prefill_start_s = now
             segments.append(ExtendSegment(req, req.computed_tokens, req.computed_tokens + take))
             tokens += take
