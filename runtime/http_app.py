@@ -21,8 +21,9 @@ MAX_BODY_BYTES = 64 << 20  # a larger request body gets 413
 
 
 class AppServer:
-    """Subclasses give `make_app()` (which should install `self._count` as a middleware) and
-    `counted(path)`, naming the paths whose response codes go to `metrics`."""
+    """Subclasses give `make_app()` (built on `new_app()`, which installs the JSON errors and
+    the response counting) and `counted(path)`, naming the paths whose response codes go to
+    `metrics`."""
 
     def __init__(self, engine, metrics) -> None:
         self.engine = engine
@@ -34,6 +35,11 @@ class AppServer:
 
     def make_app(self) -> web.Application:
         raise NotImplementedError
+
+    def new_app(self) -> web.Application:
+        """An app with the JSON error format, the response counting and the body limit."""
+        return web.Application(middlewares=[json_errors, self._count],
+                               client_max_size=MAX_BODY_BYTES)
 
     def counted(self, path: str) -> bool:
         raise NotImplementedError

@@ -35,7 +35,7 @@ from aiohttp import web
 from runtime.chat_template import ChatTemplate
 from runtime.checks import BadRequest, parse_json, short_repr
 from runtime.driver import Engine
-from runtime.http_app import MAX_BODY_BYTES, AppServer, json_errors
+from runtime.http_app import AppServer
 from runtime.model.loading import load_served_model, load_text_side, resolve_device
 from runtime.openai.protocol import (
     RETRY_HEADERS, GenParams, Limits, RequestParser, busy_response, error_body, error_response,
@@ -100,8 +100,7 @@ class OpenAIServer(AppServer):
     # ---- lifecycle ----
 
     def make_app(self) -> web.Application:
-        app = web.Application(middlewares=[json_errors, self._count],
-                              client_max_size=MAX_BODY_BYTES)
+        app = self.new_app()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)

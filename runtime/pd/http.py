@@ -42,7 +42,7 @@ from typing import Any
 from aiohttp import web
 
 from runtime.checks import BadRequest, parse_json
-from runtime.http_app import MAX_BODY_BYTES, AppServer, json_errors
+from runtime.http_app import AppServer
 from runtime.pd.lockstep_engine import PDEngine
 from runtime.pd.worker_messages import GenerateParams, parse_generate
 from runtime.serve_metrics import CONTENT_TYPE
@@ -110,8 +110,7 @@ class WorkerServer(AppServer):
         return path in ("/generate", "/abort")
 
     def make_app(self) -> web.Application:
-        app = web.Application(middlewares=[json_errors, self._count],
-                              client_max_size=MAX_BODY_BYTES)
+        app = self.new_app()
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort", self.abort)
         app.router.add_get("/health", self.health)
