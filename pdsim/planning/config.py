@@ -124,6 +124,8 @@ class LaunchConfig(_Spec):
     ib_device: str = Field("mlx5_0", description="--disaggregation-ib-device")
     base_port: int = Field(30000, ge=1, le=65535)
     bootstrap_port: int = Field(8998, ge=1, le=65535)
+    router_host: str = Field("127.0.0.1", description="--host of the router: loopback unless "
+                             "set (give the address clients reach it on)")
     router_port: int = Field(8000, ge=1, le=65535)
     dist_init_port: int = Field(5000, ge=1, le=65535)
 

@@ -108,7 +108,8 @@ def sglang_commands(dep: Deployment, plan: PlanConfig, gpus_per_node: int) -> La
             else:
                 router += ["--worker-urls", url] if i == 0 else [url]
     policy = ROUTER_POLICY.get(plan.router.policy, plan.router.policy)
-    router += ["--policy", policy, "--host", "0.0.0.0", "--port", str(plan.launch.router_port)]
+    router += ["--policy", policy, "--host", plan.launch.router_host,
+               "--port", str(plan.launch.router_port)]
     return LaunchCommands(servers, shlex.join(router))
 
 
