@@ -155,15 +155,21 @@ def parse_experiment(data: Any, source: str = "<config>") -> ExperimentConfig:
         ) from None
 
 
-def load_experiment(path: str | Path) -> tuple[ExperimentConfig, dict]:
-    """The validated config and the raw mapping (sweeps re-validate edited copies of it)."""
+def read_config_file(path: str | Path, what: str, hint: str = "") -> Any:
+    """The YAML a config file holds; a ConfigError naming the file when it is missing (`hint`
+    says how to make one) or not valid YAML."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path}: no such experiment file")
+        raise ConfigError(f"{path}: no such {what} file{hint}")
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+
+
+def load_experiment(path: str | Path) -> tuple[ExperimentConfig, dict]:
+    """The validated config and the raw mapping (sweeps re-validate edited copies of it)."""
+    data = read_config_file(path, "experiment")
     return parse_experiment(data, str(path)), data
 
 

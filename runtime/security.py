@@ -17,7 +17,6 @@ do), from `security.api_key` or `PDSIM_API_KEY`.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import ipaddress
 import logging

@@ -24,10 +24,9 @@ import copy
 from pathlib import Path
 from typing import Any, ClassVar
 
-import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from pdsim.config import ConfigError, ExperimentConfig
+from pdsim.config import ConfigError, ExperimentConfig, read_config_file
 from pdsim.config_errors import format_validation_error
 from pdsim.core.config import SchedulerConfig
 from pdsim.deployment import RoleConfig, servable_presets
@@ -230,13 +229,7 @@ def load_serve_config(path: str | Path | None = None,
     data: dict[str, Any] = {"model": "tiny-llama",
                             "cluster": {"mode": "colocated", "colocated": {"instances": 1}}}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: no such serve config file")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        data = read_config_file(path, "serve config") or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: a serve config is a mapping of keys, got "
                               f"{type(data).__name__}")

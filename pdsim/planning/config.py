@@ -14,11 +14,11 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pdsim.config import (
     ConfigError,
+    read_config_file,
     CostModelConfig,
     NetworkConfig,
     RouterConfig,
@@ -201,14 +201,7 @@ def parse_plan(data: Any, source: str = "<plan>") -> PlanConfig:
 
 
 def load_plan(path: str | Path) -> PlanConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such plan file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    return parse_plan(data, str(path))
+    return parse_plan(read_config_file(path, "plan"), str(path))
 
 
 def price_per_gpu_hour(plan: PlanConfig, preset_price: float | None, hardware_name: str) -> float:

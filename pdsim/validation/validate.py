@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import yaml
 
-from pdsim.config import ConfigError, ExperimentConfig, load_experiment, parse_experiment
+from pdsim.config import (
+    ConfigError, ExperimentConfig, load_experiment, parse_experiment, read_config_file,
+)
 from pdsim.core.records import RequestRecord
 from pdsim.metrics import records_frame, summarize
 from pdsim.validation.compare import Tolerance, markdown, plot, side_by_side
@@ -50,9 +51,7 @@ def _merge(base: dict, over: dict) -> dict:
 def load_calibration(path: str | Path) -> dict[str, Any]:
     """The experiment fields a calibration file sets, its timings path made absolute."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such calibration file (write one with `pdsim calibrate`)")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = read_config_file(path, "calibration", " (write one with `pdsim calibrate`)") or {}
     unknown = sorted(set(data) - set(OVERLAY_KEYS) - {"measured"})
     if unknown:
         raise ConfigError(f"{path}: unknown calibration keys {unknown}; allowed: "
