@@ -101,6 +101,15 @@ def test_pd_decode_tokens_equal_with_and_without_the_prefill_cache():
         stop_workers([cached, plain, decode])
 
 
+async def records_reach(router: PDRouter, n: int, timeout_s: float = 30.0) -> None:
+    """Wait until the router holds `n` records: the client's last chunk can arrive before them."""
+    deadline = time.monotonic() + timeout_s
+    while len(router.records) < n:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the router has {len(router.records)} records, not {n}")
+        await asyncio.sleep(0.01)
+
+
 def test_cache_aware_router_sends_a_repeated_prefix_to_the_prefill_worker_that_holds_it():
     """Two prefill workers, one decode worker and the real router (`cache_aware`, keyed by the
     prompt's pages): X, X', Y, Y' (X' repeats X's system prompt) go to prefill 0, 0, 1, 1 (round
@@ -132,7 +141,8 @@ def test_cache_aware_router_sends_a_repeated_prefix_to_the_prefill_worker_that_h
             reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=3,
                                               temperature=0, extra_body={"ignore_eos": True})
             hits.append(reply.usage.prompt_tokens_details.cached_tokens)
-        assert [r.prefill_instance for r in router.client.records] == [0, 0, 1, 1]
+        on_loop(records_reach(router, 4))  # a record lands once the prefill call has returned too
+        assert [r.prefill_instance for r in router.records] == [0, 0, 1, 1]
         shared = [(len(p.encode()) + 1) // cfg.page_size * cfg.page_size for p in (x, y)]  # + BOS
         assert hits == [0, shared[0], 0, shared[1]] and min(shared) > 0
         on_loop(router.close())
