@@ -574,3 +574,20 @@ def test_dp_lm_head_prices_the_slowest_ranks_rows_over_its_gpus() -> None:
     assert deepep(8).step_breakdown_s(shapes)["lm_head"] == pytest.approx(gemm_time_s(
         820, DSV3.vocab_size / 8, DSV3.hidden_size, DSV3.precision.lm_head, H200,
         RooflineParams()))
+
+
+def test_a_decode_step_priced_from_its_kept_fixed_parts_is_the_full_computation_bit_for_bit():
+    """A decode-only step keeps what depends only on its batch size (`_decode_step_s`): the
+    step time must still be exactly the sum of the parts computed in full, warm or cold."""
+    import random
+
+    rng = random.Random(7)
+    for make in (roofline, lambda: roofline(DSV3, H200, tp=8, dp_attention=8, ep=8),
+                 lambda: deepep(16), lambda: roofline(tp=4)):
+        warm = make()
+        for _ in range(300):
+            reqs = rng.randint(1, 300)
+            shape = BatchShape(decode_reqs=reqs, decode_context_tokens=reqs * rng.randint(1, 9000),
+                               decode_query_len=rng.choice((1, 1, 4)))
+            full = sum(warm.step_breakdown_s([shape]).values())
+            assert warm.step_time_s([shape]) == full == make().step_time_s([shape])

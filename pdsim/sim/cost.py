@@ -10,6 +10,7 @@ parallelism) triple: how many KV tokens fit (`kv_capacity_tokens`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
@@ -357,6 +358,7 @@ class RooflineCostModel:
         self._moe_layers = model.num_moe_layers
         self._deepep = parallel.moe_a2a == "deepep"
         self._tbo = parallel.two_batch_overlap
+        self._decode_fixed: dict[tuple[int, int], tuple] = {}  # see _decode_step_s
         if model.is_moe:
             e, k = model.num_experts, model.experts_per_token
             moe_rate = _block_rate("moe_experts", prec.moe_experts, hardware, p)
@@ -444,18 +446,23 @@ class RooflineCostModel:
         (0.5 prices one micro-batch of two-batch overlap)."""
         slowest = 0.0
         for shape in shapes:
-            q = shape.decode_query_len
-            n = (shape.prefill_tokens + shape.decode_reqs * q) * scale
+            n = (shape.prefill_tokens + shape.decode_reqs * shape.decode_query_len) * scale
             if n == 0:
                 continue
-            proj = self._attn_gemm_floor_s + max(
-                n * self._attn_proj_s_tok,
-                (self._attn_w_bytes + n * self._attn_act_tok) / self._mem_rate)
-            attn = (proj + self.attention_kernels_s(shape, scale) + n * self._attn_elem_s_tok
-                    + self._attn_ar_fixed_s + n * self._attn_ar_s_tok)
+            attn = self._attention_block_s(self._attn_proj_s(n), shape, scale, n)
             if attn > slowest:
                 slowest = attn
         return slowest
+
+    def _attn_proj_s(self, n: float) -> float:
+        """The QKV and output projections of `n` tokens."""
+        return self._attn_gemm_floor_s + max(
+            n * self._attn_proj_s_tok, (self._attn_w_bytes + n * self._attn_act_tok) / self._mem_rate)
+
+    def _attention_block_s(self, proj: float, shape: BatchShape, scale: float, n: float) -> float:
+        """One rank's attention block: projections `proj`, kernels, norms, all-reduce."""
+        return (proj + self.attention_kernels_s(shape, scale) + n * self._attn_elem_s_tok
+                + self._attn_ar_fixed_s + n * self._attn_ar_s_tok)
 
     def attention_kernels_s(self, shape: BatchShape, scale: float = 1.0) -> float:
         """One layer's attention kernels (prefill and decode parts) on one GPU of a rank."""
@@ -486,7 +493,27 @@ class RooflineCostModel:
         return self._moe_floor_s + max(flops_s, (w_bytes + act) / self._mem_rate) + elem
 
     def step_time_s(self, shapes: Sequence[BatchShape]) -> float:
+        if len(shapes) == 1 and not self._tbo:
+            shape = shapes[0]
+            if shape.decode_reqs and not shape.prefill_tokens:
+                return self._decode_step_s(shape)
         return sum(self._parts(shapes))
+
+    def _decode_step_s(self, shape: BatchShape) -> float:
+        """A decode-only step of one rank, the floats of `sum(self._parts((shape,)))`: all but
+        the attention kernels depend only on the batch's size and query length, so those parts
+        are kept per (requests, query length) and only the context-dependent chain is redone
+        (a simulated decode step calls this with a new context every time)."""
+        key = (shape.decode_reqs, shape.decode_query_len)
+        fixed = self._decode_fixed.get(key)
+        if fixed is None:
+            n = float(shape.decode_reqs * shape.decode_query_len)
+            rest = self._parts_but_attention((shape,), step_totals((shape,)), math.nan)
+            fixed = self._decode_fixed[key] = (self._attn_proj_s(n), n, rest)
+        proj, n, rest = fixed
+        attn = self._attention_block_s(proj, shape, 1.0, n)
+        attn = (attn if attn > 0.0 else 0.0) + self._layer_overhead_s
+        return sum((self._layers_attention_s(attn), *rest))
 
     def step_breakdown_s(self, shapes: Sequence[BatchShape]) -> dict[str, float]:
         """Seconds of one step by part (`BREAKDOWN_PARTS`), summed over its layers; the
@@ -499,28 +526,40 @@ class RooflineCostModel:
 
     def _parts(self, shapes: Sequence[BatchShape]) -> tuple[float, ...]:
         """The step's parts in `BREAKDOWN_PARTS` order."""
-        tokens, max_rank_tokens, lm_rows, max_rank_rows, has_prefill = step_totals(shapes)
-        if tokens == 0:
+        totals = step_totals(shapes)
+        if totals[0] == 0:
             return (0.0,) * len(BREAKDOWN_PARTS)
         attn = self._attention_s(shapes, 1.0) + self._layer_overhead_s
+        return (self._layers_attention_s(attn), *self._parts_but_attention(shapes, totals, attn))
+
+    def _layers_attention_s(self, attn: float) -> float:
+        """Every layer's attention block, one layer's being `attn`."""
+        attention = self._dense_layers * attn if self._dense_layers else 0.0
+        if self._moe_layers:
+            attention += self._moe_layers * attn
+        return attention
+
+    def _parts_but_attention(self, shapes: Sequence[BatchShape], totals: tuple, attn: float
+                             ) -> tuple[float, ...]:
+        """The parts after `attention` in `BREAKDOWN_PARTS` order; `attn` (one layer's attention
+        block) is read only by two-batch overlap."""
+        tokens, max_rank_tokens, lm_rows, max_rank_rows, has_prefill = totals
         mlp_comm = self._mlp_ar_fixed_s + tokens * self._mlp_ar_s_tok
-        attention = dense_mlp = dense_comm = 0.0
+        dense_mlp = dense_comm = 0.0
         if self._dense_layers:
             layers = self._dense_layers
             n = max_rank_tokens / self.parallel.attn_tp if self._dense_dp else tokens
-            attention = layers * attn
             dense_mlp = layers * (self._dense_floor_s + n * self._dense_elem_s_tok + max(
                 n * self._dense_s_tok,
                 (self._dense_w_bytes + n * self._dense_act_tok) / self._mem_rate))
             dense_comm = 0.0 if self._dense_dp else layers * mlp_comm
         experts = comm = tbo = 0.0
         if self._moe_layers:
-            attention += self._moe_layers * attn
             experts, comm, tbo = self._moe_layers_s(shapes, attn, mlp_comm, tokens,
                                                     max_rank_tokens, has_prefill)
         lm_head = self._lm_gemm.at(max_rank_rows if self._dp_lm_head else lm_rows)
         overhead = self._step_overhead_s + (self._extend_overhead_s if has_prefill else 0.0)
-        return attention, dense_mlp, dense_comm, experts, comm, tbo, lm_head, overhead
+        return dense_mlp, dense_comm, experts, comm, tbo, lm_head, overhead
 
     def _moe_layers_s(self, shapes: Sequence[BatchShape], attn: float, mlp_comm: float,
                       tokens: int, max_rank_tokens: int, has_prefill: bool
