@@ -6,7 +6,9 @@
    sample of interior grid points of each op kind, hide the point and predict it from its
    neighbours along the size axis the simulator looks up (tokens, sequence or context length,
    message size) with the silicon model's interpolation (a monotone cubic in log-log space,
-   pdsim.sim.silicon.interp), and from the shape alone with the roofline cost model itself
+   pdsim.sim.silicon.interp.Curve; for GEMMs relative to the tile-quantised reference the
+   model picks per series, picked again without the hidden point), and from the shape alone
+   with the roofline cost model itself
    (pdsim.sim.cost at its default RooflineParams: floors, per-format efficiencies). The neighbours are twice as far apart
    as in the real lookup, so silicon's error is an upper bound. Printed: median and P90
    relative error per op kind and model.
@@ -26,7 +28,7 @@ import pandas as pd
 from pdsim.core.batch import BatchShape
 from pdsim.sim.cost import Parallelism, RooflineCostModel, RooflineParams, gemm_time_s
 from pdsim.sim.silicon import tables
-from pdsim.sim.silicon.interp import log_interp
+from pdsim.sim.silicon.interp import Curve, Reference, best_reference
 from pdsim.sim.silicon.ops import _TABLE_TO_PDSIM, DEEPEP_NUM_SMS, TABLE_GPUS_PER_NODE, OpTables
 from pdsim.specs import ModelSpec, load_hardware_spec, model_preset
 from pdsim.specs.hardware import HardwareSpec
@@ -35,7 +37,9 @@ from pdsim.specs.precision import Precision
 RP = RooflineParams()
 DSV3 = model_preset("deepseek-v3")  # the MLA tables' shape (kv_lora 512, rope 64, nope/v 128)
 HARDWARE = {system: preset for preset, system in tables.SYSTEMS.items()}
-Series = tuple[np.ndarray, np.ndarray, Callable[[float], float]]  # sizes, seconds, roofline
+# sizes, seconds, roofline cost model, the silicon model's reference candidates for the series
+Series = tuple[np.ndarray, np.ndarray, Callable[[float], float], tuple[Reference | None, ...]]
+PLAIN = (None,)  # the plain cubic: every op kind but GEMM
 
 
 def _grouped(t: pd.DataFrame, keys: list[str], x: str, y: str, scale: float
@@ -115,20 +119,21 @@ def series(ops: OpTables, roof: Rooflines) -> dict[str, list[Series]]:
     out: dict[str, list[Series]] = {}
     t = ops._need("gemm", "gemm_perf.parquet")
     for (dtype, n, k), xs, ys in _grouped(t, ["gemm_dtype", "n", "k"], "m", "latency", 1e-3):
-        out.setdefault("GEMM", []).append((xs, ys, roof.gemm(n, k, dtype)))
+        out.setdefault("GEMM", []).append(
+            (xs, ys, roof.gemm(n, k, dtype), ops.tile_references(n, k, dtype)))
     t = ops._need("attention", "context_attention_perf.parquet")
-    t = t[t.window_size == 0]
+    t = t[t.window_size == 0] if "window_size" in t else t  # older tables lack the column
     keys = ["num_heads", "num_key_value_heads", "head_dim", "attn_dtype", "kv_cache_dtype",
             "batch_size"]
     for (h, kvh, d, ad, kd, b), xs, ys in _grouped(t, keys, "isl", "latency", 1e-3):
         out.setdefault("attention prefill", []).append(
-            (xs, ys, roof.prefill(b, h, kvh, d, 1 if kd == "fp8" else 2, ad == "fp8")))
+            (xs, ys, roof.prefill(b, h, kvh, d, 1 if kd == "fp8" else 2, ad == "fp8"), PLAIN))
     t = ops._need("attention", "generation_attention_perf.parquet")
-    t = t[t.window_size == 0]
+    t = t[t.window_size == 0] if "window_size" in t else t  # older tables lack the column
     keys = ["num_heads", "num_key_value_heads", "head_dim", "kv_cache_dtype", "batch_size"]
     for (h, kvh, d, kd, b), xs, ys in _grouped(t, keys, "step", "latency", 1e-3):
         cost = roof._gqa(h, kvh, d, 1 if kd == "fp8" else 2, False)
-        out.setdefault("attention decode", []).append((xs, ys, roof.decode(cost, b)))
+        out.setdefault("attention decode", []).append((xs, ys, roof.decode(cost, b), PLAIN))
     t = ops._table("mla", "context_mla_perf.parquet")
     if t is not None:
         for (h, kd, b), xs, ys in _grouped(t, ["num_heads", "kv_cache_dtype", "batch_size"],
@@ -136,19 +141,20 @@ def series(ops: OpTables, roof: Rooflines) -> dict[str, list[Series]]:
             cost = roof.mla(h, 1 if kd == "fp8" else 2)
             out.setdefault("MLA context", []).append((xs, ys, lambda s, c=cost, b=b: (
                 c.attention_kernels_s(BatchShape(prefill_tokens=int(b * s),
-                                                 prefill_attn_pairs=b * s * (s + 1) // 2)))))
+                                                 prefill_attn_pairs=b * s * (s + 1) // 2))),
+                PLAIN))
     t = ops._table("mla", "generation_mla_perf.parquet")
     if t is not None:
         for (h, kd, b), xs, ys in _grouped(t, ["num_heads", "kv_cache_dtype", "batch_size"],
                                            "step", "latency", 1e-3):
             cost = roof.mla(h, 1 if kd == "fp8" else 2)
-            out.setdefault("MLA generation", []).append((xs, ys, roof.decode(cost, b)))
+            out.setdefault("MLA generation", []).append((xs, ys, roof.decode(cost, b), PLAIN))
     t = ops._need("moe", "moe_perf.parquet")
     keys = ["moe_dtype", "hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size",
             "moe_ep_size", "distribution"]
     for (dt, h, i, k, e, mtp, mep, dist), xs, ys in _grouped(t, keys, "num_tokens", "latency",
                                                             1e-3):
-        out.setdefault("MoE", []).append((xs, ys, roof.moe(h, i, k, e, mtp, mep, dt)))
+        out.setdefault("MoE", []).append((xs, ys, roof.moe(h, i, k, e, mtp, mep, dt), PLAIN))
     for mode, file, cols in (("low_latency", "wideep_deepep_ll_perf.parquet",
                               ["dispatch_avg_t_us", "combine_avg_t_us"]),
                              ("normal", "wideep_deepep_normal_perf.parquet",
@@ -162,12 +168,12 @@ def series(ops: OpTables, roof: Rooflines) -> dict[str, list[Series]]:
         keys = ["hidden_size", "num_topk", "num_experts", "node_num"]
         for (h, k, e, nodes), xs, ys in _grouped(t, keys, "num_token", "seconds", 1e-6):
             r = roof.deepep(h, k, e, TABLE_GPUS_PER_NODE * nodes, mode)
-            out.setdefault(f"DeepEP {mode}", []).append((xs, ys, r))
+            out.setdefault(f"DeepEP {mode}", []).append((xs, ys, r, PLAIN))
     t = ops._table("comm", "custom_allreduce_perf.parquet")
     if t is not None:
         t = t[t.backend == "sglang_graph"] if "backend" in t else t
         for (gpus,), xs, ys in _grouped(t, ["num_gpus"], "message_size", "latency", 1e-3):
-            out.setdefault("all-reduce", []).append((xs, ys, roof.all_reduce(gpus)))
+            out.setdefault("all-reduce", []).append((xs, ys, roof.all_reduce(gpus), PLAIN))
     return out
 
 
@@ -178,15 +184,16 @@ def leave_one_out(all_series: list[Series], samples: int, rng: np.random.Generat
     multiple of 16 from 32 up: the GEMM grid brackets each tile boundary that way (128 and 129
     rows), and hiding one side predicts it across the step, which no real lookup does (sizes
     are integers, so a query always lies between the two measured sides)."""
-    points = [(si, i) for si, (xs, _, _) in enumerate(all_series) for i in range(1, len(xs) - 1)]
+    points = [(si, i) for si, (xs, *_) in enumerate(all_series) for i in range(1, len(xs) - 1)]
     if len(points) > samples:
         points = [points[j] for j in rng.choice(len(points), samples, replace=False)]
     sil, roo, edge = [], [], []
     for si, i in points:
-        xs, ys, roofline = all_series[si]
-        lxs = np.log(np.delete(xs, i)).tolist()
-        lys = np.log(np.delete(ys, i)).tolist()
-        sil.append(abs(log_interp(xs[i], lxs, lys) / ys[i] - 1))
+        xs, ys, roofline, references = all_series[si]
+        seen_xs, seen_ys = np.delete(xs, i), np.delete(ys, i)
+        reference = best_reference(seen_xs, seen_ys, references)
+        predicted = Curve(seen_xs, seen_ys, roofline, reference=reference)(xs[i])
+        sil.append(abs(predicted / ys[i] - 1))
         roo.append(abs(roofline(xs[i]) / ys[i] - 1))
         pair = xs[i - 1] if xs[i] - xs[i - 1] == 1 else xs[i + 1] if xs[i + 1] - xs[i] == 1 else 0
         edge.append(min(pair, xs[i]) >= 32 and min(pair, xs[i]) % 16 == 0)

@@ -13,7 +13,9 @@ import pytest
 from pdsim.core.batch import BatchShape, extend_attn_pairs
 from pdsim.sim.cost import Parallelism, make_cost_model
 from pdsim.sim.silicon import resolve_cost_model, tables
-from pdsim.sim.silicon.interp import Curve, Grid2, Stage
+from pdsim.sim.silicon.interp import (
+    Curve, Grid2, Stage, best_reference, leave_one_out, pchip, pchip_slopes,
+)
 from pdsim.sim.silicon.ops import OpTables
 from pdsim.specs import load_hardware_spec, load_model_spec
 
@@ -54,6 +56,52 @@ def test_curve_extrapolates_by_the_roofline_ratio_and_says_so():
     assert extrapolated == 1  # the scaled copy stands in for a shape the table lacks
 
 
+def test_leave_one_out_is_the_cubic_through_the_other_points():
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        n = int(rng.integers(3, 10))
+        x = np.log(np.sort(rng.choice(np.arange(1, 300), n, replace=False)).astype(float))
+        y = np.cumsum(rng.uniform(-0.3, 1.0, n)) if trial % 2 else rng.normal(size=n)
+        hidden = leave_one_out(x, y)
+        for i in range(1, n - 1):
+            xr, yr = np.delete(x, i), np.delete(y, i)
+            assert hidden[i - 1] == pytest.approx(pchip(xr, yr, pchip_slopes(xr, yr), x[i]),
+                                                  abs=1e-12)
+
+
+# the GEMM tables' row grid: 1-17, pairs around multiples of 16 up to 256, then of 256
+TILE_GRID = np.array(sorted({*range(1, 18), *(b + d for b in range(32, 257, 16) for d in (0, 1)),
+                             *(b + d for b in range(512, 4353, 256) for d in (0, 1)), 8192}),
+                     dtype=float)
+
+
+def _padded(tile):
+    return lambda m: np.maximum(np.ceil(np.asarray(m, float) / tile) * tile * 1e-7, 4e-6)
+
+
+def test_a_tile_reference_carries_the_step_the_plain_cubic_smooths_over():
+    truth = _padded(256)  # whole 256-row tiles, above a 4 µs floor
+    ys = truth(TILE_GRID) * (1 + 0.02 * np.sin(TILE_GRID))  # a little measurement noise
+    curve = Curve(TILE_GRID, ys, _linear_roofline, reference=truth)
+    assert np.allclose(curve.values(TILE_GRID), ys, rtol=1e-12)  # exact at grid points
+    # hide m = 513, just past a tile boundary, and predict it from the rest
+    i = int(np.flatnonzero(TILE_GRID == 513)[0])
+    xs, seen = np.delete(TILE_GRID, i), np.delete(ys, i)
+    candidates = (None, _padded(64), _padded(128), truth)
+    chosen = best_reference(xs, seen, candidates)  # picked without the hidden point
+    assert chosen is truth
+    plain = Curve(xs, seen, _linear_roofline)(513)
+    tiled = Curve(xs, seen, _linear_roofline, reference=chosen)(513)
+    assert abs(plain / ys[i] - 1) > 0.2  # the cubic stays near 512's 1.5x smaller time
+    assert abs(tiled / ys[i] - 1) < 0.05
+    # smooth data keeps the plain cubic (the first candidate wins a tie)
+    smooth = 1e-6 * TILE_GRID**0.8 + 4e-6
+    assert best_reference(TILE_GRID, smooth, candidates) is None
+    # copies and stand-ins keep the reference
+    assert curve.times(2)(700) == pytest.approx(2 * curve(700))
+    assert curve.scaled(lambda m: 3.0)(700) == pytest.approx(3 * curve(700))
+
+
 def test_grid2_exact_at_points_monotone_and_marks_filled_cells():
     bs, ss = [1.0, 2.0, 4.0], [16.0, 64.0]
     z = np.array([[1e-5, 2e-5], [2e-5, 4e-5], [4e-5, np.nan]])
@@ -82,6 +130,25 @@ def test_gemm_matches_the_table_at_a_measured_point():
     # a width between grid points interpolates between its neighbours
     mid = ops.gemm(5000, 4096, "bf16")(256)
     assert curve(256) < mid < ops.gemm(5120, 4096, "bf16")(256)
+
+
+@needs_tables
+def test_gemm_tile_reference_predicts_a_held_out_point_past_a_tile_boundary():
+    ops = OpTables("h100_sxm", "sglang", "current", load_hardware_spec("h100"))
+    ms, ys = ops._gemm_series["fp8"][(16384, 4096)]
+    for m, plain_off in ((513, 0.4), (1025, 0.25)):
+        i = int(np.flatnonzero(ms == m)[0])
+        xs, seen = np.delete(ms, i), np.delete(ys, i)
+        roof = ops.gemm_roofline(16384, 4096, "fp8")
+        chosen = best_reference(xs, seen, ops.tile_references(16384, 4096, "fp8"))
+        assert chosen is not None
+        # measured: 55 µs at 512 rows, 109 µs at 513; 106 µs at 1024, 158 µs at 1025
+        assert abs(Curve(xs, seen, roof)(m) / ys[i] - 1) > plain_off
+        assert abs(Curve(xs, seen, roof, reference=chosen)(m) / ys[i] - 1) < 0.05
+    # the model's own curve still returns the table at every grid point
+    curve = ops.gemm(16384, 4096, "fp8")
+    block_ms, block_ys = ops._gemm_series["fp8_block"][(16384, 4096)]
+    assert np.allclose(curve.values(block_ms), block_ys, rtol=1e-9)
 
 
 @needs_tables

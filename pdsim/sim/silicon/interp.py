@@ -7,6 +7,10 @@ line between doubled sizes cuts (benchmarks/fidelity_components.py measures both
 grid, the nearest measured point is scaled by the ratio of a roofline estimate at the asked
 size to the roofline at that point, and the lookup counts as extrapolated.
 
+A curve may interpolate relative to a reference (measured / reference, multiplied back) so that
+steps the reference carries survive between grid points; `best_reference` picks one among
+candidates by hiding each measured point in turn (`leave_one_out`).
+
 `Curve` is one op over one size (tokens); `Stage` sums the curves a step looks up at the same
 size, precomputed densely so that a lookup is a list index; `Grid2` is one op over two sizes
 (batch, sequence) with bilinear interpolation.
@@ -27,27 +31,58 @@ DENSE_MAX = 65536  # integer sizes up to this are looked up in a precomputed arr
 REFINE = 8  # a 2-D grid gets this many sub-intervals per measured interval, by PCHIP
 
 
+def _inner_slopes(h0: np.ndarray, h1: np.ndarray, m0: np.ndarray, m1: np.ndarray
+                  ) -> np.ndarray:
+    """Fritsch-Carlson slope at a point between intervals of widths h0, h1 and secants m0, m1:
+    zero where the data turns, a weighted harmonic mean of the two secants elsewhere."""
+    w1, w2 = 2 * h1 + h0, h1 + 2 * h0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(m0 * m1 > 0, (w1 + w2) / (w1 / m0 + w2 / m1), 0.0)
+
+
+def _end_slopes(h0: np.ndarray, h1: np.ndarray, m0: np.ndarray, m1: np.ndarray) -> np.ndarray:
+    """Slope at an end point whose interval has width h0 and secant m0 (h1, m1: the next one
+    in): the three-point estimate, kept to the secant's sign and to 3x it where the data turns."""
+    slope = ((2 * h0 + h1) * m0 - h0 * m1) / (h0 + h1)
+    slope = np.where(np.sign(slope) != np.sign(m0), 0.0, slope)
+    return np.where((np.sign(m0) != np.sign(m1)) & (np.abs(slope) > 3 * np.abs(m0)),
+                    3 * m0, slope)
+
+
 def pchip_slopes(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Fritsch-Carlson slopes at each point: zero where the data turns, a weighted harmonic
-    mean of the neighbouring secants elsewhere, so each cubic piece stays monotone."""
+    """Fritsch-Carlson slopes at each point, so that each cubic piece stays monotone."""
     h = np.diff(x)
     m = np.diff(y) / h
     if len(x) == 2:
         return np.array([m[0], m[0]])
     d = np.zeros_like(y)
-    w1, w2 = 2 * h[1:] + h[:-1], h[1:] + 2 * h[:-1]
-    same = m[:-1] * m[1:] > 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        d[1:-1] = np.where(same, (w1 + w2) / (w1 / m[:-1] + w2 / m[1:]), 0.0)
-    for end, (h0, h1, m0, m1) in ((0, (h[0], h[1], m[0], m[1])),
-                                  (-1, (h[-1], h[-2], m[-1], m[-2]))):
-        slope = ((2 * h0 + h1) * m0 - h0 * m1) / (h0 + h1)
-        if np.sign(slope) != np.sign(m0):
-            slope = 0.0
-        elif np.sign(m0) != np.sign(m1) and abs(slope) > 3 * abs(m0):
-            slope = 3 * m0
-        d[end] = slope
+    d[1:-1] = _inner_slopes(h[:-1], h[1:], m[:-1], m[1:])
+    d[0] = _end_slopes(h[0], h[1], m[0], m[1])
+    d[-1] = _end_slopes(h[-1], h[-2], m[-1], m[-2])
     return d
+
+
+def leave_one_out(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """For each interior point i, the monotone cubic through all the other points, at x[i]
+    (vectorised: the same slopes `pchip_slopes` gives the data without point i)."""
+    n = len(x)
+    a = np.arange(n - 2)  # the neighbours a = i - 1 and b = i + 1 of each hidden point
+    b = a + 2
+    h = x[b] - x[a]
+    m = (y[b] - y[a]) / h
+    left, right = a >= 1, b <= n - 2  # whether a point lies beyond each neighbour
+    hl = np.where(left, x[a] - x[np.maximum(a - 1, 0)], 1.0)
+    ml = np.where(left, (y[a] - y[np.maximum(a - 1, 0)]) / hl, m)
+    hr = np.where(right, x[np.minimum(b + 1, n - 1)] - x[b], 1.0)
+    mr = np.where(right, (y[np.minimum(b + 1, n - 1)] - y[b]) / hr, m)
+    da = np.where(left, _inner_slopes(hl, h, ml, m),
+                  np.where(right, _end_slopes(h, hr, m, mr), m))
+    db = np.where(right, _inner_slopes(h, hr, m, mr),
+                  np.where(left, _end_slopes(h, hl, m, ml), m))
+    t = (x[1:-1] - x[a]) / h
+    t2, t3 = t * t, t * t * t
+    return ((2 * t3 - 3 * t2 + 1) * y[a] + (t3 - 2 * t2 + t) * h * da
+            + (3 * t2 - 2 * t3) * y[b] + (t3 - t2) * h * db)
 
 
 def pchip(x: np.ndarray, y: np.ndarray, d: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -67,6 +102,9 @@ def log_interp(x: float, lxs: Sequence[float], lys: Sequence[float]) -> float:
     return float(np.exp(pchip(lx, ly, pchip_slopes(lx, ly), math.log(x))))
 
 
+Reference = Callable[[np.ndarray], np.ndarray]  # seconds-shaped, positive, over sizes
+
+
 class Curve:
     """Seconds of one op versus one size `x` (tokens, usually), from measured points.
 
@@ -74,25 +112,33 @@ class Curve:
     model gives at any size, used only to scale a measured point beyond the grid.
     static_extrapolated: the op's other dimensions (shape, dtype, GPU count) are not in the table,
     so every lookup rests on a roofline scaling and counts as extrapolated.
+    reference: when given, the cubic runs through measured / reference and the result is
+    multiplied back, so a step the reference carries (a GEMM's tile quantisation) appears
+    between grid points where the cubic alone would smooth it; still exact at grid points.
     """
 
-    __slots__ = ("lo", "hi", "static_extrapolated", "_lxs", "_lys", "_slopes", "_roofline")
+    __slots__ = ("lo", "hi", "static_extrapolated", "_xs", "_lxs", "_lys", "_lrs", "_slopes",
+                 "_roofline", "_reference")
 
     def __init__(self, xs: Sequence[float], ys_s: Sequence[float],
-                 roofline: Callable[[float], float], static_extrapolated: bool = False) -> None:
+                 roofline: Callable[[float], float], static_extrapolated: bool = False,
+                 reference: Reference | None = None) -> None:
         xs_a, ys_a = np.asarray(xs, dtype=float), np.asarray(ys_s, dtype=float)
         if len(xs_a) == 0 or np.any(np.diff(xs_a) <= 0) or np.any(xs_a <= 0) or np.any(ys_a <= 0):
             raise ValueError("a curve needs ascending positive sizes and positive latencies")
         self.lo, self.hi = float(xs_a[0]), float(xs_a[-1])
         self.static_extrapolated = static_extrapolated
+        self._xs = xs_a  # as given: exp(log(512)) may round past a tile boundary
         self._lxs, self._lys = np.log(xs_a), np.log(ys_a)
-        self._slopes = pchip_slopes(self._lxs, self._lys) if len(xs_a) > 1 else np.zeros(1)
+        self._lrs = self._lys if reference is None else self._lys - np.log(reference(xs_a))
+        self._slopes = pchip_slopes(self._lxs, self._lrs) if len(xs_a) > 1 else np.zeros(1)
         self._roofline = roofline
+        self._reference = reference
 
     @property
     def grid(self) -> np.ndarray:
         """The measured sizes."""
-        return np.exp(self._lxs)
+        return self._xs
 
     @property
     def roofline(self) -> Callable[[float], float]:
@@ -111,7 +157,9 @@ class Curve:
         if len(self._lxs) == 1:
             out = np.full(xs.shape, math.exp(self._lys[0]))
         else:
-            out = np.exp(pchip(self._lxs, self._lys, self._slopes, np.log(xs)))
+            out = np.exp(pchip(self._lxs, self._lrs, self._slopes, np.log(xs)))
+            if self._reference is not None:
+                out *= self._reference(xs)
         for mask, edge, ly in ((xs < self.lo, self.lo, self._lys[0]),
                                (xs > self.hi, self.hi, self._lys[-1])):
             if mask.any():
@@ -120,16 +168,36 @@ class Curve:
 
     def times(self, k: float) -> Curve:
         """This curve times a constant (k copies of the op run back to back)."""
-        return Curve(np.exp(self._lxs), np.exp(self._lys) * k,
-                     lambda x, r=self._roofline: r(x) * k, self.static_extrapolated)
+        return Curve(self._xs, np.exp(self._lys) * k,
+                     lambda x, r=self._roofline: r(x) * k, self.static_extrapolated,
+                     self._reference)
 
     def scaled(self, factor: Callable[[float], float]) -> Curve:
         """This curve times `factor(x)` at each grid point, as a statically extrapolated curve
         (how a measured op stands in for one the table lacks)."""
-        xs = np.exp(self._lxs)
-        ys = np.exp(self._lys) * factor(xs)
+        ys = np.exp(self._lys) * factor(self._xs)
         roofline = self._roofline
-        return Curve(xs, ys, lambda x: roofline(x) * factor(x), static_extrapolated=True)
+        return Curve(self._xs, ys, lambda x: roofline(x) * factor(x), static_extrapolated=True,
+                     reference=self._reference)
+
+
+def best_reference(xs: np.ndarray, ys_s: np.ndarray,
+                   candidates: Sequence[Reference | None]) -> Reference | None:
+    """The candidate reference (None: the plain cubic) under which `Curve` predicts the
+    measured points best when each interior point is hidden in turn: the smallest mean
+    |log(predicted / measured)|, the earliest candidate on a tie. A series too short to hide a
+    point in keeps the first candidate."""
+    xs = np.asarray(xs, dtype=float)
+    lx, ly = np.log(xs), np.log(np.asarray(ys_s, dtype=float))
+    if len(lx) < 3:
+        return candidates[0]
+    best, best_err = candidates[0], math.inf
+    for ref in candidates:
+        lr = ly if ref is None else ly - np.log(ref(xs))
+        err = float(np.mean(np.abs(leave_one_out(lx, lr) - lr[1:-1])))
+        if err < best_err - 1e-12:
+            best, best_err = ref, err
+    return best
 
 
 class Stage:

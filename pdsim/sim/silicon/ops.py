@@ -21,7 +21,7 @@ import numpy as np
 
 from pdsim.sim.moe_comm import deepep_traffic
 from pdsim.sim.silicon import tables
-from pdsim.sim.silicon.interp import Curve, Grid2
+from pdsim.sim.silicon.interp import Curve, Grid2, Reference, best_reference
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.precision import DTYPES, gemm_peak_tflops
 
@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 ACT_BYTES = 2
 DEEPEP_NUM_SMS = 20  # DeepEP's default SM count for normal-mode kernels (Buffer.num_sms)
 TABLE_GPUS_PER_NODE = 8  # DeepEP's node_num counts 8-GPU nodes
+# Row (M) tile sizes of CUTLASS/cuBLAS/DeepGEMM GEMM kernels on Ampere to Blackwell: one to
+# four 64-row warp-group MMAs (Hopper's wgmma is 64 rows; 128 and 256 are the usual CTA tiles).
+GEMM_TILE_ROWS = (64, 128, 256)
 
 # pdsim weight format → the table's dtype names, best first. FP8 checkpoints served by SGLang
 # (DeepSeek-V3/R1, Qwen3-FP8, Kimi-K2) are block-quantised (128x128 scales): "fp8_block".
@@ -75,6 +78,7 @@ class OpTables:
         self.version = (tables.current_version(system, framework)
                         if version == "current" else version)
         self.mem_rate = hardware.hbm_gb_per_s * 1e9
+        self._gemm_refs: dict[tuple[str, int, int], Reference | None] = {}
 
     # ----- files -------------------------------------------------------------------------------
 
@@ -112,12 +116,42 @@ class OpTables:
                 g["m"].to_numpy(float), g["latency"].to_numpy(float) * 1e-3)
         return out
 
-    def gemm_roofline(self, n: int, k: int, dtype: str) -> Callable:
+    def _gemm_terms(self, n: int, k: int, dtype: str) -> tuple[float, Callable]:
+        """(compute seconds per row at the format's peak, memory seconds over rows m)."""
         wbytes = DTYPES[dtype].weight_bytes
-        peak = self.peak_flops(dtype)
         mem = self.mem_rate
-        return lambda m: np.maximum(
-            2.0 * m * n * k / peak, (m * k * ACT_BYTES + n * k * wbytes + m * n * ACT_BYTES) / mem)
+        return (2.0 * n * k / self.peak_flops(dtype),
+                lambda m: (m * k * ACT_BYTES + n * k * wbytes + m * n * ACT_BYTES) / mem)
+
+    def gemm_roofline(self, n: int, k: int, dtype: str) -> Callable:
+        row_s, mem_s = self._gemm_terms(n, k, dtype)
+        return lambda m: np.maximum(row_s * m, mem_s(m))
+
+    def tile_references(self, n: int, k: int, table_dtype: str) -> tuple[Reference | None, ...]:
+        """Candidate tile-quantised references for one measured (n, k) GEMM series, the plain
+        cubic (None) first. Each prices a GEMM on whole row tiles: `ceil(m / tile) * tile`
+        rows for tile in GEMM_TILE_ROWS, plus, in the `idle` variants, the idle rows of the
+        last tile once more (the tables' FP8 kernels run slower just past a tile boundary than
+        at its end), with compute and memory time overlapped (max) or in sequence (sum)."""
+        row_s, mem_s = self._gemm_terms(n, k, _TABLE_TO_PDSIM[table_dtype])
+        refs: list[Reference | None] = [None]
+        for tile in GEMM_TILE_ROWS:
+            for idle in (0, 1):
+                def rows(m: np.ndarray, tile: int = tile, idle: int = idle) -> np.ndarray:
+                    padded = np.ceil(m / tile) * tile
+                    return padded + idle * (padded - m)
+                refs.append(lambda m, rows=rows: np.maximum(row_s * rows(m), mem_s(m)))
+                refs.append(lambda m, rows=rows: row_s * rows(m) + mem_s(m))
+        return tuple(refs)
+
+    def _gemm_reference(self, table_dtype: str, n: int, k: int) -> Reference | None:
+        """The tile reference that predicts this measured series' own points best when each
+        is hidden in turn (`best_reference`), cached per series."""
+        key = (table_dtype, n, k)
+        if key not in self._gemm_refs:
+            ms, ys = self._gemm_series[table_dtype][(n, k)]
+            self._gemm_refs[key] = best_reference(ms, ys, self.tile_references(n, k, table_dtype))
+        return self._gemm_refs[key]
 
     def gemm(self, n: int, k: int, dtype: str) -> Curve:
         """Seconds of an (m x k) @ (k x n) GEMM with `dtype` weights, over m (tokens)."""
@@ -149,11 +183,21 @@ class OpTables:
             xs, ys = grid[nk]
             return np.log(ys[np.searchsorted(xs, ms)])
 
-        lz = ((1 - wn) * ((1 - wk) * log_at((n0, k0)) + wk * log_at((n0, k1)))
-              + wn * ((1 - wk) * log_at((n1, k0)) + wk * log_at((n1, k1))))
+        weights: dict[tuple[int, int], float] = {}  # corner → weight (one corner on the grid)
+        for a, wa in ((n0, 1 - wn), (n1, wn)):
+            for b, wb in ((k0, 1 - wk), (k1, wk)):
+                if wa * wb > 0:
+                    weights[(a, b)] = weights.get((a, b), 0.0) + wa * wb
+        lz = sum(w * log_at(nk) for nk, w in weights.items())
+        refs = [(w, self._gemm_reference(used, *nk)) for nk, w in weights.items()]
+        refs = [(w, r) for w, r in refs if r is not None]
+
+        def reference(m: np.ndarray) -> np.ndarray:  # the corners' references, blended as lz
+            return np.exp(sum(w * np.log(r(m)) for w, r in refs))
+
         snapped = (n0 if wn == 0 else n_c, k0 if wk == 0 else k_c)
         have_roof = self.gemm_roofline(*snapped, _TABLE_TO_PDSIM[used])
-        curve = Curve(ms, np.exp(lz), have_roof)
+        curve = Curve(ms, np.exp(lz), have_roof, reference=reference if refs else None)
         if snapped != (n, k) or used not in wanted:
             want_roof = self.gemm_roofline(n, k, dtype)
             curve = curve.scaled(lambda m: want_roof(m) / have_roof(m))
