@@ -73,8 +73,9 @@ def test_two_requests():
     assert (p0.bootstrap_done_s, p0.prefill_start_s, p0.prefill_end_s) == (0.0, 0.0, 1.0)
     assert (p1.bootstrap_done_s, p1.prefill_start_s, p1.prefill_end_s) == (0.0, 1.0, 2.0)
     assert p0.max_new_tokens == 1 and d0.max_new_tokens == 3
-    # r0: prefill pages 0-1 into decode pages 0-1. r1 reuses r0's freed pages, last freed first.
-    assert wire.sent_pages == {1000: [(0, 0), (1, 1)], 1001: [(1, 2), (0, 3)]}
+    # r0: prefill pages 0-1 into decode pages 0-1. r1 gets the next free pages, 2-3: r0's freed
+    # pages wait aside until the sorted free list runs short (SGLang's allocator).
+    assert wire.sent_pages == {1000: [(0, 0), (1, 1)], 1001: [(2, 2), (3, 3)]}
     for s in (p, d):
         assert s.is_idle
         s.check_pools_full()

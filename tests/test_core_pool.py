@@ -14,13 +14,16 @@ def test_alloc_hands_out_lowest_first_and_runs_dry():
     assert (pool.num_free, pool.num_used) == (0, 3)
 
 
-def test_free_makes_an_index_available_again():
-    pool = IndexPool(4, "thing")
-    a, b = pool.alloc(), pool.alloc()
-    pool.free(a)
-    assert (pool.num_free, pool.num_used) == (3, 1)
-    assert pool.alloc() == a
-    pool.free_many([a, b])
+def test_freed_indices_come_back_sorted_once_the_free_list_runs_short():
+    pool = IndexPool(6, "thing")
+    held = pool.alloc_many(4)  # 0 1 2 3
+    pool.free(held[2])
+    pool.free_many([held[1], held[0]])
+    assert (pool.num_free, pool.num_used) == (5, 1)
+    assert pool.alloc() == 4  # never-used indices first...
+    assert pool.alloc_many(3) == [0, 1, 2]  # ...then the freed ones join them, sorted
+    assert pool.alloc_many(1) == [5] and pool.alloc() is None
+    pool.free_many([0, 1, 2, 3, 4, 5])
     pool.check_full()
 
 

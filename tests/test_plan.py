@@ -354,3 +354,28 @@ def test_traffic_target_rescales_a_trace_replay(tmp_path):
     assert cfg.workload_data()["target_rate_rps"] == 4.0
     workload = generate(cfg.workload_data(), tmp_path)
     assert workload.arrival_s[-1] == pytest.approx(20 / 4.0)  # 1 req/s in the file, 4 asked
+
+
+def test_the_cheapest_first_cutoff_keeps_the_same_results_whatever_order_they_came_back_in():
+    """Workers return out of order, so a dearer candidate may be simulated before a cheaper one
+    meets the SLO; the plan keeps what the rule applied in cost order keeps (so a Ray cluster,
+    a process pool and one process agree)."""
+    from pdsim.planning.search import _kept_in_cost_order
+    from pdsim.runner import PointResult
+
+    cfg = parse_plan({**SMALL, "search": {"tp": [1, 2], "cost_slack": 0.5}})
+    deps = [Deployment("colocated", (("colocated", n, RoleShape(tp=1)),)) for n in (1, 2, 3, 4)]
+    good = {"failed": 0, "completed": 10, "ttft_p90_s": 0.1, "itl_p90_s": 0.001}
+    bad = {**good, "ttft_p90_s": 9.0}
+
+    def result(c, summary):
+        return PointResult(c, dict(summary), pd.DataFrame())
+
+    # 1 GPU misses the SLO, 2 GPUs meet it: with slack 0.5 the rule stops after 3 GPUs.
+    results = {0: result(0, bad), 1: result(1, good), 2: result(2, good), 3: result(3, good)}
+    for arrival in ([0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]):
+        kept = _kept_in_cost_order(cfg, deps, [0, 1, 2, 3], {c: results[c] for c in arrival}, 1.0)
+        assert sorted(kept) == [0, 1, 2]
+    # A candidate that could not be built (its reason) neither meets nor bounds anything.
+    some = {0: "no fit", 1: results[1], 3: results[3]}
+    assert sorted(_kept_in_cost_order(cfg, deps, [0, 1, 2, 3], some, 1.0)) == [0, 1]

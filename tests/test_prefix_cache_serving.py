@@ -166,6 +166,8 @@ def test_the_cached_prefix_reaches_the_decode_side_before_the_suffix_forward_run
         md = MetadataBuffer.allocate(4)
         sides[role] = (ex, MooncakeKVManager(KVArgs.for_cache(ex.kv, md, total_kv_heads=heads)))
     (pex, pmgr), (dex, dmgr) = sides["prefill"], sides["decode"]
+    for buffer in dex.kv.buffers:  # what no transfer wrote differs from any computed KV
+        buffer.fill_(-1.0)
     pmgr.register_with_bootstrap("127.0.0.1", server.port)
     cfg = SchedulerConfig(num_pages=32, page_size=PAGE, max_running_requests=4,
                           max_prefill_tokens=64, chunked_prefill_size=64,

@@ -243,7 +243,12 @@ def _simulate(cfg: PlanConfig, deployments: list[Deployment], order: list[int], 
               ray_address: str | None = None) -> dict[int, PointResult | str]:
     """Simulate candidates cheapest first, at most `search.max_simulations`; with the cost
     objective, once one meets the SLO stop submitting those costing more than (1 + cost_slack)
-    times it. A candidate that cannot be built maps to the reason."""
+    times it. A candidate that cannot be built maps to the reason.
+
+    Workers return out of order, so more may be submitted than that rule needs (a cheaper
+    candidate's result can arrive after dearer ones went out); the rule is then replayed in
+    cost order over the results (`_kept_in_cost_order`), so the plan is the same whatever the
+    executor, the number of workers or the timing."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     order = order[:cfg.search.max_simulations]
@@ -284,4 +289,23 @@ def _simulate(cfg: PlanConfig, deployments: list[Deployment], order: list[int], 
             for fut in finished:
                 done(running.pop(fut), fut.result(), advance)
         bar.update(task, total=len(results))
-    return results
+    return _kept_in_cost_order(cfg, deployments, order, results, price)
+
+
+def _kept_in_cost_order(cfg: PlanConfig, deployments: list[Deployment], order: list[int],
+                        results: dict[int, PointResult | str], price: float
+                        ) -> dict[int, PointResult | str]:
+    """The results the cheapest-first rule of `_simulate` keeps when applied in `order` (the
+    cutoff from each candidate that meets the SLO bounds only the ones after it). Everything
+    the rule keeps was submitted: a cutoff known at submission time came from a subset of
+    the results the rule has seen by then, so it was never lower."""
+    kept: dict[int, PointResult | str] = {}
+    cutoff = math.inf
+    for c in order:
+        cost = deployments[c].num_gpus * price
+        if c not in results or cost > cutoff:
+            continue
+        r = kept[c] = results[c]
+        if not isinstance(r, str) and cfg.objective == "cost" and meets(cfg, r.summary):
+            cutoff = min(cutoff, cost * (1 + cfg.search.cost_slack))
+    return kept

@@ -444,9 +444,10 @@ class Simulation:
         self._source.start(self)
         with _few_gc_passes():
             self.env.run(until=self._all_done | self._give_up)
+            records = self._records(input_tokens)
         span = self.env.now or math.nan
         return SimResult(
-            self._records(input_tokens), self.env.now, self.instances,
+            records, self.env.now, self.instances,
             prefill_busy_frac=_mean_busy(self.prefills, span),
             decode_busy_frac=_mean_busy(self.serving, span),
             kv_transfer_gb=self.fabric.kv_bytes / 1e9,

@@ -457,7 +457,8 @@ class RooflineCostModel:
     def _attn_proj_s(self, n: float) -> float:
         """The QKV and output projections of `n` tokens."""
         return self._attn_gemm_floor_s + max(
-            n * self._attn_proj_s_tok, (self._attn_w_bytes + n * self._attn_act_tok) / self._mem_rate)
+            n * self._attn_proj_s_tok,
+            (self._attn_w_bytes + n * self._attn_act_tok) / self._mem_rate)
 
     def _attention_block_s(self, proj: float, shape: BatchShape, scale: float, n: float) -> float:
         """One rank's attention block: projections `proj`, kernels, norms, all-reduce."""
