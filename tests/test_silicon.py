@@ -145,10 +145,15 @@ def test_gemm_tile_reference_predicts_a_held_out_point_past_a_tile_boundary():
         # measured: 55 µs at 512 rows, 109 µs at 513; 106 µs at 1024, 158 µs at 1025
         assert abs(Curve(xs, seen, roof)(m) / ys[i] - 1) > plain_off
         assert abs(Curve(xs, seen, roof, reference=chosen)(m) / ys[i] - 1) < 0.05
-    # the model's own curve still returns the table at every grid point
+    # the model's own curve still returns the table at every grid point, and between the
+    # measured 4,353 and 8,192 rows it steps at the 256-row boundary 4,608 | 4,609, which a
+    # cubic through the same points passes smoothly
     curve = ops.gemm(16384, 4096, "fp8")
     block_ms, block_ys = ops._gemm_series["fp8_block"][(16384, 4096)]
     assert np.allclose(curve.values(block_ms), block_ys, rtol=1e-9)
+    assert curve(4609) / curve(4608) > 1.02
+    plain = Curve(block_ms, block_ys, roof)
+    assert plain(4609) / plain(4608) < 1.001
 
 
 @needs_tables
