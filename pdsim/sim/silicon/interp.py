@@ -96,12 +96,6 @@ def pchip(x: np.ndarray, y: np.ndarray, d: np.ndarray, q: np.ndarray) -> np.ndar
             + (3 * t2 - 2 * t3) * y[k + 1] + (t3 - t2) * h * d[k + 1])
 
 
-def log_interp(x: float, lxs: Sequence[float], lys: Sequence[float]) -> float:
-    """exp of the monotone cubic through (log x_i, log y_i) at x, inside [x0, x-1]."""
-    lx, ly = np.asarray(lxs, dtype=float), np.asarray(lys, dtype=float)
-    return float(np.exp(pchip(lx, ly, pchip_slopes(lx, ly), math.log(x))))
-
-
 Reference = Callable[[np.ndarray], np.ndarray]  # seconds-shaped, positive, over sizes
 
 
