@@ -191,6 +191,30 @@ def test_extrapolated_lookups_are_counted():
 
 
 @needs_tables
+def test_a_decode_step_from_its_kept_fixed_parts_is_the_full_computation_and_its_lookups():
+    """A decode-only step keeps what depends only on its batch size (`_decode_step_s`); its
+    time must be the sum of the parts computed in full, bit for bit, and it must count the
+    same lookups and extrapolated lookups as the full computation does."""
+    import random
+
+    rng = random.Random(3)
+    model, hw = load_model_spec("deepseek-v3"), load_hardware_spec("h200")
+    wide_ep = Parallelism(tp=8, dp_attention=8, ep=8, dp_lm_head=True)
+    for parallel in (Parallelism(tp=8), wide_ep):
+        fast = make_cost_model("silicon", model, hw, parallel, role="decode")
+        full = make_cost_model("silicon", model, hw, parallel, role="decode")
+        for _ in range(200):
+            reqs = rng.randint(1, 600)  # past the measured batch sizes too
+            shape = BatchShape(decode_reqs=reqs,
+                               decode_context_tokens=reqs * rng.randint(1, 9000),
+                               decode_query_len=rng.choice((1, 1, 3)))
+            assert fast.step_time_s([shape]) == sum(full.step_breakdown_s([shape]).values())
+        counts = [(m.lookups, m.extrapolated_lookups) for m in (fast, full)]
+        assert counts[0] == counts[1]
+        assert fast.extrapolated_lookups > 0
+
+
+@needs_tables
 def test_auto_is_silicon_where_tables_exist_and_roofline_elsewhere():
     h100, h20 = load_hardware_spec("h100"), load_hardware_spec("h20")
     assert resolve_cost_model("auto", h100) == "silicon"

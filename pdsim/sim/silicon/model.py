@@ -21,6 +21,7 @@ its rows), a fixed overhead and, for steps with prefill tokens, the extend overh
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -125,6 +126,7 @@ class SiliconCostModel:
         self._plan = _build_plan(model, hardware, parallel, p, system)
         self.lookups = 0
         self.extrapolated_lookups = 0
+        self._decode_fixed: dict[tuple[int, int], tuple] = {}  # see _decode_step_s
 
     @property
     def extrapolated_frac(self) -> float:
@@ -135,40 +137,19 @@ class SiliconCostModel:
     def _attention_s(self, shapes: Sequence[BatchShape], scale: float) -> float:
         """One layer's attention block on the slowest rank; counts times `scale` (0.5: one
         micro-batch of two-batch overlap)."""
-        plan = self._plan
         slowest = 0.0
         lookups = extra = 0
         for shape in shapes:
-            q = shape.decode_query_len
-            reqs = shape.decode_reqs
-            if scale != 1.0:
-                reqs = -(-reqs // 2)
+            reqs = shape.decode_reqs if scale == 1.0 else -(-shape.decode_reqs // 2)
             prefill = round(shape.prefill_tokens * scale)
-            n = prefill + reqs * q
-            if n == 0:
+            if prefill + reqs * shape.decode_query_len == 0:
                 continue
-            t, e = plan.proj.at(n)
-            lookups += plan.proj.size
-            extra += e
-            if prefill:
-                s, e = plan.prefill_proj.at(prefill)
-                t += s
-                lookups += plan.prefill_proj.size + 1
-                extra += e
-                s, e = _prefill_attention(plan.context_attn, prefill,
-                                          shape.prefill_attn_pairs * scale)
-                t += s
-                extra += e
+            t, n_lookups, n_extra = self._rank_attention_but_generation(shape, reqs, prefill,
+                                                                        scale)
+            lookups += n_lookups
+            extra += n_extra
             if reqs:
-                s, e = plan.decode_proj.at(reqs * q)
-                t += s
-                lookups += plan.decode_proj.size + 1
-                extra += e
-                avg_ctx = max(shape.decode_context_tokens / shape.decode_reqs, 1.0)
-                s, e = plan.generation_attn.at(reqs, avg_ctx)
-                if q > 1:  # q queries share one KV read: only the FLOP part grows
-                    s *= max(q * plan.gen_flops_rel, plan.gen_bytes_rel)
-                    e = True
+                s, e = self._generation_attention(shape, reqs)
                 t += s
                 extra += e
             if t > slowest:
@@ -176,6 +157,40 @@ class SiliconCostModel:
         self.lookups += lookups
         self.extrapolated_lookups += extra
         return slowest
+
+    def _rank_attention_but_generation(self, shape: BatchShape, reqs: int, prefill: int,
+                                       scale: float) -> tuple[float, int, int]:
+        """One rank's attention block without its generation (decode) attention kernel, the
+        one part that depends on the decode context: (seconds, lookups, extrapolated ones)."""
+        plan = self._plan
+        q = shape.decode_query_len
+        t, extra = plan.proj.at(prefill + reqs * q)
+        lookups = plan.proj.size
+        if prefill:
+            s, e = plan.prefill_proj.at(prefill)
+            t += s
+            lookups += plan.prefill_proj.size + 1
+            extra += e
+            s, e = _prefill_attention(plan.context_attn, prefill, shape.prefill_attn_pairs * scale)
+            t += s
+            extra += e
+        if reqs:
+            s, e = plan.decode_proj.at(reqs * q)
+            t += s
+            lookups += plan.decode_proj.size + 1
+            extra += e
+        return t, lookups, extra
+
+    def _generation_attention(self, shape: BatchShape, reqs: int) -> tuple[float, bool]:
+        """The decode attention kernel of `reqs` requests at the shape's mean context."""
+        plan = self._plan
+        q = shape.decode_query_len
+        avg_ctx = max(shape.decode_context_tokens / shape.decode_reqs, 1.0)
+        s, e = plan.generation_attn.at(reqs, avg_ctx)
+        if q > 1:  # q queries share one KV read: only the FLOP part grows
+            s *= max(q * plan.gen_flops_rel, plan.gen_bytes_rel)
+            e = True
+        return s, e
 
     def _stage(self, stage: Stage, x: int) -> float:
         if x <= 0 or not stage.size:
@@ -186,7 +201,36 @@ class SiliconCostModel:
         return s
 
     def step_time_s(self, shapes: Sequence[BatchShape]) -> float:
+        if len(shapes) == 1 and not self.parallel.two_batch_overlap:
+            shape = shapes[0]
+            if shape.decode_reqs and not shape.prefill_tokens:
+                return self._decode_step_s(shape)
         return sum(self._parts(shapes))
+
+    def _decode_step_s(self, shape: BatchShape) -> float:
+        """A decode-only step of one rank: the floats and lookup counts of
+        `sum(self._parts((shape,)))`. All but the generation attention depend only on the
+        batch size and query length, so they are kept per (requests, query length) with the
+        lookups they took, and only the context-dependent part is looked up again."""
+        key = (shape.decode_reqs, shape.decode_query_len)
+        fixed = self._decode_fixed.get(key)
+        if fixed is None:
+            lookups, extra = self.lookups, self.extrapolated_lookups
+            t, n_lookups, n_extra = self._rank_attention_but_generation(
+                shape, shape.decode_reqs, 0, 1.0)
+            totals = step_totals((shape,))
+            rest = self._parts_but_attention((shape,), totals, math.nan)
+            fixed = self._decode_fixed[key] = (
+                t, self._elementwise_s(totals[1]), rest,
+                n_lookups + self.lookups - lookups, n_extra + self.extrapolated_lookups - extra)
+            self.lookups, self.extrapolated_lookups = lookups, extra
+        t, elementwise, rest, n_lookups, n_extra = fixed
+        s, e = self._generation_attention(shape, shape.decode_reqs)
+        t += s
+        self.lookups += n_lookups
+        self.extrapolated_lookups += n_extra + e
+        attn = (t if t > 0.0 else 0.0) + elementwise
+        return sum((self._layers_attention_s(attn), *rest))
 
     def step_breakdown_s(self, shapes: Sequence[BatchShape]) -> dict[str, float]:
         """Seconds of one step by part, summed over its layers, adding up to `step_time_s`
@@ -195,16 +239,35 @@ class SiliconCostModel:
         return dict(zip(BREAKDOWN_PARTS, self._parts(shapes)))
 
     def _parts(self, shapes: Sequence[BatchShape]) -> tuple[float, ...]:
-        plan = self._plan
-        tokens, max_rank_tokens, lm_rows, max_rank_rows, has_prefill = step_totals(shapes)
-        if tokens == 0:
+        totals = step_totals(shapes)
+        if totals[0] == 0:
             return (0.0,) * len(BREAKDOWN_PARTS)
         attn = self._attention_s(shapes, 1.0)
-        attn += max(plan.elementwise_floor_s, max_rank_tokens * plan.elementwise_s_tok)
-        attention = dense_mlp = dense_comm = 0.0
+        attn += self._elementwise_s(totals[1])
+        rest = self._parts_but_attention(shapes, totals, attn)
+        return (self._layers_attention_s(attn), *rest)
+
+    def _elementwise_s(self, max_rank_tokens: float) -> float:
+        plan = self._plan
+        return max(plan.elementwise_floor_s, max_rank_tokens * plan.elementwise_s_tok)
+
+    def _layers_attention_s(self, attn: float) -> float:
+        """Every layer's attention block, one layer's being `attn`."""
+        plan = self._plan
+        attention = plan.dense_layers * attn if plan.dense_layers else 0.0
+        if plan.moe_layers:
+            attention += plan.moe_layers * attn
+        return attention
+
+    def _parts_but_attention(self, shapes: Sequence[BatchShape], totals: tuple, attn: float
+                             ) -> tuple[float, ...]:
+        """The parts after `attention` (BREAKDOWN_PARTS order); `attn`, one layer's attention
+        block, is read only by two-batch overlap."""
+        plan = self._plan
+        tokens, max_rank_tokens, lm_rows, max_rank_rows, has_prefill = totals
+        dense_mlp = dense_comm = 0.0
         if plan.dense_layers:
             layers = plan.dense_layers
-            attention = layers * attn
             if plan.dense_dp:
                 gpu_tokens = -(-max_rank_tokens // self.parallel.attn_tp)
                 dense_mlp = layers * self._stage(plan.dense, gpu_tokens)
@@ -213,13 +276,12 @@ class SiliconCostModel:
                 dense_comm = layers * self._stage(plan.mlp_comm, tokens)
         experts = comm = tbo = 0.0
         if plan.moe_layers:
-            attention += plan.moe_layers * attn
             experts, comm, tbo = self._moe_layers_s(shapes, attn, tokens, max_rank_tokens,
                                                     has_prefill)
         lm_head = self._stage(plan.lm_head, max_rank_rows if plan.dp_lm_head else lm_rows)
         overhead = self.params.step_overhead_s + (
             self.params.extend_overhead_s if has_prefill else 0.0)
-        return attention, dense_mlp, dense_comm, experts, comm, tbo, lm_head, overhead
+        return dense_mlp, dense_comm, experts, comm, tbo, lm_head, overhead
 
     def _moe_layers_s(self, shapes: Sequence[BatchShape], attn: float, tokens: int,
                       max_rank_tokens: int, has_prefill: bool) -> tuple[float, float, float]:
