@@ -61,6 +61,20 @@ def test_double_free_raises_with_a_clear_message():
     assert pool.num_free == 2  # the bad frees did not corrupt the free list
 
 
+def test_bad_free_many_raises_and_leaves_the_pool_as_it_was():
+    pool = IndexPool(6, "kv page")
+    held = pool.alloc_many(4)  # 0 1 2 3
+    pool.free(held[3])
+    with pytest.raises(ValueError, match=r"kv page indices \[3, 9\] freed but not in use"):
+        pool.free_many([0, 3, 9])
+    with pytest.raises(ValueError, match=r"kv page indices freed twice in one call: \[1, 1\]"):
+        pool.free_many([1, 1])
+    assert (pool.num_free, pool.num_used) == (3, 3)  # 0, 1 and 2 still in use
+    pool.free_many(held[:3])
+    pool.check_full()
+    assert pool.alloc_many(6) == [0, 1, 2, 3, 4, 5]
+
+
 def test_check_full_lists_the_leaks():
     pool = PagePool(20, page_size=4)
     pages = pool.alloc_many(12)

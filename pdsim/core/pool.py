@@ -56,7 +56,7 @@ class IndexPool:
             self._merge()
         if n == 0:
             return []
-        taken = self._free[-n:][::-1]
+        taken = self._free[:-n - 1:-1]  # the last n, lowest first
         del self._free[-n:]
         self._in_use.update(taken)
         return taken
@@ -69,15 +69,24 @@ class IndexPool:
         self._released.append(idx)
 
     def free_many(self, indices: Iterable[int]) -> None:
-        indices = list(indices)
-        if not self._in_use.issuperset(indices):
-            bad = sorted(set(indices) - self._in_use)[:10]
-            raise ValueError(f"{self.name} indices {bad} freed but not in use")
-        before = len(self._in_use)
-        self._in_use.difference_update(indices)
-        if before - len(self._in_use) != len(indices):
-            raise ValueError(f"{self.name} indices freed twice in one call: {indices}")
+        if not isinstance(indices, list):
+            indices = list(indices)
+        in_use = self._in_use
+        before = len(in_use)
+        in_use.difference_update(indices)  # one pass; a bad call is undone below
+        if before - len(in_use) != len(indices):
+            self._undo_bad_free(indices)
         self._released += indices
+
+    def _undo_bad_free(self, indices: list[int]) -> None:
+        """`free_many` took out of use those of `indices` that were in use, but some were not
+        (or came twice): put them back and raise. Every index not in use is in the free list
+        or waits aside to join it."""
+        self._in_use = set(range(self.size)).difference(self._free, self._released)
+        bad = sorted(set(indices) - self._in_use)[:10]
+        if bad:
+            raise ValueError(f"{self.name} indices {bad} freed but not in use")
+        raise ValueError(f"{self.name} indices freed twice in one call: {indices}")
 
     def check_full(self) -> None:
         """Raise if anything is still handed out."""
