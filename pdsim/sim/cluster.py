@@ -197,9 +197,69 @@ class SimInstance:
                 sched.done.clear()
 
     def _run(self):
+        return self._run_single() if len(self.schedulers) == 1 else self._run_ranks()
+
+    def _run_single(self):
+        """`_run_ranks` for one scheduler (every instance without attention DP), with the
+        per-rank lists, zips and sums left out."""
+        env = self.env
+        sched = self.schedulers[0]
+        done = sched.done
+        on_done = self.on_done
+        aborts = self.aborts
+        gen = self.generation
+        while True:
+            now = env.now
+            if aborts:
+                for rid, reason in aborts:
+                    sched.abort(rid, reason, now)
+                aborts.clear()
+            batch = sched.step(now)
+            if done:
+                for req in done:
+                    on_done(req)
+                done.clear()
+            if not batch:
+                self._arm_timer(now)
+                self._wake = env.event()
+                yield self._wake
+                if gen != self.generation:
+                    return  # killed
+                self._wake = None
+                if self.wakeup_s:
+                    yield env.timeout(self.wakeup_s)
+                continue
+            if self.decode_runs and batch.kind == "decode":
+                steps = 1
+                if self._run_backoff:
+                    self._run_backoff -= 1
+                else:
+                    steps = sched.decode_run_steps(self._run_horizon)
+                if steps > 1:
+                    yield from self._decode_run(sched, batch, now, steps)
+                    if gen != self.generation:
+                        return  # killed during the run: the step in progress is lost
+                    self._drain()
+                    continue
+            shape = batch.shape
+            duration = self._one_shape_s(shape)
+            yield env.timeout(duration)
+            if gen != self.generation:
+                return  # killed during the forward: its results are lost
+            self.busy_s += duration
+            self.decode_req_s += duration * shape.decode_reqs
+            self.steps += 1
+            sched.on_batch_done(batch, BatchResult(duration), env.now)
+            if done:
+                for req in done:
+                    on_done(req)
+                done.clear()
+
+    def _run_ranks(self):
+        """One forward at a time over every attention-DP rank: the slowest rank's step time
+        counts (runs of decode steps are for single schedulers only)."""
         env = self.env
         scheds = self.schedulers
-        single = len(scheds) == 1
         gen = self.generation
         while True:
             now = env.now
@@ -218,24 +278,8 @@ class SimInstance:
                 if self.wakeup_s:
                     yield env.timeout(self.wakeup_s)
                 continue
-            if single and self.decode_runs and batches[0].kind == "decode":
-                steps = 1
-                if self._run_backoff:
-                    self._run_backoff -= 1
-                else:
-                    steps = scheds[0].decode_run_steps(self._run_horizon)
-                if steps > 1:
-                    yield from self._decode_run(scheds[0], batches[0], now, steps)
-                    if gen != self.generation:
-                        return  # killed during the run: the step in progress is lost
-                    self._drain()
-                    continue
-            if single:
-                decode_reqs = batches[0].shape.decode_reqs
-                duration = self._one_shape_s(batches[0].shape)
-            else:
-                decode_reqs = sum(b.shape.decode_reqs for b in batches if b is not None)
-                duration = self.cost.step_time_s([b.shape if b else EMPTY for b in batches])
+            decode_reqs = sum(b.shape.decode_reqs for b in batches if b is not None)
+            duration = self.cost.step_time_s([b.shape if b else EMPTY for b in batches])
             yield env.timeout(duration)
             if gen != self.generation:
                 return  # killed during the forward: its results are lost
@@ -248,7 +292,6 @@ class SimInstance:
                 if batch is not None:
                     sched.on_batch_done(batch, result, now)
             self._drain()
-
 
     def _decode_run(self, sched: InstanceScheduler, batch, now: float, steps: int):
         """Up to `steps` decode steps of an unchanging batch (`decode_run_steps`) as one event.
