@@ -42,7 +42,11 @@ class DecodeScheduler(InstanceScheduler):
         self.prebuilt: deque[Request] = deque()
         # What the last scan of each queue saw; an unchanged key means a rescan would find
         # nothing new (see KVManager.poll_epoch).
-        self._prealloc_seen: tuple | None = None
+        # Free resources count only while a request waits for them (`_preallocate` refused):
+        # otherwise every request left in prealloc is bootstrapping, and only the epoch can
+        # change that.
+        self._prealloc_seen: tuple | int | None = None
+        self._prealloc_blocked = False
         self._transfer_seen = -1
 
     def add_request(self, req: Request, now: float) -> None:
@@ -60,8 +64,9 @@ class DecodeScheduler(InstanceScheduler):
         self.emitted.clear()  # the outbox holds the first tokens of this step only
         epoch = self.kv.poll_epoch()
         if self.prealloc:
-            seen = (epoch, self.pool.num_free, self.req_slots.num_free,
-                    self.metadata_slots.num_free, self._num_decoding())
+            seen = ((epoch, self.pool.num_free, self.req_slots.num_free,
+                     self.metadata_slots.num_free, self._num_decoding())
+                    if self._prealloc_blocked else epoch)
             if seen != self._prealloc_seen:
                 self._prealloc_seen = seen
                 self._pop_preallocated(now)
@@ -120,6 +125,7 @@ class DecodeScheduler(InstanceScheduler):
                 self.transfer.append(req)
                 self._transfer_seen = -1
         self.prealloc = still
+        self._prealloc_blocked = blocked
 
     def _preallocate(self, req: Request) -> bool:
         cfg = self.config

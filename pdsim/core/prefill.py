@@ -37,7 +37,11 @@ class PrefillScheduler(InstanceScheduler):
         self.pending_tokens = 0  # prompt tokens not yet computed (the router's load signal)
         # What the last scan of each queue saw; an unchanged key means a rescan would find
         # nothing new (see KVManager.poll_epoch).
-        self._bootstrap_seen: tuple | None = None
+        # Free slots count only while a request waits for them (`_take_slots` refused):
+        # otherwise every request left in bootstrap is bootstrapping, and only the epoch (or
+        # its timeout) can change that.
+        self._bootstrap_seen: tuple | int | None = None
+        self._bootstrap_blocked = False
         self._inflight_seen = -1
 
     def add_request(self, req: Request, now: float) -> None:
@@ -56,7 +60,8 @@ class PrefillScheduler(InstanceScheduler):
     def step(self, now: float):
         epoch = self.kv.poll_epoch()
         if self.bootstrap:
-            seen = (epoch, self.metadata_slots.num_free, self.req_slots.num_free)
+            seen = ((epoch, self.metadata_slots.num_free, self.req_slots.num_free)
+                    if self._bootstrap_blocked else epoch)
             overdue = now - self.bootstrap[0].queued_s >= self.config.bootstrap_timeout_s
             if seen != self._bootstrap_seen or overdue:
                 self._bootstrap_seen = seen
@@ -77,6 +82,7 @@ class PrefillScheduler(InstanceScheduler):
 
     def _pop_bootstrapped(self, now: float) -> None:
         still = []
+        self._bootstrap_blocked = False
         for i, req in enumerate(self.bootstrap):
             poll = req.sender.poll()
             if poll is KVPoll.Failed:
@@ -90,6 +96,7 @@ class PrefillScheduler(InstanceScheduler):
                     still.append(req)
             elif not self._take_slots(req):
                 still.extend(r for r in self.bootstrap[i:] if not r.finished)
+                self._bootstrap_blocked = True
                 break
             else:
                 req.sender.init(num_pages(req.input_len, self.config.page_size), req.metadata_slot)
