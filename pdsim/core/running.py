@@ -18,7 +18,7 @@ import heapq
 import random
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -159,9 +159,15 @@ class RunningBatch:
         return self._grow_at.pop(self.step, [])
 
     def add_page(self, req: Request, page: int) -> None:
-        req.pages.append(page)
-        req.grow_step += self.page_size
-        self._grow_at[req.grow_step].append(req)
+        self.add_pages((req,), (page,))
+
+    def add_pages(self, reqs: Sequence[Request], pages: Sequence[int]) -> None:
+        """`add_page` for each request and page, in order (one call for a step's due pages)."""
+        ps, grow = self.page_size, self._grow_at
+        for req, page in zip(reqs, pages):
+            req.pages.append(page)
+            req.grow_step += ps
+            grow[req.grow_step].append(req)
 
     def plan(self, now: float) -> DecodeBatch:
         n = len(self.reqs)
@@ -238,8 +244,7 @@ class RunningBatch:
                 pages = alloc(len(due))
                 if pages is None:
                     raise RuntimeError("a decode run was planned beyond the free KV pages")
-                for req, page in zip(due, pages):
-                    self.add_page(req, page)
+                self.add_pages(due, pages)
             if self._finish_at.get(first + j):
                 raise RuntimeError(f"a decode run crossed step {first + j}, where requests finish")
         self.step = first + last
@@ -380,6 +385,10 @@ class SpeculativeRunningBatch(RunningBatch):
             need = self._need_tokens(req, self.step - req.join_step)
             out.extend([req] * (-(-need // self.page_size) - len(req.pages)))
         return out
+
+    def add_pages(self, reqs: Sequence[Request], pages: Sequence[int]) -> None:
+        for req, page in zip(reqs, pages):
+            self.add_page(req, page)
 
     def add_page(self, req: Request, page: int) -> None:
         req.pages.append(page)

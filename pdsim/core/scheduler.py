@@ -162,8 +162,7 @@ class InstanceScheduler:
         due = running.pages_due()
         pages = self._alloc_pages(len(due)) if due else None
         if pages is not None:  # the common case: one page each, no retraction needed
-            for req, page in zip(due, pages):
-                running.add_page(req, page)
+            running.add_pages(due, pages)
             due = []
         for req in due:
             if req not in running.reqs:
