@@ -268,8 +268,13 @@ class SimFabric:
     def _reshare(self) -> None:
         if not self._flows:
             return
-        max_min_rates(self._flows)
-        wait = max(0.0, min(f.remaining / f.rate for f in self._flows))
+        flows = self._flows
+        max_min_rates(flows)
+        if len(flows) == 1:  # the usual case: the min below without its generator
+            wait = flows[0].remaining / flows[0].rate
+        else:
+            wait = min(f.remaining / f.rate for f in flows)
+        wait = max(0.0, wait)
         self._next_end = _Call(self._flow_ends)
         self._push(wait, self._next_end)
 
@@ -278,8 +283,10 @@ class SimFabric:
             return  # superseded by a later start or end
         self._advance()
         # Done: within a picosecond of its last byte (what float rounding leaves over).
-        ended = [f for f in self._flows if f.remaining <= f.rate * 1e-12]
-        self._flows = [f for f in self._flows if f.remaining > f.rate * 1e-12]
+        ended, going = [], []
+        for f in self._flows:
+            (ended if f.remaining <= f.rate * 1e-12 else going).append(f)
+        self._flows = going
         self._reshare()
         for f in ended:
             f.on_sent()
