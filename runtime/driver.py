@@ -281,13 +281,13 @@ class Engine:
                 result = self.executor.execute(batch)
             except Exception as exc:
                 log.exception("forward failed")
-                self.executor.take_failures()
                 self.sched.fail_batch(batch, f"forward failed: {exc}", self.now())
                 self._finish_done()
                 self._update_gauges()
                 continue
+            for rid, reason in (result.failed or {}).items():
+                log.warning("request %s failed alone: %s", rid, reason)
             self.sched.on_batch_done(batch, result, self.now())
-            self._fail_unsampled()
             self.metrics.observe_forward(batch.kind, result.duration_s)
             if batch.kind == "extend":
                 self._push_new(seg.req for seg in batch.segments if seg.is_last)
@@ -353,18 +353,6 @@ class Engine:
         if req.bootstrap_room >= 0 and not req.finished:
             self._rooms[req.bootstrap_room] = req.rid
         self._finish_done()
-
-    def _fail_unsampled(self) -> None:
-        """Fail, alone, the requests of the last batch whose sampling failed (a rank-local
-        decision that is the same on every TP rank: they sample alike). One that the batch
-        already finished is still in `sched.done`: it fails there."""
-        now = self.now()
-        for rid, reason in self.executor.take_failures().items():
-            log.warning("request %s failed alone: %s", rid, reason)
-            if not self.sched.abort(rid, reason, now):
-                stream = self._streams.get(rid)
-                if stream is not None and stream.req.finished and not stream.req.error:
-                    stream.req.error = reason
 
     def _fail_all(self, reason: str) -> None:
         now = self.now()

@@ -16,8 +16,9 @@ handed) and one sampling generator per non-greedy request. The core's convention
 from its own generator, so its tokens never depend on what else is batched with it; an unseeded
 one gets a seed from the executor's own seeded stream. A request whose sampling fails (its
 generator cannot be made, its distribution is not one) gets the greedy token in the result and
-is listed by `take_failures()`: the engine fails it alone, the rest of the batch goes on. Every
-TP rank samples the same rows with the same generators, so every rank fails the same requests.
+is named in the result's `failed`: the scheduler fails it alone (a prefill sends no first token
+on), the rest of the batch goes on. Every TP rank samples the same rows with the same
+generators, so every rank fails the same requests.
 
 Every forward is timed (wall clock, the device synchronised) and recorded with its `BatchShape`,
 the inputs of the simulator's cost model: `timings_frame()` / `save_timings(path)`.
@@ -106,11 +107,6 @@ class ModelExecutor:
         self._top[rid] = []
         return got
 
-    def take_failures(self) -> dict[str, str]:
-        """The requests whose sampling failed since the last call: rid -> reason."""
-        failures, self._failures = self._failures, {}
-        return failures
-
     def release(self, rid: str) -> None:
         """Forget a finished request's generator and logprob state."""
         self._generators.pop(rid, None)
@@ -134,6 +130,7 @@ class ModelExecutor:
 
     def execute(self, batch: Batch) -> BatchResult:
         start = time.perf_counter()
+        self._failures = {}  # this batch's rows whose sampling fails
         if batch.kind == "extend":
             token_ids, logprobs = self._extend(batch)
         elif batch.kind == "decode":
@@ -144,7 +141,8 @@ class ModelExecutor:
         s = batch.shape
         self.timings.append(ForwardTiming(batch.kind, s.prefill_tokens, s.prefill_attn_pairs,
                                           s.decode_reqs, s.decode_context_tokens, duration))
-        return BatchResult(duration_s=duration, token_ids=token_ids, logprobs=logprobs)
+        return BatchResult(duration_s=duration, token_ids=token_ids, logprobs=logprobs,
+                           failed=self._failures or None)
 
     def _extend(self, batch: ExtendBatch) -> tuple[list[int], list[float]]:
         ids: list[int] = []

@@ -235,3 +235,34 @@ def test_random_pd_workload_under_small_pools_leaks_nothing():
     for s in (p, d):
         assert s.is_idle
         s.check_pools_full()
+
+
+class _SamplingFailsFor(FixedExecutor):
+    """A prefill executor whose sampling fails for one request, as the real one reports it."""
+
+    def __init__(self, rid: str):
+        super().__init__(extend_s=1.0, token_fn=lambda batch, i: 7)
+        self.rid = rid
+
+    def execute(self, batch):
+        result = super().execute(batch)
+        if batch.kind == "extend" and any(seg.req.rid == self.rid for seg in batch.segments):
+            result.failed = {self.rid: "sampling failed: bad seed"}
+        return result
+
+
+def test_a_prefill_whose_sampling_fails_sends_no_first_token_and_both_sides_fail_it_alone():
+    """The failed row's (greedy) token must not reach the decode side: that request's KV is
+    never sent as complete, the decode side learns of the abort, and the other request of the
+    same extend batch is served as usual."""
+    drv, p, d, wire = pd_pair(token_fn=lambda batch, i: 5)
+    drv.add_instance("P", p, _SamplingFailsFor("r1"))
+    p0, d0 = submit(drv, 0.0, "r0", 4, 2)
+    p1, d1 = submit(drv, 0.0, "r1", 4, 2)
+    drv.run()
+    assert p1.error == "sampling failed: bad seed" and p1.num_output == 0
+    assert d1.error and d1.num_output == 0 and 1001 not in wire.sent_pages
+    assert not p0.error and not d0.error and d0.num_output == 2 and 1000 in wire.sent_pages
+    for s in (p, d):
+        assert s.is_idle
+        s.check_pools_full()

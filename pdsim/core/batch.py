@@ -96,9 +96,11 @@ Batch = ExtendBatch | DecodeBatch  # what a scheduler plans; `kind` says which
 class BatchResult:
     """What an executor returns. The simulator's executors produce no token ids (`None`):
     lengths drive it. A real executor returns one id and logprob per extend segment (only those
-    of last chunks are used) or per decode request."""
+    of last chunks are used) or per decode request; `failed` names the requests whose sampling
+    failed (rid -> why): each fails alone (a prefill among them sends no first token on)."""
 
     duration_s: float
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None
+    failed: dict[str, str] | None = None
 

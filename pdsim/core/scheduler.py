@@ -224,13 +224,29 @@ class InstanceScheduler:
             for req in self.running.complete(batch, result, now):
                 self.running.leave(req)
                 self._finish(req, now)
+        if result.failed:
+            self._fail_unsampled(result.failed, now)
+
+    def _fail_unsampled(self, failed: dict[str, str], now: float) -> None:
+        """Fail, alone, the batch's requests whose sampling failed. An extend left them in the
+        waiting queue unprefilled (so no first token, and no KV sent on); a decode step that
+        also ended one by length left it in `done`: it fails there."""
+        for rid, reason in failed.items():
+            if self.abort(rid, reason, now):
+                continue
+            for req in self.done:
+                if req.rid == rid and not req.error:
+                    req.error = reason
 
     def _extend_done(self, batch: Batch, result: BatchResult, now: float) -> None:
         unfinished = []
+        failed = result.failed or ()
         for i, seg in enumerate(batch.segments):
             req = seg.req
             req.computed_tokens = seg.end
-            if seg.is_last:
+            if req.rid in failed:
+                unfinished.append(req)  # back where it came from; `_fail_unsampled` aborts it
+            elif seg.is_last:
                 token = result.token_ids[i] if result.token_ids is not None else None
                 logprob = result.logprobs[i] if result.logprobs is not None else float("nan")
                 self._prefilled(req, token, logprob, now)
