@@ -220,14 +220,8 @@ class SimInstance:
                     on_done(req)
                 done.clear()
             if not batch:
-                self._arm_timer(now)
-                self._wake = env.event()
-                yield self._wake
-                if gen != self.generation:
+                if (yield from self._idle(now, gen)):
                     return  # killed
-                self._wake = None
-                if self.wakeup_s:
-                    yield env.timeout(self.wakeup_s)
                 continue
             if self.decode_runs and batch.kind == "decode":
                 steps = 1
@@ -255,6 +249,19 @@ class SimInstance:
                     on_done(req)
                 done.clear()
 
+    def _idle(self, now: float, gen: int):
+        """Nothing to run: sleep until woken (or the next queue timeout), then take the role's
+        `wakeup_s` to notice. Returns whether the instance was killed meanwhile."""
+        self._arm_timer(now)
+        self._wake = self.env.event()
+        yield self._wake
+        if gen != self.generation:
+            return True
+        self._wake = None
+        if self.wakeup_s:
+            yield self.env.timeout(self.wakeup_s)
+        return False
+
     def _run_ranks(self):
         """One forward at a time over every attention-DP rank: the slowest rank's step time
         counts (runs of decode steps are for single schedulers only)."""
@@ -269,14 +276,8 @@ class SimInstance:
             batches = [s.step(now) for s in scheds]
             self._drain()
             if not any(batches):
-                self._arm_timer(now)
-                self._wake = env.event()
-                yield self._wake
-                if gen != self.generation:
+                if (yield from self._idle(now, gen)):
                     return  # killed
-                self._wake = None
-                if self.wakeup_s:
-                    yield env.timeout(self.wakeup_s)
                 continue
             decode_reqs = sum(b.shape.decode_reqs for b in batches if b is not None)
             duration = self.cost.step_time_s([b.shape if b else EMPTY for b in batches])

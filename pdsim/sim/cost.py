@@ -173,6 +173,16 @@ def step_totals(shapes: Sequence[BatchShape]) -> tuple[int, int, int, int, bool]
     return tokens, max_rank_tokens, lm_rows, max_rank_rows, has_prefill
 
 
+def layers_attention_s(attn: float, dense_layers: int, moe_layers: int) -> float:
+    """Every layer's attention block, one layer's being `attn`: the dense layers' then the MoE
+    layers' (both cost models add them in this order; their step times are tested bit for bit
+    against the sum of their parts)."""
+    attention = dense_layers * attn if dense_layers else 0.0
+    if moe_layers:
+        attention += moe_layers * attn
+    return attention
+
+
 class RooflineParams(BaseModel):
     """Efficiency factors and fixed costs of the roofline model (see docs/cost_model.md).
 
@@ -534,11 +544,7 @@ class RooflineCostModel:
         return (self._layers_attention_s(attn), *self._parts_but_attention(shapes, totals, attn))
 
     def _layers_attention_s(self, attn: float) -> float:
-        """Every layer's attention block, one layer's being `attn`."""
-        attention = self._dense_layers * attn if self._dense_layers else 0.0
-        if self._moe_layers:
-            attention += self._moe_layers * attn
-        return attention
+        return layers_attention_s(attn, self._dense_layers, self._moe_layers)
 
     def _parts_but_attention(self, shapes: Sequence[BatchShape], totals: tuple, attn: float
                              ) -> tuple[float, ...]:

@@ -29,7 +29,7 @@ from functools import lru_cache
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdsim.core.batch import BatchShape
-from pdsim.sim.cost import BREAKDOWN_PARTS, Parallelism, Role, step_totals
+from pdsim.sim.cost import BREAKDOWN_PARTS, Parallelism, Role, layers_attention_s, step_totals
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Grid2, Stage
 from pdsim.sim.silicon.ops import ACT_BYTES, MissingTable, op_tables
@@ -252,12 +252,7 @@ class SiliconCostModel:
         return max(plan.elementwise_floor_s, max_rank_tokens * plan.elementwise_s_tok)
 
     def _layers_attention_s(self, attn: float) -> float:
-        """Every layer's attention block, one layer's being `attn`."""
-        plan = self._plan
-        attention = plan.dense_layers * attn if plan.dense_layers else 0.0
-        if plan.moe_layers:
-            attention += plan.moe_layers * attn
-        return attention
+        return layers_attention_s(attn, self._plan.dense_layers, self._plan.moe_layers)
 
     def _parts_but_attention(self, shapes: Sequence[BatchShape], totals: tuple, attn: float
                              ) -> tuple[float, ...]:
