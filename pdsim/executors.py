@@ -11,6 +11,7 @@ runs cannot change its result.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
@@ -103,6 +104,10 @@ def open_pool(executor: str = "local", jobs: int | None = None, ray_address: str
         if workers == 1:
             yield InlinePool()
             return
+        # The workers are forked: garbage left in this process (say a native transfer engine
+        # in a reference cycle) would otherwise be collected in a child, whose copy of that
+        # object's locks may be held by threads that stayed here (a deadlock). Collect it here.
+        gc.collect()
         with ProcessPoolExecutor(max_workers=workers) as pool:
             yield ProcessPool(pool, workers)
         return
