@@ -295,13 +295,16 @@ async def _stream(session, url: str, max_tokens: int, t0: float) -> dict:
 
 
 async def _kill_scenario(url: str) -> tuple[list[dict], list[dict], dict]:
-    """Streams in flight at the kill; requests sent while the worker is down; the first request
-    that succeeds after the restart (retried every 0.5 s)."""
+    """Streams in flight at the kill; requests sent while the worker is down (from 0.1 s after
+    the in-flight streams ended, as the simulated ones arrive: at the very moment of the kill a
+    request can still meet the dying process's sockets, a reset rather than a refusal); the
+    first request that succeeds after the restart (retried every 0.5 s)."""
     import aiohttp
 
     t0 = time.monotonic()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         inflight = await asyncio.gather(*(_stream(session, url, 1500, t0) for _ in range(3)))
+        await asyncio.sleep(0.1)
         down = [await _stream(session, url, 8, t0) for _ in range(3)]
         deadline = time.monotonic() + 90
         while (after := await _stream(session, url, 8, t0))["error"]:
