@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +16,18 @@ from pdsim.config import ConfigError
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Simulate and run prefill/decode disaggregated LLM serving.")
 console = Console()
+
+
+@contextmanager
+def _exits_on(*errors: type[Exception], status: int = 2) -> Iterator[None]:
+    """A mistake the user can fix (`errors`): its message in red, exit `status`, no traceback."""
+    from rich.markup import escape
+
+    try:
+        yield
+    except errors as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(status) from None
 # Piped or captured output gets a table wide enough to read, not the 80-column fallback.
 table_console = console if console.is_terminal else Console(width=140)
 
@@ -63,12 +77,9 @@ def run(
     """Simulate every point of an experiment and write tables, plots and a report."""
     from pdsim.runner import run_experiment
 
-    try:
+    with _exits_on(ConfigError):
         summary, out_dir = run_experiment(experiment, out, jobs, progress=not quiet,
                                           executor=executor, ray_address=ray_address)
-    except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
-        raise typer.Exit(2) from None
     if not quiet:
         table = Table(title=f"{experiment.stem}: {len(summary)} points",
                       caption="latencies in ms; goodput: requests/s meeting the SLO")
@@ -86,14 +97,11 @@ def check(experiment: Path = typer.Argument(..., help="experiment YAML")) -> Non
     from pdsim.config import expand_sweep, load_experiment
     from pdsim.sim.build import build_cluster
 
-    try:
+    with _exits_on(ConfigError):
         cfg, raw = load_experiment(experiment)
         points = expand_sweep(cfg, raw, str(experiment))
         for _, pcfg in points:
             build_cluster(pcfg, str(experiment.parent.resolve()))
-    except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(2) from None
     console.print(f"{experiment}: valid, {len(points)} point(s)")
     for swept, _ in points:
         console.print("  " + (", ".join(f"{k}={v}" for k, v in swept.items()) or "(no sweep)"))
@@ -114,21 +122,13 @@ def validate(
     """Serve the deployment for real, replay its workload (exact arrivals and lengths), simulate
     it, and write the side-by-side table and plots; exit 1 when an error exceeds the tolerance
     (docs/validation.md)."""
-    from rich.markup import escape
-
     from pdsim.validation.compare import Tolerance
     from pdsim.validation.deployment import ServeError
     from pdsim.validation.validate import validate as run_validate
 
-    try:
+    with _exits_on(ConfigError, ServeError):
         result = run_validate(config, calibration=calibration, out_dir=out,
                               tolerance=Tolerance(mean=tolerance, p90=tolerance_p90))
-    except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(2) from None
-    except ServeError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from None
     print((result.out_dir / "validation.md").read_text())
     print(f"wrote {result.out_dir}/validation.csv, validation.md, validation.png")
     if not result.passed:
@@ -148,24 +148,16 @@ def calibrate(
     """Measure this machine's forwards over a grid of batch shapes, the KV transfer over
     message sizes and the HTTP/router front end, and write a calibration file for
     `pdsim validate --calibration` (docs/validation.md)."""
-    from rich.markup import escape
-
     from pdsim.validation.deployment import ServeError
     from runtime.calibration import calibrate as run_calibrate
 
-    try:
+    with _exits_on(ConfigError, ServeError):
         from runtime.serve_config import load_serve_config
         from runtime.transfer.bindshim import reexec_with_preload
 
         # Mooncake's ports on transfer.host, as a worker's (its transfers are measured here).
         reexec_with_preload(load_serve_config(config).transfer.host)
         path = run_calibrate(config, out, repeats=repeats)
-    except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(2) from None
-    except ServeError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from None
     print(f"wrote {path}")
 
 
@@ -186,13 +178,10 @@ def plan(
     from pdsim.planning import plan as run_plan
     from pdsim.planning.report import summary_frame
 
-    try:
+    with _exits_on(ConfigError):
         result = run_plan(plan_file, out_dir=out, jobs=jobs, progress=not quiet,
                           prefilter=False if no_prefilter else None, executor=executor,
                           ray_address=ray_address)
-    except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(2) from None
     if not quiet:
         frame = summary_frame(result)
         table = Table(title=f"{result.plan.name}: Pareto frontier of {int(result.candidates['simulated'].sum())} "
@@ -256,7 +245,7 @@ def serve(
 
     security = {k: v for k, v in (("api_key", api_key), ("insecure", insecure or None))
                 if v is not None} or None
-    try:
+    with _exits_on(ConfigError):
         cfg = load_serve_config(config, model=model, security=security)
         if isinstance(cfg, ServeConfig):
             if role is not None:
@@ -270,9 +259,6 @@ def serve(
             moved = {"host": host} if section != "router" else {"host": host, "port": port}
             cfg = load_serve_config(config, model=model, security=security,
                                     **{section: {k: v for k, v in moved.items() if v is not None}})
-    except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(2) from None
     if isinstance(cfg, ServeConfig):
         _serve_colocated(cfg)
     else:
@@ -299,7 +285,7 @@ def _serve_disaggregated(cfg, role, instance, port, bootstrap_port, prefill_url,
     from runtime.launcher import LaunchError, launch, serve_router
 
     name = cfg.model_name
-    try:
+    with _exits_on(LaunchError, ValueError, OSError, status=1):
         if role in ("prefill", "decode"):
             from runtime.pd.worker import ready_line, serve_instance
             from runtime.transfer.bindshim import reexec_with_preload
@@ -317,9 +303,6 @@ def _serve_disaggregated(cfg, role, instance, port, bootstrap_port, prefill_url,
                      f"{cfg.decode.instances} decode x tp {cfg.decode.tp}")
             status = launch(cfg, on_ready=lambda url: print(
                 f"pdsim serve: {name} (disaggregated: {shape}) at {url}/v1", flush=True))
-    except (LaunchError, ValueError, OSError) as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(1) from None
     print("pdsim serve: stopped", flush=True)
     if status:
         raise typer.Exit(status)
