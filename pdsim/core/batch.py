@@ -8,14 +8,15 @@ O(1) however many requests it holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from pdsim.core.request import Request
 
 
-@dataclass(frozen=True, slots=True)
-class BatchShape:
-    """Aggregate shape of one forward on one attention rank.
+class BatchShape(NamedTuple):
+    """Aggregate shape of one forward on one attention rank (a named tuple: the simulator
+    builds one per step, and a tuple is the cheapest immutable value to build and to key a
+    memo with).
 
     prefill_tokens: new tokens computed by prefill/extend segments (chunked prefill included).
     prefill_attn_pairs: causal (query, key) pairs those segments attend over, summed over

@@ -122,7 +122,7 @@ class SimInstance:
         self._run_horizon = 2  # steps the next run may plan: doubles while runs go uncut
         self._run_backoff = 0  # steps to run one by one before trying a run again
         self._run_mean = float(RUN_WORTH_STEPS)  # moving average of the steps a run settles
-        self._step_memo: dict[tuple, float] = {}
+        self._step_memo: dict[BatchShape, float] = {}
         self._proc = env.process(self._run())
 
     def kill(self) -> None:
@@ -179,14 +179,12 @@ class SimInstance:
         """The cost model's time for a step of one shape, remembered: cost models are pure
         functions of the shapes, and equal shapes recur (every prefill of one prompt length,
         decode batches that come back to a size and context)."""
-        key = (shape.prefill_tokens, shape.prefill_attn_pairs, shape.decode_reqs,
-               shape.decode_context_tokens, shape.decode_query_len)
         memo = self._step_memo
-        duration = memo.get(key)
+        duration = memo.get(shape)
         if duration is None:
             if len(memo) >= STEP_MEMO_SIZE:
                 memo.clear()
-            duration = memo[key] = self.cost.step_time_s((shape,))
+            duration = memo[shape] = self.cost.step_time_s((shape,))
         return duration
 
     def _drain(self) -> None:

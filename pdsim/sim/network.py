@@ -119,9 +119,14 @@ class _Flow:
 def max_min_rates(flows: Sequence[_Flow]) -> None:
     """Set each flow's rate to its max-min fair share (progressive filling): the link whose
     remaining capacity over its unfixed flows is smallest fixes those flows at that share."""
-    if len(flows) == 1:  # what the filling below gives a lone flow, without its set-up
-        f = flows[0]
-        f.rate = min(f.src.bytes_per_s, f.dst.bytes_per_s)
+    f = flows[0]
+    src, dst = f.src, f.dst
+    if all(g.src is src and g.dst is dst for g in flows):
+        # One pair of links (a lone flow, or one prefill rank sending to one decode rank):
+        # the filling below gives every flow an equal share of the slower link.
+        rate = min(src.bytes_per_s, dst.bytes_per_s) / len(flows)
+        for g in flows:
+            g.rate = rate
         return
     capacity: dict[Link, float] = {}
     for f in flows:
