@@ -156,20 +156,20 @@ def _token_times(records: Sequence[RequestRecord]) -> _TokenTimes:
     runs: dict[int, list] = {}  # id(base array) -> [base, [(record, offset, length)]]
     explicit: list[int] = []
     for i, times in enumerate(lists):
-        parts = times.parts() if isinstance(times, TokenTimes) else None
-        if parts is None or not _all_step_views(parts):
+        offsets = times.step_offsets() if isinstance(times, TokenTimes) else None
+        if offsets is None:
             explicit.append(i)
             continue
         last = None
-        for part in parts:
-            if isinstance(part, float):
-                first, final = part, part
+        for part, offset in zip(times.parts(), offsets):
+            if offset < 0:
+                first = final = part
             else:
-                first, final = float(part[0]), float(part[-1])
+                first, final = part.item(0), part.item(-1)
                 base = part.base
-                entry = runs.setdefault(id(base), [base, []])
-                offset = (part.__array_interface__["data"][0]
-                          - base.__array_interface__["data"][0]) // 8
+                entry = runs.get(id(base))
+                if entry is None:
+                    entry = runs[id(base)] = [base, []]
                 entry[1].append((i, offset, len(part)))
             if last is not None:
                 singles.append(first - last)
@@ -179,7 +179,7 @@ def _token_times(records: Sequence[RequestRecord]) -> _TokenTimes:
     if singles:
         owner = np.asarray(single_owner)
         np.add.at(sums, owner, values[0])
-        maxes[:] = _max_at(maxes, owner, values[0])
+        np.fmax.at(maxes, owner, values[0])
     for base, spans in runs.values():
         idx, off, length = (np.asarray(col) for col in zip(*spans))
         steps = np.diff(base[: int((off + length).max())])
@@ -196,7 +196,7 @@ def _token_times(records: Sequence[RequestRecord]) -> _TokenTimes:
             np.add.at(sums, i_long, base[o_long + l_long - 1] - base[o_long])
             padded = np.append(steps, NAN)  # reduceat needs indices below its length
             pairs = np.column_stack([o_long, o_long + l_long - 1]).ravel()
-            maxes[:] = _max_at(maxes, i_long, np.maximum.reduceat(padded, pairs)[::2])
+            np.fmax.at(maxes, i_long, np.maximum.reduceat(padded, pairs)[::2])
     if explicit:
         rows = [lists[i] for i in explicit]
         c = counts[explicit]
@@ -211,20 +211,6 @@ def _token_times(records: Sequence[RequestRecord]) -> _TokenTimes:
         values.append(gaps)
         weights.append(np.ones(len(gaps)))
     return _TokenTimes(gap_counts, sums, maxes, np.concatenate(values), np.concatenate(weights))
-
-
-def _all_step_views(parts) -> bool:
-    """Whether every part is a single time or a contiguous float view of a 1-D array (the
-    running batch's step times)."""
-    return all(isinstance(p, float) or (p.base is not None and p.base.ndim == 1
-                                        and p.dtype == np.float64 and p.base.dtype == np.float64
-                                        and p.strides == (8,)) for p in parts)
-
-
-def _max_at(current: np.ndarray, idx: np.ndarray, vals: np.ndarray) -> np.ndarray:
-    out = current.copy()
-    np.fmax.at(out, idx, vals)
-    return out
 
 
 def _gaps_of(flat: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

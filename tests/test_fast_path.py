@@ -41,9 +41,9 @@ def both_ways(data: dict, monkeypatch):
     settled = []
     original = SimInstance._decode_run
 
-    def counting(self, sched, batch, now, steps):
+    def counting(self, *args):
         before = self.steps
-        yield from original(self, sched, batch, now, steps)
+        yield from original(self, *args)
         settled.append(self.steps - before)
 
     monkeypatch.setattr(SimInstance, "_decode_run", counting)
@@ -77,6 +77,20 @@ def test_runs_of_steps_give_the_step_by_step_records(mode, monkeypatch):
     # (a PD decode instance goes step by step while transfers arrive every step or two).
     decode_steps = sum(i.steps for i in fast.instances if i.schedulers[0].running.step)
     assert sum(settled) > 0.25 * decode_steps and max(settled) >= 20
+
+
+def test_a_colocated_run_ends_at_the_next_arrival_without_an_interrupt(monkeypatch):
+    """A colocated run plans no step past the one in progress at the next arrival, so the
+    arrival (its only outside event) finds nothing to cut: no run is interrupted."""
+    import simpy
+
+    interrupts = []
+    original = simpy.Process.interrupt
+    monkeypatch.setattr(simpy.Process, "interrupt",
+                        lambda self, cause=None: interrupts.append(cause) or original(self, cause))
+    slow, fast, settled = both_ways(experiment("colocated"), monkeypatch)
+    assert_same_records(slow, fast)
+    assert settled and interrupts == []
 
 
 def test_a_tight_pool_retracts_the_same_requests(monkeypatch):
@@ -131,8 +145,11 @@ def test_token_times_are_views_not_floats():
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_metrics_of_views_match_metrics_of_plain_lists(mode):
     """Gaps inside step-time views are counted with weights instead of expanded per token;
-    every figure equals the one from the same times as plain lists (to float rounding)."""
+    every figure equals the one from the same times as plain lists (to float rounding), and
+    from the records after a round trip through pickle (as a process pool returns them: each
+    view comes back an array of its own)."""
     import dataclasses
+    import pickle
 
     from pdsim.metrics import SLO, records_frame, summarize
 
@@ -141,11 +158,17 @@ def test_metrics_of_views_match_metrics_of_plain_lists(mode):
     result = simulate(build_cluster(cfg), wl.arrival_s, wl.input_tokens, wl.output_tokens)
     compact = result.records
     plain = [dataclasses.replace(r, token_times_s=list(r.token_times_s)) for r in compact]
+    copied = pickle.loads(pickle.dumps(compact))
+    assert compact[0].token_times_s.step_offsets() is not None
+    assert copied[0].token_times_s.step_offsets() is None and copied[0].token_times_s == compact[0].token_times_s
     slo = SLO(ttft_s=1.0, itl_s=0.02)
-    a, b = (summarize(recs, num_gpus=2, slo=slo) for recs in (compact, plain))
-    assert a.keys() == b.keys()
-    for key in a:
-        assert a[key] == pytest.approx(b[key], rel=1e-12, nan_ok=True), key
-    fa, fb = records_frame(compact), records_frame(plain)
-    for col in ("itl_mean_s", "itl_max_s"):
-        assert fa[col].to_numpy() == pytest.approx(fb[col].to_numpy(), rel=1e-12, nan_ok=True)
+    a = summarize(compact, num_gpus=2, slo=slo)
+    fa = records_frame(compact)
+    for other in (plain, copied):
+        b = summarize(other, num_gpus=2, slo=slo)
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-12, nan_ok=True), key
+        fb = records_frame(other)
+        for col in ("itl_mean_s", "itl_max_s"):
+            assert fa[col].to_numpy() == pytest.approx(fb[col].to_numpy(), rel=1e-12, nan_ok=True)

@@ -71,14 +71,15 @@ class StepTimes:
             self._free -= take
             self.count += take
 
-    def views(self, first: int, stop: int) -> list[np.ndarray]:
-        """The end times of steps `first + 1 .. stop` (indices first .. stop - 1), as views."""
+    def views(self, first: int, stop: int) -> list[tuple[np.ndarray, int]]:
+        """The end times of steps `first + 1 .. stop` (indices first .. stop - 1), as views
+        of the chunks, each with the index in its chunk it starts at."""
         out = []
         size = self.CHUNK
         while first < stop:
             c, i = divmod(first, size)
             take = min(size - i, stop - first)
-            out.append(self.chunks[c][i : i + take])
+            out.append((self.chunks[c][i : i + take], i))
             first += take
         return out
 
@@ -238,15 +239,17 @@ class RunningBatch:
         n = len(self.reqs)
         first = self.step
         last = len(end_times_s)
-        for j in range(1, last):
-            due = self._grow_at.pop(first + j, None)
+        finish = self.next_finish_step()
+        if finish is not None and finish < first + last:
+            raise RuntimeError(f"a decode run crossed step {finish}, where requests finish")
+        grow = self._grow_at
+        for step in range(first + 1, first + last):
+            due = grow.pop(step, None)
             if due:
                 pages = alloc(len(due))
                 if pages is None:
                     raise RuntimeError("a decode run was planned beyond the free KV pages")
                 self.add_pages(due, pages)
-            if self._finish_at.get(first + j):
-                raise RuntimeError(f"a decode run crossed step {first + j}, where requests finish")
         self.step = first + last
         self.step_end_s.extend(end_times_s)
         self.context_tokens += n * last
@@ -255,15 +258,16 @@ class RunningBatch:
         return self._finish_at.pop(self.step, [])
 
 
-def _add_times(req: Request, views: list[np.ndarray]) -> None:
-    """Append step end times to a request's token times: as views for a `TokenTimes` (the
-    simulator's requests), as floats for a plain list (the real backend's, which go to JSON)."""
+def _add_times(req: Request, views: list[tuple[np.ndarray, int]]) -> None:
+    """Append step end times (`StepTimes.views`) to a request's token times: as views for a
+    `TokenTimes` (the simulator's requests), as floats for a plain list (the real backend's,
+    which go to JSON)."""
     times = req.token_times_s
     if isinstance(times, TokenTimes):
-        for v in views:
-            times.extend(v)
+        for v, offset in views:
+            times.extend_steps(v, offset)
     else:
-        for v in views:
+        for v, _ in views:
             times.extend(v.tolist())
 
 
@@ -407,8 +411,10 @@ class SpeculativeRunningBatch(RunningBatch):
         req.num_output = req.out_at_join + emitted[steps]
         self.context_tokens -= req.computed_tokens
         if steps:
-            times = np.concatenate(self.step_end_s.views(join, join + steps))
-            _add_times(req, [np.repeat(times, np.diff(emitted[: steps + 1]))])
+            times = np.concatenate([v for v, _ in self.step_end_s.views(join, join + steps)])
+            repeated = np.repeat(times, np.diff(emitted[: steps + 1]))
+            out = req.token_times_s  # an array of its own, not a view of the step times
+            out.extend(repeated if isinstance(out, TokenTimes) else repeated.tolist())
         self._forget(req)
         req.emitted_by_step = None
 

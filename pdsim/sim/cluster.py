@@ -118,11 +118,12 @@ class SimInstance:
         self.alive = True
         self.generation = 0  # bumped by kill(): the running process then ends
         self.aborts: list[tuple[str, str]] = []  # (rid, reason), applied before the next step
-        self._in_run = False  # inside a run of decode steps that a notify must cut short
+        self._in_run = False  # inside a run of decode steps that a notify must cut short...
+        self._run_ends: list[float] = []  # ...planned to end at these times
         self._run_horizon = 2  # steps the next run may plan: doubles while runs go uncut
         self._run_backoff = 0  # steps to run one by one before trying a run again
         self._run_mean = float(RUN_WORTH_STEPS)  # moving average of the steps a run settles
-        self._step_memo: dict[BatchShape, float] = {}
+        self._step_memo: dict[tuple, float] = {}
         self._proc = env.process(self._run())
 
     def kill(self) -> None:
@@ -157,9 +158,16 @@ class SimInstance:
     def notify(self) -> None:
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
-        elif self._in_run:
+        elif self._in_run and (not self.alive or self._cuts_run()):
             self._in_run = False
             self._proc.interrupt()
+
+    def _cuts_run(self) -> bool:
+        """Whether an outside event now ends the run of decode steps in progress before its
+        last planned step (a colocated instance's run already ends at the step in progress
+        at the next arrival, which then need not interrupt it)."""
+        ends = self._run_ends
+        return bisect_left(ends, self.env.now) < len(ends) - 1
 
     def _arm_timer(self, now: float) -> None:
         """Make sure the instance wakes for the earliest queue timeout of its schedulers."""
@@ -179,12 +187,13 @@ class SimInstance:
         """The cost model's time for a step of one shape, remembered: cost models are pure
         functions of the shapes, and equal shapes recur (every prefill of one prompt length,
         decode batches that come back to a size and context)."""
+        key = tuple(shape)  # a plain tuple of numbers, which the collector stops tracking
         memo = self._step_memo
-        duration = memo.get(shape)
+        duration = memo.get(key)
         if duration is None:
             if len(memo) >= STEP_MEMO_SIZE:
                 memo.clear()
-            duration = memo[shape] = self.cost.step_time_s((shape,))
+            duration = memo[key] = self.cost.step_time_s((shape,))
         return duration
 
     def _drain(self) -> None:
@@ -226,9 +235,10 @@ class SimInstance:
                 if self._run_backoff:
                     self._run_backoff -= 1
                 else:
-                    steps = sched.decode_run_steps(self._run_horizon)
+                    horizon, deadline = self._run_plan(sched, batch, now)
+                    steps = sched.decode_run_steps(horizon)
                 if steps > 1:
-                    yield from self._decode_run(sched, batch, now, steps)
+                    yield from self._decode_run(sched, batch, now, steps, deadline)
                     if gen != self.generation:
                         return  # killed during the run: the step in progress is lost
                     self._drain()
@@ -292,32 +302,47 @@ class SimInstance:
                     sched.on_batch_done(batch, result, now)
             self._drain()
 
-    def _decode_run(self, sched: InstanceScheduler, batch, now: float, steps: int):
+    def _run_plan(self, sched: InstanceScheduler, batch, now: float) -> tuple[int, float]:
+        """(the most steps a run from the decode `batch` may plan, the time it must end by):
+        the horizon, cut to about the steps before the next queue timeout or known arrival
+        at the first step's pace (later steps, with more context, are no faster; should one
+        be, the run ends early and the next one goes on)."""
+        deadline = sched.next_deadline_s(now)
+        deadline = min(math.inf if deadline is None else deadline, self.next_arrival_s())
+        horizon = self._run_horizon
+        if deadline < math.inf:
+            horizon = min(horizon, int((deadline - now) / self._one_shape_s(batch.shape)) + 2)
+        return horizon, deadline
+
+    def _decode_run(self, sched: InstanceScheduler, batch, now: float, steps: int,
+                    deadline: float):
         """Up to `steps` decode steps of an unchanging batch (`decode_run_steps`) as one event.
 
         Step times come from the cost model in closed form: the batch keeps its requests and
         its context grows by one token per request per step; end times add up exactly as one
-        timeout per step would. The run also ends at the first step end at or after the next
-        queue timeout or known arrival. An outside event (`notify`: KV progress, an arrival,
+        timeout per step would. The run also ends at the first step end at or after
+        `deadline` (the next queue timeout or known arrival). An outside event (`notify`: KV progress, an arrival,
         an abort, a kill) cuts it at the end of the step in progress, where a step-by-step
         driver would first see the change; only the steps that ran are settled, so the records
         are the same as one event per step (ties of an outside event with a step end at the
         same float time excepted: here the outside event counts first)."""
         env, n, gen = self.env, batch.shape.decode_reqs, self.generation
-        deadline = sched.next_deadline_s(now)
-        deadline = min(math.inf if deadline is None else deadline, self.next_arrival_s())
         shape = batch.shape
+        memo, context = self._step_memo, shape.decode_context_tokens
         ends, durations = [], []
         t = now
         for _ in range(steps):
-            d = self._one_shape_s(shape)
+            # `_one_shape_s` of the step's shape, which is built only when not remembered
+            d = memo.get((0, 0.0, n, context, 1))
+            if d is None:
+                d = self._one_shape_s(BatchShape(decode_reqs=n, decode_context_tokens=context))
             t += d
             ends.append(t)
             durations.append(d)
             if t >= deadline:
                 break
-            shape = BatchShape(decode_reqs=n, decode_context_tokens=shape.decode_context_tokens + n)
-        self._in_run = True
+            context += n
+        self._in_run, self._run_ends = True, ends
         try:
             yield _At(env, ends[-1])
         except simpy.Interrupt:
@@ -326,15 +351,19 @@ class SimInstance:
             ends = ends[: bisect_left(ends, env.now) + (self.generation == gen)]
             if ends and ends[-1] > env.now:
                 yield _At(env, ends[-1])
-        # Plan about twice what ran: an outside event that cuts runs short wastes little.
-        # Where outside events come every step or two (a busy PD decode instance hears of
-        # each transfer), a run costs more than the events it saves: then go step by step
-        # for a while before trying again.
-        self._run_horizon = min(MAX_RUN_STEPS, max(2, 2 * len(ends)))
-        self._run_mean += 0.25 * (len(ends) - self._run_mean)
-        if self._run_mean < RUN_WORTH_STEPS:
-            self._run_backoff = RUN_BACKOFF_STEPS
-            self._run_mean = float(RUN_WORTH_STEPS)  # judge afresh after the pause
+            # Plan about twice what ran: an outside event that cuts runs short wastes the
+            # steps priced beyond it. Where outside events come every step or two (a busy PD
+            # decode instance hears of each transfer), a run costs more than the events it
+            # saves: then go step by step for a while before trying again.
+            self._run_horizon = max(2, 2 * len(ends))
+            self._run_mean += 0.25 * (len(ends) - self._run_mean)
+            if self._run_mean < RUN_WORTH_STEPS:
+                self._run_backoff = RUN_BACKOFF_STEPS
+                self._run_mean = float(RUN_WORTH_STEPS)  # judge afresh after the pause
+        else:
+            # It ended where it was planned to (a finish, the pages, a deadline, the horizon):
+            # one event for its steps however short, so plan further next time.
+            self._run_horizon = min(MAX_RUN_STEPS, max(self._run_horizon, 2 * len(ends)))
         self._in_run = False
         for d in durations[: len(ends)]:
             self.busy_s += d
@@ -487,6 +516,10 @@ class Simulation:
         with _few_gc_passes():
             self.env.run(until=self._all_done | self._give_up)
             records = self._records(input_tokens)
+        # The records hold what is kept; the requests would only outlive the run (the
+        # instances, which a result keeps, reach this object) and burden the collector.
+        self.final.clear()
+        self.prefill_side.clear()
         span = self.env.now or math.nan
         return SimResult(
             records, self.env.now, self.instances,
