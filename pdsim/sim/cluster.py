@@ -513,7 +513,7 @@ class Simulation:
         self._source: ArrivalSource = (OpenLoop(arrival_s) if closed_loop is None
                                        else ClosedLoopSource(closed_loop))
         self._source.start(self)
-        with _few_gc_passes():
+        with _collector_paused():
             self.env.run(until=self._all_done | self._give_up)
             records = self._records(input_tokens)
         # The records hold what is kept; the requests would only outlive the run (the
@@ -628,15 +628,18 @@ def _mean_busy(instances: Sequence[SimInstance], span_s: float) -> float:
 
 
 @contextmanager
-def _few_gc_passes():
-    """A run allocates many small objects that live until it ends; Python's default collector
-    thresholds make it rescan them over and over (about 20% of the run time)."""
-    old = gc.get_threshold()
-    gc.set_threshold(100_000, 50, 100)
+def _collector_paused():
+    """A run allocates many small objects that live until it ends, and next to no cyclic
+    garbage (none in 10,000 PD requests with kills and failed transfers, 15 objects in
+    100,000 colocated ones), so Python's cycle collector, which would rescan the live ones
+    over and over (~20% of the run at its default thresholds), is paused while it runs."""
+    enabled = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
-        gc.set_threshold(*old)
+        if enabled:
+            gc.enable()
 
 
 def simulate(cluster: ClusterSpec, arrival_s, input_tokens, output_tokens, *, seed: int = 0,
