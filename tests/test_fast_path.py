@@ -93,6 +93,33 @@ def test_a_colocated_run_ends_at_the_next_arrival_without_an_interrupt(monkeypat
     assert settled and interrupts == []
 
 
+def test_free_decode_steps_run_too():
+    """A fitted cost model may price a decode step at 0 s: runs still plan (no division by
+    the step time) and give the step-by-step records."""
+    import dataclasses
+
+    class FreeDecode:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def step_time_s(self, shapes):
+            if all(s.prefill_tokens == 0 for s in shapes):
+                return 0.0
+            return self.inner.step_time_s(shapes)
+
+    cfg = parse_experiment(experiment("colocated"))
+    wl = generate(cfg.workload)
+    spec = build_cluster(cfg)
+    role = spec.colocated
+    spec = dataclasses.replace(spec, colocated=dataclasses.replace(
+        role, cost=lambda: FreeDecode(role.cost())))
+    slow, fast = (simulate(spec, wl.arrival_s, wl.input_tokens, wl.output_tokens,
+                           decode_runs=runs) for runs in (False, True))
+    assert_same_records(slow, fast)
+    assert all(r.ok for r in fast.records)
+    assert any(r.finish_s == r.first_token_s and r.output_tokens > 1 for r in fast.records)
+
+
 def test_a_tight_pool_retracts_the_same_requests(monkeypatch):
     """Runs stop where the pool cannot give the next step its pages; retraction then happens
     as step by step (here many times)."""

@@ -310,8 +310,9 @@ class SimInstance:
         deadline = sched.next_deadline_s(now)
         deadline = min(math.inf if deadline is None else deadline, self.next_arrival_s())
         horizon = self._run_horizon
-        if deadline < math.inf:
-            horizon = min(horizon, int((deadline - now) / self._one_shape_s(batch.shape)) + 2)
+        first = self._one_shape_s(batch.shape)
+        if deadline < math.inf and first > 0:  # (a fitted cost model may price a step at 0)
+            horizon = min(horizon, int((deadline - now) / first) + 2)
         return horizon, deadline
 
     def _decode_run(self, sched: InstanceScheduler, batch, now: float, steps: int,
