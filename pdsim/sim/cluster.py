@@ -322,11 +322,12 @@ class SimInstance:
         Step times come from the cost model in closed form: the batch keeps its requests and
         its context grows by one token per request per step; end times add up exactly as one
         timeout per step would. The run also ends at the first step end at or after
-        `deadline` (the next queue timeout or known arrival). An outside event (`notify`: KV progress, an arrival,
-        an abort, a kill) cuts it at the end of the step in progress, where a step-by-step
-        driver would first see the change; only the steps that ran are settled, so the records
-        are the same as one event per step (ties of an outside event with a step end at the
-        same float time excepted: here the outside event counts first)."""
+        `deadline` (the next queue timeout or known arrival). An outside event (`notify`: KV
+        progress, an arrival, an abort, a kill) cuts it at the end of the step in progress,
+        where a step-by-step driver would first see the change; only the steps that ran are
+        settled, so the records are the same as one event per step (ties of an outside event
+        with a step end at the same float time excepted: here the outside event counts
+        first)."""
         env, n, gen = self.env, batch.shape.decode_reqs, self.generation
         shape = batch.shape
         memo, context = self._step_memo, shape.decode_context_tokens
@@ -630,10 +631,11 @@ def _mean_busy(instances: Sequence[SimInstance], span_s: float) -> float:
 
 @contextmanager
 def _collector_paused():
-    """A run allocates many small objects that live until it ends, and next to no cyclic
-    garbage (none in 10,000 PD requests with kills and failed transfers, 15 objects in
-    100,000 colocated ones), so Python's cycle collector, which would rescan the live ones
-    over and over (~20% of the run at its default thresholds), is paused while it runs."""
+    """A run allocates many small objects that live until it ends and no cyclic garbage (a
+    collection right after a run finds none that the run made: PD with kills and failed
+    transfers, prefix caching, speculative decoding, closed loops, trace replay), so Python's
+    cycle collector, which would rescan the live ones over and over (~20% of the run at its
+    default thresholds), is paused while it runs."""
     enabled = gc.isenabled()
     gc.disable()
     try:
