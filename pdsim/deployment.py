@@ -16,12 +16,13 @@ SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s each. Where pdsim's default differs
 
 from __future__ import annotations
 
+import random
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdsim.core.config import SchedulerConfig
-from pdsim.core.router import POLICIES
+from pdsim.core.router import POLICIES, make_policy
 from pdsim.core.running import Speculation
 from pdsim.specs.precision import KV_DTYPE_BYTES, KVDTypeName, kv_format
 from pdsim.faults import FaultsConfig
@@ -247,6 +248,10 @@ class RouterConfig(_Spec):
     OpenAI API at host:port (a colocated deployment's one engine serves it there itself)."""
 
     policy: str = "round_robin"
+    policy_options: dict[str, float] = Field(
+        default_factory=dict, description="both: the policy's settings, by name (cache_aware: "
+        "cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size; "
+        "defaults sgl-router's)")
     dp_assignment: Literal["room", "shortest_queue"] = Field(
         "room", description="sim only: how a request's decode DP rank is picked")
     frontend_latency_s: float = Field(6.5e-3, ge=0, description="sim only: tokenizer, HTTP and "
@@ -266,6 +271,11 @@ class RouterConfig(_Spec):
         if policy not in POLICIES:
             raise ValueError(f"unknown router policy {policy!r}; allowed: {', '.join(sorted(POLICIES))}")
         return policy
+
+    @model_validator(mode="after")
+    def _options_fit_the_policy(self) -> RouterConfig:
+        make_policy(self.policy, random.Random(0), **self.policy_options)  # raises naming the problem
+        return self
 
 
 class NetworkConfig(_Spec):

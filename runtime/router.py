@@ -89,13 +89,15 @@ class PDClient:
     timeouts); health_timeout_s / health_ttl_s: the workers' `/health` probes, and how long one
     round of answers is reused. page_size: the prefill workers' KV page size; given, the
     policy gets each prompt's page keys (`token_page_keys`), which `cache_aware` routes by.
+    policy_options: the policy's settings (`RouterConfig.policy_options`).
     """
 
     def __init__(self, prefill: Sequence[WorkerAddress], decode: Sequence[WorkerAddress], *,
                  policy: str = "round_robin", seed: int = 0, max_records: int = 100_000,
                  connect_timeout_s: float = 10.0, read_timeout_s: float = 300.0,
                  health_timeout_s: float = 1.0, health_ttl_s: float = 1.0,
-                 headers: dict[str, str] | None = None, page_size: int = 0) -> None:
+                 headers: dict[str, str] | None = None, page_size: int = 0,
+                 policy_options: dict[str, float] | None = None) -> None:
         if not prefill or not decode:
             raise ValueError(f"a PD router needs prefill and decode workers, got {len(prefill)} "
                              f"prefill and {len(decode)} decode")
@@ -105,7 +107,8 @@ class PDClient:
         self.prefill = list(prefill)
         self.decode = list(decode)
         # Rooms from the OS: routers sharing workers must not draw the same ones.
-        self.router = Router(policy, len(prefill), len(decode), seed, room_rng=random.SystemRandom())
+        self.router = Router(policy, len(prefill), len(decode), seed, room_rng=random.SystemRandom(),
+                             policy_options=policy_options)
         self.page_size = page_size  # > 0: the policy gets each prompt's page keys (cache_aware)
         self.metrics = ServeMetrics()
         self.records: deque[RequestRecord] = deque(maxlen=max_records)
@@ -328,9 +331,10 @@ class PDRouter:
                  seed: int = 0, chat_template: ChatTemplate | None = None,
                  eos_ids: Sequence[int] = (), default_chat_max_tokens: int = 256,
                  max_inflight_requests: int = 4096,
-                 headers: dict[str, str] | None = None, page_size: int = 0) -> None:
+                 headers: dict[str, str] | None = None, page_size: int = 0,
+                 policy_options: dict[str, float] | None = None) -> None:
         self.client = PDClient(prefill, decode, policy=policy, seed=seed, headers=headers,
-                               page_size=page_size)
+                               page_size=page_size, policy_options=policy_options)
         self.server = OpenAIServer(self.client, tokenizer, model_name=model_name, limits=limits,
                                    chat_template=chat_template, eos_ids=eos_ids,
                                    default_chat_max_tokens=default_chat_max_tokens,

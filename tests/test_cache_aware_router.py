@@ -126,8 +126,49 @@ def test_bad_options_name_the_field_and_the_allowed_range():
         policy(cache_threshold=1.5)
     with pytest.raises(ValueError, match="balance_rel_threshold must be >= 1, got 0.5"):
         policy(balance_rel_threshold=0.5)
-    with pytest.raises(ValueError, match=r"'round_robin' does not take options \['cache_threshold'\]"):
+    with pytest.raises(ValueError, match=r"'round_robin' takes no option cache_threshold \(its options: none\)"):
         make_policy("round_robin", random.Random(0), cache_threshold=0.5)
+    with pytest.raises(ValueError, match=r"takes no option cache_treshold \(its options: "
+                       r"cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size\)"):
+        make_policy("cache_aware", random.Random(0), cache_treshold=0.5)
+    with pytest.raises(ValueError, match="max_tree_size must be a whole number >= 1, got 10.5"):
+        policy(max_tree_size=10.5)
+
+
+def test_a_config_sets_the_policy_for_both_backends():
+    """`router.policy_options` is checked when the config is read (a typo names the options),
+    reaches the simulator's router, and changes what it does: with cache_threshold 1 no prefix
+    is ever long enough, so the cache-aware router balances load only and hits less."""
+    from pdsim.config import ConfigError, parse_experiment
+    from pdsim.metrics import summarize
+    from pdsim.sim.build import build_cluster
+    from pdsim.sim.cluster import simulate
+
+    def experiment(options):
+        return parse_experiment({
+            "name": "routed", "model": "llama-3.1-8b", "hardware": "h100", "seed": 0,
+            "cost_model": {"name": "roofline"},
+            "cluster": {"mode": "colocated", "colocated": {"instances": 4}},
+            "router": {"policy": "cache_aware", "policy_options": options},
+            "workload": {"num_requests": 240, "seed": 4, "arrival": {"process": "poisson", "rate_rps": 4.0},
+                         "input_len": {"dist": "lognormal", "mean": 300, "cv": 0.5, "min": 16},
+                         "output_len": {"dist": "fixed", "value": 16},
+                         "prefix": {"system_prompts": 8, "system_prompt_len": 2000, "share": 1.0},
+                         "conversation": {"turns": 3, "think_time_s": 5.0}},
+        })
+
+    with pytest.raises(ConfigError, match=r"router: .*takes no option cache_treshold \(its options: cache_threshold"):
+        experiment({"cache_treshold": 0.5})
+    hits = {}
+    for threshold in (0.3, 1.0):
+        cfg = experiment({"cache_threshold": threshold})
+        cluster = build_cluster(cfg)
+        assert cluster.router_options == {"cache_threshold": threshold}
+        wl = generate(cfg.workload)
+        result = simulate(cluster, wl.arrival_s, wl.input_tokens, wl.output_tokens, seed=cfg.seed,
+                          closed_loop=wl.closed_loop, prefix=wl.prefix)
+        hits[threshold] = summarize(result.records, num_gpus=4, slo=cfg.slo)["prefix_hit_rate"]
+    assert hits[0.3] > hits[1.0] + 0.1, hits
 
 
 class TokenTimed(FixedExecutor):

@@ -182,6 +182,9 @@ def _router_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", action="append", default=[])
     p.add_argument("--worker-urls", nargs="+", default=[])
     p.add_argument("--policy", choices=["random", "round_robin", "cache_aware", "power_of_two"])
+    p.add_argument("--cache-threshold", type=float)
+    p.add_argument("--balance-abs-threshold", type=int)
+    p.add_argument("--balance-rel-threshold", type=float)
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     return p
@@ -227,6 +230,16 @@ def test_instances_sharing_a_node_get_their_own_gpus_and_ports():
     assert len({(a.host, a.port) for a in servers}) == 6
     router = _parse(_router_parser(), cmds.router, "sglang_router.launch_router")
     assert not router.pd_disaggregation and len(router.worker_urls) == 6
+
+
+def test_the_router_line_carries_cache_aware_settings():
+    cfg = parse_plan({**SMALL, "router": {"policy": "cache_aware", "policy_options": {
+        "cache_threshold": 0.5, "balance_abs_threshold": 32, "max_tree_size": 4096}}})
+    dep = Deployment("disaggregated", (("prefill", 1, RoleShape(1)), ("decode", 1, RoleShape(2))))
+    router = _parse(_router_parser(), sglang_commands(dep, cfg, gpus_per_node=8).router,
+                    "sglang_router.launch_router")
+    assert (router.policy, router.cache_threshold, router.balance_abs_threshold) == ("cache_aware", 0.5, 32)
+    assert router.balance_rel_threshold is None  # unset: sglang_router's own default
 
 
 def test_plan_config_errors_name_the_field(tmp_path):

@@ -393,3 +393,20 @@ def get_json(url: str) -> tuple[int, dict]:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def test_the_policy_settings_reach_both_sides_of_the_real_router():
+    """`router.policy_options` from the serve config go to the real router's policies, checked
+    as the simulator's are (a wrong name is an error naming the options)."""
+    kwargs = dict(tokenizer=ByteTokenizer(), model_name="tiny",
+                  limits=Limits(max_model_len=512, pool_tokens=512, max_position=4096,
+                                model_vocab=ByteTokenizer.vocab_size),
+                  policy="cache_aware", page_size=16)
+    workers = ([WorkerAddress("http://127.0.0.1:1", "127.0.0.1", 9999)],
+               [WorkerAddress("http://127.0.0.1:2")])
+    router = PDRouter(*workers, **kwargs, policy_options={"cache_threshold": 0.9,
+                                                         "balance_abs_threshold": 8})
+    for side in (router.client.router.prefill_policy, router.client.router.decode_policy):
+        assert (side.cache_threshold, side.balance_abs_threshold, side.balance_rel_threshold) == (0.9, 8, 1.5)
+    with pytest.raises(ValueError, match=r"takes no option threshold \(its options: cache_threshold"):
+        PDRouter(*workers, **kwargs, policy_options={"threshold": 0.9})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
@@ -139,14 +140,15 @@ class CacheAwarePolicy:
         checks = (("cache_threshold", cache_threshold, 0 <= cache_threshold <= 1, "in [0, 1]"),
                   ("balance_abs_threshold", balance_abs_threshold, balance_abs_threshold >= 0, ">= 0"),
                   ("balance_rel_threshold", balance_rel_threshold, balance_rel_threshold >= 1, ">= 1"),
-                  ("max_tree_size", max_tree_size, max_tree_size >= 1, ">= 1"))
+                  ("max_tree_size", max_tree_size,
+                   max_tree_size >= 1 and max_tree_size == int(max_tree_size), "a whole number >= 1"))
         for name, value, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"cache_aware router: {name} must be {allowed}, got {value!r}")
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
-        self.max_tree_size = max_tree_size
+        self.max_tree_size = int(max_tree_size)
         self.trees: list[PrefixTree] = []
         self.routed = 0
 
@@ -181,12 +183,19 @@ def make_policy(name: str, rng: random.Random, **options) -> Policy:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown router policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    try:
-        return factory(rng, **options)
-    except TypeError:
-        if not options:
-            raise
-        raise ValueError(f"router policy {name!r} does not take options {sorted(options)}") from None
+    takes = policy_option_names(name)
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        allowed = ", ".join(takes) if takes else "none"
+        raise ValueError(f"router policy {name!r} takes no option {', '.join(unknown)} "
+                         f"(its options: {allowed})")
+    return factory(rng, **options)
+
+
+def policy_option_names(name: str) -> list[str]:
+    """The options (keyword arguments after the random generator) policy `name` takes."""
+    params = list(inspect.signature(POLICIES[name]).parameters.values())[1:]
+    return [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
 
 
 class Router:

@@ -23,6 +23,11 @@ from pdsim.planning.config import PlanConfig
 # load-aware one).
 ROUTER_POLICY = {"random": "random", "round_robin": "round_robin", "power_of_two": "power_of_two",
                  "least_loaded": "power_of_two"}
+# cache_aware's settings -> sglang_router's flags. max_tree_size has none here: sglang_router
+# counts its tree in characters, pdsim in prefix keys (pages or blocks).
+ROUTER_OPTION_FLAGS = {"cache_threshold": "--cache-threshold",
+                       "balance_abs_threshold": "--balance-abs-threshold",
+                       "balance_rel_threshold": "--balance-rel-threshold"}
 
 
 @dataclass(frozen=True)
@@ -108,8 +113,11 @@ def sglang_commands(dep: Deployment, plan: PlanConfig, gpus_per_node: int) -> La
             else:
                 router += ["--worker-urls", url] if i == 0 else [url]
     policy = ROUTER_POLICY.get(plan.router.policy, plan.router.policy)
-    router += ["--policy", policy, "--host", plan.launch.router_host,
-               "--port", str(plan.launch.router_port)]
+    router += ["--policy", policy]
+    for name, value in plan.router.policy_options.items():
+        if name in ROUTER_OPTION_FLAGS:
+            router += [ROUTER_OPTION_FLAGS[name], f"{value:g}"]
+    router += ["--host", plan.launch.router_host, "--port", str(plan.launch.router_port)]
     return LaunchCommands(servers, shlex.join(router))
 
 

@@ -127,7 +127,8 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
         descriptors_per_page=per_page,
     )
     overheads = {"frontend_latency_s": cfg.router.frontend_latency_s,
-                 "dp_assignment": cfg.router.dp_assignment}
+                 "dp_assignment": cfg.router.dp_assignment,
+                 "router_options": dict(cfg.router.policy_options)}
     if not pd:
         return ClusterSpec("colocated", cfg.router.policy, network,
                            colocated=build_role(cfg, c.colocated, "colocated", model, hw,

@@ -74,6 +74,7 @@ class ClusterSpec:
     frontend_latency_s: float = 0.0  # tokenizer + HTTP + router, per request
     dp_assignment: str = "room"  # how an instance picks the attention-DP rank of a request
     faults: FaultsConfig = FaultsConfig()
+    router_options: dict[str, float] = field(default_factory=dict)  # the policy's settings
 
     @property
     def num_gpus(self) -> int:
@@ -511,7 +512,7 @@ class Simulation:
         self._inputs, self._outputs = input_tokens.tolist(), output_tokens.tolist()
         self._sent_s = [math.nan] * self.num_requests
         self._router = Router(self.cluster.router_policy, len(self.prefills), len(self.serving),
-                              self.router_seed)
+                              self.router_seed, policy_options=self.cluster.router_options)
         self._source: ArrivalSource = (OpenLoop(arrival_s) if closed_loop is None
                                        else ClosedLoopSource(closed_loop))
         self._source.start(self)
