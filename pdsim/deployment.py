@@ -264,6 +264,10 @@ class RouterConfig(_Spec):
         "workers' URLs (default: cluster.prefill.host and ports from cluster.prefill.port)")
     decode_urls: list[str] = Field(default_factory=list, description="real only: likewise for "
                                    "decode")
+    read_timeout_s: float = Field(300.0, gt=0, description="real only: the most a worker may "
+                                  "stay silent on a request before the router fails it (a decode "
+                                  "stream is silent while it waits for its KV: keep this above the "
+                                  "decode scheduler's waiting_timeout_s)")
 
     @field_validator("policy")
     @classmethod

@@ -163,7 +163,8 @@ def make_router(config: PDServeConfig, prefill: Sequence[str], decode: Sequence[
                       default_chat_max_tokens=config.default_max_tokens,
                       max_inflight_requests=config.max_inflight_requests,
                       headers=None if key is None else key.headers(), page_size=config.page_size,
-                      policy_options=config.router.policy_options)
+                      policy_options=config.router.policy_options,
+                      read_timeout_s=config.router.read_timeout_s)
     router.server.protect(api_key=api_key(config.security.api_key))
     return router
 

@@ -332,9 +332,11 @@ class PDRouter:
                  eos_ids: Sequence[int] = (), default_chat_max_tokens: int = 256,
                  max_inflight_requests: int = 4096,
                  headers: dict[str, str] | None = None, page_size: int = 0,
-                 policy_options: dict[str, float] | None = None) -> None:
+                 policy_options: dict[str, float] | None = None,
+                 read_timeout_s: float = 300.0) -> None:
         self.client = PDClient(prefill, decode, policy=policy, seed=seed, headers=headers,
-                               page_size=page_size, policy_options=policy_options)
+                               page_size=page_size, policy_options=policy_options,
+                               read_timeout_s=read_timeout_s)
         self.server = OpenAIServer(self.client, tokenizer, model_name=model_name, limits=limits,
                                    chat_template=chat_template, eos_ids=eos_ids,
                                    default_chat_max_tokens=default_chat_max_tokens,

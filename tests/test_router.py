@@ -405,7 +405,9 @@ def test_the_policy_settings_reach_both_sides_of_the_real_router():
     workers = ([WorkerAddress("http://127.0.0.1:1", "127.0.0.1", 9999)],
                [WorkerAddress("http://127.0.0.1:2")])
     router = PDRouter(*workers, **kwargs, policy_options={"cache_threshold": 0.9,
-                                                         "balance_abs_threshold": 8})
+                                                         "balance_abs_threshold": 8},
+                      read_timeout_s=900.0)
+    assert router.client._read_timeout_s == 900.0  # router.read_timeout_s in the serve config
     for side in (router.client.router.prefill_policy, router.client.router.decode_policy):
         assert (side.cache_threshold, side.balance_abs_threshold, side.balance_rel_threshold) == (0.9, 8, 1.5)
     with pytest.raises(ValueError, match=r"takes no option threshold \(its options: cache_threshold"):
