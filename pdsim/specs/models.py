@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pdsim.specs.precision import DTYPES, DTypeName, Precision
 from pdsim.specs.quantization import precision_from_hf_config
 from pdsim.specs.sources import (
-    find_spec_file, merge_fields, not_found, read_spec_yaml, validate_fields,
+    find_spec_file, merge_fields, not_found, read_mapping, read_spec_yaml, validate_fields,
 )
 
 MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
@@ -530,12 +530,7 @@ def load_model_spec(
         )
     if path.suffix in (".yaml", ".yml"):
         return _from_fields(read_spec_yaml(path, "ModelSpec"), str(path), path.parent)
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object")
+    config = read_mapping(path, "a JSON object", as_json=True)
     modelopt = path.parent / "hf_quant_config.json"  # where ModelOpt checkpoints keep it
     if "quantization_config" not in config and modelopt.is_file():
         config["quantization_config"] = {"quant_method": "modelopt",

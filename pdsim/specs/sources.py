@@ -70,17 +70,32 @@ def validate_fields(cls: type[SpecT], data: Mapping[str, Any], where: str) -> Sp
         raise ValueError(f"{where}: {problems}; fields: {allowed}") from None
 
 
+def read_mapping(path: Path, expected: str, *, as_json: bool = False) -> dict[str, Any]:
+    """The mapping a YAML (or, `as_json`, JSON) file holds; errors name the file and what it
+    should have held (`expected`)."""
+    if as_json:
+        import json
+
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err})") from None
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path}: not valid YAML ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected {expected}")
+    return data
+
+
 def read_spec_yaml(path: Path, cls_name: str) -> dict[str, Any]:
     """The fields a YAML spec file holds; named after the file unless it names itself or
     starts from a `base` (which keeps the base's name)."""
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ValueError(f"{path}: not valid YAML ({err})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of {cls_name} fields")
+    data = read_mapping(path, f"a mapping of {cls_name} fields")
     if "base" not in data:
         data.setdefault("name", path.stem)
     return data
