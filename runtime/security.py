@@ -165,7 +165,7 @@ def api_key_middleware(key: str, open_paths: Iterable[str] = ("/health",)) -> Ca
 
 @dataclass(frozen=True, slots=True)
 class Listener:
-    address: str  # "127.0.0.1", "0.0.0.0", "::", "::ffff:127.0.0.1", ...
+    address: str  # a listening socket's local address as /proc lists it (IPv4, IPv6, IPv4-mapped)
     port: int
 
     @property

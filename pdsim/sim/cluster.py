@@ -16,7 +16,6 @@ from __future__ import annotations
 import gc
 import math
 from bisect import bisect_left
-from heapq import heappush
 from contextlib import contextmanager
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +23,6 @@ from typing import Protocol
 
 import numpy as np
 import simpy
-from simpy.events import NORMAL
 
 from pdsim.core.batch import BatchResult, BatchShape
 from pdsim.core.config import SchedulerConfig
@@ -37,6 +35,7 @@ from pdsim.core.scheduler import ColocatedScheduler, InstanceScheduler
 from pdsim.core.token_times import TokenTimes
 from pdsim.faults import FaultsConfig
 from pdsim.sim.cost import CostModel
+from pdsim.sim.events import At
 from pdsim.sim.faults import SimFaults
 from pdsim.sim.network import Link, NetworkModel, SimFabric, SimKVManager
 from pdsim.workload import ClosedLoop, PrefixBlocks
@@ -347,13 +346,13 @@ class SimInstance:
             context += n
         self._in_run, self._run_ends = True, ends
         try:
-            yield _At(env, ends[-1])
+            yield At(env, ends[-1])
         except simpy.Interrupt:
             # The step in progress ends at the first end time at or after the interruption;
             # killed, the steps before it count as done and that one is lost.
             ends = ends[: bisect_left(ends, env.now) + (self.generation == gen)]
             if ends and ends[-1] > env.now:
-                yield _At(env, ends[-1])
+                yield At(env, ends[-1])
             # Plan about twice what ran: an outside event that cuts runs short wastes the
             # steps priced beyond it. Where outside events come every step or two (a busy PD
             # decode instance hears of each transfer), a run costs more than the events it
@@ -374,23 +373,6 @@ class SimInstance:
         self.steps += len(ends)
         if self.generation == gen:
             sched.on_decode_run_done(ends)
-
-
-class _At(simpy.Timeout):
-    """A timeout that fires at the absolute time `at`. SimPy schedules `now + delay`, which
-    cannot always land on a given float (rounding), and a run of steps must end exactly where
-    step-by-step timeouts would; so this pushes onto the event queue as `Environment.schedule`
-    does, with the time itself (SimPy 4 internals: `_queue`, `_eid`)."""
-
-    def __init__(self, env: simpy.Environment, at: float):
-        if at < env.now:
-            raise ValueError(f"cannot schedule at {at!r}, before now ({env.now!r})")
-        self.env = env
-        self.callbacks = []
-        self._value = None
-        self._delay = at - env.now
-        self._ok = True
-        heappush(env._queue, (at, NORMAL, next(env._eid), self))
 
 
 class Simulation:

@@ -19,14 +19,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from heapq import heappush
 from typing import Literal
 
 import simpy
-from simpy.events import NORMAL
 
 from pdsim.core.kvpoll import KVPoll, advance
 from pdsim.core.transfer import DictMetadataStore
+from pdsim.sim.events import Call, call_fn, push_after
 
 
 @dataclass(frozen=True)
@@ -172,25 +171,6 @@ class _Room:
         self.dst_pages: Sequence[int] = ()
 
 
-class _Call:
-    """An event that SimPy processes by calling `callback(event)`: the same queue entry (time,
-    priority, id) as `env.timeout(delay)` with that callback, without building the Timeout and
-    its callback list (~5 of these per PD request). SimPy 4 internals, as `cluster._At`: the
-    environment pops `(time, priority, eid, event)` off `_queue`, runs `event.callbacks` and
-    reads `event._ok`."""
-
-    __slots__ = ("callbacks", "fn")
-    _ok = True
-
-    def __init__(self, callback: Callable[["_Call"], None], fn: Callable[[], None] | None = None):
-        self.callbacks = (callback,)
-        self.fn = fn
-
-
-def _call_fn(event: _Call) -> None:
-    event.fn()
-
-
 class SimFabric:
     """All instances' endpoints meet here by room, as real ones meet through the bootstrap server."""
 
@@ -221,13 +201,7 @@ class SimFabric:
 
     def later(self, delay: float, fn: Callable[[], None]) -> None:
         """Call `fn()` `delay` seconds from now (ordered as a SimPy timeout made now)."""
-        self._push(delay, _Call(_call_fn, fn))
-
-    def _push(self, delay: float, event: _Call) -> None:
-        if delay < 0:
-            raise ValueError(f"negative delay {delay!r}")
-        env = self.env
-        heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), event))
+        push_after(self.env, delay, Call(call_fn, fn))
 
     def handshake_delay(self, decode_id: int, prefill_id: int) -> float:
         key = (decode_id, prefill_id)
@@ -280,8 +254,8 @@ class SimFabric:
         else:
             wait = min(f.remaining / f.rate for f in flows)
         wait = max(0.0, wait)
-        self._next_end = _Call(self._flow_ends)
-        self._push(wait, self._next_end)
+        self._next_end = Call(self._flow_ends)
+        push_after(self.env, wait, self._next_end)
 
     def _flow_ends(self, ev) -> None:
         if ev is not self._next_end:
