@@ -203,7 +203,7 @@ def test_the_cached_prefix_reaches_the_decode_side_before_the_suffix_forward_run
 
     def finish(r, receiver, batch):
         nonlocal now
-        result = pex.execute(batch)
+        result = pex.forward(batch)
         now += result.duration_s
         sched.on_batch_done(batch, result, now)
         deadline = time.monotonic() + 10

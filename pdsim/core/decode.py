@@ -31,6 +31,8 @@ from pdsim.core.transfer import KVManager
 
 
 class DecodeScheduler(InstanceScheduler):
+    meets_by_room = True
+
     def __init__(self, config: SchedulerConfig, kv_manager: KVManager, instance_id: int = 0):
         super().__init__(
             config, instance_id, req_slots=config.max_running_requests + config.pre_alloc_size
