@@ -266,7 +266,7 @@ def serve(
 
 
 def _serve_colocated(cfg) -> None:
-    from runtime.openai.server import serve as run_server
+    from runtime.colocated import serve as run_server
 
     def ready(server) -> None:
         print(f"pdsim serve: {cfg.model_name} ({cfg.mode}) at {server.url}/v1", flush=True)

@@ -40,10 +40,10 @@ from pdsim.core.executor import only_batch
 from pdsim.core.request import Request
 from runtime.model.kv_cache import PagedKVCache
 from runtime.model import AttentionMetadata, CausalLM
-from runtime.sampling import SamplingParams, make_generator, sample
+from runtime.sampler import make_generator, sample
+from runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 GREEDY = SamplingParams()
-MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True)

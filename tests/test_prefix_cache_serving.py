@@ -22,7 +22,7 @@ from pdsim.core.request import Request
 from runtime.executor import ModelExecutor
 from runtime.model import ModelConfig, build_model
 from runtime.openai.protocol import Limits
-from runtime.openai.server import BackgroundServer
+from runtime.colocated import BackgroundServer
 from runtime.router import PDRouter, WorkerAddress
 from runtime.serve_config import ServeConfig
 from runtime.tokenizer import ByteTokenizer

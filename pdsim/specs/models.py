@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdsim.specs.precision import DTYPES, DTypeName, Precision
 from pdsim.specs.quantization import precision_from_hf_config
+from pdsim.specs.servable import SERVABLE_HF_CONFIGS
 from pdsim.specs.sources import (
     find_spec_file, merge_fields, not_found, read_mapping, read_spec_yaml, validate_fields,
 )
@@ -396,22 +397,14 @@ _PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _servable() -> dict:
-    """The real backend's presets (tiny-llama, tiny-mla: runtime/model/config.py, torch-free),
-    which the simulator reads through their config.json: one registry for both backends."""
-    from runtime.model.config import PRESETS
-
-    return PRESETS
-
-
 def model_preset_names() -> list[str]:
-    return sorted({*_PRESETS, *_servable()})
+    return sorted({*_PRESETS, *SERVABLE_HF_CONFIGS})
 
 
 def model_preset(name: str) -> ModelSpec:
     """The preset called `name`; ValueError listing the presets otherwise."""
-    if name in _servable():
-        return model_spec_from_hf_config(_servable()[name].to_hf_config(), name)
+    if name in SERVABLE_HF_CONFIGS:
+        return model_spec_from_hf_config(SERVABLE_HF_CONFIGS[name], name)
     try:
         fields = _PRESETS[name]
     except KeyError:
