@@ -35,7 +35,7 @@ from pdsim.sim.cost import BREAKDOWN_PARTS, Parallelism, Role, layers_attention_
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Grid2, Stage
 from pdsim.sim.silicon.ops import ACT_BYTES, MLA_TABLE_DIMS, MissingTable, op_tables
-from pdsim.specs.hardware import HardwareSpec, hardware_preset_names, load_hardware_spec
+from pdsim.specs.hardware import HardwareSpec, load_hardware_spec
 from pdsim.specs.models import ModelSpec
 
 ELEMENTWISE_KERNELS = 4  # per layer: two fused add+RMSNorms, RoPE, the MLP activation
@@ -346,10 +346,10 @@ def _prefill_attention(grid: Grid2, tokens: int, pairs: float) -> tuple[float, b
 @lru_cache(maxsize=8)  # ~6 MB a plan; a run needs one per role
 def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: SiliconParams,
                 system: str) -> _Plan:
-    # The GPU the tables were measured on: the preset itself (as published, whatever a spec
-    # based on it overrides), or the die it names as `silicon_base`.
-    measured = hw.silicon_base or hw.name
-    table_hw = load_hardware_spec(measured) if measured in hardware_preset_names() else hw
+    # The GPU the tables were measured on, as published (whatever a spec based on it
+    # overrides; for an H800, the H100 it names as `silicon_base`).
+    measured = tables.preset_for(system)
+    table_hw = load_hardware_spec(measured) if measured else hw
     ops = op_tables(system, p.framework, p.version, hw, table_hw)
     prec = model.precision
     tp, attn_tp, ep = par.tp, par.attn_tp, par.ep

@@ -70,6 +70,11 @@ def system_for(hardware: HardwareSpec) -> str | None:
     return system
 
 
+def preset_for(system: str) -> str | None:
+    """The pdsim hardware preset of the GPU an aiconfigurator system was measured on."""
+    return next((preset for preset, name in SYSTEMS.items() if name == system), None)
+
+
 def has_tables(hardware: HardwareSpec) -> bool:
     return system_for(hardware) is not None
 
