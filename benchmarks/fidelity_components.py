@@ -17,7 +17,7 @@
    lacks, pdsim.sim.silicon.ops), against that configuration's own measurement: wide-EP
    (DeepGEMM) curves to the next EP size up or down; fused-MoE curves between expert counts and
    between dtypes at the same shape. Printed: median and P90 relative error of the moved curve,
-   and of the source curve taken as it is.
+   and the median of the source curve taken as it is.
 3. Against Vidur's measured A100 profile (CodeLlama-34B shapes; ../shared/anchors/vidur-data):
    the silicon model's a100_sxm lookups for the same ops, side by side with Vidur's medians.
 """
