@@ -22,7 +22,6 @@ and the MoE router stay BF16.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -527,7 +526,7 @@ def load_model_spec(
     modelopt = path.parent / "hf_quant_config.json"  # where ModelOpt checkpoints keep it
     if "quantization_config" not in config and modelopt.is_file():
         config["quantization_config"] = {"quant_method": "modelopt",
-                                         **json.loads(modelopt.read_text())}
+                                         **read_mapping(modelopt, "a JSON object", as_json=True)}
     name = path.parent.name if path.name == "config.json" else path.stem
     try:
         return model_spec_from_hf_config(config, name=name or path.stem)
