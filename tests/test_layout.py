@@ -42,12 +42,7 @@ NEVER_IMPORTS = {
 # The only pdsim modules that may import runtime: `pdsim serve` and `pdsim validate` start the
 # real backend (validation to compare it with the simulator), so they sit above both backends.
 DRIVES_BOTH_BACKENDS = ("pdsim.cli", "pdsim.validation")
-# Import cycles that exist and are being removed elsewhere: the lead empties this after merging.
-# pdsim.sim.faults names the cluster's classes (a TYPE_CHECKING import) and calls its request
-# bookkeeping; the cluster builds its faults.
-KNOWN_CYCLES_TO_REMOVE = (
-    frozenset({"pdsim.sim.cluster", "pdsim.sim.faults"}),
-)
+
 
 
 @dataclass(frozen=True)
@@ -204,10 +199,8 @@ def test_only_the_modules_driving_both_backends_import_them():
 
 def test_no_import_cycle_among_the_modules():
     cycles = import_cycles(project_graph())
-    new = [describe(c) for group, c in cycles.items() if group not in KNOWN_CYCLES_TO_REMOVE]
-    assert not new, "import cycles:\n" + "\n".join(new)
-    gone = [sorted(known) for known in KNOWN_CYCLES_TO_REMOVE if known not in cycles]
-    assert not gone, f"no longer cycles, remove them from KNOWN_CYCLES_TO_REMOVE: {gone}"
+    found = [describe(c) for c in cycles.values()]
+    assert not found, "import cycles:\n" + "\n".join(found)
 
 
 def test_the_scan_finds_cycles_and_backward_arrows(tmp_path):
