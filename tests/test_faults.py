@@ -386,3 +386,21 @@ def test_a_restarted_prefill_still_sends_the_draft_state_with_its_kv():
     assert any(r.error for r in result.records) and any(r.ok for r in result.records)
     restarted = sim.prefills[0].schedulers[0].kv
     assert restarted.state_bytes_per_request == cluster.prefill.state_bytes_per_request
+
+
+@pytest.mark.parametrize("faults", [
+    {"kill": [{"role": "prefill", "instance": 0, "at_s": 1.0, "restart_after_s": 1.0}]},
+    {"kill": [{"role": "decode", "instance": 1, "at_s": 1.0, "restart_after_s": 1.0}]},
+    {"fail_transfers": 0.3},
+])
+def test_the_router_load_comes_back_to_zero_through_faults(faults):
+    """The load signal is the router's own count of what it sent and what came back (one
+    definition for both backends): every request's prompt tokens and decode slot return,
+    whether it finished, failed a transfer, was refused or died with its worker."""
+    cfg = parse_experiment(experiment(faults, prefill=2, decode=2, n=150, rate_rps=40))
+    wl = generate(cfg.workload)
+    sim = Simulation(build_cluster(cfg), cfg.seed)
+    result = sim.run(wl.arrival_s, wl.input_tokens, wl.output_tokens)
+    assert any(r.error for r in result.records) and any(r.ok for r in result.records)
+    assert sim.inflight.prefill_tokens == [0, 0]
+    assert sim.inflight.decode_requests == [0, 0]

@@ -22,7 +22,7 @@ from pdsim.core.instance import Instance
 from pdsim.core.prefill import PrefillScheduler
 from pdsim.core.records import RequestRecord
 from pdsim.core.request import Request
-from pdsim.core.router import Router
+from pdsim.core.router import InflightLoad, Router
 from pdsim.core.scheduler import ColocatedScheduler, InstanceScheduler
 from pdsim.core.token_times import TokenTimes
 from pdsim.faults import FaultsConfig
@@ -109,7 +109,8 @@ class Simulation:
             self.serving = self._build_role(cluster.decode, "decode", len(self.prefills))
             if cluster.faults.any:
                 self.faults = SimFaults(self.env, self.fabric, self.prefills, self.serving,
-                                        cluster.faults, self._request_done)
+                                        cluster.faults, self._request_done,
+                                        lambda i: self.inflight.prefill_lost(i))
 
     def _build_role(self, role: RoleSpec, kind: str, key_base: int) -> list[SimInstance]:
         insts = []
@@ -150,9 +151,11 @@ class Simulation:
 
     def _prefill_done(self, req: Request) -> None:
         self.prefill_side[req.rid] = req
+        self.inflight.prefill_returned(req.prefill_instance, req.input_len)
 
     def _request_done(self, req: Request) -> None:
         self.final[req.rid] = req
+        self.inflight.decode_returned(req.decode_instance)
         self._source.finished()
         if len(self.final) == self.num_requests:
             self._all_done.succeed()
@@ -164,8 +167,12 @@ class Simulation:
         rid = str(i)
         n_in, n_out = self._inputs[i], self._outputs[i]
         keys = () if self._prefix is None else self._prefix.ids_of(i).tolist()  # router: blocks
-        p, d, room = self._router.route(self._prefill_load, self._decode_load, keys)
+        inflight = self.inflight
+        p, d, room = self._router.route(inflight.prefill_tokens.__getitem__,
+                                        inflight.decode_requests.__getitem__, keys)
+        inflight.sent(p, d, n_in)
         if self.faults is not None and self.faults.refused(rid, n_in, n_out, sent_s, p, d):
+            inflight.prefill_returned(p, n_in)  # the connection refused: both calls return
             return  # routed to a dead instance
         if self.prefills:
             pre = self.prefills[p]
@@ -207,6 +214,7 @@ class Simulation:
             return SimResult([], 0.0, self.instances)
         self._inputs, self._outputs = input_tokens.tolist(), output_tokens.tolist()
         self._sent_s = [math.nan] * self.num_requests
+        self.inflight = InflightLoad(len(self.prefills), len(self.serving))
         self._router = Router(self.cluster.router_policy, len(self.prefills), len(self.serving),
                               self.router_seed, policy_options=self.cluster.router_options)
         self._source: ArrivalSource = (OpenLoop(arrival_s) if closed_loop is None
@@ -227,12 +235,6 @@ class Simulation:
             kv_transfer_gb=self.fabric.kv_bytes / 1e9,
             decode_mean_batch=sum(i.decode_req_s for i in self.serving) / (len(self.serving) * span),
         )
-
-    def _prefill_load(self, i: int) -> float:
-        return sum(s.load() for s in self.prefills[i].instance.schedulers)
-
-    def _decode_load(self, i: int) -> float:
-        return sum(s.load() for s in self.serving[i].instance.schedulers)
 
     def _records(self, input_tokens) -> list[RequestRecord]:
         records = []

@@ -35,15 +35,17 @@ from pdsim.sim.network import SimFabric
 
 class SimFaults:
     """The faults of one run over its instances; `end_request(req)` ends a client's request
-    (failed) as the simulation's own done hand-off does."""
+    (failed) as the simulation's own done hand-off does; `prefill_lost(i)` tells the router
+    that every call to prefill instance i returned (its worker died)."""
 
     def __init__(self, env: simpy.Environment, fabric: SimFabric, prefills: Sequence[SimInstance],
                  decodes: Sequence[SimInstance], config: FaultsConfig,
-                 end_request: Callable[[Request], None]):
+                 end_request: Callable[[Request], None], prefill_lost: Callable[[int], None]):
         self.env = env
         self.prefills, self.decodes = prefills, decodes
         self.config = config
         self.end_request = end_request
+        self.prefill_lost = prefill_lost
         self._doomed: set = set()  # rooms (`_Room` objects) whose first send fails
         self._routes: dict[str, tuple[Request, Request]] = {}  # rid → (prefill, decode) request
         fabric.faults = self
@@ -104,7 +106,9 @@ class SimFaults:
 
     def _kill(self, kill: KillFault) -> None:
         inst = self._instance(kill.role, kill.instance)
-        inst.kill()  # it holds nothing now: its load for the router is 0
+        inst.kill()  # it holds nothing now
+        if kill.role == "prefill":
+            self.prefill_lost(kill.instance)  # the router's calls to it fail at once
         reason = f"{kill.role} worker {kill.instance} died"
         for rid, (preq, dreq) in list(self._routes.items()):
             if dreq.finished:
