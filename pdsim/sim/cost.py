@@ -228,9 +228,7 @@ def step_extras(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
 def with_eager_overhead(parts: tuple[float, ...], host: HostOverheads | None,
                         has_prefill: bool, max_rank_decode_reqs: int) -> tuple[float, ...]:
     """`parts` (BREAKDOWN_PARTS order) with the eager overhead added to the last, "overhead"."""
-    if host is None:
-        return parts
-    extra = host.overhead_s(sum(parts[:-1]), has_prefill, max_rank_decode_reqs)
+    extra = 0.0 if host is None else host.overhead_s(has_prefill, max_rank_decode_reqs)
     return (*parts[:-1], parts[-1] + extra) if extra else parts
 
 

@@ -2,11 +2,10 @@
 
 SGLang replays decode batches of up to `--cuda-graph-max-bs` requests per rank as CUDA graphs:
 one launch for the whole forward. Every other forward (prefill/extend, and decode batches
-above that size) runs eagerly: the host launches each kernel of each layer from Python. The
-launches run ahead of the GPU asynchronously, so they only cost time when they take longer
-than the kernels they launch: an eager forward takes max(kernels, launches), and the part of
-the launches the kernels don't hide is the eager overhead. docs/cost_model.md gives the
-sources of the per-launch cost and of the per-layer kernel counts below.
+above that size) runs eagerly: the host launches each kernel of each layer from Python, and
+the step takes its kernels plus those launches (the one published eager-vs-graph measurement
+of a whole step fits that sum at torch's per-op host cost; docs/cost_model.md, "Host
+overheads", gives it and the per-layer kernel counts below).
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ def kernels_per_layer(model: ModelSpec, tp: int, attn_tp: int, dp_attention: int
 class HostOverheads:
     """The eager overhead of one instance's forwards (module docstring).
 
-    launch_s: host seconds per kernel launch (0 turns the eager overhead off);
+    launch_s: host seconds per kernel launch;
     cuda_graph_max_bs: the largest per-rank decode batch replayed as a graph."""
 
     def __init__(self, model: ModelSpec, dense_kernels: int, moe_kernels: int, launch_s: float,
@@ -81,11 +80,9 @@ class HostOverheads:
         """Whether SGLang runs this step eagerly (extend, or a decode batch above the graphs)."""
         return has_prefill or max_rank_decode_reqs > self.cuda_graph_max_bs
 
-    def overhead_s(self, kernels_s: float, has_prefill: bool, max_rank_decode_reqs: int) -> float:
-        """Seconds the host adds to a step whose kernels take `kernels_s`."""
-        if not self.eager(has_prefill, max_rank_decode_reqs):
-            return 0.0
-        return max(0.0, self.eager_host_s - kernels_s)
+    def overhead_s(self, has_prefill: bool, max_rank_decode_reqs: int) -> float:
+        """Seconds the host's launches add to a step."""
+        return self.eager_host_s if self.eager(has_prefill, max_rank_decode_reqs) else 0.0
 
 
 def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
