@@ -193,8 +193,7 @@ class StepParams(BaseModel):
     prices the mean rank. eplb_redundant_experts: None without EPLB, else SGLang's
     --enable-eplb with that many --ep-num-redundant-experts. seed: the expert popularity draw.
     eager_overhead: charge eager forwards (extend, decode above cuda_graph_max_bs requests per
-    rank; None: SGLang's default for the GPU) the launches their kernels don't hide, at
-    eager_launch_s each. scheduler_overhead: charge step_overhead_s per step and
+    rank; None: SGLang's default for the GPU) their kernel launches, eager_launch_s each. scheduler_overhead: charge step_overhead_s per step and
     extend_overhead_s per extend step (the scheduler loop's host work)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -212,14 +211,12 @@ def step_extras(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
                 ) -> tuple[ExpertLoad | None, HostOverheads | None]:
     """The expert-load model (None: every rank at the mean) and the host overheads (None: off)
     of one instance, as both cost models price them."""
+    if model.is_moe and p.eplb_redundant_experts is not None:  # a dense draft has no experts
+        check_redundant_experts(p.eplb_redundant_experts, model.num_experts, parallel.ep)
     load = None
     if p.expert_imbalance and model.is_moe and parallel.ep > 1:
         load = expert_load(model.num_experts, model.experts_per_token, parallel.ep,
                            p.eplb_redundant_experts, p.seed)
-    elif p.eplb_redundant_experts is not None:
-        if not model.is_moe:
-            raise ValueError(f"eplb balances experts; {model.name} is dense")
-        check_redundant_experts(p.eplb_redundant_experts, model.num_experts, parallel.ep)
     host = host_overheads(model, hardware, parallel, p.eager_launch_s, p.cuda_graph_max_bs) \
         if p.eager_overhead else None
     return load, host
