@@ -148,6 +148,14 @@ REAL_NUM_PAGES = 2048  # the real backend's KV pool per rank when scheduler.num_
 # ---- roles and cluster --------------------------------------------------------------------
 
 
+class EPLBConfig(_Spec):
+    """Sim only: SGLang's expert-parallel load balancer (--enable-eplb)."""
+
+    redundant_experts: int = Field(0, ge=0, description="SGLang's --ep-num-redundant-experts: "
+                                   "extra copies of the hottest experts; experts + copies must "
+                                   "split evenly over the ep ranks")
+
+
 class RoleConfig(_Spec):
     """The instances of one role (prefill, decode or colocated): each is `tp` GPUs (sim) or
     `tp` rank processes (real)."""
@@ -171,6 +179,16 @@ class RoleConfig(_Spec):
     dp_lm_head: bool = Field(
         False, description="sim only: SGLang's --enable-dp-lm-head: LM head and embedding per "
         "attention-DP rank (needs dp_attention > 1)")
+    eplb: EPLBConfig | None = Field(
+        None, description="sim only: SGLang's --enable-eplb (needs ep > 1): experts placed by "
+        "their load, redundant copies of the hottest")
+    expert_imbalance: bool = Field(
+        True, description="sim only: a MoE layer takes as long as its busiest EP rank under "
+        "skewed routing; false prices the mean rank (docs/cost_model.md)")
+    num_max_dispatch_tokens_per_rank: int = Field(
+        128, ge=1, description="sim only: DeepEP low-latency's tokens per rank per dispatch "
+        "(SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK); with moe_a2a deepep it caps a "
+        "decode batch per DP rank")
     scheduler: SchedulerKnobs = SchedulerKnobs()
     host: str = Field("127.0.0.1", description="real only: the workers' HTTP bind address")
     port: int = Field(0, ge=0, le=65535, description="real only: HTTP port of instance 0 "
@@ -195,6 +213,9 @@ class RoleConfig(_Spec):
                 raise ValueError(f"{name}={getattr(self, name)} must divide tp={self.tp}")
         check_moe_a2a(self.moe_a2a, self.two_batch_overlap, self.tp, self.ep)
         check_dp_options(self.moe_dense_tp, self.dp_lm_head, self.dp_attention)
+        if self.eplb is not None and self.ep < 2:
+            raise ValueError(f"eplb balances experts over expert-parallel ranks: it needs "
+                             f"ep > 1, got ep={self.ep}")
         return self
 
     @property
