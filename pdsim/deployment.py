@@ -99,8 +99,9 @@ class SchedulerKnobs(_Spec):
         0.88, gt=0, le=1, description="sim only: share of GPU memory for weights and KV pool "
         "when num_pages is not given")
     num_pages: int | None = Field(
-        None, ge=1, description="KV pool pages per DP rank. None: the simulator sizes it from "
-        "the GPU memory left after the weights; the real backend uses 2048")
+        None, ge=1, description="KV pool pages per DP rank, in both backends. None: the "
+        "simulator sizes it from mem_fraction_static of the hardware's memory after the "
+        "weights; the real backend does not measure its device and needs it given")
     wakeup_s: float = Field(0.0, ge=0, description="sim only: an idle scheduler notices new "
                             "work (a request, a finished transfer) this late")
     disable_radix_cache: bool = Field(
@@ -142,7 +143,6 @@ class SchedulerKnobs(_Spec):
 
 
 SGLANG_CONTEXT_LEN = 131072  # context length assumed when deriving the request pool (Llama-3.1, Qwen3, DeepSeek-V3 ~128k)
-REAL_NUM_PAGES = 2048  # the real backend's KV pool per rank when scheduler.num_pages is None
 
 
 # ---- roles and cluster --------------------------------------------------------------------
@@ -221,11 +221,6 @@ class RoleConfig(_Spec):
     @property
     def gpus(self) -> int:
         return self.instances * self.tp
-
-    @property
-    def num_pages(self) -> int:
-        """The real backend's KV pool pages per rank."""
-        return self.scheduler.num_pages or REAL_NUM_PAGES
 
     def kv_bytes(self, default_bytes: float) -> float:
         """Bytes per KV-cache element: this role's kv_dtype, else the experiment's."""
@@ -339,9 +334,9 @@ class NetworkConfig(_Spec):
 
 
 class TransferConfig(_Spec):
-    """Real only: the Mooncake transfer engine, ZMQ and the peers' liveness (DESIGN.md "Failure
-    edges"). The requests' own timeouts are scheduler knobs (bootstrap_timeout_s,
-    waiting_timeout_s)."""
+    """Real only: the Mooncake transfer engine, ZMQ and the peers' liveness. The transfer
+    manager (runtime/transfer/mooncake.py) reads this section as it is, under these names.
+    The requests' own timeouts are scheduler knobs (bootstrap_timeout_s, waiting_timeout_s)."""
 
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = Field("", description="RDMA device, e.g. mlx5_0 (rdma only)")
@@ -439,6 +434,19 @@ class Deployment(_Spec):
                                      "records here (.csv/.parquet) at shutdown")
     timings_path: str | None = Field(None, description="real only, colocated: write the "
                                      "forward timings here (.csv/.parquet) at shutdown")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_layout(cls, data: Any) -> Any:
+        """The earlier flat serve layout's keys, for both backends: an error naming the place
+        each has in this one."""
+        role = "cluster.<role>"
+        return _renamed(data, {
+            "mode": "cluster.mode", "page_size": f"{role}.scheduler.page_size",
+            "num_pages": f"{role}.scheduler.num_pages", "scheduler": f"{role}.scheduler",
+            "prefill": "cluster.prefill", "decode": "cluster.decode",
+            "host": f"router.host (the API's; a worker's: {role}.host)",
+            "port": f"router.port (the API's; a worker's: {role}.port)"})
 
     @model_validator(mode="after")
     def _one_kv_dtype_across_pd(self) -> Deployment:

@@ -254,14 +254,16 @@ def test_failed_transfers_are_the_same_requests_in_both_backends():
 
 KILL_S, BACK_S = 3.0, 1.0
 KILL_CONFIG = f"""\
-mode: disaggregated
 model: tiny-llama
 seed: 0
 device: cpu
-page_size: 8
-scheduler: {{max_running_requests: 8, max_prefill_tokens: 64, chunked_prefill_size: 32}}
-prefill: {{num_pages: 64, threads: 1}}
-decode: {{num_pages: 512, threads: 1}}
+cluster:
+  mode: disaggregated
+  prefill:
+    threads: 1
+    scheduler: &knobs {{page_size: 8, num_pages: 64, max_running_requests: 8,
+                        max_prefill_tokens: 64, chunked_prefill_size: 32}}
+  decode: {{threads: 1, scheduler: {{<<: *knobs, num_pages: 512}}}}
 router: {{port: 0}}
 transfer: {{heartbeat_interval_s: 0.5, heartbeat_timeout_s: 5.0}}
 faults:

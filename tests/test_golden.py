@@ -18,9 +18,9 @@ import os
 from pathlib import Path
 
 import numpy as np
+from configs import scheduler_config
 from core_harness import Driver, FixedExecutor
 
-from pdsim.core.config import SchedulerConfig
 from pdsim.core.decode import DecodeScheduler
 from pdsim.core.fake_transfer import FakeKVManager, FakeWire
 from pdsim.core.prefill import PrefillScheduler
@@ -32,8 +32,8 @@ GOLDEN = Path(__file__).parent / "golden" / "pd_small.log"
 REGEN = os.environ.get("PDSIM_REGEN_GOLDEN") == "1"
 
 EXTEND_S, DECODE_S = 1.0, 0.25
-PREFILL = SchedulerConfig(num_pages=16, page_size=4, max_prefill_tokens=8, chunked_prefill_size=8)
-DECODE = SchedulerConfig(num_pages=16, page_size=4, num_reserved_decode_tokens=4)
+PREFILL = scheduler_config(16, page_size=4, max_prefill_tokens=8, chunked_prefill_size=8)
+DECODE = scheduler_config(16, page_size=4, num_reserved_decode_tokens=4)
 # (arrival s, input tokens, output tokens): chunked prefill (r2), a queue behind one batch.
 WORKLOAD = [(0.0, 8, 3), (0.0, 8, 2), (0.5, 12, 4), (1.2, 4, 2)]
 INSTANT = NetworkModel(enabled=False, message_latency_s=0.0, first_contact_s=0.0,

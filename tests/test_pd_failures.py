@@ -33,12 +33,13 @@ TIMEOUT_S = 3.0
 HEARTBEAT_TIMEOUT_S = 1.5
 
 
-def config(**changes):
+def config(knobs: dict | None = None, **changes):
     """A prefill pool of 128 tokens, a decode pool of 512, and short timeouts."""
-    base = dict(prefill={"num_pages": 16}, decode={"num_pages": 64},
+    base = dict(prefill={"scheduler": {"num_pages": 16}}, decode={"scheduler": {"num_pages": 64}},
                 transfer={"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
-                          "bootstrap_timeout_s": TIMEOUT_S, "waiting_timeout_s": TIMEOUT_S})
-    return pd_config("tiny-llama", **{**base, **changes})
+                          "handshake_timeout_s": TIMEOUT_S})
+    timeouts = {"bootstrap_timeout_s": TIMEOUT_S, "waiting_timeout_s": TIMEOUT_S}
+    return pd_config("tiny-llama", knobs={**timeouts, **(knobs or {})}, **{**base, **changes})
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -237,7 +238,7 @@ def test_decode_with_another_page_size_refuses_to_pair(cluster):
     _, w = cluster
     port = w["prefill"].bootstrap_port
     threads = torch.get_num_threads()
-    rank = build_rank(config(page_size=16), RankSpec("decode", 0, 0, 1), TPGroup.single())
+    rank = build_rank(config({"page_size": 16}), RankSpec("decode", 0, 0, 1), TPGroup.single())
     try:
         engine = rank.engine.start()
         events: queue.Queue = queue.Queue()

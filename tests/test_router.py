@@ -16,6 +16,8 @@ import openai
 import pytest
 from aiohttp import web
 
+from pdsim.core.router import Router
+from pdsim.deployment import Deployment, RouterConfig
 from runtime.router import PDRouter, WorkerAddress
 from runtime.openai.protocol import Limits
 from runtime.tokenizer import ByteTokenizer
@@ -113,10 +115,9 @@ class Cluster:
             await w.start()
         self.router = PDRouter(
             [WorkerAddress(w.url, "127.0.0.1", 9999) for w in self.prefill],
-            [WorkerAddress(w.url) for w in self.decode],
+            [WorkerAddress(w.url) for w in self.decode], Deployment(),
             tokenizer=ByteTokenizer(), model_name="tiny",
             limits=Limits(max_model_len=4096, pool_tokens=4096, max_position=4096, model_vocab=512),
-            policy="round_robin",
         )
         await self.router.start()
 
@@ -395,20 +396,25 @@ def get_json(url: str) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-def test_the_policy_settings_reach_both_sides_of_the_real_router():
-    """`router.policy_options` from the serve config go to the real router's policies, checked
-    as the simulator's are (a wrong name is an error naming the options)."""
-    kwargs = dict(tokenizer=ByteTokenizer(), model_name="tiny",
-                  limits=Limits(max_model_len=512, pool_tokens=512, max_position=4096,
-                                model_vocab=ByteTokenizer.vocab_size),
-                  policy="cache_aware", page_size=16)
+def test_the_router_section_reaches_both_sides_of_the_real_router():
+    """The deployment's `router` section goes to the real router whole: its policy with
+    `policy_options` on both sides, and `read_timeout_s`; with the deployment's seed and page
+    size. The options are checked as the simulator's are (a wrong name is an error naming the
+    options)."""
+    config = Deployment(seed=7, cluster={"decode": {"scheduler": {"page_size": 32}},
+                                         "prefill": {"scheduler": {"page_size": 32}}},
+                        router={"policy": "cache_aware", "read_timeout_s": 900.0,
+                                "policy_options": {"cache_threshold": 0.9,
+                                                   "balance_abs_threshold": 8}})
     workers = ([WorkerAddress("http://127.0.0.1:1", "127.0.0.1", 9999)],
                [WorkerAddress("http://127.0.0.1:2")])
-    router = PDRouter(*workers, **kwargs, policy_options={"cache_threshold": 0.9,
-                                                         "balance_abs_threshold": 8},
-                      read_timeout_s=900.0)
-    assert router.client._read_timeout_s == 900.0  # router.read_timeout_s in the serve config
-    for side in (router.client.router.prefill_policy, router.client.router.decode_policy):
+    router = PDRouter(*workers, config, tokenizer=ByteTokenizer(), model_name="tiny",
+                      limits=Limits(max_model_len=512, pool_tokens=512, max_position=4096,
+                                    model_vocab=ByteTokenizer.vocab_size))
+    client = router.client
+    assert (client._read_timeout_s, client.page_size) == (900.0, 32)
+    assert client.router.rng.getstate() == Router("cache_aware", 1, 1, 7).rng.getstate()
+    for side in (client.router.prefill_policy, client.router.decode_policy):
         assert (side.cache_threshold, side.balance_abs_threshold, side.balance_rel_threshold) == (0.9, 8, 1.5)
     with pytest.raises(ValueError, match=r"takes no option threshold \(its options: cache_threshold"):
-        PDRouter(*workers, **kwargs, policy_options={"threshold": 0.9})
+        RouterConfig(policy="cache_aware", policy_options={"threshold": 0.9})

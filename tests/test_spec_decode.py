@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 
+from configs import scheduler_config
 from core_harness import Driver, FixedExecutor
 from pdsim.config import ConfigError, SpeculativeConfig, parse_experiment
 from pdsim.core.batch import BatchResult, BatchShape
-from pdsim.core.config import SchedulerConfig
 from pdsim.core.pool import PagePool
 from pdsim.core.request import Request
 from pdsim.core.running import Speculation, SpeculativeRunningBatch
@@ -132,8 +132,8 @@ def test_retraction_under_a_small_pool_keeps_lengths_exact_and_returns_every_pag
             return super()._retract_one()
 
     spec = Speculation(3, accept_len_probs([0.8, 0.6, 0.4]), seed=2)
-    sched = Counting(SchedulerConfig(num_pages=40, page_size=4, num_reserved_decode_tokens=4,
-                                     speculation=spec))
+    sched = Counting(scheduler_config(40, page_size=4, num_reserved_decode_tokens=4,
+                                      speculation=spec))
     d = Driver(FixedExecutor(), log=False)
     d.add_instance("C", sched)
     lengths = {str(i): (8 + 3 * i, 30 + 7 * i) for i in range(8)}

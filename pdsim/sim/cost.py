@@ -171,8 +171,9 @@ class StepParams(BaseModel):
     prices the mean rank. eplb_redundant_experts: None without EPLB, else SGLang's
     --enable-eplb with that many --ep-num-redundant-experts. seed: the expert popularity draw.
     eager_overhead: charge eager forwards (extend, decode above cuda_graph_max_bs requests per
-    rank; None: SGLang's default for the GPU) their kernel launches, eager_launch_s each. scheduler_overhead: charge step_overhead_s per step and
-    extend_overhead_s per extend step (the scheduler loop's host work)."""
+    rank; None: SGLang's default for the GPU) their kernel launches, eager_launch_s each.
+    scheduler_overhead: charge step_overhead_s per step and extend_overhead_s per extend step
+    (the scheduler loop's host work)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

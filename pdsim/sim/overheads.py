@@ -10,14 +10,9 @@ overheads", gives it and the per-layer kernel counts below).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
 from pdsim.specs.precision import DTYPES
-
-if TYPE_CHECKING:
-    from pdsim.sim.cost import Parallelism
 
 EAGER_LAUNCH_S = 10e-6  # host time of one eager kernel launch from SGLang's Python layers
 
@@ -85,9 +80,10 @@ class HostOverheads:
         return self.eager_host_s if self.eager(has_prefill, max_rank_decode_reqs) else 0.0
 
 
-def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
+def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel,
                    launch_s: float, cuda_graph_max_bs: int | None) -> HostOverheads:
-    """The eager overhead of an instance of `model` on `parallel`; cuda_graph_max_bs None is
+    """The eager overhead of an instance of `model` on `parallel` (a cost model's
+    `Parallelism`: tp, attn_tp, dp_attention, moe_a2a, moe_dense_tp); cuda_graph_max_bs None is
     SGLang's default for the GPU."""
     dense, moe = kernels_per_layer(model, parallel.tp, parallel.attn_tp, parallel.dp_attention,
                                    parallel.moe_a2a == "deepep", parallel.moe_dense_tp == 1)
