@@ -318,7 +318,7 @@ class NetworkConfig(_Spec):
 
 
 class TransferConfig(_Spec):
-    """Real only: the Mooncake transfer engine, ZMQ and the peers' liveness (DESIGN.md "Failure
+    """Real only: Mooncake, ZMQ and the peers' liveness (docs/architecture.md "Failure
     edges"). The requests' own timeouts are scheduler knobs (bootstrap_timeout_s,
     waiting_timeout_s)."""
 

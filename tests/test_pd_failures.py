@@ -1,10 +1,10 @@
-"""The failure edges of disaggregated serving (DESIGN.md), on real workers over loopback: bootstrap
-and waiting-for-KV timeouts, aborts and refusals reaching the other side, a decode worker killed
-mid-run (its requests fail with the reason; prefill goes on with a fresh decode worker), a
-crossed metadata slot, a request whose sampling fails on either side (it fails alone), and the
-router in front of roles started apart when the decode worker is killed mid-stream (every client
-gets an error event and `[DONE]`; /health names the worker). After each, every page, request slot
-and metadata slot is back.
+"""The failure edges of disaggregated serving (docs/architecture.md), on real workers over
+loopback: bootstrap and waiting-for-KV timeouts, aborts and refusals reaching the other side, a
+decode worker killed mid-run (its requests fail with the reason; prefill goes on with a fresh
+decode worker), a crossed metadata slot, a request whose sampling fails on either side (it fails
+alone), and the router in front of roles started apart when the decode worker is killed
+mid-stream (every client gets an error event and `[DONE]`; /health names the worker). After
+each, every page, request slot and metadata slot is back.
 """
 
 from __future__ import annotations
