@@ -1,9 +1,12 @@
-"""Test-wide settings and the public traces fixture."""
+"""Test-wide settings, the public traces fixture, and a -m that skips whole files unimported."""
 
+import ast
 import os
 from pathlib import Path
 
 import pytest
+
+from markers import module_marks, rules_out_every_test
 
 # Mooncake's transfer engine logs every segment it opens and closes through glog; keep warnings.
 os.environ.setdefault("GLOG_minloglevel", "1")
@@ -25,3 +28,15 @@ def traces() -> Path:
         pytest.fail("public traces missing (the tests read them from shared/traces beside the "
                     "checkout): " + ", ".join(missing), pytrace=False)
     return TRACES_DIR
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """With `-m`, a test file whose module marks rule out every test in it (a file marked `slow`
+    under `-m "not slow"`) is not imported at all: importing torch and the rest for tests that
+    are then deselected would cost the fast loop more than its tests take."""
+    markexpr = config.option.markexpr
+    if not markexpr or not (collection_path.name.startswith("test_")
+                            and collection_path.suffix == ".py"):
+        return None
+    marks = module_marks(ast.parse(collection_path.read_text()))
+    return True if marks and rules_out_every_test(markexpr, marks) else None

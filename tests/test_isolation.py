@@ -32,6 +32,8 @@ from runtime.serve_config import ServeConfig
 from runtime.openai.server import BackgroundServer
 from runtime.tokenizer import ByteTokenizer
 
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
 TOK = ByteTokenizer()
 INNOCENT = 24
 TOKENS = 4

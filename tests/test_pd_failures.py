@@ -29,6 +29,8 @@ from pd_harness import (
     wait_healthy,
 )
 
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
 TIMEOUT_S = 3.0
 HEARTBEAT_INTERVAL_S = 0.2
 HEARTBEAT_TIMEOUT_S = 1.5

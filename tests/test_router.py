@@ -24,6 +24,8 @@ from runtime.router import PDRouter, WorkerAddress
 from runtime.openai.protocol import Limits
 from runtime.tokenizer import ByteTokenizer
 
+pytestmark = [pytest.mark.real]
+
 
 class ScriptedWorker:
     """A prefill or decode worker whose answers the test decides."""
@@ -262,6 +264,7 @@ def test_a_client_that_goes_away_aborts_both_sides(cluster, caplog):
     assert "Traceback" not in caplog.text and "never retrieved" not in caplog.text
 
 
+@pytest.mark.slow
 def test_three_hundred_concurrent_streams_complete_with_none_lost(cluster):
     client = openai.AsyncOpenAI(base_url=f"{cluster.router.url}/v1", api_key="x", max_retries=0)
 
