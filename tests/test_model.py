@@ -12,7 +12,7 @@ from runtime.model import AttentionMetadata, ModelConfig, build_model, load_mode
 from runtime.sampling import SamplingParams, filtered_probs, make_generator, sample
 from runtime.tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, load_tokenizer
 
-pytestmark = [pytest.mark.real]
+pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 PRESETS = ["tiny-llama", "tiny-mla"]
 
@@ -83,7 +83,6 @@ def prompt(n, seed=0):
 # ---- forward ----------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_greedy_decode_with_cache_equals_recompute(model):
     tokens = prompt(7)
     session = Session(model)
@@ -97,7 +96,6 @@ def test_greedy_decode_with_cache_equals_recompute(model):
     assert len(tokens) == 7 + 18
 
 
-@pytest.mark.slow
 def test_chunked_prefill_equals_one_shot(model):
     tokens = prompt(23, seed=1)
     one_shot = Session(model).all_logits([("a", tokens)])
@@ -108,7 +106,6 @@ def test_chunked_prefill_equals_one_shot(model):
     torch.testing.assert_close(one_shot, dense_logits(model, tokens), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.slow
 def test_mixed_batch_equals_separate_runs(model):
     a, b, c = prompt(12, seed=2), prompt(6, seed=3), prompt(9, seed=4)
     mixed = Session(model)
