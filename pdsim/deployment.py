@@ -334,9 +334,10 @@ class NetworkConfig(_Spec):
 
 
 class TransferConfig(_Spec):
-    """Real only: the Mooncake transfer engine, ZMQ and the peers' liveness. The transfer
-    manager (runtime/transfer/mooncake.py) reads this section as it is, under these names.
-    The requests' own timeouts are scheduler knobs (bootstrap_timeout_s, waiting_timeout_s)."""
+    """Real only: the Mooncake transfer engine, ZMQ and the peers' liveness (docs/architecture.md
+    "Failure edges"). The transfer manager (runtime/transfer/mooncake.py) reads this section as
+    it is, under these names. The requests' own timeouts are scheduler knobs
+    (bootstrap_timeout_s, waiting_timeout_s)."""
 
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = Field("", description="RDMA device, e.g. mlx5_0 (rdma only)")

@@ -472,6 +472,7 @@ def test_fp8_on_a100_is_a_clear_error() -> None:
     assert saved == pytest.approx(kernel_s - fp8_kernel_s, rel=1e-6) and saved > 0
 
 
+@pytest.mark.slow
 def test_ep_scaling_experiment_builds_every_point() -> None:
     path = Path(__file__).parent.parent / "experiments" / "ep_scaling.yaml"
     cfg, raw = load_experiment(path)

@@ -24,6 +24,8 @@ from runtime.sampling import SamplingParams
 from runtime.streams import StreamEvent
 from runtime.tokenizer import ByteTokenizer
 
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
 VOCAB = ByteTokenizer.vocab_size
 PRESETS = ["tiny-llama", "tiny-mla"]
 

@@ -208,6 +208,8 @@ def test_real_transfer_faults_fail_before_the_write_and_slow_nics_sleep():
         check_serving(FaultsConfig(slow_nic=[{"role": "decode", "factor": 2}]))
 
 
+@pytest.mark.real
+@pytest.mark.slow
 def test_failed_transfers_are_the_same_requests_in_both_backends():
     from pd_harness import body, generate, pd_config, start_worker, stop_workers, wait_healthy
 
@@ -328,6 +330,8 @@ def _pools_full(url: str, headers: dict, timeout_s: float = 20.0) -> dict:
         time.sleep(0.1)
 
 
+@pytest.mark.real
+@pytest.mark.slow
 def test_killed_decode_worker_fails_its_requests_in_both_backends(tmp_path, monkeypatch):
     from pd_harness import Proc
     from runtime.security import SECRET_ENV, key_of, new_secret

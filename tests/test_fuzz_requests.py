@@ -25,6 +25,8 @@ from runtime.colocated import BackgroundServer
 from runtime.tokenizer import ByteTokenizer
 from runtime.transfer import messages
 
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
 LIMITS = Limits(max_model_len=512, pool_tokens=256, max_position=2048, model_vocab=512)
 PARSER = RequestParser(ByteTokenizer(), LIMITS, ChatTemplate(), [257], 16)
 

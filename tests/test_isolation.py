@@ -32,6 +32,8 @@ from runtime.sampling import SamplingParams
 from runtime.colocated import BackgroundServer
 from runtime.tokenizer import ByteTokenizer
 
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
 TOK = ByteTokenizer()
 INNOCENT = 24
 TOKENS = 4

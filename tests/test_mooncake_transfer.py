@@ -24,6 +24,8 @@ from runtime.transfer.layout import (
 from runtime.transfer.metadata import MetadataBuffer
 from runtime.transfer.mooncake import MooncakeKVManager
 
+pytestmark = [pytest.mark.real]
+
 # ---- messages ------------------------------------------------------------------------------
 
 INFO = m.TransferInfo(room=2**62 + 5, session_id="127.0.0.1:1234", decode_tp_rank=1,
@@ -173,6 +175,7 @@ def test_registration_is_once_per_region(engines):
         engine.unregister(buf.ctypes.data)
 
 
+@pytest.mark.slow
 def test_registered_memory_stays_alive_until_unregistered(engines):
     import gc
     import weakref
@@ -421,6 +424,7 @@ def test_dead_prefill_rank_fails_waiting_rooms_by_heartbeat():
 
 
 @pytest.mark.parametrize("n, m", [(1, 2), (2, 1), (4, 2)])
+@pytest.mark.slow
 def test_gqa_tp_mismatch_writes_head_slices(n, m):
     cluster = Cluster.start(n, m, total_heads=4)
     try:
@@ -433,6 +437,7 @@ def test_gqa_tp_mismatch_writes_head_slices(n, m):
         cluster.close()
 
 
+@pytest.mark.slow
 def test_gqa_with_replicated_heads():
     cluster = Cluster.start(4, 1, total_heads=2)  # prefill ranks 0,1 and 2,3 hold the same head
     try:
@@ -445,6 +450,7 @@ def test_gqa_with_replicated_heads():
 
 
 @pytest.mark.parametrize("n, m", [(2, 1), (1, 2)])
+@pytest.mark.slow
 def test_mla_tp_mismatch_sends_whole_pages(n, m):
     cluster = Cluster.start(n, m, mla=True)
     try:

@@ -15,11 +15,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from openai import OpenAI
 
 from pd_harness import REPO, Proc
 from runtime.security import SECRET_ENV, listeners, new_secret
 from runtime.transfer import bindshim
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 CONFIG = """\
 model: tiny-llama

@@ -9,9 +9,12 @@ import json
 import urllib.request
 
 import openai
+import pytest
 
 from pd_harness import Proc
 from runtime.security import SECRET_ENV, ClusterKey, new_secret
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 CONFIG = """\
 model: tiny-llama

@@ -14,6 +14,8 @@ from runtime.executor import ModelExecutor
 from runtime.model import ModelConfig, build_model
 from runtime.tokenizer import ByteTokenizer
 
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
 VOCAB = ByteTokenizer.vocab_size
 PAGE = 4
 

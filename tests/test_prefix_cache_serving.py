@@ -31,6 +31,8 @@ from runtime.transfer.metadata import MetadataBuffer
 from runtime.transfer.mooncake import MooncakeKVManager
 from tests.pd_harness import body, generate, pd_config, start_worker, stop_workers, wait_healthy
 
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
 PAGE = 8
 PROMPT = "A long shared system prompt, then a question: what comes next?"
 CACHED_PAGES = (len(PROMPT.encode()) - 1) // PAGE  # a repeat's whole pages short of its last token

@@ -58,6 +58,8 @@ def test_predictions_are_close_under_noise_and_never_negative():
     assert two == cost.step_time_s([shape])  # DP ranks: the slowest one sets the step
 
 
+@pytest.mark.real
+@pytest.mark.slow
 def test_fit_to_real_executor_timings_predicts_held_out_forwards():
     import torch
     from configs import scheduler_config

@@ -29,6 +29,8 @@ from runtime.transfer.channel import ZmqChannel
 from runtime.transfer.prefill import MAX_UNCLAIMED_ROOMS
 from test_mooncake_transfer import CONFIG, Cluster, request, wait_for
 
+pytestmark = [pytest.mark.real]
+
 SECRET = new_secret()
 KEY = ClusterKey.from_secret(SECRET)
 OTHER = ClusterKey.from_secret(new_secret())
@@ -193,6 +195,7 @@ def test_heartbeats_from_unregistered_endpoints_open_no_sockets(secured):
     assert all(e.poll() is KVPoll.Success for e in senders + receivers)
 
 
+@pytest.mark.slow
 def test_unknown_room_aborts_stay_bounded(secured):
     (_, p), (_, d) = secured.prefill[0], secured.decode[0]
     side = p.prefill
@@ -289,6 +292,7 @@ def own_listeners(group) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_a_tp_group_listens_on_loopback_only():
     ranks = run_ranks(own_listeners, 2, timeout_s=60)
     assert ranks[0], "rank 0 hosts the rendezvous store"
@@ -332,6 +336,7 @@ sys.stdout.flush()
 """
 
 
+@pytest.mark.slow
 def test_the_bind_wrapper_keeps_mooncake_on_the_host_and_nothing_else():
     import subprocess
     import sys
@@ -375,6 +380,7 @@ def pid_listening_on(port: int, pids) -> int:
     return next(p for p in pids if any(x.port == port for x in listeners(p)))
 
 
+@pytest.mark.slow
 def test_a_deployment_listens_on_loopback_and_refuses_strangers(tmp_path, monkeypatch):
     from openai import AuthenticationError, OpenAI
 

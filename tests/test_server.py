@@ -35,6 +35,8 @@ from runtime.tokenizer import ByteTokenizer
 
 from pdsim.config import ConfigError
 
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
 REPO = Path(__file__).resolve().parents[1]
 TOK = ByteTokenizer()
 EOS = TOK.eos_id

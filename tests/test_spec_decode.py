@@ -287,6 +287,7 @@ def test_pd_moves_the_draft_kv_and_hidden_state_with_each_request():
     assert draft_page_bytes * 32 == page * model.kv_bytes_per_token(cfg.kv_dtype_bytes)
 
 
+@pytest.mark.slow
 def test_the_draft_takes_its_weights_and_kv_from_the_pool():
     data = experiment(MTP3)
     data.update(model="deepseek-v3", hardware="h200")
@@ -319,6 +320,7 @@ def test_bad_speculative_config_says_what_is_wrong(speculative, message):
         parse_experiment(experiment(speculative))
 
 
+@pytest.mark.slow
 def test_the_shipped_experiment_runs_end_to_end_with_its_plots(tmp_path):
     import yaml
 

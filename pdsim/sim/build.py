@@ -160,7 +160,7 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
                            colocated=build_role(cfg, c.colocated, "colocated", model, hw,
                                                 base_dir=base_dir), **overheads)
     # GQA KV split over different attention-TP sizes on the two sides moves as head slices:
-    # many small writes instead of whole pages (DESIGN.md, "TP mismatch"), priced by the
+    # many small writes instead of whole pages (docs/architecture.md, "TP mismatch"), priced by the
     # network model per descriptor.
     prefill = build_role(cfg, c.prefill, "prefill", model, hw, base_dir)
     if model.is_mla and src_attn > dst_attn:  # only dst_attn prefill ranks send; the rest idle
