@@ -14,7 +14,7 @@ import pandas as pd
 import yaml
 
 from pdsim.config import ExperimentConfig, expand_sweep, load_experiment
-from pdsim.executors import Pool, open_pool
+from pdsim.pools import Pool, open_pool
 from pdsim.faults import fault_summary, first_kill_s
 from pdsim.metrics import price_columns, records_frame, summarize
 from pdsim.sim.build import build_cluster
@@ -94,7 +94,7 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
                    ray_address: str | None = None) -> tuple[pd.DataFrame, Path]:
     """Run every sweep point of the experiment at `path`; return the summary and the output dir.
     `executor`: `local` (a process pool of `jobs` processes) or `ray` (one Ray task per point,
-    on the cluster at `ray_address`, default a local instance); pdsim.executors."""
+    on the cluster at `ray_address`, default a local instance); pdsim.pools."""
     # Here, not at import: pool workers import this module to run points and never plot
     # (matplotlib takes ~0.25 s to import).
     from pdsim.plots import plot_experiment, plot_latency_cdfs, sweep_labels

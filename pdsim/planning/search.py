@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from pdsim.config import ConfigError, parse_experiment
-from pdsim.executors import open_pool
+from pdsim.pools import open_pool
 from pdsim.metrics import price_columns
 from pdsim.planning.bottleneck import Bottleneck, find_bottleneck
 from pdsim.planning.candidates import Candidate, enumerate_deployments
@@ -34,7 +34,7 @@ def plan(source: PlanConfig | str | Path, *, out_dir: str | Path | None = None,
          ray_address: str | None = None) -> PlanResult:
     """Run a plan (a PlanConfig or a PLAN.yaml path); write results/<name>/ unless `write` is
     False. `prefilter` overrides the plan's `prefilter.enabled`. `executor`/`ray_address`: where
-    the simulations run (pdsim.executors: `local` process pool or `ray`)."""
+    the simulations run (pdsim.pools: `local` process pool or `ray`)."""
     if not isinstance(source, PlanConfig):
         path = Path(source)
         source, base_dir = load_plan(path), str(path.parent.resolve())

@@ -1,4 +1,4 @@
-"""Where simulations run (pdsim.executors): a sweep and a plan give the same tables on a local
+"""Where simulations run (pdsim.pools): a sweep and a plan give the same tables on a local
 Ray instance as in the local process pool, `pdsim run --executor ray` joins a running cluster,
 and bad choices fail with a clear error."""
 
@@ -13,7 +13,7 @@ import ray
 import yaml
 
 from pdsim.config import ConfigError
-from pdsim.executors import InlinePool, open_pool
+from pdsim.pools import InlinePool, open_pool
 from pdsim.planning import parse_plan, plan
 from pdsim.runner import run_experiment
 
