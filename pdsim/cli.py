@@ -72,9 +72,9 @@ def run(
     ray_address: Optional[str] = RAY_ADDRESS_OPTION,
 ) -> None:
     """Simulate every point of an experiment and write tables, plots and a report."""
-    from pdsim.runner import run_experiment
+    from pdsim.runner import PointError, run_experiment
 
-    with _exits_on(ConfigError):
+    with _exits_on(ConfigError), _exits_on(PointError, status=1):
         summary, out_dir = run_experiment(experiment, out, jobs, progress=not quiet,
                                           executor=executor, ray_address=ray_address)
     if not quiet:
@@ -97,19 +97,53 @@ def _print_points(summary, title: str, wide: bool) -> None:
 
 
 @app.command()
-def check(experiment: Path = typer.Argument(..., help="experiment YAML")) -> None:
-    """Check an experiment config and list its sweep points without simulating."""
-    from pdsim.config import expand_sweep, load_experiment
-    from pdsim.sim.build import build_cluster
+def check(config: Path = typer.Argument(..., help="an experiment, plan or serve config YAML")) -> None:
+    """Check a config without simulating: an experiment (its sweep points listed), a plan or a
+    serve config, told apart by their keys, and every file it names."""
+    from pdsim.config import config_kind, read_config_file
 
     with _exits_on(ConfigError):
-        cfg, raw = load_experiment(experiment)
-        points = expand_sweep(cfg, raw, str(experiment))
-        for _, pcfg in points:
-            build_cluster(pcfg, str(experiment.parent.resolve()))
-    console.print(f"{experiment}: valid, {len(points)} point(s)")
+        kind = config_kind(read_config_file(config, "config"))
+        {"experiment": _check_experiment, "plan": _check_plan, "serve": _check_serve}[kind](config)
+
+
+def _check_experiment(path: Path) -> None:
+    from pdsim.config import check_files, expand_sweep, load_experiment
+    from pdsim.sim.build import build_cluster
+
+    cfg, raw = load_experiment(path)
+    points = expand_sweep(cfg, raw, str(path))
+    base_dir = str(path.parent.resolve())
+    for _, pcfg in points:
+        build_cluster(pcfg, base_dir)
+        check_files(pcfg.workload, base_dir, str(path))
+    console.print(f"{path}: valid experiment, {len(points)} point(s)")
     for swept, _ in points:
         console.print("  " + (", ".join(f"{k}={v}" for k, v in swept.items()) or "(no sweep)"))
+
+
+def _check_plan(path: Path) -> None:
+    from pdsim.config import check_files
+    from pdsim.planning import load_plan
+    from pdsim.specs.hardware import load_hardware_spec
+    from pdsim.specs.models import load_model_spec
+
+    plan_cfg = load_plan(path)
+    base_dir = str(path.parent.resolve())
+    check_files(plan_cfg.workload, base_dir, str(path))
+    try:
+        model = load_model_spec(plan_cfg.model, base_dir)
+        hardware = load_hardware_spec(plan_cfg.hardware, base_dir)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    console.print(f"{path}: valid plan, {model.name} on {hardware.name}", highlight=False)
+
+
+def _check_serve(path: Path) -> None:
+    from runtime.serve_config import load_serve_config
+
+    cfg = load_serve_config(path)
+    console.print(f"{path}: valid serve config, {cfg.model_name} ({cfg.mode})", highlight=False)
 
 
 @app.command()

@@ -4,6 +4,11 @@ terminal, mistakes are reported early and in one line."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -142,3 +147,96 @@ def test_plan_frontier_fits_80_columns(tmp_path):
     assert names == frontier["label"].tolist()  # short labels stay whole, on one line
     header = " ".join(lines[:3])
     assert all(word in header for word in ("TTFT", "ITL", "TPOT", "tok/s/GPU"))
+
+
+# ---- errors early and in one line ----------------------------------------------------------
+
+
+def invoke(*args: str):
+    from typer.testing import CliRunner
+
+    from pdsim.cli import app
+
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+
+
+def write_trace(path, rows: int) -> None:
+    path.write_text("".join(json.dumps({"timestamp": 250 * i, "input_length": 300,
+                                        "output_length": 6, "hash_ids": [i]}) + "\n"
+                            for i in range(rows)))
+
+
+def test_check_and_run_name_a_missing_trace_before_simulating(tmp_path):
+    config = tiny(sweep={"workload.num_requests": [4, 8]})
+    config["workload"] = {"trace": "traces/gone.jsonl", "seed": 0}
+    (tmp_path / "gone.yaml").write_text(yaml.safe_dump(config))
+    for command in ("check", "run"):
+        options = ["--out", str(tmp_path / "out"), "--jobs", "2"] if command == "run" else []
+        result = invoke(command, str(tmp_path / "gone.yaml"), *options)
+        assert result.exit_code == 2, result.output
+        assert "workload.trace" in result.output and "gone.jsonl" in result.output
+        assert "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()  # nothing simulated
+
+
+def test_a_point_failing_in_a_worker_process_is_one_line(tmp_path):
+    write_trace(tmp_path / "t12.jsonl", 12)
+    config = tiny(sweep={"workload.num_requests": [10, 50]})
+    config["workload"] = {"trace": "t12.jsonl", "seed": 0}
+    (tmp_path / "few.yaml").write_text(yaml.safe_dump(config))
+    proc = subprocess.run([sys.executable, "-m", "pdsim.cli", "run", "few.yaml", "--jobs", "2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    error = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "sweep point 1 (workload.num_requests=50)" in error[0]
+    assert "50 requested" in error[0] and "holds 12" in error[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_check_accepts_experiments_plans_and_serve_configs(tmp_path):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    plan_block = next(block for block in re.findall(r"```yaml\n(.*?)```", readme, re.S)
+                      if "max_gpus" in block)
+    (tmp_path / "plan.yaml").write_text(plan_block)
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(
+        {"model": "tiny-llama", "cluster": {"mode": "disaggregated", "prefill": {"instances": 1},
+                                            "decode": {"instances": 1}}}))
+    (tmp_path / "experiment.yaml").write_text(yaml.safe_dump(tiny()))
+    for name, said in (("plan", "valid plan"), ("serve", "valid serve config"),
+                       ("experiment", "valid experiment, 1 point(s)")):
+        result = invoke("check", str(tmp_path / f"{name}.yaml"))
+        assert result.exit_code == 0 and said in result.output, result.output
+    (tmp_path / "bad_plan.yaml").write_text(plan_block.replace("max_gpus", "max_gpu"))
+    result = invoke("check", str(tmp_path / "bad_plan.yaml"))  # an experiment now: no cluster
+    assert result.exit_code == 2 and "max_gpu" in result.output
+
+
+def test_plan_keys_are_the_fields_only_a_plan_has():
+    from pdsim.config import _PLAN_KEYS, ExperimentConfig
+    from pdsim.planning.config import PlanConfig
+
+    assert set(_PLAN_KEYS) == set(PlanConfig.model_fields) - set(ExperimentConfig.model_fields)
+
+
+def test_trace_with_arrival_says_they_are_exclusive(tmp_path):
+    from pdsim.config import ConfigError, parse_experiment
+
+    config = tiny()
+    config["workload"] = {**config["workload"], "trace": "t.jsonl"}
+    with pytest.raises(ConfigError) as err:
+        parse_experiment(config, "mixed.yaml")
+    assert "`trace` and arrival, input_len, output_len are exclusive" in str(err.value)
+    assert "unknown key" not in str(err.value)
+
+
+def test_auto_cost_model_names_the_missing_table_not_the_roofline_params(tmp_path):
+    config = tiny(model="deepseek-v3", hardware="gb200",
+                  cost_model={"name": "auto", "params": {"framework": "vllm"}})
+    config["cluster"] = {"prefill": {"instances": 1, "tp": 8}, "decode": {"instances": 1, "tp": 8}}
+    (tmp_path / "vllm.yaml").write_text(yaml.safe_dump(config))
+    result = invoke("check", str(tmp_path / "vllm.yaml"))
+    assert result.exit_code == 2
+    text = " ".join(result.output.split())
+    assert "context_mla_perf.parquet" in text and "takes no framework" in text
+    assert "Extra inputs are not permitted" not in text
