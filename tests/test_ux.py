@@ -240,3 +240,42 @@ def test_auto_cost_model_names_the_missing_table_not_the_roofline_params(tmp_pat
     text = " ".join(result.output.split())
     assert "context_mla_perf.parquet" in text and "takes no framework" in text
     assert "Extra inputs are not permitted" not in text
+
+
+# ---- Mooncake's start-up chatter ---------------------------------------------------------------
+
+GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]", re.M)
+
+
+def test_a_clean_pd_start_prints_no_mooncake_glog_lines(tmp_path):
+    from pd_harness import (
+        Worker, body, child_env, generate, pd_config, python_command, stop_workers, wait_healthy,
+    )
+
+    from runtime.distributed import free_port
+
+    config = pd_config("tiny-llama")
+    env = {**child_env(), "PDSIM_KERNEL_BACKEND": "torch", "PDSIM_MOONCAKE_LOG_DIR": str(tmp_path)}
+    env.pop("GLOG_minloglevel", None)  # as a user starts it: glog's defaults
+    workers = []
+    try:
+        for role in ("prefill", "decode"):
+            port, bport = free_port(), free_port() if role == "prefill" else None
+            payload = {"parent_pid": os.getpid(), "config": config.model_dump(mode="json"),
+                       "role": role, "instance": 0, "port": port, "bootstrap_port": bport}
+            with open(tmp_path / f"{role}.stderr", "w") as err:
+                proc = subprocess.Popen(python_command("instance", payload), env=env,
+                                        stdout=subprocess.DEVNULL, stderr=err)
+            workers.append(Worker(role, 1, f"http://127.0.0.1:{port}", proc, bport or 0))
+        wait_healthy(workers)
+        prefill, decode = workers
+        (outcome,) = generate(prefill, decode, [body("r0", [5, 6, 7, 8, 9], 4, prefill)])
+        assert outcome.decode_status == 200
+    finally:
+        stop_workers(workers)
+    for role in ("prefill", "decode"):
+        stderr = (tmp_path / f"{role}.stderr").read_text()
+        assert "INSECURE" in stderr  # the worker's own warnings were captured
+        assert not GLOG_LINE.search(stderr), stderr
+    logs = " ".join(p.read_text() for p in tmp_path.glob("mooncake-*.log"))
+    assert "Local segment descriptor not found" in logs  # kept in the log file, not lost
