@@ -279,3 +279,11 @@ def test_a_clean_pd_start_prints_no_mooncake_glog_lines(tmp_path):
         assert not GLOG_LINE.search(stderr), stderr
     logs = " ".join(p.read_text() for p in tmp_path.glob("mooncake-*.log"))
     assert "Local segment descriptor not found" in logs  # kept in the log file, not lost
+
+
+def test_planning_docs_list_every_slo_key():
+    from pdsim.planning.config import PlanSLO
+
+    docs = (Path(__file__).parents[1] / "docs" / "planning.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| `slo` |"))
+    assert [key for key in PlanSLO.model_fields if f"`{key}`" not in row] == []
