@@ -73,12 +73,16 @@ def run(
 ) -> None:
     """Simulate every point of an experiment and write tables, plots and a report."""
     from pdsim.runner import PointError, run_experiment
+    from pdsim.sim.silicon import roofline_reliance_warning
 
     with _exits_on(ConfigError), _exits_on(PointError, status=1):
         summary, out_dir = run_experiment(experiment, out, jobs, progress=not quiet,
                                           executor=executor, ray_address=ray_address)
     if not quiet:
         _print_points(summary, f"{experiment.stem}: {len(summary)} points", wide)
+    warning = roofline_reliance_warning(summary.to_dict("records"))
+    if warning:
+        console.print(warning, style="yellow", markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {out_dir}/summary.csv, requests.parquet, report.md and plots")
 
 
@@ -324,7 +328,7 @@ def serve(
 
 
 def _serve_colocated(cfg) -> None:
-    from runtime.openai.server import serve as run_server
+    from runtime.colocated import serve as run_server
 
     def ready(server) -> None:
         print(f"pdsim serve: {cfg.model_name} ({cfg.mode}) at {server.url}/v1", flush=True)
