@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 LABEL_CHARS = 20  # longer row labels are replaced by short names and a legend
 _UNLIMITED = 10_000
@@ -107,8 +108,8 @@ def print_table(console: Console, columns: Sequence[Column], rows: Sequence[Sequ
         # Never no_wrap: headers fold between words; a cell is as wide as the column unless
         # the column wraps.
         table.add_column(col.header, justify=col.justify, width=w, overflow="fold")
-    for row in rows:
-        table.add_row(*(row[i] for i in shown))
+    for row in rows:  # Text: a label such as "rates=[0.8, 0.6]" is not markup
+        table.add_row(*(Text(row[i]) for i in shown))
     if width is None:  # as wide as the table, whatever the terminal's width
         Console(width=_UNLIMITED, file=console.file, force_terminal=console.is_terminal).print(
             table, width=_table_width(widths))

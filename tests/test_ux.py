@@ -287,3 +287,16 @@ def test_planning_docs_list_every_slo_key():
     docs = (Path(__file__).parents[1] / "docs" / "planning.md").read_text()
     row = next(line for line in docs.splitlines() if line.startswith("| `slo` |"))
     assert [key for key in PlanSLO.model_fields if f"`{key}`" not in row] == []
+
+
+def test_layout_drops_the_least_important_columns_first_and_never_cuts_a_cell():
+    from pdsim.tables import Column, layout
+
+    columns = [Column("point", 0), Column("TTFT p50", 1), Column("P busy", 3), Column("ok", 2)]
+    rows = [["2P:6D @ 40 req/s", "1204.9", "84%", "3000"]]
+    shown, widths = layout(columns, rows, 40)
+    assert shown == [0, 1, 3]  # P busy (priority 3) went first
+    assert sum(widths) + 3 * len(widths) + 1 <= 40
+    assert all(w >= len(rows[0][i]) for i, w in zip(shown, widths))
+    assert layout(columns, rows, None)[0] == [0, 1, 2, 3]  # --wide: every column
+    assert layout(columns, rows, 10)[0] == [0]  # the label stays, however narrow
