@@ -63,22 +63,27 @@ def startup_log() -> Path:
     return folder / f"mooncake-{os.getpid()}.log"
 
 
+_FD2_LOCK = threading.Lock()  # engines started by two threads at once: one redirect at a time
+
+
 @contextmanager
-def _stderr_appended_to(path: Path) -> Iterator[None]:
-    """fd 2 appended to `path` meanwhile (also whatever another thread writes to stderr then)."""
+def _stderr_appended_to(path: Path) -> Iterator[int]:
+    """fd 2 appended to `path` meanwhile (also whatever another thread writes to stderr then);
+    yields the offset this part of the file starts at."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(path, "ab") as log:
-            os.dup2(log.fileno(), 2)
-            try:
-                yield
-            finally:
-                sys.stderr.flush()
-                os.dup2(saved, 2)
-    finally:
-        os.close(saved)
+    with _FD2_LOCK:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            with open(path, "ab") as log:
+                os.dup2(log.fileno(), 2)
+                try:
+                    yield log.tell()
+                finally:
+                    sys.stderr.flush()
+                    os.dup2(saved, 2)
+        finally:
+            os.close(saved)
 
 
 def mooncake_version() -> str:
@@ -144,8 +149,7 @@ class MooncakeEngine:
         self._engine = TransferEngine()
         before = set(exposed())
         log = startup_log()
-        start = log.stat().st_size if log.exists() else 0
-        with _stderr_appended_to(log):
+        with _stderr_appended_to(log) as start:
             rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         self.exposed = sorted(set(exposed()) - before, key=lambda x: x.port)
         if rc != 0:  # Mooncake's own error and fatal lines say why
