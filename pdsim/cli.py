@@ -9,7 +9,6 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from pdsim.config import ConfigError
 
@@ -28,17 +27,16 @@ def _exits_on(*errors: type[Exception], status: int = 2) -> Iterator[None]:
     except errors as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(status) from None
-# Piped or captured output gets a table wide enough to read, not the 80-column fallback.
-table_console = console if console.is_terminal else Console(width=140)
-
+# (header, summary column, priority: the largest numbers are dropped first on a narrow terminal)
 TABLE_COLUMNS = (
-    ("point", None), ("req/s", "request_rate"), ("GPUs", "num_gpus"), ("ok", "completed"),
-    ("failed", "failed"), ("TTFT p50", "ttft_p50_s"), ("TTFT p99", "ttft_p99_s"),
-    ("ITL p50", "itl_p50_s"), ("ITL p99", "itl_p99_s"),
-    ("tok/s/GPU", "output_tok_s_per_gpu"), ("goodput/GPU", "goodput_req_s_per_gpu"),
-    ("SLO met", "slo_attainment"), ("P busy", "prefill_busy_frac"), ("D batch", "decode_mean_batch"),
+    ("point", None, 0), ("req/s", "request_rate", 1), ("GPUs", "num_gpus", 3),
+    ("ok", "completed", 3), ("failed", "failed", 2), ("TTFT p50", "ttft_p50_s", 1),
+    ("TTFT p99", "ttft_p99_s", 2), ("ITL p50", "itl_p50_s", 1), ("ITL p99", "itl_p99_s", 2),
+    ("tok/s/GPU", "output_tok_s_per_gpu", 1), ("goodput/GPU", "goodput_req_s_per_gpu", 1),
+    ("SLO met", "slo_attainment", 1), ("P busy", "prefill_busy_frac", 4),
+    ("D batch", "decode_mean_batch", 4),
 )
-
+WIDE_OPTION = typer.Option(False, "--wide", help="every table column, however wide the table")
 
 EXECUTOR_OPTION = typer.Option(
     "local", help="where simulations run: local (a process pool) or ray (one Ray task each)")
@@ -47,9 +45,7 @@ RAY_ADDRESS_OPTION = typer.Option(
     "local Ray instance")
 
 
-def _fmt(col: str | None, row) -> str:
-    if col is None:  # what the sweep varies at this point (pdsim.plots.sweep_labels)
-        return str(row["label"])
+def _fmt(col: str, row) -> str:
     v = row[col]
     if col.endswith("_s") and not col.startswith("goodput"):
         return f"{v * 1e3:.1f}"
@@ -71,44 +67,87 @@ def run(
     jobs: Optional[int] = typer.Option(None, help="sweep points run in parallel (default: CPUs, "
                                        "or the Ray cluster's)"),
     quiet: bool = typer.Option(False, help="no progress bar or table"),
+    wide: bool = WIDE_OPTION,
     executor: str = EXECUTOR_OPTION,
     ray_address: Optional[str] = RAY_ADDRESS_OPTION,
 ) -> None:
     """Simulate every point of an experiment and write tables, plots and a report."""
-    from pdsim.runner import run_experiment
+    from pdsim.runner import PointError, run_experiment
     from pdsim.sim.silicon import roofline_reliance_warning
 
-    with _exits_on(ConfigError):
+    with _exits_on(ConfigError), _exits_on(PointError, status=1):
         summary, out_dir = run_experiment(experiment, out, jobs, progress=not quiet,
                                           executor=executor, ray_address=ray_address)
     if not quiet:
-        table = Table(title=f"{experiment.stem}: {len(summary)} points",
-                      caption="latencies in ms; goodput: requests/s meeting the SLO")
-        for name, col in TABLE_COLUMNS:
-            table.add_column(name, justify="right", no_wrap=col is None)
-        for _, row in summary.iterrows():
-            table.add_row(*(_fmt(col, row) for _, col in TABLE_COLUMNS))
-        table_console.print(table)
+        _print_points(summary, f"{experiment.stem}: {len(summary)} points", wide)
     warning = roofline_reliance_warning(summary.to_dict("records"))
     if warning:
         console.print(warning, style="yellow", markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {out_dir}/summary.csv, requests.parquet, report.md and plots")
 
 
+def _print_points(summary, title: str, wide: bool) -> None:
+    """The run table: one row per sweep point, named after what the sweep varies there
+    (pdsim.plots.sweep_labels), or p0, p1... with a legend when those names are long."""
+    from pdsim.tables import Column, print_table, short_labels
+
+    names, legend = short_labels(summary["label"], "p")
+    columns = [Column(name, priority, justify="left" if col is None else "right")
+               for name, col, priority in TABLE_COLUMNS]
+    rows = [[name] + [_fmt(col, row) for _, col, _ in TABLE_COLUMNS[1:]]
+            for name, (_, row) in zip(names, summary.iterrows())]
+    print_table(console, columns, rows, title=title, wide=wide, legend=legend,
+                caption="latencies in ms; goodput: requests/s meeting the SLO")
+
+
 @app.command()
-def check(experiment: Path = typer.Argument(..., help="experiment YAML")) -> None:
-    """Check an experiment config and list its sweep points without simulating."""
-    from pdsim.config import expand_sweep, load_experiment
-    from pdsim.sim.build import build_cluster
+def check(config: Path = typer.Argument(..., help="an experiment, plan or serve config YAML")) -> None:
+    """Check a config without simulating: an experiment (its sweep points listed), a plan or a
+    serve config, told apart by their keys, and every file it names."""
+    from pdsim.config import config_kind, read_config_file
 
     with _exits_on(ConfigError):
-        cfg, raw = load_experiment(experiment)
-        points = expand_sweep(cfg, raw, str(experiment))
-        for _, pcfg in points:
-            build_cluster(pcfg, str(experiment.parent.resolve()))
-    console.print(f"{experiment}: valid, {len(points)} point(s)")
+        kind = config_kind(read_config_file(config, "config"))
+        {"experiment": _check_experiment, "plan": _check_plan, "serve": _check_serve}[kind](config)
+
+
+def _check_experiment(path: Path) -> None:
+    from pdsim.config import check_files, expand_sweep, load_experiment
+    from pdsim.sim.build import build_cluster
+
+    cfg, raw = load_experiment(path)
+    points = expand_sweep(cfg, raw, str(path))
+    base_dir = str(path.parent.resolve())
+    for _, pcfg in points:
+        build_cluster(pcfg, base_dir)
+        check_files(pcfg.workload, base_dir, str(path))
+    console.print(f"{path}: valid experiment, {len(points)} point(s)")
     for swept, _ in points:
         console.print("  " + (", ".join(f"{k}={v}" for k, v in swept.items()) or "(no sweep)"))
+
+
+def _check_plan(path: Path) -> None:
+    from pdsim.config import check_files
+    from pdsim.planning import load_plan
+    from pdsim.specs.hardware import load_hardware_spec
+    from pdsim.specs.models import load_model_spec
+
+    plan_cfg = load_plan(path)
+    base_dir = str(path.parent.resolve())
+    check_files(plan_cfg.workload, base_dir, str(path))
+    try:
+        model = load_model_spec(plan_cfg.model, base_dir)
+        hardware = load_hardware_spec(plan_cfg.hardware, base_dir)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    console.print(f"{path}: valid plan, {model.name} on {hardware.name}", highlight=False)
+
+
+def _check_serve(path: Path) -> None:
+    from runtime.serve_config import load_serve_config
+
+    cfg = load_serve_config(path)
+    console.print(f"{path}: valid serve config, {cfg.model_name} ({cfg.mode})", highlight=False)
 
 
 @app.command()
@@ -174,30 +213,20 @@ def plan(
     no_prefilter: bool = typer.Option(False, "--no-prefilter",
                                       help="simulate every candidate (slow)"),
     quiet: bool = typer.Option(False, help="no progress bar or tables"),
+    wide: bool = WIDE_OPTION,
     executor: str = EXECUTOR_OPTION,
     ray_address: Optional[str] = RAY_ADDRESS_OPTION,
 ) -> None:
     """Find the cheapest deployment meeting a plan's SLO: pre-filter, simulate, recommend,
     and write the frontier, plots, report.md and launch commands (docs/planning.md)."""
     from pdsim.planning import plan as run_plan
-    from pdsim.planning.report import summary_frame
 
     with _exits_on(ConfigError):
         result = run_plan(plan_file, out_dir=out, jobs=jobs, progress=not quiet,
                           prefilter=False if no_prefilter else None, executor=executor,
                           ray_address=ray_address)
     if not quiet:
-        frame = summary_frame(result)
-        table = Table(title=f"{result.plan.name}: Pareto frontier of {int(result.candidates['simulated'].sum())} "
-                      f"simulated of {len(result.candidates)} candidates",
-                      caption="latencies in ms")
-        for column in frame.columns:
-            table.add_column(column.removesuffix("_s"), justify="right")
-        for _, row in frame.iterrows():
-            table.add_row(*(f"{v * 1e3:,.1f}" if c.endswith("_s") else
-                            f"{v:,.2f}" if isinstance(v, float) else str(v)
-                            for c, v in row.items()))
-        table_console.print(table)
+        _print_frontier(result, wide)
     for title, choice in (("recommended", result.recommended), ("runner-up", result.runner_up)):
         if choice is not None:
             console.print(f"{title}: [bold]{choice.deployment.label}[/bold], "
@@ -214,6 +243,35 @@ def plan(
                   "recommended.yaml, launch.sh", soft_wrap=True)
     if result.recommended is None:
         raise typer.Exit(1)
+
+
+# Frontier columns (pdsim.planning.report.summary_frame): header and priority.
+_FRONTIER = {"label": ("deployment", 0), "num_gpus": ("GPUs", 1),
+             "output_tok_s_per_gpu": ("tok/s/GPU", 1), "usd_per_mtok": ("$/Mtok", 1),
+             "feasible": ("meets SLO", 2), "bottleneck": ("bottleneck", 3)}
+
+
+def _print_frontier(result, wide: bool) -> None:
+    """The plan's Pareto frontier; deployments named d0, d1... with a legend when long."""
+    from pdsim.planning.report import summary_frame
+    from pdsim.tables import Column, print_table, short_labels
+
+    frame = summary_frame(result)
+    names, legend = short_labels(frame["label"], "d")
+    columns = []
+    for c in frame.columns:
+        metric, _, stat = c.removesuffix("_s").partition("_")  # a latency: "TTFT p90" (ms)
+        header, priority = _FRONTIER.get(c, (f"{metric.upper()} {stat}", 1))
+        columns.append(Column(header, priority, justify="left" if c in ("label", "bottleneck")
+                              else "right", wrap=c == "bottleneck"))
+    rows = [[name] + [f"{v * 1e3:,.1f}" if c.endswith("_s") else
+                      f"{v:,.2f}" if isinstance(v, float) else str(v)
+                      for c, v in row.items() if c != "label"]
+            for name, (_, row) in zip(names, frame.iterrows())]
+    simulated = int(result.candidates["simulated"].sum())
+    print_table(console, columns, rows, wide=wide, legend=legend, caption="latencies in ms",
+                title=f"{result.plan.name}: Pareto frontier of {simulated} simulated of "
+                f"{len(result.candidates)} candidates")
 
 
 @app.command()
@@ -312,18 +370,21 @@ def _serve_disaggregated(cfg, role, instance, port, bootstrap_port, prefill_url,
         raise typer.Exit(status)
 
 
-@app.command()
-def presets() -> None:
-    """List the model and hardware presets and their main figures (sources: docs/cost_model.md)."""
-    from pdsim.specs.hardware import hardware_preset_names, load_hardware_spec
-    from pdsim.deployment import model_presets
-    from pdsim.specs.models import model_preset, model_preset_names
+def _count(n: float) -> str:
+    """A parameter count: "8.03B", "419.4M"."""
+    return f"{n / 1e9:.4g}B" if n >= 1e9 else f"{n / 1e6:.4g}M"
 
-    models = Table(title="models (pdsim/specs/models.py)")
+
+@app.command()
+def presets(wide: bool = WIDE_OPTION) -> None:
+    """List the model and hardware presets and their main figures (sources: docs/cost_model.md)."""
+    from pdsim.deployment import model_presets
+    from pdsim.specs.hardware import hardware_preset_names, load_hardware_spec
+    from pdsim.specs.models import model_preset, model_preset_names
+    from pdsim.tables import Column, print_table
+
     backends = model_presets()
-    for column in ("name", "params", "active/token", "attention", "MLP", "weight formats",
-                   "backends"):
-        models.add_column(column)
+    rows = []
     for name in model_preset_names():
         m = model_preset(name)
         mlp = f"MoE {m.num_experts} top-{m.experts_per_token}" if m.is_moe else "dense"
@@ -334,21 +395,25 @@ def presets() -> None:
             blocks["experts"] = m.precision.moe_experts
         blocks["head"] = m.precision.lm_head
         formats = ", ".join(f"{block} {dtype}" for block, dtype in blocks.items())
-        params, active = m.num_params / 1e9, m.active_params_per_token / 1e9
-        models.add_row(name, f"{params:.4g}B", f"{active:.4g}B", m.attention, mlp, formats,
-                       " + ".join(backends[name]))
-    hardware = Table(title="hardware, per GPU, dense peaks (pdsim/specs/hardware.py)")
-    for column in ("name", "BF16 TF", "FP8 TF", "FP4 TF", "HBM GB", "HBM GB/s", "NVLink GB/s",
-                   "NIC GB/s", "NVLink domain", "$/GPU-h"):
-        hardware.add_column(column)
+        rows.append([name, _count(m.num_params), _count(m.active_params_per_token), m.attention,
+                     mlp, formats, " + ".join(backends[name])])
+    columns = [Column("name", 0, "left"), Column("params", 1), Column("active/token", 1),
+               Column("attention", 2, "left"), Column("MLP", 1, "left", wrap=True),
+               Column("weight formats", 3, "left", wrap=True),
+               Column("backends", 2, "left", wrap=True)]
+    print_table(console, columns, rows, title="models (pdsim/specs/models.py)", wide=wide)
+    rows = []
     for name in hardware_preset_names():
         h = load_hardware_spec(name)
-        hardware.add_row(*(f"{v:g}" if isinstance(v, (int, float)) else "-" if v is None else v
-                           for v in (name, h.bf16_tflops, h.fp8_tflops, h.fp4_tflops, h.hbm_gib,
-                                     h.hbm_gb_per_s, h.nvlink_gb_per_s, h.rdma_gb_per_s, h.gpus_per_node,
-                                     h.usd_per_gpu_hour)))
-    console.print(models)
-    console.print(hardware)
+        rows.append([f"{v:g}" if isinstance(v, (int, float)) else "-" if v is None else v
+                     for v in (name, h.bf16_tflops, h.fp8_tflops, h.fp4_tflops, h.hbm_gib,
+                               h.hbm_gb_per_s, h.nvlink_gb_per_s, h.rdma_gb_per_s,
+                               h.gpus_per_node, h.usd_per_gpu_hour)])
+    headers = (("BF16 TF", 1), ("FP8 TF", 1), ("FP4 TF", 2), ("HBM GB", 1), ("HBM GB/s", 1),
+               ("NVLink GB/s", 2), ("NIC GB/s", 2), ("NVLink domain", 3), ("$/GPU-h", 1))
+    columns = [Column("name", 0, "left")] + [Column(h, p) for h, p in headers]
+    print_table(console, columns, rows, wide=wide,
+                title="hardware, per GPU, dense peaks (pdsim/specs/hardware.py)")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,14 @@ from pdsim.deployment import (  # noqa: F401  (public here too: pdsim.planning i
     TransferConfig,
 )
 from pdsim.metrics import SLO, MeasurementWindow
-from pdsim.workload import WorkloadConfig
+from pdsim.workload import (
+    EmpiricalLength,
+    SyntheticWorkload,
+    TraceWorkload,
+    WorkloadConfig,
+    WorkloadError,
+    resolve_path,
+)
 
 
 class ConfigError(ValueError):
@@ -144,9 +151,29 @@ class ExperimentConfig(Deployment):
     sweep: dict[str, list[Any]] = {}
 
 
+def workload_mix_error(workload: Any, source: str) -> ConfigError | None:
+    """The error for a `workload:` mapping that names a trace and keys only a synthetic
+    workload takes (`arrival`, `input_len`...): the two are exclusive, and pydantic's own
+    message ("workload.arrival: unknown key") hides that."""
+    if not isinstance(workload, dict) or "trace" not in workload:
+        return None
+    synthetic = [k for k in workload
+                 if k in set(SyntheticWorkload.model_fields) - set(TraceWorkload.model_fields)]
+    if not synthetic:
+        return None
+    return ConfigError(
+        f"{source}: invalid workload\n  workload: `trace` and {', '.join(synthetic)} are "
+        "exclusive: a trace replay takes its arrival times and lengths from the file (rescale "
+        "time with target_rate_rps or rate_scale, or replay the lengths with closed_loop); "
+        "drop `trace` for a synthetic workload")
+
+
 def parse_experiment(data: Any, source: str = "<config>") -> ExperimentConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: an experiment is a mapping of keys, got {type(data).__name__}")
+    mixed = workload_mix_error(data.get("workload"), source)
+    if mixed is not None:
+        raise mixed
     try:
         return ExperimentConfig.model_validate(data)
     except ValidationError as exc:
@@ -213,3 +240,43 @@ def expand_sweep(config: ExperimentConfig, raw: dict, source: str = "<config>") 
         label = ", ".join(f"{k}={v}" for k, v in values.items())
         points.append((values, parse_experiment(data, f"{source} [sweep point {label}]")))
     return points
+
+
+def workload_files(workload: BaseModel, where: str = "workload") -> list[tuple[str, str]]:
+    """(field path, path as given) of every file a workload config reads: a replay's trace, an
+    empirical length distribution's trace."""
+    if isinstance(workload, TraceWorkload):
+        return [(f"{where}.trace", workload.trace)]
+    if isinstance(workload, EmpiricalLength):
+        return [(f"{where}.path", workload.path)]
+    return [pair for name in type(workload).model_fields
+            if isinstance(value := getattr(workload, name), BaseModel)
+            for pair in workload_files(value, f"{where}.{name}")]
+
+
+def check_files(workload: BaseModel, base_dir: str | Path | None, source: str) -> None:
+    """A ConfigError naming every file the workload names that does not exist (looked for as
+    the simulation will: under `base_dir`, the config's folder, then here)."""
+    missing = []
+    for field, path in workload_files(workload):
+        try:
+            resolve_path(path, base_dir)
+        except WorkloadError as exc:
+            missing.append(f"  {field}: {exc}")
+    if missing:
+        raise ConfigError("\n".join([f"{source}: missing file"] + missing))
+
+
+# Keys only a plan has (PlanConfig's fields an experiment lacks), to tell the two apart.
+_PLAN_KEYS = ("max_gpus", "target_rate_rps", "usd_per_gpu_hour", "objective", "search",
+              "prefilter", "launch", "scheduler")
+
+
+def config_kind(data: Any) -> str:
+    """What a config mapping is, by its keys: "plan" (a plan-only key such as max_gpus or
+    search), "experiment" (a workload), else "serve" (a serve config)."""
+    if isinstance(data, dict) and any(k in data for k in _PLAN_KEYS):
+        return "plan"
+    if isinstance(data, dict) and "workload" in data:
+        return "experiment"
+    return "serve"

@@ -4,7 +4,9 @@
 sweep (nothing varies but the P:D split, the request rate and the client count) is drawn
 against the P:D configuration, one line per request rate or client count (a single
 configuration: against the rate or the clients); any other sweep against its first numeric
-field, one line per combination of the other fields that do not move with it. When the number
+field, one line per combination of the other fields that do not move with it. A sweep of
+categories only (a router policy, a hardware preset, a flag) puts the first of them on the x
+axis as categories and draws points, not lines, one colour per combination of the others. When the number
 of closed-loop clients varies it also draws throughput per GPU against TTFT and ITL, one point
 per client count, the curve benchmark users read. `sweep_labels` names each point after what
 varies, for tables and CDF legends.
@@ -155,7 +157,7 @@ def plot_sweep(
         position = {label: i for i, label in enumerate(order)}
         table["_x"] = table[PD_RATIO].map(position).astype(float)
         xlabel, ticks = "P:D configuration (prefill:decode instances)", order
-    elif table[x].dtype == object:
+    elif not pd.api.types.is_numeric_dtype(table[x]):  # categories (strings, booleans)
         order = list(dict.fromkeys(table[x]))
         table["_x"] = table[x].map({label: i for i, label in enumerate(order)}).astype(float)
         xlabel, ticks = _axis_label(x), order
@@ -165,6 +167,11 @@ def plot_sweep(
 
     line_values = sorted(table[group].unique(), key=_sort_key)
     colors = dict(zip(line_values, _colors(len(line_values))))
+    # Unordered categories (a policy, a preset, a flag): points, not lines between them, each
+    # line's points shifted a little so that equal values at one category stay apart.
+    unordered = ticks is not None and x != PD_RATIO
+    step = min(0.08, 0.5 / len(line_values)) if unordered else 0.0
+    shift = {v: (i - (len(line_values) - 1) / 2) * step for i, v in enumerate(line_values)}
     written = []
     for panel in _SWEEP_PANELS:
         series = [s for s in panel.series if s.column in table]
@@ -175,8 +182,9 @@ def plot_sweep(
         for value in line_values:
             rows = table[table[group] == value].sort_values("_x")
             for s in series:
-                ax.plot(rows["_x"], rows[s.column] * panel.scale, color=colors[value],
-                        linestyle=s.linestyle, marker=s.marker, markersize=4, linewidth=1.6)
+                ax.plot(rows["_x"] + shift[value], rows[s.column] * panel.scale,
+                        color=colors[value], linestyle="none" if unordered else s.linestyle,
+                        marker=s.marker, markersize=5 if unordered else 4, linewidth=1.6)
         if _wide_spread(np.concatenate([table[s.column].to_numpy(float) for s in series])):
             ax.set_yscale("log")
         if ticks is None and _wide_spread(table["_x"].to_numpy(float)):  # 1 ... 256 clients
@@ -186,16 +194,19 @@ def plot_sweep(
             ax.minorticks_off()
         if ticks is not None:
             ax.set_xticks(range(len(ticks)), ticks, rotation=30 if len(ticks) > 6 else 0)
+        if unordered:
+            ax.set_xlim(-0.5, len(ticks) - 0.5)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(panel.ylabel)
         ax.set_title(panel.title)
         ax.grid(True, which="major", alpha=0.35)
         ax.grid(True, which="minor", alpha=0.12)
-        handles = [Line2D([], [], color=colors[v], linewidth=2, label=_line_label(group, v))
+        handles = [Line2D([], [], color=colors[v], linewidth=2, label=_line_label(group, v),
+                          **({"linestyle": "none", "marker": "o"} if unordered else {}))
                    for v in line_values]
         if len(series) > 1:
-            handles += [Line2D([], [], color="0.3", linestyle=s.linestyle, marker=s.marker,
-                               markersize=4, label=s.label) for s in series]
+            handles += [Line2D([], [], color="0.3", linestyle="none" if unordered else s.linestyle,
+                               marker=s.marker, markersize=4, label=s.label) for s in series]
         ax.legend(handles=handles, fontsize="small", loc="best", framealpha=0.85)
         written.append(_save(fig, out_dir / f"{panel.name}.png"))
     return written

@@ -109,7 +109,11 @@ def open_pool(executor: str = "local", jobs: int | None = None, ray_address: str
         # object's locks may be held by threads that stayed here (a deadlock). Collect it here.
         gc.collect()
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            yield ProcessPool(pool, workers)
+            try:
+                yield ProcessPool(pool, workers)
+            except BaseException:  # a task failed (or Ctrl-C): start none of those queued
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
         return
     with _ray_session(jobs, ray_address) as ray:
         cpus = int(ray.cluster_resources().get("CPU", 1))

@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from pdsim.config import ExperimentConfig, expand_sweep, load_experiment
+from pdsim.config import ExperimentConfig, check_files, expand_sweep, load_experiment
 from pdsim.pools import Pool, open_pool
 from pdsim.faults import fault_summary, first_kill_s
 from pdsim.metrics import price_columns, records_frame, summarize
@@ -89,6 +89,22 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
     return PointResult(index, row, frame)
 
 
+class PointError(RuntimeError):
+    """A sweep point failed while simulating. The message names the point and the cause; the
+    worker's traceback stays chained (`__cause__`) for a Python caller, the CLI prints the
+    message alone."""
+
+
+def _run_named_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any],
+                     base_dir: str | None) -> PointResult:
+    """`run_point`, a failure raised as a PointError naming the point."""
+    try:
+        return run_point(index, cfg, swept, base_dir)
+    except Exception as exc:
+        values = ", ".join(f"{k}={v}" for k, v in swept.items()) or "no sweep"
+        raise PointError(f"sweep point {index} ({values}): {type(exc).__name__}: {exc}") from exc
+
+
 def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: int | None = None,
                    progress: bool = True, executor: str = "local",
                    ray_address: str | None = None) -> tuple[pd.DataFrame, Path]:
@@ -104,8 +120,9 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
     cfg, raw = load_experiment(path)
     points = expand_sweep(cfg, raw, str(path))
     base_dir = str(path.parent.resolve())
-    for _, point_cfg in points:
-        build_cluster(point_cfg, base_dir)  # fail on a bad point before simulating any
+    for _, point_cfg in points:  # fail on a bad point before simulating any
+        build_cluster(point_cfg, base_dir)
+        check_files(point_cfg.workload, base_dir, str(path))
     out = Path(out_dir) if out_dir else Path("results") / cfg.name
     out.mkdir(parents=True, exist_ok=True)
     args = [(i, pcfg, swept, base_dir) for i, (swept, pcfg) in enumerate(points)]
@@ -132,7 +149,7 @@ def _execute(pool: Pool, args: list, show: bool, name: str) -> list[PointResult]
     with Progress(*columns, disable=not show, transient=False) as bar:
         task = bar.add_task(f"simulating {name}", total=len(args))
         results = []
-        for result in pool.imap_unordered(run_point, args):
+        for result in pool.imap_unordered(_run_named_point, args):
             results.append(result)
             bar.advance(task)
         return results

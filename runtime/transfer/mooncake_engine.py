@@ -20,6 +20,11 @@ Facts about the Mooncake Python API this relies on (checked against 0.3.13.post1
   to INADDR_ANY / in6addr_any and has no setting for the address (MC_TCP_BIND_ADDRESS only names
   the address it advertises, outside P2P mode); MC_MIN_RPC_PORT / MC_MAX_RPC_PORT narrow the
   port range, which helps a firewall rule. `exposed` lists what this engine opened.
+- It logs through glog but never calls InitGoogleLogging, so glog writes every line to fd 2
+  whatever GLOG_log_dir says; `initialize` alone writes a dozen, one of them an `E` line
+  ("Local segment descriptor not found") on every healthy start. So fd 2 goes to a log file
+  per process while `initialize` runs (`startup_log`); later lines (a failing transfer) still
+  reach stderr.
 - Over TCP, more than about 2,000 slices in flight on one engine overflow the transport's lane
   queue ("TCP lane queue-full rejection"): that batch fails and so does every later write to the
   same peer. So writes go out in batches of at most `max_batch` descriptors, with at most
@@ -28,9 +33,15 @@ Facts about the Mooncake Python API this relies on (checked against 0.3.13.post1
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import metadata
+from pathlib import Path
 
 from runtime.security import exposed
 
@@ -42,6 +53,39 @@ _DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda
 
 class TransferEngineError(RuntimeError):
     """Mooncake is missing, too old, or refused an operation."""
+
+
+LOG_DIR_ENV = "PDSIM_MOONCAKE_LOG_DIR"
+
+
+def startup_log() -> Path:
+    """This process's file for Mooncake's start-up lines: $PDSIM_MOONCAKE_LOG_DIR (default
+    <tmp>/pdsim-mooncake)/mooncake-<pid>.log."""
+    folder = Path(os.environ.get(LOG_DIR_ENV) or Path(tempfile.gettempdir()) / "pdsim-mooncake")
+    return folder / f"mooncake-{os.getpid()}.log"
+
+
+_FD2_LOCK = threading.Lock()  # engines started by two threads at once: one redirect at a time
+
+
+@contextmanager
+def _stderr_appended_to(path: Path) -> Iterator[int]:
+    """fd 2 appended to `path` meanwhile (also whatever another thread writes to stderr then);
+    yields the offset this part of the file starts at."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _FD2_LOCK:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            with open(path, "ab") as log:
+                os.dup2(log.fileno(), 2)
+                try:
+                    yield log.tell()
+                finally:
+                    sys.stderr.flush()
+                    os.dup2(saved, 2)
+        finally:
+            os.close(saved)
 
 
 def mooncake_version() -> str:
@@ -106,12 +150,19 @@ class MooncakeEngine:
                 f"need 1 <= max_batch <= max_inflight, got {max_batch}, {max_inflight}")
         self._engine = TransferEngine()
         before = set(exposed())
-        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        log = startup_log()
+        with _stderr_appended_to(log) as start:
+            rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         self.exposed = sorted(set(exposed()) - before, key=lambda x: x.port)
-        if rc != 0:
+        if rc != 0:  # Mooncake's own error and fatal lines say why
+            with open(log, "rb") as f:
+                f.seek(start)
+                lines = f.read().decode(errors="replace").splitlines()
+            errors = [line for line in lines if re.match(r"[EF]\d{4} ", line)]
             raise TransferEngineError(
                 f"TransferEngine.initialize({hostname!r}, 'P2PHANDSHAKE', {protocol!r}, "
-                f"{device_name!r}) returned {rc}")
+                f"{device_name!r}) returned {rc}; Mooncake said: {' | '.join(errors) or '-'} "
+                f"(its whole start-up log: {log})")
         self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
         self.max_batch = max_batch
         self._budget = _Budget(max_inflight)

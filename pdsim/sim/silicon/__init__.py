@@ -10,7 +10,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-from pdsim.sim.cost import CostModel, Parallelism, RooflineCostModel, register_cost_model
+from pdsim.sim.cost import (
+    CostModel,
+    Parallelism,
+    RooflineCostModel,
+    RooflineParams,
+    register_cost_model,
+)
 from pdsim.sim.silicon.model import SiliconCostModel, SiliconParams
 from pdsim.sim.silicon.ops import MissingTable
 from pdsim.sim.silicon.tables import SYSTEMS, has_tables
@@ -38,11 +44,17 @@ def auto_cost_model(model: ModelSpec, hardware: HardwareSpec, parallel: Parallel
     else the roofline; also the roofline when the GPU's tables lack an op the model needs
     (MLA on an A100, DeepEP on an L40S). Params go to whichever is chosen; the summary's
     `cost_model` column says which one ran."""
+    missing = None
     if resolve_cost_model("auto", hardware) == "silicon":
         try:
             return SiliconCostModel(model, hardware, parallel, **params)
-        except MissingTable:
-            pass
+        except MissingTable as exc:
+            missing = exc
+    foreign = sorted(set(params) - set(RooflineParams.model_fields))
+    if missing is not None and foreign:  # silicon's params (framework...): name the real cause
+        raise ValueError(f"auto: {missing}, so the roofline would price it, and it takes no "
+                         f"{', '.join(foreign)}: pick another framework or hardware, or drop "
+                         "those params") from None
     return RooflineCostModel(model, hardware, parallel, **params)
 
 
