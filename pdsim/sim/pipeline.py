@@ -27,6 +27,26 @@ from pdsim.sim.cost import CostModel
 from pdsim.sim.instance import CostExecutor
 
 
+def next_chunk(stage0_free_s: float, done_s: float, now: float, stage_s: float, pp: int
+               ) -> tuple[float, float]:
+    """(when a chunk of `stage_s` per stage, planned at `now`, leaves stage 0, when it leaves
+    the last stage), the previous chunk having left them at `stage0_free_s` and `done_s`
+    (module docstring)."""
+    entry = now if now > done_s else min(stage0_free_s, now)
+    return entry + stage_s, max(entry + pp * stage_s, max(done_s, now) + stage_s)
+
+
+def pipelined_s(stage_times_s: Sequence[float], pp: int) -> float:
+    """Seconds from an idle start until the last of chunks run back to back (one stage time
+    each) leaves the last of `pp` stages: (C + pp - 1) stage times when they are equal."""
+    stage0_free = done = -math.inf
+    now = 0.0
+    for stage_s in stage_times_s:
+        stage0_free, done = next_chunk(stage0_free, done, now, stage_s, pp)
+        now = done
+    return now
+
+
 class PipelineExecutor(CostExecutor):
     """`CostExecutor` of an instance with `pp` pipeline stages; `clock()` is the simulated now
     at which a step starts."""
@@ -39,12 +59,10 @@ class PipelineExecutor(CostExecutor):
         self._done_s = -math.inf  # when the last chunk left the last stage
 
     def execute(self, step: Sequence[Batch | None]) -> BatchResult:
-        stage_s = self.step_time_s(step)
         now = self._clock()
-        entry = now if now > self._done_s else min(self._stage0_free_s, now)
-        done = max(entry + self.pp * stage_s, max(self._done_s, now) + stage_s)
+        self._stage0_free_s, done = next_chunk(self._stage0_free_s, self._done_s, now,
+                                               self.step_time_s(step), self.pp)
         duration = done - now
-        self._stage0_free_s = entry + stage_s
         self._done_s = now + duration  # the float the simulated clock will read at the end
         return BatchResult(duration)
 

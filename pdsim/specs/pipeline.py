@@ -1,9 +1,10 @@
 """Pipeline parallelism's layer split: which layers each of an instance's `pp` stages holds.
 
-SGLang's default partition (sglang/srt/distributed/utils.py, get_pp_indices): every stage gets
-num_layers // pp consecutive layers and the last stage also takes the remainder. The last stage
-also runs the LM head, so it is the slowest and sets the pipeline's pace; the simulator prices it
-(`stage_model`)."""
+SGLang's default partition (sglang/srt/distributed/utils.py, get_pp_indices; its
+SGLANG_PP_LAYER_PARTITION override is not modelled): consecutive layers, num_layers // pp per
+stage, and the last num_layers % pp stages one more each. The last stage thus holds the most
+layers and also runs the LM head: it is the slowest and sets the pipeline's pace, and the
+simulator prices it (`stage_model`)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ def stage_layer_ranges(num_layers: int, pp: int) -> list[range]:
     if num_layers < pp:
         raise ValueError(f"pp={pp} stages need at least one layer each; the model has "
                          f"{num_layers} layers")
-    per = num_layers // pp
-    return [range(i * per, num_layers if i == pp - 1 else (i + 1) * per) for i in range(pp)]
+    base, extra = divmod(num_layers, pp)
+    sizes = [base + (i >= pp - extra) for i in range(pp)]
+    starts = [sum(sizes[:i]) for i in range(pp)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
 def stage_model(model: ModelSpec, pp: int) -> ModelSpec:
-    """`model` cut to its last stage's layers (the remainder's stage, with the LM head): a
+    """`model` cut to its last stage's layers (the most layers, and the LM head): a
     cost model pricing it prices one stage's step. The embedding stays counted (conservative
     by one vocabulary matrix in a stage's weights)."""
     if pp == 1:
