@@ -302,3 +302,20 @@ def test_the_prefilter_prices_a_pipelined_prefill_alone(llama70b):
     n = int(np.max(wl.input_tokens))
     assert two.prefill_alone_s[n] < 0.6 * one.prefill_alone_s[n]
     assert two.prefill_tok_s > 1.8 * one.prefill_tok_s
+
+
+@pytest.mark.slow
+def test_a_plan_for_long_prompts_recommends_and_launches_a_pipelined_prefill():
+    """Twenty ~100k-token prompts on up to 24 H100s: two prefill stages of TP 8 meet the
+    20 s TTFT p90 target at the cost of two TP-8 instances and with the lower TTFT; the
+    recommendation launches them with --pp-size 2 over two nodes."""
+    from pdsim.planning import plan
+
+    result = plan(parse_plan(long_plan(100_000)), write=False, jobs=1)
+    labels = set(result.candidates["label"])
+    assert "1P TP8 PP2 + 1D TP8" in labels and "1P TP8 + 1D TP8" in labels
+    best = result.recommended
+    assert best.deployment.label == "1P TP8 PP2 + 1D TP8"
+    prefill = [shlex.split(c) for what, c in best.launch.servers if what.startswith("prefill")]
+    assert [argv[argv.index("--pp-size") + 1] for argv in prefill] == ["2", "2"]
+    assert "pp: 2" in best.experiment_yaml
