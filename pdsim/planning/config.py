@@ -82,8 +82,8 @@ class PlanSLO(_Spec):
 
 class SearchSpace(_Spec):
     """The deployments the plan considers. Per role, every combination of `tp`, `dp_attention`,
-    `ep`, `moe_a2a` (and for prefill `pp`) that SGLang accepts (dp_attention and ep divide tp; ep > 1 and DeepEP
-    only for MoE models; DeepEP needs ep = tp > 1)."""
+    `ep`, `moe_a2a` (and for prefill `pp`) that SGLang accepts (dp_attention and ep divide tp;
+    ep > 1 and DeepEP only for MoE models; DeepEP needs ep = tp > 1)."""
 
     modes: list[Mode] = Field(["disaggregated", "colocated"], min_length=1)
     tp: list[int] = Field([1, 2, 4, 8], min_length=1)

@@ -3,8 +3,8 @@
 The flags are SGLang's as its PD-disaggregation guide (docs/advanced_features/pd_disaggregation.md)
 and `python -m sglang_router.launch_router --help` spell them: `--disaggregation-mode`,
 `--disaggregation-transfer-backend`, `--disaggregation-bootstrap-port`,
-`--disaggregation-ib-device`, `--tp-size`, `--pp-size`, `--dp-size`, `--enable-dp-attention`, `--ep-size`,
-`--moe-a2a-backend`, and the router's `--pd-disaggregation --prefill URL BOOTSTRAP_PORT
+`--disaggregation-ib-device`, `--tp-size`, `--pp-size`, `--dp-size`, `--enable-dp-attention`,
+`--ep-size`, `--moe-a2a-backend`, and the router's `--pd-disaggregation --prefill URL BOOTSTRAP_PORT
 --decode URL`. Hosts are placeholders (`prefill-0`, `decode-1`, ...): one per node.
 """
 
