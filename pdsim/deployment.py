@@ -157,11 +157,14 @@ class EPLBConfig(_Spec):
 
 
 class RoleConfig(_Spec):
-    """The instances of one role (prefill, decode or colocated): each is `tp` GPUs (sim) or
-    `tp` rank processes (real)."""
+    """The instances of one role (prefill, decode or colocated): each is `tp * pp` GPUs (sim)
+    or `tp` rank processes (real)."""
 
     instances: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1, description="sim only, prefill only: pipeline stages per instance "
+                    "(SGLang's --pp-size), each tp GPUs with its share of the layers "
+                    "(docs/cost_model.md, \"Pipeline-parallel prefill\")")
     dp_attention: int = Field(1, ge=1, description="sim only so far: attention data-parallel "
                               "ranks per instance (SGLang's --dp-size with --enable-dp-attention)")
     ep: int = Field(1, ge=1, description="sim only so far: expert-parallel size")
@@ -219,8 +222,12 @@ class RoleConfig(_Spec):
         return self
 
     @property
+    def gpus_per_instance(self) -> int:
+        return self.tp * self.pp
+
+    @property
     def gpus(self) -> int:
-        return self.instances * self.tp
+        return self.instances * self.gpus_per_instance
 
     def kv_bytes(self, default_bytes: float) -> float:
         """Bytes per KV-cache element: this role's kv_dtype, else the experiment's."""
@@ -233,6 +240,19 @@ class ClusterConfig(_Spec):
     decode: RoleConfig = RoleConfig()
     colocated: RoleConfig = Field(RoleConfig(instances=2), description="mode colocated: "
                                   "instances that each prefill and decode (real: one)")
+
+    @model_validator(mode="after")
+    def _pp_only_prefill(self) -> ClusterConfig:
+        """Pipeline stages are modelled for chunked prefill only: a decode step's tokens depend
+        on the previous step, so its stages would need SGLang's micro-batches, which are not
+        modelled."""
+        for name, role in self.roles.items():
+            if role.pp > 1 and name != "prefill":
+                raise ValueError(
+                    f"cluster.{name}.pp={role.pp}: pipeline parallelism is modelled for the "
+                    "prefill role of a disaggregated deployment only; give cluster.prefill.pp "
+                    f"and leave cluster.{name}.pp at 1")
+        return self
 
     @model_validator(mode="after")
     def _same_page_size(self) -> ClusterConfig:

@@ -56,7 +56,7 @@ class _ServeBase(ExperimentConfig):
     @model_validator(mode="after")
     def _real_parallelism(self) -> _ServeBase:
         for name, role in self.cluster.roles.items():
-            for knob in ("dp_attention", "ep"):
+            for knob in ("dp_attention", "ep", "pp"):
                 if getattr(role, knob) != 1:
                     raise ValueError(f"cluster.{name}.{knob}: {getattr(role, knob)}; the real "
                                      "backend serves 1 only (the simulator models more)")

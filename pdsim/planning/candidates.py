@@ -3,25 +3,41 @@ instances, each turned into the experiment mapping the simulator runs."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from pdsim.planning.config import PlanConfig
 from pdsim.specs.models import ModelSpec
 
+# Prompts this long at p90 make pipeline-parallel prefill worth searching: SGLang's PP serves
+# long-context prefill, where a prompt's chunks overlap across the stages.
+LONG_PROMPT_TOKENS = 32768
+LONG_PROMPT_PP = (1, 2, 4)
+
 
 @dataclass(frozen=True, order=True)
 class RoleShape:
-    """How one instance of a role spreads over its GPUs (SGLang's --tp/--dp/--ep flags)."""
+    """How one instance of a role spreads over its GPUs (SGLang's --tp/--dp/--ep/--pp flags;
+    pp > 1 for prefill only)."""
 
     tp: int
     dp_attention: int = 1
     ep: int = 1
     moe_a2a: str = "none"
+    pp: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
 
     @property
     def label(self) -> str:
         parts = [f"TP{self.tp}"]
+        if self.pp > 1:
+            parts.append(f"PP{self.pp}")
         if self.dp_attention > 1:
             parts.append(f"DP{self.dp_attention}")
         if self.ep > 1:
@@ -32,6 +48,8 @@ class RoleShape:
 
     def role_data(self, instances: int, plan: PlanConfig) -> dict[str, Any]:
         data: dict[str, Any] = {"instances": instances, "tp": self.tp}
+        if self.pp > 1:
+            data["pp"] = self.pp
         if self.dp_attention > 1:
             data["dp_attention"] = self.dp_attention
         if self.ep > 1:
@@ -54,7 +72,7 @@ class Candidate:
 
     @property
     def num_gpus(self) -> int:
-        return sum(n * shape.tp for _, n, shape in self.roles)
+        return sum(n * shape.gpus for _, n, shape in self.roles)
 
     @property
     def label(self) -> str:
@@ -88,13 +106,22 @@ class Candidate:
         return data
 
 
-def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int) -> list[RoleShape]:
-    """Every parallelism of one instance the search space allows and SGLang accepts."""
+def prefill_pp_sizes(plan: PlanConfig, input_tokens: np.ndarray) -> tuple[int, ...]:
+    """The prefill pipeline sizes to search: the plan's `search.pp`, else `LONG_PROMPT_PP` when
+    the workload's p90 prompt is at least `LONG_PROMPT_TOKENS`, else none but 1."""
+    if plan.search.pp is not None:
+        return tuple(plan.search.pp)
+    long = len(input_tokens) > 0 and np.percentile(input_tokens, 90) >= LONG_PROMPT_TOKENS
+    return LONG_PROMPT_PP if long else (1,)
+
+
+def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
+                pp_sizes: Sequence[int] = (1,)) -> list[RoleShape]:
+    """Every parallelism of one instance the search space allows and SGLang accepts, with
+    each of `pp_sizes` pipeline stages (a stage needs a layer)."""
     s = plan.search
     shapes = set()
     for tp in s.tp:
-        if tp > gpu_limit:
-            continue
         for dp in s.dp_attention:
             for ep in s.ep:
                 for a2a in s.moe_a2a:
@@ -102,25 +129,29 @@ def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int) -> list[Role
                         continue
                     if a2a == "deepep" and not (model.is_moe and ep == tp > 1):
                         continue
-                    shapes.add(RoleShape(tp, dp, ep, a2a))
+                    for pp in pp_sizes:
+                        if tp * pp <= gpu_limit and pp <= model.num_layers:
+                            shapes.add(RoleShape(tp, dp, ep, a2a, pp))
     return sorted(shapes)
 
 
-def enumerate_deployments(plan: PlanConfig, model: ModelSpec, gpu_limit: int) -> list[Candidate]:
-    """Every deployment of at most `gpu_limit` GPUs in the plan's search space."""
+def enumerate_deployments(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
+                          prefill_pp: Sequence[int] = (1,)) -> list[Candidate]:
+    """Every deployment of at most `gpu_limit` GPUs in the plan's search space; prefill
+    instances of each of `prefill_pp` pipeline stages (decode and colocated ones have none)."""
     shapes = role_shapes(plan, model, gpu_limit)
     out: list[Candidate] = []
     if "colocated" in plan.search.modes:
         for shape in shapes:
-            for n in range(1, gpu_limit // shape.tp + 1):
+            for n in range(1, gpu_limit // shape.gpus + 1):
                 out.append(Candidate("colocated", (("colocated", n, shape),)))
     if "disaggregated" in plan.search.modes:
-        for ps in shapes:
+        for ps in role_shapes(plan, model, gpu_limit, prefill_pp):
             for ds in shapes:
                 if ps.tp != ds.tp and not plan.search.allow_tp_mismatch:
                     continue
-                for p in range(1, (gpu_limit - ds.tp) // ps.tp + 1):
-                    for d in range(1, (gpu_limit - p * ps.tp) // ds.tp + 1):
+                for p in range(1, (gpu_limit - ds.gpus) // ps.gpus + 1):
+                    for d in range(1, (gpu_limit - p * ps.gpus) // ds.gpus + 1):
                         out.append(Candidate("disaggregated",
                                              (("prefill", p, ps), ("decode", d, ds))))
     return out

@@ -82,14 +82,17 @@ class PlanSLO(_Spec):
 
 class SearchSpace(_Spec):
     """The deployments the plan considers. Per role, every combination of `tp`, `dp_attention`,
-    `ep` and `moe_a2a` that SGLang accepts (dp_attention and ep divide tp; ep > 1 and DeepEP
-    only for MoE models; DeepEP needs ep = tp > 1)."""
+    `ep`, `moe_a2a` (and for prefill `pp`) that SGLang accepts (dp_attention and ep divide tp;
+    ep > 1 and DeepEP only for MoE models; DeepEP needs ep = tp > 1)."""
 
     modes: list[Mode] = Field(["disaggregated", "colocated"], min_length=1)
     tp: list[int] = Field([1, 2, 4, 8], min_length=1)
     dp_attention: list[int] = Field([1], min_length=1)
     ep: list[int] = Field([1], min_length=1)
     moe_a2a: list[Literal["none", "deepep"]] = Field(["none"], min_length=1)
+    pp: list[int] | None = Field(None, min_length=1, description="prefill pipeline stages "
+                                 "(SGLang's --pp-size); default: 1, 2 and 4 when the "
+                                 "workload's p90 prompt is at least 32768 tokens, else 1")
     allow_tp_mismatch: bool = Field(True, description="prefill and decode TP may differ")
     max_simulations: int = Field(200, ge=1, description="at most this many candidates are "
                                  "simulated, cheapest first")
@@ -99,8 +102,8 @@ class SearchSpace(_Spec):
 
     @model_validator(mode="after")
     def _positive(self) -> SearchSpace:
-        for name in ("tp", "dp_attention", "ep"):
-            bad = [v for v in getattr(self, name) if not isinstance(v, int) or v < 1]
+        for name in ("tp", "dp_attention", "ep", "pp"):
+            bad = [v for v in getattr(self, name) or () if not isinstance(v, int) or v < 1]
             if bad:
                 raise ValueError(f"{name}: sizes must be integers >= 1, got {bad}")
         return self

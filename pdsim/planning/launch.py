@@ -3,8 +3,8 @@
 The flags are SGLang's as its PD-disaggregation guide (docs/advanced_features/pd_disaggregation.md)
 and `python -m sglang_router.launch_router --help` spell them: `--disaggregation-mode`,
 `--disaggregation-transfer-backend`, `--disaggregation-bootstrap-port`,
-`--disaggregation-ib-device`, `--tp-size`, `--dp-size`, `--enable-dp-attention`, `--ep-size`,
-`--moe-a2a-backend`, and the router's `--pd-disaggregation --prefill URL BOOTSTRAP_PORT
+`--disaggregation-ib-device`, `--tp-size`, `--pp-size`, `--dp-size`, `--enable-dp-attention`,
+`--ep-size`, `--moe-a2a-backend`, and the router's `--pd-disaggregation --prefill URL BOOTSTRAP_PORT
 --decode URL`. Hosts are placeholders (`prefill-0`, `decode-1`, ...): one per node.
 """
 
@@ -49,8 +49,8 @@ def _instance(plan: PlanConfig, role: str, index: int, shape: RoleShape,
     smaller than a node share it (`--base-gpu-id`, their own ports); larger ones span
     `--nnodes` nodes."""
     knobs, lc = plan.scheduler, plan.launch
-    per_node = max(1, gpus_per_node // shape.tp)
-    nodes = math.ceil(shape.tp / gpus_per_node)
+    per_node = max(1, gpus_per_node // shape.gpus)
+    nodes = math.ceil(shape.gpus / gpus_per_node)
     slot = index % per_node
     port = lc.base_port + (100 if role == "decode" else 0) + slot
     bootstrap = lc.bootstrap_port + slot
@@ -58,6 +58,8 @@ def _instance(plan: PlanConfig, role: str, index: int, shape: RoleShape,
              else [f"{role}-{index}-node{r}" for r in range(nodes)])
     argv = ["python", "-m", "sglang.launch_server", "--model-path",
             lc.model_path or _model_name(plan), "--port", str(port), "--tp-size", str(shape.tp)]
+    if shape.pp > 1:
+        argv += ["--pp-size", str(shape.pp)]
     if shape.dp_attention > 1:
         argv += ["--dp-size", str(shape.dp_attention), "--enable-dp-attention"]
     if shape.ep > 1:
@@ -81,7 +83,7 @@ def _instance(plan: PlanConfig, role: str, index: int, shape: RoleShape,
         else:
             argv += ["--num-reserved-decode-tokens", str(knobs.num_reserved_decode_tokens)]
     if slot and nodes == 1:
-        argv += ["--base-gpu-id", str(slot * shape.tp)]
+        argv += ["--base-gpu-id", str(slot * shape.gpus)]
     commands = []
     for rank, host in enumerate(hosts):
         extra = ["--host", host]

@@ -40,6 +40,7 @@ from pdsim.core.batch import BatchShape, extend_attn_pairs
 from pdsim.planning.candidates import Candidate, RoleShape
 from pdsim.planning.config import PlanConfig
 from pdsim.sim.build import build_role
+from pdsim.sim.pipeline import pipelined_s
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
 from pdsim.workload import Workload
@@ -119,11 +120,14 @@ class Prefilter:
         return self._capacity[key]
 
     def _measure(self, role: str, shape: RoleShape) -> RoleCapacity | str:
-        one = Candidate("colocated", (("colocated", 1, shape),))
+        # One instance of the shape, built as a colocated one (a pipelined prefill one: as a
+        # prefill instance, the one role with stages).
+        one = Candidate("colocated", (("colocated", 1, shape),)) if shape.pp == 1 else \
+            Candidate("disaggregated", (("prefill", 1, shape), ("decode", 1, RoleShape(shape.tp))))
         cfg = parse_experiment(one.experiment_data(self.plan), f"plan {self.plan.name}")
+        built = cfg.cluster.colocated if shape.pp == 1 else cfg.cluster.prefill
         try:
-            spec = build_role(cfg, cfg.cluster.colocated, role, self.model, self.hw,
-                              base_dir=self.base_dir)
+            spec = build_role(cfg, built, role, self.model, self.hw, base_dir=self.base_dir)
         except ConfigError as exc:
             return f"memory: {exc}"
         sched, cost = spec.scheduler, spec.cost()
@@ -146,9 +150,9 @@ class Prefilter:
         for n in np.unique(self.workload.input_tokens):
             n = int(n)
             steps = _chunks(n, chunk) if chunk else [(0, n)]
-            alone[n] = sum(cost.step_time_s([BatchShape(prefill_tokens=k,
-                                                        prefill_attn_pairs=extend_attn_pairs(k, c))]
-                                            + idle) for c, k in steps)
+            alone[n] = pipelined_s([cost.step_time_s(
+                [BatchShape(prefill_tokens=k, prefill_attn_pairs=extend_attn_pairs(k, c))] + idle)
+                for c, k in steps], shape.pp)
         return RoleCapacity(shape, kv_tokens, sched.max_running_requests, prefill, decode, floor,
                             alone)
 

@@ -16,7 +16,7 @@ from pdsim.config import ConfigError, parse_experiment
 from pdsim.pools import open_pool
 from pdsim.metrics import price_columns
 from pdsim.planning.bottleneck import Bottleneck, find_bottleneck
-from pdsim.planning.candidates import Candidate, enumerate_deployments
+from pdsim.planning.candidates import Candidate, enumerate_deployments, prefill_pp_sizes
 from pdsim.planning.config import PERCENTILES, PlanConfig, load_plan, price_per_gpu_hour
 from pdsim.planning.launch import experiment_yaml, sglang_commands
 from pdsim.planning.prefilter import Prefilter, RoleCapacity, Verdict
@@ -51,7 +51,8 @@ def plan(source: PlanConfig | str | Path, *, out_dir: str | Path | None = None,
         workload = generate(cfg.workload_data(), base_dir)
     except ValueError as exc:
         raise ConfigError(f"workload: {exc}") from None
-    deployments = enumerate_deployments(cfg, model, cfg.gpu_limit(hw.gpus_per_node))
+    deployments = enumerate_deployments(cfg, model, cfg.gpu_limit(hw.gpus_per_node),
+                                        prefill_pp_sizes(cfg, workload.input_tokens))
     if not deployments:
         raise ConfigError("search: no deployment fits max_gpus with the TP sizes given")
     timings["enumerate_s"] = time.perf_counter() - t0

@@ -11,7 +11,7 @@ from pdsim.core.config import SchedulerConfig
 from pdsim.core.running import Speculation
 from pdsim.sim.cluster import ClusterSpec, RoleSpec
 from pdsim.sim.cost import Parallelism, kv_capacity_tokens, make_cost_model
-from pdsim.sim.network import PROTOCOLS, NetworkModel, descriptor_counts
+from pdsim.sim.network import PROTOCOLS, NetworkModel, descriptor_counts, stage_kv_page_bytes
 from pdsim.sim.speculative import (
     draft_spec,
     draft_state_bytes_per_request,
@@ -26,7 +26,7 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
                hw: HardwareSpec, base_dir: str | None = None) -> RoleSpec:
     par = Parallelism(tp=role.tp, dp_attention=role.dp_attention, ep=role.ep,
                       moe_a2a=role.moe_a2a, two_batch_overlap=role.two_batch_overlap,
-                      moe_dense_tp=role.moe_dense_tp, dp_lm_head=role.dp_lm_head)
+                      moe_dense_tp=role.moe_dense_tp, dp_lm_head=role.dp_lm_head, pp=role.pp)
     knobs = role.scheduler
     kv_bytes = role.kv_bytes(cfg.kv_dtype_bytes)
     # Every cost model prices KV reads in the role's KV dtype unless told otherwise, and
@@ -34,6 +34,10 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     params = {"kv_dtype_bytes": kv_bytes, "role": name, **_expert_load_params(cfg, role),
               **{k: _resolve(v, base_dir) for k, v in cfg.cost_model.params.items()}}
     spec = cfg.speculative
+    if role.pp > 1 and spec.method != "none":
+        raise ConfigError(f"cluster.{name}.pp={role.pp}: pipeline stages are not modelled "
+                          f"with speculative decoding (speculative.method {spec.method!r}); "
+                          "use pp 1 or method none")
     try:
         draft = None if spec.method == "none" else draft_spec(
             spec.method, model, spec.draft_layers, spec.draft_model)
@@ -67,8 +71,12 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     else:
         line_rate = net.line_rate_efficiency or PROTOCOLS[net.protocol].line_rate_efficiency
         nic = (net.bandwidth_gb_per_s or hw.rdma_gb_per_s) * 1e9 * role.tp * line_rate
-    return RoleSpec(role.instances, role.dp_attention, role.tp, sched, cost, nic, kv_page_bytes,
-                    state_bytes_per_request=state_bytes, wakeup_s=knobs.wakeup_s)
+    # Each pipeline stage sends its own layers' KV over its own NICs, all stages at once: a
+    # transfer lasts as long as the stage with the most bytes takes on one stage's NICs.
+    nic *= kv_page_bytes / max(stage_kv_page_bytes(kv_page_bytes, model.num_layers, role.pp))
+    return RoleSpec(role.instances, role.dp_attention, role.gpus_per_instance, sched, cost, nic,
+                    kv_page_bytes, state_bytes_per_request=state_bytes, wakeup_s=knobs.wakeup_s,
+                    pp=role.pp)
 
 
 def _expert_load_params(cfg: ExperimentConfig, role: RoleConfig) -> dict:

@@ -29,8 +29,9 @@ from pdsim.faults import FaultsConfig
 from pdsim.sim.arrivals import ArrivalSource, ClosedLoopSource, OpenLoop
 from pdsim.sim.cost import CostModel
 from pdsim.sim.faults import SimFaults
-from pdsim.sim.instance import CostExecutor, SimInstance
+from pdsim.sim.instance import SimInstance
 from pdsim.sim.network import Link, NetworkModel, SimFabric, SimKVManager
+from pdsim.sim.pipeline import make_executor
 from pdsim.workload import ClosedLoop, PrefixBlocks
 
 
@@ -47,6 +48,7 @@ class RoleSpec:
     kv_bytes_per_page: float = 0.0  # bytes a page of this role's KV weighs on the wire
     state_bytes_per_request: float = 0.0  # sent with a request's last chunk (draft state)
     wakeup_s: float = 0.0  # an idle scheduler of this role notices new work this late
+    pp: int = 1  # pipeline stages per instance (pdsim/sim/pipeline.py)
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ class Simulation:
             on_done = self._prefill_done if kind == "prefill" else self._request_done
             inst = SimInstance(
                 self.env, Instance(make_schedulers(), on_done, self.cluster.dp_assignment),
-                CostExecutor(role.cost()), make_schedulers, wakes_on_arrival=kind == "colocated",
+                make_executor(role.cost(), role.pp, lambda: self.env.now), make_schedulers, wakes_on_arrival=kind == "colocated",
                 wakeup_s=role.wakeup_s, decode_runs=self.decode_runs,
                 next_arrival_s=(lambda: self.next_arrival_s) if kind == "colocated"
                 else lambda: math.inf)

@@ -23,6 +23,7 @@ from pdsim.sim.overheads import EAGER_LAUNCH_S, HostOverheads, host_overheads
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
 from pdsim.specs.parallel import check_dp_options, check_moe_a2a
+from pdsim.specs.pipeline import stage_model
 from pdsim.specs.precision import DTYPES, gemm_peak_tflops
 
 ACT_BYTES = 2  # activations are bf16
@@ -50,6 +51,10 @@ class Parallelism(BaseModel):
         collective; 1 = each GPU runs the whole dense MLP on its own tokens, no collective.
     dp_lm_head: SGLang's `--enable-dp-lm-head`: embedding and LM head split over each
         attention-DP rank's GPUs, each rank on its own rows, instead of over tp.
+    pp: pipeline stages (SGLang's `--pp-size`), each of tp GPUs with its share of the layers
+        (pdsim.specs.pipeline). A cost model then prices one stage's step: the slowest stage's
+        layers plus the activation send to the next stage (`pp_send_terms`); the pipeline's
+        overlap of chunks across stages is the simulator's (pdsim/sim/pipeline.py).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -61,6 +66,7 @@ class Parallelism(BaseModel):
     two_batch_overlap: bool = False
     moe_dense_tp: Literal[1] | None = None
     dp_lm_head: bool = False
+    pp: int = Field(default=1, ge=1)
 
     @model_validator(mode="after")
     def _check_divides(self) -> Parallelism:
@@ -79,8 +85,9 @@ class Parallelism(BaseModel):
 
 def weight_bytes_per_gpu(model: ModelSpec, parallel: Parallelism) -> int:
     """Weight bytes on one GPU under `parallel` (shared experts replicated under DeepEP, dense
-    MLP over moe_dense_tp, LM head per DP rank with dp_lm_head): what KV capacity subtracts."""
-    return model.weight_bytes_per_rank(
+    MLP over moe_dense_tp, LM head per DP rank with dp_lm_head; with pp, the slowest stage's
+    layers): what KV capacity subtracts."""
+    return stage_model(model, parallel.pp).weight_bytes_per_rank(
         parallel.tp, parallel.ep, parallel.dp_attention, deepep=parallel.moe_a2a == "deepep",
         dense_tp=parallel.moe_dense_tp, dp_lm_head=parallel.dp_lm_head)
 
@@ -208,6 +215,33 @@ def with_eager_overhead(parts: tuple[float, ...], host: HostOverheads | None,
     return (*parts[:-1], parts[-1] + extra) if extra else parts
 
 
+PP_LINK_EFFICIENCY = 0.7  # share of the link a stage-to-stage send reaches (as the roofline's collectives)
+PP_SEND_LATENCY_S = 10e-6  # fixed time of one stage-to-stage send (as one all-reduce's)
+
+
+class PPSend(NamedTuple):
+    """A pipeline stage's send of its step's activations to the next stage, per GPU:
+    fixed_s + tokens * s_per_token (zero without pipeline stages)."""
+
+    fixed_s: float
+    s_per_token: float
+
+    def at(self, tokens: float) -> float:
+        return self.fixed_s + tokens * self.s_per_token if tokens else 0.0
+
+
+def pp_send_terms(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism) -> PPSend:
+    """SGLang's stages hand the next one the hidden states and the residual (bf16), each
+    attention-TP rank its 1/attn_tp slice of its rank's tokens (the receiver all-gathers them),
+    over NVLink when the instance's tp * pp GPUs fit in one node, else over the RDMA NICs."""
+    if parallel.pp == 1:
+        return PPSend(0.0, 0.0)
+    nvlink = parallel.tp * parallel.pp <= hardware.gpus_per_node
+    gb_per_s = hardware.nvlink_gb_per_s if nvlink else hardware.rdma_gb_per_s
+    bytes_per_token = 2 * model.hidden_size * ACT_BYTES / parallel.attn_tp
+    return PPSend(PP_SEND_LATENCY_S, bytes_per_token / (gb_per_s * 1e9 * PP_LINK_EFFICIENCY))
+
+
 def max_rank_decode_reqs(shapes: Sequence[BatchShape]) -> int:
     return max((s.decode_reqs for s in shapes), default=0)
 
@@ -322,6 +356,8 @@ class RooflineCostModel:
         if parallel.ep > 1 and not model.is_moe:
             raise ValueError(f"ep={parallel.ep} needs a MoE model; {model.name} is dense")
         self.model, self.hardware, self.parallel, self.params = model, hardware, parallel, p
+        model = stage_model(model, parallel.pp)  # with pp, one stage's layers are priced
+        self._pp_send = pp_send_terms(model, hardware, parallel)
         self._load, self._host = step_extras(model, hardware, parallel, p)
 
         tp, attn_tp, ep = parallel.tp, parallel.attn_tp, parallel.ep
@@ -564,7 +600,8 @@ class RooflineCostModel:
         all-reduce, norms, per-layer overhead; moe_experts: routed and shared experts, router;
         moe_comm: the MLP collective or DeepEP's dispatch/combine; tbo_overlap: what two-batch
         overlap changes (negative where it hides communication, positive where splitting a
-        weight-bound batch reads the weights twice); overhead: per step and extend."""
+        weight-bound batch reads the weights twice); overhead: per step and extend, and with
+        pipeline stages the send to the next stage."""
         return dict(zip(BREAKDOWN_PARTS, self._parts(shapes)))
 
     def _parts(self, shapes: Sequence[BatchShape]) -> tuple[float, ...]:
@@ -598,9 +635,9 @@ class RooflineCostModel:
             experts, comm, tbo = self._moe_layers_s(shapes, attn, mlp_comm, tokens,
                                                     max_rank_tokens, has_prefill)
         lm_head = self._lm_gemm.at(max_rank_rows if self._dp_lm_head else lm_rows)
-        overhead = 0.0
+        overhead = self._pp_send.at(max_rank_tokens)
         if self.params.scheduler_overhead:
-            overhead = self._step_overhead_s + (self._extend_overhead_s if has_prefill else 0.0)
+            overhead += self._step_overhead_s + (self._extend_overhead_s if has_prefill else 0.0)
         return dense_mlp, dense_comm, experts, comm, tbo, lm_head, overhead
 
     def _moe_layers_s(self, shapes: Sequence[BatchShape], attn: float, mlp_comm: float,
@@ -653,7 +690,8 @@ def kv_capacity_tokens(
     pool. Each GPU of a DP rank stores every token of that rank's pool, but only its own
     slice of it (GQA: its KV heads; MLA: the whole latent, replicated), so the tokens that fit
     are the free bytes of one GPU over the per-GPU bytes of one token. The same count holds
-    for every DP rank.
+    for every DP rank. With pipeline stages a GPU holds only its stage's layers, weights and
+    KV (the slowest stage's, which holds the most).
     """
     if not 0 < mem_fraction_static <= 1:
         raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
@@ -667,5 +705,6 @@ def kv_capacity_tokens(
             f"({mem_fraction_static} x {hardware.hbm_gib} GiB) is available; raise tp or "
             f"mem_fraction_static"
         )
-    per_token = model.kv_bytes_per_token_per_rank(parallel.attn_tp, kv_dtype_bytes)
+    per_token = stage_model(model, parallel.pp).kv_bytes_per_token_per_rank(
+        parallel.attn_tp, kv_dtype_bytes)
     return int(free // per_token)

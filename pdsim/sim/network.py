@@ -9,7 +9,10 @@ share along its path (sender's link and receiver's link), recomputed whenever on
 ends (processor sharing). `sharing: fifo`: a chunk occupies both links alone from the moment both
 are free. Every transfer also costs `per_descriptor_s` of NIC time per descriptor (one per
 buffer and run of pages contiguous on both sides, or per token slot when GQA heads move as
-slices across a TP mismatch). With `enabled: false` the bytes move for free; the per-transfer
+slices across a TP mismatch). An instance of pipeline stages sends from all its stages' NICs at
+once, each stage its own layers' KV (`stage_kv_page_bytes`): its link is the stages' NICs
+together, at the pace of the stage with the most layers, and its descriptors spread over all its
+GPUs. With `enabled: false` the bytes move for free; the per-transfer
 floor and the message latencies remain. The floor is latency, not link time: concurrent
 transfers overlap their floors.
 """
@@ -26,6 +29,7 @@ import simpy
 from pdsim.core.kvpoll import KVPoll, advance
 from pdsim.core.transfer import DictMetadataStore
 from pdsim.sim.events import Call, call_fn, push_after
+from pdsim.specs.pipeline import stage_layer_ranges
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,14 @@ def descriptor_counts(layers: int, kv_buffers_per_layer: int, page_size: int, kv
         return float(buffers * dst_attn_tp), 0.0
     pairs = max(min(src_attn_tp, kv_heads), min(dst_attn_tp, kv_heads))
     return 0.0, float(buffers * page_size * pairs)
+
+
+def stage_kv_page_bytes(page_bytes: float, num_layers: int, pp: int) -> list[float]:
+    """A page's bytes on the wire per pipeline stage of the sending instance: each stage holds
+    and sends the KV of its own layers (pdsim.specs.pipeline), to a decode side of any TP or
+    none of PP. The stages' shares add up to the page."""
+    return [page_bytes * len(layers) / num_layers
+            for layers in stage_layer_ranges(num_layers, pp)]
 
 
 def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> int:

@@ -38,6 +38,7 @@ from pdsim.sim.cost import (
     StepParams,
     layers_attention_s,
     max_rank_decode_reqs,
+    pp_send_terms,
     step_extras,
     step_totals,
     with_eager_overhead,
@@ -47,6 +48,7 @@ from pdsim.sim.silicon.interp import Grid2, Stage
 from pdsim.sim.silicon.ops import ACT_BYTES, MLA_TABLE_DIMS, MissingTable, op_tables
 from pdsim.specs.hardware import HardwareSpec, load_hardware_spec
 from pdsim.specs.models import ModelSpec
+from pdsim.specs.pipeline import stage_model
 
 ELEMENTWISE_KERNELS = 4  # per layer: two fused add+RMSNorms, RoPE, the MLP activation
 
@@ -135,6 +137,8 @@ class SiliconCostModel:
                 f"the roofline cost model)")
         self.model, self.hardware, self.parallel, self.params = model, hardware, parallel, p
         self.system = system
+        model = stage_model(model, parallel.pp)  # with pp, one stage's layers are priced
+        self._pp_send = pp_send_terms(model, hardware, parallel)
         self._load, self._host = step_extras(model, hardware, parallel, p)
         if p.moe_distribution != "balanced":
             self._load = None
@@ -310,9 +314,9 @@ class SiliconCostModel:
             experts, comm, tbo = self._moe_layers_s(shapes, attn, tokens, max_rank_tokens,
                                                     has_prefill)
         lm_head = self._stage(plan.lm_head, max_rank_rows if plan.dp_lm_head else lm_rows)
-        overhead = 0.0
+        overhead = self._pp_send.at(max_rank_tokens)
         if self.params.scheduler_overhead:
-            overhead = self.params.step_overhead_s + (
+            overhead += self.params.step_overhead_s + (
                 self.params.extend_overhead_s if has_prefill else 0.0)
         return dense_mlp, dense_comm, experts, comm, tbo, lm_head, overhead
 

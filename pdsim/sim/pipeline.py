@@ -1,0 +1,72 @@
+"""Pipeline-parallel prefill: an instance of `pp` stages, its chunks overlapping across them.
+
+The core plans one extend batch at a time and the simulated instance waits out each step
+before planning the next. With stages, SGLang starts the next chunk on stage 0 as soon as the
+previous one has left it, so up to `pp` chunks are in flight and C chunks back to back take
+(C + pp - 1) stage times, not C * pp. `PipelineExecutor` reproduces those completion times in
+the one-step-at-a-time loop: the cost model prices a step as one stage's (pdsim.sim.cost,
+Parallelism.pp) and the executor answers how long after the step's start its chunk leaves the
+last stage:
+
+- after an idle spell the chunk enters stage 0 at once and leaves the last stage pp stage
+  times later (the pipeline fills: the bubble);
+- back to back (the step is planned the moment the previous one finished) it entered stage 0
+  when the previous chunk left it, so it leaves the last stage one stage time after the
+  previous chunk did, or pp stage times after it entered, whichever is later.
+
+The stage priced is the slowest (pdsim.specs.pipeline), as if every stage took its time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from pdsim.core.batch import Batch, BatchResult
+from pdsim.sim.cost import CostModel
+from pdsim.sim.instance import CostExecutor
+
+
+def next_chunk(stage0_free_s: float, done_s: float, now: float, stage_s: float, pp: int
+               ) -> tuple[float, float]:
+    """(when a chunk of `stage_s` per stage, planned at `now`, leaves stage 0, when it leaves
+    the last stage), the previous chunk having left them at `stage0_free_s` and `done_s`
+    (module docstring)."""
+    entry = now if now > done_s else min(stage0_free_s, now)
+    return entry + stage_s, max(entry + pp * stage_s, max(done_s, now) + stage_s)
+
+
+def pipelined_s(stage_times_s: Sequence[float], pp: int) -> float:
+    """Seconds from an idle start until the last of chunks run back to back (one stage time
+    each) leaves the last of `pp` stages: (C + pp - 1) stage times when they are equal."""
+    stage0_free = done = -math.inf
+    now = 0.0
+    for stage_s in stage_times_s:
+        stage0_free, done = next_chunk(stage0_free, done, now, stage_s, pp)
+        now = done
+    return now
+
+
+class PipelineExecutor(CostExecutor):
+    """`CostExecutor` of an instance with `pp` pipeline stages; `clock()` is the simulated now
+    at which a step starts."""
+
+    def __init__(self, cost: CostModel, pp: int, clock: Callable[[], float]):
+        super().__init__(cost)
+        self.pp = pp
+        self._clock = clock
+        self._stage0_free_s = -math.inf  # when the last chunk left stage 0
+        self._done_s = -math.inf  # when the last chunk left the last stage
+
+    def execute(self, step: Sequence[Batch | None]) -> BatchResult:
+        now = self._clock()
+        self._stage0_free_s, done = next_chunk(self._stage0_free_s, self._done_s, now,
+                                               self.step_time_s(step), self.pp)
+        duration = done - now
+        self._done_s = now + duration  # the float the simulated clock will read at the end
+        return BatchResult(duration)
+
+
+def make_executor(cost: CostModel, pp: int, clock: Callable[[], float]) -> CostExecutor:
+    """The executor of one simulated instance: pipelined with stages, plain without."""
+    return CostExecutor(cost) if pp == 1 else PipelineExecutor(cost, pp, clock)
