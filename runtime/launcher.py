@@ -165,7 +165,8 @@ def make_router(config: PDServeConfig, prefill: Sequence[str], decode: Sequence[
                       headers=None if key is None else key.headers(), page_size=config.page_size,
                       policy_options=config.router.policy_options,
                       read_timeout_s=config.router.read_timeout_s)
-    router.server.protect(api_key=api_key(config.security.api_key))
+    router.server.protect(api_key=api_key(config.security.api_key),
+                          limits=config.security.limits)
     return router
 
 

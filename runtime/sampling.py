@@ -8,7 +8,8 @@ The returned logprob is that of the chosen token under the model's unmodified di
 A row whose sampling fails (its generator cannot be seeded, its distribution is not one) gets the
 greedy token and is reported in `SampleResult.failed`: the caller fails that request alone.
 Temperatures below `GREEDY_BELOW` are greedy (dividing logits by them overflows float32).
-`parse_sampling` checks a request's fields against the ranges the OpenAI API and SGLang accept.
+`parse_sampling` checks a request's fields against the ranges the OpenAI API and SGLang accept,
+narrowed to what this sampler computes (top_p >= `MIN_TOP_P`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ GREEDY_BELOW = 1e-5  # temperatures below this are greedy (SGLang's floor is 1e-
 MAX_TEMPERATURE = 2.0  # the OpenAI API's upper bound
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit signed integer
 TOP_K_MAX = 2**31 - 1
+# top_p is compared with float32 probability sums: a smaller one rounds to 0 there and would drop
+# every token. 1e-6 keeps the top token alone already (it is float32's resolution near 1).
+MIN_TOP_P = 1e-6
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
 
 
@@ -45,8 +49,8 @@ class SamplingParams:
             raise ValueError(f"temperature={self.temperature}; must be in [0, {MAX_TEMPERATURE}]")
         if not 0 <= self.top_k <= TOP_K_MAX:
             raise ValueError(f"top_k={self.top_k}; must be in 0..{TOP_K_MAX} (0 disables it)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}; must be in (0, 1]")
+        if not MIN_TOP_P <= self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}; must be in [{MIN_TOP_P:g}, 1]")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed={self.seed}; must be a 64-bit signed integer")
 
@@ -82,8 +86,10 @@ def parse_sampling(raw: dict, *, default_temperature: float) -> SamplingParams:
                             f"number in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_BELOW:g}: greedy)")
     top_p = raw.get("top_p")
     top_p = 1.0 if top_p is None else top_p
-    if not _is_finite(top_p) or not 0 < top_p <= 1:
-        raise SamplingError("top_p", f"top_p={short_repr(top_p)}; allowed: a number in (0, 1]")
+    if not _is_finite(top_p) or not MIN_TOP_P <= top_p <= 1:
+        raise SamplingError("top_p", f"top_p={short_repr(top_p)}; allowed: a number in "
+                            f"[{MIN_TOP_P:g}, 1] (smaller: the most likely token alone, as "
+                            f"{MIN_TOP_P:g} does)")
     top_k = raw.get("top_k")
     top_k = 0 if top_k is None or top_k == -1 else top_k
     if not is_int(top_k) or not 0 <= top_k <= TOP_K_MAX:
