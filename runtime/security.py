@@ -78,8 +78,11 @@ class ClusterKey:
     def headers(self) -> dict[str, str]:
         return {AUTH_HEADER: self.http_token}
 
-    def accepts(self, token: bytes | None) -> bool:
-        """Whether `token` (the header's raw bytes) is this deployment's, in constant time."""
+    def accepts(self, token: bytes | str | None) -> bool:
+        """Whether `token` (best: the header's bytes as sent) is this deployment's, in constant
+        time; any bytes or text at all, never an exception."""
+        if isinstance(token, str):
+            token = token.encode("utf-8", "surrogateescape")  # how aiohttp decoded the bytes
         return token is not None and hmac.compare_digest(token, self.http_token.encode())
 
 
