@@ -437,3 +437,23 @@ def test_a_flood_of_malformed_requests_logs_a_line_a_second(caplog):
         raw_http(server.url, "GET", "/health", [(b"X-Long", b"x" * 9000)])
         lines = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
         assert re.search(r"\[\d+ more like this", lines[-1]), lines[-1]
+
+
+def test_the_colocated_server_refuses_bad_headers_and_closes_idle_connections():
+    from runtime.openai.server import BackgroundServer, build_server
+    from runtime.serve_config import ServeConfig
+
+    server = build_server(ServeConfig(model="tiny-llama", port=0, num_pages=32, page_size=8,
+                                      device="cpu"))
+    server.protect(api_key=API_KEY, limits=HttpLimits(keepalive_timeout_s=0.5))
+    with BackgroundServer(server) as srv:
+        assert raw_http(srv.url, "GET", "/health", [(b"Authorization", b"\xff")])[0] == 200
+        status, body = raw_http(srv.url, "GET", "/v1/models", [(b"Authorization", b"\xff")])
+        assert status == 401 and error_of(body)["type"] == "authentication_error"
+        status, body = complete(srv.url, top_p=1e-300)
+        assert status == 400 and error_of(body)["param"] == "top_p"
+        u = urllib.parse.urlsplit(srv.url)
+        with socket.create_connection((u.hostname, u.port)) as idle:
+            idle.settimeout(5)
+            start = time.monotonic()
+            assert idle.recv(1) == b"" and time.monotonic() - start < 3
