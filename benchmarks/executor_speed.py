@@ -50,12 +50,12 @@ def prefill_batch(reqs: list[Request]) -> ExtendBatch:
 
 
 def time_prefill(executor: ModelExecutor, reqs: list[Request]) -> float:
-    return executor.execute(prefill_batch(reqs)).duration_s
+    return executor.forward(prefill_batch(reqs)).duration_s
 
 
 def time_decode(executor: ModelExecutor, reqs: list[Request], steps: int) -> float:
     """Seconds for `steps` decode steps (the prompts are prefilled first, untimed)."""
-    result = executor.execute(prefill_batch(reqs))
+    result = executor.forward(prefill_batch(reqs))
     for req, tok in zip(reqs, result.token_ids):
         req.output_ids = [tok]
         req.kv_at_join, req.join_step = req.input_len, 0
@@ -63,7 +63,7 @@ def time_decode(executor: ModelExecutor, reqs: list[Request], steps: int) -> flo
     for step in range(1, steps + 1):
         context = sum(r.input_len + step - 1 for r in reqs)
         shape = BatchShape(decode_reqs=len(reqs), decode_context_tokens=context + len(reqs))
-        res = executor.execute(DecodeBatch(shape, 0.0, reqs, step))
+        res = executor.forward(DecodeBatch(shape, 0.0, reqs, step))
         for req, tok in zip(reqs, res.token_ids):
             req.output_ids.append(tok)
         total += res.duration_s

@@ -12,7 +12,13 @@
    (pdsim.sim.cost at its default RooflineParams: floors, per-format efficiencies). The neighbours are twice as far apart
    as in the real lookup, so silicon's error is an upper bound. Printed: median and P90
    relative error per op kind and model.
-2. Against Vidur's measured A100 profile (CodeLlama-34B shapes; ../shared/anchors/vidur-data):
+2. Transfers: a measured MoE curve moved to another measured configuration by the ratio of
+   the two MoE rooflines (the silicon model's rule for shapes, dtypes and EP sizes a table
+   lacks, pdsim.sim.silicon.ops), against that configuration's own measurement: wide-EP
+   (DeepGEMM) curves to the next EP size up or down; fused-MoE curves between expert counts and
+   between dtypes at the same shape. Printed: median and P90 relative error of the moved curve,
+   and the median of the source curve taken as it is.
+3. Against Vidur's measured A100 profile (CodeLlama-34B shapes; ../shared/anchors/vidur-data):
    the silicon model's a100_sxm lookups for the same ops, side by side with Vidur's medians.
 """
 
@@ -200,6 +206,63 @@ def leave_one_out(all_series: list[Series], samples: int, rng: np.random.Generat
     return np.array(sil), np.array(roo), np.array(edge)
 
 
+def _moved_errors(ops: OpTables, src: pd.Series, dst: pd.Series, src_cfg: tuple,
+                  dst_cfg: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """Relative errors at the shared token counts of `src` moved to `dst_cfg` by the MoE
+    roofline ratio, and of `src` as it is; configs are `moe_roofline`'s arguments."""
+    xs = np.intersect1d(src.index.to_numpy(float), dst.index.to_numpy(float))
+    moved = src.loc[xs].to_numpy(float) * (ops.moe_roofline(*dst_cfg)(xs)
+                                           / ops.moe_roofline(*src_cfg)(xs))
+    measured = dst.loc[xs].to_numpy(float)
+    return np.abs(moved / measured - 1), np.abs(src.loc[xs].to_numpy(float) / measured - 1)
+
+
+def transfers(ops: OpTables) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Transfer kind → (moved-curve errors, unmoved errors) over every measured pair."""
+    out: dict[str, tuple[list, list]] = {}
+
+    def add(kind: str, errors: tuple[np.ndarray, np.ndarray]) -> None:
+        moved, unmoved = out.setdefault(kind, ([], []))
+        moved.extend(errors[0])
+        unmoved.extend(errors[1])
+
+    shape = ["hidden_size", "inter_size", "topk", "num_experts"]
+    for phase in ("context", "generation"):
+        t = ops._table("moe", f"wideep_{phase}_moe_perf.parquet")
+        if t is None:
+            continue
+        t = t[(t.distribution == "uniform") & (t.moe_tp_size == 1)]
+        for (dt, *cfg), g in t.groupby(["moe_dtype", *shape]):
+            curves = {int(e): c.groupby("num_tokens")["latency"].min()
+                      for e, c in g.groupby("moe_ep_size")}
+            eps = sorted(curves)
+            for a, b in zip(eps, eps[1:]):
+                for src, dst in ((a, b), (b, a)):
+                    add(f"wide-EP MoE, EP {'x2' if dst > src else '/2'}",
+                        _moved_errors(ops, curves[src], curves[dst],
+                                      (*cfg, 1, src, _TABLE_TO_PDSIM[dt]),
+                                      (*cfg, 1, dst, _TABLE_TO_PDSIM[dt])))
+    t = ops._need("moe", "moe_perf.parquet")
+    keys = ["moe_dtype", *shape, "moe_tp_size", "moe_ep_size", "distribution"]
+    curves = {tuple(int(v) if isinstance(v, (int, np.integer)) else v for v in k):
+              g.groupby("num_tokens")["latency"].min() for k, g in t.groupby(keys)}
+    for (dt, h, i, k, e, mtp, mep, dist), curve in curves.items():
+        for other in (e * 3 // 2, e * 2):  # 256 -> 384 and 128 -> 256 experts, ...
+            dst = curves.get((dt, h, i, k, other, mtp, mep, dist))
+            if dst is not None:
+                add("fused MoE, experts", _moved_errors(
+                    ops, curve, dst, (h, i, k, e, mtp, mep, _TABLE_TO_PDSIM[dt]),
+                    (h, i, k, other, mtp, mep, _TABLE_TO_PDSIM[dt])))
+        if dt == "fp8_block":
+            for target in ("nvfp4", "bfloat16"):
+                dst = curves.get((target, h, i, k, e, mtp, mep, dist))
+                if dst is not None:
+                    add(f"fused MoE, fp8 -> {target}", _moved_errors(
+                        ops, curve, dst, (h, i, k, e, mtp, mep, "fp8"),
+                        (h, i, k, e, mtp, mep, _TABLE_TO_PDSIM[target])))
+    return {kind: (np.array(a), np.array(b)) for kind, (a, b) in out.items()}
+
+
 def vidur_rows(root: Path) -> list[tuple[str, float, float]]:
     """(case, Vidur median ms, silicon a100_sxm ms) for CodeLlama-34B's ops."""
     model_dir = root / "data/profiling/compute/a100/codellama/CodeLlama-34b-Instruct-hf"
@@ -270,6 +333,12 @@ def main() -> None:
         off = f"{np.median(sil[~edge]):.1%} ({(~edge).sum()} points)" if edge.any() else "-"
         print(f"{kind:20s} {len(sil):6d} {np.median(sil):11.1%} {np.percentile(sil, 90):6.1%} "
               f"{np.median(roo):12.1%} {np.percentile(roo, 90):6.1%} {off:>28s}")
+    print(f"\nTransfers on {args.system}: a measured MoE curve moved to another measured "
+          f"configuration by the MoE roofline ratio")
+    print(f"{'transfer':28s} {'points':>6s} {'moved p50':>9s} {'p90':>6s} {'unmoved p50':>11s}")
+    for kind, (moved, unmoved) in transfers(ops).items():
+        print(f"{kind:28s} {len(moved):6d} {np.median(moved):9.1%} "
+              f"{np.percentile(moved, 90):6.1%} {np.median(unmoved):11.1%}")
     root = Path(args.vidur)
     if not (root / "data").is_dir():
         print(f"(no Vidur data at {root}; skipping the A100 comparison)")

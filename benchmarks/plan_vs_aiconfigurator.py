@@ -36,7 +36,7 @@ import pandas as pd
 
 from pdsim.config import ConfigError, parse_experiment
 from pdsim.planning import meets, parse_plan, plan
-from pdsim.planning.candidates import Deployment, RoleShape
+from pdsim.planning.candidates import Candidate, RoleShape
 from pdsim.planning.search import tpot_percentiles
 from pdsim.runner import run_point
 
@@ -68,7 +68,7 @@ CASES = {
 
 @dataclass
 class AicChoice:
-    deployment: Deployment | None
+    deployment: Candidate | None
     described: str            # as aiconfigurator reports it
     tok_s_per_gpu: float      # aiconfigurator's prediction
     rate_rps: float           # request rate the deployment sustains, by aiconfigurator
@@ -153,20 +153,20 @@ def _shape(row, prefix: str = "") -> RoleShape:
     return RoleShape(tp * dp, dp, ep)
 
 
-def _to_pdsim(mode: str, row, budget: int) -> tuple[Deployment, str, int]:
-    """aiconfigurator's row → pdsim Deployment, replicated to the GPU budget as its report
+def _to_pdsim(mode: str, row, budget: int) -> tuple[Candidate, str, int]:
+    """aiconfigurator's row → pdsim Candidate, replicated to the GPU budget as its report
     does (replicas = budget // GPUs per replica)."""
     if mode == "agg":
         shape = _shape(row)
         replicas = budget // shape.tp
-        return (Deployment("colocated", (("colocated", replicas, shape),)),
+        return (Candidate("colocated", (("colocated", replicas, shape),)),
                 f"{replicas}x agg {row['parallel']} bs {int(row['bs'])}", replicas * shape.tp)
     if mode != "disagg":
         raise ValueError(f"mode {mode}: pdsim compares agg and disagg only")
     ps, ds = _shape(row, "(p)"), _shape(row, "(d)")
     pw, dw = int(row["(p)workers"]), int(row["(d)workers"])
     replicas = budget // (pw * ps.tp + dw * ds.tp)
-    dep = Deployment("disaggregated", (("prefill", pw * replicas, ps),
+    dep = Candidate("disaggregated", (("prefill", pw * replicas, ps),
                                        ("decode", dw * replicas, ds)))
     return (dep, f"{replicas} x ({pw}P {row['(p)parallel']} + {dw}D {row['(d)parallel']} "
                  f"bs {int(row['(d)bs'])})", dep.num_gpus)
@@ -189,7 +189,7 @@ def plan_data(case: Case, name: str, rate_rps: float, duration_s: float) -> dict
     }
 
 
-def simulate(dep: Deployment, cfg) -> dict:
+def simulate(dep: Candidate, cfg) -> dict:
     """pdsim's simulation of one deployment under the plan's workload and SLO."""
     exp = parse_experiment(dep.experiment_data(cfg, name=f"{cfg.name}_aic"), "aiconfigurator's")
     r = run_point(0, exp, {}, None)

@@ -76,6 +76,7 @@ def run(
 ) -> None:
     """Simulate every point of an experiment and write tables, plots and a report."""
     from pdsim.runner import run_experiment
+    from pdsim.sim.silicon import roofline_reliance_warning
 
     with _exits_on(ConfigError):
         summary, out_dir = run_experiment(experiment, out, jobs, progress=not quiet,
@@ -88,6 +89,9 @@ def run(
         for _, row in summary.iterrows():
             table.add_row(*(_fmt(col, row) for _, col in TABLE_COLUMNS))
         table_console.print(table)
+    warning = roofline_reliance_warning(summary.to_dict("records"))
+    if warning:
+        console.print(warning, style="yellow", markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {out_dir}/summary.csv, requests.parquet, report.md and plots")
 
 
@@ -266,7 +270,7 @@ def serve(
 
 
 def _serve_colocated(cfg) -> None:
-    from runtime.openai.server import serve as run_server
+    from runtime.colocated import serve as run_server
 
     def ready(server) -> None:
         print(f"pdsim serve: {cfg.model_name} ({cfg.mode}) at {server.url}/v1", flush=True)

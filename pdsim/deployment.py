@@ -46,11 +46,11 @@ def _renamed(data: Any, old: dict[str, str]) -> Any:
 
 
 def servable_presets() -> tuple[str, ...]:
-    """The model presets the real backend can build (random weights): runtime.model.config's.
+    """The model presets the real backend can build (random weights): pdsim.specs.servable's.
     Every one is also a simulator preset (pdsim.specs.models), so the same name serves both."""
-    from runtime.model.config import PRESETS  # torch-free
+    from pdsim.specs.servable import SERVABLE_HF_CONFIGS
 
-    return tuple(sorted(PRESETS))
+    return tuple(sorted(SERVABLE_HF_CONFIGS))
 
 
 def model_presets() -> dict[str, tuple[str, ...]]:
@@ -188,7 +188,7 @@ class RoleConfig(_Spec):
 
     @model_validator(mode="after")
     def _divides(self) -> RoleConfig:
-        from pdsim.sim.cost import check_dp_options, check_moe_a2a
+        from pdsim.specs.parallel import check_dp_options, check_moe_a2a
 
         for name in ("dp_attention", "ep"):
             if self.tp % getattr(self, name):

@@ -1,12 +1,12 @@
-"""The serving engine: one thread drives a core scheduler with a `ModelExecutor`, the same loop
-as the simulator's instance process (pdsim/sim/cluster.py), on a monotonic wall clock whose zero
-is `start()`:
+"""The serving engine: one thread drives the core's instance step (pdsim/core/instance.py) with a
+`ModelExecutor`, the same four moves as the simulator's instance process
+(pdsim/sim/instance.py), on a monotonic wall clock whose zero is `start()`:
 
-    now, stop = sync.begin(inbox, apply)    # agree on this iteration's requests, aborts, clock
-    batch = sched.step(now)                 # plan; then stream the core's outbox (`emitted`)
-    result = executor.execute(batch)        # a torch forward, measured
-    sched.on_batch_done(batch, result, now) # (a forward that raises: sched.fail_batch)
-    stream the new tokens and the finished requests (`sched.done`)
+    now, stop = sync.begin(inbox, apply)    # agree on this iteration's inbox and clock; apply it
+    step = inst.begin(now)                  # plan; then stream the core's outbox (`emitted`)
+    result = executor.execute(step)         # a torch forward, measured
+    inst.finish(step, result, now)          # (a forward that raises: inst.fail)
+    stream the new tokens; finished requests stream their end as the core lets them go
 
 The engine is composed, not subclassed: the scheduler is the colocated baseline's
 `ColocatedScheduler` unless another is given (a PD worker passes a `PrefillScheduler` or
@@ -14,8 +14,8 @@ The engine is composed, not subclassed: the scheduler is the colocated baseline'
 (a PD worker's `LockstepSync`, runtime/pd/lockstep_engine.py, broadcasts rank 0's inputs to the
 tensor-parallel ranks and MIN-reduces their transfer polls); `gauges` says what the metrics show.
 
-Other threads talk to the engine only through its inbox (`submit`, `abort`, `call`), which the
-loop drains between forwards, so the scheduler and the executor are touched by the engine
+Other threads talk to the engine only through its inbox (`submit`, `abort`, `call`: typed
+entries, `Entry`), which the loop drains between forwards, so the scheduler and the executor are touched by the engine
 thread alone. A request whose sampling fails is failed alone after the forward (the executor
 lists it); the rest of its batch goes on. After every forward each affected request's new tokens
 go to its *sink*, a callable the submitter gives (the HTTP server's puts them on an asyncio queue
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pdsim.core.config import SchedulerConfig
+from pdsim.core.instance import Abort, Instance, RoomInUse
 from pdsim.core.radix import token_page_keys
 from pdsim.core.records import RequestRecord
 from pdsim.core.request import Request
@@ -65,14 +66,38 @@ class _Stream:
 # Request fields a submitter may set beyond the prompt and sampling (PD: where the two sides meet).
 REQUEST_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
-Item = tuple[str, Any]  # an inbox entry: ("add" | "abort" | "call", its arguments)
-Apply = Callable[[str, Any, float], None]  # applies one entry to the scheduler at a time
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """Inbox: a new request, where its tokens go, and how many top logprobs it wants each."""
+
+    req: Request
+    sink: Sink
+    top_logprobs: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Inbox: run `fn()` on the engine thread between two forwards; its result goes to `future`."""
+
+    fn: Callable[[], Any]
+    future: Future
+
+
+@dataclass(frozen=True, slots=True)
+class CheckPools:
+    """Inbox (PD): every rank reports, at the same point, whether its pools are full."""
+
+    future: Future
+
+
+Entry = Submit | Abort | Call | CheckPools
+Apply = Callable[[Entry, float], None]  # applies one entry at a time
 
 
 class Synchroniser(Protocol):
     """Where the ranks of an instance agree on each iteration's inputs (one rank: nothing)."""
 
-    def begin(self, items: list[Item], stopping: bool, now: float,
+    def begin(self, entries: list[Entry], stopping: bool, now: float,
               apply: Apply) -> tuple[float, bool]:
         """Agree on this iteration's inputs and `apply` them in order; returns the iteration's
         clock and whether to stop. Raises when the ranks cannot agree (a peer is gone): the
@@ -91,10 +116,10 @@ class Synchroniser(Protocol):
 class LocalSync:
     """One process: the inbox as it is, the engine's own clock."""
 
-    def begin(self, items: list[Item], stopping: bool, now: float,
+    def begin(self, entries: list[Entry], stopping: bool, now: float,
               apply: Apply) -> tuple[float, bool]:
-        for kind, item in items:
-            apply(kind, item, now)
+        for entry in entries:
+            apply(entry, now)
         return now, stopping
 
     def idle_timeout(self, sched: InstanceScheduler, now: float) -> float | None:
@@ -142,13 +167,13 @@ class Engine:
         self.executor = executor
         self.config = config
         self.sched = scheduler if scheduler is not None else ColocatedScheduler(config, instance_id)
+        self.inst = Instance([self.sched], self._finished)
         self.sync: Synchroniser = sync if sync is not None else LocalSync()
         self.gauges = gauges
         self.metrics = metrics or ServeMetrics()
         self.records: deque[RequestRecord] = deque(maxlen=max_records)
         self._streams: dict[str, _Stream] = {}
-        self._rooms: dict[int, str] = {}  # bootstrap room -> rid, of the PD requests not done
-        self._inbox: deque[tuple[str, Any]] = deque()
+        self._inbox: deque[Entry] = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -198,12 +223,12 @@ class Engine:
 
     # ---- the inbox (any thread) --------------------------------------------------------------
 
-    def post(self, kind: str, item: Any) -> None:
+    def post(self, entry: Entry) -> None:
         """Queue an inbox entry for the engine thread (`submit`, `abort`, `call` use it)."""
         with self._cond:
             if self._stopping or self._thread is None:
                 raise EngineStopped("the engine is not running")
-            self._inbox.append((kind, item))
+            self._inbox.append(entry)
             self._cond.notify()
 
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, sink: Sink, *,
@@ -219,13 +244,13 @@ class Engine:
         req = Request(rid, len(prompt_ids), max_new_tokens, arrival_s=self.now(),
                       prompt_ids=list(prompt_ids), stop_token_ids=frozenset(stop_token_ids),
                       sampling=sampling, **fields)
-        self.post("add", (req, sink, top_logprobs))
+        self.post(Submit(req, sink, top_logprobs))
         return rid
 
     def abort(self, rid: str, reason: str = "aborted by the client") -> None:
         """Fail `rid` (no-op if it already finished); its sink gets the error event."""
         try:
-            self.post("abort", (rid, reason))
+            self.post(Abort(rid, reason))
         except EngineStopped:
             pass  # shutting down fails every request anyway
 
@@ -237,7 +262,7 @@ class Engine:
     def call(self, fn: Callable[[], Any], timeout: float | None = 30.0) -> Any:
         """Run `fn()` on the engine thread between two forwards and return its result."""
         fut: Future = Future()
-        self.post("call", (fn, fut))
+        self.post(Call(fn, fut))
         return fut.result(timeout)
 
     def has_request(self, rid: str, timeout: float | None = 30.0) -> bool:
@@ -262,14 +287,13 @@ class Engine:
             if stop:
                 break
             try:
-                batch = self.sched.step(now)
+                step = self.inst.begin(now)
             except Exception as exc:  # a core invariant broke: fail what is there, go on
                 log.exception("scheduler step failed")
                 self._fail_all(f"scheduler error: {exc}")
                 continue
-            self._push_new(self.sched.emitted)  # tokens from outside a forward
-            if batch is None:
-                self._finish_done()
+            self._push_new(self.inst.emitted)  # tokens from outside a forward
+            if step is None:
                 self._update_gauges()
                 with self._cond:
                     if not self._inbox and not self._stopping:
@@ -278,22 +302,21 @@ class Engine:
                             self._cond.wait(timeout)
                 continue
             try:
-                result = self.executor.execute(batch)
+                result = self.executor.execute(step)
             except Exception as exc:
                 log.exception("forward failed")
-                self.sched.fail_batch(batch, f"forward failed: {exc}", self.now())
-                self._finish_done()
+                self.inst.fail(step, f"forward failed: {exc}", self.now())
                 self._update_gauges()
                 continue
             for rid, reason in (result.failed or {}).items():
                 log.warning("request %s failed alone: %s", rid, reason)
-            self.sched.on_batch_done(batch, result, self.now())
+            self.inst.finish(step, result, self.now())
+            batch = step[0]
             self.metrics.observe_forward(batch.kind, result.duration_s)
             if batch.kind == "extend":
                 self._push_new(seg.req for seg in batch.segments if seg.is_last)
             else:
                 self._push_new(batch.reqs)
-            self._finish_done()
             self._update_gauges()
         self._fail_all("server shutting down")
         self._update_gauges()
@@ -315,19 +338,17 @@ class Engine:
 
     # ---- the inbox, applied (engine thread) ----------------------------------------------------
 
-    def _apply(self, kind: str, item: Any, now: float) -> None:
-        if kind == "add":
-            self._add(*item, now)
-        elif kind == "abort":
-            rid, reason = item
-            if rid in self._streams:
-                self.sched.abort(rid, reason, now)
-                self._finish_done()
+    def _apply(self, entry: Entry, now: float) -> None:
+        if type(entry) is Submit:
+            self._add(entry.req, entry.sink, entry.top_logprobs, now)
+        elif type(entry) is Abort:
+            if entry.rid in self._streams:
+                self.inst.abort(entry.rid, entry.reason, now)
         else:
-            fn, fut = item
+            fut = entry.future
             if fut.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(fn())
+                    fut.set_result(entry.fn())
                 except BaseException as exc:  # handed to the caller
                     fut.set_exception(exc)
 
@@ -336,33 +357,32 @@ class Engine:
             deliver(sink, StreamEvent(finished=True, error=f"request id {req.rid!r} is in use",
                                       prompt_tokens=req.input_len, status=409))
             return
-        owner = self._rooms.get(req.bootstrap_room) if req.bootstrap_room >= 0 else None
-        if owner is not None:
-            deliver(sink, StreamEvent(
-                finished=True, prompt_tokens=req.input_len, status=409,
-                error=f"bootstrap room {req.bootstrap_room} is in use by request {owner!r}"))
-            return
         stream = self._streams[req.rid] = _Stream(req, sink, top_logprobs)
         if top_logprobs:
             self.executor.want_top_logprobs(req.rid, top_logprobs)
         if self.sched.cache is not None:  # every TP rank keys alike: their schedulers stay equal
             req.prefix_keys = token_page_keys(req.prompt_ids, self.config.page_size)
-        self.sched.add_request(req, now)
-        # The core fails a request it can never hold (longer than the KV pool) at once.
-        stream.rejected = req.finished
-        if req.bootstrap_room >= 0 and not req.finished:
-            self._rooms[req.bootstrap_room] = req.rid
-        self._finish_done()
+        # The core fails a request it can never hold (longer than the KV pool) at once: its
+        # stream ends with a 400 then.
+        stream.rejected = True
+        try:
+            self.inst.add_request(req, now)
+        except RoomInUse as exc:
+            del self._streams[req.rid]
+            self.executor.release(req.rid)
+            deliver(sink, StreamEvent(finished=True, prompt_tokens=req.input_len, status=409,
+                                      error=str(exc)))
+            return
+        stream.rejected = False
 
     def _fail_all(self, reason: str) -> None:
         now = self.now()
         for rid, stream in list(self._streams.items()):
-            if not self.sched.abort(rid, reason, now) and not stream.req.finished:
+            if not self.inst.abort(rid, reason, now) and not stream.req.finished:
                 # In no queue (a core invariant broke mid-step): end its stream all the same.
                 del self._streams[rid]
                 deliver(stream.sink, StreamEvent(finished=True, error=reason,
                                                  prompt_tokens=stream.req.input_len))
-        self._finish_done()
 
     def _push_new(self, reqs) -> None:
         for req in reqs:
@@ -384,32 +404,26 @@ class Engine:
         stream.pushed = len(req.output_ids)
         return StreamEvent(ids, lps, top, prompt_tokens=req.input_len, **final)
 
-    def _finish_done(self) -> None:
-        if not self.sched.done:
-            return
-        done = list(self.sched.done)
-        self.sched.done.clear()
-        for req in done:
-            self.sync.release(req)
-            if self._rooms.get(req.bootstrap_room) == req.rid:
-                del self._rooms[req.bootstrap_room]
-            record = req.to_record("failed" if req.error else "ok")
-            self.records.append(record)
-            self.metrics.observe_request(record)
-            stream = self._streams.pop(req.rid, None)
-            if stream is not None:
-                if req.error:
-                    reason = None
-                elif req.output_ids and req.output_ids[-1] in req.stop_token_ids:
-                    reason = "stop"
-                else:
-                    reason = "length"
-                deliver(stream.sink, self._new_tokens(
-                    stream, finished=True, finish_reason=reason, error=req.error or None,
-                    completion_tokens=req.num_output, cached_tokens=req.cached_tokens,
-                    status=400 if stream.rejected and req.error else None,
-                    param="prompt" if stream.rejected and req.error else None))
-            self.executor.release(req.rid)
+    def _finished(self, req: Request) -> None:
+        """The core let `req` go (finished or failed): record it and end its stream."""
+        self.sync.release(req)
+        record = req.to_record("failed" if req.error else "ok")
+        self.records.append(record)
+        self.metrics.observe_request(record)
+        stream = self._streams.pop(req.rid, None)
+        if stream is not None:
+            if req.error:
+                reason = None
+            elif req.output_ids and req.output_ids[-1] in req.stop_token_ids:
+                reason = "stop"
+            else:
+                reason = "length"
+            deliver(stream.sink, self._new_tokens(
+                stream, finished=True, finish_reason=reason, error=req.error or None,
+                completion_tokens=req.num_output, cached_tokens=req.cached_tokens,
+                status=400 if stream.rejected and req.error else None,
+                param="prompt" if stream.rejected and req.error else None))
+        self.executor.release(req.rid)
 
     def _update_gauges(self) -> None:
         self.metrics.set_gauges(self.gauges(self.sched))

@@ -1,6 +1,6 @@
 """The real backend's executor: runs the core's planned batches through the torch model.
 
-`ModelExecutor` implements the core's `Executor` port (`execute(batch) -> BatchResult`). It owns
+`ModelExecutor` implements the core's `Executor` port (`execute(step) -> BatchResult`, one batch: `forward`). It owns
 the model, the paged KV cache (sized like the scheduler's page pool, whose page indices it is
 handed) and one sampling generator per non-greedy request. The core's conventions:
 
@@ -36,13 +36,14 @@ from pathlib import Path
 import torch
 
 from pdsim.core.batch import Batch, BatchResult, DecodeBatch, ExtendBatch
+from pdsim.core.executor import only_batch
 from pdsim.core.request import Request
 from runtime.model.kv_cache import PagedKVCache
 from runtime.model import AttentionMetadata, CausalLM
-from runtime.sampling import SamplingParams, make_generator, sample
+from runtime.sampler import make_generator, sample
+from runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 GREEDY = SamplingParams()
-MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +129,12 @@ class ModelExecutor:
 
     # ---- the port --------------------------------------------------------------------------
 
-    def execute(self, batch: Batch) -> BatchResult:
+    def execute(self, step: Sequence[Batch | None]) -> BatchResult:
+        """The executor port (pdsim/core/executor.py): run the step's one batch."""
+        return self.forward(only_batch(step))
+
+    def forward(self, batch: Batch) -> BatchResult:
+        """Run one batch; its measured duration and the sampled tokens."""
         start = time.perf_counter()
         self._failures = {}  # this batch's rows whose sampling fails
         if batch.kind == "extend":

@@ -35,7 +35,7 @@ import aiohttp
 
 from pdsim.core.radix import token_page_keys
 from pdsim.core.records import RequestRecord
-from pdsim.core.router import Router
+from pdsim.core.router import InflightLoad, Router
 from runtime.chat_template import ChatTemplate
 from runtime.openai.protocol import Limits
 from runtime.openai.server import OpenAIServer
@@ -119,8 +119,7 @@ class PDClient:
         # The policies' load signal, what the core schedulers' load() counts in the simulator:
         # per prefill worker the prompt tokens sent whose prefill call has not returned (its KV
         # not yet computed and sent), per decode worker the requests in flight.
-        self._prefill_tokens = [0] * len(prefill)
-        self._inflight_decode = [0] * len(decode)
+        self.inflight = InflightLoad(len(prefill), len(decode))
         self._tasks: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
         self._connect_timeout_s = connect_timeout_s
@@ -183,8 +182,9 @@ class PDClient:
         """Every way this ends, `sink` gets a last event: the decode stream's own, or an error
         (a worker's refusal with its status, a worker gone mid-stream, a timeout, a cancel)."""
         keys = token_page_keys(request.input_ids, self.page_size) if self.page_size else ()
-        p, d, room = self.router.route(self._prefill_tokens.__getitem__,
-                                       self._inflight_decode.__getitem__, keys)
+        inflight = self.inflight
+        p, d, room = self.router.route(inflight.prefill_tokens.__getitem__,
+                                       inflight.decode_requests.__getitem__, keys)
         pre, dec = self.prefill[p], self.decode[d]
         body = replace(request, bootstrap_host=pre.bootstrap_host,
                        bootstrap_port=pre.bootstrap_port, bootstrap_room=room).to_body()
@@ -192,10 +192,9 @@ class PDClient:
                                output_tokens=0, status="failed", prefill_instance=p,
                                decode_instance=d, arrival_s=self.now())
         n_in = len(request.input_ids)
-        self._prefill_tokens[p] += n_in
-        self._inflight_decode[d] += 1
+        inflight.sent(p, d, n_in)
         prefill_call = asyncio.create_task(self._prefill(pre, body))
-        prefill_call.add_done_callback(lambda _t: self._prefill_done(p, n_in))
+        prefill_call.add_done_callback(lambda _t: inflight.prefill_returned(p, n_in))
         try:
             await self._relay(dec, body, prefill_call, sink, record)
         except asyncio.CancelledError as exc:
@@ -218,7 +217,7 @@ class PDClient:
             if not prefill_call.done():
                 prefill_call.cancel()
             await asyncio.gather(prefill_call, return_exceptions=True)
-            self._inflight_decode[d] -= 1
+            inflight.decode_returned(d)
             record.finish_s = self.now()
             if record.token_times_s:
                 record.first_token_s = record.token_times_s[0]
@@ -226,12 +225,10 @@ class PDClient:
             self.metrics.observe_request(record)
 
     def loads(self) -> tuple[list[int], list[int]]:
-        """The policies' load signal now: per prefill worker the prompt tokens whose prefill call
-        has not returned, per decode worker the requests in flight."""
-        return list(self._prefill_tokens), list(self._inflight_decode)
-
-    def _prefill_done(self, p: int, prompt_tokens: int) -> None:
-        self._prefill_tokens[p] -= prompt_tokens
+        """The policies' load signal now (the core's `InflightLoad`): per prefill worker the
+        prompt tokens whose prefill call has not returned, per decode worker the requests in
+        flight."""
+        return list(self.inflight.prefill_tokens), list(self.inflight.decode_requests)
 
     async def _prefill(self, worker: WorkerAddress, body: dict) -> None:
         async with _calling(worker):

@@ -1,26 +1,17 @@
-"""Next-token sampling: greedy, or temperature / top-k / top-p with a per-request generator.
+"""A request's sampling settings: greedy, or temperature / top-k / top-p with a seed.
 
-Each non-greedy request draws from its own `torch.Generator` (seed it with `make_generator`), so
-a request's tokens depend only on its seed and its logits, never on what else is in the batch.
-The returned logprob is that of the chosen token under the model's unmodified distribution
-(`log_softmax` of the raw logits), whatever the sampling settings.
-
-A row whose sampling fails (its generator cannot be seeded, its distribution is not one) gets the
-greedy token and is reported in `SampleResult.failed`: the caller fails that request alone.
-Temperatures below `GREEDY_BELOW` are greedy (dividing logits by them overflows float32).
 `parse_sampling` checks a request's fields against the ranges the OpenAI API and SGLang accept,
-narrowed to what this sampler computes (top_p >= `MIN_TOP_P`).
+narrowed to what runtime/sampler.py computes (top_p >= `MIN_TOP_P`).
+Temperatures below `GREEDY_BELOW` are greedy (dividing logits by them overflows float32).
+No torch here: the HTTP fronts and the PD router parse requests without loading the model;
+runtime/sampler.py draws the tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from runtime.checks import is_int, short_repr
 
@@ -32,6 +23,7 @@ TOP_K_MAX = 2**31 - 1
 # every token. 1e-6 keeps the top token alone already (it is float32's resolution near 1).
 MIN_TOP_P = 1e-6
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (the executor returns them)
 
 
 class SamplingError(ValueError):
@@ -95,56 +87,3 @@ def parse_sampling(raw: dict, *, default_temperature: float) -> SamplingParams:
     return SamplingParams(temperature=default_temperature if temperature is None else temperature,
                           top_k=0 if top_k is None else top_k,
                           top_p=1.0 if top_p is None else top_p, seed=raw.get("seed"))
-
-
-@dataclass(frozen=True, eq=False)
-class SampleResult:
-    token_ids: torch.Tensor  # [S] int64
-    logprobs: torch.Tensor  # [S] float32
-    failed: dict[int, str]  # row -> why its sampling failed (it holds the greedy token)
-
-
-def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
-
-
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> SampleResult:
-    """Pick one token per row of `logits` `[S, vocab]`; non-greedy rows need a generator. A row
-    that cannot be sampled keeps the greedy token and is listed in `failed`."""
-    if not len(params) == len(generators) == logits.shape[0]:
-        raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params and "
-                         f"{len(generators)} generators")
-    logits = logits.float()
-    logprobs_all = logits.log_softmax(-1)
-    tokens = logits.argmax(-1)
-    failed: dict[int, str] = {}
-    for row, (p, gen) in enumerate(zip(params, generators)):
-        if p.greedy:
-            continue
-        if gen is None:
-            raise ValueError(f"row {row} samples with temperature {p.temperature} but has no "
-                             "generator")
-        try:
-            probs = filtered_probs(logits[row], p)
-            tokens[row] = torch.multinomial(probs, 1, generator=gen)[0]
-        except RuntimeError as exc:  # not a distribution (inf or nan): this row alone fails
-            failed[row] = f"sampling failed: {str(exc).splitlines()[0] if str(exc) else exc!r}"
-    logprobs = logprobs_all.gather(-1, tokens[:, None])[:, 0]
-    return SampleResult(token_ids=tokens, logprobs=logprobs, failed=failed)
-
-
-def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The distribution one row samples from: temperature, then top-k, then top-p."""
-    scaled = logits / p.temperature
-    if p.top_k and p.top_k < scaled.shape[-1]:
-        kth = scaled.topk(p.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = scaled.softmax(-1)
-    if p.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly better tokens
-        drop = before >= p.top_p  # the top token always stays
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-        probs = probs / probs.sum()
-    return probs

@@ -4,9 +4,10 @@
   and record every call made on them.
 - `FixedExecutor`: every extend forward takes `extend_s`, every decode step `decode_s`; it can
   also hand back token ids, like a real executor.
-- `Driver`: steps any number of schedulers on one manual clock, event by event, the way the SimPy
-  driver does (an instance is stepped only when it is not running a forward), and logs each
-  request's queue transitions as `(event, time)` tuples, e.g. `("r0 P:extend", 0.0)`.
+- `Driver`: drives any number of instances (the core's `Instance` step, as the SimPy process and
+  the real engine do) on one manual clock, event by event, the way the SimPy driver does (an
+  instance begins a step only when it is not running a forward), and logs each request's queue
+  transitions as `(event, time)` tuples, e.g. `("r0 P:extend", 0.0)`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import math
 from collections.abc import Callable, Sequence
 
 from pdsim.core.batch import Batch, BatchResult
+from pdsim.core.executor import only_batch
+from pdsim.core.instance import Add, Instance
 from pdsim.core.kvpoll import KVPoll
 from pdsim.core.request import Request
 from pdsim.core.transfer import DictMetadataStore, FirstTokenMetadata
@@ -98,7 +101,8 @@ class StubKV:
 
 class FixedExecutor:
     """Fixed forward durations. With `token_fn(batch, i)` it also returns one token id per
-    extend segment or decode request (logprob -1.0 each), like a real executor."""
+    extend segment or decode request (logprob -1.0 each), like a real executor. `execute` is
+    the core's executor port; `forward` runs the one batch (subclasses wrap it)."""
 
     def __init__(self, extend_s: float = 1.0, decode_s: float = 0.25,
                  token_fn: Callable[[Batch, int], int] | None = None):
@@ -107,7 +111,10 @@ class FixedExecutor:
         self.token_fn = token_fn
         self.batches: list[Batch] = []
 
-    def execute(self, batch: Batch) -> BatchResult:
+    def execute(self, step) -> BatchResult:
+        return self.forward(only_batch(step))
+
+    def forward(self, batch: Batch) -> BatchResult:
         self.batches.append(batch)
         duration = self.extend_s if batch.kind == "extend" else self.decode_s
         if self.token_fn is None:
@@ -126,13 +133,18 @@ class _Slot:
     def __init__(self, name: str, sched, executor):
         self.name = name
         self.sched = sched
+        self.done: list[Request] = []
+        self.inst = Instance([sched], self.done.append)
         self.executor = executor
-        self.batch: Batch | None = None
+        self.step: list | None = None
         self.result: BatchResult | None = None
         self.end_s = math.inf
         self.reqs: dict[str, Request] = {}
         self.state: dict[str, str] = {}
-        self.done: list[Request] = []
+
+    @property
+    def batch(self) -> Batch | None:
+        return self.step[0] if self.step is not None else None
 
 
 class Driver:
@@ -182,9 +194,6 @@ class Driver:
         return states
 
     def _observe(self, slot: _Slot) -> bool:
-        for req in slot.sched.done:
-            slot.done.append(req)
-        slot.sched.done.clear()
         states = self._states(slot)
         changed = False
         for rid, req in slot.reqs.items():
@@ -202,32 +211,32 @@ class Driver:
     # --- time ---
 
     def _idle(self) -> bool:
-        return not self._arrivals and all(s.sched.is_idle and s.batch is None for s in self.slots.values())
+        return not self._arrivals and all(s.inst.is_idle and s.step is None for s in self.slots.values())
 
     def run(self, until_s: float = math.inf, max_events: int = 1_000_000) -> None:
         for _ in range(max_events):
             t = self.now
             for slot in self.slots.values():
-                if slot.batch is not None and slot.end_s <= t:
-                    batch, result = slot.batch, slot.result
-                    slot.batch, slot.result, slot.end_s = None, None, math.inf
-                    slot.sched.on_batch_done(batch, result, t)
+                if slot.step is not None and slot.end_s <= t:
+                    step, result = slot.step, slot.result
+                    slot.step, slot.result, slot.end_s = None, None, math.inf
+                    slot.inst.finish(step, result, t)
                     self._observe(slot)
             while self._arrivals and self._arrivals[0][0] <= t:
                 _, _, name, req = self._arrivals.pop(0)
                 slot = self.slots[name]
                 slot.reqs[req.rid] = req
-                slot.sched.add_request(req, t)
+                slot.inst.apply(Add(req), t)  # the inbox, applied as it arrives
                 self._observe(slot)
             for _pass in range(1000):
                 changed = False
                 for slot in self.slots.values():
-                    if slot.batch is not None:
+                    if slot.step is not None:
                         continue
-                    batch = slot.sched.step(t)
-                    if batch is not None:
-                        slot.batch = batch
-                        slot.result = slot.executor.execute(batch)
+                    step = slot.inst.begin(t)
+                    if step is not None:
+                        slot.step = step
+                        slot.result = slot.executor.execute(step)
                         slot.end_s = t + slot.result.duration_s
                         changed = True
                     changed |= self._observe(slot)
@@ -237,7 +246,7 @@ class Driver:
                 raise RuntimeError(f"the schedulers did not settle at t={t}")
             if self._idle():
                 return
-            ends = [s.end_s for s in self.slots.values() if s.batch is not None]
+            ends = [s.end_s for s in self.slots.values() if s.step is not None]
             if self._arrivals:
                 ends.append(self._arrivals[0][0])
             if ends:

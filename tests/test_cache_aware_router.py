@@ -172,7 +172,7 @@ def test_a_config_sets_the_policy_for_both_backends():
 
 
 class TokenTimed(FixedExecutor):
-    def execute(self, batch):
+    def forward(self, batch):
         self.batches.append(batch)
         return BatchResult(0.01 + 1e-4 * batch.shape.prefill_tokens if batch.kind == "extend" else 0.02)
 

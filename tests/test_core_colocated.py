@@ -108,12 +108,12 @@ class CountingExecutor(FixedExecutor):
         self.recomputes = 0
         self.max_running = 0
 
-    def execute(self, batch):
+    def forward(self, batch):
         if batch.kind == "extend":
             self.recomputes += sum(g.req.num_output > 0 for g in batch.segments if g.start == 0)
         else:
             self.max_running = max(self.max_running, len(batch.reqs))
-        return super().execute(batch)
+        return super().forward(batch)
 
 
 def test_random_workload_under_a_small_pool_leaks_nothing():

@@ -136,7 +136,10 @@ def test_request_slot_reserve_caps_running_at_max_running():
     s.check_pools_full()
 
 
-def test_prebuilt_waits_for_room_in_the_running_batch():
+def test_prebuilt_waits_for_room_and_sends_its_first_token_when_it_joins():
+    """As SGLang streams it from the prebuilt batch: a request whose KV landed while the running
+    batch is full sends its first token only when it joins, so the wait for room is in its
+    TTFT, not in its first inter-token gap."""
     kv = StubKV(initial=KVPoll.WaitingForInput)
     s = DecodeScheduler(cfg(max_running_requests=1, pre_alloc_size=2), kv)
     r0, r1 = req("r0", 4, 3), req("r1", 4, 3)
@@ -147,8 +150,23 @@ def test_prebuilt_waits_for_room_in_the_running_batch():
     kv.deliver(r1)
     batch = s.step(1.0)
     assert list(s.running.reqs) == [r0] and list(s.prebuilt) == [r1]
-    assert r1.transfer_done_s == 1.0 and r1.token_times_s == [1.0]  # its first token is out
+    assert s.emitted == [r0] and r0.token_times_s == [1.0] and r0.decode_join_s == 1.0
+    assert r1.transfer_done_s == 1.0 and r1.token_times_s == [] and r1.num_output == 0
     assert batch.reqs == [r0]
+    t = 1.0
+    while not r0.finished:  # r0 decodes its two other tokens; r1 waits in the prebuilt line
+        t += 0.5
+        s.on_batch_done(batch, BatchResult(0.5), t)
+        batch = s.step(t)
+    assert r0.token_times_s == [1.0, 1.5, 2.0] and s.emitted == [r1]
+    assert r1.decode_join_s == 2.0 and r1.token_times_s == [2.0]  # sent as it joins
+    assert batch.reqs == [r1]
+    while not r1.finished:
+        t += 0.5
+        s.on_batch_done(batch, BatchResult(0.5), t)
+        batch = s.step(t)
+    assert r1.token_times_s == [2.0, 2.5, 3.0]  # ITLs of one step each: the wait is in TTFT
+    s.check_pools_full()
 
 
 def test_crossed_metadata_fails_the_request_and_frees_everything():

@@ -188,9 +188,9 @@ class CountingExecutor(FixedExecutor):
         super().__init__(extend_s=1.0, decode_s=0.25)
         self.extends = 0
 
-    def execute(self, batch):
+    def forward(self, batch):
         self.extends += batch.kind == "extend"
-        return super().execute(batch)
+        return super().forward(batch)
 
 
 def test_random_pd_workload_under_small_pools_leaks_nothing():
@@ -244,8 +244,8 @@ class _SamplingFailsFor(FixedExecutor):
         super().__init__(extend_s=1.0, token_fn=lambda batch, i: 7)
         self.rid = rid
 
-    def execute(self, batch):
-        result = super().execute(batch)
+    def forward(self, batch):
+        result = super().forward(batch)
         if batch.kind == "extend" and any(seg.req.rid == self.rid for seg in batch.segments):
             result.failed = {self.rid: "sampling failed: bad seed"}
         return result

@@ -157,7 +157,7 @@ def test_aborting_a_request_that_matched_drops_its_pin():
 class TokenTimedExecutor(FixedExecutor):
     """An extend costs 10 ms plus 0.1 ms a computed token; a decode step 20 ms."""
 
-    def execute(self, batch):
+    def forward(self, batch):
         self.batches.append(batch)
         if batch.kind == "extend":
             return BatchResult(0.01 + 1e-4 * batch.shape.prefill_tokens)

@@ -9,6 +9,7 @@ import pytest
 
 from pdsim.core import router as router_mod
 from pdsim.core.router import (
+    InflightLoad,
     POLICIES,
     ROOM_BITS,
     Router,
@@ -192,3 +193,16 @@ def test_dp_rank_spreads_random_rooms():
     counts = Counter(dp_rank_for_room(new_bootstrap_room(rng), 4) for _ in range(4000))
     assert set(counts) == {0, 1, 2, 3}
     assert min(counts.values()) > 900
+
+
+def test_inflight_load_counts_what_was_sent_until_it_comes_back():
+    load = InflightLoad(2, 3)
+    load.sent(1, 2, 100)
+    load.sent(1, 0, 30)
+    load.sent(-1, 2, 50)  # colocated: no prefill side
+    assert load.prefill_tokens == [0, 130] and load.decode_requests == [1, 0, 2]
+    load.prefill_returned(1, 100)  # its KV is on the decode side: the prefill call returned
+    assert load.prefill_tokens == [0, 30] and load.decode_requests == [1, 0, 2]
+    load.decode_returned(2)
+    load.prefill_lost(1)  # the worker died: every call to it returned at once
+    assert load.prefill_tokens == [0, 0] and load.decode_requests == [1, 0, 1]

@@ -155,9 +155,9 @@ def test_retracted_requests_recompute_from_prompt_and_output_ids():
         reqs.append(Request(f"r{i}", n_in, rng.randint(5, 25), prompt_ids=list(range(n_in))))
         d.submit(0.1 * i, "C", reqs[-1])
     recomputed = []
-    orig = ex.execute
+    orig = ex.forward
 
-    def execute(batch):
+    def forward(batch):
         if batch.kind == "extend":
             for g in batch.segments:
                 if g.req.num_output:
@@ -166,7 +166,7 @@ def test_retracted_requests_recompute_from_prompt_and_output_ids():
                     recomputed.append(g.req.rid)
         return orig(batch)
 
-    ex.execute = execute
+    ex.forward = forward
     d.run()
     assert recomputed, "the pool should have forced retractions"
     for r in reqs:

@@ -76,7 +76,7 @@ def drive(sched, executor, reqs):
     while not sched.is_idle:
         batch = sched.step(now)
         assert batch is not None, "the scheduler stalled"
-        result = executor.execute(batch)
+        result = executor.forward(batch)
         now += result.duration_s
         sched.on_batch_done(batch, result, now)
         batches.append(batch)

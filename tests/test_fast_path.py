@@ -9,7 +9,8 @@ import pytest
 
 from pdsim.config import parse_experiment
 from pdsim.sim.build import build_cluster
-from pdsim.sim.cluster import SimInstance, simulate
+from pdsim.sim.cluster import simulate
+from pdsim.sim.instance import SimInstance
 from pdsim.workload import generate
 
 

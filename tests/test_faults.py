@@ -366,3 +366,41 @@ def test_killed_decode_worker_fails_its_requests_in_both_backends(tmp_path, monk
     # After the restart: served again (the real one needs its start-up time on top).
     assert s_after.ok and after["ended"] and after["error"] is None and after["tokens"] == 8
     assert after["sent"] > KILL_S + BACK_S
+
+
+def test_a_restarted_prefill_still_sends_the_draft_state_with_its_kv():
+    """A restarted instance's schedulers come from the same builder as the first ones: with
+    speculative decoding the prefill side still sends each request's draft state (the
+    restart used to rebuild the transfer manager without it, so the bytes silently dropped)."""
+    data = experiment({"kill": [{"role": "prefill", "at_s": 1.0, "restart_after_s": 0.5}]})
+    data.update(model="deepseek-v3", hardware="h200",
+                speculative={"method": "mtp", "num_draft_tokens": 1,
+                             "acceptance": {"rates": [0.8]}})
+    data["cluster"] = {"prefill": {"instances": 1, "tp": 8}, "decode": {"instances": 1, "tp": 8}}
+    cfg = parse_experiment(data)
+    cluster = build_cluster(cfg)
+    assert cluster.prefill.state_bytes_per_request > 0
+    wl = generate(cfg.workload)
+    sim = Simulation(cluster, cfg.seed)
+    result = sim.run(wl.arrival_s, wl.input_tokens, wl.output_tokens)
+    assert any(r.error for r in result.records) and any(r.ok for r in result.records)
+    restarted = sim.prefills[0].schedulers[0].kv
+    assert restarted.state_bytes_per_request == cluster.prefill.state_bytes_per_request
+
+
+@pytest.mark.parametrize("faults", [
+    {"kill": [{"role": "prefill", "instance": 0, "at_s": 1.0, "restart_after_s": 1.0}]},
+    {"kill": [{"role": "decode", "instance": 1, "at_s": 1.0, "restart_after_s": 1.0}]},
+    {"fail_transfers": 0.3},
+])
+def test_the_router_load_comes_back_to_zero_through_faults(faults):
+    """The load signal is the router's own count of what it sent and what came back (one
+    definition for both backends): every request's prompt tokens and decode slot return,
+    whether it finished, failed a transfer, was refused or died with its worker."""
+    cfg = parse_experiment(experiment(faults, prefill=2, decode=2, n=150, rate_rps=40))
+    wl = generate(cfg.workload)
+    sim = Simulation(build_cluster(cfg), cfg.seed)
+    result = sim.run(wl.arrival_s, wl.input_tokens, wl.output_tokens)
+    assert any(r.error for r in result.records) and any(r.ok for r in result.records)
+    assert sim.inflight.prefill_tokens == [0, 0]
+    assert sim.inflight.decode_requests == [0, 0]

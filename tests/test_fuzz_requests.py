@@ -21,7 +21,7 @@ from runtime.serve_config import ServeConfig
 from runtime.chat_template import ChatTemplate
 from runtime.checks import BadRequest
 from runtime.openai.protocol import GenParams, Limits, RequestParser
-from runtime.openai.server import BackgroundServer
+from runtime.colocated import BackgroundServer
 from runtime.tokenizer import ByteTokenizer
 from runtime.transfer import messages
 

@@ -66,10 +66,10 @@ def simpy_log(network: NetworkModel) -> list[tuple[float, str, str, tuple[str, .
                 return batch
             sched.step = step
 
-        def done(req, _done=inst.on_done, _name=name):
+        def done(req, _done=inst.instance.on_done, _name=name):
             log.append((sim.env.now, _name, "done", (req.rid,)))
             _done(req)
-        inst.on_done = done
+        inst.instance.on_done = done
     arrival, n_in, n_out = (np.array(c) for c in zip(*WORKLOAD))
     sim.run(arrival.astype(float), n_in, n_out)
     return log

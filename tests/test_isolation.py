@@ -29,7 +29,7 @@ from runtime.streams import StreamEvent
 from runtime.pd import step_messages as steps
 from runtime.sampling import SamplingParams
 from runtime.serve_config import ServeConfig
-from runtime.openai.server import BackgroundServer
+from runtime.colocated import BackgroundServer
 from runtime.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()

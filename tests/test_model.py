@@ -9,7 +9,8 @@ import torch
 
 from runtime.model.kv_cache import PagedKVCache
 from runtime.model import AttentionMetadata, ModelConfig, build_model, load_model, save_safetensors
-from runtime.sampling import SamplingParams, filtered_probs, make_generator, sample
+from runtime.sampler import filtered_probs, make_generator, sample
+from runtime.sampling import SamplingParams
 from runtime.tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, load_tokenizer
 
 PRESETS = ["tiny-llama", "tiny-mla"]

@@ -18,7 +18,7 @@ import yaml
 from pdsim.config import ConfigError, load_experiment
 from pdsim.metrics import price_columns
 from pdsim.planning import load_plan, meets, parse_plan, plan
-from pdsim.planning.candidates import Deployment, RoleShape, enumerate_deployments
+from pdsim.planning.candidates import Candidate, RoleShape, enumerate_deployments
 from pdsim.planning.launch import sglang_commands
 from pdsim.planning.prefilter import Prefilter
 from pdsim.planning.search import rank_feasible, pareto_frontier, tpot_percentiles
@@ -201,7 +201,7 @@ def test_generated_sglang_commands_parse_and_match_the_deployment():
                       "max_gpus": 64, "launch": {"model_path": "deepseek-ai/DeepSeek-V3"}})
     prefill = RoleShape(16, 8, 16, "deepep")  # two nodes per instance
     decode = RoleShape(8, 8, 8, "deepep")
-    dep = Deployment("disaggregated", (("prefill", 2, prefill), ("decode", 3, decode)))
+    dep = Candidate("disaggregated", (("prefill", 2, prefill), ("decode", 3, decode)))
     cmds = sglang_commands(dep, cfg, gpus_per_node=8)
     servers = [_parse(_server_parser(), line, "sglang.launch_server") for _, line in cmds.servers]
     assert len(servers) == 2 * 2 + 3
@@ -222,7 +222,7 @@ def test_generated_sglang_commands_parse_and_match_the_deployment():
 
 def test_instances_sharing_a_node_get_their_own_gpus_and_ports():
     cfg = parse_plan(SMALL)
-    dep = Deployment("colocated", (("colocated", 6, RoleShape(2)),))
+    dep = Candidate("colocated", (("colocated", 6, RoleShape(2)),))
     cmds = sglang_commands(dep, cfg, gpus_per_node=8)
     servers = [_parse(_server_parser(), line, "sglang.launch_server") for _, line in cmds.servers]
     placed = {(a.host, a.base_gpu_id) for a in servers}
@@ -235,7 +235,7 @@ def test_instances_sharing_a_node_get_their_own_gpus_and_ports():
 def test_the_router_line_carries_cache_aware_settings():
     cfg = parse_plan({**SMALL, "router": {"policy": "cache_aware", "policy_options": {
         "cache_threshold": 0.5, "balance_abs_threshold": 32, "max_tree_size": 4096}}})
-    dep = Deployment("disaggregated", (("prefill", 1, RoleShape(1)), ("decode", 1, RoleShape(2))))
+    dep = Candidate("disaggregated", (("prefill", 1, RoleShape(1)), ("decode", 1, RoleShape(2))))
     router = _parse(_router_parser(), sglang_commands(dep, cfg, gpus_per_node=8).router,
                     "sglang_router.launch_router")
     assert (router.policy, router.cache_threshold, router.balance_abs_threshold) == ("cache_aware", 0.5, 32)
@@ -326,7 +326,7 @@ def test_tpot_floor_discards_when_one_request_steps_are_too_slow():
     cfg = parse_plan({**SMALL, "slo": {"tpot_p90_s": 0.001}})
     model, hw = load_model_spec(cfg.model), load_hardware_spec(cfg.hardware)
     filt = Prefilter(cfg, model, hw, generate(cfg.workload_data()))
-    dep = Deployment("colocated", (("colocated", 1, RoleShape(2)),))
+    dep = Candidate("colocated", (("colocated", 1, RoleShape(2)),))
     verdict = filt.check(dep)
     assert not verdict.keep and verdict.reason.startswith("TPOT floor")
     assert cfg.slo.request_slo().itl_s == 0.001  # goodput's per-request mean-ITL bound
@@ -377,7 +377,7 @@ def test_the_cheapest_first_cutoff_keeps_the_same_results_whatever_order_they_ca
     from pdsim.runner import PointResult
 
     cfg = parse_plan({**SMALL, "search": {"tp": [1, 2], "cost_slack": 0.5}})
-    deps = [Deployment("colocated", (("colocated", n, RoleShape(tp=1)),)) for n in (1, 2, 3, 4)]
+    deps = [Candidate("colocated", (("colocated", n, RoleShape(tp=1)),)) for n in (1, 2, 3, 4)]
     good = {"failed": 0, "completed": 10, "ttft_p90_s": 0.1, "itl_p90_s": 0.001}
     bad = {**good, "ttft_p90_s": 9.0}
 

@@ -54,7 +54,7 @@ def waves(prefix_cache: bool, model, num_pages: int):
         while not sched.is_idle:
             batch = sched.step(now)
             assert batch is not None, "the scheduler stalled"
-            result = executor.execute(batch)
+            result = executor.forward(batch)
             now += result.duration_s
             sched.on_batch_done(batch, result, now)
     sched.check_pools_full()

@@ -22,7 +22,7 @@ from pdsim.core.request import Request
 from runtime.executor import ModelExecutor
 from runtime.model import ModelConfig, build_model
 from runtime.openai.protocol import Limits
-from runtime.openai.server import BackgroundServer
+from runtime.colocated import BackgroundServer
 from runtime.router import PDRouter, WorkerAddress
 from runtime.serve_config import ServeConfig
 from runtime.tokenizer import ByteTokenizer
@@ -203,7 +203,7 @@ def test_the_cached_prefix_reaches_the_decode_side_before_the_suffix_forward_run
 
     def finish(r, receiver, batch):
         nonlocal now
-        result = pex.execute(batch)
+        result = pex.forward(batch)
         now += result.duration_s
         sched.on_batch_done(batch, result, now)
         deadline = time.monotonic() + 10

@@ -80,7 +80,7 @@ def test_fit_to_real_executor_timings_predicts_held_out_forwards():
                                   prompt_ids=[int(t) for t in rng.integers(0, 256, n)]), 0.0)
     while not sched.is_idle:
         batch = sched.step(0.0)
-        sched.on_batch_done(batch, executor.execute(batch), 0.0)
+        sched.on_batch_done(batch, executor.forward(batch), 0.0)
     timings = executor.timings_frame()
     train, test = timings.iloc[::2], timings.iloc[1::2]
     cost = model_for(train)

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 from pdsim.deployment import HttpLimits
 from runtime.http_app import RateLimit
+from runtime.sampler import make_generator, sample
 from runtime.sampling import (
-    MAX_TEMPERATURE, MIN_TOP_P, SEED_MAX, SEED_MIN, TOP_K_MAX, SamplingError, make_generator,
-    parse_sampling, sample,
+    MAX_TEMPERATURE, MIN_TOP_P, SEED_MAX, SEED_MIN, TOP_K_MAX, SamplingError, parse_sampling,
 )
 from runtime.security import AUTH_HEADER, SECRET_ENV, ClusterKey, new_secret
 from runtime.transfer import messages as m

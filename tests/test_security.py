@@ -458,7 +458,7 @@ def test_a_deployment_listens_on_loopback_and_refuses_strangers(tmp_path, monkey
 
 def test_the_api_key_guards_the_colocated_server():
     from runtime.serve_config import ServeConfig
-    from runtime.openai.server import BackgroundServer, build_server
+    from runtime.colocated import BackgroundServer, build_server
 
     server = build_server(ServeConfig(model="tiny-llama", port=0, num_pages=32, page_size=8,
                                       device="cpu"))

@@ -29,7 +29,7 @@ from openai import OpenAI
 
 from runtime.model import AttentionMetadata
 from runtime.serve_config import ServeConfig, load_serve_config
-from runtime.openai.server import BackgroundServer
+from runtime.colocated import BackgroundServer
 from runtime.tokenizer import ByteTokenizer
 
 from pdsim.config import ConfigError

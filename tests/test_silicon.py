@@ -51,9 +51,10 @@ def test_curve_extrapolates_by_the_roofline_ratio_and_says_so():
     assert curve(16) == pytest.approx(4e-5 * _linear_roofline(16) / _linear_roofline(8))
     assert curve(1) == pytest.approx(1e-5 * _linear_roofline(1) / _linear_roofline(2))
     stage = Stage([curve, curve.scaled(lambda x: 2.0)])
-    seconds, extrapolated = stage.at(4)
+    seconds, transferred, extrapolated = stage.at(4)
     assert seconds == pytest.approx(3 * curve(4))
-    assert extrapolated == 1  # the scaled copy stands in for a shape the table lacks
+    assert (transferred, extrapolated) == (1, 0)  # the scaled copy stands in for a shape
+    assert stage.at(16)[1:] == (0, 2)  # off the grid both are extrapolated, not transferred
 
 
 def test_leave_one_out_is_the_cubic_through_the_other_points():
@@ -209,9 +210,10 @@ def test_a_decode_step_from_its_kept_fixed_parts_is_the_full_computation_and_its
                                decode_context_tokens=reqs * rng.randint(1, 9000),
                                decode_query_len=rng.choice((1, 1, 3)))
             assert fast.step_time_s([shape]) == sum(full.step_breakdown_s([shape]).values())
-        counts = [(m.lookups, m.extrapolated_lookups) for m in (fast, full)]
+        counts = [(m.lookups, m.transferred_lookups, m.extrapolated_lookups)
+                  for m in (fast, full)]
         assert counts[0] == counts[1]
-        assert fast.extrapolated_lookups > 0
+        assert fast.transferred_lookups > 0  # the 3-query verify steps
 
 
 @needs_tables
@@ -309,7 +311,8 @@ def test_speculative_verify_grows_attention_and_counts_as_extrapolated():
     four = cost.step_time_s([BatchShape(decode_reqs=32, decode_context_tokens=32 * 4096,
                                         decode_query_len=4)])
     assert one < four < 4 * one
-    assert cost.extrapolated_lookups == 1  # the 4-query attention lookup
+    assert cost.extrapolated_lookups == 0
+    assert cost.transferred_lookups == 1  # the 4-query attention lookup, moved from 1 query
 
 
 @needs_tables

@@ -9,10 +9,12 @@ Queues, in the order a request passes them:
   is running or holds preallocated KV. Request slots number `max_running_requests +
   pre_alloc_size`, so preallocation never takes the slots the running batch needs.
 - **transfer**: poll the receiver. On `Success` read the metadata; its room id must be this
-  request's (else the buffer was crossed: abort), then append the first token. `Failed`, or no
-  KV within `waiting_timeout_s`, aborts.
+  request's (else the buffer was crossed: abort), and keep its first token. `Failed`, or no KV
+  within `waiting_timeout_s`, aborts.
 - **prebuilt**: the KV is in place, so no prefill forward runs; the request merges into the
-  running batch as soon as it has room (`max_running_requests`).
+  running batch as soon as it has room (`max_running_requests`), and only then is its first
+  token sent, as SGLang streams it from the prebuilt batch that takes the request out of the
+  waiting queue: a wait for room counts in the request's TTFT, not in its first ITL.
 - **running**: continuous-batching decode; when the pool runs out a request is retracted and
   later recomputed by a local extend (the shared waiting queue).
 """
@@ -31,6 +33,8 @@ from pdsim.core.transfer import KVManager
 
 
 class DecodeScheduler(InstanceScheduler):
+    meets_by_room = True
+
     def __init__(self, config: SchedulerConfig, kv_manager: KVManager, instance_id: int = 0):
         super().__init__(
             config, instance_id, req_slots=config.max_running_requests + config.pre_alloc_size
@@ -180,8 +184,7 @@ class DecodeScheduler(InstanceScheduler):
         req.cached_tokens = meta.cached_tokens
         req.first_logprob = meta.first_logprob
         token = meta.first_token_id if req.prompt_ids is not None else None
-        self._emit(req, token, meta.first_logprob, now)
-        self.emitted.append(req)
+        req.landed_token = (token, meta.first_logprob)
         self.prebuilt.append(req)
 
     def _prefilled(self, req: Request, token: int | None, logprob: float, now: float) -> None:
@@ -197,4 +200,11 @@ class DecodeScheduler(InstanceScheduler):
     def _merge_prebuilt(self, now: float) -> None:
         cap = self.config.max_running_requests
         while self.prebuilt and len(self.running) < cap:
-            self._start_decoding(self.prebuilt.popleft(), now)
+            req = self.prebuilt.popleft()
+            if req.landed_token is not None:  # (a recomputed one has its tokens already)
+                token, logprob = req.landed_token
+                req.landed_token = None
+                req.decode_join_s = now
+                self._emit(req, token, logprob, now)
+                self.emitted.append(req)
+            self._start_decoding(req, now)

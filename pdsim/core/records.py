@@ -25,8 +25,9 @@ class RequestRecord:
     bootstrap_done_s: float = NAN
     prefill_start_s: float = NAN
     prefill_end_s: float = NAN
-    transfer_done_s: float = NAN
-    first_token_s: float = NAN
+    transfer_done_s: float = NAN  # decode side: the KV landed (its metadata read)
+    decode_join_s: float = NAN  # decode side: it left the waiting line for the running batch
+    first_token_s: float = NAN  # the first token went to the client (PD: at decode_join_s)
     finish_s: float = NAN
     # Emission time of every delivered token (the first included); ITLs are its differences.
     token_times_s: list[float] = field(default_factory=list)

@@ -43,6 +43,9 @@ class Request:
     first_logprob: float = NAN
     output_logprobs: list[float] = field(default_factory=list)
     cached_tokens: int = 0  # prefix tokens found in a cache (reported in the metadata)
+    # PD decode side: the first token (id or None, logprob) read from the KV metadata, sent when
+    # the request joins the running batch
+    landed_token: tuple[int | None, float] | None = None
 
     # Resources
     pages: list[int] = field(default_factory=list)
@@ -67,6 +70,7 @@ class Request:
     prefill_start_s: float = NAN
     prefill_end_s: float = NAN
     transfer_done_s: float = NAN
+    decode_join_s: float = NAN
     finish_s: float = NAN
     token_times_s: list[float] = field(default_factory=list)
     error: str = ""
@@ -110,6 +114,7 @@ class Request:
             prefill_start_s=self.prefill_start_s,
             prefill_end_s=self.prefill_end_s,
             transfer_done_s=self.transfer_done_s,
+            decode_join_s=self.decode_join_s,
             first_token_s=self.token_times_s[0] if self.token_times_s else NAN,
             finish_s=self.finish_s,
             token_times_s=self.token_times_s,

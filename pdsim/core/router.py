@@ -198,6 +198,33 @@ def policy_option_names(name: str) -> list[str]:
     return [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
 
 
+class InflightLoad:
+    """The load signal the policies read, defined once for both backends: what a router itself
+    sees of each instance, the work it sent there that has not come back. Per prefill instance,
+    the prompt tokens of requests whose prefill call has not returned (computed and its KV sent,
+    or failed); per decode (or colocated) instance, the requests that have not ended."""
+
+    def __init__(self, num_prefill: int, num_decode: int):
+        self.prefill_tokens = [0] * num_prefill
+        self.decode_requests = [0] * num_decode
+
+    def sent(self, prefill: int, decode: int, prompt_tokens: int) -> None:
+        """A request went to `prefill` (-1: none, colocated) and `decode`."""
+        if prefill >= 0:
+            self.prefill_tokens[prefill] += prompt_tokens
+        self.decode_requests[decode] += 1
+
+    def prefill_returned(self, prefill: int, prompt_tokens: int) -> None:
+        self.prefill_tokens[prefill] -= prompt_tokens
+
+    def decode_returned(self, decode: int) -> None:
+        self.decode_requests[decode] -= 1
+
+    def prefill_lost(self, prefill: int) -> None:
+        """Every call to `prefill` returned at once (its worker died)."""
+        self.prefill_tokens[prefill] = 0
+
+
 class Router:
     """Pairs a prefill and a decode instance per request, each picked by its own policy state.
 

@@ -27,6 +27,7 @@ from pdsim.core.running import RunningBatch, SpeculativeRunningBatch
 
 class InstanceScheduler:
     caches_prefixes = False  # whether `config.prefix_cache` gives this kind a RadixCache
+    meets_by_room = False  # whether its requests meet a peer instance's by bootstrap room (PD)
 
     def __init__(self, config: SchedulerConfig, instance_id: int = 0, req_slots: int | None = None):
         self.config = config

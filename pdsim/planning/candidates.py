@@ -45,7 +45,7 @@ class RoleShape:
 
 
 @dataclass(frozen=True, order=True)
-class Deployment:
+class Candidate:
     """One candidate: `roles` holds (role, instances, shape): prefill then decode, or the one
     colocated role."""
 
@@ -106,14 +106,14 @@ def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int) -> list[Role
     return sorted(shapes)
 
 
-def enumerate_deployments(plan: PlanConfig, model: ModelSpec, gpu_limit: int) -> list[Deployment]:
+def enumerate_deployments(plan: PlanConfig, model: ModelSpec, gpu_limit: int) -> list[Candidate]:
     """Every deployment of at most `gpu_limit` GPUs in the plan's search space."""
     shapes = role_shapes(plan, model, gpu_limit)
-    out: list[Deployment] = []
+    out: list[Candidate] = []
     if "colocated" in plan.search.modes:
         for shape in shapes:
             for n in range(1, gpu_limit // shape.tp + 1):
-                out.append(Deployment("colocated", (("colocated", n, shape),)))
+                out.append(Candidate("colocated", (("colocated", n, shape),)))
     if "disaggregated" in plan.search.modes:
         for ps in shapes:
             for ds in shapes:
@@ -121,6 +121,6 @@ def enumerate_deployments(plan: PlanConfig, model: ModelSpec, gpu_limit: int) ->
                     continue
                 for p in range(1, (gpu_limit - ds.tp) // ps.tp + 1):
                     for d in range(1, (gpu_limit - p * ps.tp) // ds.tp + 1):
-                        out.append(Deployment("disaggregated",
-                                              (("prefill", p, ps), ("decode", d, ds))))
+                        out.append(Candidate("disaggregated",
+                                             (("prefill", p, ps), ("decode", d, ds))))
     return out

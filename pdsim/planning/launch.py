@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from pdsim.planning.candidates import Deployment, RoleShape
+from pdsim.planning.candidates import Candidate, RoleShape
 from pdsim.planning.config import PlanConfig
 
 # pdsim router policy -> sglang_router's (it has no least-loaded policy; power of two is the
@@ -97,7 +97,7 @@ def _model_name(plan: PlanConfig) -> str:
     return plan.model if isinstance(plan.model, str) else str(plan.model.get("name", "MODEL"))
 
 
-def sglang_commands(dep: Deployment, plan: PlanConfig, gpus_per_node: int) -> LaunchCommands:
+def sglang_commands(dep: Candidate, plan: PlanConfig, gpus_per_node: int) -> LaunchCommands:
     servers: list[tuple[str, str]] = []
     router = ["python", "-m", "sglang_router.launch_router"]
     if dep.mode == "disaggregated":
@@ -121,7 +121,7 @@ def sglang_commands(dep: Deployment, plan: PlanConfig, gpus_per_node: int) -> La
     return LaunchCommands(servers, shlex.join(router))
 
 
-def experiment_yaml(dep: Deployment, plan: PlanConfig) -> str:
+def experiment_yaml(dep: Candidate, plan: PlanConfig) -> str:
     """pdsim's experiment for the deployment: `pdsim run` on it reproduces the plan's figures."""
     data = dep.experiment_data(plan, name=f"{plan.name}_recommended")
     header = (f"# {dep.label}: recommended by `pdsim plan` ({plan.name}).\n"

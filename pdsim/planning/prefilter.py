@@ -37,7 +37,7 @@ import numpy as np
 
 from pdsim.config import ConfigError, parse_experiment
 from pdsim.core.batch import BatchShape, extend_attn_pairs
-from pdsim.planning.candidates import Deployment, RoleShape
+from pdsim.planning.candidates import Candidate, RoleShape
 from pdsim.planning.config import PlanConfig
 from pdsim.sim.build import build_role
 from pdsim.specs.hardware import HardwareSpec
@@ -119,7 +119,7 @@ class Prefilter:
         return self._capacity[key]
 
     def _measure(self, role: str, shape: RoleShape) -> RoleCapacity | str:
-        one = Deployment("colocated", (("colocated", 1, shape),))
+        one = Candidate("colocated", (("colocated", 1, shape),))
         cfg = parse_experiment(one.experiment_data(self.plan), f"plan {self.plan.name}")
         try:
             spec = build_role(cfg, cfg.cluster.colocated, role, self.model, self.hw,
@@ -152,7 +152,7 @@ class Prefilter:
         return RoleCapacity(shape, kv_tokens, sched.max_running_requests, prefill, decode, floor,
                             alone)
 
-    def check(self, dep: Deployment) -> Verdict:
+    def check(self, dep: Candidate) -> Verdict:
         caps = []
         for role, n, shape in dep.roles:
             cap = self.capacity(role, shape)

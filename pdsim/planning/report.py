@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from pdsim.planning.search import Choice, PlanResult, axis_column, latency_columns
+from pdsim.planning.result import Choice, PlanResult, axis_column, latency_columns
 
 FRONTIER_COLUMNS = ("label", "num_gpus", "usd_per_hour", "output_tok_s_per_gpu", "usd_per_mtok",
                     "goodput_req_s_per_gpu", "goodput_req_per_usd", "feasible", "bottleneck")

@@ -7,7 +7,6 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -17,45 +16,16 @@ from pdsim.config import ConfigError, parse_experiment
 from pdsim.executors import open_pool
 from pdsim.metrics import price_columns
 from pdsim.planning.bottleneck import Bottleneck, find_bottleneck
-from pdsim.planning.candidates import Deployment, enumerate_deployments
+from pdsim.planning.candidates import Candidate, enumerate_deployments
 from pdsim.planning.config import PERCENTILES, PlanConfig, load_plan, price_per_gpu_hour
-from pdsim.planning.launch import LaunchCommands, experiment_yaml, sglang_commands
+from pdsim.planning.launch import experiment_yaml, sglang_commands
 from pdsim.planning.prefilter import Prefilter, RoleCapacity, Verdict
+from pdsim.planning.report import write_plan
+from pdsim.planning.result import Choice, PlanResult, latency_columns
 from pdsim.runner import PointResult, run_point
 from pdsim.specs.hardware import HardwareSpec, load_hardware_spec
 from pdsim.specs.models import load_model_spec
 from pdsim.workload import generate
-
-
-@dataclass
-class Choice:
-    """A simulated deployment the plan picked, with what limits it and how to launch it."""
-
-    deployment: Deployment
-    summary: pd.Series
-    bottleneck: Bottleneck
-    launch: LaunchCommands
-    experiment_yaml: str
-
-
-@dataclass
-class PlanResult:
-    """Everything a plan found. `candidates` has one row per deployment enumerated (pre-filter
-    verdict, and the simulated summary where it ran); `frontier` the Pareto-optimal simulated
-    rows (tok/s/GPU up, TTFT and ITL percentiles down)."""
-
-    plan: PlanConfig
-    usd_per_gpu_hour: float
-    candidates: pd.DataFrame
-    frontier: pd.DataFrame
-    recommended: Choice | None
-    runner_up: Choice | None
-    timings_s: dict[str, float] = field(default_factory=dict)
-    out_dir: Path | None = None
-
-    @property
-    def feasible(self) -> pd.DataFrame:
-        return self.candidates[self.candidates["feasible"] == True]  # noqa: E712 (NaN rows)
 
 
 def plan(source: PlanConfig | str | Path, *, out_dir: str | Path | None = None,
@@ -110,13 +80,11 @@ def plan(source: PlanConfig | str | Path, *, out_dir: str | Path | None = None,
                         choices[0] if choices else None, choices[1] if len(choices) > 1 else None,
                         timings)
     if write:
-        from pdsim.planning.report import write_plan
-
         result.out_dir = write_plan(result, Path(out_dir) if out_dir else Path("results") / cfg.name)
     return result
 
 
-def _prefilter_table(deployments: list[Deployment], filt: Prefilter | None,
+def _prefilter_table(deployments: list[Candidate], filt: Prefilter | None,
                      price: float) -> pd.DataFrame:
     """One row per deployment with its cost and the pre-filter's verdict (None: all kept)."""
     rows = []
@@ -129,7 +97,7 @@ def _prefilter_table(deployments: list[Deployment], filt: Prefilter | None,
     return pd.DataFrame(rows)
 
 
-def _with_simulations(cfg: PlanConfig, table: pd.DataFrame, deployments: list[Deployment],
+def _with_simulations(cfg: PlanConfig, table: pd.DataFrame, deployments: list[Candidate],
                       results: dict[int, PointResult | str], price: float, filt: Prefilter,
                       hw: HardwareSpec):
     """The table with each simulated candidate's summary, price columns, feasibility and
@@ -182,20 +150,6 @@ def pareto_frontier(table: pd.DataFrame, cfg: PlanConfig) -> pd.DataFrame:
     return sims[keep].sort_values("output_tok_s_per_gpu", ascending=False)
 
 
-def latency_columns(cfg: PlanConfig) -> list[str]:
-    """The summary's latency columns a plan is judged on: its targets, and the TTFT and ITL
-    columns of the plots."""
-    return list(dict.fromkeys([axis_column(cfg, "ttft"), axis_column(cfg, "itl"),
-                               *cfg.slo.targets()]))
-
-
-def axis_column(cfg: PlanConfig, metric: str) -> str:
-    """The summary column a metric is judged by: its highest percentile target, else p90."""
-    targets = cfg.slo.percentile_targets(metric)
-    q = targets[-1][0] if targets else 90
-    return f"{metric}_p{q}_s"
-
-
 def _sim_row(r: PointResult, price: float) -> dict:
     row = {"candidate": r.index, **{k: v for k, v in r.summary.items()
                                     if k not in ("point", "mode", "label")}}
@@ -213,7 +167,7 @@ def tpot_percentiles(requests: pd.DataFrame) -> dict[str, float]:
             for q in PERCENTILES}
 
 
-def _bottleneck(cfg: PlanConfig, dep: Deployment, r: PointResult, filt: Prefilter,
+def _bottleneck(cfg: PlanConfig, dep: Candidate, r: PointResult, filt: Prefilter,
                 hw: HardwareSpec) -> Bottleneck:
     role, n, shape = dep.roles[-1]
     cap = filt.capacity(role, shape)
@@ -238,7 +192,7 @@ def _run_candidate(index: int, cfg, swept: dict, base_dir: str | None) -> PointR
         return str(exc)
 
 
-def _simulate(cfg: PlanConfig, deployments: list[Deployment], order: list[int], price: float,
+def _simulate(cfg: PlanConfig, deployments: list[Candidate], order: list[int], price: float,
               jobs: int | None, progress: bool, base_dir: str | None, executor: str = "local",
               ray_address: str | None = None) -> dict[int, PointResult | str]:
     """Simulate candidates cheapest first, at most `search.max_simulations`; with the cost
@@ -292,7 +246,7 @@ def _simulate(cfg: PlanConfig, deployments: list[Deployment], order: list[int], 
     return _kept_in_cost_order(cfg, deployments, order, results, price)
 
 
-def _kept_in_cost_order(cfg: PlanConfig, deployments: list[Deployment], order: list[int],
+def _kept_in_cost_order(cfg: PlanConfig, deployments: list[Candidate], order: list[int],
                         results: dict[int, PointResult | str], price: float
                         ) -> dict[int, PointResult | str]:
     """The results the cheapest-first rule of `_simulate` keeps when applied in `order` (the

@@ -20,6 +20,7 @@ from pdsim.core.batch import BatchShape
 from pdsim.sim.moe_comm import A2AMode, deepep_traffic
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
+from pdsim.specs.parallel import check_dp_options, check_moe_a2a
 from pdsim.specs.precision import DTYPES, gemm_peak_tflops
 
 ACT_BYTES = 2  # activations are bf16
@@ -72,29 +73,6 @@ class Parallelism(BaseModel):
     def attn_tp(self) -> int:
         """GPUs in one attention-DP rank."""
         return self.tp // self.dp_attention
-
-
-def check_moe_a2a(moe_a2a: str, two_batch_overlap: bool, tp: int, ep: int) -> None:
-    """The rules SGLang puts on DeepEP and two-batch overlap (one copy for config and cost)."""
-    if moe_a2a == "deepep" and not ep == tp > 1:
-        raise ValueError(
-            f"moe_a2a='deepep' runs expert parallelism over every GPU of the instance: it "
-            f"needs ep = tp > 1, got ep={ep}, tp={tp}"
-        )
-    if two_batch_overlap and moe_a2a != "deepep":
-        raise ValueError(
-            f"two_batch_overlap overlaps DeepEP's dispatch/combine with compute: it needs "
-            f"moe_a2a='deepep', got {moe_a2a!r}"
-        )
-
-
-def check_dp_options(moe_dense_tp: int | None, dp_lm_head: bool, dp_attention: int) -> None:
-    """SGLang accepts --moe-dense-tp-size 1 and --enable-dp-lm-head only with DP attention
-    (pdsim's rule for the first: without it every GPU would run the whole MLP on all tokens)."""
-    for label, on in (("moe_dense_tp=1", moe_dense_tp == 1), ("dp_lm_head", dp_lm_head)):
-        if on and dp_attention < 2:
-            raise ValueError(f"{label} runs per attention-DP rank: it needs dp_attention > 1, "
-                             f"got dp_attention={dp_attention}")
 
 
 def weight_bytes_per_gpu(model: ModelSpec, parallel: Parallelism) -> int:

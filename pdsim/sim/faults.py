@@ -23,38 +23,45 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
-from pdsim.core.decode import DecodeScheduler
-from pdsim.core.prefill import PrefillScheduler
+import simpy
+
 from pdsim.core.request import Request
 from pdsim.faults import TRANSFER_FAULT, FaultsConfig, KillFault
-from pdsim.sim.network import SimKVManager
-
-if TYPE_CHECKING:
-    from pdsim.sim.cluster import SimInstance, Simulation
+from pdsim.sim.instance import SimInstance
+from pdsim.sim.network import SimFabric
 
 
 class SimFaults:
-    def __init__(self, sim: Simulation, config: FaultsConfig):
-        self.sim = sim
+    """The faults of one run over its instances; `end_request(req)` ends a client's request
+    (failed) as the simulation's own done hand-off does; `prefill_lost(i)` tells the router
+    that every call to prefill instance i returned (its worker died)."""
+
+    def __init__(self, env: simpy.Environment, fabric: SimFabric, prefills: Sequence[SimInstance],
+                 decodes: Sequence[SimInstance], config: FaultsConfig,
+                 end_request: Callable[[Request], None], prefill_lost: Callable[[int], None]):
+        self.env = env
+        self.prefills, self.decodes = prefills, decodes
         self.config = config
+        self.end_request = end_request
+        self.prefill_lost = prefill_lost
         self._doomed: set = set()  # rooms (`_Room` objects) whose first send fails
         self._routes: dict[str, tuple[Request, Request]] = {}  # rid → (prefill, decode) request
-        sim.fabric.faults = self
+        fabric.faults = self
         if config.bootstrap_delay_s:
-            model = sim.fabric.model
-            sim.fabric.model = dataclasses.replace(
-                model, first_contact_s=model.first_contact_s + 2 * config.bootstrap_delay_s)
+            fabric.model = dataclasses.replace(
+                fabric.model,
+                first_contact_s=fabric.model.first_contact_s + 2 * config.bootstrap_delay_s)
         for slow in config.slow_nic:
             inst = self._instance(slow.role, slow.instance)
             for sched in inst.schedulers:  # one link per DP rank
                 sched.kv.link.bytes_per_s /= slow.factor
         for kill in config.kill:
-            sim.env.timeout(kill.at_s).callbacks.append(lambda _ev, k=kill: self._kill(k))
+            env.timeout(kill.at_s).callbacks.append(lambda _ev, k=kill: self._kill(k))
 
     def _instance(self, role: str, index: int) -> SimInstance:
-        return (self.sim.prefills if role == "prefill" else self.sim.serving)[index]
+        return (self.prefills if role == "prefill" else self.decodes)[index]
 
     # ---- transfers -----------------------------------------------------------------------------
 
@@ -93,14 +100,15 @@ class SimFaults:
 
     def _end(self, dreq: Request, reason: str) -> None:
         dreq.error = reason
-        dreq.finish_s = self.sim.env.now
+        dreq.finish_s = self.env.now
         dreq.finished = True
-        self.sim._request_done(dreq)
+        self.end_request(dreq)
 
     def _kill(self, kill: KillFault) -> None:
         inst = self._instance(kill.role, kill.instance)
-        inst.kill()
-        inst.schedulers = self._fresh(inst)  # holds nothing now: its load for the router is 0
+        inst.kill()  # it holds nothing now
+        if kill.role == "prefill":
+            self.prefill_lost(kill.instance)  # the router's calls to it fail at once
         reason = f"{kill.role} worker {kill.instance} died"
         for rid, (preq, dreq) in list(self._routes.items()):
             if dreq.finished:
@@ -108,24 +116,11 @@ class SimFaults:
             elif kill.role == "decode" and dreq.decode_instance == kill.instance:
                 self._end(dreq, reason)  # the stream to the client breaks now
                 if not preq.finished:
-                    self.sim.prefills[preq.prefill_instance].post_abort(rid, reason)
+                    self.prefills[preq.prefill_instance].post_abort(rid, reason)
                 del self._routes[rid]
             elif kill.role == "prefill" and preq.prefill_instance == kill.instance \
                     and not preq.finished and dreq.num_output == 0:
                 preq.finished = True  # gone with its instance
-                self.sim.serving[dreq.decode_instance].post_abort(rid, reason)
+                self.decodes[dreq.decode_instance].post_abort(rid, reason)
         if kill.restart_after_s is not None:
-            self.sim.env.timeout(kill.restart_after_s).callbacks.append(
-                lambda _ev: inst.restart(self._fresh(inst)))
-
-    def _fresh(self, inst: SimInstance) -> list:
-        """The instance's schedulers as a new process has them: empty queues, full pools, new
-        transfer endpoints."""
-        fresh = []
-        for sched in inst.schedulers:
-            old = sched.kv
-            kv = SimKVManager(old.fabric, old.instance_key, old.link, old.bytes_per_page,
-                              inst.notify)
-            cls = PrefillScheduler if isinstance(sched, PrefillScheduler) else DecodeScheduler
-            fresh.append(cls(sched.config, kv, sched.instance_id))
-        return fresh
+            self.env.timeout(kill.restart_after_s).callbacks.append(lambda _ev: inst.restart())

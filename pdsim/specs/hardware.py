@@ -33,6 +33,9 @@ class HardwareSpec(BaseModel):
         traffic between GPUs of one domain takes NVLink, beyond it RDMA.
     usd_per_gpu_hour: a rental price for one GPU-hour, None where no public list price was
         found; `price_source` says whose price and when. Prices move: override it.
+    silicon_base: the preset of the same die whose measured kernel tables price this GPU's
+        compute ops in the silicon cost model (H800 <- H100); its communication is priced at
+        its own link rates. None: its own tables, if any.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -47,6 +50,7 @@ class HardwareSpec(BaseModel):
     rdma_gb_per_s: float = Field(gt=0)
     gpus_per_node: int = Field(default=8, ge=1)
     usd_per_gpu_hour: float | None = Field(default=None, gt=0)
+    silicon_base: str | None = None
     source: str = ""
     price_source: str = ""
 
@@ -58,6 +62,16 @@ class HardwareSpec(BaseModel):
                 if f"{part}_gbps" in data:
                     raise ValueError(f"{part}_gbps is now {part}_gb_per_s (GB/s, gigabytes)")
         return data
+
+    @model_validator(mode="after")
+    def _known_base(self) -> HardwareSpec:
+        if self.silicon_base is not None and self.silicon_base not in _PRESETS:
+            raise ValueError(f"silicon_base {self.silicon_base!r} is not a hardware preset; "
+                             f"presets: {', '.join(hardware_preset_names())}")
+        if self.silicon_base is not None and _PRESETS[self.silicon_base].get("silicon_base"):
+            raise ValueError(f"silicon_base {self.silicon_base!r} has a silicon_base itself; "
+                             f"name a GPU with its own tables")
+        return self
 
     @property
     def hbm_bytes(self) -> int:
@@ -116,7 +130,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
     ),
     "h800": dict(
         bf16_tflops=989, fp8_tflops=1979, hbm_gib=80, hbm_gb_per_s=3350, nvlink_gb_per_s=200,
-        rdma_gb_per_s=50,
+        rdma_gb_per_s=50, silicon_base="h100",
         source=(
             "NVIDIA H800 SXM (China-market H100): the H100 SXM datasheet's BF16 / FP8 peaks, "
             "80GB HBM3 and 3.35 TB/s, NVLink cut to 400 GB/s (both directions) -> 200 one way; "

@@ -22,7 +22,6 @@ and the MoE router stay BF16.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdsim.specs.precision import DTYPES, DTypeName, Precision
 from pdsim.specs.quantization import precision_from_hf_config
+from pdsim.specs.servable import SERVABLE_HF_CONFIGS
 from pdsim.specs.sources import (
     find_spec_file, merge_fields, not_found, read_mapping, read_spec_yaml, validate_fields,
 )
@@ -396,22 +396,14 @@ _PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _servable() -> dict:
-    """The real backend's presets (tiny-llama, tiny-mla: runtime/model/config.py, torch-free),
-    which the simulator reads through their config.json: one registry for both backends."""
-    from runtime.model.config import PRESETS
-
-    return PRESETS
-
-
 def model_preset_names() -> list[str]:
-    return sorted({*_PRESETS, *_servable()})
+    return sorted({*_PRESETS, *SERVABLE_HF_CONFIGS})
 
 
 def model_preset(name: str) -> ModelSpec:
     """The preset called `name`; ValueError listing the presets otherwise."""
-    if name in _servable():
-        return model_spec_from_hf_config(_servable()[name].to_hf_config(), name)
+    if name in SERVABLE_HF_CONFIGS:
+        return model_spec_from_hf_config(SERVABLE_HF_CONFIGS[name], name)
     try:
         fields = _PRESETS[name]
     except KeyError:
@@ -534,7 +526,7 @@ def load_model_spec(
     modelopt = path.parent / "hf_quant_config.json"  # where ModelOpt checkpoints keep it
     if "quantization_config" not in config and modelopt.is_file():
         config["quantization_config"] = {"quant_method": "modelopt",
-                                         **json.loads(modelopt.read_text())}
+                                         **read_mapping(modelopt, "a JSON object", as_json=True)}
     name = path.parent.name if path.name == "config.json" else path.stem
     try:
         return model_spec_from_hf_config(config, name=name or path.stem)

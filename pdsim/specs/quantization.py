@@ -21,12 +21,19 @@ CHECKPOINT_DTYPES: dict[str, DTypeName] = {
 }
 PRICEABLE_METHODS = (
     "fp8 (block or per-tensor)",
-    "modelopt (quant_algo FP8, NVFP4)",
+    "modelopt, modelopt_fp8, modelopt_fp4 (quant_algo FP8, NVFP4)",
     "compressed-tensors (fp8, int8 W8A8, int4 W4A16, nvfp4, mxfp4)",
     "gptq / awq (4-bit, W4A16)",
     "mxfp4",
 )
 _EXCLUDE_KEYS = ("modules_to_not_convert", "ignored_layers", "ignore", "exclude_modules")
+# NVIDIA ModelOpt checkpoints: `quant_method` "modelopt" names the format in `quant_algo`;
+# SGLang's per-format names ("modelopt_fp8", "modelopt_fp4", its quantization configs' names,
+# which some checkpoints write as their quant_method) imply it.
+_MODELOPT_ALGOS: dict[str, DTypeName] = {"FP8": "fp8", "NVFP4": "nvfp4"}
+_MODELOPT_METHODS: dict[str, str | None] = {
+    "modelopt": None, "modelopt_fp8": "FP8", "modelopt_fp4": "NVFP4",
+}
 
 
 def precision_from_hf_config(config: Mapping[str, Any]) -> Precision:
@@ -64,11 +71,13 @@ def _quantised_dtype(quant: Mapping[str, Any]) -> DTypeName:
         if bits == 4:
             return "w4a16"
         raise _unpriceable(f"{method} with {bits} bits")
-    if method == "modelopt":
-        algo = str(quant.get("quant_algo", "")).upper()
-        by_algo: dict[str, DTypeName] = {"FP8": "fp8", "NVFP4": "nvfp4"}
-        if algo in by_algo:
-            return by_algo[algo]
+    if method in _MODELOPT_METHODS:
+        implied = _MODELOPT_METHODS[method]
+        algo = str(quant.get("quant_algo") or implied or "").upper()
+        if implied and algo != implied:
+            raise _unpriceable(f"{method} with quant_algo {algo!r} (it stores {implied})")
+        if algo in _MODELOPT_ALGOS:
+            return _MODELOPT_ALGOS[algo]
         raise _unpriceable(f"modelopt quant_algo {algo or None!r}")
     if method == "compressed-tensors":
         return _compressed_tensors_dtype(quant)

@@ -1,8 +1,9 @@
 """Model shape: one frozen dataclass for dense GQA (Llama, Qwen2) and MLA/MoE (DeepSeek-V2/V3).
 
-This module imports no torch, so the simulator can size KV caches from the same object the real
-backend builds its model from. `ModelConfig.from_hf_config` reads a HuggingFace `config.json`;
-`ModelConfig.preset` returns the tiny random models the tests and the CPU backend use.
+This module imports no torch, so the PD router can size its limits without loading the model.
+`ModelConfig.from_hf_config` reads a HuggingFace `config.json`;
+`ModelConfig.preset` returns the tiny random models the tests and the CPU backend use (their
+config.json mappings are in pdsim/specs/servable.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
+
+from pdsim.specs.servable import SERVABLE_HF_CONFIGS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -264,17 +267,4 @@ def _parse_rope_scaling(raw: dict[str, Any] | None, origin: str) -> RopeScaling 
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # vocab 512 holds the byte tokenizer's 256 bytes and its special tokens.
-    "tiny-llama": ModelConfig(
-        name="tiny-llama", vocab_size=512, hidden_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=32, intermediate_size=256, max_position=2048,
-    ),
-    "tiny-mla": ModelConfig(
-        name="tiny-mla", vocab_size=512, hidden_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=4, head_dim=48, intermediate_size=256, max_position=2048,
-        attention="mla", kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
-        v_head_dim=32, q_lora_rank=64,
-        num_experts=4, experts_per_token=2, moe_intermediate_size=64, num_shared_experts=1,
-        first_dense_layers=1,
-    ),
-}
+    name: ModelConfig.from_hf_config(hf) for name, hf in SERVABLE_HF_CONFIGS.items()}

@@ -12,9 +12,9 @@ go back to the pool.
 Request parsing and the wire bodies are in `protocol.py`; chat templates in
 runtime/chat_template.py; model and tokenizer loading in runtime/model/loading.py.
 
-The engine runs on its own thread; `OpenAIServer` lives on an asyncio loop. `serve(config)` runs
-one until SIGINT/SIGTERM (the CLI); `BackgroundServer(config)` runs one on a thread (tests,
-notebooks, benchmarks).
+`OpenAIServer` lives on an asyncio loop in front of a `Backend`: the colocated engine
+(runtime/colocated.py builds it and runs the server) or the PD router's client of remote workers
+(runtime/router.py). This module loads no model and imports no torch.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -34,15 +32,12 @@ from aiohttp import web
 
 from runtime.chat_template import ChatTemplate
 from runtime.checks import BadRequest, parse_json, short_repr
-from runtime.driver import Engine
 from runtime.http_app import AppServer
-from runtime.model.loading import load_served_model, load_text_side, resolve_device
 from runtime.openai.protocol import (
     RETRY_HEADERS, GenParams, Limits, RequestParser, busy_response, error_body, error_response,
     usage,
 )
 from runtime.sampling import SamplingParams
-from runtime.serve_config import ServeConfig
 from runtime.serve_metrics import CONTENT_TYPE, ServeMetrics
 from runtime.streams import EngineStopped, StreamEvent
 from runtime.tokenizer import ByteTokenizer, StreamDecoder, Tokenizer
@@ -368,102 +363,3 @@ class OpenAIServer(AppServer):
                 await send("[DONE]")
                 await response.write_eof()
         return response
-
-
-# ---- building and running -------------------------------------------------------------------
-
-
-def build_server(config: ServeConfig) -> OpenAIServer:
-    """Load the model and tokenizer, size the KV cache, build the engine and the server (none
-    started yet)."""
-    from runtime.executor import ModelExecutor
-
-    model = load_served_model(config, resolve_device(config.device))
-    mcfg = model.config
-    text = load_text_side(config, mcfg.vocab_size)
-    tokenizer, template, eos_ids = text.tokenizer, text.chat_template, text.eos_ids
-    sched_cfg = config.scheduler_config()
-    executor = ModelExecutor(model, num_pages=config.num_pages, page_size=config.page_size,
-                             seed=config.seed, vocab_limit=text.vocab_limit(mcfg.vocab_size))
-    executor.warmup()
-    engine = Engine(executor, sched_cfg, max_records=config.max_records)
-    limits = Limits(max_model_len=min(sched_cfg.pool_tokens, mcfg.max_position),
-                    pool_tokens=sched_cfg.pool_tokens, max_position=mcfg.max_position,
-                    model_vocab=mcfg.vocab_size)
-
-    def save_results() -> None:
-        if config.records_path:
-            engine.save_records(config.records_path)
-        if config.timings_path:
-            executor.save_timings(config.timings_path)
-
-    return OpenAIServer(engine, tokenizer, model_name=config.model_name, limits=limits,
-                        chat_template=template, eos_ids=eos_ids,
-                        default_chat_max_tokens=config.default_max_tokens,
-                        max_inflight_requests=config.max_inflight_requests, on_close=save_results)
-
-
-def serve(config: ServeConfig, on_ready: Callable[[OpenAIServer], None] | None = None) -> None:
-    """Run a server until SIGINT or SIGTERM, then shut down cleanly."""
-    from runtime.security import api_key
-
-    async def main() -> None:
-        server = build_server(config)
-        server.protect(api_key=api_key(config.security.api_key), limits=config.security.limits)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await server.start(config.host, config.port)
-        try:
-            if on_ready is not None:
-                on_ready(server)
-            await stop.wait()
-        finally:
-            await server.close()
-
-    asyncio.run(main())
-
-
-class BackgroundServer:
-    """A server on its own thread and event loop: `with BackgroundServer(cfg) as s: s.url`."""
-
-    def __init__(self, config: ServeConfig | OpenAIServer, host: str | None = None,
-                 port: int | None = None) -> None:
-        if isinstance(config, OpenAIServer):
-            self.server, self._host, self._port = config, host or "127.0.0.1", port or 0
-        else:
-            self.server = build_server(config)
-            self._host = host or config.host
-            self._port = config.port if port is None else port
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="pdsim-http",
-                                        daemon=True)
-
-    def start(self) -> BackgroundServer:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(self._host, self._port),
-                                         self.loop).result(60)
-        return self
-
-    def stop(self) -> None:
-        if not self._thread.is_alive():
-            return
-        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        self.loop.close()
-
-    def __enter__(self) -> BackgroundServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    @property
-    def engine(self) -> Engine:
-        return self.server.engine

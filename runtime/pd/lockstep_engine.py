@@ -38,7 +38,10 @@ from pdsim.core.prefill import PrefillScheduler
 from pdsim.core.request import Request
 from pdsim.core.scheduler import InstanceScheduler
 from runtime.distributed import TPGroup
-from runtime.driver import Apply, Engine, Item, pages_in_use, scheduler_gauges
+from pdsim.core.instance import Abort
+from runtime.driver import (
+    Apply, Call, CheckPools, Engine, Entry, Submit, pages_in_use, scheduler_gauges,
+)
 from runtime.executor import ModelExecutor
 from runtime.sampling import SamplingParams
 from runtime.pd import step_messages as steps
@@ -69,7 +72,7 @@ def _discard(event: StreamEvent) -> None:
 class LockstepSync:
     """The synchroniser of a PD rank (`TPGroup.single()`: tp = 1, nothing is broadcast):
     rank 0 broadcasts its inputs as one `Step`, every rank refreshes the MIN-reduced poll
-    snapshot. `pools_status` runs on every rank at the same point for a "pools" inbox entry."""
+    snapshot. `pools_status` runs on every rank at the same point for a `CheckPools` entry."""
 
     def __init__(self, group: TPGroup, kv: SnapshotKV, pools_status: Callable[[], dict],
                  *, poll_interval_s: float = 0.005, tick_s: float = 1.0) -> None:
@@ -83,49 +86,48 @@ class LockstepSync:
     def is_leader(self) -> bool:
         return self.group.rank == 0
 
-    def begin(self, items: list[Item], stopping: bool, now: float,
+    def begin(self, entries: list[Entry], stopping: bool, now: float,
               apply: Apply) -> tuple[float, bool]:
         if self.is_leader:
             if not self.group.is_single:
-                items, ops = self._sendable(items)
+                entries, ops = self._sendable(entries)
                 self.group.broadcast_bytes(steps.encode(steps.Step(now=now, stop=stopping,
                                                                    ops=ops)))
-            items = [("call", (self.pools_status, item)) if kind == "pools" else (kind, item)
-                     for kind, item in items]
+            entries = [Call(self.pools_status, e.future) if type(e) is CheckPools else e
+                       for e in entries]
         else:
             step = steps.decode(self.group.broadcast_bytes(None))
-            now, stopping, items = step.now, step.stop, [self._item_of(op) for op in step.ops]
-        for kind, item in items:
-            apply(kind, item, now)
+            now, stopping, entries = step.now, step.stop, [self._entry_of(op) for op in step.ops]
+        for entry in entries:
+            apply(entry, now)
         self.kv.refresh()
         return now, stopping
 
-    def _sendable(self, items: list[Item]) -> tuple[list[Item], list[steps.Op]]:
+    def _sendable(self, entries: list[Entry]) -> tuple[list[Entry], list[steps.Op]]:
         """The inbox entries the other ranks can be told of, and their operations. A request that
         does not fit a step message fails here, alone, before anything is broadcast."""
         kept, ops = [], []
-        for kind, item in items:
+        for entry in entries:
             try:
-                op = _op_of(kind, item)
+                op = _op_of(entry)
             except steps.StepMessageError as exc:
-                log.warning("not broadcast to the TP ranks (%s): %s", kind, exc)
-                if kind == "add":
-                    req, sink, _top = item
-                    deliver(sink, StreamEvent(finished=True, error=f"invalid request: {exc}",
-                                              prompt_tokens=req.input_len, status=400))
+                log.warning("not broadcast to the TP ranks (%s): %s", type(entry).__name__, exc)
+                if type(entry) is Submit:
+                    deliver(entry.sink, StreamEvent(finished=True, error=f"invalid request: {exc}",
+                                                    prompt_tokens=entry.req.input_len, status=400))
                 continue
-            kept.append((kind, item))
+            kept.append(entry)
             if op is not None:
                 ops.append(op)
         return kept, ops
 
-    def _item_of(self, op: steps.Op) -> Item:
+    def _entry_of(self, op: steps.Op) -> Entry:
         """A broadcast operation as a follower's inbox entry."""
         if isinstance(op, steps.AddRequest):
-            return "add", (_request_of(op), _discard, op.top_logprobs)
+            return Submit(_request_of(op), _discard, op.top_logprobs)
         if isinstance(op, steps.AbortRequest):
-            return "abort", (op.rid, op.reason)
-        return "call", (self.pools_status, Future())
+            return Abort(op.rid, op.reason)
+        return Call(self.pools_status, Future())
 
     def idle_timeout(self, sched: InstanceScheduler, now: float) -> float | None:
         if not self.is_leader or self.kv.inner.poll_epoch() != self.kv.inner_epoch_seen:
@@ -215,7 +217,7 @@ class PDEngine:
         """Ask every rank whether all its pages, request slots and metadata slots are back and
         its transfers released: `{"full": bool, "detail": str}` (rank 0 only)."""
         fut: Future = Future()
-        self.driver.post("pools", fut)
+        self.driver.post(CheckPools(fut))
         return fut.result(timeout)
 
     def check_pools_full(self, timeout: float = 30.0) -> None:
@@ -273,11 +275,11 @@ class PDEngine:
 # ---- the broadcast operations --------------------------------------------------------------
 
 
-def _op_of(kind: str, item: Any) -> steps.Op | None:
+def _op_of(entry: Entry) -> steps.Op | None:
     """An inbox entry as the operation the other ranks apply (None: rank 0 only). Raises
     `StepMessageError` for a request that does not fit the message."""
-    if kind == "add":
-        req, _sink, top = item
+    if type(entry) is Submit:
+        req, top = entry.req, entry.top_logprobs
         s = req.sampling if req.sampling is not None else SamplingParams()
         return steps.AddRequest(
             rid=req.rid, prompt_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens,
@@ -285,11 +287,11 @@ def _op_of(kind: str, item: Any) -> steps.Op | None:
             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
             bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port,
             bootstrap_room=req.bootstrap_room, top_logprobs=top)
-    if kind == "abort":
-        return steps.AbortRequest(*item)
-    if kind == "pools":
+    if type(entry) is Abort:
+        return steps.AbortRequest(entry.rid, entry.reason)
+    if type(entry) is CheckPools:
         return steps.CheckPools()
-    return None  # "call": runs on rank 0 alone and must not change the scheduler's state
+    return None  # a `Call` runs on rank 0 alone and must not change the scheduler's state
 
 
 def _request_of(op: steps.AddRequest) -> Request:

@@ -20,8 +20,7 @@ from typing import ClassVar
 
 import msgpack
 
-from runtime.executor import MAX_TOP_LOGPROBS
-from runtime.sampling import SamplingParams
+from runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 STEP_VERSION = 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.checks import BadRequest, check_text, check_token_ids, is_int, short_repr
-from runtime.executor import MAX_TOP_LOGPROBS
-from runtime.sampling import SAMPLING_FIELDS, SamplingError, SamplingParams, parse_sampling
+from runtime.sampling import (
+    MAX_TOP_LOGPROBS, SAMPLING_FIELDS, SamplingError, SamplingParams, parse_sampling,
+)
 
 ROOM_LIMIT = 2**63
 MAX_RID_CHARS = 256

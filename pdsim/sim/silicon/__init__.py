@@ -8,7 +8,7 @@ and the roofline otherwise. `resolve_cost_model` says which one "auto" picks.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from pdsim.sim.cost import CostModel, Parallelism, RooflineCostModel, register_cost_model
 from pdsim.sim.silicon.model import SiliconCostModel, SiliconParams
@@ -19,7 +19,7 @@ from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
 
 __all__ = ["SYSTEMS", "SiliconCostModel", "SiliconParams", "cost_columns", "has_tables",
-           "resolve_cost_model"]
+           "resolve_cost_model", "roofline_reliance_warning"]
 
 register_cost_model("silicon")(SiliconCostModel)
 
@@ -28,7 +28,7 @@ def resolve_cost_model(name: str, hardware: HardwareSpec) -> str:
     """The cost model `name` stands for on `hardware`: "auto" → "silicon" or "roofline"."""
     if name != "auto":
         return name
-    return "silicon" if has_tables(hardware.name) else "roofline"
+    return "silicon" if has_tables(hardware) else "roofline"
 
 
 @register_cost_model("auto")
@@ -46,22 +46,53 @@ def auto_cost_model(model: ModelSpec, hardware: HardwareSpec, parallel: Parallel
     return RooflineCostModel(model, hardware, parallel, **params)
 
 
+# A point whose lookups rest more than this share on roofline ratios (transferred or
+# extrapolated) is flagged by `pdsim run`: its silicon answer is then mostly the roofline's shape.
+ROOFLINE_RELIANCE_WARN_FRAC = 0.5
+
+
 def cost_columns(requested: str, costs: Iterable[CostModel]) -> dict[str, object]:
     """Summary columns of a run: `cost_model`, the model(s) that priced it ("auto" resolved),
-    and `cost_extrapolated_frac`, the share of silicon table lookups that fell outside a
-    table's grid or stood in for a missing shape (NaN when no silicon model ran)."""
+    and the coverage of its silicon table lookups, shares summing to 1 (NaN when no silicon
+    model ran): `cost_interpolated_frac` (inside a measured grid), `cost_transferred_frac`
+    (inside the grid of a curve moved from a measured shape, dtype or GPU to this one by a
+    roofline ratio) and `cost_extrapolated_frac` (outside a table's grid)."""
     names: set[str] = set()
-    lookups = extrapolated = 0
+    lookups = transferred = extrapolated = 0
     costs = [part for cost in costs for part in  # a speculative step: its target and draft
              ((cost.target, cost.draft) if isinstance(cost, SpeculativeCostModel) else (cost,))]
     for cost in costs:
         if isinstance(cost, SiliconCostModel):
             names.add("silicon")
             lookups += cost.lookups
+            transferred += cost.transferred_lookups
             extrapolated += cost.extrapolated_lookups
         elif isinstance(cost, RooflineCostModel):
             names.add("roofline")
         else:
             names.add(requested)
+
+    def share(n: int) -> float:
+        return n / lookups if lookups else math.nan
+
     return {"cost_model": "+".join(sorted(names)) or requested,
-            "cost_extrapolated_frac": extrapolated / lookups if lookups else math.nan}
+            "cost_interpolated_frac": share(lookups - transferred - extrapolated),
+            "cost_transferred_frac": share(transferred),
+            "cost_extrapolated_frac": share(extrapolated)}
+
+
+def roofline_reliance_warning(rows: Iterable[Mapping[str, object]]) -> str | None:
+    """One line naming the summary rows (points) whose silicon lookups rest more than
+    ROOFLINE_RELIANCE_WARN_FRAC on transfers or extrapolations, or None when none do."""
+    flagged = []
+    for row in rows:
+        scaled = float(row.get("cost_transferred_frac", math.nan)) + float(
+            row.get("cost_extrapolated_frac", math.nan))
+        if scaled > ROOFLINE_RELIANCE_WARN_FRAC:  # NaN (no silicon model) compares False
+            flagged.append(f"{row.get('label', row.get('point'))} ({scaled:.0%})")
+    if not flagged:
+        return None
+    return (f"warning: silicon lookups of {len(flagged)} point(s) rest mostly on roofline "
+            f"ratios (transferred + extrapolated > {ROOFLINE_RELIANCE_WARN_FRAC:.0%}): "
+            f"{', '.join(flagged)}; see cost_transferred_frac and cost_extrapolated_frac in "
+            f"summary.csv")

@@ -5,7 +5,9 @@ Inside a table's grid, log(latency) is interpolated over log(size) with a monoto
 following the bend from a kernel's launch floor into its power-law growth, which a straight
 line between doubled sizes cuts (benchmarks/fidelity_components.py measures both). Outside the
 grid, the nearest measured point is scaled by the ratio of a roofline estimate at the asked
-size to the roofline at that point, and the lookup counts as extrapolated.
+size to the roofline at that point, and the lookup counts as extrapolated. A curve moved from a
+measured shape, dtype or GPU count to one the table lacks (by the ratio of the two shapes'
+rooflines, `Curve.scaled`) is transferred: its lookups inside the grid count as transferred.
 
 A curve may interpolate relative to a reference (measured / reference, multiplied back) so that
 steps the reference carries survive between grid points; `best_reference` picks one among
@@ -104,24 +106,25 @@ class Curve:
 
     xs, ys_s: the measured sizes (ascending, > 0) and seconds. roofline: seconds the analytic
     model gives at any size, used only to scale a measured point beyond the grid.
-    static_extrapolated: the op's other dimensions (shape, dtype, GPU count) are not in the table,
-    so every lookup rests on a roofline scaling and counts as extrapolated.
+    transferred: the op's other dimensions (shape, dtype, GPU count) are not in the table, so
+    every lookup rests on a roofline ratio: counted as transferred (inside the grid) or
+    extrapolated (outside it).
     reference: when given, the cubic runs through measured / reference and the result is
     multiplied back, so a step the reference carries (a GEMM's tile quantisation) appears
     between grid points where the cubic alone would smooth it; still exact at grid points.
     """
 
-    __slots__ = ("lo", "hi", "static_extrapolated", "_xs", "_lxs", "_lys", "_lrs", "_slopes",
+    __slots__ = ("lo", "hi", "transferred", "_xs", "_lxs", "_lys", "_lrs", "_slopes",
                  "_roofline", "_reference")
 
     def __init__(self, xs: Sequence[float], ys_s: Sequence[float],
-                 roofline: Callable[[float], float], static_extrapolated: bool = False,
+                 roofline: Callable[[float], float], transferred: bool = False,
                  reference: Reference | None = None) -> None:
         xs_a, ys_a = np.asarray(xs, dtype=float), np.asarray(ys_s, dtype=float)
         if len(xs_a) == 0 or np.any(np.diff(xs_a) <= 0) or np.any(xs_a <= 0) or np.any(ys_a <= 0):
             raise ValueError("a curve needs ascending positive sizes and positive latencies")
         self.lo, self.hi = float(xs_a[0]), float(xs_a[-1])
-        self.static_extrapolated = static_extrapolated
+        self.transferred = transferred
         self._xs = xs_a  # as given: exp(log(512)) may round past a tile boundary
         self._lxs, self._lys = np.log(xs_a), np.log(ys_a)
         self._lrs = self._lys if reference is None else self._lys - np.log(reference(xs_a))
@@ -143,7 +146,8 @@ class Curve:
         return float(self.values(np.array([x]))[0]) if x > 0 else 0.0
 
     def extrapolated(self, x: float) -> bool:
-        return self.static_extrapolated or x < self.lo or x > self.hi
+        """Whether size x lies outside the measured grid."""
+        return x < self.lo or x > self.hi
 
     def values(self, xs: np.ndarray) -> np.ndarray:
         """Seconds at each of `xs` (> 0), vectorised; the roofline must accept arrays."""
@@ -163,15 +167,15 @@ class Curve:
     def times(self, k: float) -> Curve:
         """This curve times a constant (k copies of the op run back to back)."""
         return Curve(self._xs, np.exp(self._lys) * k,
-                     lambda x, r=self._roofline: r(x) * k, self.static_extrapolated,
-                     self._reference)
+                     lambda x, r=self._roofline: r(x) * k, self.transferred, self._reference)
 
     def scaled(self, factor: Callable[[float], float]) -> Curve:
-        """This curve times `factor(x)` at each grid point, as a statically extrapolated curve
-        (how a measured op stands in for one the table lacks)."""
+        """This curve times `factor(x)` at each grid point, as a transferred curve (how a
+        measured op stands in for one the table lacks: factor is the ratio of the two ops'
+        rooflines)."""
         ys = np.exp(self._lys) * factor(self._xs)
         roofline = self._roofline
-        return Curve(self._xs, ys, lambda x: roofline(x) * factor(x), static_extrapolated=True,
+        return Curve(self._xs, ys, lambda x: roofline(x) * factor(x), transferred=True,
                      reference=self._reference)
 
 
@@ -197,11 +201,12 @@ def best_reference(xs: np.ndarray, ys_s: np.ndarray,
 class Stage:
     """Several curves over the same size, summed: one list index per lookup.
 
-    `seconds[x]` and `extrapolated[x]` (how many of the parts are extrapolated at x) are
+    `seconds[x]`, `transferred[x]` and `extrapolated[x]` (how many of the parts are transferred
+    curves looked up inside their grid, and how many are looked up outside it, at x) are
     precomputed for x <= DENSE_MAX; beyond, the parts are evaluated one by one.
     """
 
-    __slots__ = ("parts", "size", "seconds", "extrapolated", "_n")
+    __slots__ = ("parts", "size", "seconds", "transferred", "extrapolated", "_n")
 
     def __init__(self, parts: Sequence[Curve]) -> None:
         self.parts = tuple(parts)
@@ -210,19 +215,26 @@ class Stage:
         xs = np.arange(1, self._n + 1, dtype=float)
         total = np.zeros(self._n + 1)
         ext = np.zeros(self._n + 1, dtype=np.int64)
+        moved = np.zeros(self._n + 1, dtype=np.int64)
         for c in self.parts:
             total[1:] += c.values(xs)
-            ext[1:] += c.static_extrapolated | (xs < c.lo) | (xs > c.hi)
+            outside = (xs < c.lo) | (xs > c.hi)
+            ext[1:] += outside
+            moved[1:] += c.transferred & ~outside
         self.seconds = array("d", total.tolist())
-        self.extrapolated = array("B", ext.tolist())  # parts per stage stay far below 256
+        # parts per stage stay far below 256
+        self.transferred = array("B", moved.tolist())
+        self.extrapolated = array("B", ext.tolist())
 
-    def at(self, x: int) -> tuple[float, int]:
-        """(seconds, extrapolated parts) at size x; x <= 0 costs nothing."""
+    def at(self, x: int) -> tuple[float, int, int]:
+        """(seconds, transferred parts, extrapolated parts) at size x; x <= 0 costs nothing."""
         if x <= 0:
-            return 0.0, 0
+            return 0.0, 0, 0
         if x <= self._n:
-            return self.seconds[x], self.extrapolated[x]
-        return sum(c(x) for c in self.parts), sum(c.extrapolated(x) for c in self.parts)
+            return self.seconds[x], self.transferred[x], self.extrapolated[x]
+        outside = [c.extrapolated(x) for c in self.parts]
+        return (sum(c(x) for c in self.parts),
+                sum(c.transferred and not o for c, o in zip(self.parts, outside)), sum(outside))
 
 
 class Grid2:
@@ -231,15 +243,16 @@ class Grid2:
     `zs_s[i][j]` is the time at (xs1[i], xs2[j]); NaN where the table has no measurement. A
     missing cell is filled from the nearest measured batch of its column (same sequence) scaled
     by the roofline, and marked: a lookup that gives a filled point weight, or leaves the grid,
-    counts as extrapolated.
+    counts as extrapolated. `transferred`: the grid was moved from a measured shape by the
+    roofline ratio (its other lookups count as transferred).
     """
 
-    __slots__ = ("static_extrapolated", "_l1", "_l2", "_lz", "_filled", "_near_filled",
+    __slots__ = ("transferred", "_l1", "_l2", "_lz", "_filled", "_near_filled",
                  "_roofline", "_lo1", "_hi1", "_lo2", "_hi2")
 
     def __init__(self, xs1: Sequence[float], xs2: Sequence[float], zs_s: np.ndarray,
                  roofline: Callable[[float, float], float],
-                 static_extrapolated: bool = False) -> None:
+                 transferred: bool = False) -> None:
         z = np.array(zs_s, dtype=float)
         filled = np.isnan(z)
         for j, x2 in enumerate(xs2):
@@ -268,10 +281,11 @@ class Grid2:
         self._roofline = roofline
         self._lo1, self._hi1 = float(xs1[0]), float(xs1[-1])
         self._lo2, self._hi2 = float(xs2[0]), float(xs2[-1])
-        self.static_extrapolated = static_extrapolated
+        self.transferred = transferred
 
     def at(self, x1: float, x2: float) -> tuple[float, bool]:
-        """(seconds, whether the answer is extrapolated) at (x1, x2)."""
+        """(seconds, whether the answer is extrapolated: off the grid, or weighted on a filled
+        cell) at (x1, x2)."""
         c1 = self._lo1 if x1 < self._lo1 else self._hi1 if x1 > self._hi1 else x1
         c2 = self._lo2 if x2 < self._lo2 else self._hi2 if x2 > self._hi2 else x2
         l1, l2 = self._l1, self._l2
@@ -288,8 +302,8 @@ class Grid2:
         z = ((1 - w1) * ((1 - w2) * row[j] + w2 * row[j + 1])
              + w1 * ((1 - w2) * nxt[j] + w2 * nxt[j + 1]))
         seconds = math.exp(z)
-        extra = self.static_extrapolated
-        if not extra and self._near_filled[i][j]:
+        extra = False
+        if self._near_filled[i][j]:
             f, g = self._filled[i], self._filled[i + 1]
             extra = ((f[j] and w1 < 1 and w2 < 1) or (f[j + 1] and w1 < 1 and w2 > 0)
                      or (g[j] and w1 > 0 and w2 < 1) or (g[j + 1] and w1 > 0 and w2 > 0))

@@ -16,7 +16,9 @@ Per layer, as SGLang runs it:
 
 and once per step the LM head (over tp on all rows, or with `dp_lm_head` over a rank's GPUs on
 its rows), a fixed overhead and, for steps with prefill tokens, the extend overhead.
-`step_breakdown_s` returns these parts by name. Op times come from `OpTables`; lookups outside a table's grid are counted.
+`step_breakdown_s` returns these parts by name. Op times come from `OpTables`; lookups are
+counted by what their answer rests on: interpolation in a measured table, a measured curve
+transferred to this shape, dtype or GPU by a roofline ratio, or extrapolation beyond the grid.
 """
 
 from __future__ import annotations
@@ -32,12 +34,10 @@ from pdsim.core.batch import BatchShape
 from pdsim.sim.cost import BREAKDOWN_PARTS, Parallelism, Role, layers_attention_s, step_totals
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Grid2, Stage
-from pdsim.sim.silicon.ops import ACT_BYTES, MissingTable, op_tables
-from pdsim.specs.hardware import HardwareSpec
+from pdsim.sim.silicon.ops import ACT_BYTES, MLA_TABLE_DIMS, MissingTable, op_tables
+from pdsim.specs.hardware import HardwareSpec, load_hardware_spec
 from pdsim.specs.models import ModelSpec
 
-# DeepSeek-V3's MLA dimensions, the ones the MLA tables were measured at.
-MLA_TABLE_DIMS = (512, 64, 128, 128)  # kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
 ELEMENTWISE_KERNELS = 4  # per layer: two fused add+RMSNorms, RoPE, the MLP activation
 
 
@@ -95,9 +95,10 @@ class _Plan:
 class SiliconCostModel:
     """Step times from measured per-op tables (see the module docstring).
 
-    `lookups` counts table lookups since the model was built and `extrapolated_lookups` those
-    that fell outside a table's grid or stood in for a shape, dtype or GPU count the table lacks;
-    their ratio says how much of a run rests on roofline scaling.
+    `lookups` counts table lookups since the model was built; `transferred_lookups` those
+    inside the grid of a curve moved from a measured shape, dtype or GPU (count) the table has
+    to one it lacks, by the ratio of the two rooflines; `extrapolated_lookups` those outside a
+    table's grid. Their shares of `lookups` say how much of a run rests on roofline scaling.
     """
 
     name = "silicon"
@@ -115,7 +116,7 @@ class SiliconCostModel:
         if parallel.ep > 1 and not model.is_moe:
             raise ValueError(f"ep={parallel.ep} needs a MoE model; {model.name} is dense")
         tables.require_systems_dir()
-        system = p.system or tables.system_for(hardware.name)
+        system = p.system or tables.system_for(hardware)
         if system is None:
             raise ValueError(
                 f"silicon: no measured tables for hardware {hardware.name!r}; presets with "
@@ -125,6 +126,7 @@ class SiliconCostModel:
         self.system = system
         self._plan = _build_plan(model, hardware, parallel, p, system)
         self.lookups = 0
+        self.transferred_lookups = 0
         self.extrapolated_lookups = 0
         self._decode_fixed: dict[tuple[int, int], tuple] = {}  # see _decode_step_s
 
@@ -132,71 +134,86 @@ class SiliconCostModel:
     def extrapolated_frac(self) -> float:
         return self.extrapolated_lookups / self.lookups if self.lookups else 0.0
 
+    @property
+    def transferred_frac(self) -> float:
+        return self.transferred_lookups / self.lookups if self.lookups else 0.0
+
     # ----- per step ----------------------------------------------------------------------------
 
     def _attention_s(self, shapes: Sequence[BatchShape], scale: float) -> float:
         """One layer's attention block on the slowest rank; counts times `scale` (0.5: one
         micro-batch of two-batch overlap)."""
         slowest = 0.0
-        lookups = extra = 0
+        lookups = moved = extra = 0
         for shape in shapes:
             reqs = shape.decode_reqs if scale == 1.0 else -(-shape.decode_reqs // 2)
             prefill = round(shape.prefill_tokens * scale)
             if prefill + reqs * shape.decode_query_len == 0:
                 continue
-            t, n_lookups, n_extra = self._rank_attention_but_generation(shape, reqs, prefill,
-                                                                        scale)
+            t, n_lookups, n_moved, n_extra = self._rank_attention_but_generation(
+                shape, reqs, prefill, scale)
             lookups += n_lookups
+            moved += n_moved
             extra += n_extra
             if reqs:
-                s, e = self._generation_attention(shape, reqs)
+                s, m, e = self._generation_attention(shape, reqs)
                 t += s
+                moved += m
                 extra += e
             if t > slowest:
                 slowest = t
         self.lookups += lookups
+        self.transferred_lookups += moved
         self.extrapolated_lookups += extra
         return slowest
 
     def _rank_attention_but_generation(self, shape: BatchShape, reqs: int, prefill: int,
-                                       scale: float) -> tuple[float, int, int]:
+                                       scale: float) -> tuple[float, int, int, int]:
         """One rank's attention block without its generation (decode) attention kernel, the
-        one part that depends on the decode context: (seconds, lookups, extrapolated ones)."""
+        one part that depends on the decode context: (seconds, lookups, transferred ones,
+        extrapolated ones)."""
         plan = self._plan
         q = shape.decode_query_len
-        t, extra = plan.proj.at(prefill + reqs * q)
+        t, moved, extra = plan.proj.at(prefill + reqs * q)
         lookups = plan.proj.size
         if prefill:
-            s, e = plan.prefill_proj.at(prefill)
+            s, m, e = plan.prefill_proj.at(prefill)
             t += s
             lookups += plan.prefill_proj.size + 1
+            moved += m
             extra += e
-            s, e = _prefill_attention(plan.context_attn, prefill, shape.prefill_attn_pairs * scale)
+            s, m, e = _prefill_attention(plan.context_attn, prefill,
+                                         shape.prefill_attn_pairs * scale)
             t += s
+            moved += m
             extra += e
         if reqs:
-            s, e = plan.decode_proj.at(reqs * q)
+            s, m, e = plan.decode_proj.at(reqs * q)
             t += s
             lookups += plan.decode_proj.size + 1
+            moved += m
             extra += e
-        return t, lookups, extra
+        return t, lookups, moved, extra
 
-    def _generation_attention(self, shape: BatchShape, reqs: int) -> tuple[float, bool]:
-        """The decode attention kernel of `reqs` requests at the shape's mean context."""
+    def _generation_attention(self, shape: BatchShape, reqs: int) -> tuple[float, bool, bool]:
+        """The decode attention kernel of `reqs` requests at the shape's mean context:
+        (seconds, transferred, extrapolated)."""
         plan = self._plan
         q = shape.decode_query_len
         avg_ctx = max(shape.decode_context_tokens / shape.decode_reqs, 1.0)
         s, e = plan.generation_attn.at(reqs, avg_ctx)
+        moved = plan.generation_attn.transferred and not e
         if q > 1:  # q queries share one KV read: only the FLOP part grows
             s *= max(q * plan.gen_flops_rel, plan.gen_bytes_rel)
-            e = True
-        return s, e
+            moved = not e
+        return s, moved, e
 
     def _stage(self, stage: Stage, x: int) -> float:
         if x <= 0 or not stage.size:
             return 0.0
-        s, e = stage.at(x)
+        s, m, e = stage.at(x)
         self.lookups += stage.size
+        self.transferred_lookups += m
         self.extrapolated_lookups += e
         return s
 
@@ -215,19 +232,22 @@ class SiliconCostModel:
         key = (shape.decode_reqs, shape.decode_query_len)
         fixed = self._decode_fixed.get(key)
         if fixed is None:
-            lookups, extra = self.lookups, self.extrapolated_lookups
-            t, n_lookups, n_extra = self._rank_attention_but_generation(
+            before = self.lookups, self.transferred_lookups, self.extrapolated_lookups
+            t, n_lookups, n_moved, n_extra = self._rank_attention_but_generation(
                 shape, shape.decode_reqs, 0, 1.0)
             totals = step_totals((shape,))
             rest = self._parts_but_attention((shape,), totals, math.nan)
             fixed = self._decode_fixed[key] = (
                 t, self._elementwise_s(totals[1]), rest,
-                n_lookups + self.lookups - lookups, n_extra + self.extrapolated_lookups - extra)
-            self.lookups, self.extrapolated_lookups = lookups, extra
-        t, elementwise, rest, n_lookups, n_extra = fixed
-        s, e = self._generation_attention(shape, shape.decode_reqs)
+                n_lookups + self.lookups - before[0],
+                n_moved + self.transferred_lookups - before[1],
+                n_extra + self.extrapolated_lookups - before[2])
+            self.lookups, self.transferred_lookups, self.extrapolated_lookups = before
+        t, elementwise, rest, n_lookups, n_moved, n_extra = fixed
+        s, m, e = self._generation_attention(shape, shape.decode_reqs)
         t += s
         self.lookups += n_lookups
+        self.transferred_lookups += n_moved + m
         self.extrapolated_lookups += n_extra + e
         attn = (t if t > 0.0 else 0.0) + elementwise
         return sum((self._layers_attention_s(attn), *rest))
@@ -310,25 +330,27 @@ class SiliconCostModel:
         return layers * compute, layers * comm, tbo
 
 
-def _prefill_attention(grid: Grid2, tokens: int, pairs: float) -> tuple[float, bool]:
+def _prefill_attention(grid: Grid2, tokens: int, pairs: float) -> tuple[float, bool, bool]:
     """Prefill attention of `tokens` new tokens attending over `pairs` (query, key) pairs.
 
     A shape carries no per-request lengths, so the batch is read as b equal causal sequences of
     length s with the same tokens and pairs: s = 2 pairs / tokens - 1, b = pairs / (s (s+1) / 2)
     (exact for fresh prompts of one length). A chunk after a cached prefix gives b < 1: one
-    sequence of length s priced pro rata."""
+    sequence of length s priced pro rata. Returns (seconds, transferred, extrapolated)."""
     s = max(2.0 * pairs / tokens - 1.0, 1.0)
     b = pairs / (s * (s + 1) / 2)
-    if b >= 1.0:
-        return grid.at(b, s)
-    seconds, extra = grid.at(1.0, s)
-    return seconds * b, extra
+    seconds, extra = grid.at(max(b, 1.0), s)
+    return seconds * min(b, 1.0), grid.transferred and not extra, extra
 
 
 @lru_cache(maxsize=8)  # ~6 MB a plan; a run needs one per role
 def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: SiliconParams,
                 system: str) -> _Plan:
-    ops = op_tables(system, p.framework, p.version, hw)
+    # The GPU the tables were measured on, as published (whatever a spec based on it
+    # overrides; for an H800, the H100 it names as `silicon_base`).
+    measured = tables.preset_for(system)
+    table_hw = load_hardware_spec(measured) if measured else hw
+    ops = op_tables(system, p.framework, p.version, hw, table_hw)
     prec = model.precision
     tp, attn_tp, ep = par.tp, par.attn_tp, par.ep
     h = model.hidden_size
@@ -341,8 +363,8 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
     if model.is_mla:
         dims = (model.kv_lora_rank, model.qk_rope_head_dim, model.qk_nope_head_dim,
                 model.v_head_dim)
-        dims_match = dims == MLA_TABLE_DIMS
         lora, rope, nope, v = dims
+        lora0, _, nope0, v0 = MLA_TABLE_DIMS
         qk = nope + rope
         if model.q_lora_rank:
             q_lora = model.q_lora_rank
@@ -351,10 +373,10 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
             proj.append(ops.gemm(heads * qk, h, ad))
         proj += [ops.gemm(lora + rope, h, ad), ops.gemm(h, heads * v, ad)]
         prefill_proj.append(ops.gemm(heads * (nope + v), lora, ad))
-        decode_proj += [ops.mla_bmm("pre", heads, nope, lora, dims_match),
-                        ops.mla_bmm("post", heads, lora, v, dims_match)]
-        context = ops.mla_context(heads, qk, v, kv_bytes, dims_match)
-        generation = ops.mla_generation(heads, lora, rope, kv_bytes, dims_match)
+        decode_proj += [ops.mla_bmm("pre", heads, nope, lora, (nope0, lora0)),
+                        ops.mla_bmm("post", heads, lora, v, (lora0, v0))]
+        context = ops.mla_context(heads, dims, kv_bytes)
+        generation = ops.mla_generation(heads, dims, kv_bytes)
         gen_flops = 2.0 * heads * (2 * lora + rope) / ops.peak_flops("bf16")
         gen_bytes = (lora + rope) * kv_bytes / ops.mem_rate
         rope_elems = heads * rope + rope

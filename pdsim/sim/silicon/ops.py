@@ -2,12 +2,14 @@
 
 `OpTables` reads one system's tables (one framework and version) and answers, per op, a `Curve`
 over tokens or a `Grid2` over (batch, sequence), in seconds. When the table lacks the exact
-shape (a GEMM width off its grid, a head count it never measured, a dtype it lacks), the nearest
-measured shape stands in, scaled point by point by the ratio of the two shapes' rooflines, and the
-curve is marked as extrapolated.
+shape (a GEMM width off its grid, a head count it never measured, a dtype it lacks, another
+expert shape), the nearest measured shape of the same kernel stands in, scaled point by point by
+the ratio of the two shapes' rooflines, and the curve is marked as transferred.
 
 Rooflines here are max(FLOPs / peak, bytes / HBM bandwidth) at the GPU's published peaks; they
-only ever enter as ratios, so no efficiency constant is involved.
+only ever enter as ratios, so no efficiency constant is involved. A GPU priced from another's
+tables (`HardwareSpec.silicon_base`: the same die) reads them for compute as they are, and moves
+communication to its own links by the ratio of the two link rooflines.
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ if TYPE_CHECKING:
 ACT_BYTES = 2
 DEEPEP_NUM_SMS = 20  # DeepEP's default SM count for normal-mode kernels (Buffer.num_sms)
 TABLE_GPUS_PER_NODE = 8  # DeepEP's node_num counts 8-GPU nodes
+# DeepSeek-V3's MLA dimensions, the ones the MLA tables were measured at.
+MLA_TABLE_DIMS = (512, 64, 128, 128)  # kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
+# MLA context tables whose rows time the absorbed form (one latent KV head: q·k over
+# kv_lora + rope dims, values of kv_lora dims) rather than SGLang's prefill form (MHA over
+# up-projected K/V, qk_nope + rope and v dims): the Hopper FlashAttention rows. Their time per
+# FLOP of the absorbed form matches the MHA-form tables' per FLOP of theirs (~590 TFLOP/s on
+# H100/H200 at 8-16k tokens, docs/cost_model.md), 3.4x slower per MHA-form FLOP.
+ABSORBED_CONTEXT_KERNELS = frozenset({"flash_attention"})
 # Row (M) tile sizes of CUTLASS/cuBLAS/DeepGEMM GEMM kernels on Ampere to Blackwell: one to
 # four 64-row warp-group MMAs (Hopper's wgmma is 64 rows; 128 and 256 are the usual CTA tiles).
 GEMM_TILE_ROWS = (64, 128, 256)
@@ -69,12 +79,14 @@ def _log_distance(a: tuple[float, ...], b: tuple[float, ...]) -> float:
 class OpTables:
     """One system's measured ops for one framework version, with rooflines for scaling."""
 
-    def __init__(self, system: str, framework: str, version: str, hardware: HardwareSpec) -> None:
+    def __init__(self, system: str, framework: str, version: str, hardware: HardwareSpec,
+                 table_hardware: HardwareSpec | None = None) -> None:
         if framework not in tables.FRAMEWORKS:
             raise ValueError(
                 f"silicon framework {framework!r} is not one of {', '.join(tables.FRAMEWORKS)}"
             )
         self.system, self.framework, self.hw = system, framework, hardware
+        self.table_hw = table_hardware or hardware  # the GPU the tables were measured on
         self.version = (tables.current_version(system, framework)
                         if version == "current" else version)
         self.mem_rate = hardware.hbm_gb_per_s * 1e9
@@ -230,7 +242,7 @@ class OpTables:
         if have != want:
             have_roof = roofline(*have)
             zs = zs * np.array([[roof(b, s) / have_roof(b, s) for s in ss] for b in bs])
-        return Grid2(bs, ss, zs, roof, static_extrapolated=have != want)
+        return Grid2(bs, ss, zs, roof, transferred=have != want)
 
     def context_attention(self, heads: int, kv_heads: int, head_dim: int, kv_bytes: float,
                           fp8_compute: bool) -> Grid2:
@@ -262,9 +274,12 @@ class OpTables:
 
     # ----- MLA ---------------------------------------------------------------------------------
 
-    def _mla_grid(self, file: str, seq_col: str, heads: int, kv_bytes: float,
-                  roofline: Callable[[int], Callable], dims_match: bool) -> Grid2:
-        t = self._need("mla", file)
+    def _mla_grid(self, t: pd.DataFrame, seq_col: str, heads: int, kv_bytes: float,
+                  roofline: Callable[[int], Callable], measured: Callable[[int], Callable],
+                  same_op: bool) -> Grid2:
+        """An MLA table's grid at the nearest measured head count, moved to `heads` of the
+        model's op (`roofline`) from the measured op (`measured`) by their roofline ratio
+        unless the two are the same op (`same_op`) at the same head count."""
         kv = _kv_name(kv_bytes)
         if (t["kv_cache_dtype"] == kv).any():
             t = t[t["kv_cache_dtype"] == kv]
@@ -275,53 +290,75 @@ class OpTables:
         bs, ss = pivot.index.to_numpy(float), pivot.columns.to_numpy(float)
         zs = pivot.to_numpy(float) * 1e-3
         roof = roofline(heads)
-        exact = have == heads and dims_match
+        exact = have == heads and same_op
         if not exact:
-            have_roof = roofline(int(have))
+            have_roof = measured(int(have))
             zs = zs * np.array([[roof(b, s) / have_roof(b, s) for s in ss] for b in bs])
-        return Grid2(bs, ss, zs, roof, static_extrapolated=not exact)
+        return Grid2(bs, ss, zs, roof, transferred=not exact)
 
-    def mla_context(self, heads: int, qk_dim: int, v_dim: int, kv_bytes: float,
-                    dims_match: bool) -> Grid2:
-        """MLA prefill attention (run as MHA over up-projected K/V) per GPU heads."""
+    def mla_context(self, heads: int, dims: tuple[int, int, int, int], kv_bytes: float) -> Grid2:
+        """MLA prefill attention per GPU heads, as SGLang runs it on a prefill: MHA over K/V
+        up-projected from the latent (q·k over qk_nope + rope dims, v_head_dim values), for
+        the model's MLA `dims` (kv_lora_rank, qk_rope, qk_nope, v_head_dim). A table that
+        timed the absorbed form (ABSORBED_CONTEXT_KERNELS) is moved to it by the roofline
+        ratio of the two forms."""
         peak, mem = self.peak_flops("bf16"), self.mem_rate
+        t = self._need("mla", "context_mla_perf.parquet")
+        lora0, rope0, nope0, v0 = MLA_TABLE_DIMS
+        _, rope, nope, v = dims
+        absorbed = bool(t["kernel_source"].isin(ABSORBED_CONTEXT_KERNELS).all())
 
-        def roofline(h: int) -> Callable:
-            return lambda b, s: max(2.0 * h * (qk_dim + v_dim) * b * s * (s + 1) / 2 / peak,
-                                    b * s * h * (2 * qk_dim + 2 * v_dim) * ACT_BYTES / mem)
+        def mha(qk: int, vd: int) -> Callable[[int], Callable]:
+            return lambda h: lambda b, s: max(
+                2.0 * h * (qk + vd) * b * s * (s + 1) / 2 / peak,
+                b * s * h * (2 * qk + 2 * vd) * ACT_BYTES / mem)
 
-        return self._mla_grid("context_mla_perf.parquet", "isl", heads, kv_bytes, roofline,
-                              dims_match)
+        def latent(h: int) -> Callable:  # the absorbed form at the tables' dims
+            return lambda b, s: max(
+                2.0 * h * (2 * lora0 + rope0) * b * s * (s + 1) / 2 / peak,
+                b * s * (h * (2 * lora0 + rope0) * ACT_BYTES + (lora0 + rope0) * kv_bytes) / mem)
 
-    def mla_generation(self, heads: int, latent_dim: int, rope_dim: int, kv_bytes: float,
-                       dims_match: bool) -> Grid2:
+        if absorbed:  # the MHA form attends over freshly up-projected BF16 K/V, whatever
+            kv_bytes = ACT_BYTES  # the cache holds: the BF16-cache rows are the closer ones
+            measured = latent
+        else:
+            measured = mha(nope0 + rope0, v0)
+        return self._mla_grid(t, "isl", heads, kv_bytes, mha(nope + rope, v), measured,
+                              not absorbed and dims == MLA_TABLE_DIMS)
+
+    def mla_generation(self, heads: int, dims: tuple[int, int, int, int],
+                       kv_bytes: float) -> Grid2:
         """MLA decode attention over the compressed latent, per GPU heads."""
         peak, mem = self.peak_flops("bf16"), self.mem_rate
 
-        def roofline(h: int) -> Callable:
-            return lambda b, c: max(2.0 * h * (2 * latent_dim + rope_dim) * b * c / peak,
-                                    b * c * (latent_dim + rope_dim) * kv_bytes / mem)
+        def roofline(latent_dim: int, rope_dim: int) -> Callable[[int], Callable]:
+            return lambda h: lambda b, c: max(
+                2.0 * h * (2 * latent_dim + rope_dim) * b * c / peak,
+                b * c * (latent_dim + rope_dim) * kv_bytes / mem)
 
-        return self._mla_grid("generation_mla_perf.parquet", "step", heads, kv_bytes, roofline,
-                              dims_match)
+        t = self._need("mla", "generation_mla_perf.parquet")
+        return self._mla_grid(t, "step", heads, kv_bytes, roofline(dims[0], dims[1]),
+                              roofline(*MLA_TABLE_DIMS[:2]), dims == MLA_TABLE_DIMS)
 
-    def mla_bmm(self, kind: str, heads: int, dim_in: int, dim_out: int, dims_match: bool) -> Curve:
+    def mla_bmm(self, kind: str, heads: int, dim_in: int, dim_out: int,
+                table_dims: tuple[int, int]) -> Curve:
         """The absorbed per-head BMMs of MLA decode (kind "pre": q_nope x W_UK, "post":
-        out x W_UV), BF16, over tokens."""
+        out x W_UV), BF16, over tokens; `table_dims`: the (in, out) the table measured."""
         t = self._need("mla_bmm", "mla_bmm_perf.parquet")
         t = t[(t["op_name"] == f"mla_gen_{kind}") & (t["bmm_dtype"] == "bfloat16")]
         have = min(sorted(t["num_heads"].unique()), key=lambda h: abs(math.log(h / heads)))
         g = t[t["num_heads"] == have].groupby("num_tokens")["latency"].min()
         peak, mem = self.peak_flops("bf16"), self.mem_rate
 
-        def roofline(h: int) -> Callable:
+        def roofline(h: int, d_in: int, d_out: int) -> Callable:
             return lambda m: np.maximum(
-                2.0 * m * h * dim_in * dim_out / peak,
-                (h * dim_in * dim_out + m * h * (dim_in + dim_out)) * ACT_BYTES / mem)
+                2.0 * m * h * d_in * d_out / peak,
+                (h * d_in * d_out + m * h * (d_in + d_out)) * ACT_BYTES / mem)
 
-        curve = Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, roofline(int(have)))
-        if have != heads or not dims_match:
-            want, got = roofline(heads), roofline(int(have))
+        got = roofline(int(have), *table_dims)
+        curve = Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, got)
+        if (have, *table_dims) != (heads, dim_in, dim_out):
+            want = roofline(heads, dim_in, dim_out)
             curve = curve.scaled(lambda m: want(m) / got(m))
         return curve
 
@@ -375,48 +412,66 @@ class OpTables:
     def wideep_moe(self, phase: str, hidden: int, inter: int, topk: int, experts: int, ep: int,
                    dtype: str, distribution: str) -> Curve | None:
         """Routed experts under DeepEP (DeepGEMM grouped GEMMs; phase "context" for normal
-        mode, "generation" for low-latency mode) over the layer's total tokens. Measured only
-        at DeepSeek-V3's expert shape and FP8 blocks, so None for any other; an EP size the
-        table lacks (72) is scaled from the nearest measured one by the roofline and counted."""
+        mode, "generation" for low-latency mode) over the layer's total tokens; None when the
+        system has no such table. The tables measure DeepSeek-V3's expert shape in FP8 blocks:
+        another expert shape, dtype or EP size is moved from the nearest measured one by the
+        ratio of the two MoE rooflines (`moe_roofline`), and counted as transferred."""
+        import pandas as pd
         t = self._table("moe", f"wideep_{phase}_moe_perf.parquet")
         if t is None:
             return None
         wanted = "uniform" if distribution == "balanced" else distribution
-        t = t[(t["hidden_size"] == hidden) & (t["inter_size"] == inter) & (t["topk"] == topk)
-              & (t["num_experts"] == experts) & (t["moe_tp_size"] == 1)
-              & (t["distribution"] == wanted) & t["moe_dtype"].isin(MOE_DTYPES[dtype])]
-        if t.empty:
-            return None
-        have = min(sorted(int(e) for e in t["moe_ep_size"].unique()),
-                   key=lambda e: (abs(math.log(e / ep)), e))
-        g = t[t["moe_ep_size"] == have].groupby("num_tokens")["latency"].min()
-        have_roof = self.moe_roofline(hidden, inter, topk, experts, 1, have, dtype)
+        t = t[t["moe_tp_size"] == 1]
+        if not (t["distribution"] == wanted).any():
+            raise ValueError(
+                f"silicon moe_distribution {distribution!r} is not in the wide-EP table; "
+                f"allowed: balanced, {', '.join(sorted(set(t['distribution']) - {'uniform'}))}")
+        t = t[t["distribution"] == wanted]
+        present = set(t["moe_dtype"].unique())
+        used = next((d for d in (*MOE_DTYPES[dtype], *_fallbacks(dtype)) if d in present),
+                    sorted(present)[0])
+        t = t[t["moe_dtype"] == used]
+        key = ["hidden_size", "inter_size", "topk", "num_experts", "moe_ep_size"]
+        configs = [tuple(int(v) for v in r) for r in t[key].drop_duplicates().itertuples(False)]
+        want = (hidden, inter, topk, experts, ep)
+        # the nearest expert shape, then the nearest EP size measured at it
+        shape = min({c[:4] for c in configs}, key=lambda c: (_log_distance(c, want[:4]), c))
+        have_ep = min((c[4] for c in configs if c[:4] == shape),
+                      key=lambda e: (abs(math.log(e / ep)), e))
+        have = (*shape, have_ep)
+        sel = t[(t[key] == pd.Series(have, index=key)).all(axis=1)]
+        g = sel.groupby("num_tokens")["latency"].min()
+        have_roof = self.moe_roofline(*shape, 1, have_ep, _TABLE_TO_PDSIM[used])
         curve = Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
-        if have != ep:
+        if have != want or used not in MOE_DTYPES[dtype]:
             want_roof = self.moe_roofline(hidden, inter, topk, experts, 1, ep, dtype)
             curve = curve.scaled(lambda x: want_roof(x) / have_roof(x))
         return curve
 
     # ----- communication -----------------------------------------------------------------------
 
-    def _link_gb_per_s(self, gpus: int) -> float:
-        return self.hw.nvlink_gb_per_s if gpus <= self.hw.gpus_per_node else self.hw.rdma_gb_per_s
+    @staticmethod
+    def _link_gb_per_s(hw: HardwareSpec, gpus: int) -> float:
+        return hw.nvlink_gb_per_s if gpus <= hw.gpus_per_node else hw.rdma_gb_per_s
 
     def _collective(self, t: pd.DataFrame, gpus: int, hidden: int) -> Curve:
-        """A collective's curve over tokens (message = tokens x hidden x 2 bytes) on `gpus`."""
+        """A collective's curve over tokens (message = tokens x hidden x 2 bytes) on `gpus`,
+        moved from the nearest measured GPU count, and from the tables' GPU's links to this
+        GPU's, by the ratio of the two ring rooflines."""
         have = min(sorted(int(g) for g in t["num_gpus"].unique()),
                    key=lambda g: (abs(math.log(g / gpus)), -g))
         g = t[t["num_gpus"] == have].groupby("message_size")["latency"].min()
         tok_bytes = hidden * ACT_BYTES
-        link = self._link_gb_per_s(have) * 1e9
+        link = self._link_gb_per_s(self.table_hw, have) * 1e9
+        want_link = self._link_gb_per_s(self.hw, gpus) * 1e9
 
         def ring(n: int, gbps: float) -> Callable:
             return lambda tokens: 10e-6 + 2 * (n - 1) / n * tokens * tok_bytes / gbps
 
         curve = Curve(g.index.to_numpy(float) / tok_bytes, g.to_numpy(float) * 1e-3,
                       ring(have, link))
-        if have != gpus:
-            want, got = ring(gpus, self._link_gb_per_s(gpus) * 1e9), ring(have, link)
+        if have != gpus or want_link != link:
+            want, got = ring(gpus, want_link), ring(have, link)
             curve = curve.scaled(lambda x: want(x) / got(x))
         return curve
 
@@ -438,7 +493,7 @@ class OpTables:
         xs = np.union1d(custom.grid, nccl.grid)
         xs = xs[(xs >= max(custom.lo, nccl.lo)) & (xs <= min(custom.hi, nccl.hi))]
         return Curve(xs, np.minimum(custom.values(xs), nccl.values(xs)), custom.roofline,
-                     custom.static_extrapolated and nccl.static_extrapolated)
+                     custom.transferred and nccl.transferred)
 
     def nccl(self, op: str, gpus: int, hidden: int) -> Curve:
         path = tables.nccl_path(self.system)
@@ -484,26 +539,28 @@ class OpTables:
         sel = t[(t[key] == pd.Series(have, index=key)).all(axis=1)]
         g = sel.groupby("num_token")["seconds"].min()
 
-        def roofline(h: int, k: int, group: int, domain: int) -> Callable:
+        def roofline(h: int, k: int, group: int, domain: int, hw: HardwareSpec) -> Callable:
             one = deepep_traffic(1.0, h, k, group, domain, mode)
-            nvlink, rdma = self.hw.nvlink_gb_per_s * 1e9, self.hw.rdma_gb_per_s * 1e9
+            nvlink, rdma = hw.nvlink_gb_per_s * 1e9, hw.rdma_gb_per_s * 1e9
             per_token = sum(max(c.nvlink_bytes / nvlink, c.rdma_bytes / rdma)
                             for c in (one.dispatch, one.combine))
             return lambda tokens: 20e-6 + np.asarray(tokens, float) * per_token
 
         # The tables' runs: node_num nodes of 8 GPUs, one NVLink domain each.
-        have_roof = roofline(have[0], have[1], TABLE_GPUS_PER_NODE * have[3], TABLE_GPUS_PER_NODE)
+        have_roof = roofline(have[0], have[1], TABLE_GPUS_PER_NODE * have[3], TABLE_GPUS_PER_NODE,
+                             self.table_hw)
         curve = Curve(g.index.to_numpy(float), g.to_numpy(float), have_roof)
-        if have != want:
-            want_roof = roofline(hidden, topk, ep, min(ep, self.hw.gpus_per_node))
+        if have != want or _links(self.table_hw) != _links(self.hw):
+            want_roof = roofline(hidden, topk, ep, min(ep, self.hw.gpus_per_node), self.hw)
             curve = curve.scaled(lambda x: want_roof(x) / have_roof(x))
         return curve
 
 
 @lru_cache(maxsize=16)
-def op_tables(system: str, framework: str, version: str, hardware: HardwareSpec) -> OpTables:
+def op_tables(system: str, framework: str, version: str, hardware: HardwareSpec,
+              table_hardware: HardwareSpec | None = None) -> OpTables:
     """A shared `OpTables` (its indexed tables serve every plan on that system)."""
-    return OpTables(system, framework, version, hardware)
+    return OpTables(system, framework, version, hardware, table_hardware)
 
 
 def _bracket(grid: list[int], x: float) -> tuple[int, int]:
@@ -512,6 +569,10 @@ def _bracket(grid: list[int], x: float) -> tuple[int, int]:
         if a <= x <= b:
             return (a, a) if x == a else (b, b) if x == b else (a, b)
     return grid[0], grid[0]
+
+
+def _links(hw: HardwareSpec) -> tuple[float, float, int]:
+    return hw.nvlink_gb_per_s, hw.rdma_gb_per_s, hw.gpus_per_node
 
 
 def _kv_name(kv_bytes: float) -> str:

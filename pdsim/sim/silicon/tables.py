@@ -24,6 +24,8 @@ import yaml
 if TYPE_CHECKING:
     import pandas as pd
 
+    from pdsim.specs.hardware import HardwareSpec
+
 PACKAGE = "aiconfigurator_core"
 INSTALL_HINT = "pip install 'pdsim[silicon]' (aiconfigurator-core==0.12.0)"
 
@@ -58,17 +60,23 @@ def require_systems_dir() -> Path:
     return path
 
 
-def system_for(hardware_name: str) -> str | None:
-    """The aiconfigurator system measured for a pdsim hardware preset, if tables exist for it."""
-    system = SYSTEMS.get(hardware_name)
+def system_for(hardware: HardwareSpec) -> str | None:
+    """The aiconfigurator system measured for a hardware spec, if tables exist for it: its
+    preset's, or those of the preset it names as `silicon_base` (the same die)."""
+    system = SYSTEMS.get(hardware.silicon_base or hardware.name)
     root = systems_dir()
     if system is None or root is None or not (root / "data" / system / "gemm").is_dir():
         return None
     return system
 
 
-def has_tables(hardware_name: str) -> bool:
-    return system_for(hardware_name) is not None
+def preset_for(system: str) -> str | None:
+    """The pdsim hardware preset of the GPU an aiconfigurator system was measured on."""
+    return next((preset for preset, name in SYSTEMS.items() if name == system), None)
+
+
+def has_tables(hardware: HardwareSpec) -> bool:
+    return system_for(hardware) is not None
 
 
 _SUFFIX = {"rc": -1, ".dev": -2, ".post": 1}

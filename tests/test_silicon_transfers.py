@@ -1,0 +1,233 @@
+"""Silicon prices ops the tables did not measure by moving a measured curve with a roofline
+ratio (an expert shape or dtype, MLA's prefill form, another GPU's links), and counts it."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from pdsim.core.batch import BatchShape, extend_attn_pairs
+from pdsim.sim.cost import Parallelism, make_cost_model
+from pdsim.sim.silicon import cost_columns, resolve_cost_model, roofline_reliance_warning, tables
+from pdsim.sim.silicon.ops import MLA_TABLE_DIMS, OpTables
+from pdsim.specs import load_hardware_spec, load_model_spec
+from pdsim.specs.precision import Precision
+
+needs_tables = pytest.mark.skipif(tables.systems_dir() is None,
+                                  reason="aiconfigurator-core not installed")
+
+
+def _dep(n: int) -> Parallelism:
+    """Wide EP as SGLang runs it: DP attention on every GPU, DeepEP, EP over all GPUs."""
+    return Parallelism(tp=n, dp_attention=n, ep=n, moe_a2a="deepep", dp_lm_head=True)
+
+
+def _experts_s(cost_model: str, model, hw, ep: int, shape: BatchShape, role: str) -> float:
+    cost = make_cost_model(cost_model, model, hw, _dep(ep), role=role)
+    return cost.step_breakdown_s([shape] * ep)["moe_experts"]
+
+
+@needs_tables
+def test_kimi_k2_wide_ep_prefill_experts_are_near_the_roofline_and_fall_with_ep():
+    """H200 DEP32 prefill of 8,192 tokens a rank: Kimi-K2's 384 experts were priced from the
+    fused-MoE table at 2,229 ms against DeepSeek-V3's 407 ms (roofline 347 / 334 ms)."""
+    h200, kimi = load_hardware_spec("h200"), load_model_spec("kimi-k2")
+    total = 32 * 8192
+    prefill = BatchShape(8192, extend_attn_pairs(8192, 0))
+    silicon = _experts_s("silicon", kimi, h200, 32, prefill, "prefill")
+    roofline = _experts_s("roofline", kimi, h200, 32, prefill, "prefill")
+    assert 0.5 < silicon / roofline < 3.0, (silicon, roofline)
+    deepseek = _experts_s("silicon", load_model_spec("deepseek-v3"), h200, 32, prefill, "prefill")
+    assert silicon / deepseek < 1.5  # 1.5x the experts, the same pairs per GPU
+    # a fixed total batch over more GPUs: never slower
+    by_ep = []
+    for ep in (8, 16, 32, 64):
+        tokens = total // ep
+        by_ep.append(_experts_s("silicon", kimi, h200, ep,
+                                BatchShape(tokens, extend_attn_pairs(tokens, 0)), "prefill"))
+    assert all(b <= a for a, b in zip(by_ep, by_ep[1:])), by_ep
+
+
+@needs_tables
+def test_nvfp4_wide_ep_decode_experts_are_near_the_roofline_and_fall_with_ep():
+    """GB200 DEP48 decode, 256 requests a rank: NVFP4 experts were priced at 94 ms against
+    FP8's 7.8 ms, and rose with EP at a fixed total batch."""
+    gb200 = load_hardware_spec("gb200")
+    fp8 = load_model_spec("deepseek-v3")
+    fp4 = fp8.model_copy(update={"precision": Precision(attention="fp8", dense_mlp="fp8",
+                                                        moe_experts="nvfp4")})
+    total = 48 * 256
+
+    def decode(ep: int) -> BatchShape:
+        reqs = total // ep
+        return BatchShape(decode_reqs=reqs, decode_context_tokens=reqs * 2048)
+
+    silicon = _experts_s("silicon", fp4, gb200, 48, decode(48), "decode")
+    roofline = _experts_s("roofline", fp4, gb200, 48, decode(48), "decode")
+    assert 0.5 < silicon / roofline < 3.0, (silicon, roofline)
+    # half the weight bytes and twice the tensor-core peak of FP8: faster than FP8, not slower
+    assert silicon < _experts_s("silicon", fp8, gb200, 48, decode(48), "decode")
+    by_ep = [_experts_s("silicon", fp4, gb200, ep, decode(ep), "decode")
+             for ep in (8, 16, 32, 48, 64)]
+    assert all(b <= a for a, b in zip(by_ep, by_ep[1:])), by_ep
+
+
+@needs_tables
+def test_expert_curves_moved_from_the_measured_shape_count_as_transferred():
+    h200 = load_hardware_spec("h200")
+    ranks = [BatchShape(decode_reqs=32, decode_context_tokens=32 * 2048)] * 8
+    deepseek = make_cost_model("silicon", load_model_spec("deepseek-v3"), h200, _dep(8),
+                               role="decode")
+    deepseek.step_time_s(ranks)
+    assert deepseek.transferred_lookups == 0  # DeepSeek-V3's experts at EP 8: measured
+    kimi = make_cost_model("silicon", load_model_spec("kimi-k2"), h200, _dep(8), role="decode")
+    kimi.step_time_s(ranks)
+    # the routed experts of Kimi-K2's 60 MoE layers, plus MLA at its 64 heads (8 a rank)
+    assert kimi.transferred_lookups >= 1
+    columns = cost_columns("silicon", [deepseek, kimi])
+    shares = [columns[f"cost_{k}_frac"] for k in ("interpolated", "transferred", "extrapolated")]
+    assert sum(shares) == pytest.approx(1.0) and shares[1] > 0
+
+
+@needs_tables
+@pytest.mark.parametrize("system,hardware", [("h200_sxm", "h200"), ("b200_sxm", "b200")])
+def test_mla_prefill_attention_runs_at_a_plausible_share_of_the_bf16_peak(system, hardware):
+    """An 8,192-token DeepSeek prefill at TP8 (16 heads a GPU) as SGLang runs it: MHA over
+    up-projected K/V, 2 · heads · (192 + 128) FLOPs per causal (query, key) pair. Hopper's
+    table timed the absorbed form (576 / 512 dims: 3.4x the FLOPs) and read as it was gave
+    173 TFLOP/s on H200, 17 % of the peak."""
+    hw = load_hardware_spec(hardware)
+    ops = OpTables(system, "sglang", "current", hw)
+    heads, seq = 128 // 8, 8192
+    _, rope, nope, v = MLA_TABLE_DIMS
+    flops = 2.0 * heads * (nope + rope + v) * seq * (seq + 1) / 2
+    for kv_bytes in (1, 2):
+        seconds, extrapolated = ops.mla_context(heads, MLA_TABLE_DIMS, kv_bytes).at(1, seq)
+        assert not extrapolated
+        achieved = flops / seconds / 1e12
+        assert 0.25 * hw.bf16_tflops < achieved < hw.bf16_tflops, achieved
+    # Hopper's rows are moved to the MHA form (counted); Blackwell's are that form already
+    assert ops.mla_context(heads, MLA_TABLE_DIMS, 2).transferred == (hardware == "h200")
+
+
+@needs_tables
+def test_h800_prices_compute_from_h100_tables_and_collectives_at_its_own_links():
+    h100, h800 = load_hardware_spec("h100"), load_hardware_spec("h800")
+    assert h800.silicon_base == "h100" and resolve_cost_model("auto", h800) == "silicon"
+    model = load_model_spec("llama-3.1-70b")
+    prefill = [BatchShape(8192, extend_attn_pairs(8192, 0))]
+    parts = {hw.name: make_cost_model("silicon", model, hw, Parallelism(tp=8))
+             .step_breakdown_s(prefill) for hw in (h100, h800)}
+    assert parts["h800"]["dense_mlp"] == parts["h100"]["dense_mlp"]  # the same GEMM tables
+    assert parts["h800"]["lm_head"] == parts["h100"]["lm_head"]
+    # 8,192 x 8,192 BF16 (128 MiB) all-reduced over NVLink: bandwidth-bound, so slower by
+    # nearly the link ratio 450 / 200 GB/s
+    link_ratio = h100.nvlink_gb_per_s / h800.nvlink_gb_per_s
+    ratio = parts["h800"]["dense_comm"] / parts["h100"]["dense_comm"]
+    assert 0.9 * link_ratio < ratio <= link_ratio, ratio
+    with pytest.raises(ValueError, match="silicon_base 'h900' is not a hardware preset"):
+        load_hardware_spec({"base": "h100", "name": "h900-ish", "silicon_base": "h900"})
+
+
+def test_the_run_warning_names_points_that_rest_mostly_on_roofline_ratios():
+    rows = [{"point": 0, "label": "ep=8", "cost_transferred_frac": 0.3,
+             "cost_extrapolated_frac": 0.1},
+            {"point": 1, "label": "ep=72", "cost_transferred_frac": 0.45,
+             "cost_extrapolated_frac": 0.2},
+            {"point": 2, "label": "roofline", "cost_transferred_frac": math.nan,
+             "cost_extrapolated_frac": math.nan}]
+    warning = roofline_reliance_warning(rows)
+    assert warning is not None and "\n" not in warning
+    assert "ep=72 (65%)" in warning and "ep=8" not in warning and "1 point(s)" in warning
+    assert roofline_reliance_warning(rows[:1]) is None
+
+
+EXPERIMENT = """\
+name: transferred
+model: {base: tiny-mla, precision: {attention: w4a16, dense_mlp: w4a16, moe_experts: w4a16}}
+hardware: h800
+cost_model: {name: silicon}
+cluster:
+  prefill: {instances: 1, tp: 2}
+  decode: {instances: 1, tp: 2}
+workload:
+  num_requests: 8
+  seed: 0
+  arrival: {process: poisson, rate_rps: 10}
+  input_len: {dist: fixed, value: 512}
+  output_len: {dist: fixed, value: 4}
+"""
+
+
+@needs_tables
+def test_pdsim_run_reports_coverage_and_warns_when_transfers_dominate(tmp_path):
+    """W4A16 GEMMs (the tables time BF16 and FP8 only), tiny-mla's MLA dimensions (not
+    DeepSeek-V3's) and the H800's all-reduces (the H100's moved to its NVLink): most lookups
+    rest on roofline ratios."""
+    path = tmp_path / "exp.yaml"
+    path.write_text(EXPERIMENT)
+    done = subprocess.run([sys.executable, "-m", "pdsim.cli", "run", str(path), "--out",
+                           str(tmp_path / "out"), "--quiet"],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    row = pd.read_csv(tmp_path / "out" / "summary.csv").iloc[0]
+    shares = [row[f"cost_{k}_frac"] for k in ("interpolated", "transferred", "extrapolated")]
+    assert sum(shares) == pytest.approx(1.0)
+    assert row["cost_transferred_frac"] + row["cost_extrapolated_frac"] > 0.5
+    lines = [line for line in done.stdout.splitlines() if "rest mostly on roofline" in line]
+    assert len(lines) == 1 and "transferred + extrapolated > 50%" in lines[0]
+
+
+def _deepseek_config(**quant) -> dict:
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 64,
+        "num_hidden_layers": 3, "first_k_dense_replace": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+        "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+        "vocab_size": 1000, "torch_dtype": "bfloat16",
+    }
+    if quant:
+        config["quantization_config"] = quant
+    return config
+
+
+NVFP4 = Precision(attention="bf16", dense_mlp="nvfp4", moe_experts="nvfp4", lm_head="bf16")
+
+
+@pytest.mark.parametrize("quant", [
+    {"quant_method": "modelopt_fp4", "exclude_modules": ["lm_head", "*self_attn*"]},
+    {"quant_method": "modelopt_fp4", "quant_algo": "NVFP4", "group_size": 16,
+     "exclude_modules": ["lm_head", "*self_attn*"]},
+    {"quant_method": "modelopt", "producer": {"name": "modelopt"},
+     "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8",
+                      "exclude_modules": ["lm_head", "*self_attn*"]}},
+])
+def test_modelopt_nvfp4_in_config_json_is_read_as_nvfp4(tmp_path, quant):
+    (tmp_path / "config.json").write_text(json.dumps(_deepseek_config(**quant)))
+    assert load_model_spec(tmp_path).precision == NVFP4
+
+
+def test_modelopt_nvfp4_hf_quant_config_beside_config_json_is_read_as_nvfp4(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(_deepseek_config()))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({
+        "producer": {"name": "modelopt", "version": "0.29.0"}, "quant_method": "modelopt_fp4",
+        "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16,
+                         "exclude_modules": ["lm_head", "model.layers.*.self_attn*"]},
+    }))
+    assert load_model_spec(tmp_path).precision == NVFP4
+    # a method that names one format and an algorithm that names another is an error
+    (tmp_path / "config.json").write_text(json.dumps(_deepseek_config(
+        quant_method="modelopt_fp4", quant_algo="FP8")))
+    with pytest.raises(ValueError, match="modelopt_fp4 with quant_algo 'FP8'"):
+        load_model_spec(tmp_path)
+    (tmp_path / "hf_quant_config.json").write_text("[1, 2]")
+    (tmp_path / "config.json").write_text(json.dumps(_deepseek_config()))
+    with pytest.raises(ValueError, match="hf_quant_config.json"):
+        load_model_spec(tmp_path)
