@@ -440,7 +440,7 @@ def test_a_flood_of_malformed_requests_logs_a_line_a_second(caplog):
 
 
 def test_the_colocated_server_refuses_bad_headers_and_closes_idle_connections():
-    from runtime.openai.server import BackgroundServer, build_server
+    from runtime.colocated import BackgroundServer, build_server
     from runtime.serve_config import ServeConfig
 
     server = build_server(ServeConfig(model="tiny-llama", port=0, num_pages=32, page_size=8,
