@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import select
 import socket
@@ -14,7 +13,6 @@ import threading
 import time
 import urllib.parse
 
-import msgpack
 import pytest
 import torch
 import zmq
@@ -129,7 +127,9 @@ def test_non_utf8_auth_headers_are_refused_never_a_500(deployment):
                (d["bootstrap"], "/health", 200),
                (d["bootstrap"], "/route?prefill_dp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
                 401)]
-    for bad in (b"\xff\xfe\x80", b"Bearer \xc3\x28" + API_KEY.encode(), "Bearer é".encode("latin-1")):
+    bad_values = (b"\xff\xfe\x80", b"Bearer \xc3\x28" + API_KEY.encode(),
+                  "Bearer é".encode("latin-1"))
+    for bad in bad_values:
         for name in (b"Authorization", AUTH_HEADER.encode()):
             for url, path, want in targets:
                 status, body = raw_http(url, "GET", path, [(name, bad)])
@@ -358,7 +358,8 @@ def upload_60_mb(u: urllib.parse.SplitResult, chunked: bool) -> tuple[int, int, 
     (bytes sent, status, body)."""
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Authorization: Bearer " + API_KEY.encode() + b"\r\n")
-    head += b"Transfer-Encoding: chunked\r\n\r\n" if chunked else b"Content-Length: 60000000\r\n\r\n"
+    head += (b"Transfer-Encoding: chunked" if chunked else b"Content-Length: 60000000") + \
+        b"\r\n\r\n"
     piece = b"[" + b"1," * (1 << 16)
     with socket.create_connection((u.hostname, u.port), timeout=30) as s:
         s.sendall(head)

@@ -7,10 +7,11 @@ rank (tp_size * dp_size * pp_size, learned from the first registration) has regi
 `GET /route` answers 503, so a decode rank never talks to half an instance. `GET /health` is 200.
 
 It is served like every HTTP listener of the backend (runtime/http_app.py: JSON errors,
-`HttpLimits`). With a `ClusterKey`, `/route` needs the deployment's `X-PDSIM-Auth` token (401 without it). A
-rank registers once: the same registration again is a no-op, a different one for a registered
-rank is refused with 409 (a restarted prefill instance starts a new bootstrap server, so a
-registered rank never moves while its server lives; anything else is a mistake or an attack).
+`HttpLimits`). With a `ClusterKey`, `/route` needs the deployment's `X-PDSIM-Auth` token (401
+without it). A rank registers once: the same registration again is a no-op, a different one for
+a registered rank is refused with 409 (a restarted prefill instance starts a new bootstrap
+server, so a registered rank never moves while its server lives; anything else is a mistake or
+an attack).
 
 `BootstrapServer` runs aiohttp on its own event loop in a background thread (`start` / `stop`);
 `BootstrapClient` is a small synchronous client (urllib) that retries with backoff while the
