@@ -307,12 +307,14 @@ def test_an_idle_connection_is_closed_after_the_keepalive_timeout(deployment):
     for url in deployment.values():
         u = urllib.parse.urlsplit(url)
         with socket.create_connection((u.hostname, u.port)) as fresh, \
-                socket.create_connection((u.hostname, u.port)) as used:
+                socket.create_connection((u.hostname, u.port)) as used, \
+                socket.create_connection((u.hostname, u.port)) as slow:
             used.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             used.settimeout(10)
             assert used.recv(65536).startswith(b"HTTP/1.1 200")
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # headers never end
             start = time.monotonic()
-            for s in (fresh, used):
+            for s in (fresh, used, slow):
                 s.settimeout(KEEPALIVE_S + 5)
                 assert s.recv(1) == b""  # closed by the server
             assert KEEPALIVE_S * 0.5 < time.monotonic() - start < KEEPALIVE_S + 3
