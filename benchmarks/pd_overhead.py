@@ -36,15 +36,16 @@ COMMON = """\
 model: {model}
 seed: 0
 device: cpu
-page_size: 16
-scheduler: {{max_running_requests: 16, max_prefill_tokens: 4096, chunked_prefill_size: 1024}}
 """
-COLOCATED = "mode: colocated\nnum_pages: 1024\nport: 0\n"
-PD = """\
-mode: disaggregated
-prefill: {num_pages: 1024}
-decode: {num_pages: 1024}
-router: {port: 0}
+KNOBS = ("{page_size: 16, num_pages: 1024, max_running_requests: 16, max_prefill_tokens: 4096, "
+         "chunked_prefill_size: 1024}")
+COLOCATED = f"""\
+cluster: {{mode: colocated, colocated: {{instances: 1, scheduler: {KNOBS}}}}}
+router: {{port: 0}}
+"""
+PD = f"""\
+cluster: {{mode: disaggregated, prefill: {{scheduler: {KNOBS}}}, decode: {{scheduler: {KNOBS}}}}}
+router: {{port: 0}}
 """
 
 

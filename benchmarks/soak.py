@@ -46,17 +46,19 @@ sys.path.insert(0, str(REPO))
 from runtime.security import SECRET_ENV, key_of, new_secret  # noqa: E402
 
 CONFIG = """\
-mode: disaggregated
 model: tiny-llama
 seed: 0
 device: cpu
-page_size: 16
-scheduler: {{max_running_requests: 32, max_prefill_tokens: 2048, chunked_prefill_size: 512}}
-prefill: {{num_pages: 512, threads: 1}}
-decode: {{num_pages: 1024, threads: 1}}
+cluster:
+  mode: disaggregated
+  prefill:
+    threads: 1
+    scheduler: &knobs {{page_size: 16, num_pages: 512, max_running_requests: 32,
+                        max_prefill_tokens: 2048, chunked_prefill_size: 512,
+                        bootstrap_timeout_s: 10.0, waiting_timeout_s: 20.0}}
+  decode: {{threads: 1, scheduler: {{<<: *knobs, num_pages: 1024}}}}
 router: {{port: 0}}
-transfer: {{heartbeat_interval_s: 1.0, heartbeat_timeout_s: 5.0, bootstrap_timeout_s: 10.0,
-           waiting_timeout_s: 20.0}}
+transfer: {{heartbeat_interval_s: 1.0, heartbeat_timeout_s: 5.0, handshake_timeout_s: 10.0}}
 faults:
   kill: [{{role: decode, instance: 0, at_s: {kill_s}, restart_after_s: {restart_s}}}]
 """

@@ -24,11 +24,12 @@ import numpy as np  # noqa: E402
 from pdsim.core.kvpoll import KVPoll  # noqa: E402
 from pdsim.core.request import Request  # noqa: E402
 from pdsim.core.transfer import FirstTokenMetadata  # noqa: E402
+from pdsim.deployment import TransferConfig  # noqa: E402
 from runtime.transfer.bootstrap_server import BootstrapServer  # noqa: E402
-from runtime.transfer.mooncake_engine import MooncakeEngine, mooncake_version  # noqa: E402
+from runtime.transfer.mooncake_engine import MAX_BATCH, MooncakeEngine, mooncake_version  # noqa: E402
 from runtime.transfer.layout import KVArgs, page_descriptors  # noqa: E402
 from runtime.transfer.metadata import MetadataBuffer  # noqa: E402
-from runtime.transfer.mooncake import MooncakeConfig, MooncakeKVManager  # noqa: E402
+from runtime.transfer.mooncake import MooncakeKVManager  # noqa: E402
 
 HEADS, HEAD_DIM, ELEMENT_BYTES = 8, 128, 2
 CASES = [(16, 64), (16, 512), (64, 32), (64, 256)]  # (page_size tokens, pages per request)
@@ -78,7 +79,7 @@ def bench_raw(src: Side, dst: Side, src_pages, dst_pages, repeats: int, max_batc
 
 
 def bench_backend(src: Side, dst: Side, src_pages, dst_pages, repeats: int) -> float:
-    config = MooncakeConfig(heartbeat_interval_s=0)
+    config = TransferConfig(heartbeat_interval_s=0)
     server = BootstrapServer().start()
     prefill, decode = MooncakeKVManager(src.args, config), MooncakeKVManager(dst.args, config)
     prefill.register_with_bootstrap("127.0.0.1", server.port)
@@ -118,7 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--max-batch", type=int, default=MooncakeConfig.max_batch)
+    parser.add_argument("--max-batch", type=int, default=MAX_BATCH)
     args = parser.parse_args()
     print(f"Mooncake {mooncake_version()}, TCP loopback, {args.layers} layers x K/V, "
           f"{HEADS} heads x {HEAD_DIM} fp16 per token, best of {args.repeats}")

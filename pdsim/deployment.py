@@ -99,8 +99,9 @@ class SchedulerKnobs(_Spec):
         0.88, gt=0, le=1, description="sim only: share of GPU memory for weights and KV pool "
         "when num_pages is not given")
     num_pages: int | None = Field(
-        None, ge=1, description="KV pool pages per DP rank. None: the simulator sizes it from "
-        "the GPU memory left after the weights; the real backend uses 2048")
+        None, ge=1, description="KV pool pages per DP rank, in both backends. None: the "
+        "simulator sizes it from mem_fraction_static of the hardware's memory after the "
+        "weights; the real backend does not measure its device and needs it given")
     wakeup_s: float = Field(0.0, ge=0, description="sim only: an idle scheduler notices new "
                             "work (a request, a finished transfer) this late")
     disable_radix_cache: bool = Field(
@@ -142,10 +143,17 @@ class SchedulerKnobs(_Spec):
 
 
 SGLANG_CONTEXT_LEN = 131072  # context length assumed when deriving the request pool (Llama-3.1, Qwen3, DeepSeek-V3 ~128k)
-REAL_NUM_PAGES = 2048  # the real backend's KV pool per rank when scheduler.num_pages is None
 
 
 # ---- roles and cluster --------------------------------------------------------------------
+
+
+class EPLBConfig(_Spec):
+    """Sim only: SGLang's expert-parallel load balancer (--enable-eplb)."""
+
+    redundant_experts: int = Field(0, ge=0, description="SGLang's --ep-num-redundant-experts: "
+                                   "extra copies of the hottest experts; experts + copies must "
+                                   "split evenly over the ep ranks")
 
 
 class RoleConfig(_Spec):
@@ -171,6 +179,16 @@ class RoleConfig(_Spec):
     dp_lm_head: bool = Field(
         False, description="sim only: SGLang's --enable-dp-lm-head: LM head and embedding per "
         "attention-DP rank (needs dp_attention > 1)")
+    eplb: EPLBConfig | None = Field(
+        None, description="sim only: SGLang's --enable-eplb (needs ep > 1): experts placed by "
+        "their load, redundant copies of the hottest")
+    expert_imbalance: bool = Field(
+        True, description="sim only: a MoE layer takes as long as its busiest EP rank under "
+        "skewed routing; false prices the mean rank (docs/cost_model.md)")
+    num_max_dispatch_tokens_per_rank: int = Field(
+        128, ge=1, description="sim only: DeepEP low-latency's tokens per rank per dispatch "
+        "(SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK); with moe_a2a deepep it caps a "
+        "decode batch per DP rank")
     scheduler: SchedulerKnobs = SchedulerKnobs()
     host: str = Field("127.0.0.1", description="real only: the workers' HTTP bind address")
     port: int = Field(0, ge=0, le=65535, description="real only: HTTP port of instance 0 "
@@ -195,16 +213,14 @@ class RoleConfig(_Spec):
                 raise ValueError(f"{name}={getattr(self, name)} must divide tp={self.tp}")
         check_moe_a2a(self.moe_a2a, self.two_batch_overlap, self.tp, self.ep)
         check_dp_options(self.moe_dense_tp, self.dp_lm_head, self.dp_attention)
+        if self.eplb is not None and self.ep < 2:
+            raise ValueError(f"eplb balances experts over expert-parallel ranks: it needs "
+                             f"ep > 1, got ep={self.ep}")
         return self
 
     @property
     def gpus(self) -> int:
         return self.instances * self.tp
-
-    @property
-    def num_pages(self) -> int:
-        """The real backend's KV pool pages per rank."""
-        return self.scheduler.num_pages or REAL_NUM_PAGES
 
     def kv_bytes(self, default_bytes: float) -> float:
         """Bytes per KV-cache element: this role's kv_dtype, else the experiment's."""
@@ -318,9 +334,10 @@ class NetworkConfig(_Spec):
 
 
 class TransferConfig(_Spec):
-    """Real only: the Mooncake transfer engine, ZMQ and the peers' liveness (DESIGN.md "Failure
-    edges"). The requests' own timeouts are scheduler knobs (bootstrap_timeout_s,
-    waiting_timeout_s)."""
+    """Real only: the Mooncake transfer engine, ZMQ and the peers' liveness (docs/architecture.md
+    "Failure edges"). The transfer manager (runtime/transfer/mooncake.py) reads this section as
+    it is, under these names. The requests' own timeouts are scheduler knobs
+    (bootstrap_timeout_s, waiting_timeout_s)."""
 
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = Field("", description="RDMA device, e.g. mlx5_0 (rdma only)")
@@ -442,6 +459,19 @@ class Deployment(_Spec):
                                      "records here (.csv/.parquet) at shutdown")
     timings_path: str | None = Field(None, description="real only, colocated: write the "
                                      "forward timings here (.csv/.parquet) at shutdown")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_layout(cls, data: Any) -> Any:
+        """The earlier flat serve layout's keys, for both backends: an error naming the place
+        each has in this one."""
+        role = "cluster.<role>"
+        return _renamed(data, {
+            "mode": "cluster.mode", "page_size": f"{role}.scheduler.page_size",
+            "num_pages": f"{role}.scheduler.num_pages", "scheduler": f"{role}.scheduler",
+            "prefill": "cluster.prefill", "decode": "cluster.decode",
+            "host": f"router.host (the API's; a worker's: {role}.host)",
+            "port": f"router.port (the API's; a worker's: {role}.port)"})
 
     @model_validator(mode="after")
     def _one_kv_dtype_across_pd(self) -> Deployment:

@@ -125,12 +125,13 @@ def profile_transfer(config, *, repeats: int = 5,
     from pdsim.core.kvpoll import KVPoll
     from pdsim.core.request import Request
     from pdsim.core.transfer import FirstTokenMetadata
+    from pdsim.deployment import TransferConfig
     from runtime.model.kv_cache import PagedKVCache
     from runtime.model.loading import model_config_of
     from runtime.transfer.bootstrap_server import BootstrapServer
     from runtime.transfer.layout import KVArgs
     from runtime.transfer.metadata import MetadataBuffer
-    from runtime.transfer.mooncake import MooncakeConfig, MooncakeKVManager
+    from runtime.transfer.mooncake import MooncakeKVManager
 
     mcfg = model_config_of(config)
     most = max(pages)
@@ -144,7 +145,7 @@ def profile_transfer(config, *, repeats: int = 5,
 
     src, dst = side(), side()
     page_bytes = sum(src.kv_item_lens)
-    mc = MooncakeConfig(heartbeat_interval_s=0)
+    mc = TransferConfig(heartbeat_interval_s=0)
     server = BootstrapServer().start()
     prefill, decode = MooncakeKVManager(src, mc), MooncakeKVManager(dst, mc)
     prefill.register_with_bootstrap("127.0.0.1", server.port)

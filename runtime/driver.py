@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from pdsim.core.batch import BatchResult
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.instance import Abort, Instance, RoomInUse
 from pdsim.core.radix import token_page_keys
@@ -286,15 +287,8 @@ class Engine:
             now, stop = self._begin()
             if stop:
                 break
-            try:
-                step = self.inst.begin(now)
-            except Exception as exc:  # a core invariant broke: fail what is there, go on
-                log.exception("scheduler step failed")
-                self._fail_all(f"scheduler error: {exc}")
-                continue
-            self._push_new(self.inst.emitted)  # tokens from outside a forward
+            step = self.plan(now)
             if step is None:
-                self._update_gauges()
                 with self._cond:
                     if not self._inbox and not self._stopping:
                         timeout = self.sync.idle_timeout(self.sched, now)
@@ -308,17 +302,37 @@ class Engine:
                 self.inst.fail(step, f"forward failed: {exc}", self.now())
                 self._update_gauges()
                 continue
-            for rid, reason in (result.failed or {}).items():
-                log.warning("request %s failed alone: %s", rid, reason)
-            self.inst.finish(step, result, self.now())
-            batch = step[0]
-            self.metrics.observe_forward(batch.kind, result.duration_s)
-            if batch.kind == "extend":
-                self._push_new(seg.req for seg in batch.segments if seg.is_last)
-            else:
-                self._push_new(batch.reqs)
-            self._update_gauges()
+            self.settle(step, result, self.now())
         self._fail_all("server shutting down")
+        self._update_gauges()
+
+    def plan(self, now: float) -> list | None:
+        """The core's step at `now` (the inbox already applied), with the tokens it gave outside
+        a forward streamed; None when nothing runs. The loop's first half, on the engine
+        thread (or a test's manual clock, tests/core_harness.py)."""
+        try:
+            step = self.inst.begin(now)
+        except Exception as exc:  # a core invariant broke: fail what is there, go on
+            log.exception("scheduler step failed")
+            self._fail_all(f"scheduler error: {exc}")
+            return None
+        self._push_new(self.inst.emitted)  # tokens from outside a forward
+        if step is None:
+            self._update_gauges()
+        return step
+
+    def settle(self, step: list, result: BatchResult, now: float) -> None:
+        """The step's forward ended at `now`: the core takes its results, the new tokens are
+        streamed. The loop's second half."""
+        for rid, reason in (result.failed or {}).items():
+            log.warning("request %s failed alone: %s", rid, reason)
+        self.inst.finish(step, result, now)
+        batch = step[0]
+        self.metrics.observe_forward(batch.kind, result.duration_s)
+        if batch.kind == "extend":
+            self._push_new(seg.req for seg in batch.segments if seg.is_last)
+        else:
+            self._push_new(batch.reqs)
         self._update_gauges()
 
     def _begin(self) -> tuple[float, bool]:
@@ -328,7 +342,7 @@ class Engine:
             self._inbox.clear()
             stopping = self._stopping
         try:
-            return self.sync.begin(items, stopping, self.now(), self._apply)
+            return self.sync.begin(items, stopping, self.now(), self.apply)
         except Exception as exc:  # a collective failed (a peer rank is gone), or worse
             log.exception("the synchroniser failed")
             with self._cond:
@@ -338,7 +352,8 @@ class Engine:
 
     # ---- the inbox, applied (engine thread) ----------------------------------------------------
 
-    def _apply(self, entry: Entry, now: float) -> None:
+    def apply(self, entry: Entry, now: float) -> None:
+        """Apply one inbox entry (on the engine thread, or a test's manual clock)."""
         if type(entry) is Submit:
             self._add(entry.req, entry.sink, entry.top_logprobs, now)
         elif type(entry) is Abort:

@@ -136,19 +136,20 @@ async def wait_healthy(workers: Sequence[WorkerProcess], stop: asyncio.Event,
 
 
 def make_router(config: PDServeConfig, prefill: Sequence[str], decode: Sequence[str],
-                health: dict[str, dict], seed: int | None = None, secret: str | None = None):
+                health: dict[str, dict], secret: str | None = None):
     """The `PDRouter` (runtime/router.py) in front of the given workers; `health` holds each
-    prefill worker's `/health` (its bootstrap server). `seed` (default: the config's) seeds the
-    router's policy (its bootstrap rooms always come from the OS). `secret`: the workers'
-    cluster secret; the config's API key (if any) guards the router's API."""
+    prefill worker's `/health` (its bootstrap server). The router reads the deployment's
+    settings itself (its `router` section, seed, page size, limits of its server); its
+    bootstrap rooms always come from the OS. `secret`: the workers' cluster secret; the
+    config's API key (if any) guards the router's API."""
     from runtime.router import PDRouter, WorkerAddress
     from runtime.model.loading import load_text_side, model_config_of
     from runtime.openai.protocol import Limits
 
     mcfg = model_config_of(config)
     text = load_text_side(config, mcfg.vocab_size)
-    decode_pool = config.decode.num_pages * config.page_size
-    prefill_pool = config.prefill.num_pages * config.page_size
+    decode_pool = config.scheduler_config("decode").pool_tokens
+    prefill_pool = config.scheduler_config("prefill").pool_tokens
     limits = Limits(max_model_len=min(decode_pool, mcfg.max_position),
                     pool_tokens=min(decode_pool, prefill_pool), max_position=mcfg.max_position,
                     model_vocab=mcfg.vocab_size)
@@ -156,15 +157,9 @@ def make_router(config: PDServeConfig, prefill: Sequence[str], decode: Sequence[
                          bootstrap_port=health[u]["bootstrap_port"]) for u in prefill]
     dec = [WorkerAddress(url=u) for u in decode]
     key = key_of(secret)
-    router = PDRouter(pre, dec, policy=config.router.policy, tokenizer=text.tokenizer,
-                      model_name=config.model_name, limits=limits,
-                      seed=config.seed if seed is None else seed,
-                      chat_template=text.chat_template, eos_ids=text.eos_ids,
-                      default_chat_max_tokens=config.default_max_tokens,
-                      max_inflight_requests=config.max_inflight_requests,
-                      headers=None if key is None else key.headers(), page_size=config.page_size,
-                      policy_options=config.router.policy_options,
-                      read_timeout_s=config.router.read_timeout_s)
+    router = PDRouter(pre, dec, config, tokenizer=text.tokenizer, model_name=config.model_name,
+                      limits=limits, chat_template=text.chat_template, eos_ids=text.eos_ids,
+                      headers=None if key is None else key.headers())
     router.server.protect(api_key=api_key(config.security.api_key),
                           limits=config.security.limits)
     return router

@@ -30,6 +30,7 @@ import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -45,6 +46,9 @@ from runtime.security import redact_addresses
 from runtime.serve_metrics import ServeMetrics
 from runtime.streams import EngineStopped, Sink, StreamEvent, deliver
 from runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pdsim.deployment import Deployment
 
 log = logging.getLogger(__name__)
 
@@ -88,20 +92,18 @@ async def _calling(worker: WorkerAddress):
 class PDClient:
     """The router's `Backend`: each request becomes a task that talks to two workers.
 
-    connect_timeout_s: connecting to a worker; read_timeout_s: the most a worker may stay silent
-    (a decode stream before its first token waits for the KV: keep it above the transfer
-    timeouts); health_timeout_s / health_ttl_s: the workers' `/health` probes, and how long one
-    round of answers is reused. page_size: the prefill workers' KV page size; given, the
-    policy gets each prompt's page keys (`token_page_keys`), which `cache_aware` routes by.
-    policy_options: the policy's settings (`RouterConfig.policy_options`).
+    `config` is the deployment: its `router` section (policy, policy_options, read_timeout_s:
+    the most a worker may stay silent), `seed` (the policy's), `max_records` and `page_size`
+    (the prefill workers' KV pages: the policy gets each prompt's page keys,
+    `token_page_keys`, which `cache_aware` routes by). connect_timeout_s: connecting to a
+    worker; health_timeout_s / health_ttl_s: the workers' `/health` probes, and how long one
+    round of answers is reused.
     """
 
-    def __init__(self, prefill: Sequence[WorkerAddress], decode: Sequence[WorkerAddress], *,
-                 policy: str = "round_robin", seed: int = 0, max_records: int = 100_000,
-                 connect_timeout_s: float = 10.0, read_timeout_s: float = 300.0,
+    def __init__(self, prefill: Sequence[WorkerAddress], decode: Sequence[WorkerAddress],
+                 config: Deployment, *, connect_timeout_s: float = 10.0,
                  health_timeout_s: float = 1.0, health_ttl_s: float = 1.0,
-                 headers: dict[str, str] | None = None, page_size: int = 0,
-                 policy_options: dict[str, float] | None = None) -> None:
+                 headers: dict[str, str] | None = None) -> None:
         if not prefill or not decode:
             raise ValueError(f"a PD router needs prefill and decode workers, got {len(prefill)} "
                              f"prefill and {len(decode)} decode")
@@ -110,12 +112,13 @@ class PDClient:
                 raise ValueError(f"prefill worker {w.url} names no bootstrap host and port")
         self.prefill = [replace(w, name=f"prefill worker {i}") for i, w in enumerate(prefill)]
         self.decode = [replace(w, name=f"decode worker {i}") for i, w in enumerate(decode)]
+        settings = config.router
         # Rooms from the OS: routers sharing workers must not draw the same ones.
-        self.router = Router(policy, len(prefill), len(decode), seed, room_rng=random.SystemRandom(),
-                             policy_options=policy_options)
-        self.page_size = page_size  # > 0: the policy gets each prompt's page keys (cache_aware)
+        self.router = Router(settings.policy, len(prefill), len(decode), config.seed,
+                             room_rng=random.SystemRandom(), policy_options=settings.policy_options)
+        self.page_size = config.page_size
         self.metrics = ServeMetrics()
-        self.records: deque[RequestRecord] = deque(maxlen=max_records)
+        self.records: deque[RequestRecord] = deque(maxlen=config.max_records)
         # The policies' load signal, what the core schedulers' load() counts in the simulator:
         # per prefill worker the prompt tokens sent whose prefill call has not returned (its KV
         # not yet computed and sent), per decode worker the requests in flight.
@@ -123,7 +126,7 @@ class PDClient:
         self._tasks: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
         self._connect_timeout_s = connect_timeout_s
-        self._read_timeout_s = read_timeout_s
+        self._read_timeout_s = settings.read_timeout_s
         self.health_timeout_s = health_timeout_s
         self.health_ttl_s = health_ttl_s
         self._health: dict[str, str] = {}
@@ -181,7 +184,7 @@ class PDClient:
     async def _serve(self, request: GenerateParams, sink: Sink) -> None:
         """Every way this ends, `sink` gets a last event: the decode stream's own, or an error
         (a worker's refusal with its status, a worker gone mid-stream, a timeout, a cancel)."""
-        keys = token_page_keys(request.input_ids, self.page_size) if self.page_size else ()
+        keys = token_page_keys(request.input_ids, self.page_size)
         inflight = self.inflight
         p, d, room = self.router.route(inflight.prefill_tokens.__getitem__,
                                        inflight.decode_requests.__getitem__, keys)
@@ -328,23 +331,19 @@ class PDClient:
 
 
 class PDRouter:
-    """The router server: `port = await router.start(host, port)`, then `await router.close()`."""
+    """The router server: `port = await router.start(host, port)`, then `await router.close()`.
+    `config` is the deployment (its router section, seed, page size, records kept, chat
+    max_tokens default, requests answered at once); the rest comes from the served model."""
 
-    def __init__(self, prefill: Sequence[WorkerAddress], decode: Sequence[WorkerAddress], *,
-                 tokenizer: Tokenizer, model_name: str, limits: Limits, policy: str = "round_robin",
-                 seed: int = 0, chat_template: ChatTemplate | None = None,
-                 eos_ids: Sequence[int] = (), default_chat_max_tokens: int = 256,
-                 max_inflight_requests: int = 4096,
-                 headers: dict[str, str] | None = None, page_size: int = 0,
-                 policy_options: dict[str, float] | None = None,
-                 read_timeout_s: float = 300.0) -> None:
-        self.client = PDClient(prefill, decode, policy=policy, seed=seed, headers=headers,
-                               page_size=page_size, policy_options=policy_options,
-                               read_timeout_s=read_timeout_s)
+    def __init__(self, prefill: Sequence[WorkerAddress], decode: Sequence[WorkerAddress],
+                 config: Deployment, *, tokenizer: Tokenizer, model_name: str, limits: Limits,
+                 chat_template: ChatTemplate | None = None, eos_ids: Sequence[int] = (),
+                 headers: dict[str, str] | None = None) -> None:
+        self.client = PDClient(prefill, decode, config, headers=headers)
         self.server = OpenAIServer(self.client, tokenizer, model_name=model_name, limits=limits,
                                    chat_template=chat_template, eos_ids=eos_ids,
-                                   default_chat_max_tokens=default_chat_max_tokens,
-                                   max_inflight_requests=max_inflight_requests)
+                                   default_chat_max_tokens=config.default_max_tokens,
+                                   max_inflight_requests=config.max_inflight_requests)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         return await self.server.start(host, port)

@@ -14,17 +14,17 @@ a router). Serving ignores the simulator-only sections (workload, cost_model, ne
     router: {policy: round_robin, port: 30000}
     transfer: {protocol: tcp, heartbeat_interval_s: 2, heartbeat_timeout_s: 20}
 
-The earlier flat layout (`mode:` and `page_size:` at the top, `prefill: {num_pages: ...}`,
-`transfer.bootstrap_timeout_s`) is still read: `from_serve_layout` rewrites it into this one.
+Serving reads a file with the validators `pdsim run` reads it with (the deployment's): a key
+either backend would reject, such as the earlier flat layout's (`mode:` at the top, a role's
+`num_pages`, `transfer.bootstrap_timeout_s`), is an error naming its place now.
 """
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from pdsim.config import ConfigError, ExperimentConfig, read_config_file
 from pdsim.config_errors import format_validation_error
@@ -38,15 +38,8 @@ ROLES = ("prefill", "decode")
 class _ServeBase(ExperimentConfig):
     """What every serving mode shares; the simulator's sections are optional here."""
 
-    layout_mode: ClassVar[str] = "colocated"  # the mode of a flat-layout mapping without `mode:`
-
     name: str = Field("serve", pattern=r"^[A-Za-z0-9_.-]+$")
     workload: WorkloadConfig | None = Field(None, description="sim only")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _flat_layout(cls, data: Any) -> Any:
-        return from_serve_layout(data, cls.layout_mode) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _servable(self) -> _ServeBase:
@@ -69,6 +62,19 @@ class _ServeBase(ExperimentConfig):
                                      "backend serves 1 only (the simulator models more)")
         return self
 
+    @model_validator(mode="after")
+    def _pool_given(self) -> _ServeBase:
+        """num_pages means the same in both backends; only the simulator can size it from
+        memory (its `hardware`), so serving needs it given."""
+        for name, role in self.cluster.roles.items():
+            if role.scheduler.num_pages is None:
+                raise ValueError(
+                    f"cluster.{name}.scheduler.num_pages: not given; the simulator sizes the KV "
+                    "pool from the hardware's memory, the real backend does not measure its "
+                    "device: give the pages per rank (the pool holds num_pages * page_size "
+                    "tokens)")
+        return self
+
     @property
     def is_preset(self) -> bool:
         return self.model in servable_presets()
@@ -88,7 +94,8 @@ class _ServeBase(ExperimentConfig):
     def scheduler_config(self, role: str) -> SchedulerConfig:
         """The core config of one rank of `role` (the one builder: SchedulerKnobs.build)."""
         spec = self.role(role)
-        return spec.scheduler.build(spec.num_pages, spec.dp_attention, f"cluster.{role}.scheduler")
+        return spec.scheduler.build(spec.scheduler.num_pages, spec.dp_attention,
+                                    f"cluster.{role}.scheduler")
 
 
 class ServeConfig(_ServeBase):
@@ -113,7 +120,7 @@ class ServeConfig(_ServeBase):
 
     @property
     def num_pages(self) -> int:
-        return self.cluster.colocated.num_pages
+        return self.cluster.colocated.scheduler.num_pages
 
     def scheduler_config(self, role: str = "colocated") -> SchedulerConfig:
         return super().scheduler_config(role)
@@ -122,8 +129,6 @@ class ServeConfig(_ServeBase):
 class PDServeConfig(_ServeBase):
     """Disaggregated serving: prefill and decode workers (each `tp` rank processes) and a router
     with the OpenAI-compatible API in front."""
-
-    layout_mode: ClassVar[str] = "disaggregated"
 
     @model_validator(mode="after")
     def _disaggregated(self) -> PDServeConfig:
@@ -155,59 +160,12 @@ class PDServeConfig(_ServeBase):
 MODES = {"colocated": ServeConfig, "disaggregated": PDServeConfig}
 
 
-def _plain(value: Any) -> Any:
-    return value.model_dump() if isinstance(value, BaseModel) else copy.deepcopy(value)
-
-
-def from_serve_layout(data: dict, mode: str = "colocated") -> dict:
-    """The earlier flat serve layout rewritten as a deployment (a mapping with `cluster:` is
-    returned as it is): `mode`, `page_size`, `scheduler`, colocated `num_pages`, `host` and
-    `port` and the roles' `num_pages`, `metadata_slots`, `pre_alloc_size` move into
-    `cluster`, its model defaults to tiny-llama; `transfer.bootstrap_timeout_s` (which meant both) becomes the scheduler's
-    bootstrap_timeout_s and transfer.handshake_timeout_s, `waiting_timeout_s` the scheduler's.
-    `mode` is the mode of a mapping that names none."""
-    if "cluster" in data:
-        return data
-    data = {"model": "tiny-llama", **{k: _plain(v) for k, v in data.items()}}
-    mode = data.pop("mode", mode)
-    knobs = {k: v for k, v in (("page_size", data.pop("page_size", None)),) if v is not None}
-    knobs.update(data.pop("scheduler", None) or {})
-    transfer = data.get("transfer") or {}
-    for key in ("bootstrap_timeout_s", "waiting_timeout_s"):
-        if key in transfer:
-            knobs[key] = transfer[key]
-    if "bootstrap_timeout_s" in transfer:
-        transfer["handshake_timeout_s"] = transfer.pop("bootstrap_timeout_s")
-    transfer.pop("waiting_timeout_s", None)
-    router = data.setdefault("router", {}) or {}
-    data["router"] = router
-    if mode == "colocated":
-        for key in ("host", "port"):
-            if key in data:
-                router[key] = data.pop(key)
-        own = {"num_pages": data.pop("num_pages")} if "num_pages" in data else {}
-        data["cluster"] = {"mode": mode, "colocated": {"instances": 1,
-                                                        "scheduler": {**knobs, **own}}}
-        return data
-    cluster: dict[str, Any] = {"mode": mode}
-    for role in ROLES:
-        spec = data.pop(role, None) or {}
-        role_knobs = {**knobs, **(spec.pop("scheduler", None) or {})}
-        for key in ("num_pages", "metadata_slots", "pre_alloc_size"):
-            if key in spec:
-                role_knobs[key] = spec.pop(key)
-        cluster[role] = {**spec, "scheduler": role_knobs}
-    data["cluster"] = cluster
-    return data
-
-
 def parse_serve_config(data: Any, source: str = "<config>") -> ServeConfig | PDServeConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: a serve config is a mapping of keys, got "
                           f"{type(data).__name__}")
-    data = from_serve_layout(data)
     cluster = data.get("cluster")
     mode = cluster.get("mode", "disaggregated") if isinstance(cluster, dict) else "disaggregated"
     model = MODES.get(mode) if isinstance(mode, str) else None
@@ -226,8 +184,8 @@ def load_serve_config(path: str | Path | None = None,
     (keys, as the CLI options give them: `model`, `security`; `host` and `port` (the API's:
     router); `prefill`, `decode`, `router` (a dict merged into that section))."""
     source = str(path) if path is not None else "<defaults>"
-    data: dict[str, Any] = {"model": "tiny-llama",
-                            "cluster": {"mode": "colocated", "colocated": {"instances": 1}}}
+    data: dict[str, Any] = {"model": "tiny-llama", "cluster": {
+        "mode": "colocated", "colocated": {"instances": 1, "scheduler": {"num_pages": 2048}}}}
     if path is not None:
         data = read_config_file(path, "serve config") or {}
         if not isinstance(data, dict):
@@ -235,7 +193,7 @@ def load_serve_config(path: str | Path | None = None,
                               f"{type(data).__name__}")
     given = {k: v for k, v in overrides.items() if v is not None}
     if given:
-        data = from_serve_layout(dict(data))
+        data = dict(data)
         data["cluster"] = dict(data.get("cluster") or {})
         for key, value in given.items():
             if key in ("host", "port"):

@@ -130,11 +130,20 @@ _QUEUES = ("bootstrap", "prealloc", "transfer", "prebuilt", "waiting", "inflight
 
 
 class _Slot:
-    def __init__(self, name: str, sched, executor):
+    """One instance the driver runs: the core's `Instance` step, by hand (`add_instance`) or
+    through a real serving `Engine`'s own two halves (`add_engine`)."""
+
+    def __init__(self, name: str, sched, executor, engine=None):
         self.name = name
         self.sched = sched
         self.done: list[Request] = []
-        self.inst = Instance([sched], self.done.append)
+        self.engine = engine
+        if engine is None:
+            self.inst = Instance([sched], self.done.append)
+        else:  # the engine's instance records and streams; the driver also collects
+            self.inst = engine.inst
+            finished = engine.inst.on_done
+            engine.inst.on_done = lambda req: (finished(req), self.done.append(req))
         self.executor = executor
         self.step: list | None = None
         self.result: BatchResult | None = None
@@ -145,6 +154,23 @@ class _Slot:
     @property
     def batch(self) -> Batch | None:
         return self.step[0] if self.step is not None else None
+
+    def take(self, req: Request, now: float) -> None:
+        if self.engine is None:
+            self.inst.apply(Add(req), now)
+        else:
+            from runtime.driver import Submit  # (the real engine's module loads torch)
+
+            self.engine.apply(Submit(req, self.engine_events.append), now)
+
+    def begin(self, now: float):
+        return self.inst.begin(now) if self.engine is None else self.engine.plan(now)
+
+    def finish(self, step, result: BatchResult, now: float) -> None:
+        if self.engine is None:
+            self.inst.finish(step, result, now)
+        else:
+            self.engine.settle(step, result, now)
 
 
 class Driver:
@@ -168,6 +194,13 @@ class Driver:
 
     def add_instance(self, name: str, sched, executor=None) -> None:
         self.slots[name] = _Slot(name, sched, executor or self.executor)
+
+    def add_engine(self, name: str, engine) -> None:
+        """A real serving `Engine` (runtime/driver.py), not started: the driver runs its loop's
+        two halves (`plan`, `settle`) on this clock with the engine's own executor; the events
+        it streams collect in `slot.engine_events`."""
+        slot = self.slots[name] = _Slot(name, engine.sched, engine.executor, engine)
+        slot.engine_events = []
 
     def submit(self, at_s: float, name: str, req: Request) -> None:
         """Hand `req` to instance `name` at time `at_s` (submission order breaks ties)."""
@@ -220,20 +253,20 @@ class Driver:
                 if slot.step is not None and slot.end_s <= t:
                     step, result = slot.step, slot.result
                     slot.step, slot.result, slot.end_s = None, None, math.inf
-                    slot.inst.finish(step, result, t)
+                    slot.finish(step, result, t)
                     self._observe(slot)
             while self._arrivals and self._arrivals[0][0] <= t:
                 _, _, name, req = self._arrivals.pop(0)
                 slot = self.slots[name]
                 slot.reqs[req.rid] = req
-                slot.inst.apply(Add(req), t)  # the inbox, applied as it arrives
+                slot.take(req, t)  # the inbox, applied as it arrives
                 self._observe(slot)
             for _pass in range(1000):
                 changed = False
                 for slot in self.slots.values():
                     if slot.step is not None:
                         continue
-                    step = slot.inst.begin(t)
+                    step = slot.begin(t)
                     if step is not None:
                         slot.step = step
                         slot.result = slot.executor.execute(step)

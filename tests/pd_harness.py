@@ -27,20 +27,36 @@ from runtime.pd.worker import child_env, python_command, stop_processes
 from runtime.serve_config import PDServeConfig
 
 
-def pd_config(model: str, **changes) -> PDServeConfig:
-    """A small deployment on CPU: pages of 8 tokens, chunks of 32, fast heartbeats."""
+def pd_config(model: str, *, knobs: dict | None = None, **changes) -> PDServeConfig:
+    """A small deployment on CPU: pages of 8 tokens, chunks of 32, fast heartbeats. `knobs`
+    change both roles' scheduler; `changes` are merged into the sections they name (`prefill`
+    and `decode` into the cluster's roles), mappings key by key."""
+    both = {**dict(page_size=8, max_running_requests=8, max_prefill_tokens=64,
+                   chunked_prefill_size=32, num_reserved_decode_tokens=8, metadata_slots=16,
+                   bootstrap_timeout_s=30.0, waiting_timeout_s=30.0), **(knobs or {})}
     base = dict(
-        model=model, seed=3, page_size=8, device="cpu",
-        scheduler=dict(max_running_requests=8, max_prefill_tokens=64, chunked_prefill_size=32,
-                       num_reserved_decode_tokens=8),
-        prefill=dict(num_pages=64, metadata_slots=16, threads=1),
-        decode=dict(num_pages=128, metadata_slots=16, threads=1),
+        model=model, seed=3, device="cpu",
+        cluster=dict(mode="disaggregated",
+                     prefill=dict(threads=1, scheduler=dict(both, num_pages=64)),
+                     decode=dict(threads=1, scheduler=dict(both, num_pages=128))),
         transfer=dict(heartbeat_interval_s=0.5, heartbeat_timeout_s=10.0,
-                      bootstrap_timeout_s=30.0, waiting_timeout_s=30.0),
+                      handshake_timeout_s=30.0),
         security=dict(insecure=True))  # tests/test_security.py covers the cluster secret
     for key, value in changes.items():
-        base[key] = {**base[key], **value} if isinstance(value, dict) else value
+        if key in ("prefill", "decode"):
+            base["cluster"][key] = _merged(base["cluster"][key], value)
+        else:
+            base[key] = _merged(base.get(key, {}), value) if isinstance(value, dict) else value
     return PDServeConfig.model_validate(base)
+
+
+def _merged(base: dict, change: dict) -> dict:
+    """`base` with `change` merged in, mappings key by key."""
+    out = dict(base)
+    for key, value in change.items():
+        out[key] = (_merged(out[key], value) if isinstance(value, dict)
+                    and isinstance(out.get(key), dict) else value)
+    return out
 
 
 @dataclass

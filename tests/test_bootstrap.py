@@ -16,6 +16,8 @@ from runtime.transfer.bootstrap_server import (
     RankRegistration, check_compatible,
 )
 
+pytestmark = [pytest.mark.real]
+
 
 def reg(tp_rank=0, dp_rank=0, *, tp_size=2, dp_size=1, port=5000) -> RankRegistration:
     return RankRegistration(ip="127.0.0.1", zmq_port=port + tp_rank, tp_rank=tp_rank,

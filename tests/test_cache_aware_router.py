@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from configs import scheduler_config
 from core_harness import Driver, FixedExecutor
 
 from pdsim.core.batch import BatchResult
-from pdsim.core.config import SchedulerConfig
 from pdsim.core.request import Request
 from pdsim.core.router import CacheAwarePolicy, Router, make_policy
 from pdsim.core.scheduler import ColocatedScheduler
@@ -180,7 +180,7 @@ class TokenTimed(FixedExecutor):
 def serve_routed(workload, policy_name: str, instances: int = 4):
     """Colocated instances with prefix caches behind a router, on a manual clock; the router
     sees each instance's active requests (the simulator's serving-side load) at arrival."""
-    config = SchedulerConfig(num_pages=1024, page_size=16, max_prefill_tokens=8192, prefix_cache=True)
+    config = scheduler_config(1024, page_size=16, max_prefill_tokens=8192, prefix_cache=True)
     scheds = [ColocatedScheduler(config, i) for i in range(instances)]
     drv = Driver(TokenTimed(), log=False)  # extends cost 10 ms + 0.1 ms a token, decode steps 20 ms
     for i, s in enumerate(scheds):

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pandas as pd
+import pytest
 import yaml
 
 SUMMARY_COLUMNS = (
@@ -36,6 +37,7 @@ def pdsim(*args, cwd):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_run_writes_summary_requests_plots_and_report(tmp_path):
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY))
     proc = pdsim("run", "tiny.yaml", "--jobs", "1", cwd=tmp_path)
@@ -57,6 +59,7 @@ def test_run_writes_summary_requests_plots_and_report(tmp_path):
     assert "1P:2D" in proc.stdout  # the table at the end
 
 
+@pytest.mark.slow
 def test_same_experiment_twice_gives_identical_summary(tmp_path):
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY))
     a = pdsim("run", "tiny.yaml", "--quiet", "--out", "a", cwd=tmp_path)
@@ -74,6 +77,7 @@ def test_bad_config_exits_2_with_a_clear_message(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.slow
 def test_check_lists_points(tmp_path):
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY))
     proc = pdsim("check", "tiny.yaml", cwd=tmp_path)

@@ -125,16 +125,82 @@ def test_one_file_is_simulated_and_served_with_the_same_scheduler(name, roles):
     assert serve.model_name == "tiny-llama" and serve.router.port == 30000
 
 
-def test_scheduler_defaults_are_sglangs_in_both_backends():
-    from runtime.serve_config import PDServeConfig
+def test_the_same_yaml_builds_equal_schedulers_for_both_backends():
+    """A deployment that gives only the pool: the simulator's and the real workers' schedulers
+    are equal, every other knob SGLang's default (one home: SchedulerKnobs) and
+    max_running_requests derived from the pool alike."""
+    from runtime.serve_config import parse_serve_config
 
-    sim = build_cluster(parse_experiment({**BASE, "cluster": {"decode": {"scheduler": {
-        "num_pages": 100}}}})).decode.scheduler
-    real = PDServeConfig().scheduler_config("decode")
-    for cfg in (sim, real):
-        assert (cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.num_reserved_decode_tokens,
-                cfg.bootstrap_timeout_s, cfg.waiting_timeout_s) == (16384, 8192, 512, 300.0, 300.0)
-    assert (sim.num_pages, real.num_pages) == (100, 2048)
+    data = {**BASE, "model": "tiny-llama", "cluster": {
+        "prefill": {"scheduler": {"num_pages": 100}},
+        "decode": {"scheduler": {"num_pages": 300, "max_running_requests": 64}}}}
+    sim = build_cluster(parse_experiment(data))
+    real = parse_serve_config(data)
+    for role in ("prefill", "decode"):
+        assert getattr(sim, role).scheduler == real.scheduler_config(role)
+    decode, prefill = real.scheduler_config("decode"), real.scheduler_config("prefill")
+    assert (decode.max_prefill_tokens, decode.chunked_prefill_size, decode.num_reserved_decode_tokens,
+            decode.bootstrap_timeout_s, decode.waiting_timeout_s) == (16384, 8192, 512, 300.0, 300.0)
+    assert (prefill.num_pages, prefill.max_running_requests) == (100, 800)  # 1600 tokens // 2
+    assert (decode.num_pages, decode.max_running_requests) == (300, 64)
+
+
+def test_num_pages_means_the_same_and_serving_needs_it_given():
+    """num_pages is pages per rank in both backends; left out, the simulator sizes the pool
+    from the hardware's memory and serving refuses, naming the field (no hidden default)."""
+    from runtime.serve_config import load_serve_config, parse_serve_config
+
+    data = {**BASE, "model": "tiny-llama", "cluster": {"prefill": {"scheduler": {"num_pages": 64}}}}
+    sim = build_cluster(parse_experiment(data))
+    assert sim.prefill.scheduler.num_pages == 64
+    assert sim.decode.scheduler.num_pages > 10**6  # an H100's memory, less tiny-llama's weights
+    with pytest.raises(ConfigError, match=r"cluster.decode.scheduler.num_pages: not given; the "
+                                          r"simulator sizes the KV pool from the hardware's memory"):
+        parse_serve_config(data)
+    assert load_serve_config(None).scheduler_config().num_pages == 2048  # the file-less default
+
+
+# Spellings `pdsim run` rejects (the earlier flat serve layout's among them), each with the
+# field path and message of its error.
+REJECTED = [
+    ({"mode": "disaggregated"}, "(top level)", "mode is now cluster.mode"),
+    ({"page_size": 8}, "(top level)", "page_size is now cluster.<role>.scheduler.page_size"),
+    ({"num_pages": 8}, "(top level)", "num_pages is now cluster.<role>.scheduler.num_pages"),
+    ({"scheduler": {}}, "(top level)", "scheduler is now cluster.<role>.scheduler"),
+    ({"prefill": {}}, "(top level)", "prefill is now cluster.prefill"),
+    ({"port": 0}, "(top level)", "port is now router.port"),
+    ({"cluster": {"decode": {"num_pages": 8}}}, "cluster.decode",
+     "num_pages is now scheduler.num_pages"),
+    ({"cluster": {"prefill": {"metadata_slots": 8}}}, "cluster.prefill",
+     "metadata_slots is now scheduler.metadata_slots"),
+    ({"transfer": {"bootstrap_timeout_s": 5}}, "transfer",
+     "bootstrap_timeout_s is now cluster.<role>.scheduler.bootstrap_timeout_s"),
+    ({"transfer": {"waiting_timeout_s": 5}}, "transfer",
+     "waiting_timeout_s is now cluster.<role>.scheduler.waiting_timeout_s"),
+    ({"router": {"polcy": "random"}}, "router.polcy", "unknown key"),
+]
+
+
+@pytest.mark.parametrize("change,where,message", REJECTED, ids=[w + ":" + m.split()[0]
+                                                               for _, w, m in REJECTED])
+def test_a_spelling_pdsim_run_rejects_serving_rejects_alike(change, where, message):
+    """One validator for both backends: what `pdsim run` rejects, `pdsim serve` rejects with
+    the same error (the earlier flat serve layout is no longer rewritten)."""
+    from runtime.serve_config import parse_serve_config
+
+    pool = {"scheduler": {"num_pages": 64}}
+    data = {**BASE, "model": "tiny-llama", "cluster": {"prefill": pool, "decode": pool}}
+    for key, value in change.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+        if key == "cluster":
+            data[key] = {r: {**pool, **value.get(r, {})} for r in ("prefill", "decode")}
+    errors = []
+    for parse in (parse_experiment, parse_serve_config):
+        with pytest.raises(ConfigError) as info:
+            parse(data, "x.yaml")
+        line = next(ln.strip() for ln in str(info.value).splitlines() if message in ln)
+        errors.append(line)
+    assert errors[0] == errors[1] and errors[0].startswith(where + ":")
 
 
 def test_per_instance_knobs_split_over_dp_ranks():
@@ -174,23 +240,6 @@ def test_renamed_and_moved_fields_name_their_new_place():
                             "transfer": {"bootstrap_timeout_s": 5}})
 
 
-def test_flat_serve_layout_still_reads_and_splits_bootstrap_timeout():
-    """The earlier serve layout: its transfer.bootstrap_timeout_s meant both the scheduler's
-    timeout and the bootstrap-server lookup's; it now sets both, under their own names."""
-    from runtime.serve_config import PDServeConfig, parse_serve_config
-
-    cfg = parse_serve_config({"mode": "disaggregated", "page_size": 8,
-                              "scheduler": {"max_running_requests": 8},
-                              "decode": {"num_pages": 64, "pre_alloc_size": 4},
-                              "transfer": {"bootstrap_timeout_s": 7, "waiting_timeout_s": 9}})
-    assert isinstance(cfg, PDServeConfig)
-    decode = cfg.scheduler_config("decode")
-    assert (decode.page_size, decode.num_pages, decode.pre_alloc_size) == (8, 64, 4)
-    assert (decode.bootstrap_timeout_s, decode.waiting_timeout_s) == (7, 9)
-    assert cfg.transfer.handshake_timeout_s == 7
-    assert PDServeConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # as workers get it
-
-
 def test_serving_refuses_what_only_the_simulator_models():
     from runtime.serve_config import parse_serve_config
 
@@ -200,7 +249,8 @@ def test_serving_refuses_what_only_the_simulator_models():
         parse_serve_config({"model": "tiny-llama",
                             "cluster": {"decode": {"tp": 2, "dp_attention": 2}}})
     with pytest.raises(ConfigError, match="cluster.colocated.instances: 2"):
-        parse_serve_config({"model": "tiny-llama", "cluster": {"mode": "colocated"}})
+        parse_serve_config({"model": "tiny-llama", "cluster": {
+            "mode": "colocated", "colocated": {"instances": 2, "scheduler": {"num_pages": 64}}}})
     with pytest.raises(ConfigError, match="model: 'llama-3.1-8b' is not a servable"):
         parse_serve_config({"cluster": {"mode": "disaggregated"}})  # the default: one for both
 

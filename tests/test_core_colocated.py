@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from configs import scheduler_config
 from core_harness import Driver, FixedExecutor
 
 from pdsim.core.batch import BatchResult
@@ -16,7 +17,7 @@ def cfg(**kw) -> SchedulerConfig:
     base = dict(num_pages=64, page_size=4, max_running_requests=16, max_prefill_tokens=64,
                 chunked_prefill_size=32, num_reserved_decode_tokens=4)
     base.update(kw)
-    return SchedulerConfig(**base)
+    return scheduler_config(**base)
 
 
 def driver(sched, executor=None, log=False) -> Driver:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from configs import scheduler_config
 from core_harness import StubKV
 
 from pdsim.core.batch import BatchResult
@@ -15,7 +16,7 @@ def cfg(**kw) -> SchedulerConfig:
     base = dict(num_pages=64, page_size=4, max_running_requests=8, pre_alloc_size=2,
                 metadata_slots=8, num_reserved_decode_tokens=0, waiting_timeout_s=10.0)
     base.update(kw)
-    return SchedulerConfig(**base)
+    return scheduler_config(**base)
 
 
 def req(rid: str, n_in: int, n_out: int, **kw) -> Request:

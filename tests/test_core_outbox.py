@@ -4,6 +4,7 @@ forward that raised, each decode plan's KV lengths, and `load()`, the router's s
 
 from __future__ import annotations
 
+from configs import scheduler_config
 from core_harness import StubKV
 
 from pdsim.core.batch import BatchResult, ExtendBatch
@@ -19,7 +20,7 @@ def cfg(**kw) -> SchedulerConfig:
                 metadata_slots=8, num_reserved_decode_tokens=0, waiting_timeout_s=10.0,
                 max_prefill_tokens=64, chunked_prefill_size=0)
     base.update(kw)
-    return SchedulerConfig(**base)
+    return scheduler_config(**base)
 
 
 def test_decode_first_token_is_in_the_outbox_for_one_step_only():

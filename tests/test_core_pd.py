@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import random
 
+from configs import scheduler_config
 from core_harness import Driver, FixedExecutor
 
-from pdsim.core.config import SchedulerConfig
 from pdsim.core.decode import DecodeScheduler
 from pdsim.core.fake_transfer import FakeKVManager, FakeWire
 from pdsim.core.prefill import PrefillScheduler
 from pdsim.core.request import Request
 
-PREFILL = SchedulerConfig(num_pages=16, page_size=4, max_prefill_tokens=8, chunked_prefill_size=8)
-DECODE = SchedulerConfig(num_pages=16, page_size=4, num_reserved_decode_tokens=4)
+PREFILL = scheduler_config(16, page_size=4, max_prefill_tokens=8, chunked_prefill_size=8)
+DECODE = scheduler_config(16, page_size=4, num_reserved_decode_tokens=4)
 
 
 def pd_pair(prefill=PREFILL, decode=DECODE, token_fn=None):
@@ -84,7 +84,7 @@ def test_two_requests():
 def test_decode_budget_holds_the_second_request_on_both_sides():
     # A 16-token decode pool with 4 reserved per request: r1 (8 + 4) does not fit next to r0, so
     # it stays in prealloc; its prefill side, never told where to write, stays in bootstrap.
-    drv, p, d, _ = pd_pair(decode=SchedulerConfig(num_pages=4, page_size=4, num_reserved_decode_tokens=4))
+    drv, p, d, _ = pd_pair(decode=scheduler_config(4, page_size=4, num_reserved_decode_tokens=4))
     submit(drv, 0.0, "r0", 8, 3)
     _, d1 = submit(drv, 0.0, "r1", 8, 2)
     drv.run()
@@ -141,7 +141,7 @@ def test_an_injected_transfer_failure_fails_both_sides_and_spares_the_other_requ
 
 
 def test_a_refusal_on_either_side_reaches_the_other_at_once():
-    drv, p, d, _ = pd_pair(decode=SchedulerConfig(num_pages=32, page_size=4))  # 64 and 128 tokens
+    drv, p, d, _ = pd_pair(decode=scheduler_config(32, page_size=4))  # 64 and 128 tokens
     p0, d0 = submit(drv, 0.0, "r0", 8, 130)  # 138 > decode's 128
     p1, d1 = submit(drv, 0.0, "r1", 65, 1)  # 65 > prefill's 64
     drv.run()
@@ -163,7 +163,7 @@ def test_a_refusal_on_either_side_reaches_the_other_at_once():
 
 def test_kv_that_never_comes_times_out_on_the_decode_side():
     # The request reaches only the decode instance: it preallocates, then waits for KV in vain.
-    drv, p, d, _ = pd_pair(decode=SchedulerConfig(num_pages=16, page_size=4, waiting_timeout_s=5.0))
+    drv, p, d, _ = pd_pair(decode=scheduler_config(16, page_size=4, waiting_timeout_s=5.0))
     drv.tick_s = 1.0
     lost = Request("r0", 8, 4, arrival_s=0.0, bootstrap_room=1000)
     drv.submit(0.0, "D", lost)
@@ -199,10 +199,10 @@ def test_random_pd_workload_under_small_pools_leaks_nothing():
     # and get retracted (and recomputed by a local extend); prefill: 96 tokens, so long prompts
     # queue for pages and the longest cannot be served.
     drv, p, d, _ = pd_pair(
-        prefill=SchedulerConfig(num_pages=12, page_size=8, max_prefill_tokens=64, chunked_prefill_size=32,
-                                metadata_slots=4, max_running_requests=4, bootstrap_timeout_s=1e9),
-        decode=SchedulerConfig(num_pages=20, page_size=8, max_running_requests=6, pre_alloc_size=2,
-                               num_reserved_decode_tokens=0, metadata_slots=5),
+        prefill=scheduler_config(12, page_size=8, max_prefill_tokens=64, chunked_prefill_size=32,
+                                 metadata_slots=4, max_running_requests=4, bootstrap_timeout_s=1e9),
+        decode=scheduler_config(20, page_size=8, max_running_requests=6, pre_alloc_size=2,
+                                num_reserved_decode_tokens=0, metadata_slots=5),
     )
     decode_executor = CountingExecutor()
     drv.slots["D"].executor = decode_executor

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+from configs import scheduler_config
 from core_harness import Driver, FixedExecutor, StubKV
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,7 +27,7 @@ def cfg(**kw) -> SchedulerConfig:
                 chunked_prefill_size=32, num_reserved_decode_tokens=4, prefix_cache=True,
                 metadata_slots=8)
     base.update(kw)
-    return SchedulerConfig(**base)
+    return scheduler_config(**base)
 
 
 def req(rid: str, tokens: list[int], n_out: int = 3, room: int = 0) -> Request:

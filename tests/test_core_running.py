@@ -6,10 +6,10 @@ import random
 
 import pytest
 
+from configs import scheduler_config
 from core_harness import Driver, FixedExecutor
 
 from pdsim.core.batch import BatchResult
-from pdsim.core.config import SchedulerConfig
 from pdsim.core.pool import PagePool
 from pdsim.core.request import Request
 from pdsim.core.running import RunningBatch
@@ -121,7 +121,7 @@ def test_colocated_appends_executor_tokens_and_stops_on_a_stop_token():
         k = len(req.output_ids) + 1
         return STOP if stop_at.get(req.rid) == k else 1000 + k
 
-    s = ColocatedScheduler(SchedulerConfig(num_pages=32, page_size=4))
+    s = ColocatedScheduler(scheduler_config(32, page_size=4))
     d = Driver(FixedExecutor(token_fn=tokens), log=False)
     d.add_instance("C", s)
     stop = frozenset({STOP})
@@ -143,8 +143,8 @@ def test_colocated_appends_executor_tokens_and_stops_on_a_stop_token():
 
 
 def test_retracted_requests_recompute_from_prompt_and_output_ids():
-    s = ColocatedScheduler(SchedulerConfig(num_pages=12, page_size=4, max_prefill_tokens=64,
-                                           chunked_prefill_size=16, num_reserved_decode_tokens=0))
+    s = ColocatedScheduler(scheduler_config(12, page_size=4, max_prefill_tokens=64,
+                                            chunked_prefill_size=16, num_reserved_decode_tokens=0))
     ex = FixedExecutor(token_fn=counting_tokens)
     d = Driver(ex, log=False)
     d.add_instance("C", s)

@@ -37,7 +37,8 @@ LLAMA_8B = model_preset("llama-3.1-8b")
 DSV3 = model_preset("deepseek-v3")
 H200 = load_hardware_spec("h200")
 NO_OVERHEADS = dict(step_overhead_s=0.0, extend_overhead_s=0.0, layer_overhead_s=0.0,
-                    gemm_floor_s=0.0, attn_floor_s=0.0, moe_floor_s=0.0, decode_attn_req_s=0.0)
+                    gemm_floor_s=0.0, attn_floor_s=0.0, moe_floor_s=0.0, decode_attn_req_s=0.0,
+                    eager_overhead=False)
 
 
 def roofline(model=LLAMA_8B, hardware=H100, tp=1, dp_attention=1, ep=1, **params):
@@ -272,8 +273,10 @@ def test_kv_capacity_error_when_weights_do_not_fit() -> None:
 
 def deepep(ep=8, hardware=H200, tbo=False, role="decode", model=DSV3, dense_tp=None,
            **params):
+    """A large-EP roofline; routing uniform (no expert imbalance) unless params say so."""
     parallel = Parallelism(tp=ep, dp_attention=ep, ep=ep, moe_a2a="deepep",
                            two_batch_overlap=tbo, moe_dense_tp=dense_tp)
+    params.setdefault("expert_imbalance", False)
     return make_cost_model("roofline", model, hardware, parallel, role=role, **params)
 
 
@@ -469,6 +472,7 @@ def test_fp8_on_a100_is_a_clear_error() -> None:
     assert saved == pytest.approx(kernel_s - fp8_kernel_s, rel=1e-6) and saved > 0
 
 
+@pytest.mark.slow
 def test_ep_scaling_experiment_builds_every_point() -> None:
     path = Path(__file__).parent.parent / "experiments" / "ep_scaling.yaml"
     cfg, raw = load_experiment(path)

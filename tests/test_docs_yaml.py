@@ -30,7 +30,9 @@ _WORKLOAD = {"num_requests": 4, "seed": 0, "arrival": {"process": "poisson", "ra
              "output_len": {"dist": "fixed", "value": 4}}
 MINIMAL = {
     "experiment": {"name": "doc", "workload": _WORKLOAD},
-    "serve": {"mode": "disaggregated"},
+    "serve": {"model": "tiny-llama", "cluster": {
+        "mode": "disaggregated", "prefill": {"scheduler": {"num_pages": 64}},
+        "decode": {"scheduler": {"num_pages": 64}}}},
     "plan": {"name": "doc", "model": "qwen3-32b", "hardware": "h200", "max_gpus": 4,
              "workload": _WORKLOAD, "slo": {"ttft_p90_s": 1.0}},
 }
@@ -54,7 +56,7 @@ def _kind(data: dict, page: str) -> tuple[str, bool]:
     """(the parser to use, whether the block is only sections of a config)."""
     if PLAN_KEYS & data.keys():
         return "plan", False
-    if "mode" in data and "workload" not in data:
+    if "cluster" in data and not {"name", "workload"} & data.keys():
         return "serve", False
     if "name" in data:
         return "experiment", False

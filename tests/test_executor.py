@@ -12,9 +12,9 @@ import threading
 import pandas as pd
 import pytest
 import torch
+from configs import scheduler_config
 
 from pdsim.core.batch import BatchResult
-from pdsim.core.config import SchedulerConfig
 from pdsim.core.request import Request
 from pdsim.core.scheduler import ColocatedScheduler
 from runtime.driver import Engine
@@ -23,6 +23,8 @@ from runtime.model import AttentionMetadata, ModelConfig, build_model
 from runtime.sampling import SamplingParams
 from runtime.streams import StreamEvent
 from runtime.tokenizer import ByteTokenizer
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 VOCAB = ByteTokenizer.vocab_size
 PRESETS = ["tiny-llama", "tiny-mla"]
@@ -59,7 +61,7 @@ def sched_config(**kw):
     base = dict(num_pages=24, page_size=4, max_running_requests=8, max_prefill_tokens=48,
                 chunked_prefill_size=8, num_reserved_decode_tokens=2)
     base.update(kw)
-    return SchedulerConfig(**base)
+    return scheduler_config(**base)
 
 
 def executor_for(model, cfg, **kw):

@@ -17,6 +17,8 @@ from pdsim.executors import InlinePool, open_pool
 from pdsim.planning import parse_plan, plan
 from pdsim.runner import run_experiment
 
+pytestmark = [pytest.mark.slow]
+
 SWEEP = {
     "name": "exec_sweep",
     "model": "llama-3.1-8b",

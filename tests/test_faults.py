@@ -208,6 +208,8 @@ def test_real_transfer_faults_fail_before_the_write_and_slow_nics_sleep():
         check_serving(FaultsConfig(slow_nic=[{"role": "decode", "factor": 2}]))
 
 
+@pytest.mark.real
+@pytest.mark.slow
 def test_failed_transfers_are_the_same_requests_in_both_backends():
     from pd_harness import body, generate, pd_config, start_worker, stop_workers, wait_healthy
 
@@ -254,14 +256,16 @@ def test_failed_transfers_are_the_same_requests_in_both_backends():
 
 KILL_S, BACK_S = 3.0, 1.0
 KILL_CONFIG = f"""\
-mode: disaggregated
 model: tiny-llama
 seed: 0
 device: cpu
-page_size: 8
-scheduler: {{max_running_requests: 8, max_prefill_tokens: 64, chunked_prefill_size: 32}}
-prefill: {{num_pages: 64, threads: 1}}
-decode: {{num_pages: 512, threads: 1}}
+cluster:
+  mode: disaggregated
+  prefill:
+    threads: 1
+    scheduler: &knobs {{page_size: 8, num_pages: 64, max_running_requests: 8,
+                        max_prefill_tokens: 64, chunked_prefill_size: 32}}
+  decode: {{threads: 1, scheduler: {{<<: *knobs, num_pages: 512}}}}
 router: {{port: 0}}
 transfer: {{heartbeat_interval_s: 0.5, heartbeat_timeout_s: 5.0}}
 faults:
@@ -326,6 +330,8 @@ def _pools_full(url: str, headers: dict, timeout_s: float = 20.0) -> dict:
         time.sleep(0.1)
 
 
+@pytest.mark.real
+@pytest.mark.slow
 def test_killed_decode_worker_fails_its_requests_in_both_backends(tmp_path, monkeypatch):
     from pd_harness import Proc
     from runtime.security import SECRET_ENV, key_of, new_secret

@@ -12,18 +12,20 @@ import urllib.request
 
 import msgpack
 import pytest
+from configs import colocated_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.pd import step_messages
 from runtime.pd.worker_messages import GENERATE_FIELDS, parse_generate
-from runtime.serve_config import ServeConfig
 from runtime.chat_template import ChatTemplate
 from runtime.checks import BadRequest
 from runtime.openai.protocol import GenParams, Limits, RequestParser
 from runtime.colocated import BackgroundServer
 from runtime.tokenizer import ByteTokenizer
 from runtime.transfer import messages
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 LIMITS = Limits(max_model_len=512, pool_tokens=256, max_position=2048, model_vocab=512)
 PARSER = RequestParser(ByteTokenizer(), LIMITS, ChatTemplate(), [257], 16)
@@ -98,8 +100,7 @@ def server():
     old = os.environ.get("PDSIM_KERNEL_BACKEND")
     os.environ["PDSIM_KERNEL_BACKEND"] = "torch"
     try:
-        with BackgroundServer(ServeConfig(model="tiny-llama", num_pages=64, page_size=8,
-                                          port=0, seed=1)) as srv:
+        with BackgroundServer(colocated_config(num_pages=64, page_size=8, seed=1)) as srv:
             yield srv
     finally:
         if old is None:

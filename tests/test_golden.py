@@ -18,9 +18,10 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
+from configs import scheduler_config
 from core_harness import Driver, FixedExecutor
 
-from pdsim.core.config import SchedulerConfig
 from pdsim.core.decode import DecodeScheduler
 from pdsim.core.fake_transfer import FakeKVManager, FakeWire
 from pdsim.core.prefill import PrefillScheduler
@@ -32,8 +33,8 @@ GOLDEN = Path(__file__).parent / "golden" / "pd_small.log"
 REGEN = os.environ.get("PDSIM_REGEN_GOLDEN") == "1"
 
 EXTEND_S, DECODE_S = 1.0, 0.25
-PREFILL = SchedulerConfig(num_pages=16, page_size=4, max_prefill_tokens=8, chunked_prefill_size=8)
-DECODE = SchedulerConfig(num_pages=16, page_size=4, num_reserved_decode_tokens=4)
+PREFILL = scheduler_config(16, page_size=4, max_prefill_tokens=8, chunked_prefill_size=8)
+DECODE = scheduler_config(16, page_size=4, num_reserved_decode_tokens=4)
 # (arrival s, input tokens, output tokens): chunked prefill (r2), a queue behind one batch.
 WORKLOAD = [(0.0, 8, 3), (0.0, 8, 2), (0.5, 12, 4), (1.2, 4, 2)]
 INSTANT = NetworkModel(enabled=False, message_latency_s=0.0, first_contact_s=0.0,
@@ -103,17 +104,49 @@ def lifecycle(log) -> list[tuple[float, str, str]]:
     return sorted(out)
 
 
-def harness_log() -> list[tuple[float, str, str, tuple[str, ...]]]:
-    """The same scenario on the core test driver with the instant fake transfer backend."""
+class EngineExecutor(FixedExecutor):
+    """FixedExecutor's times and token ids, with what a serving `Engine` asks of its executor
+    besides the port: the KV cache's size, top logprobs, per-request state."""
+
+    def __init__(self, config):
+        super().__init__(extend_s=EXTEND_S, decode_s=DECODE_S, token_fn=lambda batch, i: 7 + i)
+        self.page_size = config.page_size
+        self.kv = type("KV", (), {"num_pages": config.num_pages})()
+
+    def want_top_logprobs(self, rid: str, k: int) -> None:
+        pass
+
+    def take_top_logprobs(self, rid: str) -> list:
+        return []
+
+    def release(self, rid: str) -> None:
+        pass
+
+
+def harness_log(engines: list | None = None) -> list[tuple[float, str, str, tuple[str, ...]]]:
+    """The same scenario on the core test driver with the instant fake transfer backend; with
+    `engines` (an empty list to fill), each instance is a real serving `Engine` (runtime/
+    driver.py) whose own loop halves the driver runs on its clock."""
     wire = FakeWire()
     drv = Driver(FixedExecutor(extend_s=EXTEND_S, decode_s=DECODE_S))
-    drv.add_instance("P0", PrefillScheduler(PREFILL, FakeKVManager(wire), instance_id=0))
-    drv.add_instance("D0", DecodeScheduler(DECODE, FakeKVManager(wire), instance_id=1))
+    prefill = PrefillScheduler(PREFILL, FakeKVManager(wire), instance_id=0)
+    decode = DecodeScheduler(DECODE, FakeKVManager(wire), instance_id=1)
+    if engines is None:
+        drv.add_instance("P0", prefill)
+        drv.add_instance("D0", decode)
+    else:
+        from runtime.driver import Engine  # (loads torch)
+
+        for name, sched in (("P0", prefill), ("D0", decode)):
+            engines.append(Engine(EngineExecutor(sched.config), sched.config, scheduler=sched))
+            drv.add_engine(name, engines[-1])
     for i, (at, n_in, n_out) in enumerate(WORKLOAD):
         for name in ("P0", "D0"):
             drv.submit(at, name, Request(str(i), n_in, n_out, arrival_s=at,
-                                         bootstrap_room=1000 + i))
+                                         prompt_ids=list(range(n_in)), bootstrap_room=1000 + i))
     drv.run()
+    if engines is not None:
+        engines[:] = [drv.slots[name] for name in ("P0", "D0")]
     out = []
     for entry, t in drv.log:  # "rid P0:queue"
         rid, where = entry.split()
@@ -135,3 +168,22 @@ def test_core_harness_runs_the_scenario_in_the_same_order():
     assert [e for e in sim if e[2] != "prefilled"] == [e for e in harness if e[2] != "prefilled"]
     released = {rid: t for t, rid, what in harness if what == "prefilled"}
     assert all(t >= released[rid] for t, rid, what in sim if what == "prefilled")
+
+
+@pytest.mark.real
+def test_the_real_engine_runs_the_scenario_as_the_core_harness_does():
+    """The serving engine's loop (runtime/driver.py: its inbox, the core step, its streams and
+    records), driven on the same clock, goes through the scenario exactly as the harness's
+    bare instance step does; every decode stream gets each token and one end."""
+    engines: list = []
+    assert lifecycle(harness_log(engines)) == lifecycle(harness_log())
+    prefill, decode = engines
+    ends = [e for e in decode.engine_events if e.finished]
+    assert sorted(e.completion_tokens for e in ends) == sorted(n for _, _, n in WORKLOAD)
+    assert all(e.error is None and e.finish_reason == "length" for e in ends)
+    streamed = sum(len(e.token_ids) for e in decode.engine_events)
+    assert streamed == sum(n for _, _, n in WORKLOAD)
+    assert [r.status for r in decode.engine.records] == ["ok"] * len(WORKLOAD)
+    assert len(prefill.engine.records) == len(WORKLOAD)
+    for slot in (prefill, decode):
+        slot.engine.sched.check_pools_full()

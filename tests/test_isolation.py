@@ -24,13 +24,15 @@ from dataclasses import replace
 import aiohttp
 import pytest
 
+from configs import colocated_config
 from pd_harness import Proc
 from runtime.streams import StreamEvent
 from runtime.pd import step_messages as steps
 from runtime.sampling import SamplingParams
-from runtime.serve_config import ServeConfig
 from runtime.colocated import BackgroundServer
 from runtime.tokenizer import ByteTokenizer
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 TOK = ByteTokenizer()
 INNOCENT = 24
@@ -50,9 +52,9 @@ POISONS = [
 def server():
     old = os.environ.get("PDSIM_KERNEL_BACKEND")
     os.environ["PDSIM_KERNEL_BACKEND"] = "torch"
-    cfg = ServeConfig(model="tiny-llama", num_pages=64, page_size=8, port=0, seed=5,
-                      scheduler=dict(max_running_requests=32, max_prefill_tokens=256,
-                                     chunked_prefill_size=64))
+    cfg = colocated_config(num_pages=64, page_size=8, seed=5,
+                           scheduler=dict(max_running_requests=32, max_prefill_tokens=256,
+                                          chunked_prefill_size=64))
     try:
         with BackgroundServer(cfg) as srv:
             yield srv
@@ -228,15 +230,18 @@ def test_what_does_not_fit_a_step_is_refused_when_built(change):
 # ---- through the router of a real deployment ---------------------------------------------------
 
 PD_CONFIG = """\
-mode: disaggregated
 model: tiny-llama
 seed: 0
 device: cpu
-page_size: 8
-scheduler: {max_running_requests: 48, max_prefill_tokens: 512, chunked_prefill_size: 256,
-            num_reserved_decode_tokens: 8}
-prefill: {tp: 2, num_pages: 128, threads: 1}
-decode: {num_pages: 512, threads: 1}
+cluster:
+  mode: disaggregated
+  prefill:
+    tp: 2
+    threads: 1
+    scheduler: &knobs {page_size: 8, num_pages: 128, max_running_requests: 48,
+                       max_prefill_tokens: 512, chunked_prefill_size: 256,
+                       num_reserved_decode_tokens: 8}
+  decode: {threads: 1, scheduler: {<<: *knobs, num_pages: 512}}
 router: {port: 0}
 transfer: {heartbeat_interval_s: 0.5, heartbeat_timeout_s: 5.0}
 """

@@ -21,6 +21,8 @@ from runtime.model.attention import AttentionMetadata, paged_attention  # noqa: 
 
 import triton  # noqa: E402,F401  (the real extra installs it; its interpreter runs on CPU)
 
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
 
 def _triton_module_interprets() -> bool:
     module = sys.modules.get("runtime.kernels.triton_kernels")

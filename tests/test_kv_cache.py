@@ -11,6 +11,8 @@ from runtime import kernels
 from runtime.model.kv_cache import PagedKVCache
 from runtime.model.config import ModelConfig
 
+pytestmark = [pytest.mark.real]
+
 
 def raw_bytes(address: int, length: int) -> bytes:
     return ctypes.string_at(address, length)

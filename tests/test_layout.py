@@ -305,12 +305,13 @@ def test_the_pd_router_serves_without_torch():
         from runtime.serve_config import parse_serve_config
 
         cfg = parse_serve_config({"model": "tiny-mla", "cluster": {
-            "mode": "disaggregated", "prefill": {"instances": 1}, "decode": {"instances": 1}}})
+            "mode": "disaggregated", "prefill": {"instances": 1, "scheduler": {"num_pages": 64}},
+            "decode": {"instances": 1, "scheduler": {"num_pages": 64}}}})
         prefill, decode = "http://127.0.0.1:9", "http://127.0.0.1:10"
         health = {prefill: {"bootstrap_host": "127.0.0.1", "bootstrap_port": 11}}
 
         async def main():
-            router = make_router(cfg, [prefill], [decode], health, seed=0)
+            router = make_router(cfg, [prefill], [decode], health)
             await router.start("127.0.0.1", 0)
             try:
                 url = router.url + "/v1/models"

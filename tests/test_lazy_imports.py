@@ -5,6 +5,8 @@ matplotlib."""
 import subprocess
 import sys
 
+import pytest
+
 
 def _loaded_after(imports: str, then: str = "") -> set[str]:
     code = (f"import sys\nimport {imports}\n{then}\n"
@@ -18,11 +20,13 @@ def test_simulating_imports_neither_pandas_nor_matplotlib():
                          " pdsim.workload, pdsim.config") == set()
 
 
+@pytest.mark.slow
 def test_runner_leaves_matplotlib_to_plotting():
     assert _loaded_after("pdsim.runner") == {"pandas"}
     assert _loaded_after("pdsim.runner, pdsim.plots") == {"pandas", "matplotlib"}
 
 
+@pytest.mark.slow
 def test_reading_a_model_preset_leaves_torch_to_the_real_backend():
     """The presets both backends share live in runtime/model/config.py, which is torch-free;
     `runtime.model` itself imports its torch modules only when one of their names is used."""

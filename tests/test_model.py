@@ -13,6 +13,8 @@ from runtime.sampler import filtered_probs, make_generator, sample
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, load_tokenizer
 
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
 PRESETS = ["tiny-llama", "tiny-mla"]
 
 

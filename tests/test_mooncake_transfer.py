@@ -14,6 +14,7 @@ import pytest
 from pdsim.core.kvpoll import KVPoll
 from pdsim.core.request import Request
 from pdsim.core.transfer import FirstTokenMetadata
+from pdsim.deployment import TransferConfig
 from runtime.transfer.bootstrap_server import BootstrapServer
 from runtime.transfer import messages as m
 from runtime.transfer.mooncake_engine import MooncakeEngine, TransferEngineError, check_version
@@ -21,7 +22,9 @@ from runtime.transfer.layout import (
     KVArgs, Target, head_range, page_descriptors, plan_targets,
 )
 from runtime.transfer.metadata import MetadataBuffer
-from runtime.transfer.mooncake import MooncakeConfig, MooncakeKVManager
+from runtime.transfer.mooncake import MooncakeKVManager
+
+pytestmark = [pytest.mark.real]
 
 # ---- messages ------------------------------------------------------------------------------
 
@@ -172,6 +175,7 @@ def test_registration_is_once_per_region(engines):
         engine.unregister(buf.ctypes.data)
 
 
+@pytest.mark.slow
 def test_registered_memory_stays_alive_until_unregistered(engines):
     import gc
     import weakref
@@ -199,7 +203,7 @@ def test_write_to_an_unreachable_peer_raises(engines):
 
 # ---- whole transfers -----------------------------------------------------------------------
 
-CONFIG = MooncakeConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
+CONFIG = TransferConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
 
 
 @dataclass
@@ -254,23 +258,23 @@ class Cluster:
     full: list[np.ndarray]  # the prefill instance's KV with all heads
 
     @classmethod
-    def start(cls, n, m, *, mla=False, total_heads=4, config=CONFIG):
-        """`config.key` also guards the bootstrap server."""
+    def start(cls, n, m, *, mla=False, total_heads=4, config=CONFIG, key=None):
+        """`key` also guards the bootstrap server."""
         rng = np.random.default_rng(n * 10 + m)
         layers, pages, page_size, head_dim = 2, 24, 4, 8
         heads = 1 if mla else total_heads
         full = [rng.standard_normal((pages, page_size, heads, head_dim)).astype(np.float32)
                 for _ in range(layers if mla else 2 * layers)]
-        server = BootstrapServer(key=config.key).start()
+        server = BootstrapServer(key=key).start()
         prefill, decode = [], []
         for r in range(n):
             rank = Rank.make(tp_rank=r, tp_size=n, total_heads=total_heads, mla=mla, fill=full)
-            mgr = MooncakeKVManager(rank.args, config)
+            mgr = MooncakeKVManager(rank.args, config, key=key)
             mgr.register_with_bootstrap("127.0.0.1", server.port)
             prefill.append((rank, mgr))
         for r in range(m):
             rank = Rank.make(tp_rank=r, tp_size=m, total_heads=total_heads, mla=mla)
-            decode.append((rank, MooncakeKVManager(rank.args, config)))
+            decode.append((rank, MooncakeKVManager(rank.args, config, key=key)))
         return cls(server, prefill, decode, full)
 
     def close(self):
@@ -376,12 +380,25 @@ def test_receiver_abort_reaches_the_sender(one_to_one):
     assert snd.poll() is KVPoll.Failed and rcv.poll() is KVPoll.Failed
 
 
-def test_unreachable_bootstrap_server_fails_the_receiver():
+def test_unreachable_bootstrap_server_fails_the_receiver_after_the_handshake_timeout():
+    """The deployment's `transfer` section reaches the manager as it is: its
+    handshake_timeout_s bounds the decode side's bootstrap lookup (retried until then)."""
+    from runtime.serve_config import parse_serve_config
+
+    pool = {"scheduler": {"num_pages": 8}}
+    transfer = parse_serve_config({"model": "tiny-llama", "cluster": {"prefill": pool, "decode": pool},
+                                   "transfer": {"handshake_timeout_s": 1.0,
+                                                "heartbeat_interval_s": 0}}).transfer
     rank = Rank.make()
-    with MooncakeKVManager(rank.args, replace(CONFIG, bootstrap_timeout_s=0.2)) as d:
+    with MooncakeKVManager(rank.args, transfer) as d:
+        t0 = time.monotonic()
         rcv = d.create_receiver(request(1, 105))
         wait_for(lambda: rcv.poll() is KVPoll.Failed)
+        elapsed = time.monotonic() - t0
         assert "bootstrap with 127.0.0.1:1 failed" in rcv.failure_reason()
+    # Retried with backoff (0.05 s doubling) while the next try fits in the 1 s: ~0.75 s. The
+    # default, 30 s, would outlast wait_for's 10 s.
+    assert 0.5 <= elapsed < 8.0
 
 
 def test_layout_mismatch_fails_the_receiver_with_the_reason(one_to_one):
@@ -407,6 +424,7 @@ def test_dead_prefill_rank_fails_waiting_rooms_by_heartbeat():
 
 
 @pytest.mark.parametrize("n, m", [(1, 2), (2, 1), (4, 2)])
+@pytest.mark.slow
 def test_gqa_tp_mismatch_writes_head_slices(n, m):
     cluster = Cluster.start(n, m, total_heads=4)
     try:
@@ -419,6 +437,7 @@ def test_gqa_tp_mismatch_writes_head_slices(n, m):
         cluster.close()
 
 
+@pytest.mark.slow
 def test_gqa_with_replicated_heads():
     cluster = Cluster.start(4, 1, total_heads=2)  # prefill ranks 0,1 and 2,3 hold the same head
     try:
@@ -431,6 +450,7 @@ def test_gqa_with_replicated_heads():
 
 
 @pytest.mark.parametrize("n, m", [(2, 1), (1, 2)])
+@pytest.mark.slow
 def test_mla_tp_mismatch_sends_whole_pages(n, m):
     cluster = Cluster.start(n, m, mla=True)
     try:

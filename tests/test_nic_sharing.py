@@ -122,6 +122,7 @@ def _ttft_p50(data: dict) -> float:
     return run_point(0, parse_experiment(data), {}, None).summary["ttft_p50_s"]
 
 
+@pytest.mark.slow
 def test_gqa_tp_mismatch_pays_for_its_descriptors_and_mla_does_not():
     slow, free = {"per_descriptor_s": 0.1e-6}, {"per_descriptor_s": 0.0}
     assert _ttft_p50(_experiment(**slow)) > 1.5 * _ttft_p50(_experiment(**free))
@@ -144,6 +145,7 @@ def test_the_flat_head_slice_efficiency_is_gone_with_a_clear_error():
         parse_experiment(_experiment(head_slice_efficiency=0.5))
 
 
+@pytest.mark.slow
 def test_each_dp_rank_sends_through_its_own_gpus_nics():
     from pdsim.config import parse_experiment
     from pdsim.sim.build import build_cluster

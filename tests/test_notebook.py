@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "capacity_planning.ipynb"
@@ -27,6 +28,7 @@ def test_notebook_is_committed_without_outputs():
         assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
 
 
+@pytest.mark.slow
 def test_notebook_executes_and_reaches_a_recommendation():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # Any cell error raises CellExecutionError and fails the test.

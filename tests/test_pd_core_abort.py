@@ -4,18 +4,18 @@ side learns, and the prefill side's pending-token count stays right."""
 
 from __future__ import annotations
 
+from configs import scheduler_config
 from core_harness import StubKV
 
 from pdsim.core.batch import BatchResult
-from pdsim.core.config import SchedulerConfig
 from pdsim.core.decode import DecodeScheduler
 from pdsim.core.kvpoll import KVPoll
 from pdsim.core.prefill import PrefillScheduler
 from pdsim.core.request import Request
 
-CFG = SchedulerConfig(num_pages=16, page_size=4, max_prefill_tokens=8, chunked_prefill_size=4,
-                      num_reserved_decode_tokens=4, max_running_requests=1, pre_alloc_size=2,
-                      metadata_slots=4)
+CFG = scheduler_config(16, page_size=4, max_prefill_tokens=8, chunked_prefill_size=4,
+                       num_reserved_decode_tokens=4, max_running_requests=1, pre_alloc_size=2,
+                       metadata_slots=4)
 
 
 def req(rid: str, n_in: int, n_out: int = 4) -> Request:

@@ -1,10 +1,10 @@
-"""The failure edges of disaggregated serving (DESIGN.md), on real workers over loopback: bootstrap
-and waiting-for-KV timeouts, aborts and refusals reaching the other side, a decode worker killed
-mid-run (its requests fail with the reason; prefill goes on with a fresh decode worker), a
-crossed metadata slot, a request whose sampling fails on either side (it fails alone), and the
-router in front of roles started apart when the decode worker is killed mid-stream (every client
-gets an error event and `[DONE]`; /health names the worker). After each, every page, request slot
-and metadata slot is back.
+"""The failure edges of disaggregated serving (docs/architecture.md), on real workers over
+loopback: bootstrap and waiting-for-KV timeouts, aborts and refusals reaching the other side, a
+decode worker killed mid-run (its requests fail with the reason; prefill goes on with a fresh
+decode worker), a crossed metadata slot, a request whose sampling fails on either side (it fails
+alone), and the router in front of roles started apart when the decode worker is killed
+mid-stream (every client gets an error event and `[DONE]`; /health names the worker). After
+each, every page, request slot and metadata slot is back.
 """
 
 from __future__ import annotations
@@ -29,16 +29,22 @@ from pd_harness import (
     wait_healthy,
 )
 
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
 TIMEOUT_S = 3.0
+HEARTBEAT_INTERVAL_S = 0.2
 HEARTBEAT_TIMEOUT_S = 1.5
+ORPHANS = 8  # test_killing_the_decode_worker: requests left on the prefill side by a dead decode
 
 
-def config(**changes):
+def config(knobs: dict | None = None, **changes):
     """A prefill pool of 128 tokens, a decode pool of 512, and short timeouts."""
-    base = dict(prefill={"num_pages": 16}, decode={"num_pages": 64},
-                transfer={"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
-                          "bootstrap_timeout_s": TIMEOUT_S, "waiting_timeout_s": TIMEOUT_S})
-    return pd_config("tiny-llama", **{**base, **changes})
+    base = dict(prefill={"scheduler": {"num_pages": 16}}, decode={"scheduler": {"num_pages": 64}},
+                transfer={"heartbeat_interval_s": HEARTBEAT_INTERVAL_S,
+                          "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+                          "handshake_timeout_s": TIMEOUT_S})
+    timeouts = {"bootstrap_timeout_s": TIMEOUT_S, "waiting_timeout_s": TIMEOUT_S}
+    return pd_config("tiny-llama", knobs={**timeouts, **(knobs or {})}, **{**base, **changes})
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -237,7 +243,7 @@ def test_decode_with_another_page_size_refuses_to_pair(cluster):
     _, w = cluster
     port = w["prefill"].bootstrap_port
     threads = torch.get_num_threads()
-    rank = build_rank(config(page_size=16), RankSpec("decode", 0, 0, 1), TPGroup.single())
+    rank = build_rank(config({"page_size": 16}), RankSpec("decode", 0, 0, 1), TPGroup.single())
     try:
         engine = rank.engine.start()
         events: queue.Queue = queue.Queue()
@@ -252,6 +258,10 @@ def test_decode_with_another_page_size_refuses_to_pair(cluster):
     finally:
         rank.close()
         torch.set_num_threads(threads)
+
+
+SILENT = re.compile(r"bootstrap failed: decode side silent for \d+\.\d s "
+                    rf"\(heartbeat timeout {re.escape(str(HEARTBEAT_TIMEOUT_S))} s\)")
 
 
 def test_killing_the_decode_worker(cluster):
@@ -271,12 +281,18 @@ def test_killing_the_decode_worker(cluster):
             first = await resp.content.readline()
             assert first.startswith(b"data: {")
             assert (await prefill_long)[0] == 200
-            # ...and three requests whose decode side has told prefill where to write.
-            pending = [body(f"orphan{i}", prompt(15, i), 4, p) for i in range(3)]
+            # ...and requests whose decode side has told prefill where to write.
+            pending = [body(f"orphan{i}", prompt(15, i), 4, p) for i in range(ORPHANS)]
             decode_halves = [asyncio.ensure_future(post_decode(session, d, b)) for b in pending]
-            while (await (await session.get(d.url + "/load")).json())["queues"]["transfer"] < 3:
+            while (await (await session.get(d.url + "/load")).json())["queues"]["transfer"] \
+                    < ORPHANS:
                 await asyncio.sleep(0.02)
             d.proc.send_signal(signal.SIGKILL)
+            d.proc.wait(10)
+            killed = time.monotonic()
+            # At once, the prefill side finds out when it writes the KV: the reason is the
+            # write's, so it came before the heartbeats were missed...
+            first = asyncio.ensure_future(post_prefill(session, p, pending[0]))
             with pytest.raises(aiohttp.ClientError):
                 async for _ in resp.content:  # the stream breaks
                     pass
@@ -284,25 +300,31 @@ def test_killing_the_decode_worker(cluster):
             for half in decode_halves:
                 with pytest.raises(aiohttp.ClientError):
                     await half
-            # At once, the prefill side finds out when it writes the KV...
-            start = time.monotonic()
-            first = await post_prefill(session, p, pending[0])
-            written = time.monotonic() - start
-            # ...and once the heartbeats have been missing long enough, before it computes.
-            await asyncio.sleep(HEARTBEAT_TIMEOUT_S + 1.0)
-            rest = await asyncio.gather(*(post_prefill(session, p, b) for b in pending[1:]))
-            return first, written, rest
+            first = await first
+            # ...and, once they have been missing past the timeout, before it computes. The
+            # liveness check runs every heartbeat interval: late halves go one at a time until
+            # one is refused for the silence (one before fails in its transfer, like the first),
+            # then the rest; ORPHANS bounds the wait.
+            await asyncio.sleep(max(0.0, killed + HEARTBEAT_TIMEOUT_S - time.monotonic()))
+            late, early = pending[1:], []
+            while late:
+                status, err = await post_prefill(session, p, late.pop(0))
+                if status == 500 and SILENT.fullmatch(err["error"]["message"]):
+                    break
+                early.append((status, err))
+                await asyncio.sleep(0.5)
+            rest = await asyncio.gather(*(post_prefill(session, p, b) for b in late))
+            return first, early, rest
 
-    (status, err), written, rest = asyncio.run(scenario())
-    assert status == 500 and written < 2, err
-    assert err["error"]["message"].startswith(
-        "KV transfer failed: KV write failed: batch_transfer_sync_write to 127.0.0.1:")
+    (status, err), early, rest = asyncio.run(scenario())
+    assert status == 500 and err["error"]["message"].startswith(
+        "KV transfer failed: KV write failed: batch_transfer_sync_write to 127.0.0.1:"), err
+    for status, err in early:
+        assert status == 500 and err["error"]["message"].startswith("KV transfer failed: "), err
+    assert rest, f"no late prefill half refused for the silence: {early}"
     for status, err in rest:
-        assert status == 500 and re.fullmatch(
-            r"bootstrap failed: decode side silent for \d+\.\d s \(heartbeat timeout 1.5 s\)",
-            err["error"]["message"]), err
+        assert status == 500 and SILENT.fullmatch(err["error"]["message"]), err
     assert_pools_full(p)
-    d.proc.wait(10)
     w["decode"] = fresh = start_worker(cfg, "decode")
     wait_healthy([fresh])
     (o,) = generate(p, fresh, [body("after", prompt(12, 1), 6, p)])

@@ -15,21 +15,27 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from openai import OpenAI
 
 from pd_harness import REPO, Proc
 from runtime.security import SECRET_ENV, listeners, new_secret
 from runtime.transfer import bindshim
 
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
 CONFIG = """\
-mode: disaggregated
 model: tiny-llama
 seed: 0
 device: cpu
-page_size: 8
-scheduler: {max_running_requests: 8, max_prefill_tokens: 64, chunked_prefill_size: 32}
-prefill: {tp: 2, num_pages: 64, threads: 1}
-decode: {num_pages: 128, threads: 1}
+cluster:
+  mode: disaggregated
+  prefill:
+    tp: 2
+    threads: 1
+    scheduler: &knobs {page_size: 8, num_pages: 64, max_running_requests: 8,
+                       max_prefill_tokens: 64, chunked_prefill_size: 32}
+  decode: {threads: 1, scheduler: {<<: *knobs, num_pages: 128}}
 router: {port: 0}
 transfer: {heartbeat_interval_s: 0.5, heartbeat_timeout_s: 5.0}
 """
@@ -144,7 +150,8 @@ def test_one_role_alone_and_cli_errors(tmp_path, monkeypatch):
         if worker.proc.poll() is None:
             worker.proc.kill()
     colocated = tmp_path / "colo.yaml"
-    colocated.write_text("mode: colocated\n")
+    colocated.write_text("model: tiny-llama\ncluster: {mode: colocated, colocated: "
+                         "{instances: 1, scheduler: {num_pages: 64}}}\n")
     for args, message in (
         ([str(colocated), "--role", "prefill"], "only a disaggregated config has roles"),
         ([str(cfg), "--role", "cook"], "--role 'cook'; allowed: prefill, decode, router"),

@@ -9,20 +9,25 @@ import json
 import urllib.request
 
 import openai
+import pytest
 
 from pd_harness import Proc
 from runtime.security import SECRET_ENV, ClusterKey, new_secret
 
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
 CONFIG = """\
-mode: disaggregated
 model: tiny-llama
 seed: 0
 device: cpu
-page_size: 8
-scheduler: {max_running_requests: 128, max_prefill_tokens: 1024, chunked_prefill_size: 256,
-            num_reserved_decode_tokens: 8}
-prefill: {num_pages: 1024, metadata_slots: 256, threads: 1}
-decode: {num_pages: 1024, metadata_slots: 256, pre_alloc_size: 64, threads: 1}
+cluster:
+  mode: disaggregated
+  prefill:
+    threads: 1
+    scheduler: &knobs {page_size: 8, num_pages: 1024, metadata_slots: 256,
+                       max_running_requests: 128, max_prefill_tokens: 1024,
+                       chunked_prefill_size: 256, num_reserved_decode_tokens: 8}
+  decode: {threads: 1, scheduler: {<<: *knobs, pre_alloc_size: 64}}
 router: {port: 0, policy: least_loaded}
 """
 N = 300

@@ -19,6 +19,8 @@ from pd_harness import (
     body, generate, pd_config, post_json, start_worker, stop_workers, wait_healthy,
 )
 
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
 MODELS = ("tiny-llama", "tiny-mla")
 PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (prefill tp, decode tp)
 # Page 8, chunks of 32: the 70-token prompt is prefilled (and sent) in three chunks.

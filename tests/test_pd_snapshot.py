@@ -4,11 +4,15 @@ both ranks must see the same states, epochs and metadata verdicts."""
 
 from __future__ import annotations
 
+import pytest
+
 from pdsim.core.kvpoll import KVPoll
 from pdsim.core.request import Request
 from pdsim.core.transfer import DictMetadataStore, FirstTokenMetadata
 from runtime.distributed import TPGroup, run_ranks
 from runtime.pd.kv import OTHER_RANK, SnapshotKV
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 B, W, T, S, F = (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring,
                  KVPoll.Success, KVPoll.Failed)

@@ -54,6 +54,7 @@ def planned(tmp_path_factory):
     return plan(parse_plan(SMALL), out_dir=out, jobs=2)
 
 
+@pytest.mark.slow
 def test_prefilter_never_discards_a_deployment_simulation_finds_feasible(full):
     cfg = parse_plan(SMALL)
     model, hw = load_model_spec(cfg.model), load_hardware_spec(cfg.hardware)
@@ -71,6 +72,7 @@ def test_prefilter_never_discards_a_deployment_simulation_finds_feasible(full):
     assert {"ITL floor", "prefill capacity"} <= reasons
 
 
+@pytest.mark.slow
 def test_recommendation_meets_the_slo_and_is_the_cheapest_that_does(full, planned):
     rec = planned.recommended
     assert rec is not None
@@ -120,6 +122,7 @@ def test_writes_report_frontier_plots_and_launch(planned):
     assert {"usd_per_mtok", "goodput_req_per_usd", "output_tok_s_per_gpu"} <= set(frontier.columns)
 
 
+@pytest.mark.slow
 def test_emitted_experiment_validates_and_reproduces_the_plan(planned, tmp_path):
     path = planned.out_dir / "recommended.yaml"
     cfg, _ = load_experiment(path)
@@ -293,6 +296,7 @@ def test_price_columns():
     assert all(math.isnan(v) for v in price_columns(summary, None).values())
 
 
+@pytest.mark.slow
 def test_cli_plan_end_to_end(tmp_path):
     tiny = {**SMALL, "name": "tiny_plan", "max_gpus": 2,
             "search": {"tp": [1], "modes": ["colocated", "disaggregated"]},
@@ -332,6 +336,7 @@ def test_tpot_floor_discards_when_one_request_steps_are_too_slow():
     assert cfg.slo.request_slo().itl_s == 0.001  # goodput's per-request mean-ITL bound
 
 
+@pytest.mark.slow
 def test_without_the_prefilter_a_deployment_that_cannot_be_built_is_reported_not_fatal():
     cfg = parse_plan({**SMALL, "model": "llama-3.1-70b", "max_gpus": 2,
                       "search": {"tp": [1, 2], "modes": ["colocated"]},

@@ -77,6 +77,7 @@ def test_pd_ratio_labels_and_prefill_share():
     assert frame["prefill_share"].tolist() == [0.25, 0.75]
 
 
+@pytest.mark.slow
 def test_plot_sweep_multi_point(sweep, tmp_path, captured):
     summary, _ = sweep
     paths = plot_sweep(summary, tmp_path / "sweep")
@@ -96,6 +97,7 @@ def test_plot_sweep_multi_point(sweep, tmp_path, captured):
     assert "per GPU" in goodput.get_ylabel() and len(goodput.get_lines()) == len(RATES)
 
 
+@pytest.mark.slow
 def test_plot_sweep_single_configuration_uses_request_rate(sweep, tmp_path, captured):
     summary, _ = sweep
     one = summary[(summary.prefill_instances == 1) & (summary.decode_instances == 3)]
@@ -107,12 +109,14 @@ def test_plot_sweep_single_configuration_uses_request_rate(sweep, tmp_path, capt
     assert [t.get_text() for t in ax.get_legend().get_texts()][0] == "1P:3D"
 
 
+@pytest.mark.slow
 def test_plot_sweep_single_row_and_empty(sweep, tmp_path):
     summary, _ = sweep
     assert_pngs(plot_sweep(summary.iloc[:1], tmp_path / "row"), SWEEP_FILES)
     assert plot_sweep(summary.iloc[:0], tmp_path / "none") == []
 
 
+@pytest.mark.slow
 def test_plot_sweep_averages_repeated_points(sweep, tmp_path, captured):
     summary, _ = sweep
     twice = pd.concat([summary, summary.assign(ttft_p50_s=summary["ttft_p50_s"] + 1.0)])
@@ -128,6 +132,7 @@ def test_plot_sweep_names_missing_columns(sweep, tmp_path):
         plot_sweep(summary.drop(columns=["prefill_instances"]), tmp_path)
 
 
+@pytest.mark.slow
 def test_plot_latency_cdfs(sweep, tmp_path, captured):
     _, requests = sweep
     paths = plot_latency_cdfs(requests, tmp_path, max_curves=3)
@@ -139,6 +144,7 @@ def test_plot_latency_cdfs(sweep, tmp_path, captured):
     assert line.get_ydata()[-1] == 1.0 and np.all(np.diff(line.get_xdata()) >= 0)
 
 
+@pytest.mark.slow
 def test_plot_latency_cdfs_split_by_rate(sweep, tmp_path):
     _, requests = sweep
     paths = plot_latency_cdfs(requests, tmp_path, split="request_rate")
@@ -155,6 +161,7 @@ def test_cdf_curves_kept_are_the_most_distinct():
     assert total == 6 and names[1:] == ["e", "f"] and names[0] in "abcd"
 
 
+@pytest.mark.slow
 def test_write_report(sweep, tmp_path):
     summary, _ = sweep
     summary = summary.copy()
@@ -225,6 +232,7 @@ def test_sweep_labels_name_what_varies(sweep):
     assert plots.sweep_labels(scale) == ["decode.ep=8", "decode.ep=16"]
 
 
+@pytest.mark.slow
 def test_generic_sweep_plots_against_its_field_one_line_per_other_field(tmp_path, captured):
     ep = swept([{"cluster.decode.tp": tp, "cluster.decode.ep": tp, "cluster.decode.two_batch_overlap": tbo}
                 for tp in (8, 16, 32) for tbo in (False, True)])
@@ -240,6 +248,7 @@ def test_generic_sweep_plots_against_its_field_one_line_per_other_field(tmp_path
                                ep[ep["sweep.cluster.decode.two_batch_overlap"]]["output_tok_s_per_gpu"])
 
 
+@pytest.mark.slow
 def test_concurrency_sweep_draws_throughput_against_latency(tmp_path, captured):
     clients = swept([{"workload.arrival.concurrency": n} for n in (1, 4, 16, 64, 256)])
     clients["concurrency"] = clients["sweep.workload.arrival.concurrency"]
@@ -257,6 +266,7 @@ def test_concurrency_sweep_draws_throughput_against_latency(tmp_path, captured):
     assert f"| 2 | 1P:1D @ {best} clients |" in text  # the best point names its client count
 
 
+@pytest.mark.slow
 def test_a_sweep_with_clients_and_another_field_draws_one_curve_per_setting(tmp_path, captured):
     spec = swept([{"speculative.num_draft_tokens": k, "workload.arrival.concurrency": n}
                   for k in (1, 3) for n in (8, 32, 128)])

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from configs import scheduler_config
 
-from pdsim.core.config import SchedulerConfig
 from pdsim.core.radix import token_page_keys
 from pdsim.core.request import Request
 from pdsim.core.scheduler import ColocatedScheduler
 from runtime.executor import ModelExecutor
 from runtime.model import ModelConfig, build_model
 from runtime.tokenizer import ByteTokenizer
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 VOCAB = ByteTokenizer.vocab_size
 PAGE = 4
@@ -38,9 +40,9 @@ SHARED = [tokens(13, 100), tokens(22, 101)]  # two system prompts, not page mult
 def waves(prefix_cache: bool, model, num_pages: int):
     """Two waves of requests over two shared prefixes, the second after the first finished (so
     it finds their prompts cached); returns (outputs by rid, cached tokens by rid)."""
-    cfg = SchedulerConfig(num_pages=num_pages, page_size=PAGE, max_running_requests=8,
-                          max_prefill_tokens=48, chunked_prefill_size=8,
-                          num_reserved_decode_tokens=2, prefix_cache=prefix_cache)
+    cfg = scheduler_config(num_pages, page_size=PAGE, max_running_requests=8,
+                           max_prefill_tokens=48, chunked_prefill_size=8,
+                           num_reserved_decode_tokens=2, prefix_cache=prefix_cache)
     sched = ColocatedScheduler(cfg)
     executor = ModelExecutor(model, num_pages=num_pages, page_size=PAGE, vocab_limit=VOCAB)
     now, reqs = 0.0, []

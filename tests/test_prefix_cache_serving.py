@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 from openai import OpenAI
+from configs import colocated_config, scheduler_config
 
-from pdsim.core.config import SchedulerConfig
 from pdsim.core.kvpoll import KVPoll
 from pdsim.core.prefill import PrefillScheduler
 from pdsim.core.radix import token_page_keys
@@ -24,13 +24,14 @@ from runtime.model import ModelConfig, build_model
 from runtime.openai.protocol import Limits
 from runtime.colocated import BackgroundServer
 from runtime.router import PDRouter, WorkerAddress
-from runtime.serve_config import ServeConfig
 from runtime.tokenizer import ByteTokenizer
 from runtime.transfer.bootstrap_server import BootstrapServer
 from runtime.transfer.layout import KVArgs
 from runtime.transfer.metadata import MetadataBuffer
 from runtime.transfer.mooncake import MooncakeKVManager
 from tests.pd_harness import body, generate, pd_config, start_worker, stop_workers, wait_healthy
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 PAGE = 8
 PROMPT = "A long shared system prompt, then a question: what comes next?"
@@ -50,9 +51,9 @@ def _torch_kernels(monkeypatch):
 def complete_twice(disable_radix_cache: bool) -> list[tuple[list[int], int]]:
     """The same greedy completion twice, one after the other: (token ids, prompt tokens,
     cached tokens) of each."""
-    cfg = ServeConfig(model="tiny-llama", num_pages=64, page_size=PAGE, port=0, seed=5,
-                      scheduler=dict(chunked_prefill_size=32,
-                                     disable_radix_cache=disable_radix_cache))
+    cfg = colocated_config(num_pages=64, page_size=PAGE, seed=5,
+                           scheduler=dict(chunked_prefill_size=32,
+                                          disable_radix_cache=disable_radix_cache))
     out = []
     with BackgroundServer(cfg) as srv:
         client = OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
@@ -114,7 +115,7 @@ def test_cache_aware_router_sends_a_repeated_prefix_to_the_prefill_worker_that_h
     """Two prefill workers, one decode worker and the real router (`cache_aware`, keyed by the
     prompt's pages): X, X', Y, Y' (X' repeats X's system prompt) go to prefill 0, 0, 1, 1 (round
     robin would alternate), and each repeat finds its prefix in that worker's cache."""
-    cfg = pd_config("tiny-llama", prefill={"instances": 2})
+    cfg = pd_config("tiny-llama", prefill={"instances": 2}, router={"policy": "cache_aware"})
     prefill = [start_worker(cfg, "prefill", instance=i) for i in range(2)]
     decode = start_worker(cfg, "decode")
     loop = asyncio.new_event_loop()
@@ -128,10 +129,9 @@ def test_cache_aware_router_sends_a_repeated_prefix_to_the_prefill_worker_that_h
         wait_healthy([*prefill, decode])
         router = PDRouter(
             [WorkerAddress(w.url, "127.0.0.1", w.bootstrap_port) for w in prefill],
-            [WorkerAddress(decode.url)], tokenizer=ByteTokenizer(), model_name="tiny",
+            [WorkerAddress(decode.url)], cfg, tokenizer=ByteTokenizer(), model_name="tiny",
             limits=Limits(max_model_len=512, pool_tokens=512, max_position=4096,
-                          model_vocab=ByteTokenizer.vocab_size),
-            policy="cache_aware", page_size=cfg.page_size)
+                          model_vocab=ByteTokenizer.vocab_size))
         on_loop(router.start())
         client = OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=60)
         x = "System prompt X: answer briefly, in plain words, and exactly. "
@@ -169,9 +169,9 @@ def test_the_cached_prefix_reaches_the_decode_side_before_the_suffix_forward_run
     for buffer in dex.kv.buffers:  # what no transfer wrote differs from any computed KV
         buffer.fill_(-1.0)
     pmgr.register_with_bootstrap("127.0.0.1", server.port)
-    cfg = SchedulerConfig(num_pages=32, page_size=PAGE, max_running_requests=4,
-                          max_prefill_tokens=64, chunked_prefill_size=64,
-                          num_reserved_decode_tokens=4, prefix_cache=True, metadata_slots=4)
+    cfg = scheduler_config(32, page_size=PAGE, max_running_requests=4,
+                           max_prefill_tokens=64, chunked_prefill_size=64,
+                           num_reserved_decode_tokens=4, prefix_cache=True, metadata_slots=4)
     sched = PrefillScheduler(cfg, pmgr)
     prompt = list(PROMPT.encode())
     dst_free = list(range(31, -1, -1))

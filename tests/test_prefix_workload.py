@@ -3,8 +3,6 @@ multi-turn conversations, and the hit rate of an unbounded cache computed from t
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from pydantic import ValidationError
@@ -15,10 +13,8 @@ from pdsim.workload import Workload, WorkloadError, generate, read_trace
 from pdsim.workload.arrays import PrefixBlocks
 from pdsim.workload.prefix import ideal_cached_blocks, ideal_cached_tokens, ideal_hit_rate
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-CONV = TRACES / "conversation_trace.jsonl"
-SYNTH = TRACES / "synthetic_trace.jsonl"
-needs_traces = pytest.mark.skipif(not CONV.is_file(), reason="shared Mooncake traces not present")
+CONV = "conversation_trace.jsonl"  # in the `traces` folder (tests/conftest.py)
+SYNTH = "synthetic_trace.jsonl"
 
 
 def synthetic(**extra) -> dict:
@@ -69,19 +65,17 @@ def test_ideal_cached_blocks_counts_whole_prefixes_seen_before():
     assert ideal_hit_rate(p) == pytest.approx(6 / 14)
 
 
-@needs_traces
-@pytest.mark.parametrize("path, rate", [(CONV, 0.366), (SYNTH, 0.640)])
-def test_mooncake_hash_ids_become_prefix_blocks_with_the_published_reuse(path, rate):
-    w = read_trace(path)
+@pytest.mark.parametrize("name, rate", [(CONV, 0.366), (SYNTH, 0.640)])
+def test_mooncake_hash_ids_become_prefix_blocks_with_the_published_reuse(traces, name, rate):
+    w = read_trace(traces / name)
     assert w.prefix is not None and w.prefix.block_tokens == 512
     np.testing.assert_array_equal(w.prefix.num_blocks(), -(-w.input_tokens // 512))
     assert ideal_hit_rate(w.prefix) == pytest.approx(rate, abs=5e-4)  # traces/README.md
 
 
-@needs_traces
-def test_a_replay_window_keeps_each_request_with_its_blocks():
-    full = read_trace(CONV)
-    w = generate({"trace": str(CONV), "start_s": 600, "max_input_tokens": 8000, "num_requests": 300,
+def test_a_replay_window_keeps_each_request_with_its_blocks(traces):
+    full = read_trace(traces / CONV)
+    w = generate({"trace": str(traces / CONV), "start_s": 600, "max_input_tokens": 8000, "num_requests": 300,
                   "target_rate_rps": 5.0})
     rows = np.flatnonzero((full.arrival_s >= 600) & (full.input_tokens <= 8000))[:300]
     np.testing.assert_array_equal(w.input_tokens, full.input_tokens[rows])
@@ -89,10 +83,9 @@ def test_a_replay_window_keeps_each_request_with_its_blocks():
         np.testing.assert_array_equal(w.prefix.ids_of(k), full.prefix.ids_of(rows[k]))
 
 
-@needs_traces
 @pytest.mark.parametrize("page_size", [16, 512, 96])
-def test_ideal_cached_tokens_is_what_a_radix_cache_gives_requests_run_in_order(page_size):
-    w = read_trace(CONV).head(400)
+def test_ideal_cached_tokens_is_what_a_radix_cache_gives_requests_run_in_order(traces, page_size):
+    w = read_trace(traces / CONV).head(400)
     expected = ideal_cached_tokens(w, page_size)
     cache = RadixCache(PagePool(10**6, page_size))
     for i, n_in in enumerate(w.input_tokens.tolist()):

@@ -58,17 +58,19 @@ def test_predictions_are_close_under_noise_and_never_negative():
     assert two == cost.step_time_s([shape])  # DP ranks: the slowest one sets the step
 
 
+@pytest.mark.real
+@pytest.mark.slow
 def test_fit_to_real_executor_timings_predicts_held_out_forwards():
     import torch
-    from pdsim.core.config import SchedulerConfig
+    from configs import scheduler_config
     from pdsim.core.request import Request
     from pdsim.core.scheduler import ColocatedScheduler
     from runtime.executor import ModelExecutor
     from runtime.model import ModelConfig, build_model
 
     torch.set_num_threads(1)
-    cfg = SchedulerConfig(num_pages=512, page_size=16, max_prefill_tokens=512,
-                          chunked_prefill_size=256)
+    cfg = scheduler_config(512, page_size=16, max_prefill_tokens=512,
+                           chunked_prefill_size=256)
     executor = ModelExecutor(build_model(ModelConfig.preset("tiny-llama"), seed=0),
                              num_pages=512, page_size=16)
     executor.warmup()

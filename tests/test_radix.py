@@ -246,7 +246,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
-test_cache_machine = CacheMachine.TestCase
+test_cache_machine = pytest.mark.slow(CacheMachine.TestCase)
 
 
 @settings(max_examples=100, deadline=None)

@@ -31,6 +31,8 @@ from runtime.transfer import messages as m
 from runtime.transfer.bootstrap_server import BootstrapServer
 from runtime.transfer.channel import MAX_FRAME_BYTES, ZmqChannel
 
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
 SECRET = new_secret()
 KEY = ClusterKey.from_secret(SECRET)
 API_KEY = "reliability-key"

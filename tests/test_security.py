@@ -10,7 +10,7 @@ import os
 import re
 import urllib.error
 import urllib.request
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import msgpack
 import pytest
@@ -28,6 +28,8 @@ from runtime.transfer import messages as m
 from runtime.transfer.channel import ZmqChannel
 from runtime.transfer.prefill import MAX_UNCLAIMED_ROOMS
 from test_mooncake_transfer import CONFIG, Cluster, request, wait_for
+
+pytestmark = [pytest.mark.real]
 
 SECRET = new_secret()
 KEY = ClusterKey.from_secret(SECRET)
@@ -72,7 +74,10 @@ def test_the_secret_comes_from_the_environment_or_the_config(monkeypatch, caplog
 def test_secrets_never_leave_in_a_dumped_config():
     from runtime.serve_config import PDServeConfig
 
-    cfg = PDServeConfig.model_validate({"security": {"cluster_secret": SECRET,
+    pool = {"scheduler": {"num_pages": 8}}
+    cfg = PDServeConfig.model_validate({"model": "tiny-llama",
+                                        "cluster": {"prefill": pool, "decode": pool},
+                                        "security": {"cluster_secret": SECRET,
                                                      "api_key": "public-key"}})
     assert cfg.security.cluster_secret == SECRET and cfg.security.api_key == "public-key"
     dumped = json.dumps(cfg.model_dump(mode="json"))
@@ -139,12 +144,12 @@ def test_the_channel_keeps_at_most_max_peers_sockets():
 
 # Floods queue a decode rank's heartbeats behind thousands of frames: a timeout of seconds, not
 # CONFIG's 0.5 s, keeps a busy 2-core machine from declaring it dead meanwhile.
-SECURED = replace(CONFIG, key=KEY, heartbeat_timeout_s=10.0)
+SECURED = CONFIG.model_copy(update={"heartbeat_timeout_s": 10.0})
 
 
 @pytest.fixture(scope="module")
 def secured():
-    cluster = Cluster.start(1, 1, config=SECURED)
+    cluster = Cluster.start(1, 1, config=SECURED, key=KEY)
     yield cluster
     cluster.close()
 
@@ -190,6 +195,7 @@ def test_heartbeats_from_unregistered_endpoints_open_no_sockets(secured):
     assert all(e.poll() is KVPoll.Success for e in senders + receivers)
 
 
+@pytest.mark.slow
 def test_unknown_room_aborts_stay_bounded(secured):
     (_, p), (_, d) = secured.prefill[0], secured.decode[0]
     side = p.prefill
@@ -224,7 +230,7 @@ def test_unknown_room_aborts_stay_bounded(secured):
 
 
 def test_a_silent_decode_rank_is_forgotten_and_its_socket_closed():
-    cluster = Cluster.start(1, 1, config=replace(CONFIG, key=KEY))
+    cluster = Cluster.start(1, 1, key=KEY)
     try:
         (_, p), (_, d) = cluster.prefill[0], cluster.decode[0]
         cluster.transfer(301, [0], [1], chunks=1)
@@ -286,6 +292,7 @@ def own_listeners(group) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_a_tp_group_listens_on_loopback_only():
     ranks = run_ranks(own_listeners, 2, timeout_s=60)
     assert ranks[0], "rank 0 hosts the rendezvous store"
@@ -300,7 +307,7 @@ def test_the_mooncake_engine_says_truthfully_where_it_listens(caplog):
     rank = Rank.make()
     before = {(x.address, x.port) for x in listeners()}
     with caplog.at_level(logging.WARNING, logger="runtime.transfer.mooncake"):
-        manager = MooncakeKVManager(rank.args, replace(CONFIG, key=KEY))
+        manager = MooncakeKVManager(rank.args, CONFIG, key=KEY)
     try:
         opened = {(x.address, x.port) for x in listeners()} - before
         exposed = {(x.address, x.port) for x in manager.engine.exposed}
@@ -329,6 +336,7 @@ sys.stdout.flush()
 """
 
 
+@pytest.mark.slow
 def test_the_bind_wrapper_keeps_mooncake_on_the_host_and_nothing_else():
     import subprocess
     import sys
@@ -350,14 +358,17 @@ def test_the_bind_wrapper_keeps_mooncake_on_the_host_and_nothing_else():
 # ---- a whole deployment --------------------------------------------------------------------
 
 DEPLOYMENT = """\
-mode: disaggregated
 model: tiny-llama
 seed: 0
 device: cpu
-page_size: 8
-scheduler: {max_running_requests: 8, max_prefill_tokens: 64, chunked_prefill_size: 32}
-prefill: {tp: 2, num_pages: 64, threads: 1}
-decode: {num_pages: 128, threads: 1}
+cluster:
+  mode: disaggregated
+  prefill:
+    tp: 2
+    threads: 1
+    scheduler: &knobs {page_size: 8, num_pages: 64, max_running_requests: 8,
+                       max_prefill_tokens: 64, chunked_prefill_size: 32}
+  decode: {threads: 1, scheduler: {<<: *knobs, num_pages: 128}}
 router: {port: 0}
 transfer: {heartbeat_interval_s: 0.5, heartbeat_timeout_s: 5.0}
 security: {api_key: test-api-key}
@@ -369,6 +380,7 @@ def pid_listening_on(port: int, pids) -> int:
     return next(p for p in pids if any(x.port == port for x in listeners(p)))
 
 
+@pytest.mark.slow
 def test_a_deployment_listens_on_loopback_and_refuses_strangers(tmp_path, monkeypatch):
     from openai import AuthenticationError, OpenAI
 
@@ -457,11 +469,10 @@ def test_a_deployment_listens_on_loopback_and_refuses_strangers(tmp_path, monkey
 
 
 def test_the_api_key_guards_the_colocated_server():
-    from runtime.serve_config import ServeConfig
+    from configs import colocated_config
     from runtime.colocated import BackgroundServer, build_server
 
-    server = build_server(ServeConfig(model="tiny-llama", port=0, num_pages=32, page_size=8,
-                                      device="cpu"))
+    server = build_server(colocated_config(num_pages=32, page_size=8, device="cpu"))
     server.protect(api_key="colocated-key")
     with BackgroundServer(server) as srv:
         body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}

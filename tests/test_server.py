@@ -25,21 +25,24 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from configs import colocated_config
 from openai import OpenAI
 
 from runtime.model import AttentionMetadata
-from runtime.serve_config import ServeConfig, load_serve_config
+from runtime.serve_config import load_serve_config
 from runtime.colocated import BackgroundServer
 from runtime.tokenizer import ByteTokenizer
 
 from pdsim.config import ConfigError
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 TOK = ByteTokenizer()
 EOS = TOK.eos_id
 
 # A small pool (64 pages x 8 = 512 tokens), so that a burst of requests needs retraction.
-SMALL = dict(num_pages=64, page_size=8, port=0, seed=5,
+SMALL = dict(num_pages=64, page_size=8, seed=5,
              scheduler=dict(max_running_requests=16, max_prefill_tokens=128,
                             chunked_prefill_size=32, num_reserved_decode_tokens=8))
 
@@ -57,7 +60,7 @@ def _torch_kernels():
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-mla"])
 def server(request):
-    with BackgroundServer(ServeConfig(model=request.param, **SMALL)) as srv:
+    with BackgroundServer(colocated_config(request.param, **SMALL)) as srv:
         yield srv
 
 
@@ -395,7 +398,7 @@ def test_serving_a_local_checkpoint_with_its_chat_template_and_eos(tmp_path):
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": CHAT_TEMPLATE, "bos_token": "", "eos_token": ""}))
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [10, 257]}))
-    cfg = ServeConfig(model=str(directory), port=0, num_pages=64, page_size=16)
+    cfg = colocated_config(str(directory), num_pages=64, page_size=16)
     with BackgroundServer(cfg) as srv:
         assert srv.server.model_name == "my-model"
         client = OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=30)
@@ -421,21 +424,23 @@ def test_serving_a_local_checkpoint_with_its_chat_template_and_eos(tmp_path):
 
 def test_serve_config_errors_name_file_field_value_and_allowed(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("mode: colocated\nmodel: tiny-llama\nscheduler: {max_running: 4}\nport: -1\n")
+    bad.write_text("model: tiny-llama\ncluster: {mode: colocated, colocated: {instances: 1, "
+                   "scheduler: {max_running: 4}}}\nrouter: {port: -1}\n")
     with pytest.raises(ConfigError) as info:
         load_serve_config(bad)
     text = str(info.value)
     assert str(bad) in text and "scheduler.max_running: unknown key" in text
-    assert "max_running_requests" in text and "port:" in text and "(got -1)" in text
-    bad.write_text("mode: split\n")
+    assert "max_running_requests" in text and "router.port:" in text and "(got -1)" in text
+    bad.write_text("cluster: {mode: split}\n")
     with pytest.raises(ConfigError, match="mode: unknown mode.*'split'.*colocated, disaggregated"):
         load_serve_config(bad)
-    bad.write_text("mode: disaggregated\nprefill: {tp: 0}\nnum_pages: 8\n")
+    bad.write_text("model: tiny-llama\ncluster: {mode: disaggregated, prefill: {tp: 0}}\n"
+                   "pages: 8\n")
     with pytest.raises(ConfigError) as info:
         load_serve_config(bad)
     text = str(info.value)
     assert "prefill.tp: Input should be greater than or equal to 1 (got 0)" in text
-    assert "num_pages: unknown key (allowed: " in text and "cluster, cost_model" in text
+    assert "pages: unknown key (allowed: " in text and "cluster, cost_model" in text
     with pytest.raises(ConfigError, match="model: .*allowed: tiny-llama, tiny-mla"):
         load_serve_config(None, model="no-such-model")
     cfg = load_serve_config(REPO / "experiments" / "real_colocated.yaml", port=0)
@@ -451,7 +456,8 @@ def _read_lines(pipe, out: queue.Queue):
 def test_pdsim_serve_subprocess_streams_and_stops_on_sigterm(tmp_path):
     timings = tmp_path / "timings.csv"
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text(f"model: tiny-mla\nnum_pages: 256\npage_size: 8\ntimings_path: {timings}\n")
+    cfg.write_text("model: tiny-mla\ncluster: {mode: colocated, colocated: {instances: 1, scheduler: "
+                   f"{{num_pages: 256, page_size: 8}}}}}}\ntimings_path: {timings}\n")
     env = {**os.environ, "PDSIM_KERNEL_BACKEND": "torch", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "pdsim.cli", "serve", str(cfg), "--port", "0"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

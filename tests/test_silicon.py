@@ -192,6 +192,7 @@ def test_extrapolated_lookups_are_counted():
 
 
 @needs_tables
+@pytest.mark.slow
 def test_a_decode_step_from_its_kept_fixed_parts_is_the_full_computation_and_its_lookups():
     """A decode-only step keeps what depends only on its batch size (`_decode_step_s`); its
     time must be the sum of the parts computed in full, bit for bit, and it must count the
@@ -253,6 +254,7 @@ workload:
 @needs_tables
 @pytest.mark.parametrize("hardware,cost_model,resolved", [
     ("h100", "silicon", "silicon"), ("h20", "auto", "roofline")])
+@pytest.mark.slow
 def test_pdsim_run_end_to_end(tmp_path, hardware, cost_model, resolved):
     path = tmp_path / "exp.yaml"
     path.write_text(EXPERIMENT.format(hardware=hardware, cost_model=cost_model))

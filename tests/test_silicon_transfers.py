@@ -28,7 +28,9 @@ def _dep(n: int) -> Parallelism:
 
 
 def _experts_s(cost_model: str, model, hw, ep: int, shape: BatchShape, role: str) -> float:
-    cost = make_cost_model(cost_model, model, hw, _dep(ep), role=role)
+    """The routed experts' time at the mean EP rank: the tables' pricing alone (the busiest
+    rank's extra load, which grows with EP, is tests/test_expert_load.py's)."""
+    cost = make_cost_model(cost_model, model, hw, _dep(ep), role=role, expert_imbalance=False)
     return cost.step_breakdown_s([shape] * ep)["moe_experts"]
 
 

@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 
+from configs import scheduler_config
 from core_harness import Driver, FixedExecutor
 from pdsim.config import ConfigError, SpeculativeConfig, parse_experiment
 from pdsim.core.batch import BatchResult, BatchShape
-from pdsim.core.config import SchedulerConfig
 from pdsim.core.pool import PagePool
 from pdsim.core.request import Request
 from pdsim.core.running import Speculation, SpeculativeRunningBatch
@@ -132,8 +132,8 @@ def test_retraction_under_a_small_pool_keeps_lengths_exact_and_returns_every_pag
             return super()._retract_one()
 
     spec = Speculation(3, accept_len_probs([0.8, 0.6, 0.4]), seed=2)
-    sched = Counting(SchedulerConfig(num_pages=40, page_size=4, num_reserved_decode_tokens=4,
-                                     speculation=spec))
+    sched = Counting(scheduler_config(40, page_size=4, num_reserved_decode_tokens=4,
+                                      speculation=spec))
     d = Driver(FixedExecutor(), log=False)
     d.add_instance("C", sched)
     lengths = {str(i): (8 + 3 * i, 30 + 7 * i) for i in range(8)}
@@ -287,6 +287,7 @@ def test_pd_moves_the_draft_kv_and_hidden_state_with_each_request():
     assert draft_page_bytes * 32 == page * model.kv_bytes_per_token(cfg.kv_dtype_bytes)
 
 
+@pytest.mark.slow
 def test_the_draft_takes_its_weights_and_kv_from_the_pool():
     data = experiment(MTP3)
     data.update(model="deepseek-v3", hardware="h200")
@@ -319,6 +320,7 @@ def test_bad_speculative_config_says_what_is_wrong(speculative, message):
         parse_experiment(experiment(speculative))
 
 
+@pytest.mark.slow
 def test_the_shipped_experiment_runs_end_to_end_with_its_plots(tmp_path):
     import yaml
 

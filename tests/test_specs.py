@@ -524,6 +524,7 @@ EXPERIMENT = {
 }
 
 
+@pytest.mark.slow
 def test_experiment_takes_inline_model_and_hardware() -> None:
     from pdsim.config import parse_experiment
     from pdsim.sim.build import build_cluster
@@ -543,6 +544,7 @@ def test_experiment_takes_inline_model_and_hardware() -> None:
                                                                    "hbm_gb": 40}}))
 
 
+@pytest.mark.slow
 def test_experiment_paths_resolve_beside_the_yaml(tmp_path, monkeypatch) -> None:
     from pdsim.runner import run_experiment
 

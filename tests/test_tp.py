@@ -16,6 +16,8 @@ from runtime.model.kv_cache import PagedKVCache
 from runtime.model import AttentionMetadata, ModelConfig, build_model
 from runtime.model.tp import apply_tp, check_tp, head_range, kv_head_range
 
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
 TINY_LLAMA, TINY_MLA = ModelConfig.preset("tiny-llama"), ModelConfig.preset("tiny-mla")
 CASES = {
     "tiny-llama": TINY_LLAMA,  # 2 KV heads: one per rank

@@ -89,11 +89,14 @@ def sim_pair() -> Pair:
 BACKENDS: dict[str, Callable[[], Pair]] = {
     "fake": fake_pair, "sim": sim_pair, "mooncake": mooncake_pair,
 }
+REAL_BACKENDS = {"mooncake"}  # they start real components (marked `real`)
 
 _rooms = itertools.count(1000)
 
 
-@pytest.fixture(scope="module", params=list(BACKENDS))
+@pytest.fixture(scope="module", params=[
+    pytest.param(name, marks=pytest.mark.real) if name in REAL_BACKENDS else name
+    for name in BACKENDS])
 def pair(request):
     p = BACKENDS[request.param]()
     yield p

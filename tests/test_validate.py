@@ -34,6 +34,8 @@ def pdsim(*args, cwd, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.real
+@pytest.mark.slow
 def test_validate_a_pd_deployment_end_to_end(tmp_path):
     raw = yaml.safe_load(PD_1P1D.read_text())
     raw["workload"]["num_requests"] = 12
@@ -82,6 +84,7 @@ def test_tolerance_flags_exactly_the_metrics_outside_it():
     assert "| ITL mean | 10.0 ms | 20.0 ms | +100.0% | ±15% | **over** |" in text
 
 
+@pytest.mark.slow
 def test_calibration_lies_over_the_experiment(tmp_path):
     raw = yaml.safe_load(PD_1P1D.read_text())
     cfg = calibrated(raw, str(PD_1P1D), CALIBRATION)
@@ -99,6 +102,8 @@ def test_calibration_lies_over_the_experiment(tmp_path):
     assert "bogus" in proc.stdout and "allowed" in proc.stdout
 
 
+@pytest.mark.real
+@pytest.mark.slow
 def test_profile_forwards_and_transfer_measure_real_components():
     from runtime.calibration import profile_forwards, profile_transfer
     from runtime.executor import TIMING_COLUMNS

@@ -34,19 +34,10 @@ from pdsim.workload import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-TRACE_DIRS = (REPO.parent / "shared" / "traces", REPO / "shared" / "traces")
 
 MOONCAKE_CONV = "conversation_trace.jsonl"
 AZURE_CONV = "AzureLLMInferenceTrace_conv.csv"
 AZURE_CODE = "AzureLLMInferenceTrace_code.csv"
-
-
-@pytest.fixture(scope="session")
-def traces() -> Path:
-    for folder in TRACE_DIRS:
-        if (folder / MOONCAKE_CONV).is_file():
-            return folder
-    pytest.fail(f"public traces not found; looked in {', '.join(map(str, TRACE_DIRS))}")
 
 
 def synthetic(**overrides) -> dict:

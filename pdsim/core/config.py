@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from pdsim.core.running import Speculation
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
     """Sizes and limits of one scheduler (one attention-DP rank of one instance), as
     `pdsim.deployment.SchedulerKnobs.build` makes it from a config for both backends (the
-    instance-wide flags already split over the DP ranks).
+    instance-wide flags already split over the DP ranks). Every field is required: the
+    defaults live with the knobs, in one place.
 
     num_pages × page_size is the KV pool in tokens. `max_prefill_tokens` caps the new tokens of
     one extend batch; `chunked_prefill_size` cuts longer prompts into chunks (0 disables chunking,
@@ -23,17 +24,17 @@ class SchedulerConfig:
     """
 
     num_pages: int
-    page_size: int = 16
-    max_running_requests: int = 256
-    max_prefill_tokens: int = 16384
-    chunked_prefill_size: int = 8192
-    num_reserved_decode_tokens: int = 512
-    pre_alloc_size: int = 64  # decode: extra request slots for requests waiting for their KV
-    metadata_slots: int = 512
-    bootstrap_timeout_s: float = 300.0
-    waiting_timeout_s: float = 300.0
-    speculation: Speculation | None = None
-    prefix_cache: bool = False
+    page_size: int
+    max_running_requests: int
+    max_prefill_tokens: int
+    chunked_prefill_size: int
+    num_reserved_decode_tokens: int
+    pre_alloc_size: int  # decode: extra request slots for requests waiting for their KV
+    metadata_slots: int
+    bootstrap_timeout_s: float
+    waiting_timeout_s: float
+    speculation: Speculation | None
+    prefix_cache: bool
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_running_requests", "max_prefill_tokens",

@@ -7,6 +7,7 @@ from functools import partial
 from pathlib import Path
 
 from pdsim.config import ConfigError, ExperimentConfig, RoleConfig
+from pdsim.core.config import SchedulerConfig
 from pdsim.core.running import Speculation
 from pdsim.sim.cluster import ClusterSpec, RoleSpec
 from pdsim.sim.cost import Parallelism, kv_capacity_tokens, make_cost_model
@@ -30,7 +31,7 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     kv_bytes = role.kv_bytes(cfg.kv_dtype_bytes)
     # Every cost model prices KV reads in the role's KV dtype unless told otherwise, and
     # learns the role it serves (prefill, decode or colocated).
-    params = {"kv_dtype_bytes": kv_bytes, "role": name,
+    params = {"kv_dtype_bytes": kv_bytes, "role": name, **_expert_load_params(cfg, role),
               **{k: _resolve(v, base_dir) for k, v in cfg.cost_model.params.items()}}
     spec = cfg.speculative
     try:
@@ -51,6 +52,7 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
                             _speculation(cfg))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    sched = _low_latency_cap(sched, role, name, cfg)
     attn_tp = role.tp // role.dp_attention
     # What a page weighs on the wire: every attention-TP rank of the receiving side needs its
     # own slice (GQA) or its own replica (MLA). A speculating draft's KV and last hidden state
@@ -67,6 +69,30 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
         nic = (net.bandwidth_gb_per_s or hw.rdma_gb_per_s) * 1e9 * role.tp * line_rate
     return RoleSpec(role.instances, role.dp_attention, role.tp, sched, cost, nic, kv_page_bytes,
                     state_bytes_per_request=state_bytes, wakeup_s=knobs.wakeup_s)
+
+
+def _expert_load_params(cfg: ExperimentConfig, role: RoleConfig) -> dict:
+    """The role's expert-load settings for the cost model; only with EP, where there is a
+    busiest rank to price (the config rejects eplb without it)."""
+    if role.ep == 1:
+        return {}
+    return {"expert_imbalance": role.expert_imbalance, "seed": cfg.seed,
+            "eplb_redundant_experts": None if role.eplb is None else role.eplb.redundant_experts}
+
+
+def _low_latency_cap(sched: SchedulerConfig, role: RoleConfig, name: str,
+                     cfg: ExperimentConfig) -> SchedulerConfig:
+    """DeepEP's low-latency dispatch (decode steps under moe_a2a deepep) takes at most
+    `num_max_dispatch_tokens_per_rank` tokens per rank, so a DP rank's running batch can't
+    exceed that over the tokens each request decodes per step."""
+    if role.moe_a2a != "deepep" or name == "prefill":
+        return sched
+    spec = cfg.speculative
+    step_tokens = 1 if spec.method == "none" else spec.num_draft_tokens + 1
+    cap = max(1, role.num_max_dispatch_tokens_per_rank // step_tokens)
+    if sched.max_running_requests <= cap:
+        return sched
+    return replace(sched, max_running_requests=cap)
 
 
 def _pool_tokens(model: ModelSpec, hw: HardwareSpec, par: Parallelism, mem_fraction: float,
@@ -134,7 +160,7 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
                            colocated=build_role(cfg, c.colocated, "colocated", model, hw,
                                                 base_dir=base_dir), **overheads)
     # GQA KV split over different attention-TP sizes on the two sides moves as head slices:
-    # many small writes instead of whole pages (DESIGN.md, "TP mismatch"), priced by the
+    # many small writes instead of whole pages (docs/architecture.md, "TP mismatch"), priced by the
     # network model per descriptor.
     prefill = build_role(cfg, c.prefill, "prefill", model, hw, base_dir)
     if model.is_mla and src_attn > dst_attn:  # only dst_attn prefill ranks send; the rest idle

@@ -17,7 +17,9 @@ from typing import Literal, NamedTuple, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pdsim.core.batch import BatchShape
+from pdsim.sim.expert_load import ExpertLoad, check_redundant_experts, expert_load
 from pdsim.sim.moe_comm import A2AMode, deepep_traffic
+from pdsim.sim.overheads import EAGER_LAUNCH_S, HostOverheads, host_overheads
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
 from pdsim.specs.parallel import check_dp_options, check_moe_a2a
@@ -161,13 +163,60 @@ def layers_attention_s(attn: float, dense_layers: int, moe_layers: int) -> float
     return attention
 
 
-class RooflineParams(BaseModel):
+class StepParams(BaseModel):
+    """What both cost models take beyond their own constants (docs/cost_model.md, "Expert load
+    imbalance" and "Host overheads").
+
+    expert_imbalance: price a MoE layer at its busiest EP rank (pdsim.sim.expert_load); false
+    prices the mean rank. eplb_redundant_experts: None without EPLB, else SGLang's
+    --enable-eplb with that many --ep-num-redundant-experts. seed: the expert popularity draw.
+    eager_overhead: charge eager forwards (extend, decode above cuda_graph_max_bs requests per
+    rank; None: SGLang's default for the GPU) their kernel launches, eager_launch_s each.
+    scheduler_overhead: charge step_overhead_s per step and extend_overhead_s per extend step
+    (the scheduler loop's host work)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    expert_imbalance: bool = True
+    eplb_redundant_experts: int | None = Field(default=None, ge=0)
+    seed: int = 0
+    eager_overhead: bool = True
+    eager_launch_s: float = Field(default=EAGER_LAUNCH_S, ge=0)
+    cuda_graph_max_bs: int | None = Field(default=None, ge=0)
+    scheduler_overhead: bool = True
+
+
+def step_extras(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism, p: StepParams
+                ) -> tuple[ExpertLoad | None, HostOverheads | None]:
+    """The expert-load model (None: every rank at the mean) and the host overheads (None: off)
+    of one instance, as both cost models price them."""
+    if model.is_moe and p.eplb_redundant_experts is not None:  # a dense draft has no experts
+        check_redundant_experts(p.eplb_redundant_experts, model.num_experts, parallel.ep)
+    load = None
+    if p.expert_imbalance and model.is_moe and parallel.ep > 1:
+        load = expert_load(model.num_experts, model.experts_per_token, parallel.ep,
+                           p.eplb_redundant_experts, p.seed)
+    host = host_overheads(model, hardware, parallel, p.eager_launch_s, p.cuda_graph_max_bs) \
+        if p.eager_overhead else None
+    return load, host
+
+
+def with_eager_overhead(parts: tuple[float, ...], host: HostOverheads | None,
+                        has_prefill: bool, max_rank_decode_reqs: int) -> tuple[float, ...]:
+    """`parts` (BREAKDOWN_PARTS order) with the eager overhead added to the last, "overhead"."""
+    extra = 0.0 if host is None else host.overhead_s(has_prefill, max_rank_decode_reqs)
+    return (*parts[:-1], parts[-1] + extra) if extra else parts
+
+
+def max_rank_decode_reqs(shapes: Sequence[BatchShape]) -> int:
+    return max((s.decode_reqs for s in shapes), default=0)
+
+
+class RooflineParams(StepParams):
     """Efficiency factors and fixed costs of the roofline model (see docs/cost_model.md).
 
     role: which role the instance plays; it picks DeepEP's mode (prefill: normal, decode:
     low latency, colocated: normal for steps with prefill tokens, low latency otherwise)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     gemm_mfu: float = Field(default=0.7, gt=0, le=1)
     fp8_gemm_mfu: float = Field(default=0.6, gt=0, le=1)
@@ -273,6 +322,7 @@ class RooflineCostModel:
         if parallel.ep > 1 and not model.is_moe:
             raise ValueError(f"ep={parallel.ep} needs a MoE model; {model.name} is dense")
         self.model, self.hardware, self.parallel, self.params = model, hardware, parallel, p
+        self._load, self._host = step_extras(model, hardware, parallel, p)
 
         tp, attn_tp, ep = parallel.tp, parallel.attn_tp, parallel.ep
         h, nh = model.hidden_size, model.num_attention_heads
@@ -368,18 +418,15 @@ class RooflineCostModel:
             shared_act_tok = (2 * h + 3 * shared_inter / split + e) * ACT_BYTES
             shared_elem_s_tok = 3 * shared_inter / split * ACT_BYTES / mem_rate
             self._moe_w_bytes = (shared * wb + router * ACT_BYTES) / split
-            self._moe_global_s_tok = routed_s_tok
-            self._moe_global_act_tok = pairs_io * ACT_BYTES
-            self._moe_global_elem_s_tok = k / ep * moe_inter * 3 * ACT_BYTES / mem_rate
-            self._moe_local_s_tok = self._moe_local_act_tok = self._moe_local_elem_s_tok = 0.0
-            if self._deepep:
-                self._moe_local_s_tok = shared_s_tok
-                self._moe_local_act_tok = shared_act_tok
-                self._moe_local_elem_s_tok = shared_elem_s_tok
-            else:
-                self._moe_global_s_tok += shared_s_tok
-                self._moe_global_act_tok += shared_act_tok
-                self._moe_global_elem_s_tok += shared_elem_s_tok
+            # Routed terms per token of the instance (at the busiest EP rank, scaled by the
+            # imbalance); shared-expert and router terms per token they run on: one GPU's under
+            # DeepEP, the instance's otherwise.
+            self._routed_s_tok = routed_s_tok
+            self._routed_act_tok = pairs_io * ACT_BYTES
+            self._routed_elem_s_tok = k / ep * moe_inter * 3 * ACT_BYTES / mem_rate
+            self._shared_s_tok = shared_s_tok
+            self._shared_act_tok = shared_act_tok
+            self._shared_elem_s_tok = shared_elem_s_tok
 
         # LM head on the last position of each sequence, split over tp; with dp_lm_head over
         # each DP rank's GPUs, on that rank's rows (the slowest rank's).
@@ -472,13 +519,19 @@ class RooflineCostModel:
                 ctx * q * self._dec_attn_s_ctx, (ctx + reqs * q) * self._kv_mem_s_tok)
         return prefill + decode
 
-    def _moe_s(self, tokens: float, gpu_tokens: float) -> float:
-        """One MoE layer's expert compute: `tokens` of the instance, `gpu_tokens` on one GPU."""
+    def _imbalance(self, tokens: float) -> float:
+        """E[busiest EP rank's routed tokens] / the mean rank's (1 without the load model)."""
+        return 1.0 if self._load is None else self._load.imbalance(tokens)
+
+    def _moe_s(self, tokens: float, routed_tokens: float, shared_tokens: float) -> float:
+        """One MoE layer's expert compute on the busiest GPU: `tokens` of the instance, routed
+        as if `routed_tokens` (tokens times the imbalance), shared experts and router on
+        `shared_tokens`."""
         hit = self._num_experts * (1.0 - self._miss_prob**tokens)  # expected experts used
-        flops_s = tokens * self._moe_global_s_tok + gpu_tokens * self._moe_local_s_tok
+        flops_s = routed_tokens * self._routed_s_tok + shared_tokens * self._shared_s_tok
         w_bytes = self._moe_w_bytes + hit * self._expert_w_bytes
-        act = tokens * self._moe_global_act_tok + gpu_tokens * self._moe_local_act_tok
-        elem = tokens * self._moe_global_elem_s_tok + gpu_tokens * self._moe_local_elem_s_tok
+        act = routed_tokens * self._routed_act_tok + shared_tokens * self._shared_act_tok
+        elem = routed_tokens * self._routed_elem_s_tok + shared_tokens * self._shared_elem_s_tok
         return self._moe_floor_s + max(flops_s, (w_bytes + act) / self._mem_rate) + elem
 
     def step_time_s(self, shapes: Sequence[BatchShape]) -> float:
@@ -502,7 +555,8 @@ class RooflineCostModel:
         proj, n, rest = fixed
         attn = self._attention_block_s(proj, shape, 1.0, n)
         attn = (attn if attn > 0.0 else 0.0) + self._layer_overhead_s
-        return sum((self._layers_attention_s(attn), *rest))
+        return sum(with_eager_overhead((self._layers_attention_s(attn), *rest), self._host,
+                                       False, shape.decode_reqs))
 
     def step_breakdown_s(self, shapes: Sequence[BatchShape]) -> dict[str, float]:
         """Seconds of one step by part (`BREAKDOWN_PARTS`), summed over its layers; the
@@ -519,7 +573,8 @@ class RooflineCostModel:
         if totals[0] == 0:
             return (0.0,) * len(BREAKDOWN_PARTS)
         attn = self._attention_s(shapes, 1.0) + self._layer_overhead_s
-        return (self._layers_attention_s(attn), *self._parts_but_attention(shapes, totals, attn))
+        parts = (self._layers_attention_s(attn), *self._parts_but_attention(shapes, totals, attn))
+        return with_eager_overhead(parts, self._host, totals[4], max_rank_decode_reqs(shapes))
 
     def _layers_attention_s(self, attn: float) -> float:
         return layers_attention_s(attn, self._dense_layers, self._moe_layers)
@@ -543,7 +598,9 @@ class RooflineCostModel:
             experts, comm, tbo = self._moe_layers_s(shapes, attn, mlp_comm, tokens,
                                                     max_rank_tokens, has_prefill)
         lm_head = self._lm_gemm.at(max_rank_rows if self._dp_lm_head else lm_rows)
-        overhead = self._step_overhead_s + (self._extend_overhead_s if has_prefill else 0.0)
+        overhead = 0.0
+        if self.params.scheduler_overhead:
+            overhead = self._step_overhead_s + (self._extend_overhead_s if has_prefill else 0.0)
         return dense_mlp, dense_comm, experts, comm, tbo, lm_head, overhead
 
     def _moe_layers_s(self, shapes: Sequence[BatchShape], attn: float, mlp_comm: float,
@@ -557,20 +614,27 @@ class RooflineCostModel:
         communication x, and the step pays one unoverlapped min(c, x) to fill the pipeline;
         the change is that against attention + experts + communication unsplit."""
         layers = self._moe_layers
+        imbalance = self._imbalance(tokens)
         if not self._deepep:
-            return layers * self._moe_s(tokens, tokens), layers * mlp_comm, 0.0
-        # Each GPU sends its share of its rank's tokens and receives its share of all of them.
-        gpu_tokens = max(max_rank_tokens / self.parallel.attn_tp, tokens / self.parallel.tp)
+            return (layers * self._moe_s(tokens, tokens * imbalance, tokens), layers * mlp_comm,
+                    0.0)
+        # Each GPU sends the copies of its share of its rank's tokens; the busiest GPU
+        # receives `imbalance` times the mean share and sends as many outputs back.
+        attn_tp, tp = self.parallel.attn_tp, self.parallel.tp
+        gpu_tokens = max(max_rank_tokens / attn_tp, tokens / tp)
+        busiest = max(max_rank_tokens / attn_tp, tokens / tp * imbalance)
         role = self.params.role
         normal = role == "prefill" or (role == "colocated" and has_prefill)
         fixed_s, per_token_s = self._a2a["normal" if normal else "low_latency"]
-        experts = self._moe_s(tokens, gpu_tokens)
-        comm = fixed_s + gpu_tokens * per_token_s
+        experts = self._moe_s(tokens, tokens * imbalance, gpu_tokens)
+        comm = fixed_s + busiest * per_token_s
         tbo = 0.0
         if self._tbo:
+            half = self._imbalance(tokens / 2)
             half_compute = (self._attention_s(shapes, 0.5) + self._layer_overhead_s
-                            + self._moe_s(tokens / 2, gpu_tokens / 2))
-            half_comm = fixed_s + gpu_tokens / 2 * per_token_s
+                            + self._moe_s(tokens / 2, tokens / 2 * half, gpu_tokens / 2))
+            half_comm = fixed_s + max(max_rank_tokens / attn_tp, tokens / tp * half) / 2 \
+                * per_token_s
             overlapped = layers * 2 * max(half_compute, half_comm) + min(half_compute, half_comm)
             tbo = overlapped - layers * (attn + experts + comm)
         return layers * experts, layers * comm, tbo

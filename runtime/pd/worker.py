@@ -79,7 +79,7 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     from runtime.transfer.metadata import MetadataBuffer
     from runtime.security import key_of, resolve_secret
     from runtime.faults import TransferFaults
-    from runtime.transfer.mooncake import MooncakeConfig, MooncakeKVManager
+    from runtime.transfer.mooncake import MooncakeKVManager
 
     key = key_of(resolve_secret(config.security.cluster_secret,
                                 insecure=config.security.insecure, what=f"{spec.role} rank"))
@@ -100,18 +100,14 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     metadata = MetadataBuffer.allocate(sched_cfg.metadata_slots)
     args = KVArgs.for_cache(executor.kv, metadata, tp_rank=group.rank, tp_size=group.size,
                             total_kv_heads=mcfg.num_kv_heads)
-    t = config.transfer
-    manager = MooncakeKVManager(args, MooncakeConfig(
-        host=t.host, protocol=t.protocol, device_name=t.device_name, num_workers=t.num_workers,
-        bootstrap_timeout_s=t.handshake_timeout_s, heartbeat_interval_s=t.heartbeat_interval_s,
-        heartbeat_timeout_s=t.heartbeat_timeout_s, key=key))
+    manager = MooncakeKVManager(args, config.transfer, key=key)
     manager.prefill.faults = TransferFaults.for_instance(config.faults, spec.role, spec.instance)
     try:
         if spec.role == "prefill":
             manager.register_with_bootstrap(spec.bootstrap_host, spec.bootstrap_port)
         engine = PDEngine(executor, sched_cfg, role=spec.role, kv_manager=manager, group=group,
                           instance_id=spec.instance, max_records=config.max_records,
-                          poll_interval_s=t.poll_interval_s)
+                          poll_interval_s=config.transfer.poll_interval_s)
     except BaseException:
         manager.close()
         raise

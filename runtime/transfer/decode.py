@@ -60,14 +60,14 @@ class _Server:
 
 class DecodeSide:
     def __init__(self, args: KVArgs, session_id: str, channel: ZmqChannel, epoch: Epoch, *,
-                 bootstrap_timeout_s: float = 30.0, bootstrap_threads: int = 4,
+                 handshake_timeout_s: float, bootstrap_threads: int = 4,
                  key: ClusterKey | None = None) -> None:
         self.args = args
         self._key = key
         self._session_id = session_id
         self._channel = channel
         self._epoch = epoch
-        self._timeout_s = bootstrap_timeout_s
+        self._timeout_s = handshake_timeout_s  # transfer.handshake_timeout_s
         self._lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}
         self._servers: dict[tuple[str, int], _Server] = {}

@@ -9,13 +9,14 @@ sends heartbeats. A prefill rank uses its senders (see `prefill.py`), a decode r
 
     metadata = MetadataBuffer.allocate(num_slots)
     args = KVArgs.for_cache(cache, metadata, tp_rank=r, tp_size=n, total_kv_heads=heads)
-    manager = MooncakeKVManager(args, MooncakeConfig(host=this_hosts_ip))
+    manager = MooncakeKVManager(args, deployment.transfer, key=cluster_key)
     manager.register_with_bootstrap(bootstrap_host, bootstrap_port)   # prefill ranks only
 
-`config.host` is both the ZMQ bind address and the engine's hostname that peers connect to, so on
-a cluster it must be this host's routable IP. The caller keeps the KV and metadata memory alive
-until `close()`. With `config.key` (the deployment's `ClusterKey`) every ZMQ frame is sealed and
-checked; frames without the key are dropped and counted (`rejected_frames`).
+The manager reads the deployment's `transfer` section (`pdsim.deployment.TransferConfig`) as it
+is. `transfer.host` is both the ZMQ bind address and the engine's hostname that peers connect to,
+so on a cluster it must be this host's routable IP. The caller keeps the KV and metadata memory
+alive until `close()`. With `key` (the deployment's `ClusterKey`) every ZMQ frame and bootstrap
+call is sealed and checked; frames without the key are dropped and counted (`rejected_frames`).
 
 The Mooncake engine itself cannot be told where to listen: its handshake (RPC) port and its TCP
 data port bind every interface whatever `host` says, and peers that reach them can read and
@@ -32,9 +33,9 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from pdsim.core.kvpoll import KVPoll
+from pdsim.deployment import TransferConfig
 from runtime.transfer.bootstrap_server import BootstrapClient, RankRegistration
 from runtime.security import ClusterKey
 from runtime.transfer.channel import ZmqChannel
@@ -49,29 +50,16 @@ from runtime.transfer.state import Epoch
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class MooncakeConfig:
-    host: str = "127.0.0.1"  # ZMQ bind address and transfer-engine hostname
-    protocol: str = "tcp"  # "rdma" on clusters
-    device_name: str = ""  # e.g. "mlx5_0" for rdma
-    num_workers: int = 2  # transfer threads per prefill rank
-    bootstrap_timeout_s: float = 30.0
-    heartbeat_interval_s: float = 2.0  # 0 disables heartbeats and liveness checks
-    heartbeat_timeout_s: float = 20.0
-    max_batch: int = 512  # descriptors per batch_transfer_sync_write call
-    max_inflight: int = 1024  # descriptors in flight over all workers
-    key: ClusterKey | None = None  # seals every ZMQ frame and bootstrap call; None: insecure
-
-
 class MooncakeKVManager:
-    def __init__(self, args: KVArgs, config: MooncakeConfig = MooncakeConfig()) -> None:
+    def __init__(self, args: KVArgs, config: TransferConfig = TransferConfig(), *,
+                 key: ClusterKey | None = None) -> None:
         self.args = args
         self.config = config
+        self.key = key  # seals every ZMQ frame and bootstrap call; None: insecure
         if args.metadata_item_len != SLOT_BYTES:
             raise ValueError(f"metadata_item_len must be {SLOT_BYTES} (one MetadataBuffer slot), "
                              f"got {args.metadata_item_len}")
-        self.engine = MooncakeEngine(config.host, config.protocol, config.device_name,
-                                     max_batch=config.max_batch, max_inflight=config.max_inflight)
+        self.engine = MooncakeEngine(config.host, config.protocol, config.device_name)
         if self.engine.exposed:
             log.warning(
                 "the Mooncake transfer engine listens on %s (every interface) although the "
@@ -84,12 +72,12 @@ class MooncakeKVManager:
             self.engine.register(ptr, length, owner=args.owners)
         self.engine.register(args.metadata_ptr, args.metadata_len, owner=args.owners)
         self.metadata = MetadataBuffer.at_address(args.metadata_ptr, args.metadata_len)
-        self.channel = ZmqChannel(config.host, config.key)
+        self.channel = ZmqChannel(config.host, key)
         self._epoch = Epoch()
         self.prefill = PrefillSide(args, self.engine, self.channel, self._epoch,
-                                   config.num_workers, unclaimed_ttl_s=config.bootstrap_timeout_s)
+                                   config.num_workers, unclaimed_ttl_s=config.handshake_timeout_s)
         self.decode = DecodeSide(args, self.engine.session_id, self.channel, self._epoch,
-                                 bootstrap_timeout_s=config.bootstrap_timeout_s, key=config.key)
+                                 handshake_timeout_s=config.handshake_timeout_s, key=key)
         self._stop = threading.Event()
         self._service = threading.Thread(target=self._serve, name="kv-service", daemon=True)
         self._service.start()
@@ -107,8 +95,8 @@ class MooncakeKVManager:
             tp_size=a.tp_size, dp_rank=a.dp_rank, dp_size=a.dp_size, pp_rank=pp_rank,
             pp_size=pp_size, page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla,
             total_kv_heads=a.total_kv_heads, session_id=self.session_id)
-        BootstrapClient(host, port, timeout_s=self.config.bootstrap_timeout_s,
-                        key=self.config.key).register(reg)
+        BootstrapClient(host, port, timeout_s=self.config.handshake_timeout_s,
+                        key=self.key).register(reg)
         return reg
 
     def poll_epoch(self) -> int:

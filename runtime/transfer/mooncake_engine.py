@@ -35,6 +35,8 @@ from importlib import metadata
 from runtime.security import exposed
 
 MIN_VERSION = (0, 3, 12)
+MAX_BATCH = 512  # descriptors per batch_transfer_sync_write call
+MAX_INFLIGHT = 1024  # descriptors in flight over all threads
 _DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
 
 
@@ -95,7 +97,7 @@ class MooncakeEngine:
     """One initialised engine: memory registration (each region once) and batched writes."""
 
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
-                 *, max_batch: int = 512, max_inflight: int = 1024) -> None:
+                 *, max_batch: int = MAX_BATCH, max_inflight: int = MAX_INFLIGHT) -> None:
         check_version()
         from mooncake.engine import TransferEngine  # after the version check, on purpose
 

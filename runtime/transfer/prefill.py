@@ -122,7 +122,7 @@ class _Chunk:
 
 class PrefillSide:
     def __init__(self, args: KVArgs, engine: MooncakeEngine, channel: ZmqChannel, epoch: Epoch,
-                 num_workers: int = 2, *, unclaimed_ttl_s: float = 30.0) -> None:
+                 num_workers: int, *, unclaimed_ttl_s: float) -> None:
         self.args = args
         self.unclaimed_ttl_s = unclaimed_ttl_s
         self._engine = engine

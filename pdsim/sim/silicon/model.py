@@ -31,7 +31,17 @@ from functools import lru_cache
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdsim.core.batch import BatchShape
-from pdsim.sim.cost import BREAKDOWN_PARTS, Parallelism, Role, layers_attention_s, step_totals
+from pdsim.sim.cost import (
+    BREAKDOWN_PARTS,
+    Parallelism,
+    Role,
+    StepParams,
+    layers_attention_s,
+    max_rank_decode_reqs,
+    step_extras,
+    step_totals,
+    with_eager_overhead,
+)
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Grid2, Stage
 from pdsim.sim.silicon.ops import ACT_BYTES, MLA_TABLE_DIMS, MissingTable, op_tables
@@ -41,13 +51,14 @@ from pdsim.specs.models import ModelSpec
 ELEMENTWISE_KERNELS = 4  # per layer: two fused add+RMSNorms, RoPE, the MLP activation
 
 
-class SiliconParams(BaseModel):
+class SiliconParams(StepParams):
     """Knobs of the silicon model (docs/cost_model.md, "The silicon model").
 
     framework/version: which measured tables (aiconfigurator's framework names; "current" is
     the package's current release for the system). system: the aiconfigurator system, by
     default the one measured for the hardware preset. moe_distribution: the expert-load
-    distribution of the MoE table ("balanced", or e.g. "power_law_1.01" for skewed routing).
+    distribution of the MoE table ("balanced", or e.g. "power_law_1.01" for skewed routing:
+    such a table already times the busiest rank, so the expert-load model stays off).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -81,9 +92,9 @@ class _Plan:
     dense_dp: bool  # moe_dense_tp=1: dense MLP whole on each GPU, over its own tokens
     dense: Stage  # over the instance's tokens (or one GPU's, dense_dp): dense MLP GEMMs
     mlp_comm: Stage  # over the instance's tokens: the MLP collective (dense, MoE without DeepEP)
-    moe_global: Stage  # over the instance's tokens: routed experts (+ shared without DeepEP)
+    moe_global: Stage  # over the instance's tokens (at the busiest EP rank): routed experts
     moe_global_ll: Stage  # the same under DeepEP's low-latency mode (decode kernels)
-    moe_local: Stage  # over one GPU's tokens (DeepEP): shared experts, router
+    moe_local: Stage  # shared experts, router: over one GPU's tokens (DeepEP), else over tp
     a2a_low_latency: Stage | None  # over one GPU's tokens
     a2a_normal: Stage | None
     lm_head: Stage  # over the instance's rows, or the slowest rank's with dp_lm_head
@@ -124,6 +135,9 @@ class SiliconCostModel:
                 f"the roofline cost model)")
         self.model, self.hardware, self.parallel, self.params = model, hardware, parallel, p
         self.system = system
+        self._load, self._host = step_extras(model, hardware, parallel, p)
+        if p.moe_distribution != "balanced":
+            self._load = None
         self._plan = _build_plan(model, hardware, parallel, p, system)
         self.lookups = 0
         self.transferred_lookups = 0
@@ -250,7 +264,8 @@ class SiliconCostModel:
         self.transferred_lookups += n_moved + m
         self.extrapolated_lookups += n_extra + e
         attn = (t if t > 0.0 else 0.0) + elementwise
-        return sum((self._layers_attention_s(attn), *rest))
+        return sum(with_eager_overhead((self._layers_attention_s(attn), *rest), self._host,
+                                       False, shape.decode_reqs))
 
     def step_breakdown_s(self, shapes: Sequence[BatchShape]) -> dict[str, float]:
         """Seconds of one step by part, summed over its layers, adding up to `step_time_s`
@@ -265,7 +280,8 @@ class SiliconCostModel:
         attn = self._attention_s(shapes, 1.0)
         attn += self._elementwise_s(totals[1])
         rest = self._parts_but_attention(shapes, totals, attn)
-        return (self._layers_attention_s(attn), *rest)
+        return with_eager_overhead((self._layers_attention_s(attn), *rest), self._host,
+                                   totals[4], max_rank_decode_reqs(shapes))
 
     def _elementwise_s(self, max_rank_tokens: float) -> float:
         plan = self._plan
@@ -294,8 +310,10 @@ class SiliconCostModel:
             experts, comm, tbo = self._moe_layers_s(shapes, attn, tokens, max_rank_tokens,
                                                     has_prefill)
         lm_head = self._stage(plan.lm_head, max_rank_rows if plan.dp_lm_head else lm_rows)
-        overhead = self.params.step_overhead_s + (
-            self.params.extend_overhead_s if has_prefill else 0.0)
+        overhead = 0.0
+        if self.params.scheduler_overhead:
+            overhead = self.params.step_overhead_s + (
+                self.params.extend_overhead_s if has_prefill else 0.0)
         return dense_mlp, dense_comm, experts, comm, tbo, lm_head, overhead
 
     def _moe_layers_s(self, shapes: Sequence[BatchShape], attn: float, tokens: int,
@@ -306,28 +324,43 @@ class SiliconCostModel:
         min(c, x) per step, against attention + experts + DeepEP unsplit."""
         plan, par = self._plan, self.parallel
         layers = plan.moe_layers
+        # The routed experts are looked up at the busiest EP rank's load (the instance's
+        # tokens times the imbalance); shared experts and router at the tokens they run on.
+        routed = self._busiest_rank_tokens(tokens)
         if par.moe_a2a != "deepep":
-            return (layers * self._stage(plan.moe_global, tokens),
+            return (layers * (self._stage(plan.moe_global, routed)
+                              + self._stage(plan.moe_local, tokens)),
                     layers * self._stage(plan.mlp_comm, tokens), 0.0)
-        gpu_tokens = max(-(-max_rank_tokens // par.attn_tp), -(-tokens // par.tp))
+        rank_gpu = -(-max_rank_tokens // par.attn_tp)
+        gpu_tokens = max(rank_gpu, -(-tokens // par.tp))
+        busiest_gpu = max(rank_gpu, -(-routed // par.tp))
         role = self.params.role
         normal = role == "prefill" or (role == "colocated" and has_prefill)
         a2a = plan.a2a_normal if normal else plan.a2a_low_latency
         experts = plan.moe_global if normal else plan.moe_global_ll
-        compute = self._stage(experts, tokens) + self._stage(plan.moe_local, gpu_tokens)
-        comm = self._stage(a2a, gpu_tokens)
+        compute = self._stage(experts, routed) + self._stage(plan.moe_local, gpu_tokens)
+        comm = self._stage(a2a, busiest_gpu)
         tbo = 0.0
         if par.two_batch_overlap:
             half_tokens, half_gpu = -(-tokens // 2), -(-gpu_tokens // 2)
+            half_routed = self._busiest_rank_tokens(half_tokens)
             half_compute = (self._attention_s(shapes, 0.5)
                             + max(plan.elementwise_floor_s,
                                   max_rank_tokens / 2 * plan.elementwise_s_tok)
-                            + self._stage(experts, half_tokens)
+                            + self._stage(experts, half_routed)
                             + self._stage(plan.moe_local, half_gpu))
-            half_comm = self._stage(a2a, half_gpu)
+            half_comm = self._stage(a2a, max(-(-rank_gpu // 2), -(-half_routed // par.tp)))
             overlapped = layers * 2 * max(half_compute, half_comm) + min(half_compute, half_comm)
             tbo = overlapped - layers * (attn + compute + comm)
         return layers * compute, layers * comm, tbo
+
+
+    def _busiest_rank_tokens(self, tokens: int) -> int:
+        """The instance tokens at which the routed-expert and DeepEP tables price the busiest
+        EP rank: `tokens` times the imbalance (pdsim.sim.expert_load), rounded up."""
+        if self._load is None:
+            return tokens
+        return math.ceil(tokens * self._load.imbalance(tokens))
 
 
 def _prefill_attention(grid: Grid2, tokens: int, pairs: float) -> tuple[float, bool, bool]:
@@ -434,7 +467,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
                 raise MissingTable(f"silicon: {system} has no DeepEP tables; use moe_a2a 'none' "
                                  f"or the roofline cost model")
         else:
-            moe_global += local
+            moe_local = local  # over tp, on the instance's tokens
             moe_global_ll = moe_global
         mlp_act = max(mlp_act, 3 * (model.moe_intermediate_size * model.experts_per_token // ep
                                     + shared))

@@ -1,0 +1,92 @@
+"""Host-side costs of a forward step that no kernel table holds (both cost models).
+
+SGLang replays decode batches of up to `--cuda-graph-max-bs` requests per rank as CUDA graphs:
+one launch for the whole forward. Every other forward (prefill/extend, and decode batches
+above that size) runs eagerly: the host launches each kernel of each layer from Python, and
+the step takes its kernels plus those launches (the one published eager-vs-graph measurement
+of a whole step fits that sum at torch's per-op host cost; docs/cost_model.md, "Host
+overheads", gives it and the per-layer kernel counts below).
+"""
+
+from __future__ import annotations
+
+from pdsim.specs.hardware import HardwareSpec
+from pdsim.specs.models import ModelSpec
+from pdsim.specs.precision import DTYPES
+
+EAGER_LAUNCH_S = 10e-6  # host time of one eager kernel launch from SGLang's Python layers
+
+
+def sglang_cuda_graph_max_bs(hardware: HardwareSpec, tp: int) -> int:
+    """SGLang's default `--cuda-graph-max-bs` (server_args.py, v0.5): by the GPU's memory and
+    the instance's tp."""
+    gib = hardware.hbm_gib
+    if gib < 60:
+        return 32 if tp < 4 else 160
+    if gib < 160:
+        return 256 if tp < 4 else 512
+    return 512
+
+
+def kernels_per_layer(model: ModelSpec, tp: int, attn_tp: int, dp_attention: int, deepep: bool,
+                      dense_dp: bool) -> tuple[int, int]:
+    """Kernels one eager forward launches per (dense layer, MoE layer), counted from the ops
+    SGLang's layers run (docs/cost_model.md, "Host overheads"): FP8 GEMMs add one activation-
+    quantisation kernel each; a collective is one launch."""
+    prec = model.precision
+    fp8_attn = DTYPES[prec.attention].compute == "fp8"
+    if model.is_mla:
+        # add+RMSNorm, fused q_a/kv_a GEMM, q_a and kv_a norms, q_b GEMM, kv_b GEMM (prefill) or
+        # the two absorbed BMMs (decode), RoPE, q/k concat, KV-cache store, attention, o GEMM
+        attn, gemms = 11, 4
+    else:
+        # add+RMSNorm, QKV GEMM, RoPE, KV-cache store, attention, o GEMM
+        attn, gemms = 6, 2
+    attn += gemms * fp8_attn + (attn_tp > 1)
+    mlp_collectives = 0 if tp == 1 else (1 if dp_attention == 1 else 2)
+    fp8_dense = DTYPES[prec.dense_mlp].compute == "fp8"
+    # add+RMSNorm, gate_up GEMM, SiLU-and-mul, down GEMM
+    dense = attn + 4 + 2 * fp8_dense + (0 if dense_dp else mlp_collectives)
+    if not model.is_moe:
+        return dense, 0
+    fp8_moe = DTYPES[prec.moe_experts].compute == "fp8"
+    # add+RMSNorm, router GEMM, top-k; shared experts as a dense MLP without its norm
+    moe = attn + 3 + (3 + 2 * fp8_moe if model.num_shared_experts else 0)
+    if deepep:  # layout, dispatch, grouped gate_up, SiLU-and-mul(+quant), grouped down, combine
+        moe += 6 + fp8_moe
+    else:  # align/sort, fused gate_up, SiLU-and-mul, fused down, sum over top-k, collective
+        moe += 5 + 2 * fp8_moe + mlp_collectives
+    return dense, moe
+
+
+class HostOverheads:
+    """The eager overhead of one instance's forwards (module docstring).
+
+    launch_s: host seconds per kernel launch;
+    cuda_graph_max_bs: the largest per-rank decode batch replayed as a graph."""
+
+    def __init__(self, model: ModelSpec, dense_kernels: int, moe_kernels: int, launch_s: float,
+                 cuda_graph_max_bs: int) -> None:
+        self.launches = model.num_dense_layers * dense_kernels + model.num_moe_layers * moe_kernels
+        self.eager_host_s = self.launches * launch_s
+        self.cuda_graph_max_bs = cuda_graph_max_bs
+
+    def eager(self, has_prefill: bool, max_rank_decode_reqs: int) -> bool:
+        """Whether SGLang runs this step eagerly (extend, or a decode batch above the graphs)."""
+        return has_prefill or max_rank_decode_reqs > self.cuda_graph_max_bs
+
+    def overhead_s(self, has_prefill: bool, max_rank_decode_reqs: int) -> float:
+        """Seconds the host's launches add to a step."""
+        return self.eager_host_s if self.eager(has_prefill, max_rank_decode_reqs) else 0.0
+
+
+def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel,
+                   launch_s: float, cuda_graph_max_bs: int | None) -> HostOverheads:
+    """The eager overhead of an instance of `model` on `parallel` (a cost model's
+    `Parallelism`: tp, attn_tp, dp_attention, moe_a2a, moe_dense_tp); cuda_graph_max_bs None is
+    SGLang's default for the GPU."""
+    dense, moe = kernels_per_layer(model, parallel.tp, parallel.attn_tp, parallel.dp_attention,
+                                   parallel.moe_a2a == "deepep", parallel.moe_dense_tp == 1)
+    graph_bs = (sglang_cuda_graph_max_bs(hardware, parallel.tp) if cuda_graph_max_bs is None
+                else cuda_graph_max_bs)
+    return HostOverheads(model, dense, moe, launch_s, graph_bs)

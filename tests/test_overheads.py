@@ -1,0 +1,88 @@
+"""Host overheads: eager launches of non-graphed forwards, the scheduler's per-step work."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdsim.core.batch import BatchShape, extend_attn_pairs
+from pdsim.sim.cost import Parallelism, make_cost_model
+from pdsim.sim.overheads import (
+    EAGER_LAUNCH_S,
+    host_overheads,
+    kernels_per_layer,
+    sglang_cuda_graph_max_bs,
+)
+from pdsim.sim.silicon import tables
+from pdsim.specs import load_hardware_spec, model_preset
+
+LLAMA_8B = model_preset("llama-3.1-8b")
+DSV3 = model_preset("deepseek-v3")
+H100, H200, B200 = (load_hardware_spec(n) for n in ("h100", "h200", "b200"))
+MODELS = ["roofline", pytest.param("silicon", marks=pytest.mark.skipif(
+    tables.systems_dir() is None, reason="aiconfigurator-core not installed"))]
+
+
+def prefill(tokens: int) -> BatchShape:
+    return BatchShape(prefill_tokens=tokens, prefill_attn_pairs=extend_attn_pairs(tokens, 0))
+
+
+def decode(reqs: int) -> BatchShape:
+    return BatchShape(decode_reqs=reqs, decode_context_tokens=reqs * 1024)
+
+
+def cost(name: str, model=LLAMA_8B, hardware=H100, parallel=Parallelism(), **params):
+    return make_cost_model(name, model, hardware, parallel, **params)
+
+
+def test_sglang_graph_sizes_and_kernel_counts() -> None:
+    assert sglang_cuda_graph_max_bs(H100, 1) == 256 and sglang_cuda_graph_max_bs(H100, 8) == 512
+    assert sglang_cuda_graph_max_bs(B200, 1) == 512
+    # Llama: 6 attention kernels + 4 MLP kernels at TP 1; TP 2 adds the two all-reduces.
+    assert kernels_per_layer(LLAMA_8B, 1, 1, 1, False, False) == (10, 0)
+    assert kernels_per_layer(LLAMA_8B, 2, 2, 1, False, False) == (12, 0)
+    host = host_overheads(LLAMA_8B, H100, Parallelism(), EAGER_LAUNCH_S, None)
+    assert host.eager_host_s == pytest.approx(32 * 10 * EAGER_LAUNCH_S)
+    dense, moe = kernels_per_layer(DSV3, 8, 1, 8, True, True)
+    assert moe > dense > 10  # MLA + FP8 quantisation; DeepEP's dispatch and grouped GEMMs
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_prefill_step_pays_its_launches(name: str) -> None:
+    on, off = cost(name), cost(name, eager_overhead=False)
+    host = on._host.eager_host_s
+    assert host == pytest.approx(32 * 10 * EAGER_LAUNCH_S)
+    for tokens in (16, 8192):
+        assert on.step_time_s([prefill(tokens)]) == pytest.approx(
+            off.step_time_s([prefill(tokens)]) + host, rel=1e-12)
+    parts = on.step_breakdown_s([prefill(16)])
+    assert parts["overhead"] == pytest.approx(
+        off.step_breakdown_s([prefill(16)])["overhead"] + host, rel=1e-12)
+    assert sum(parts.values()) == pytest.approx(on.step_time_s([prefill(16)]), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_graphed_decode_pays_no_launches_and_larger_batches_do(name: str) -> None:
+    on = cost(name, cuda_graph_max_bs=8, eager_launch_s=20e-6)
+    off = cost(name, cuda_graph_max_bs=8, eager_overhead=False)
+    assert on.step_time_s([decode(8)]) == off.step_time_s([decode(8)])
+    assert on.step_time_s([decode(9)]) == pytest.approx(
+        off.step_time_s([decode(9)]) + 32 * 10 * 20e-6, rel=1e-12)
+    # SGLang's default on an H100 at TP 1: 256 requests a rank run as a graph, 257 do not.
+    default = cost(name)
+    assert default._host.cuda_graph_max_bs == 256
+    assert default.step_breakdown_s([decode(256)])["overhead"] == default.params.step_overhead_s
+    assert default.step_breakdown_s([decode(257)])["overhead"] > default.params.step_overhead_s
+    assert sum(on.step_breakdown_s([decode(9)]).values()) == pytest.approx(
+        on.step_time_s([decode(9)]), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_scheduler_overhead_switch(name: str) -> None:
+    on = cost(name, eager_overhead=False)
+    off = cost(name, eager_overhead=False, scheduler_overhead=False)
+    p = on.params
+    assert on.step_time_s([decode(4)]) == pytest.approx(
+        off.step_time_s([decode(4)]) + p.step_overhead_s, rel=1e-12)
+    assert on.step_time_s([prefill(512)]) == pytest.approx(
+        off.step_time_s([prefill(512)]) + p.step_overhead_s + p.extend_overhead_s, rel=1e-12)
+    assert off.step_breakdown_s([decode(4)])["overhead"] == 0.0
