@@ -39,14 +39,16 @@ API_KEY = "reliability-key"
 KEEPALIVE_S = 1.0
 MAX_CONNECTIONS = 16
 DEPLOYMENT = f"""\
-mode: disaggregated
 model: tiny-llama
 seed: 0
 device: cpu
-page_size: 8
-scheduler: {{max_running_requests: 8, max_prefill_tokens: 64, chunked_prefill_size: 32}}
-prefill: {{num_pages: 64, threads: 1}}
-decode: {{num_pages: 128, threads: 1}}
+cluster:
+  mode: disaggregated
+  prefill:
+    threads: 1
+    scheduler: &knobs {{page_size: 8, num_pages: 64, max_running_requests: 8,
+                       max_prefill_tokens: 64, chunked_prefill_size: 32}}
+  decode: {{threads: 1, scheduler: {{<<: *knobs, num_pages: 128}}}}
 router: {{port: 0}}
 transfer: {{heartbeat_interval_s: 0.5, heartbeat_timeout_s: 5.0}}
 security:
@@ -453,11 +455,10 @@ def test_a_flood_of_malformed_requests_logs_a_line_a_second(caplog):
 
 
 def test_the_colocated_server_refuses_bad_headers_and_closes_idle_connections():
+    from configs import colocated_config
     from runtime.colocated import BackgroundServer, build_server
-    from runtime.serve_config import ServeConfig
 
-    server = build_server(ServeConfig(model="tiny-llama", port=0, num_pages=32, page_size=8,
-                                      device="cpu"))
+    server = build_server(colocated_config(num_pages=32, page_size=8, device="cpu"))
     server.protect(api_key=API_KEY, limits=HttpLimits(keepalive_timeout_s=0.5))
     with BackgroundServer(server) as srv:
         assert raw_http(srv.url, "GET", "/health", [(b"Authorization", b"\xff")])[0] == 200
