@@ -68,6 +68,7 @@ def test_same_experiment_twice_gives_identical_summary(tmp_path):
     assert (tmp_path / "a" / "summary.csv").read_text() == (tmp_path / "b" / "summary.csv").read_text()
 
 
+@pytest.mark.slow
 def test_bad_config_exits_2_with_a_clear_message(tmp_path):
     bad = dict(TINY, router={"policy": "telepathy"})
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))

@@ -92,6 +92,7 @@ def deepep(ep: int, name: str = "roofline", **params) -> object:
     pytest.param("silicon", marks=pytest.mark.skipif(tables.systems_dir() is None,
                                                      reason="aiconfigurator-core not installed")),
 ])
+@pytest.mark.slow
 def test_a_step_at_ep_32_costs_more_with_imbalance(name: str) -> None:
     shapes = [BatchShape(decode_reqs=128, decode_context_tokens=128 * 2048)] * 32
     flat = deepep(32, name, expert_imbalance=False).step_breakdown_s(shapes)

@@ -374,6 +374,7 @@ def test_killed_decode_worker_fails_its_requests_in_both_backends(tmp_path, monk
     assert after["sent"] > KILL_S + BACK_S
 
 
+@pytest.mark.slow
 def test_a_restarted_prefill_still_sends_the_draft_state_with_its_kv():
     """A restarted instance's schedulers come from the same builder as the first ones: with
     speculative decoding the prefill side still sends each request's draft state (the

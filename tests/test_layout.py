@@ -15,6 +15,8 @@ the top of a module or inside a function):
 
 from __future__ import annotations
 
+import pytest
+
 import ast
 import functools
 import os
@@ -184,6 +186,7 @@ def describe(cycle: list[Import]) -> str:
 # ---- pdsim's arrows and cycles -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pdsim_arrows_point_one_way():
     bad = backward_arrows(project_graph())
     assert not bad, "backward imports:\n" + "\n".join(bad)

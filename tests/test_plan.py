@@ -27,6 +27,9 @@ from pdsim.specs.hardware import load_hardware_spec
 from pdsim.specs.models import load_model_spec
 from pdsim.workload import generate
 
+# Whole plans: each module fixture simulates dozens of candidates (~20 s).
+pytestmark = pytest.mark.slow
+
 # Llama-3.1-8B on up to 4 H100s at 90 req/s: one prefill TP1 instance cannot keep up, a TP1
 # decode step misses the 5.5 ms ITL target, and only a few 4-GPU deployments meet the SLO.
 SMALL = {

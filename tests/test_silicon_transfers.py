@@ -18,6 +18,9 @@ from pdsim.sim.silicon.ops import MLA_TABLE_DIMS, OpTables
 from pdsim.specs import load_hardware_spec, load_model_spec
 from pdsim.specs.precision import Precision
 
+# Loads several GPUs' kernel tables (H200, GB200, B200: ~15 s)
+pytestmark = pytest.mark.slow
+
 needs_tables = pytest.mark.skipif(tables.systems_dir() is None,
                                   reason="aiconfigurator-core not installed")
 
