@@ -392,6 +392,28 @@ class TransferConfig(_Spec):
         return self
 
 
+class HttpLimits(_Spec):
+    """Real only: what one client may hold of every HTTP listener (router, colocated server,
+    workers, bootstrap servers), enforced by aiohttp's own settings (runtime/http_app.py;
+    docs/serving.md, "Security")."""
+
+    max_body_bytes: int = Field(
+        8 << 20, ge=1024, description="a request body larger than this gets 413, refused from "
+        "its Content-Length or as soon as that much has been read (aiohttp's client_max_size)")
+    keepalive_timeout_s: float = Field(
+        75.0, gt=0, description="a connection with no request in progress (a new one too) is "
+        "closed after this long idle (aiohttp's keepalive_timeout); keep it above clients' "
+        "pool keep-alive (aiohttp's client: 15 s)")
+    max_connections: int = Field(
+        512, ge=1, description="open connections per listener; one more closes the longest-"
+        "idle connection, or is closed itself when every connection has a request in progress")
+    backlog: int = Field(128, ge=1, description="the listening socket's accept queue (listen())")
+    max_line_bytes: int = Field(8190, ge=256, description="the request line at most (aiohttp's "
+                                "max_line_size); longer: 400")
+    max_field_bytes: int = Field(8190, ge=256, description="one header at most (aiohttp's "
+                                 "max_field_size); longer: 400")
+
+
 class SecurityConfig(_Spec):
     """Real only: the cluster secret and the public API key (runtime/security.py;
     docs/serving.md, "Security"). Neither is ever written out: `model_dump` leaves them out,
@@ -407,6 +429,8 @@ class SecurityConfig(_Spec):
         "(also PDSIM_API_KEY); none: the API is open")
     insecure: bool = Field(
         False, description="a role started alone (--role) may run without a cluster secret")
+    limits: HttpLimits = Field(HttpLimits(), description="real only: connection and body "
+                               "limits of every HTTP listener")
 
 
 # ---- the deployment -----------------------------------------------------------------------

@@ -56,7 +56,7 @@ def serve(config: ServeConfig, on_ready: Callable[[OpenAIServer], None] | None =
 
     async def main() -> None:
         server = build_server(config)
-        server.protect(api_key=api_key(config.security.api_key))
+        server.protect(api_key=api_key(config.security.api_key), limits=config.security.limits)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

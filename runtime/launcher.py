@@ -160,7 +160,8 @@ def make_router(config: PDServeConfig, prefill: Sequence[str], decode: Sequence[
     router = PDRouter(pre, dec, config, tokenizer=text.tokenizer, model_name=config.model_name,
                       limits=limits, chat_template=text.chat_template, eos_ids=text.eos_ids,
                       headers=None if key is None else key.headers())
-    router.server.protect(api_key=api_key(config.security.api_key))
+    router.server.protect(api_key=api_key(config.security.api_key),
+                          limits=config.security.limits)
     return router
 
 

@@ -42,6 +42,7 @@ from runtime.openai.protocol import Limits
 from runtime.openai.server import OpenAIServer
 from runtime.pd.worker_messages import GenerateParams
 from runtime.sampling import SamplingParams
+from runtime.security import redact_addresses
 from runtime.serve_metrics import ServeMetrics
 from runtime.streams import EngineStopped, Sink, StreamEvent, deliver
 from runtime.tokenizer import Tokenizer
@@ -59,6 +60,7 @@ class WorkerAddress:
     url: str
     bootstrap_host: str = ""
     bootstrap_port: int = 0
+    name: str = ""  # what clients are told: "decode worker 1", never the URL (PDClient sets it)
 
 
 class WorkerError(Exception):
@@ -73,16 +75,18 @@ class WorkerError(Exception):
 
 
 @contextlib.asynccontextmanager
-async def _calling(role: str, worker: WorkerAddress):
-    """Turn whatever goes wrong talking to a worker into a `WorkerError` naming it."""
+async def _calling(worker: WorkerAddress):
+    """Turn whatever goes wrong talking to a worker into a `WorkerError` naming it by role and
+    index (the log has its URL and the details)."""
     try:
         yield
     except aiohttp.ClientConnectorError as exc:
-        raise WorkerError(503, f"{role} worker {worker.url} is unreachable: {exc}") from None
+        log.warning("%s (%s) is unreachable: %s", worker.name, worker.url, exc)
+        raise WorkerError(503, f"{worker.name} is unreachable") from None
     except (aiohttp.ClientError, OSError, ValueError, TypeError, AttributeError) as exc:
         # a reset or cut stream, a read timeout (TimeoutError is an OSError), bad JSON
-        raise WorkerError(502, f"{role} worker {worker.url} failed: {type(exc).__name__}: "
-                          f"{exc}") from None
+        log.warning("%s (%s) failed: %s: %s", worker.name, worker.url, type(exc).__name__, exc)
+        raise WorkerError(502, f"{worker.name} failed: {type(exc).__name__}") from None
 
 
 class PDClient:
@@ -106,8 +110,8 @@ class PDClient:
         for w in prefill:
             if not w.bootstrap_host or not w.bootstrap_port:
                 raise ValueError(f"prefill worker {w.url} names no bootstrap host and port")
-        self.prefill = list(prefill)
-        self.decode = list(decode)
+        self.prefill = [replace(w, name=f"prefill worker {i}") for i, w in enumerate(prefill)]
+        self.decode = [replace(w, name=f"decode worker {i}") for i, w in enumerate(decode)]
         settings = config.router
         # Rooms from the OS: routers sharing workers must not draw the same ones.
         self.router = Router(settings.policy, len(prefill), len(decode), config.seed,
@@ -209,7 +213,7 @@ class PDClient:
             await self._abort_both(pre, dec, body["rid"], exc.message)
         except Exception as exc:  # a bug here: the client still gets an end, the log one line
             log.error("request %s failed in the router: %r", body["rid"], exc)
-            record.error = f"router error: {exc!r}"
+            record.error = "router error"
             deliver(sink, StreamEvent(finished=True, error=record.error, status=500))
             await self._abort_both(pre, dec, body["rid"], record.error)
         finally:
@@ -230,14 +234,14 @@ class PDClient:
         return list(self.inflight.prefill_tokens), list(self.inflight.decode_requests)
 
     async def _prefill(self, worker: WorkerAddress, body: dict) -> None:
-        async with _calling("prefill", worker):
+        async with _calling(worker):
             async with self._session.post(f"{worker.url}/generate", json=body) as resp:
                 if resp.status != 200:
                     raise await _worker_error(resp, worker)
 
     async def _open_stream(self, worker: WorkerAddress, body: dict):
         """The decode worker's response (status 200) and its first event."""
-        async with _calling("decode", worker):
+        async with _calling(worker):
             resp = await self._session.post(f"{worker.url}/generate", json=body)
             if resp.status != 200:
                 async with resp:
@@ -263,7 +267,7 @@ class PDClient:
             if not opening.done():
                 opening.cancel()
                 await asyncio.gather(opening, return_exceptions=True)
-        async with resp, _calling("decode", worker):
+        async with resp, _calling(worker):
             while event is not None:
                 now = self.now()
                 record.token_times_s.extend([now] * len(event.token_ids))
@@ -275,7 +279,7 @@ class PDClient:
                     return
                 deliver(sink, event)
                 event = await anext(events, None)
-            raise WorkerError(502, f"decode worker {worker.url} failed: the stream ended before "
+            raise WorkerError(502, f"{worker.name} failed: the stream ended before "
                               "the request finished")
 
     async def _abort_both(self, pre: WorkerAddress, dec: WorkerAddress, rid: str,
@@ -296,14 +300,17 @@ class PDClient:
 
     async def problems(self) -> dict[str, str]:
         """The workers that do not answer `GET /health` with 200 within `health_timeout_s`, by
-        name ("prefill worker 0 (URL)"), with why; probed at most every `health_ttl_s`."""
+        name ("prefill worker 0"), with why (no address: it goes to clients; the log has the
+        URLs); probed at most every `health_ttl_s`."""
         if not self.running:
             return {"router": "stopped"}
         if time.monotonic() - self._health_at > self.health_ttl_s:
-            workers = [(f"prefill worker {i} ({w.url})", w) for i, w in enumerate(self.prefill)]
-            workers += [(f"decode worker {i} ({w.url})", w) for i, w in enumerate(self.decode)]
-            found = await asyncio.gather(*(self._probe(w) for _, w in workers))
-            self._health = {name: why for (name, _), why in zip(workers, found) if why}
+            workers = self.prefill + self.decode
+            found = await asyncio.gather(*(self._probe(w) for w in workers))
+            self._health = {w.name: why for w, why in zip(workers, found) if why}
+            for w, why in zip(workers, found):
+                if why:
+                    log.warning("%s (%s) is unhealthy: %s", w.name, w.url, why)
             self._health_at = time.monotonic()
         return dict(self._health)
 
@@ -316,7 +323,7 @@ class PDClient:
         except asyncio.TimeoutError:
             return f"/health did not answer within {self.health_timeout_s:g} s"
         except (aiohttp.ClientError, OSError) as exc:
-            return f"unreachable ({type(exc).__name__}: {exc})"
+            return f"unreachable ({type(exc).__name__})"
 
     def now(self) -> float:
         """Seconds since `start()` (the router's records' time base)."""
@@ -382,7 +389,7 @@ def _event(obj: dict) -> StreamEvent:
                            for top in obj.get("top_logprobs", ())),
         finished=bool(obj.get("finished", False)),
         finish_reason=obj.get("finish_reason"),
-        error=obj.get("error"),
+        error=None if obj.get("error") is None else redact_addresses(str(obj["error"])),
         prompt_tokens=int(obj.get("prompt_tokens", 0)),
         completion_tokens=int(obj.get("completion_tokens", 0)),
         cached_tokens=int(obj.get("cached_tokens", 0)),
@@ -401,7 +408,9 @@ async def _worker_error(resp: aiohttp.ClientResponse, worker: WorkerAddress) -> 
         param = OPENAI_FIELD.get(param, param.removeprefix("sampling."))
     else:
         param = None
-    return WorkerError(resp.status, f"{worker.url}: {message}", param)
+    if resp.status >= 500:
+        log.warning("%s (%s) answered %d: %s", worker.name, worker.url, resp.status, message)
+    return WorkerError(resp.status, f"{worker.name}: {redact_addresses(message)}", param)
 
 
 OPENAI_FIELD = {"input_ids": "prompt", "max_new_tokens": "max_tokens"}

@@ -1,6 +1,7 @@
 """A request's sampling settings: greedy, or temperature / top-k / top-p with a seed.
 
-`parse_sampling` checks a request's fields against the ranges the OpenAI API and SGLang accept.
+`parse_sampling` checks a request's fields against the ranges the OpenAI API and SGLang accept,
+narrowed to what runtime/sampler.py computes (top_p >= `MIN_TOP_P`).
 Temperatures below `GREEDY_BELOW` are greedy (dividing logits by them overflows float32).
 No torch here: the HTTP fronts and the PD router parse requests without loading the model;
 runtime/sampler.py draws the tokens.
@@ -18,33 +19,11 @@ GREEDY_BELOW = 1e-5  # temperatures below this are greedy (SGLang's floor is 1e-
 MAX_TEMPERATURE = 2.0  # the OpenAI API's upper bound
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit signed integer
 TOP_K_MAX = 2**31 - 1
+# top_p is compared with float32 probability sums: a smaller one rounds to 0 there and would drop
+# every token. 1e-6 keeps the top token alone already (it is float32's resolution near 1).
+MIN_TOP_P = 1e-6
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (the executor returns them)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 (or below `GREEDY_BELOW`) means greedy; top_k 0 and top_p 1 disable those
-    filters."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise ValueError(f"temperature={self.temperature}; must be in [0, {MAX_TEMPERATURE}]")
-        if not 0 <= self.top_k <= TOP_K_MAX:
-            raise ValueError(f"top_k={self.top_k}; must be in 0..{TOP_K_MAX} (0 disables it)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}; must be in (0, 1]")
-        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
-            raise ValueError(f"seed={self.seed}; must be a 64-bit signed integer")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
 
 
 class SamplingError(ValueError):
@@ -64,26 +43,47 @@ def _is_finite(v: Any) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 (or below `GREEDY_BELOW`) means greedy; top_k 0 and top_p 1 disable those
+    filters. Every value the sampler cannot compute with is refused here (`SamplingError`
+    naming the field and what is allowed), so whatever is built here can be sampled."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t, p, k, seed = self.temperature, self.top_p, self.top_k, self.seed
+        if not _is_finite(t) or not 0 <= t <= MAX_TEMPERATURE:
+            raise SamplingError("temperature", f"temperature={short_repr(t)}; allowed: a "
+                                f"number in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_BELOW:g}: "
+                                "greedy)")
+        if not _is_finite(p) or not MIN_TOP_P <= p <= 1:
+            raise SamplingError("top_p", f"top_p={short_repr(p)}; allowed: a number in "
+                                f"[{MIN_TOP_P:g}, 1] (smaller: the most likely token alone, as "
+                                f"{MIN_TOP_P:g} does)")
+        if not is_int(k) or not 0 <= k <= TOP_K_MAX:
+            raise SamplingError("top_k", f"top_k={short_repr(k)}; allowed: an integer in "
+                                f"1..{TOP_K_MAX}, or 0 or -1 (off)")
+        if seed is not None and not (is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
+            raise SamplingError("seed", f"seed={short_repr(seed)}; allowed: null or an integer "
+                                "in -2**63..2**63-1")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+
 def parse_sampling(raw: dict, *, default_temperature: float) -> SamplingParams:
     """`SamplingParams` from a request's `temperature`, `top_p`, `top_k` (-1 or 0: off) and
     `seed` (missing or null: the defaults); `SamplingError` names the first bad field."""
-    temperature = raw.get("temperature")
-    temperature = default_temperature if temperature is None else temperature
-    if not _is_finite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
-        raise SamplingError("temperature", f"temperature={short_repr(temperature)}; allowed: a "
-                            f"number in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_BELOW:g}: greedy)")
-    top_p = raw.get("top_p")
-    top_p = 1.0 if top_p is None else top_p
-    if not _is_finite(top_p) or not 0 < top_p <= 1:
-        raise SamplingError("top_p", f"top_p={short_repr(top_p)}; allowed: a number in (0, 1]")
-    top_k = raw.get("top_k")
-    top_k = 0 if top_k is None or top_k == -1 else top_k
-    if not is_int(top_k) or not 0 <= top_k <= TOP_K_MAX:
-        raise SamplingError("top_k", f"top_k={short_repr(top_k)}; allowed: an integer in "
-                            f"1..{TOP_K_MAX}, or 0 or -1 (off)")
-    seed = raw.get("seed")
-    if seed is not None and not (is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
-        raise SamplingError("seed", f"seed={short_repr(seed)}; allowed: null or an integer in "
-                            "-2**63..2**63-1")
-    return SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p),
-                          seed=seed)
+    temperature, top_p, top_k = (raw.get(name) for name in ("temperature", "top_p", "top_k"))
+    if is_int(top_k) and top_k == -1:
+        top_k = 0
+    return SamplingParams(temperature=default_temperature if temperature is None else temperature,
+                          top_k=0 if top_k is None else top_k,
+                          top_p=1.0 if top_p is None else top_p, seed=raw.get("seed"))

@@ -21,6 +21,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import re
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -77,8 +78,12 @@ class ClusterKey:
     def headers(self) -> dict[str, str]:
         return {AUTH_HEADER: self.http_token}
 
-    def accepts(self, token: str | None) -> bool:
-        return token is not None and hmac.compare_digest(token.encode(), self.http_token.encode())
+    def accepts(self, token: bytes | str | None) -> bool:
+        """Whether `token` (best: the header's bytes as sent) is this deployment's, in constant
+        time; any bytes or text at all, never an exception."""
+        if isinstance(token, str):
+            token = token.encode("utf-8", "surrogateescape")  # how aiohttp decoded the bytes
+        return token is not None and hmac.compare_digest(token, self.http_token.encode())
 
 
 def resolve_secret(config_secret: str | None = None, *, insecure: bool = False,
@@ -131,13 +136,22 @@ def _json_error(status: int, message: str) -> web.Response:
                              headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
 
 
+def header_bytes(request: web.Request, name: str) -> bytes | None:
+    """A header's value as sent, undecoded (any bytes at all: nothing to fail on), or None."""
+    wanted = name.lower().encode()
+    for key, value in request.raw_headers:
+        if key.lower() == wanted:
+            return value
+    return None
+
+
 def cluster_middleware(key: ClusterKey, open_paths: Iterable[str] = ("/health",)) -> Callable:
     """aiohttp middleware: every path but `open_paths` needs `X-PDSIM-Auth` (401 JSON if not)."""
     open_paths = frozenset(open_paths)
 
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
-        if request.path not in open_paths and not key.accepts(request.headers.get(AUTH_HEADER)):
+        if request.path not in open_paths and not key.accepts(header_bytes(request, AUTH_HEADER)):
             return _json_error(401, f"{request.method} {request.path} is internal: it needs the "
                                     f"deployment's {AUTH_HEADER} token")
         return await handler(request)
@@ -152,12 +166,24 @@ def api_key_middleware(key: str, open_paths: Iterable[str] = ("/health",)) -> Ca
 
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "").encode()
-        if request.path not in open_paths and not hmac.compare_digest(given, expected):
+        if request.path not in open_paths and not hmac.compare_digest(
+                header_bytes(request, "Authorization") or b"", expected):
             return _json_error(401, "missing or wrong API key: send Authorization: Bearer KEY")
         return await handler(request)
 
     return check
+
+
+_ADDRESS = re.compile(
+    r"\b[a-z][a-z0-9+.-]*://[^\s,;'\")]+"  # a URL (http://..., tcp://...)
+    r"|\[[0-9a-fA-F:.]+\](?::\d+)?"  # [IPv6]:port
+    r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b")  # IPv4[:port]
+
+
+def redact_addresses(text: str) -> str:
+    """`text` with every URL and IP address (and port) replaced by `<address>`: what a client
+    may read of an internal error."""
+    return _ADDRESS.sub("<address>", text)
 
 
 # ---- what listens where --------------------------------------------------------------------

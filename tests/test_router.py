@@ -349,7 +349,7 @@ def test_health_names_a_worker_that_is_down_and_requests_to_it_fail_fast():
         time.sleep(c.router.client.health_ttl_s)  # the last probe's answers expire
         status, body = get_json(c.router.url + "/health")
         assert status == 503 and body["error"]["type"] == "server_error"
-        assert list(body["problems"]) == [f"prefill worker 0 ({c.prefill[0].url})"], body
+        assert list(body["problems"]) == ["prefill worker 0"], body
         start = time.monotonic()
         with pytest.raises(openai.APIStatusError) as e:
             c.client().completions.create(model="tiny", prompt="hi", max_tokens=2)

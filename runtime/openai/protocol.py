@@ -121,6 +121,7 @@ class RequestParser:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(check_text("prompt", prompt))
         elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+            self._check_prompt_length("prompt", len(prompt))  # before checking every id
             ids = list(check_token_ids("prompt", prompt, self.limits.model_vocab, empty_ok=False))
         elif isinstance(prompt, list) and len(prompt) > 1:
             raise BadRequest("prompt", f"a batch of {len(prompt)} prompts; allowed: one prompt "
@@ -165,13 +166,16 @@ class RequestParser:
             out.append({"role": role, "content": content})
         return out
 
+    def _check_prompt_length(self, field: str, n_tokens: int) -> None:
+        lim = self.limits
+        if n_tokens > lim.max_prompt_tokens:
+            raise BadRequest(field, f"the prompt has {n_tokens} tokens; allowed: at most "
+                             f"{lim.max_prompt_tokens} ({lim.prompt_limit_text()})")
+
     def _common(self, body: dict, ids: list[int], default_max: int | None, max_field: str,
                 logprobs: bool, top_logprobs: int) -> GenParams:
         lim = self.limits
-        if len(ids) > lim.max_prompt_tokens:
-            raise BadRequest("prompt" if "prompt" in body else "messages",
-                             f"the prompt has {len(ids)} tokens; allowed: at most "
-                             f"{lim.max_prompt_tokens} ({lim.prompt_limit_text()})")
+        self._check_prompt_length("prompt" if "prompt" in body else "messages", len(ids))
         max_tokens = body.get(max_field)
         if max_tokens is None:
             room = lim.max_model_len - len(ids)

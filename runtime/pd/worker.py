@@ -234,7 +234,8 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
         spec = RankSpec(role, instance, 0, spec_cfg.tp)
         if role == "prefill":
             bport = config.bootstrap_port(instance) if bootstrap_port is None else bootstrap_port
-            bootstrap = BootstrapServer(config.transfer.host, bport, key_of(secret))
+            bootstrap = BootstrapServer(config.transfer.host, bport, key_of(secret),
+                                        limits=config.security.limits)
             bootstrap.answer_delay_s = config.faults.bootstrap_delay_s  # fault injection
             bootstrap.start()
             spec = RankSpec(role, instance, 0, spec_cfg.tp, bootstrap_host=config.transfer.host,
@@ -254,7 +255,7 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
                           bootstrap_host=spec.bootstrap_host, bootstrap_port=spec.bootstrap_port)
         server = WorkerServer(rank.engine, info,
                               max_inflight_requests=config.max_inflight_requests)
-        server.protect(cluster_key=key_of(secret))
+        server.protect(cluster_key=key_of(secret), limits=config.security.limits)
         status = asyncio.run(_serve(server, host, port, followers, on_ready))
     finally:
         if rank is not None:

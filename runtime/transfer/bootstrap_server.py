@@ -6,10 +6,12 @@ returns the instance's `ParallelInfo` (sizes, page size, KV dtype) instead. Unti
 rank (tp_size * dp_size * pp_size, learned from the first registration) has registered, every
 `GET /route` answers 503, so a decode rank never talks to half an instance. `GET /health` is 200.
 
-With a `ClusterKey`, `/route` needs the deployment's `X-PDSIM-Auth` token (401 without it). A
-rank registers once: the same registration again is a no-op, a different one for a registered
-rank is refused with 409 (a restarted prefill instance starts a new bootstrap server, so a
-registered rank never moves while its server lives; anything else is a mistake or an attack).
+It is served like every HTTP listener of the backend (runtime/http_app.py: JSON errors,
+`HttpLimits`). With a `ClusterKey`, `/route` needs the deployment's `X-PDSIM-Auth` token (401
+without it). A rank registers once: the same registration again is a no-op, a different one for
+a registered rank is refused with 409 (a restarted prefill instance starts a new bootstrap
+server, so a registered rank never moves while its server lives; anything else is a mistake or
+an attack).
 
 `BootstrapServer` runs aiohttp on its own event loop in a background thread (`start` / `stop`);
 `BootstrapClient` is a small synchronous client (urllib) that retries with backoff while the
@@ -29,6 +31,9 @@ from dataclasses import MISSING, asdict, dataclass, fields
 
 from aiohttp import web
 
+from pdsim.deployment import HttpLimits
+from runtime.checks import BadRequest, parse_json
+from runtime.http_app import HttpListener, new_app
 from runtime.security import ClusterKey, cluster_middleware
 
 
@@ -201,14 +206,15 @@ class BootstrapServer:
     """`PUT/GET /route` and `GET /health` on `host:port` (port 0 picks a free one)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
-                 key: ClusterKey | None = None) -> None:
+                 key: ClusterKey | None = None, limits: HttpLimits | None = None) -> None:
         self.host = host
         self.port = port
         self._key = key
+        self.limits = limits or HttpLimits()
         self._dir = _Directory()
         self.answer_delay_s = 0.0  # fault injection: every GET /route answers this much later
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._runner: web.AppRunner | None = None
+        self._listener: HttpListener | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -233,7 +239,7 @@ class BootstrapServer:
                 return
             ready.set()
             loop.run_forever()
-            loop.run_until_complete(self._runner.cleanup())
+            loop.run_until_complete(self._listener.close())
             loop.close()
 
         self._thread = threading.Thread(target=run, name="bootstrap-server", daemon=True)
@@ -260,16 +266,12 @@ class BootstrapServer:
         self.stop()
 
     async def _serve(self) -> None:
-        app = web.Application(
-            middlewares=[] if self._key is None else [cluster_middleware(self._key)])
+        app = new_app(self.limits, [] if self._key is None else [cluster_middleware(self._key)])
         app.router.add_put("/route", self._put_route)
         app.router.add_get("/route", self._get_route)
         app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
+        self._listener = HttpListener(app, self.limits)
+        self.port = await self._listener.start(self.host, self.port)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "registered": len(self._dir.ranks),
@@ -277,9 +279,9 @@ class BootstrapServer:
 
     async def _put_route(self, request: web.Request) -> web.Response:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _error(400, f"body is not valid JSON: {exc}")
+            body = parse_json(await request.read())
+        except BadRequest as exc:
+            return _error(400, exc.message)
         try:
             reg = RankRegistration.from_json(body)
             self._dir.register(reg)

@@ -5,6 +5,10 @@ frame is sealed (an HMAC-SHA256 tag before the body) and a frame whose tag does 
 dropped and counted in `rejected_frames`, never decoded. `send` may be called from any thread (a
 lock guards the PUSH sockets); `recv` only from the one service thread.
 
+The PULL socket takes frames of at most `MAX_FRAME_BYTES` (ZMQ's MAXMSGSIZE): a peer that
+sends a larger one is disconnected by ZMQ before the frame is buffered (it reconnects, and
+others are served meanwhile).
+
 At most `max_peers` PUSH sockets stay open: the least recently used one is closed (with whatever
 is still queued for it) when a new peer needs a socket, and `forget` closes a peer's at once.
 """
@@ -23,6 +27,11 @@ from runtime.transfer.messages import Message, ProtocolError, decode, encode
 log = logging.getLogger(__name__)
 
 MAX_PEERS = 256
+# The largest legitimate frame is a `TransferInfo` naming every KV page of one request: 8 bytes
+# a page (int64 indices) for up to 2**22 pages (a 4M-token request at page_size 1), plus the tag
+# and a few hundred bytes of fields. Twice that leaves margin; anything larger is not ours.
+MAX_REQUEST_PAGES = 1 << 22
+MAX_FRAME_BYTES = 2 * (8 * MAX_REQUEST_PAGES + (64 << 10))
 
 
 class ChannelError(RuntimeError):
@@ -31,12 +40,15 @@ class ChannelError(RuntimeError):
 
 class ZmqChannel:
     def __init__(self, host: str = "127.0.0.1", key: ClusterKey | None = None, *,
-                 max_peers: int = MAX_PEERS) -> None:
+                 max_peers: int = MAX_PEERS, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         if max_peers < 1:
             raise ValueError(f"max_peers={max_peers}; allowed: >= 1")
+        if max_frame_bytes < 1:
+            raise ValueError(f"max_frame_bytes={max_frame_bytes}; allowed: >= 1")
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.host = host
         self.port = port
