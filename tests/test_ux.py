@@ -247,6 +247,8 @@ def test_auto_cost_model_names_the_missing_table_not_the_roofline_params(tmp_pat
 GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]", re.M)
 
 
+@pytest.mark.real
+@pytest.mark.slow
 def test_a_clean_pd_start_prints_no_mooncake_glog_lines(tmp_path):
     from pd_harness import (
         Worker, body, child_env, generate, pd_config, python_command, stop_workers, wait_healthy,
