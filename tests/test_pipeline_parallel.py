@@ -81,6 +81,7 @@ def chunk_stage_times_s(tp: int, pp: int) -> list[float]:
 # ---- time to first token ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ttft_of_a_long_chunked_prompt_falls_with_pipeline_stages(runs):
     ttft = {shape: rec.first_token_s - rec.arrival_s for shape, (rec, _) in runs.items()}
     assert ttft[(8, 4)] < ttft[(8, 2)] < ttft[(8, 1)]
@@ -91,6 +92,7 @@ def test_ttft_of_a_long_chunked_prompt_falls_with_pipeline_stages(runs):
     assert ttft[(8, 2)] < ttft[(16, 1)]
 
 
+@pytest.mark.slow
 def test_a_pipelined_prefill_takes_c_plus_pp_minus_one_stage_times(runs):
     """16 chunks through 2 stages: every chunk one stage time, plus the fill of the last stage
     (the bubble), not 16 x 2 stage times. A later chunk attends over more keys, so stage times
@@ -191,6 +193,7 @@ def test_each_stage_sends_its_layers_kv_and_the_stages_add_up_to_the_page():
     assert shares == [page * n / 61 for n in (15, 15, 15, 16)]
 
 
+@pytest.mark.slow
 def test_the_stages_nics_carry_the_kv_together(runs):
     cfg = parse_experiment(long_prefill(8, 2))
     one = build_cluster(parse_experiment(long_prefill(8, 1))).prefill

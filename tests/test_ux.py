@@ -46,6 +46,7 @@ SWEEPS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", SWEEPS)
 def test_every_kind_of_sweep_plots_and_reports(kind, tmp_path):
     path = tmp_path / "tiny.yaml"
@@ -101,6 +102,7 @@ def test_presets_never_cut_a_name_at_80_columns():
     assert set(model_preset_names()) | set(hardware_preset_names()) <= first_cells
 
 
+@pytest.mark.slow
 def test_trace_sweep_table_fits_80_columns_with_a_legend(tmp_path):
     traces = tmp_path / "a_rather_long_directory_name_for_the_traces_of_this_experiment"
     traces.mkdir()
@@ -128,6 +130,7 @@ def test_trace_sweep_table_fits_80_columns_with_a_legend(tmp_path):
     assert "P busy" in wide and "D batch" in wide and "…" not in wide
 
 
+@pytest.mark.slow
 def test_plan_frontier_fits_80_columns(tmp_path):
     plan = {
         "name": "tiny_plan", "model": "llama-3.1-8b", "hardware": "h100", "max_gpus": 2,
@@ -179,6 +182,7 @@ def test_check_and_run_name_a_missing_trace_before_simulating(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing simulated
 
 
+@pytest.mark.slow
 def test_a_point_failing_in_a_worker_process_is_one_line(tmp_path):
     write_trace(tmp_path / "t12.jsonl", 12)
     config = tiny(sweep={"workload.num_requests": [10, 50]})
@@ -200,8 +204,10 @@ def test_check_accepts_experiments_plans_and_serve_configs(tmp_path):
                       if "max_gpus" in block)
     (tmp_path / "plan.yaml").write_text(plan_block)
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(
-        {"model": "tiny-llama", "cluster": {"mode": "disaggregated", "prefill": {"instances": 1},
-                                            "decode": {"instances": 1}}}))
+        {"model": "tiny-llama", "cluster": {
+            "mode": "disaggregated",
+            "prefill": {"instances": 1, "scheduler": {"num_pages": 64}},
+            "decode": {"instances": 1, "scheduler": {"num_pages": 64}}}}))
     (tmp_path / "experiment.yaml").write_text(yaml.safe_dump(tiny()))
     for name, said in (("plan", "valid plan"), ("serve", "valid serve config"),
                        ("experiment", "valid experiment, 1 point(s)")):
