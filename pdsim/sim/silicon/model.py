@@ -325,7 +325,7 @@ class SiliconCostModel:
         elementwise = self._elementwise_s(totals[1])
         attn += elementwise
         if self.trace is not None:
-            self.trace.append(TracedOp("attention", "norms, rope, activation", "bandwidth",
+            self.trace.append(TracedOp("attention", "elementwise", "bandwidth",
                                        elementwise, "roofline"))
         rest = self._parts_but_attention(shapes, totals, attn)
         return with_eager_overhead((self._layers_attention_s(attn), *rest), self._host,
@@ -565,9 +565,9 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         moe_global=_labelled(moe_global),
         moe_global_ll=_labelled(moe_global_ll),
         moe_local=_labelled(moe_local),
-        a2a_low_latency=_labelled([("deepep dispatch+combine", "wideep_deepep_ll",
+        a2a_low_latency=_labelled([("dispatch+combine", "wideep_deepep_ll",
                                     a2a_ll)]) if a2a_ll else None,
-        a2a_normal=_labelled([("deepep dispatch+combine", "wideep_deepep_normal",
+        a2a_normal=_labelled([("dispatch+combine", "wideep_deepep_normal",
                                a2a_normal)]) if a2a_normal else None,
         lm_head=_labelled(lm),
         dp_lm_head=par.dp_lm_head,
