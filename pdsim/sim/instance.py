@@ -51,7 +51,8 @@ class CostExecutor:
         self._parts_s: dict[str, float] = {}  # priced so far (see _fold)
 
     def execute(self, step: Sequence[Batch | None]) -> BatchResult:
-        if len(step) == 1:
+        one = len(step) == 1
+        if one:
             key = tuple(step[0].shape)
         else:
             key = tuple(tuple(b.shape if b is not None else EMPTY) for b in step)
@@ -63,6 +64,11 @@ class CostExecutor:
             counts[key] = 1
         else:
             counts[key] = n + 1
+        if one:
+            duration = self._memo.get(key)
+            if duration is None:
+                duration = self.shape_time_s(step[0].shape)
+            return BatchResult(duration)
         return BatchResult(self.step_time_s(step))
 
     def step_time_s(self, step: Sequence[Batch | None]) -> float:
