@@ -335,8 +335,8 @@ def explain(
     if json_out:
         print(json.dumps(e.to_json(), indent=2))
         return
-    out = Console(width=min(console.width, 80)) if console.is_terminal else Console(width=80)
-    out.print(f"{e.model} on {e.hardware}, {e.role} ({e.cost_model}): {e.step}",
+    out = Console(width=min(console.width, 80))  # 80 columns at most, piped or not
+    out.print(f"{e.model} on {e.hardware}, {e.role}, {e.cost_model} cost model:\n{e.step}",
               highlight=False)
     table = Table(box=None, padding=(0, 1, 0, 0), pad_edge=False, header_style="bold")
     for name, justify in (("op", "left"), ("n", "right"), ("each µs", "right"),

@@ -93,19 +93,15 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
 
 def share_columns(instances: list) -> dict[str, float]:
     """`{role}_share_{group}` for each role the run has and each SHARE_GROUPS group: the
-    share of that role's simulated forward time the group took, summing to 1 per role (NaN
-    where the cost model has no step breakdown, e.g. speculative or profiled)."""
+    share of that role's simulated forward time the group took, summing to 1 per role. A role
+    whose cost model has no step breakdown (speculative decoding, profiled) has none."""
     seconds: dict[str, dict[str, float]] = {}
     for inst in instances:
-        params = getattr(inst.cost, "params", None)
-        role = getattr(params, "role", None)
-        if role is None:
+        role = getattr(getattr(inst.cost, "params", None), "role", None)
+        parts = inst.executor.breakdown_s()
+        if role is None or parts is None:
             continue
         groups = seconds.setdefault(role, dict.fromkeys(SHARE_GROUPS, 0.0))
-        parts = inst.executor.breakdown_s()
-        if parts is None:
-            groups["attention"] = float("nan")
-            continue
         for part, part_s in parts.items():
             groups[share_group(part, inst.cost.parallel.moe_a2a)] += part_s
     row = {}
