@@ -104,9 +104,12 @@ def explain_step(cfg: ExperimentConfig, role: str | None = None, batch: int = 64
     spec = roles[role]
     cost = spec.cost()
     if not hasattr(cost, "step_breakdown_s"):
-        raise ValueError(f"the {cfg.cost_model.name!r} cost model (speculative decoding "
-                         f"included) has no step breakdown to explain; explain prices "
-                         f"roofline and silicon steps")
+        if cfg.speculative.method != "none":
+            raise ValueError(f"a speculative step (speculative.method "
+                             f"{cfg.speculative.method!r}) has no step breakdown; set "
+                             f"speculative.method to none to explain the target's step")
+        raise ValueError(f"the {cfg.cost_model.name!r} cost model has no step breakdown; "
+                         f"explain prices roofline and silicon steps")
     dp = spec.dp_attention
     if role == "prefill":
         chunk = spec.scheduler.chunked_prefill_size or prompt

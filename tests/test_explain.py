@@ -154,6 +154,10 @@ def test_explain_rejects_a_role_the_cluster_lacks(tmp_path):
     assert "role 'colocated'" in out and "prefill, decode" in out
     code, out = explain(tmp_path, config(cost="roofline"), "--batch", "0")
     assert code == 2 and "--batch must be at least 1" in out
+    spec = config(cost="roofline", speculative={
+        "method": "eagle", "num_draft_tokens": 3, "acceptance": {"mean_accept_len": 2.5}})
+    code, out = explain(tmp_path, spec)
+    assert code == 2 and "speculative.method 'eagle'" in out
 
 
 def share_sums(row: pd.Series, role: str) -> float:
