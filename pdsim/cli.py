@@ -370,6 +370,46 @@ def _serve_disaggregated(cfg, role, instance, port, bootstrap_port, prefill_url,
         raise typer.Exit(status)
 
 
+@app.command()
+def explain(
+    config: Path = typer.Argument(..., help="experiment YAML (its base config; sweeps ignored)"),
+    role: Optional[str] = typer.Option(None, help="prefill, decode or colocated (default: "
+                                       "decode, or colocated for a colocated cluster)"),
+    batch: int = typer.Option(64, help="decode: requests in the step, per attention-DP rank"),
+    context: int = typer.Option(2048, help="decode: context tokens of each request"),
+    prompt: int = typer.Option(4096, help="prefill: prompt tokens, chunked as the role's "
+                               "scheduler chunks them"),
+    json_out: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """Price one step of a role op by op: calls, time, share and how each op was priced."""
+    import json
+
+    from pdsim.config import load_experiment
+    from pdsim.explain import explain_step
+
+    with _exits_on(ConfigError, ValueError):
+        cfg, _ = load_experiment(config)
+        e = explain_step(cfg, role, batch, context, prompt, str(config.parent.resolve()))
+    if json_out:
+        print(json.dumps(e.to_json(), indent=2))
+        return
+    out = Console(width=min(console.width, 80))  # 80 columns at most, piped or not
+    out.print(f"{e.model} on {e.hardware}, {e.role}, {e.cost_model} cost model:\n{e.step}",
+              highlight=False)
+    table = Table(box=None, padding=(0, 1, 0, 0), pad_edge=False, header_style="bold")
+    for name, justify in (("op", "left"), ("n", "right"), ("each µs", "right"),
+                          ("total ms", "right"), ("share", "right"), ("table", "left"),
+                          ("how", "left")):
+        table.add_column(name, justify=justify, overflow="fold")
+    for r in e.rows:
+        table.add_row(r.name, str(r.count), f"{r.each_s * 1e6:.1f}", f"{r.total_s * 1e3:.2f}",
+                      f"{e.share(r):.1%}", r.table, r.how)
+    out.print(table)
+    groups = ", ".join(f"{g} {v:.1%}" for g, v in e.group_shares().items())
+    out.print(f"step {e.total_s * 1e3:.3f} ms (step_time_s {e.step_s * 1e3:.3f} ms); {groups}",
+              highlight=False)
+
+
 def _count(n: float) -> str:
     """A parameter count: "8.03B", "419.4M"."""
     return f"{n / 1e9:.4g}B" if n >= 1e9 else f"{n / 1e6:.4g}M"

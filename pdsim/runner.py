@@ -19,6 +19,7 @@ from pdsim.faults import fault_summary, first_kill_s
 from pdsim.metrics import price_columns, records_frame, summarize
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cluster import simulate
+from pdsim.sim.cost import SHARE_GROUPS, share_group
 from pdsim.sim.silicon import cost_columns
 from pdsim.specs.hardware import load_hardware_spec
 from pdsim.workload import ClosedLoop, generate
@@ -80,6 +81,7 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
     row["kv_transfer_gb"] = result.kv_transfer_gb
     row["decode_mean_batch"] = result.decode_mean_batch
     row.update(cost_columns(cfg.cost_model.name, [inst.cost for inst in result.instances]))
+    row.update(share_columns(result.instances))  # after cost_columns: pricing adds lookups
     if cfg.faults.any:  # failed requests, their latency to error, recovery after a kill
         row.update(fault_summary(result.records, first_kill_s(cfg.faults)))
     frame = records_frame(result.records)
@@ -103,6 +105,27 @@ def _run_named_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any],
     except Exception as exc:
         values = ", ".join(f"{k}={v}" for k, v in swept.items()) or "no sweep"
         raise PointError(f"sweep point {index} ({values}): {type(exc).__name__}: {exc}") from exc
+
+
+def share_columns(instances: list) -> dict[str, float]:
+    """`{role}_share_{group}` for each role the run has and each SHARE_GROUPS group: the
+    share of that role's simulated forward time the group took, summing to 1 per role. A role
+    whose cost model has no step breakdown (speculative decoding, profiled) has none."""
+    seconds: dict[str, dict[str, float]] = {}
+    for inst in instances:
+        role = getattr(getattr(inst.cost, "params", None), "role", None)
+        parts = inst.executor.breakdown_s()
+        if role is None or parts is None:
+            continue
+        groups = seconds.setdefault(role, dict.fromkeys(SHARE_GROUPS, 0.0))
+        for part, part_s in parts.items():
+            groups[share_group(part, inst.cost.parallel.moe_a2a)] += part_s
+    row = {}
+    for role, groups in seconds.items():
+        total = sum(groups.values())
+        for group, group_s in groups.items():
+            row[f"{role}_share_{group}"] = group_s / total if total > 0 else float("nan")
+    return row
 
 
 def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: int | None = None,

@@ -30,6 +30,22 @@ ACT_BYTES = 2  # activations are bf16
 # The parts `step_breakdown_s` reports, in step order (both cost models).
 BREAKDOWN_PARTS = ("attention", "dense_mlp", "dense_comm", "moe_experts", "moe_comm",
                    "tbo_overlap", "lm_head", "overhead")
+# The groups summary.csv reports each role's shares of forward time in (docs/experiments.md).
+SHARE_GROUPS = ("attention", "gemm", "moe", "communication", "overhead")
+_PART_GROUPS = {"attention": "attention", "dense_mlp": "gemm", "dense_comm": "communication",
+                "moe_experts": "moe", "tbo_overlap": "moe", "lm_head": "gemm",
+                "overhead": "overhead"}
+
+
+def share_group(part: str, moe_a2a: str) -> str:
+    """The SHARE_GROUPS group a BREAKDOWN_PARTS part counts in. attention: its block whole
+    (projections, kernels, attention-TP all-reduce, norms); gemm: dense MLP and LM head; moe:
+    experts, DeepEP's dispatch/combine and what two-batch overlap changes; communication: the
+    MLP's tensor-parallel collectives (a MoE layer's too, without DeepEP); overhead: scheduler
+    and eager launches."""
+    if part == "moe_comm":
+        return "moe" if moe_a2a == "deepep" else "communication"
+    return _PART_GROUPS[part]
 
 
 class Parallelism(BaseModel):

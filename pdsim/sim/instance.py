@@ -36,13 +36,39 @@ class CostExecutor:
     (the slowest attention-DP rank's, as the cost model prices a list of rank shapes). One-rank
     step times are remembered by shape: cost models are pure functions of the shapes, and
     equal shapes recur (every prefill of one prompt length, decode batches that come back to a
-    size and context)."""
+    size and context).
+
+    It also counts the steps it ran by shape, so that `breakdown_s` can price where their time
+    went once per distinct shape after the run, off the step path. Decode-only steps are
+    counted by (requests, query length, context within ~9%) and priced at their mean context."""
 
     def __init__(self, cost: CostModel):
         self.cost = cost
         self._memo: dict[tuple, float] = {}
+        self._counts: dict[tuple, int] = {}  # steps run per shape (several ranks: per tuple)
+        # (requests, query length, context bucket) -> [steps, their summed context tokens]
+        self._decode: dict[tuple[int, int, int], list] = {}
+        self._parts_s: dict[str, float] = {}  # priced so far (see _fold)
 
     def execute(self, step: Sequence[Batch | None]) -> BatchResult:
+        one = len(step) == 1
+        if one:
+            key = tuple(step[0].shape)
+        else:
+            key = tuple(tuple(b.shape if b is not None else EMPTY) for b in step)
+        counts = self._counts
+        n = counts.get(key)
+        if n is None:
+            if len(counts) >= STEP_MEMO_SIZE:
+                self._fold()
+            counts[key] = 1
+        else:
+            counts[key] = n + 1
+        if one:
+            duration = self._memo.get(key)
+            if duration is None:
+                duration = self.shape_time_s(step[0].shape)
+            return BatchResult(duration)
         return BatchResult(self.step_time_s(step))
 
     def step_time_s(self, step: Sequence[Batch | None]) -> float:
@@ -66,6 +92,59 @@ class CostExecutor:
         if d is None:
             d = self.shape_time_s(BatchShape(decode_reqs=reqs, decode_context_tokens=context_tokens))
         return d
+
+    def count_decode_run(self, reqs: int, context_tokens: int, steps: int) -> None:
+        """Count a run of `steps` plain decode steps of `reqs` requests from `context_tokens`
+        (each step adds one token per request)."""
+        if steps:
+            self._count_decode(reqs, 1, context_tokens + reqs * (steps - 1) / 2, steps)
+
+    def _count_decode(self, reqs: int, query_len: int, mean_context: float, steps: int) -> None:
+        key = (reqs, query_len, round(8 * math.log2(max(mean_context, 1.0))))
+        bucket = self._decode.get(key)
+        if bucket is None:
+            self._decode[key] = [steps, mean_context * steps]
+        else:
+            bucket[0] += steps
+            bucket[1] += mean_context * steps
+
+    def _fold(self) -> None:
+        """Move the counted steps into the decode buckets (decode-only one-rank steps) or
+        price them into the running breakdown (the rest), and clear the counts."""
+        price = getattr(self.cost, "step_breakdown_s", None)
+        for key, n in self._counts.items():
+            if key and not isinstance(key[0], tuple):
+                shape = BatchShape(*key)
+                if shape.decode_reqs and not shape.prefill_tokens:
+                    self._count_decode(shape.decode_reqs, shape.decode_query_len,
+                                       shape.decode_context_tokens, n)
+                    continue
+                shapes = [shape]
+            else:
+                shapes = [BatchShape(*k) for k in key]
+            if price is not None:
+                self._add(price(shapes), n)
+        self._counts.clear()
+
+    def _add(self, parts: dict[str, float], times: float) -> None:
+        acc = self._parts_s
+        for part, seconds in parts.items():
+            acc[part] = acc.get(part, 0.0) + seconds * times
+
+    def breakdown_s(self) -> dict[str, float] | None:
+        """Seconds of every step counted so far by part (pdsim.sim.cost.BREAKDOWN_PARTS,
+        summed over steps), or None when the cost model has no `step_breakdown_s`. Prices
+        each distinct shape once: call it after the run."""
+        price = getattr(self.cost, "step_breakdown_s", None)
+        if price is None:
+            return None
+        self._fold()
+        for (reqs, query_len, _), (steps, context) in self._decode.items():
+            shape = BatchShape(decode_reqs=reqs, decode_query_len=query_len,
+                               decode_context_tokens=round(context / steps))
+            self._add(price([shape]), steps)
+        self._decode.clear()
+        return dict(self._parts_s)
 
 
 class SimInstance:
@@ -276,6 +355,7 @@ class SimInstance:
             # one event for its steps however short, so plan further next time.
             self._run_horizon = min(MAX_RUN_STEPS, max(self._run_horizon, 2 * len(ends)))
         self._in_run = False
+        self.executor.count_decode_run(n, batch.shape.decode_context_tokens, len(ends))
         for d in durations[: len(ends)]:
             self.busy_s += d
             self.decode_req_s += d * n

@@ -203,13 +203,16 @@ class Stage:
 
     `seconds[x]`, `transferred[x]` and `extrapolated[x]` (how many of the parts are transferred
     curves looked up inside their grid, and how many are looked up outside it, at x) are
-    precomputed for x <= DENSE_MAX; beyond, the parts are evaluated one by one.
+    precomputed for x <= DENSE_MAX; beyond, the parts are evaluated one by one. `labels`:
+    each part's (op name, table it was read from), for `pdsim explain`; ("op", "-") unnamed.
     """
 
-    __slots__ = ("parts", "size", "seconds", "transferred", "extrapolated", "_n")
+    __slots__ = ("parts", "labels", "size", "seconds", "transferred", "extrapolated", "_n")
 
-    def __init__(self, parts: Sequence[Curve]) -> None:
+    def __init__(self, parts: Sequence[Curve],
+                 labels: Sequence[tuple[str, str]] | None = None) -> None:
         self.parts = tuple(parts)
+        self.labels = tuple(labels) if labels is not None else (("op", "-"),) * len(self.parts)
         self.size = len(self.parts)  # lookups one evaluation makes
         self._n = DENSE_MAX if self.parts else 0
         xs = np.arange(1, self._n + 1, dtype=float)

@@ -27,6 +27,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -51,6 +52,23 @@ from pdsim.specs.models import ModelSpec
 from pdsim.specs.pipeline import stage_model
 
 ELEMENTWISE_KERNELS = 4  # per layer: two fused add+RMSNorms, RoPE, the MLP activation
+
+
+class TracedOp(NamedTuple):
+    """One op of a traced step (`SiliconCostModel.trace`): seconds of one call (one layer's,
+    one rank's), the BREAKDOWN_PARTS part it counts in, the table it came from and how the
+    answer was found: "interpolated" in a measured grid, "transferred" from another measured
+    shape, dtype or GPU by a roofline ratio, "extrapolated" beyond the grid, or "roofline"."""
+
+    part: str
+    name: str
+    table: str
+    seconds: float
+    how: str
+
+
+def _how(transferred: bool, extrapolated: bool) -> str:
+    return "extrapolated" if extrapolated else "transferred" if transferred else "interpolated"
 
 
 class SiliconParams(StepParams):
@@ -89,6 +107,8 @@ class _Plan:
     decode_proj: Stage  # per rank, over its decode tokens (MLA's absorbed BMMs)
     context_attn: Grid2
     generation_attn: Grid2
+    context_table: str  # the tables the two grids were read from
+    generation_table: str
     gen_flops_rel: float  # generation attention at q = 1: FLOP time / max(FLOP, byte time)
     gen_bytes_rel: float  # ... and byte time / max(FLOP, byte time)
     dense_dp: bool  # moe_dense_tp=1: dense MLP whole on each GPU, over its own tokens
@@ -112,6 +132,7 @@ class SiliconCostModel:
     inside the grid of a curve moved from a measured shape, dtype or GPU (count) the table has
     to one it lacks, by the ratio of the two rooflines; `extrapolated_lookups` those outside a
     table's grid. Their shares of `lookups` say how much of a run rests on roofline scaling.
+    `trace`: None, or a list each priced op is appended to as a `TracedOp` (pdsim explain).
     """
 
     name = "silicon"
@@ -146,6 +167,7 @@ class SiliconCostModel:
         self.lookups = 0
         self.transferred_lookups = 0
         self.extrapolated_lookups = 0
+        self.trace: list[TracedOp] | None = None
         self._decode_fixed: dict[tuple[int, int], tuple] = {}  # see _decode_step_s
 
     @property
@@ -176,6 +198,9 @@ class SiliconCostModel:
             if reqs:
                 s, m, e = self._generation_attention(shape, reqs)
                 t += s
+                if self.trace is not None:
+                    self.trace.append(TracedOp(_traced_part(scale), "decode attention",
+                                               self._plan.generation_table, s, _how(m, e)))
                 moved += m
                 extra += e
             if t > slowest:
@@ -192,6 +217,11 @@ class SiliconCostModel:
         extrapolated ones)."""
         plan = self._plan
         q = shape.decode_query_len
+        if self.trace is not None:
+            part = _traced_part(scale)
+            self._trace_stage(part, plan.proj, prefill + reqs * q)
+            self._trace_stage(part, plan.prefill_proj, prefill)
+            self._trace_stage(part, plan.decode_proj, reqs * q)
         t, moved, extra = plan.proj.at(prefill + reqs * q)
         lookups = plan.proj.size
         if prefill:
@@ -205,6 +235,9 @@ class SiliconCostModel:
             t += s
             moved += m
             extra += e
+            if self.trace is not None:
+                self.trace.append(TracedOp(_traced_part(scale), "prefill attention",
+                                           plan.context_table, s, _how(m, e)))
         if reqs:
             s, m, e = plan.decode_proj.at(reqs * q)
             t += s
@@ -212,6 +245,15 @@ class SiliconCostModel:
             moved += m
             extra += e
         return t, lookups, moved, extra
+
+    def _trace_stage(self, part: str, stage: Stage, x: int) -> None:
+        """Append each op of `stage` at size x to the trace."""
+        if x <= 0:
+            return
+        for (name, table), curve in zip(stage.labels, stage.parts):
+            outside = curve.extrapolated(x)
+            self.trace.append(TracedOp(part, name, table, curve(x),
+                                       _how(curve.transferred and not outside, outside)))
 
     def _generation_attention(self, shape: BatchShape, reqs: int) -> tuple[float, bool, bool]:
         """The decode attention kernel of `reqs` requests at the shape's mean context:
@@ -226,9 +268,11 @@ class SiliconCostModel:
             moved = not e
         return s, moved, e
 
-    def _stage(self, stage: Stage, x: int) -> float:
+    def _stage(self, stage: Stage, x: int, part: str) -> float:
         if x <= 0 or not stage.size:
             return 0.0
+        if self.trace is not None:
+            self._trace_stage(part, stage, x)
         s, m, e = stage.at(x)
         self.lookups += stage.size
         self.transferred_lookups += m
@@ -282,7 +326,11 @@ class SiliconCostModel:
         if totals[0] == 0:
             return (0.0,) * len(BREAKDOWN_PARTS)
         attn = self._attention_s(shapes, 1.0)
-        attn += self._elementwise_s(totals[1])
+        elementwise = self._elementwise_s(totals[1])
+        attn += elementwise
+        if self.trace is not None:
+            self.trace.append(TracedOp("attention", "elementwise", "bandwidth",
+                                       elementwise, "roofline"))
         rest = self._parts_but_attention(shapes, totals, attn)
         return with_eager_overhead((self._layers_attention_s(attn), *rest), self._host,
                                    totals[4], max_rank_decode_reqs(shapes))
@@ -305,15 +353,16 @@ class SiliconCostModel:
             layers = plan.dense_layers
             if plan.dense_dp:
                 gpu_tokens = -(-max_rank_tokens // self.parallel.attn_tp)
-                dense_mlp = layers * self._stage(plan.dense, gpu_tokens)
+                dense_mlp = layers * self._stage(plan.dense, gpu_tokens, "dense_mlp")
             else:
-                dense_mlp = layers * self._stage(plan.dense, tokens)
-                dense_comm = layers * self._stage(plan.mlp_comm, tokens)
+                dense_mlp = layers * self._stage(plan.dense, tokens, "dense_mlp")
+                dense_comm = layers * self._stage(plan.mlp_comm, tokens, "dense_comm")
         experts = comm = tbo = 0.0
         if plan.moe_layers:
             experts, comm, tbo = self._moe_layers_s(shapes, attn, tokens, max_rank_tokens,
                                                     has_prefill)
-        lm_head = self._stage(plan.lm_head, max_rank_rows if plan.dp_lm_head else lm_rows)
+        lm_head = self._stage(plan.lm_head, max_rank_rows if plan.dp_lm_head else lm_rows,
+                              "lm_head")
         overhead = self._pp_send.at(max_rank_tokens)
         if self.params.scheduler_overhead:
             overhead += self.params.step_overhead_s + (
@@ -332,9 +381,9 @@ class SiliconCostModel:
         # tokens times the imbalance); shared experts and router at the tokens they run on.
         routed = self._busiest_rank_tokens(tokens)
         if par.moe_a2a != "deepep":
-            return (layers * (self._stage(plan.moe_global, routed)
-                              + self._stage(plan.moe_local, tokens)),
-                    layers * self._stage(plan.mlp_comm, tokens), 0.0)
+            return (layers * (self._stage(plan.moe_global, routed, "moe_experts")
+                              + self._stage(plan.moe_local, tokens, "moe_experts")),
+                    layers * self._stage(plan.mlp_comm, tokens, "moe_comm"), 0.0)
         rank_gpu = -(-max_rank_tokens // par.attn_tp)
         gpu_tokens = max(rank_gpu, -(-tokens // par.tp))
         busiest_gpu = max(rank_gpu, -(-routed // par.tp))
@@ -342,8 +391,9 @@ class SiliconCostModel:
         normal = role == "prefill" or (role == "colocated" and has_prefill)
         a2a = plan.a2a_normal if normal else plan.a2a_low_latency
         experts = plan.moe_global if normal else plan.moe_global_ll
-        compute = self._stage(experts, routed) + self._stage(plan.moe_local, gpu_tokens)
-        comm = self._stage(a2a, busiest_gpu)
+        compute = (self._stage(experts, routed, "moe_experts")
+                   + self._stage(plan.moe_local, gpu_tokens, "moe_experts"))
+        comm = self._stage(a2a, busiest_gpu, "moe_comm")
         tbo = 0.0
         if par.two_batch_overlap:
             half_tokens, half_gpu = -(-tokens // 2), -(-gpu_tokens // 2)
@@ -351,9 +401,10 @@ class SiliconCostModel:
             half_compute = (self._attention_s(shapes, 0.5)
                             + max(plan.elementwise_floor_s,
                                   max_rank_tokens / 2 * plan.elementwise_s_tok)
-                            + self._stage(experts, half_routed)
-                            + self._stage(plan.moe_local, half_gpu))
-            half_comm = self._stage(a2a, max(-(-rank_gpu // 2), -(-half_routed // par.tp)))
+                            + self._stage(experts, half_routed, "tbo_overlap")
+                            + self._stage(plan.moe_local, half_gpu, "tbo_overlap"))
+            half_comm = self._stage(a2a, max(-(-rank_gpu // 2), -(-half_routed // par.tp)),
+                                    "tbo_overlap")
             overlapped = layers * 2 * max(half_compute, half_comm) + min(half_compute, half_comm)
             tbo = overlapped - layers * (attn + compute + comm)
         return layers * compute, layers * comm, tbo
@@ -365,6 +416,12 @@ class SiliconCostModel:
         if self._load is None:
             return tokens
         return math.ceil(tokens * self._load.imbalance(tokens))
+
+
+def _traced_part(scale: float) -> str:
+    """The part an attention lookup counts in: its own, or (one micro-batch, scale 0.5) what
+    two-batch overlap changes."""
+    return "attention" if scale == 1.0 else "tbo_overlap"
 
 
 def _prefill_attention(grid: Grid2, tokens: int, pairs: float) -> tuple[float, bool, bool]:
@@ -396,6 +453,8 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
     fp8_attn = prec.attention_compute == "fp8"
     ad = prec.attention
 
+    # Each stage's ops as (name, table, curve).
+    gemm, bmm = "gemm", "mla_bmm"
     proj, prefill_proj, decode_proj = [], [], []
     if model.is_mla:
         dims = (model.kv_lora_rank, model.qk_rope_head_dim, model.qk_nope_head_dim,
@@ -405,43 +464,52 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         qk = nope + rope
         if model.q_lora_rank:
             q_lora = model.q_lora_rank
-            proj += [ops.gemm(q_lora, h, ad), ops.gemm(heads * qk, q_lora, ad)]
+            proj += [("q_a_proj", gemm, ops.gemm(q_lora, h, ad)),
+                     ("q_b_proj", gemm, ops.gemm(heads * qk, q_lora, ad))]
         else:
-            proj.append(ops.gemm(heads * qk, h, ad))
-        proj += [ops.gemm(lora + rope, h, ad), ops.gemm(h, heads * v, ad)]
-        prefill_proj.append(ops.gemm(heads * (nope + v), lora, ad))
-        decode_proj += [ops.mla_bmm("pre", heads, nope, lora, (nope0, lora0)),
-                        ops.mla_bmm("post", heads, lora, v, (lora0, v0))]
+            proj.append(("q_proj", gemm, ops.gemm(heads * qk, h, ad)))
+        proj += [("kv_a_proj", gemm, ops.gemm(lora + rope, h, ad)),
+                 ("o_proj", gemm, ops.gemm(h, heads * v, ad))]
+        prefill_proj.append(("kv_b_proj", gemm, ops.gemm(heads * (nope + v), lora, ad)))
+        decode_proj += [("mla_bmm_pre", bmm,
+                         ops.mla_bmm("pre", heads, nope, lora, (nope0, lora0))),
+                        ("mla_bmm_post", bmm, ops.mla_bmm("post", heads, lora, v, (lora0, v0)))]
         context = ops.mla_context(heads, dims, kv_bytes)
         generation = ops.mla_generation(heads, dims, kv_bytes)
+        context_table, generation_table = "context_mla", "generation_mla"
         gen_flops = 2.0 * heads * (2 * lora + rope) / ops.peak_flops("bf16")
         gen_bytes = (lora + rope) * kv_bytes / ops.mem_rate
         rope_elems = heads * rope + rope
     else:
         hd = model.head_dim
         kvh = model.kv_heads_per_rank(attn_tp)
-        proj += [ops.gemm((heads + 2 * kvh) * hd, h, ad), ops.gemm(h, heads * hd, ad)]
+        proj += [("qkv_proj", gemm, ops.gemm((heads + 2 * kvh) * hd, h, ad)),
+                 ("o_proj", gemm, ops.gemm(h, heads * hd, ad))]
         context = ops.context_attention(heads, kvh, hd, kv_bytes, fp8_attn)
         generation = ops.generation_attention(heads, kvh, hd, kv_bytes)
+        context_table, generation_table = ("context_attention",
+                                           "generation_attention")
         gen_flops = 4.0 * heads * hd / ops.peak_flops("bf16")
         gen_bytes = 2 * kvh * hd * kv_bytes / ops.mem_rate
         rope_elems = (heads + kvh) * hd
     if attn_tp > 1:
-        proj.append(ops.all_reduce(attn_tp, h))
+        proj.append(("attn all_reduce", "allreduce", ops.all_reduce(attn_tp, h)))
 
     # The MLP's collective on the instance's tokens: an all-reduce over tp, or around a
     # DP-attention MLP an all-gather before and a reduce-scatter after.
     if tp == 1:
         mlp_comm = []
     elif par.dp_attention == 1:
-        mlp_comm = [ops.all_reduce(tp, h)]
+        mlp_comm = [("mlp all_reduce", "allreduce", ops.all_reduce(tp, h))]
     else:
-        mlp_comm = [ops.nccl("all_gather", tp, h), ops.nccl("reduce_scatter", tp, h)]
+        mlp_comm = [("mlp all_gather", "nccl", ops.nccl("all_gather", tp, h)),
+                    ("mlp reduce_scatter", "nccl", ops.nccl("reduce_scatter", tp, h))]
 
     # Dense MLP over tp, or with moe_dense_tp=1 whole on each GPU (no collective).
     inter = model.intermediate_size // (par.moe_dense_tp or tp)
-    dense = [ops.gemm(2 * inter, h, prec.dense_mlp),
-             ops.gemm(h, inter, prec.dense_mlp)] if model.num_dense_layers else []
+    dense = [("gate_up_proj", gemm, ops.gemm(2 * inter, h, prec.dense_mlp)),
+             ("down_proj", gemm, ops.gemm(h, inter, prec.dense_mlp))
+             ] if model.num_dense_layers else []
 
     moe_global, moe_global_ll, moe_local, a2a_ll, a2a_normal = [], [], [], None, None
     mlp_act = 3 * (model.intermediate_size // tp)
@@ -449,20 +517,23 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         md = prec.moe_experts
         deepep = par.moe_a2a == "deepep"
         shape = (h, model.moe_intermediate_size, model.experts_per_token, model.num_experts)
-        fused = ops.moe(*shape, tp // ep, ep, md, p.moe_distribution)
+        fused = ("routed experts", "moe",
+                 ops.moe(*shape, tp // ep, ep, md, p.moe_distribution))
         moe_global.append(fused)
         moe_global_ll.append(fused)
         if deepep:  # DeepGEMM's grouped GEMMs where measured, else the fused kernel
-            moe_global[0] = ops.wideep_moe("context", *shape, ep, md, p.moe_distribution) or fused
-            moe_global_ll[0] = (ops.wideep_moe("generation", *shape, ep, md, p.moe_distribution)
-                                or fused)
+            for phase, ops_list in (("context", moe_global), ("generation", moe_global_ll)):
+                grouped = ops.wideep_moe(phase, *shape, ep, md, p.moe_distribution)
+                if grouped is not None:
+                    ops_list[0] = ("routed experts", f"wideep_{phase}_moe", grouped)
         # Router (BF16 in every quantised checkpoint) and shared experts: replicated under
         # DeepEP (each GPU runs them on its own tokens), else over tp on the gathered tokens.
         split = 1 if deepep else tp
         shared = model.num_shared_experts * model.moe_intermediate_size // split
-        local = [ops.gemm(model.num_experts, h, "bf16")]
+        local = [("router", gemm, ops.gemm(model.num_experts, h, "bf16"))]
         if shared:
-            local += [ops.gemm(2 * shared, h, md), ops.gemm(h, shared, md)]
+            local += [("shared gate_up", gemm, ops.gemm(2 * shared, h, md)),
+                      ("shared down", gemm, ops.gemm(h, shared, md))]
         if deepep:
             moe_local = local
             a2a_ll = ops.deepep("low_latency", h, model.experts_per_token, model.num_experts, ep)
@@ -476,29 +547,39 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         mlp_act = max(mlp_act, 3 * (model.moe_intermediate_size * model.experts_per_token // ep
                                     + shared))
 
-    lm = [ops.gemm(model.vocab_size // (attn_tp if par.dp_lm_head else tp), h, prec.lm_head)]
+    lm = [("lm_head", gemm,
+           ops.gemm(model.vocab_size // (attn_tp if par.dp_lm_head else tp), h, prec.lm_head))]
     mem = hw.hbm_gb_per_s * 1e9 * p.bw_efficiency
     return _Plan(
         layers=model.num_layers,
         dense_layers=model.num_dense_layers,
         moe_layers=model.num_moe_layers,
-        proj=Stage(proj),
-        prefill_proj=Stage(prefill_proj),
-        decode_proj=Stage(decode_proj),
+        proj=_labelled(proj),
+        prefill_proj=_labelled(prefill_proj),
+        decode_proj=_labelled(decode_proj),
         context_attn=context,
         generation_attn=generation,
+        context_table=context_table,
+        generation_table=generation_table,
         gen_flops_rel=gen_flops / max(gen_flops, gen_bytes),
         gen_bytes_rel=gen_bytes / max(gen_flops, gen_bytes),
         dense_dp=par.moe_dense_tp == 1,
-        dense=Stage(dense),
-        mlp_comm=Stage(mlp_comm),
-        moe_global=Stage(moe_global),
-        moe_global_ll=Stage(moe_global_ll),
-        moe_local=Stage(moe_local),
-        a2a_low_latency=Stage([a2a_ll]) if a2a_ll else None,
-        a2a_normal=Stage([a2a_normal]) if a2a_normal else None,
-        lm_head=Stage(lm),
+        dense=_labelled(dense),
+        mlp_comm=_labelled(mlp_comm),
+        moe_global=_labelled(moe_global),
+        moe_global_ll=_labelled(moe_global_ll),
+        moe_local=_labelled(moe_local),
+        a2a_low_latency=_labelled([("dispatch+combine", "wideep_deepep_ll",
+                                    a2a_ll)]) if a2a_ll else None,
+        a2a_normal=_labelled([("dispatch+combine", "wideep_deepep_normal",
+                               a2a_normal)]) if a2a_normal else None,
+        lm_head=_labelled(lm),
         dp_lm_head=par.dp_lm_head,
         elementwise_s_tok=(8 * h + 2 * rope_elems + mlp_act) * ACT_BYTES / mem,
         elementwise_floor_s=ELEMENTWISE_KERNELS * p.kernel_floor_s,
     )
+
+
+def _labelled(entries: list[tuple[str, str, object]]) -> Stage:
+    """A stage of (name, table, curve) ops."""
+    return Stage([curve for _, _, curve in entries], [(name, table) for name, table, _ in entries])

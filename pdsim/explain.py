@@ -1,0 +1,196 @@
+"""`pdsim explain`: one step of a config's role, priced op by op.
+
+The config's cost model for the role (as a run builds it) prices one step: a decode step of
+`batch` requests at `context` tokens each, or a prompt of `prompt` tokens prefilled in the
+chunks the role's scheduler cuts it into, every attention-DP rank running the same. Each row is
+one op: how many times the step runs it (its layers), seconds per call and in all, its share of
+the step and how it was priced. The silicon model traces its table lookups
+(`SiliconCostModel.trace`), so its rows are kernels with the table each came from; the
+roofline's rows are its step-breakdown parts, all "roofline".
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from pdsim.config import ExperimentConfig
+from pdsim.core.batch import BatchShape, extend_attn_pairs
+from pdsim.sim.build import build_cluster
+from pdsim.sim.cost import BREAKDOWN_PARTS, SHARE_GROUPS, share_group
+from pdsim.sim.silicon import SiliconCostModel
+
+# What a breakdown part is called where it is one row (the roofline's parts, and the parts
+# the silicon model prices without a table).
+PART_NAMES = {
+    "attention": "attention block", "dense_mlp": "dense MLP", "dense_comm": "MLP all-reduce",
+    "moe_experts": "MoE experts", "moe_comm": "MoE communication",
+    "tbo_overlap": "two-batch overlap", "lm_head": "LM head",
+    "overhead": "host overhead",
+}
+# Worst first: a row merged from several lookups reports the least direct of them.
+_HOW_ORDER = ("extrapolated", "transferred", "derived", "roofline", "constant", "interpolated")
+
+
+@dataclass
+class OpRow:
+    """One op of the step: `count` calls of `each_s` seconds (summed over chunks when a prompt
+    is chunked)."""
+
+    name: str
+    part: str  # pdsim.sim.cost.BREAKDOWN_PARTS
+    group: str  # pdsim.sim.cost.SHARE_GROUPS
+    count: int
+    total_s: float
+    table: str
+    how: str
+
+    @property
+    def each_s(self) -> float:
+        return self.total_s / self.count
+
+
+@dataclass
+class Explanation:
+    role: str
+    cost_model: str
+    model: str
+    hardware: str
+    step: str  # the priced step in words
+    steps: list[list[BatchShape]]  # the rank shapes of each step priced (chunks)
+    step_s: float  # the cost model's step_time_s, summed over `steps`
+    rows: list[OpRow] = field(default_factory=list)
+
+    @property
+    def total_s(self) -> float:
+        return sum(r.total_s for r in self.rows)
+
+    def share(self, row: OpRow) -> float:
+        return row.total_s / self.total_s if self.total_s else 0.0
+
+    def group_shares(self) -> dict[str, float]:
+        out = dict.fromkeys(SHARE_GROUPS, 0.0)
+        for row in self.rows:
+            out[row.group] += self.share(row)
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "role": self.role, "cost_model": self.cost_model, "model": self.model,
+            "hardware": self.hardware, "step": self.step, "step_s": self.step_s,
+            "ranks": len(self.steps[0]),  # attention-DP ranks, each running these shapes
+            "shapes": [shapes[0]._asdict() for shapes in self.steps],
+            "ops": [{**asdict(r), "each_s": r.each_s, "share": self.share(r)}
+                    for r in self.rows],
+            "group_shares": self.group_shares(),
+        }
+
+
+def explain_step(cfg: ExperimentConfig, role: str | None = None, batch: int = 64,
+                 context: int = 2048, prompt: int = 4096,
+                 base_dir: str | None = None) -> Explanation:
+    """Price one step of `role` (default: decode, or colocated for a colocated cluster) of
+    `cfg` op by op. Prefill prices a prompt; decode and colocated a decode step."""
+    cluster = build_cluster(cfg, base_dir)
+    roles = {"prefill": cluster.prefill, "decode": cluster.decode,
+             "colocated": cluster.colocated}
+    present = [name for name, spec in roles.items() if spec is not None]
+    role = role or ("colocated" if cluster.colocated is not None else "decode")
+    if role not in present:
+        raise ValueError(f"role {role!r} is not in this {cluster.mode} cluster; its roles: "
+                         f"{', '.join(present)}")
+    for name, value in (("batch", batch), ("context", context), ("prompt", prompt)):
+        if value < 1:
+            raise ValueError(f"--{name} must be at least 1, got {value}")
+    spec = roles[role]
+    cost = spec.cost()
+    if not hasattr(cost, "step_breakdown_s"):
+        if cfg.speculative.method != "none":
+            raise ValueError(f"a speculative step (speculative.method "
+                             f"{cfg.speculative.method!r}) has no step breakdown; set "
+                             f"speculative.method to none to explain the target's step")
+        raise ValueError(f"the {cfg.cost_model.name!r} cost model has no step breakdown; "
+                         f"explain prices roofline and silicon steps")
+    dp = spec.dp_attention
+    if role == "prefill":
+        chunk = spec.scheduler.chunked_prefill_size or prompt
+        steps, done = [], 0
+        while done < prompt:
+            n = min(chunk, prompt - done)
+            steps.append([BatchShape(prefill_tokens=n,
+                                     prefill_attn_pairs=extend_attn_pairs(n, done))] * dp)
+            done += n
+        words = f"prefill of a {prompt}-token prompt in {len(steps)} chunk(s) of <= {chunk}"
+    else:
+        steps = [[BatchShape(decode_reqs=batch, decode_context_tokens=batch * context)] * dp]
+        words = f"decode of {batch} requests at {context} tokens of context"
+    if dp > 1:
+        words += f", on each of {dp} attention-DP ranks"
+    silicon = isinstance(cost, SiliconCostModel)
+    rows: dict[tuple[str, str], OpRow] = {}
+    for shapes in steps:
+        for row in (_silicon_rows(cost, shapes) if silicon else _roofline_rows(cost, shapes)):
+            _merge(rows, row)
+    order = {part: i for i, part in enumerate(BREAKDOWN_PARTS)}
+    ordered = sorted(rows.values(), key=lambda r: order[r.part])  # stable: trace order kept
+    return Explanation(role, "silicon" if silicon else "roofline", cost.model.name,
+                       cost.hardware.name, words, steps,
+                       sum(cost.step_time_s(shapes) for shapes in steps), ordered)
+
+
+def _merge(rows: dict[tuple[str, str], OpRow], row: OpRow) -> None:
+    key = (row.part, row.name)
+    have = rows.get(key)
+    if have is None:
+        rows[key] = row
+        return
+    have.count += row.count
+    have.total_s += row.total_s
+    have.how = min(have.how, row.how, key=_HOW_ORDER.index)
+
+
+def _layers(cost, part: str) -> int:
+    """Calls of a part's ops in one step: once per layer that has it, else once."""
+    m = cost.model
+    if part == "attention":
+        return m.num_dense_layers + m.num_moe_layers
+    if part in ("dense_mlp", "dense_comm"):
+        return m.num_dense_layers
+    if part in ("moe_experts", "moe_comm"):
+        return m.num_moe_layers
+    return 1
+
+
+def _row(cost, part: str, name: str, count: int, total_s: float, table: str,
+         how: str) -> OpRow:
+    return OpRow(name, part, share_group(part, cost.parallel.moe_a2a), count, total_s, table,
+                 how)
+
+
+def _roofline_rows(cost, shapes: list[BatchShape]) -> list[OpRow]:
+    """The roofline's step-breakdown parts, one row each."""
+    return [_row(cost, part, PART_NAMES[part], _layers(cost, part), seconds, "analytic",
+                 "roofline")
+            for part, seconds in cost.step_breakdown_s(shapes).items() if seconds]
+
+
+def _silicon_rows(cost: SiliconCostModel, shapes: list[BatchShape]) -> list[OpRow]:
+    """The silicon model's traced ops, once per rank shape (every rank runs the same) times
+    its part's layers; the parts it prices without a table (two-batch overlap, overheads)
+    as one row each."""
+    cost.trace = []
+    try:
+        parts = cost.step_breakdown_s(shapes)
+        traced = cost.trace
+    finally:
+        cost.trace = None
+    rows, seen = [], set()
+    for op in traced:
+        if op.part == "tbo_overlap" or (op.part, op.name) in seen:
+            continue  # a micro-batch's lookups; or another rank's copy of the same op
+        seen.add((op.part, op.name))
+        n = _layers(cost, op.part)
+        rows.append(_row(cost, op.part, op.name, n, n * op.seconds, op.table, op.how))
+    for part, how in (("tbo_overlap", "derived"), ("overhead", "constant")):
+        if parts[part]:
+            rows.append(_row(cost, part, PART_NAMES[part], 1, parts[part], "-", how))
+    return rows

@@ -1,0 +1,195 @@
+"""`pdsim explain` (one step op by op) and the per-role share columns of summary.csv."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from pdsim.cli import app
+from pdsim.config import parse_experiment
+from pdsim.core.batch import BatchShape, extend_attn_pairs
+from pdsim.runner import run_experiment
+from pdsim.sim.build import build_cluster
+from pdsim.sim.cluster import Simulation
+from pdsim.sim.cost import SHARE_GROUPS
+from pdsim.sim.silicon import tables
+from pdsim.workload import generate
+
+needs_tables = pytest.mark.skipif(tables.systems_dir() is None,
+                                  reason="aiconfigurator's silicon tables are not installed")
+
+WORKLOAD = {"num_requests": 80, "seed": 0, "arrival": {"process": "poisson", "rate_rps": 8},
+            "input_len": {"dist": "uniform", "low": 100, "high": 3000},
+            "output_len": {"dist": "uniform", "low": 10, "high": 200}}
+
+
+def config(model: str = "llama-3.1-8b", hardware: str = "h100", cost: str = "silicon",
+           role: dict | None = None, **over) -> dict:
+    role = role or {}
+    return {"name": "explain", "model": model, "hardware": hardware,
+            "cost_model": {"name": cost},
+            "cluster": {"prefill": dict(role), "decode": dict(role)}, "workload": WORKLOAD,
+            **over}
+
+
+DEEPEP = {"tp": 8, "dp_attention": 8, "ep": 8, "moe_a2a": "deepep"}
+KIMI_DEEPEP = {"tp": 16, "dp_attention": 16, "ep": 16, "moe_a2a": "deepep"}
+
+
+def explain(tmp_path, cfg: dict, *args: str) -> tuple[int, str]:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = CliRunner().invoke(app, ["explain", str(path), *args])
+    return result.exit_code, result.output
+
+
+def explain_json(tmp_path, cfg: dict, *args: str) -> dict:
+    code, out = explain(tmp_path, cfg, "--json", *args)
+    assert code == 0, out
+    return json.loads(out)
+
+
+def step_time_s(cfg: dict, role: str, steps: list[BatchShape]) -> float:
+    """The role's cost model, built as a run builds it, summed over `steps` (one shape each,
+    on every attention-DP rank)."""
+    spec = getattr(build_cluster(parse_experiment(cfg)), role)
+    cost = spec.cost()
+    return sum(cost.step_time_s([shape] * spec.dp_attention) for shape in steps)
+
+
+def check_sums(got: dict, want_s: float) -> None:
+    ops = got["ops"]
+    assert sum(op["total_s"] for op in ops) == pytest.approx(want_s, rel=1e-9)
+    assert got["step_s"] == pytest.approx(want_s, rel=1e-12)
+    assert sum(op["share"] for op in ops) == pytest.approx(1.0, rel=1e-9)
+    assert sum(got["group_shares"].values()) == pytest.approx(1.0, rel=1e-9)
+    for op in ops:
+        assert op["total_s"] == pytest.approx(op["count"] * op["each_s"], rel=1e-12)
+
+
+def decode(batch: int, context: int) -> BatchShape:
+    return BatchShape(decode_reqs=batch, decode_context_tokens=batch * context)
+
+
+@needs_tables
+def test_dense_silicon_decode_lists_its_kernels_and_adds_up_to_the_step(tmp_path):
+    cfg = config()
+    got = explain_json(tmp_path, cfg, "--batch", "32", "--context", "1000")
+    names = [op["name"] for op in got["ops"]]
+    assert names == ["qkv_proj", "o_proj", "decode attention", "elementwise", "gate_up_proj",
+                     "down_proj", "lm_head", "host overhead"]
+    by_name = {op["name"]: op for op in got["ops"]}
+    assert by_name["qkv_proj"]["count"] == 32  # llama-3.1-8b's layers
+    assert by_name["qkv_proj"]["table"] == "gemm"
+    assert by_name["decode attention"]["table"] == "generation_attention"
+    assert by_name["elementwise"]["how"] == "roofline"
+    assert by_name["gate_up_proj"]["group"] == "gemm"
+    check_sums(got, step_time_s(cfg, "decode", [decode(32, 1000)]))
+
+
+def test_dense_roofline_prefill_chunks_the_prompt_as_the_scheduler_does(tmp_path):
+    cfg = config(cost="roofline")
+    cfg["cluster"]["prefill"]["scheduler"] = {"chunked_prefill_size": 4096}
+    got = explain_json(tmp_path, cfg, "--role", "prefill", "--prompt", "10000")
+    assert [op["name"] for op in got["ops"]] == ["attention block", "dense MLP", "LM head",
+                                                "host overhead"]
+    assert {op["how"] for op in got["ops"]} == {"roofline"}
+    assert [s["prefill_tokens"] for s in got["shapes"]] == [4096, 4096, 1808]
+    assert got["ops"][0]["count"] == 3 * 32  # every chunk's 32 layers
+    chunks = [BatchShape(n, extend_attn_pairs(n, done))
+              for n, done in ((4096, 0), (4096, 4096), (1808, 8192))]
+    check_sums(got, step_time_s(cfg, "prefill", chunks))
+
+
+@needs_tables
+def test_deepseek_deepep_decode_and_prefill_name_the_moe_ops(tmp_path):
+    cfg = config("deepseek-v3", "h200", role=DEEPEP)
+    got = explain_json(tmp_path, cfg)  # defaults: decode, 64 requests at 2048 tokens
+    by_name = {op["name"]: op for op in got["ops"]}
+    assert {"q_a_proj", "q_b_proj", "kv_a_proj", "o_proj", "mla_bmm_pre", "mla_bmm_post",
+            "decode attention", "gate_up_proj", "routed experts", "router", "shared gate_up",
+            "dispatch+combine", "lm_head"} <= set(by_name)
+    assert by_name["routed experts"]["count"] == 58  # 61 layers, the first 3 dense
+    assert by_name["gate_up_proj"]["count"] == 3
+    assert by_name["dispatch+combine"]["table"] == "wideep_deepep_ll"
+    assert by_name["dispatch+combine"]["group"] == "moe"  # DeepEP, not a TP collective
+    assert got["ranks"] == 8
+    check_sums(got, step_time_s(cfg, "decode", [decode(64, 2048)]))
+
+    # SGLang's default chunk, 8192 tokens an instance, is 1024 a rank over 8 DP ranks
+    got = explain_json(tmp_path, cfg, "--role", "prefill", "--prompt", "3000")
+    assert [s["prefill_tokens"] for s in got["shapes"]] == [1024, 1024, 952]
+    names = {op["name"] for op in got["ops"]}
+    assert {"kv_b_proj", "prefill attention", "routed experts"} <= names
+    assert "decode attention" not in names
+    assert {op["table"] for op in got["ops"] if op["name"] == "dispatch+combine"} == {
+        "wideep_deepep_normal"}
+    chunks = [BatchShape(n, extend_attn_pairs(n, done))
+              for n, done in ((1024, 0), (1024, 1024), (952, 2048))]
+    check_sums(got, step_time_s(cfg, "prefill", chunks))
+
+
+@needs_tables
+def test_kimi_experts_are_transferred_from_the_measured_deepseek_shape(tmp_path):
+    cfg = config("kimi-k2", "h200", role=KIMI_DEEPEP)
+    got = explain_json(tmp_path, cfg)
+    by_name = {op["name"]: op for op in got["ops"]}
+    assert by_name["routed experts"]["how"] == "transferred"
+    assert by_name["o_proj"]["how"] == "interpolated"
+    check_sums(got, step_time_s(cfg, "decode", [decode(64, 2048)]))
+    code, out = explain(tmp_path, cfg)
+    assert code == 0, out
+    experts = [line for line in out.splitlines() if line.startswith("routed experts")]
+    assert len(experts) == 1 and "transferred" in experts[0]
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_explain_rejects_a_role_the_cluster_lacks(tmp_path):
+    code, out = explain(tmp_path, config(cost="roofline"), "--role", "colocated")
+    assert code == 2
+    assert "role 'colocated'" in out and "prefill, decode" in out
+    code, out = explain(tmp_path, config(cost="roofline"), "--batch", "0")
+    assert code == 2 and "--batch must be at least 1" in out
+    spec = config(cost="roofline", speculative={
+        "method": "eagle", "num_draft_tokens": 3, "acceptance": {"mean_accept_len": 2.5}})
+    code, out = explain(tmp_path, spec)
+    assert code == 2 and "speculative.method 'eagle'" in out
+
+
+def share_sums(row: pd.Series, role: str) -> float:
+    return sum(row[f"{role}_share_{group}"] for group in SHARE_GROUPS)
+
+
+def test_summary_shares_sum_to_one_per_role(tmp_path):
+    cfg = config(cost="roofline")
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run_experiment(path, tmp_path / "out", jobs=1, progress=False)
+    row = pd.read_csv(tmp_path / "out" / "summary.csv").iloc[0]
+    for role in ("prefill", "decode"):
+        assert share_sums(row, role) == pytest.approx(1.0, rel=1e-9)
+        assert row[f"{role}_share_attention"] > 0.05 and row[f"{role}_share_gemm"] > 0.05
+        assert row[f"{role}_share_moe"] == 0.0  # a dense model
+    assert "colocated_share_attention" not in row
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_counted_breakdown_adds_up_to_each_instances_busy_time(mode):
+    """The executor counts every step it ran (decode runs included): priced by part, they add
+    up to the instance's simulated forward time."""
+    cfg = config(cost="roofline", role=DEEPEP, model="deepseek-v3", hardware="h200")
+    if mode == "colocated":
+        cfg["cluster"] = {"mode": "colocated", "colocated": dict(DEEPEP)}
+    cfg = parse_experiment(cfg)
+    wl = generate(cfg.workload)
+    sim = Simulation(build_cluster(cfg), cfg.seed)
+    sim.run(wl.arrival_s, wl.input_tokens, wl.output_tokens)
+    for inst in sim.instances:
+        parts = inst.executor.breakdown_s()
+        assert parts["moe_experts"] > 0 and parts["moe_comm"] > 0
+        # decode steps are priced at their bucket's mean context: not to the bit
+        assert sum(parts.values()) == pytest.approx(inst.busy_s, rel=1e-4)
