@@ -153,7 +153,7 @@ class PrefillScheduler(InstanceScheduler):
         super()._match_prefix(req, now)
         self.pending_tokens -= req.computed_tokens  # cached: never computed here
         if req.pages:
-            req.sender.send(req.pages, last=False)
+            self._send(req, req.pages, False, now)
             req.sent_pages = len(req.pages)
 
     def on_batch_done(self, batch, result, now: float) -> None:
@@ -163,8 +163,13 @@ class PrefillScheduler(InstanceScheduler):
     def _chunk_done(self, req: Request, now: float) -> None:
         full = req.computed_tokens // self.config.page_size
         if full > req.sent_pages:
-            req.sender.send(req.pages[req.sent_pages : full], last=False)
+            self._send(req, req.pages[req.sent_pages : full], False, now)
             req.sent_pages = full
+
+    def _send(self, req: Request, pages: list[int], last: bool, now: float) -> None:
+        if req.transfer_start_s != req.transfer_start_s:  # NaN: its first pages go now
+            req.transfer_start_s = now
+        req.sender.send(pages, last=last)
 
     def _prefilled(self, req: Request, token: int | None, logprob: float, now: float) -> None:
         req.prefill_end_s = now
@@ -177,7 +182,7 @@ class PrefillScheduler(InstanceScheduler):
             cached_tokens=req.cached_tokens,
         )
         self.kv.metadata.write(req.metadata_slot, meta)
-        req.sender.send(req.pages[req.sent_pages :], last=True)
+        self._send(req, req.pages[req.sent_pages :], True, now)
         req.sent_pages = len(req.pages)
         self.inflight.append(req)
         self._inflight_seen = -1

@@ -25,6 +25,9 @@ class RequestRecord:
     bootstrap_done_s: float = NAN
     prefill_start_s: float = NAN
     prefill_end_s: float = NAN
+    # Prefill side: its first pages went to the KV sender (a cached prefix goes before the
+    # forward, chunks as they finish, so this may precede prefill_end_s)
+    transfer_start_s: float = NAN
     transfer_done_s: float = NAN  # decode side: the KV landed (its metadata read)
     decode_join_s: float = NAN  # decode side: it left the waiting line for the running batch
     first_token_s: float = NAN  # the first token went to the client (PD: at decode_join_s)

@@ -66,9 +66,10 @@ class Request:
 
     # Lifecycle
     queued_s: float = NAN  # when it entered its current queue (timeouts)
-    bootstrap_done_s: float = NAN
+    bootstrap_done_s: float = NAN  # prefill side: also when it entered the waiting queue
     prefill_start_s: float = NAN
     prefill_end_s: float = NAN
+    transfer_start_s: float = NAN
     transfer_done_s: float = NAN
     decode_join_s: float = NAN
     finish_s: float = NAN
@@ -113,6 +114,7 @@ class Request:
             bootstrap_done_s=self.bootstrap_done_s,
             prefill_start_s=self.prefill_start_s,
             prefill_end_s=self.prefill_end_s,
+            transfer_start_s=self.transfer_start_s,
             transfer_done_s=self.transfer_done_s,
             decode_join_s=self.decode_join_s,
             first_token_s=self.token_times_s[0] if self.token_times_s else NAN,

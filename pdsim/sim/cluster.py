@@ -259,6 +259,7 @@ class Simulation:
                 rec.bootstrap_done_s = pre.bootstrap_done_s
                 rec.prefill_start_s = pre.prefill_start_s
                 rec.prefill_end_s = pre.prefill_end_s
+                rec.transfer_start_s = pre.transfer_start_s
             records.append(rec)
         return records
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +40,7 @@ class RealDeployment:
              "0"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True)
+        self.secret = secret
         self.lines: list[str] = []
         self.workers: dict[tuple[str, int], str] = {}
         self.url = self._wait_ready(startup_timeout_s)
@@ -57,6 +60,20 @@ class RealDeployment:
                 return m.group(1)
         self.stop()
         raise ServeError("pdsim serve did not come up:\n" + "".join(self.lines[-40:]))
+
+    def worker_records(self, role: str) -> list[list[dict]]:
+        """Every `role` ("prefill" or "decode") worker's `/records` rows, one list per worker
+        in instance order; each worker's times are on its own clock (NaN as None)."""
+        from runtime.security import ClusterKey
+
+        headers = ClusterKey.from_secret(self.secret).headers()
+        out = []
+        for (r, _), url in sorted(self.workers.items()):
+            if r == role:
+                req = urllib.request.Request(f"{url}/records", headers=headers)
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    out.append(json.loads(resp.read()))
+        return out
 
     def _drain(self) -> None:
         for line in self.proc.stdout:

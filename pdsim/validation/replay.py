@@ -4,7 +4,8 @@ Request i is sent at `start + arrival_s[i]` whatever happened to the ones before
 prompt of exactly `input_tokens[i]` token ids and `max_tokens = output_tokens[i]` with
 `ignore_eos`, streamed; every token's arrival at the client is recorded. The result is one
 `RequestRecord` per request on the client's clock (0 = the replay's start), the schema the
-simulator writes, so both go through `pdsim.metrics.summarize`.
+simulator writes, so both go through `pdsim.metrics.summarize`. Its `rid` is the id the server
+streamed (the workers' records carry it too), or `replay-<i>` when none came.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, rid: str,
                     if not line.startswith("data:") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[5:])
+                    rid = chunk.get("id") or rid
                     if "error" in chunk:
                         error = str(chunk["error"])[:200]
                         break

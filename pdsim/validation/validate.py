@@ -1,9 +1,11 @@
 """`pdsim validate CONFIG`: serve the deployment for real, replay its workload, simulate the same
 deployment (with a calibration laid over it) on the same arrivals and lengths, compare.
 
-Writes to the output directory: `validation.csv` and `validation.md` (the side-by-side table),
-`validation.png` (CDFs and the per-request TTFT scatter), `real_requests.csv` and
-`sim_requests.csv` (one row per request).
+Writes to the output directory: `validation.csv` and `validation.md` (the side-by-side table;
+the markdown also holds the phase table), `phases.csv` (per-phase means, sim against real, see
+`pdsim.validation.phases`), `validation.png` (CDFs and the per-request TTFT scatter),
+`real_requests.csv` and `sim_requests.csv` (one row per request; the real ones carry the PD
+workers' phase stamps on the client's clock).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pdsim.config import (
 )
 from pdsim.core.records import RequestRecord
 from pdsim.metrics import records_frame, summarize
+from pdsim.validation import phases
 from pdsim.validation.compare import Tolerance, markdown, plot, side_by_side
 
 # Sections of a calibration file that lie over the experiment (runtime/calibration.py).
@@ -29,6 +32,7 @@ OVERLAY_KEYS = ("cost_model", "network", "router", "kv_dtype_bytes", "cluster")
 @dataclass
 class Validation:
     table: pd.DataFrame
+    phases: pd.DataFrame
     real: list[RequestRecord]
     sim: list[RequestRecord]
     out_dir: Path
@@ -103,6 +107,8 @@ def validate(config_path: str | Path, *, calibration: str | Path | None = None,
     with RealDeployment(path, secret=new_secret()) as real_dep:
         real = replay(real_dep.url, _serve_name(path), work.arrival_s, work.input_tokens,
                       work.output_tokens, seed=cfg.seed)
+        real = phases.merge_worker_records(real, real_dep.worker_records("prefill"),
+                                           real_dep.worker_records("decode"))
     log("sim: " + (f"calibrated by {calibration}" if calibration else "as configured"))
     sim = simulate(cluster, work.arrival_s, work.input_tokens, work.output_tokens,
                    seed=sim_cfg.seed, max_duration_s=sim_cfg.max_duration_s).records
@@ -111,9 +117,12 @@ def validate(config_path: str | Path, *, calibration: str | Path | None = None,
     s = summarize(sim, num_gpus=cluster.num_gpus, slo=cfg.slo)
     table = side_by_side(r, s, tolerance)
     table.to_csv(out / "validation.csv", index=False)
+    phase_table = phases.phase_table(real, sim)
+    phase_table.to_csv(out / "phases.csv", index=False)
     title = f"{cfg.name}: {len(work.arrival_s)} requests, real vs simulated"
-    (out / "validation.md").write_text(markdown(table, title))
+    (out / "validation.md").write_text(
+        markdown(table, title) + "\n" + phases.markdown(phase_table, "Where TTFT goes (means)"))
     plot(real, sim, out / "validation.png", title)
     records_frame(real).to_csv(out / "real_requests.csv", index=False)
     records_frame(sim).to_csv(out / "sim_requests.csv", index=False)
-    return Validation(table, real, sim, out)
+    return Validation(table, phase_table, real, sim, out)
