@@ -393,6 +393,8 @@ def explain(
     if json_out:
         print(json.dumps(e.to_json(), indent=2))
         return
+    from rich.table import Table
+
     out = Console(width=min(console.width, 80))  # 80 columns at most, piped or not
     out.print(f"{e.model} on {e.hardware}, {e.role}, {e.cost_model} cost model:\n{e.step}",
               highlight=False)
