@@ -105,6 +105,7 @@ def test_dense_roofline_prefill_chunks_the_prompt_as_the_scheduler_does(tmp_path
     check_sums(got, step_time_s(cfg, "prefill", chunks))
 
 
+@pytest.mark.slow
 @needs_tables
 def test_deepseek_deepep_decode_and_prefill_name_the_moe_ops(tmp_path):
     cfg = config("deepseek-v3", "h200", role=DEEPEP)
@@ -133,6 +134,7 @@ def test_deepseek_deepep_decode_and_prefill_name_the_moe_ops(tmp_path):
     check_sums(got, step_time_s(cfg, "prefill", chunks))
 
 
+@pytest.mark.slow
 @needs_tables
 def test_kimi_experts_are_transferred_from_the_measured_deepseek_shape(tmp_path):
     cfg = config("kimi-k2", "h200", role=KIMI_DEEPEP)
