@@ -26,8 +26,8 @@ import pytest
 
 from configs import colocated_config
 from pd_harness import Proc
-from runtime.streams import StreamEvent
-from runtime.pd import step_messages as steps
+from runtime.protocol.stream import StreamEvent
+from runtime.protocol import step as steps
 from runtime.sampling import SamplingParams
 from runtime.colocated import BackgroundServer
 from runtime.tokenizer import ByteTokenizer

@@ -43,11 +43,12 @@ from runtime.driver import (
     Apply, Call, CheckPools, Engine, Entry, Submit, pages_in_use, scheduler_gauges,
 )
 from runtime.executor import ModelExecutor
+from runtime.protocol.stream import StreamEvent
 from runtime.sampling import SamplingParams
-from runtime.pd import step_messages as steps
+from runtime.protocol import step as steps
 from runtime.pd.kv import SnapshotKV
 from runtime.serve_metrics import GAUGES, ServeMetrics
-from runtime.streams import StreamEvent, deliver
+from runtime.streams import deliver
 
 log = logging.getLogger(__name__)
 

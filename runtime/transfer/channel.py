@@ -18,7 +18,7 @@ from collections import OrderedDict
 import zmq
 
 from runtime.security import ClusterKey
-from runtime.transfer.messages import Message, ProtocolError, decode, encode
+from runtime.protocol.transfer import Message, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
 
