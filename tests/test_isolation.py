@@ -3,7 +3,7 @@
 completes with all its tokens: on the colocated server, and through the router of a real
 deployment (`pdsim serve`, prefill tp 2). Then that deployment's decode worker is killed (-9)
 mid-stream: every client still gets an error event and `data: [DONE]`. Also the typed per-step
-TP broadcast (runtime/pd/step_messages.py): what does not fit is refused before it is sent, on a
+TP broadcast (runtime/protocol/step.py): what does not fit is refused before it is sent, on a
 real tp-2 decode instance whose ranks stay in step."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 schedulers and model forwards in lock step, SGLang style. At the start of each iteration:
 
 1. rank 0 takes its inbox (new requests, aborts, pool checks) and broadcasts it with its clock
-   reading `now` and whether to stop, one typed `Step` message (runtime/pd/step_messages.py);
+   reading `now` and whether to stop, one typed `Step` message (runtime/protocol/step.py);
    the other ranks wait for it. A request that does not fit the message (a value out of range)
    fails alone on rank 0 and is not sent;
 2. every rank applies those operations in order, with that `now`, then takes one poll snapshot
