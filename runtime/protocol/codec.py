@@ -19,10 +19,12 @@ what a receiver would refuse.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Annotated, Any, ClassVar
 
@@ -33,6 +35,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 LogProb = Annotated[float, "may be -inf"]
 MESSAGES: dict[str, type] = {}  # every registered message type, by its `TYPE`
 _HINTS: dict[type, dict[str, Any]] = {}
+_NESTING: dict[type, set[str]] = {}  # per message type, the fields that may hold messages
 
 
 class ProtocolError(ValueError):
@@ -51,6 +54,7 @@ def message(cls: type) -> type:
         raise ValueError(f"message type {cls.TYPE!r} is registered twice")
     hints = typing.get_type_hints(cls, include_extras=True)
     _HINTS[cls] = {f.name: hints[f.name] for f in fields(cls)}
+    _NESTING[cls] = {name for name, hint in _HINTS[cls].items() if _holds_messages(hint)}
     MESSAGES[cls.TYPE] = cls
     return cls
 
@@ -96,7 +100,14 @@ def to_json(msg: Any, *, typed: bool = False) -> str:
 
 
 def _fields_out(msg: Any) -> dict[str, Any]:
-    return {name: _out(getattr(msg, name)) for name in _HINTS[type(msg)]}
+    nesting = _NESTING[type(msg)]
+    return {name: _out(getattr(msg, name)) if name in nesting else getattr(msg, name)
+            for name in _HINTS[type(msg)]}
+
+
+def _holds_messages(hint: Any) -> bool:
+    return hint in _HINTS or any(_holds_messages(a) for a in typing.get_args(hint)
+                                 if not isinstance(a, str))
 
 
 def _out(value: Any) -> Any:
@@ -189,7 +200,7 @@ def _check_value(kind: str, name: str, value: Any, hint: Any) -> Any:
     """`value` as field `name` of a `kind` message holds it (lists of tuples become tuples,
     nested maps messages), else `ProtocolError`."""
     try:
-        return _as(value, hint)
+        return _converter(hint)(value)
     except _Mismatch as exc:
         raise ProtocolError(f"{kind}.{name} must be {_describe(hint)}, got {_short(value)}"
                             f"{exc.where}", message_type=kind, field=name) from None
@@ -200,54 +211,88 @@ class _Mismatch(Exception):
         self.where = where
 
 
-def _as(value: Any, hint: Any) -> Any:
+def _is_int(v: Any) -> bool:
+    return type(v) is int and INT64_MIN <= v <= INT64_MAX
+
+
+def _is_float(v: Any) -> bool:
+    return (type(v) is float and math.isfinite(v)) or _is_int(v)
+
+
+@functools.cache
+def _converter(hint: Any) -> Callable[[Any], Any]:
+    """A function that returns a wire value as a `hint` field holds it, else raises `_Mismatch`;
+    built once per hint."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Annotated:
-        if type(value) is float and value == -math.inf:
-            return value
-        return _as(value, args[0])
+    if origin is Annotated:  # LogProb
+        inner = _converter(args[0])
+        return lambda v: v if type(v) is float and v == -math.inf else inner(v)
     if isinstance(hint, types.UnionType) or origin is typing.Union:
-        for option in args:
+        return _union([_converter(a) for a in args])
+    if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+        return _fixed_tuple([_converter(a) for a in args])
+    if origin in (list, tuple):
+        return _sequence(args[0], _converter(args[0]), list if origin is list else tuple)
+    if hint in _HINTS:
+        return functools.partial(_nested, hint)
+    test = {int: _is_int, float: _is_float, type(None): lambda v: v is None}.get(
+        hint, lambda v: type(v) is hint)  # exact: a bool is not an int, a str subclass not a str
+
+    def scalar(v: Any) -> Any:
+        if test(v):
+            return v
+        raise _Mismatch()
+    return scalar
+
+
+def _union(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
+    def convert(v: Any) -> Any:
+        for option in options:
             try:
-                return _as(value, option)
+                return option(v)
             except _Mismatch:
                 continue
         raise _Mismatch()
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
+    return convert
+
+
+def _sequence(item_hint: Any, item: Callable[[Any], Any], make: type) -> Callable[[Any], Any]:
+    def convert(v: Any) -> Any:
+        if not isinstance(v, (list, tuple)):
             raise _Mismatch()
-        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            if len(value) != len(args):
-                raise _Mismatch(f" ({len(value)} items; allowed: {len(args)})")
-            items = args
-        else:
-            items = (args[0],) * len(value)
-        out = []
-        for i, (v, h) in enumerate(zip(value, items)):
-            try:
-                out.append(_as(v, h))
-            except _Mismatch as exc:
-                raise _Mismatch(f" (item {i}: {_short(v)}{exc.where})") from None
-        return tuple(out) if origin is tuple else out
-    if hint in _HINTS:
-        if isinstance(value, hint):
-            return value
-        if not isinstance(value, dict) or value.get("type") != hint.TYPE:
+        if item_hint is int and all(type(x) is int for x in v) and (  # the common case, fast
+                not v or INT64_MIN <= min(v) and max(v) <= INT64_MAX):
+            return make(v)
+        return make(_items(v, [item] * len(v)))
+    return convert
+
+
+def _fixed_tuple(items: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
+    def convert(v: Any) -> Any:
+        if not isinstance(v, (list, tuple)):
             raise _Mismatch()
-        return _build(hint, value, {"type"})
-    if hint is type(None):
-        if value is None:
-            return value
-    elif hint is int:
-        if type(value) is int and INT64_MIN <= value <= INT64_MAX:
-            return value
-    elif hint is float:
-        if (type(value) is float and math.isfinite(value)) or (
-                type(value) is int and INT64_MIN <= value <= INT64_MAX):
-            return value
-    elif type(value) is hint:  # exact: a bool is not an int, a str subclass not a str
-        return value
-    raise _Mismatch()
+        if len(v) != len(items):
+            raise _Mismatch(f" ({len(v)} items; allowed: {len(items)})")
+        return tuple(_items(v, items))
+    return convert
+
+
+def _items(values: list | tuple, items: list[Callable[[Any], Any]]) -> list:
+    out = []
+    for i, (v, item) in enumerate(zip(values, items)):
+        try:
+            out.append(item(v))
+        except _Mismatch as exc:
+            raise _Mismatch(f" (item {i}: {_short(v)}{exc.where})") from None
+    return out
+
+
+def _nested(cls: type, v: Any) -> Any:
+    if isinstance(v, cls):
+        return v
+    if not isinstance(v, dict) or v.get("type") != cls.TYPE:
+        raise _Mismatch()
+    return _build(cls, v, {"type"})
 
 
 def _describe(hint: Any) -> str:

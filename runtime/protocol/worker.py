@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.checks import BadRequest, check_text, check_token_ids, is_int, short_repr
+from runtime.checks import BadRequest, check_text, check_token_ids, is_int
 from runtime.protocol.codec import VERSION, ProtocolError, check_keys, check_version
 from runtime.sampling import (
     MAX_TOP_LOGPROBS, SAMPLING_FIELDS, SamplingError, SamplingParams, parse_sampling,
