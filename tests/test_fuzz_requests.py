@@ -73,7 +73,7 @@ generate_bodies = st.fixed_dictionaries({}, optional={
         k: json_values | st.floats(-1, 3) for k in ("temperature", "top_p", "top_k", "seed")})
     | json_values,
     "bootstrap_room": st.integers(-1, 2**64) | json_values,
-    "version": st.just(1) | json_values,
+    "version": st.just(codec.VERSION) | json_values,
 })
 
 

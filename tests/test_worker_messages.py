@@ -27,7 +27,8 @@ def test_what_the_router_encodes_the_worker_decodes():
     assert parse_generate(body, model_vocab=512, max_position=2048) == sent
 
 
-@pytest.mark.parametrize("version", [None, 0, VERSION - 1, VERSION + 1, str(VERSION), True, float(VERSION)])
+@pytest.mark.parametrize("version", [None, 0, VERSION - 1, VERSION + 1, str(VERSION), True,
+                                     float(VERSION)])
 def test_another_version_is_refused_naming_the_field(version):
     body = request().to_body()
     if version is None:
