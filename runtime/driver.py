@@ -48,9 +48,10 @@ from pdsim.core.records import RequestRecord
 from pdsim.core.request import Request
 from pdsim.core.scheduler import ColocatedScheduler, InstanceScheduler
 from runtime.executor import ModelExecutor, save_table
+from runtime.protocol.stream import StreamEvent
 from runtime.sampling import SamplingParams
 from runtime.serve_metrics import ServeMetrics
-from runtime.streams import EngineStopped, Sink, StreamEvent, deliver
+from runtime.streams import EngineStopped, Sink, deliver
 
 log = logging.getLogger(__name__)
 

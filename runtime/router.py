@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import random
@@ -40,11 +39,12 @@ from pdsim.core.router import InflightLoad, Router
 from runtime.chat_template import ChatTemplate
 from runtime.openai.protocol import Limits
 from runtime.openai.server import OpenAIServer
-from runtime.pd.worker_messages import GenerateParams
+from runtime.protocol.stream import StreamEvent, from_sse_data
+from runtime.protocol.worker import GenerateParams
 from runtime.sampling import SamplingParams
 from runtime.security import redact_addresses
 from runtime.serve_metrics import ServeMetrics
-from runtime.streams import EngineStopped, Sink, StreamEvent, deliver
+from runtime.streams import EngineStopped, Sink, deliver
 from runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -363,9 +363,12 @@ class PDRouter:
 # ---- the workers' wire format -------------------------------------------------------------
 
 
-async def sse_data(resp: aiohttp.ClientResponse):
-    """The JSON objects of a worker's SSE stream (`data: {...}` lines), until `data: [DONE]`.
-    A stream that ends without `[DONE]` simply stops: the caller decides what that means."""
+async def _sse_events(resp: aiohttp.ClientResponse):
+    """The events of a decode worker's SSE stream (`data: {...}` lines) until `data: [DONE]`. A
+    stream that ends without `[DONE]` simply stops: the caller decides what that means. An event
+    that is not a `StreamEvent` of this protocol version raises `ProtocolError` (a `ValueError`,
+    which `_calling` turns into a 502). An error's text reaches the client with any internal
+    address in it redacted."""
     async for raw in resp.content:
         line = raw.decode().strip()
         if not line.startswith("data:"):
@@ -373,27 +376,10 @@ async def sse_data(resp: aiohttp.ClientResponse):
         data = line[5:].strip()
         if data == "[DONE]":
             return
-        yield json.loads(data)
-
-
-async def _sse_events(resp: aiohttp.ClientResponse):
-    async for obj in sse_data(resp):
-        yield _event(obj)
-
-
-def _event(obj: dict) -> StreamEvent:
-    return StreamEvent(
-        token_ids=tuple(obj.get("token_ids", ())),
-        logprobs=tuple(obj.get("logprobs", ())),
-        top_logprobs=tuple(tuple((int(i), float(v)) for i, v in top)
-                           for top in obj.get("top_logprobs", ())),
-        finished=bool(obj.get("finished", False)),
-        finish_reason=obj.get("finish_reason"),
-        error=None if obj.get("error") is None else redact_addresses(str(obj["error"])),
-        prompt_tokens=int(obj.get("prompt_tokens", 0)),
-        completion_tokens=int(obj.get("completion_tokens", 0)),
-        cached_tokens=int(obj.get("cached_tokens", 0)),
-    )
+        event = from_sse_data(data)
+        if event.error is not None:
+            event = replace(event, error=redact_addresses(event.error))
+        yield event
 
 
 async def _worker_error(resp: aiohttp.ClientResponse, worker: WorkerAddress) -> WorkerError:

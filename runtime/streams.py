@@ -1,33 +1,14 @@
-"""What an engine hands back per request: `StreamEvent`s to a sink, and the HTTP status of a
-failure. Shared by the engines, the OpenAI front, the PD workers and the router."""
+"""Where an engine hands its `StreamEvent`s (runtime/protocol/stream.py): a sink, and the HTTP
+status of a failure. Shared by the engines, the OpenAI front, the PD workers and the router."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+
+from runtime.protocol.stream import StreamEvent
 
 log = logging.getLogger(__name__)
-
-TopLogprobs = tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class StreamEvent:
-    """New tokens of one request; the last event of a request has `finished` set."""
-
-    token_ids: tuple[int, ...] = ()
-    logprobs: tuple[float, ...] = ()
-    top_logprobs: tuple[TopLogprobs, ...] = ()  # one entry per token when they were asked for
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" or "length" when finished without error
-    error: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0  # tokens generated in all, on the last event
-    cached_tokens: int = 0  # prompt tokens a prefix cache supplied, on the last event
-    status: int | None = None  # HTTP status of an error raised before any token (router)
-    param: str | None = None  # the request field a 4xx error is about
-
 
 Sink = Callable[[StreamEvent], None]
 

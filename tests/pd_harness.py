@@ -23,6 +23,7 @@ from pathlib import Path
 import aiohttp
 
 from runtime.distributed import free_port
+from runtime.protocol.codec import VERSION
 from runtime.pd.worker import child_env, python_command, stop_processes
 from runtime.serve_config import PDServeConfig
 
@@ -144,7 +145,7 @@ class Outcome:
 
 def body(rid: str, ids: list[int], max_new: int, prefill: Worker, *, room: int | None = None,
          **extra) -> dict:
-    return {"version": 1, "rid": rid, "input_ids": ids, "max_new_tokens": max_new,
+    return {"version": VERSION, "rid": rid, "input_ids": ids, "max_new_tokens": max_new,
             "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None},
             "stop_token_ids": [], "top_logprobs": 0, "bootstrap_host": "127.0.0.1",
             "bootstrap_port": prefill.bootstrap_port,

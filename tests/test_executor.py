@@ -21,7 +21,7 @@ from runtime.driver import Engine
 from runtime.executor import TIMING_COLUMNS, ModelExecutor
 from runtime.model import AttentionMetadata, ModelConfig, build_model
 from runtime.sampling import SamplingParams
-from runtime.streams import StreamEvent
+from runtime.protocol.stream import StreamEvent
 from runtime.tokenizer import ByteTokenizer
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]

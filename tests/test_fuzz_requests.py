@@ -16,14 +16,15 @@ from configs import colocated_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.pd import step_messages
-from runtime.pd.worker_messages import GENERATE_FIELDS, parse_generate
+from runtime.protocol import codec
+from runtime.protocol import step as step_messages
+from runtime.protocol.worker import GENERATE_FIELDS, parse_generate
 from runtime.chat_template import ChatTemplate
 from runtime.checks import BadRequest
 from runtime.openai.protocol import GenParams, Limits, RequestParser
 from runtime.colocated import BackgroundServer
 from runtime.tokenizer import ByteTokenizer
-from runtime.transfer import messages
+from runtime.protocol import transfer as messages
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -72,7 +73,7 @@ generate_bodies = st.fixed_dictionaries({}, optional={
         k: json_values | st.floats(-1, 3) for k in ("temperature", "top_p", "top_k", "seed")})
     | json_values,
     "bootstrap_room": st.integers(-1, 2**64) | json_values,
-    "version": st.just(1) | json_values,
+    "version": st.just(codec.VERSION) | json_values,
 })
 
 
@@ -141,14 +142,15 @@ msgpack_values = st.recursive(
                                                 "room", "rid"]), inner, max_size=6),
     max_leaves=16)
 typed_maps = st.fixed_dictionaries({
-    "type": st.sampled_from(sorted(messages.MESSAGE_TYPES)) | msgpack_values,
-    "version": st.just(messages.PROTOCOL_VERSION) | msgpack_values,
+    "type": st.sampled_from(sorted(cls.TYPE for cls in messages.MESSAGE_TYPES)) | msgpack_values,
+    "version": st.just(codec.VERSION) | msgpack_values,
 }, optional={name: msgpack_values for name in ("room", "reason", "session_id", "endpoint",
                                                "reply", "poll", "prefill_tp_rank")})
 steps_maps = st.fixed_dictionaries({
-    "version": st.just(step_messages.STEP_VERSION) | msgpack_values,
+    "type": st.just("step") | msgpack_values,
+    "version": st.just(codec.VERSION) | msgpack_values,
     "now": st.floats() | msgpack_values, "stop": st.booleans() | msgpack_values,
-    "ops": st.lists(st.fixed_dictionaries({"op": st.sampled_from(sorted(step_messages.OPS))},
+    "ops": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["add_request", "abort_request", "check_pools"])},
                                           optional={"rid": msgpack_values,
                                                     "reason": msgpack_values}), max_size=3)
     | msgpack_values})
@@ -164,9 +166,9 @@ def frames(structured):
 def test_the_transfer_decoder_raises_only_protocol_errors(frame):
     try:
         msg = messages.decode(frame)
-    except messages.ProtocolError:
+    except codec.ProtocolError:
         return
-    assert type(msg) in messages.MESSAGE_TYPES.values()
+    assert type(msg) in messages.MESSAGE_TYPES
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
@@ -174,6 +176,6 @@ def test_the_transfer_decoder_raises_only_protocol_errors(frame):
 def test_the_step_decoder_raises_only_step_message_errors(frame):
     try:
         step = step_messages.decode(frame)
-    except step_messages.StepMessageError:
+    except codec.ProtocolError:
         return
     assert step_messages.decode(step_messages.encode(step)) == step

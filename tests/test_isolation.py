@@ -3,7 +3,7 @@
 completes with all its tokens: on the colocated server, and through the router of a real
 deployment (`pdsim serve`, prefill tp 2). Then that deployment's decode worker is killed (-9)
 mid-stream: every client still gets an error event and `data: [DONE]`. Also the typed per-step
-TP broadcast (runtime/pd/step_messages.py): what does not fit is refused before it is sent, on a
+TP broadcast (runtime/protocol/step.py): what does not fit is refused before it is sent, on a
 real tp-2 decode instance whose ranks stay in step."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import pytest
 
 from configs import colocated_config
 from pd_harness import Proc
-from runtime.streams import StreamEvent
-from runtime.pd import step_messages as steps
+from runtime.protocol.stream import StreamEvent
+from runtime.protocol import step as steps
 from runtime.sampling import SamplingParams
 from runtime.colocated import BackgroundServer
 from runtime.tokenizer import ByteTokenizer

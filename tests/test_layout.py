@@ -296,6 +296,8 @@ def _run_without_torch(code: str) -> None:
 def test_importing_the_router_side_loads_no_torch():
     _run_without_torch("""
         import pdsim.cli, runtime.launcher, runtime.openai.server, runtime.router
+        import runtime.protocol.step, runtime.protocol.stream, runtime.protocol.transfer
+        import runtime.protocol.worker
     """)
 
 

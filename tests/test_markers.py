@@ -107,4 +107,4 @@ def test_the_check_finds_each_kind_of_unmarked_import() -> None:
         "[pair]", "[pytest.param(pair, marks=pytest.mark.real)]")) == []
     # what is not the real backend needs no mark
     assert unmarked_real_tests("from runtime.serve_config import parse_serve_config\n"
-                               "from runtime.pd.worker_messages import parse_generate\n") == []
+                               "from runtime.protocol.worker import parse_generate\n") == []

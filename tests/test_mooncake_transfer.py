@@ -16,7 +16,7 @@ from pdsim.core.request import Request
 from pdsim.core.transfer import FirstTokenMetadata
 from pdsim.deployment import TransferConfig
 from runtime.transfer.bootstrap_server import BootstrapServer
-from runtime.transfer import messages as m
+from runtime.protocol import transfer as m
 from runtime.transfer.mooncake_engine import MooncakeEngine, TransferEngineError, check_version
 from runtime.transfer.layout import (
     KVArgs, Target, head_range, page_descriptors, plan_targets,
@@ -59,9 +59,10 @@ _DROP = object()
 
 @pytest.mark.parametrize("frame, needle", [
     (_raw(type="pickle"), "unknown message type 'pickle'"),
-    (_raw(version=2), "protocol version 2 is not supported"),
+    (_raw(version=1), "protocol version 1 is not supported"),
     (_raw(version=_DROP), "protocol version None"),
     (_raw(colour="red"), "unexpected fields ['colour']"),
+    (_raw(type="step"), "unknown message type 'step'"),
     (_raw(room=_DROP), "missing fields ['room']"),
     (_raw(room="5"), "transfer_info.room must be"),
     (_raw(is_dummy=0), "transfer_info.is_dummy must be"),

@@ -22,6 +22,8 @@ from aiohttp import web
 
 from pdsim.core.router import Router
 from pdsim.deployment import Deployment, RouterConfig
+from runtime.protocol.codec import VERSION, to_dict
+from runtime.protocol.stream import StreamEvent
 from runtime.router import PDRouter, WorkerAddress
 from runtime.openai.protocol import Limits
 from runtime.tokenizer import ByteTokenizer
@@ -34,7 +36,8 @@ class ScriptedWorker:
 
     def __init__(self, role: str, *, prefill_status: int = 200, decode_status: int = 200,
                  token_delay_s: float = 0.0, die_after: int | None = None,
-                 hold_s: float = 0.0, junk_token_at: int | None = None):
+                 hold_s: float = 0.0, junk_token_at: int | None = None,
+                 stream_version: int = VERSION):
         self.role = role
         self.prefill_status = prefill_status
         self.decode_status = decode_status
@@ -42,6 +45,7 @@ class ScriptedWorker:
         self.die_after = die_after  # decode: cut the connection after this many events
         self.hold_s = hold_s  # decode: no answer at all this long (a real one waits for the KV)
         self.junk_token_at = junk_token_at  # decode: this event carries an id no tokenizer has
+        self.stream_version = stream_version  # decode: the protocol version its events carry
         self.generated: list[dict] = []
         self.aborted: list[dict] = []
         self.runner: web.AppRunner | None = None
@@ -93,9 +97,11 @@ class ScriptedWorker:
             await asyncio.sleep(self.token_delay_s)
             last = i == len(ids) - 1
             tok = 10**6 if i == self.junk_token_at else tok
-            event = {"token_ids": [tok], "logprobs": [-0.5], "finished": last,
-                     "finish_reason": "length" if last else None, "error": None,
-                     "prompt_tokens": len(body["input_ids"]), "completion_tokens": i + 1}
+            event = to_dict(StreamEvent(
+                token_ids=(tok,), logprobs=(-0.5,), finished=last,
+                finish_reason="length" if last else None, prompt_tokens=len(body["input_ids"]),
+                completion_tokens=i + 1), typed=False)
+            event["version"] = self.stream_version
             await resp.write(f"data: {json.dumps(event)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -164,7 +170,7 @@ def test_both_workers_get_the_request_with_one_room_and_tokens_stream_back(clust
     (pre,) = cluster.prefill[0].generated
     dec = cluster.decode[0].generated[0]
     assert pre["bootstrap_room"] == dec["bootstrap_room"] and 0 <= pre["bootstrap_room"] < 2**63
-    assert pre["version"] == dec["version"] == 1  # the typed body (runtime/pd/worker_messages.py)
+    assert pre["version"] == dec["version"] == VERSION  # the typed body (runtime/protocol/)
     assert pre["bootstrap_host"] == dec["bootstrap_host"] == "127.0.0.1"
     assert pre["bootstrap_port"] == dec["bootstrap_port"] == 9999
     assert pre["input_ids"][-5:] == list(b"hello") and pre["max_new_tokens"] == 5
@@ -228,6 +234,19 @@ def test_a_decode_refusal_passes_through(cluster):
         cluster.client().completions.create(model="tiny", prompt="hello", max_tokens=5)
     assert e.value.status_code == 503 and "decode refused" in str(e.value)
     cluster.wait_for(lambda: cluster.prefill[0].aborted)  # prefill told to drop it
+
+
+@pytest.mark.parametrize("cluster", [{"decode": {"stream_version": VERSION - 1}}],
+                         indirect=True)
+def test_a_decode_stream_of_another_protocol_version_is_a_502_naming_it(cluster):
+    with pytest.raises(openai.APIStatusError) as e:
+        cluster.client().completions.create(model="tiny", prompt="hello", max_tokens=5)
+    assert e.value.status_code == 502
+    assert (f"stream_event: protocol version {VERSION - 1} is not supported; allowed: {VERSION}"
+            in str(e.value))
+    cluster.wait_for(lambda: cluster.prefill[0].aborted)  # prefill told to drop it
+    cluster.wait_for(lambda: len(cluster.router.records) == 1)
+    assert not cluster.router.records[0].ok
 
 
 def test_an_unreachable_decode_worker_is_a_503_with_retry_after():

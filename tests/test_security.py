@@ -24,7 +24,7 @@ from runtime.security import (
     new_secret, resolve_secret,
 )
 from runtime.transfer import bindshim
-from runtime.transfer import messages as m
+from runtime.protocol import transfer as m
 from runtime.transfer.channel import ZmqChannel
 from runtime.transfer.prefill import MAX_UNCLAIMED_ROOMS
 from test_mooncake_transfer import CONFIG, Cluster, request, wait_for

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from runtime.checks import BadRequest
-from runtime.pd.worker_messages import WORKER_API_VERSION, GenerateParams, parse_generate
+from runtime.protocol.codec import VERSION
+from runtime.protocol.worker import GenerateParams, parse_generate
 from runtime.sampling import SamplingParams
 
 
@@ -22,11 +23,12 @@ def request(**kw) -> GenerateParams:
 def test_what_the_router_encodes_the_worker_decodes():
     sent = request()
     body = sent.to_body()
-    assert body["version"] == WORKER_API_VERSION
+    assert body["version"] == VERSION
     assert parse_generate(body, model_vocab=512, max_position=2048) == sent
 
 
-@pytest.mark.parametrize("version", [None, 0, 2, "1", True, 1.0])
+@pytest.mark.parametrize("version", [None, 0, VERSION - 1, VERSION + 1, str(VERSION), True,
+                                     float(VERSION)])
 def test_another_version_is_refused_naming_the_field(version):
     body = request().to_body()
     if version is None:

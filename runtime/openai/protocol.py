@@ -11,8 +11,9 @@ from aiohttp import web
 
 from runtime.chat_template import ChatTemplate
 from runtime.checks import BadRequest, check_text, check_token_ids, is_int, short_repr
+from runtime.protocol.stream import StreamEvent
 from runtime.sampling import SamplingError, SamplingParams, parse_sampling
-from runtime.streams import RETRY_AFTER_S, StreamEvent, failure_status
+from runtime.streams import RETRY_AFTER_S, failure_status
 from runtime.tokenizer import Tokenizer
 
 MAX_COMPLETION_LOGPROBS = 5

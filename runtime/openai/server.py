@@ -37,9 +37,10 @@ from runtime.openai.protocol import (
     RETRY_HEADERS, GenParams, Limits, RequestParser, busy_response, error_body, error_response,
     usage,
 )
+from runtime.protocol.stream import StreamEvent
 from runtime.sampling import SamplingParams
 from runtime.serve_metrics import CONTENT_TYPE, ServeMetrics
-from runtime.streams import EngineStopped, StreamEvent
+from runtime.streams import EngineStopped
 from runtime.tokenizer import ByteTokenizer, StreamDecoder, Tokenizer
 
 log = logging.getLogger(__name__)

@@ -1,18 +1,18 @@
 """The HTTP API of a prefill or decode worker (rank 0 of its instance; aiohttp). The router
 (runtime/router.py) is its client; docs/serving.md documents it.
 
-- `POST /generate` `{"version": 1, "rid", "input_ids", "max_new_tokens", "sampling":
+- `POST /generate` `{"version": 2, "rid", "input_ids", "max_new_tokens", "sampling":
   {"temperature", "top_p", "top_k", "seed"}, "stop_token_ids", "top_logprobs", "bootstrap_host",
-  "bootstrap_port", "bootstrap_room"}`, a `GenerateParams` (runtime/pd/worker_messages.py, which
+  "bootstrap_port", "bootstrap_room"}`, a `GenerateParams` (runtime/protocol/worker.py, which
   the router encodes with `to_body()`); `sampling`, `stop_token_ids` and `top_logprobs` may be
   left out; other keys and other versions are refused.
   Prefill: answers when the request is done on this side (its KV sent, or failed):
   `200 {"rid", "status": "ok", "token_ids", "logprobs", "top_logprobs"}` (the first token, for
   information: the decode side streams it), else an error status.
-  Decode: `200` and a server-sent-event stream, one `data: {"token_ids", "logprobs",
+  Decode: `200` and a server-sent-event stream, one `data: {"version", "token_ids", "logprobs",
   "top_logprobs", "finished", "finish_reason", "error", "prompt_tokens", "completion_tokens",
-  "cached_tokens"}`
-  per engine event (the first carries the first token, from the prefill side's metadata), then
+  "cached_tokens", "status", "param"}` (a `StreamEvent`, runtime/protocol/stream.py) per engine
+  event (the first carries the first token, from the prefill side's metadata), then
   `data: [DONE]`. A request that fails before its first token gets an error status instead.
   Errors are `{"error": {"message", "type", "param", "code"}}`: 400 for a malformed request or
   one the instance can never hold, 409 for a request id in use, 503 while shutting down, 500 for
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 from dataclasses import asdict, dataclass
@@ -44,22 +43,12 @@ from aiohttp import web
 from runtime.checks import BadRequest, parse_json
 from runtime.http_app import AppServer
 from runtime.pd.lockstep_engine import PDEngine
-from runtime.pd.worker_messages import GenerateParams, parse_generate
+from runtime.protocol.stream import StreamEvent, to_sse_data
+from runtime.protocol.worker import GenerateParams, parse_generate
 from runtime.serve_metrics import CONTENT_TYPE
-from runtime.streams import RETRY_AFTER_S, EngineStopped, StreamEvent, failure_status
+from runtime.streams import RETRY_AFTER_S, EngineStopped, failure_status
 
 log = logging.getLogger(__name__)
-
-def event_json(event: StreamEvent) -> dict:
-    """One engine event as the decode stream's JSON object."""
-    return {
-        "token_ids": list(event.token_ids), "logprobs": list(event.logprobs),
-        "top_logprobs": [[[i, v] for i, v in top] for top in event.top_logprobs],
-        "finished": event.finished, "finish_reason": event.finish_reason, "error": event.error,
-        "prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-        "cached_tokens": event.cached_tokens,
-    }
-
 
 def _error(message: str, status: int, param: str | None = None) -> web.Response:
     """The JSON error answer; a 503 (busy, stopping) says when to retry."""
@@ -187,8 +176,7 @@ class WorkerServer(AppServer):
         await response.prepare(request)
         try:
             while True:
-                data = json.dumps(event_json(event), separators=(",", ":"))
-                await response.write(f"data: {data}\n\n".encode())
+                await response.write(f"data: {to_sse_data(event)}\n\n".encode())
                 if event.finished:
                     break
                 event = await queue.get()
@@ -200,9 +188,9 @@ class WorkerServer(AppServer):
         except Exception as exc:  # noqa: BLE001 - a bug here still ends the stream properly
             log.exception("%s: the stream failed", rid)
             self.engine.abort(rid, f"worker error: {exc!r}")
-            end = event_json(StreamEvent(finished=True, error=f"worker error: {exc!r}"))
+            end = to_sse_data(StreamEvent(finished=True, error=f"worker error: {exc!r}"))
             with contextlib.suppress(ConnectionResetError):
-                await response.write(f"data: {json.dumps(end)}\n\ndata: [DONE]\n\n".encode())
+                await response.write(f"data: {end}\n\ndata: [DONE]\n\n".encode())
                 await response.write_eof()
         return response
 

@@ -5,7 +5,7 @@
 schedulers and model forwards in lock step, SGLang style. At the start of each iteration:
 
 1. rank 0 takes its inbox (new requests, aborts, pool checks) and broadcasts it with its clock
-   reading `now` and whether to stop, one typed `Step` message (runtime/pd/step_messages.py);
+   reading `now` and whether to stop, one typed `Step` message (runtime/protocol/step.py);
    the other ranks wait for it. A request that does not fit the message (a value out of range)
    fails alone on rank 0 and is not sent;
 2. every rank applies those operations in order, with that `now`, then takes one poll snapshot
@@ -43,11 +43,12 @@ from runtime.driver import (
     Apply, Call, CheckPools, Engine, Entry, Submit, pages_in_use, scheduler_gauges,
 )
 from runtime.executor import ModelExecutor
+from runtime.protocol.stream import StreamEvent
 from runtime.sampling import SamplingParams
-from runtime.pd import step_messages as steps
+from runtime.protocol import step as steps
 from runtime.pd.kv import SnapshotKV
 from runtime.serve_metrics import GAUGES, ServeMetrics
-from runtime.streams import StreamEvent, deliver
+from runtime.streams import deliver
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The real transfer backend: Mooncake transfer engine + ZMQ + the HTTP bootstrap server.
 
 - `layout`: `KVArgs` (one rank's registered buffers) and the TP-mismatch arithmetic.
-- `messages`: the versioned msgpack wire format.
+- the wire messages are runtime/protocol/transfer.py (versioned msgpack).
 - `mooncake_engine`: a checked wrapper of Mooncake's `TransferEngine`.
 - `metadata`: first-token metadata slots in registered memory.
 - `channel`: ZMQ PULL/PUSH sockets carrying those messages.

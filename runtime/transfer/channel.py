@@ -1,6 +1,6 @@
 """ZMQ point to point: one PULL socket bound per rank, one PUSH socket per peer it writes to.
 
-Frames are `messages.encode` output (msgpack), one message per frame; with a `ClusterKey` each
+Frames are runtime/protocol/transfer.py messages (msgpack), one per frame; with a `ClusterKey` each
 frame is sealed (an HMAC-SHA256 tag before the body) and a frame whose tag does not match is
 dropped and counted in `rejected_frames`, never decoded. `send` may be called from any thread (a
 lock guards the PUSH sockets); `recv` only from the one service thread.
@@ -22,7 +22,7 @@ from collections import OrderedDict
 import zmq
 
 from runtime.security import ClusterKey
-from runtime.transfer.messages import Message, ProtocolError, decode, encode
+from runtime.protocol.transfer import Message, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from runtime.transfer.bootstrap_server import (
 from runtime.security import ClusterKey
 from runtime.transfer.channel import ChannelError, ZmqChannel
 from runtime.transfer.layout import KVArgs, Target, plan_targets
-from runtime.transfer.messages import (
+from runtime.protocol.transfer import (
     Abort, Heartbeat, RegisterDecode, Status, TransferInfo, pack_pages,
 )
 from runtime.transfer.state import Epoch, RoomState

@@ -42,7 +42,7 @@ from runtime.transfer.channel import ZmqChannel
 from runtime.transfer.decode import DecodeSide
 from runtime.transfer.mooncake_engine import MooncakeEngine
 from runtime.transfer.layout import KVArgs
-from runtime.transfer.messages import Abort, Heartbeat, RegisterDecode, Status, TransferInfo
+from runtime.protocol.transfer import Abort, Heartbeat, RegisterDecode, Status, TransferInfo
 from runtime.transfer.metadata import SLOT_BYTES, MetadataBuffer
 from runtime.transfer.prefill import PrefillSide
 from runtime.transfer.state import Epoch

@@ -33,7 +33,7 @@ from runtime.transfer.layout import (
     HeadSlice, KVArgs, decode_ranks_per_prefill_rank, head_range, head_slice,
     head_slice_descriptors, page_descriptors,
 )
-from runtime.transfer.messages import Abort, Heartbeat, RegisterDecode, Status, TransferInfo
+from runtime.protocol.transfer import Abort, Heartbeat, RegisterDecode, Status, TransferInfo
 from runtime.transfer.state import Epoch, RoomState
 
 log = logging.getLogger(__name__)

@@ -1,24 +1,26 @@
-"""The router -> worker `/generate` body: a typed, versioned message (like the transfer
-backend's runtime/transfer/messages.py and the TP broadcast's runtime/pd/step_messages.py), as
-JSON. The router builds a `GenerateParams` and posts `to_body()`; the worker decodes it with
-`parse_generate`, strictly: another `version`, an unknown or missing field, or a bad value is a
-`BadRequest` naming the field, the value and what is allowed."""
+"""The router -> worker `/generate` body: a versioned message in JSON (the codec's `version`,
+runtime/protocol/codec.py; no `type`: the endpoint names it). The router builds a
+`GenerateParams` and posts `to_body()`; the worker decodes it with `parse_generate`, strictly,
+with the codec's version and key checks: another `version`, an unknown or missing field, or a bad
+value is a `BadRequest` (HTTP 400) naming the field, the value and what is allowed."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.checks import BadRequest, check_text, check_token_ids, is_int, short_repr
+from runtime.checks import BadRequest, check_text, check_token_ids, is_int
+from runtime.protocol.codec import VERSION, ProtocolError, check_keys, check_version
 from runtime.sampling import (
     MAX_TOP_LOGPROBS, SAMPLING_FIELDS, SamplingError, SamplingParams, parse_sampling,
 )
 
 ROOM_LIMIT = 2**63
 MAX_RID_CHARS = 256
-WORKER_API_VERSION = 1  # of the /generate body; bump it on any change of its fields or meaning
-GENERATE_FIELDS = ("version", "rid", "input_ids", "max_new_tokens", "sampling", "stop_token_ids",
-                   "top_logprobs", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+REQUIRED_FIELDS = ("version", "rid", "input_ids", "max_new_tokens", "bootstrap_host",
+                   "bootstrap_port", "bootstrap_room")
+OPTIONAL_FIELDS = ("sampling", "stop_token_ids", "top_logprobs")
+GENERATE_FIELDS = REQUIRED_FIELDS + OPTIONAL_FIELDS
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class GenerateParams:
     def to_body(self) -> dict[str, Any]:
         """The JSON body the router posts to both workers."""
         s = self.sampling
-        return {"version": WORKER_API_VERSION, "rid": self.rid, "input_ids": list(self.input_ids),
+        return {"version": VERSION, "rid": self.rid, "input_ids": list(self.input_ids),
                 "max_new_tokens": self.max_new_tokens,
                 "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                              "seed": s.seed},
@@ -49,17 +51,11 @@ def parse_generate(body: Any, *, model_vocab: int, max_position: int) -> Generat
     """A `/generate` body, checked field by field (`BadRequest` names the field)."""
     if not isinstance(body, dict):
         raise BadRequest(None, f"the body is a JSON {type(body).__name__}; allowed: an object")
-    extra = sorted(set(body) - set(GENERATE_FIELDS))
-    if extra:
-        raise BadRequest(extra[0], f"unknown fields {extra}; allowed: {list(GENERATE_FIELDS)}")
-    version = body.get("version")
-    if not (is_int(version) and version == WORKER_API_VERSION):
-        raise BadRequest("version", f"version={short_repr(version)}; allowed: "
-                         f"{WORKER_API_VERSION} (this worker's /generate version)")
-    for name in ("rid", "input_ids", "max_new_tokens", "bootstrap_host", "bootstrap_port",
-                 "bootstrap_room"):
-        if name not in body:
-            raise BadRequest(name, f"{name} is required")
+    try:
+        check_keys("generate", body, set(REQUIRED_FIELDS), set(OPTIONAL_FIELDS))
+        check_version("generate", body["version"])
+    except ProtocolError as exc:
+        raise BadRequest(exc.field, str(exc)) from None
     rid = body["rid"]
     if not isinstance(rid, str) or not 0 < len(rid) <= MAX_RID_CHARS:
         raise BadRequest("rid", f"rid={rid!r:.80}; allowed: a string of 1..{MAX_RID_CHARS} "

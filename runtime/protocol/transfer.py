@@ -1,29 +1,23 @@
-"""The ZMQ wire format of the transfer backend: versioned dataclasses encoded with msgpack.
+"""The ZMQ messages of the transfer backend, between a prefill rank and a decode rank, in the
+codec's msgpack (runtime/protocol/codec.py: a `type`, the `version`, exactly the fields; strict
+decoding, every problem a `ProtocolError`).
 
-Every frame is one msgpack map: `type` and `version` plus exactly the dataclass's fields. Decoding
-is strict: an unknown type, another version, a missing or extra field, a field of the wrong type
-or bytes that are not one complete msgpack map raise `ProtocolError` naming the problem.
-
-Decode → prefill: `RegisterDecode` (once per decode rank and prefill rank), `TransferInfo`
-(per request), `Abort`, `Heartbeat`. Prefill → decode: `Status`, `Heartbeat` (the echo).
+Decode -> prefill: `RegisterDecode` (once per decode rank and prefill rank), `TransferInfo`
+(per request), `Abort`, `Heartbeat`. Prefill -> decode: `Status`, `Heartbeat` (the echo).
 """
 
 from __future__ import annotations
 
-import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import ClassVar
 
-import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+from runtime.protocol import codec
+from runtime.protocol.codec import ProtocolError, message
 
 
-class ProtocolError(ValueError):
-    """A frame that is not a valid message of this protocol version."""
-
-
+@message
 @dataclass(frozen=True, slots=True)
 class RegisterDecode:
     """A decode rank's KV and metadata buffers, sent once to each prefill rank it talks to."""
@@ -46,6 +40,7 @@ class RegisterDecode:
     kv_heads_per_rank: int
 
 
+@message
 @dataclass(frozen=True, slots=True)
 class TransferInfo:
     """Where one request's KV goes on one decode rank; `is_dummy` ranks send nothing."""
@@ -63,6 +58,7 @@ class TransferInfo:
         return unpack_pages(self.dst_pages, self.page_dtype)
 
 
+@message
 @dataclass(frozen=True, slots=True)
 class Status:
     """A prefill rank's progress on one room (a `KVPoll` value) with the reason of a failure."""
@@ -74,6 +70,7 @@ class Status:
     prefill_tp_rank: int
 
 
+@message
 @dataclass(frozen=True, slots=True)
 class Abort:
     """The decode side gave up on a room."""
@@ -84,6 +81,7 @@ class Abort:
     session_id: str
 
 
+@message
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
     """Liveness: decode sends `reply=False`, prefill echoes it with `reply=True`."""
@@ -95,59 +93,18 @@ class Heartbeat:
 
 
 Message = RegisterDecode | TransferInfo | Status | Abort | Heartbeat
-MESSAGE_TYPES: dict[str, type] = {
-    cls.TYPE: cls for cls in (RegisterDecode, TransferInfo, Status, Abort, Heartbeat)
-}
-_HINTS = {
-    cls: {f.name: typing.get_type_hints(cls)[f.name] for f in fields(cls)}
-    for cls in MESSAGE_TYPES.values()
-}
+MESSAGE_TYPES: tuple[type, ...] = (RegisterDecode, TransferInfo, Status, Abort, Heartbeat)
 
 
 def encode(msg: Message) -> bytes:
-    cls = type(msg)
-    if cls not in _HINTS:
-        raise TypeError(f"not a protocol message: {cls.__name__}")
-    body = {"type": cls.TYPE, "version": PROTOCOL_VERSION}
-    for f in fields(cls):
-        body[f.name] = getattr(msg, f.name)
-    return msgpack.packb(body, use_bin_type=True)
+    if type(msg) not in MESSAGE_TYPES:
+        raise TypeError(f"not a transfer message: {type(msg).__name__}")
+    return codec.encode(msg)
 
 
 def decode(frame: bytes) -> Message:
-    try:
-        body = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.UnpackException, TypeError) as exc:
-        raise ProtocolError(f"frame of {len(frame)} bytes is not one msgpack map: {exc}") from None
-    if not isinstance(body, dict):
-        raise ProtocolError(f"frame is a msgpack {type(body).__name__}, expected a map")
-    kind = body.pop("type", None)
-    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None  # a list is unhashable
-    if cls is None:
-        raise ProtocolError(f"unknown message type {kind!r:.80}; known: {sorted(MESSAGE_TYPES)}")
-    version = body.pop("version", None)
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"{kind}: protocol version {version!r} is not supported (this side speaks "
-            f"{PROTOCOL_VERSION})")
-    hints = _HINTS[cls]
-    missing = sorted(set(hints) - set(body))
-    extra = sorted(set(body) - set(hints))
-    if missing or extra:
-        raise ProtocolError(f"{kind}: missing fields {missing}, unexpected fields {extra}")
-    for name, value in body.items():
-        if not _has_type(value, hints[name]):
-            raise ProtocolError(f"{kind}.{name} must be {hints[name]}, got {value!r:.80}")
-    return cls(**body)
-
-
-def _has_type(value: object, hint: object) -> bool:
-    if typing.get_origin(hint) is list:
-        (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_has_type(v, item) for v in value)
-    if hint is float:
-        return type(value) in (float, int)
-    return type(value) is hint  # exact: a bool is not an int here
+    """One transfer message; any other message type is refused like an unknown one."""
+    return codec.decode(frame, MESSAGE_TYPES)
 
 
 def pack_pages(pages) -> tuple[bytes, str]:
