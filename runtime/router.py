@@ -39,6 +39,7 @@ from pdsim.core.router import InflightLoad, Router
 from runtime.chat_template import ChatTemplate
 from runtime.openai.protocol import Limits
 from runtime.openai.server import OpenAIServer
+from runtime.protocol.codec import ProtocolError
 from runtime.protocol.stream import StreamEvent, from_sse_data
 from runtime.protocol.worker import GenerateParams
 from runtime.sampling import SamplingParams
@@ -83,6 +84,9 @@ async def _calling(worker: WorkerAddress):
     except aiohttp.ClientConnectorError as exc:
         log.warning("%s (%s) is unreachable: %s", worker.name, worker.url, exc)
         raise WorkerError(503, f"{worker.name} is unreachable") from None
+    except ProtocolError as exc:  # what the worker sent, named (it holds no address)
+        log.warning("%s (%s) broke the protocol: %s", worker.name, worker.url, exc)
+        raise WorkerError(502, f"{worker.name} failed: {redact_addresses(str(exc))}") from None
     except (aiohttp.ClientError, OSError, ValueError, TypeError, AttributeError) as exc:
         # a reset or cut stream, a read timeout (TimeoutError is an OSError), bad JSON
         log.warning("%s (%s) failed: %s: %s", worker.name, worker.url, type(exc).__name__, exc)

@@ -27,7 +27,7 @@ from runtime.sampling import (
     parse_sampling,
 )
 from runtime.security import AUTH_HEADER, SECRET_ENV, ClusterKey, new_secret
-from runtime.transfer import messages as m
+from runtime.protocol import transfer as m
 from runtime.transfer.bootstrap_server import BootstrapServer
 from runtime.transfer.channel import MAX_FRAME_BYTES, ZmqChannel
 
