@@ -36,3 +36,18 @@ def colocated_config(model: str = "tiny-llama", *, num_pages: int, page_size: in
     return ServeConfig(model=model, router={"port": port}, **fields,
                        cluster={"mode": "colocated",
                                 "colocated": {"instances": 1, "scheduler": knobs}})
+
+
+def tiny_pd_yaml(*, prefill_tp: int = 1, decode_pages: int = 128, extra: str = "") -> str:
+    """The small tiny-llama PD deployment the real-backend tests serve, as YAML text: one prefill
+    (tp `prefill_tp`) and one decode worker on one thread each, pages of 8 tokens, a quick
+    heartbeat; `extra` adds top-level sections (YAML lines)."""
+    tp = f"    tp: {prefill_tp}\n" if prefill_tp != 1 else ""
+    return (
+        "model: tiny-llama\nseed: 0\ndevice: cpu\ncluster:\n  mode: disaggregated\n"
+        f"  prefill:\n{tp}    threads: 1\n"
+        "    scheduler: &knobs {page_size: 8, num_pages: 64, max_running_requests: 8,\n"
+        "                       max_prefill_tokens: 64, chunked_prefill_size: 32}\n"
+        f"  decode: {{threads: 1, scheduler: {{<<: *knobs, num_pages: {decode_pages}}}}}\n"
+        "router: {port: 0}\n"
+        "transfer: {heartbeat_interval_s: 0.5, heartbeat_timeout_s: 5.0}\n" + extra)

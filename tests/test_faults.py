@@ -11,6 +11,8 @@ import time
 import numpy as np
 import pytest
 
+from configs import tiny_pd_yaml
+
 from pdsim.config import ConfigError, parse_experiment
 from pdsim.faults import TRANSFER_FAULT, FaultsConfig, fault_summary, transfer_fails
 from pdsim.runner import run_point
@@ -255,22 +257,8 @@ def test_failed_transfers_are_the_same_requests_in_both_backends():
 
 
 KILL_S, BACK_S = 3.0, 1.0
-KILL_CONFIG = f"""\
-model: tiny-llama
-seed: 0
-device: cpu
-cluster:
-  mode: disaggregated
-  prefill:
-    threads: 1
-    scheduler: &knobs {{page_size: 8, num_pages: 64, max_running_requests: 8,
-                        max_prefill_tokens: 64, chunked_prefill_size: 32}}
-  decode: {{threads: 1, scheduler: {{<<: *knobs, num_pages: 512}}}}
-router: {{port: 0}}
-transfer: {{heartbeat_interval_s: 0.5, heartbeat_timeout_s: 5.0}}
-faults:
-  kill: [{{role: decode, instance: 0, at_s: {KILL_S}, restart_after_s: {BACK_S}}}]
-"""
+KILL_CONFIG = tiny_pd_yaml(decode_pages=512, extra=(
+    f"faults:\n  kill: [{{role: decode, instance: 0, at_s: {KILL_S}, restart_after_s: {BACK_S}}}]\n"))
 
 
 async def _stream(session, url: str, max_tokens: int, t0: float) -> dict:

@@ -18,27 +18,14 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
+from configs import tiny_pd_yaml
 from pd_harness import REPO, Proc
 from runtime.security import SECRET_ENV, listeners, new_secret
 from runtime.transfer import bindshim
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
-CONFIG = """\
-model: tiny-llama
-seed: 0
-device: cpu
-cluster:
-  mode: disaggregated
-  prefill:
-    tp: 2
-    threads: 1
-    scheduler: &knobs {page_size: 8, num_pages: 64, max_running_requests: 8,
-                       max_prefill_tokens: 64, chunked_prefill_size: 32}
-  decode: {threads: 1, scheduler: {<<: *knobs, num_pages: 128}}
-router: {port: 0}
-transfer: {heartbeat_interval_s: 0.5, heartbeat_timeout_s: 5.0}
-"""
+CONFIG = tiny_pd_yaml(prefill_tp=2)
 
 
 def descendants(pid: int) -> set[int]:

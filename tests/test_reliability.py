@@ -16,6 +16,7 @@ import urllib.parse
 import pytest
 import torch
 import zmq
+from configs import tiny_pd_yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -38,23 +39,9 @@ KEY = ClusterKey.from_secret(SECRET)
 API_KEY = "reliability-key"
 KEEPALIVE_S = 1.0
 MAX_CONNECTIONS = 16
-DEPLOYMENT = f"""\
-model: tiny-llama
-seed: 0
-device: cpu
-cluster:
-  mode: disaggregated
-  prefill:
-    threads: 1
-    scheduler: &knobs {{page_size: 8, num_pages: 64, max_running_requests: 8,
-                       max_prefill_tokens: 64, chunked_prefill_size: 32}}
-  decode: {{threads: 1, scheduler: {{<<: *knobs, num_pages: 128}}}}
-router: {{port: 0}}
-transfer: {{heartbeat_interval_s: 0.5, heartbeat_timeout_s: 5.0}}
-security:
-  api_key: {API_KEY}
-  limits: {{keepalive_timeout_s: {KEEPALIVE_S}, max_connections: {MAX_CONNECTIONS}}}
-"""
+DEPLOYMENT = tiny_pd_yaml(extra=(
+    f"security:\n  api_key: {API_KEY}\n"
+    f"  limits: {{keepalive_timeout_s: {KEEPALIVE_S}, max_connections: {MAX_CONNECTIONS}}}\n"))
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from runtime.transfer import bindshim
 from runtime.protocol import transfer as m
 from runtime.transfer.channel import ZmqChannel
 from runtime.transfer.prefill import MAX_UNCLAIMED_ROOMS
+from configs import tiny_pd_yaml
 from test_mooncake_transfer import CONFIG, Cluster, request, wait_for
 
 pytestmark = [pytest.mark.real]
@@ -357,22 +358,7 @@ def test_the_bind_wrapper_keeps_mooncake_on_the_host_and_nothing_else():
 
 # ---- a whole deployment --------------------------------------------------------------------
 
-DEPLOYMENT = """\
-model: tiny-llama
-seed: 0
-device: cpu
-cluster:
-  mode: disaggregated
-  prefill:
-    tp: 2
-    threads: 1
-    scheduler: &knobs {page_size: 8, num_pages: 64, max_running_requests: 8,
-                       max_prefill_tokens: 64, chunked_prefill_size: 32}
-  decode: {threads: 1, scheduler: {<<: *knobs, num_pages: 128}}
-router: {port: 0}
-transfer: {heartbeat_interval_s: 0.5, heartbeat_timeout_s: 5.0}
-security: {api_key: test-api-key}
-"""
+DEPLOYMENT = tiny_pd_yaml(prefill_tp=2, extra="security: {api_key: test-api-key}\n")
 MOONCAKE_WARNING = re.compile(r"the Mooncake transfer engine listens on (.+?) \(every interface\)")
 
 
