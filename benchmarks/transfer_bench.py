@@ -9,6 +9,7 @@ pages, so descriptors merge into runs of about 8 pages. "raw" issues the same de
 batches of `max_batch` (Mooncake's TCP transport fails batches of more than ~2,000 descriptors);
 "backend" times one request from `send(..., last=True)` to the receiver's `Success`, which adds
 the metadata slot write, the worker hand-off and the ZMQ status message. Best of `repeats`.
+Last, the head slices of a TP 2 -> 1 transfer: what one descriptor costs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pdsim.core.kvpoll import KVPoll  # noqa: E402
 from pdsim.core.request import Request  # noqa: E402
 from pdsim.core.transfer import FirstTokenMetadata  # noqa: E402
 from pdsim.deployment import TransferConfig  # noqa: E402
+from runtime.calibration import profile_descriptors  # noqa: E402
 from runtime.transfer.bootstrap_server import BootstrapServer  # noqa: E402
 from runtime.transfer.mooncake_engine import MAX_BATCH, MooncakeEngine, mooncake_version  # noqa: E402
 from runtime.transfer.layout import KVArgs, page_descriptors  # noqa: E402
@@ -146,6 +148,18 @@ def main() -> None:
               f"{nbytes / raw_s / 1e9:>9.2f} {pages / raw_s:>9.0f} | "
               f"{nbytes / backend_s / 1e9:>12.2f} {pages / backend_s:>9.0f} | "
               f"{raw_s / backend_s:>10.0%}")
+        if (page_size, pages) == CASES[-1]:
+            bench_descriptors(args.layers, page_size, nbytes / raw_s / 1e9, args.repeats)
+
+
+def bench_descriptors(layers: int, page_size: int, gb_per_s: float, repeats: int) -> None:
+    """The head-slice path of a TP mismatch: what one descriptor costs (`pdsim calibrate`'s
+    probe, runtime/calibration.py)."""
+    item = page_size * HEADS * HEAD_DIM * ELEMENT_BYTES
+    fit = profile_descriptors([item] * (2 * layers), page_size, gb_per_s, repeats=repeats)
+    print(f"head slices, {fit.senders} ranks into one at once, {page_size}-token pages: "
+          + ", ".join(f"{d} descr {s * 1e3:.1f} ms" for d, s in fit.rows)
+          + f" -> {fit.per_descriptor_s * 1e6:.1f} us per descriptor per GPU")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ Three measurements, none of them an end-to-end serving figure:
   receiver's `Success`, metadata slot and ZMQ status included) for messages of 1..256 pages of
   this model's KV; a least-squares line gives the per-transfer floor (s) and the bandwidth
   (GB/s); the receiver's bootstrap lookup and set-up after the first contact is the handshake.
+  Then the cost of one descriptor (`profile_descriptors`): two ranks writing head slices, one
+  per token slot, into one rank at once, as a TP 2 -> 1 transfer does.
 - **lone requests**: the deployment served for real (`pdsim serve`), requests of 16 prompt and
   32 output tokens sent one at a time. The client's TTFT minus the serving engine's own TTFT
   (its `/metrics` histogram) is the front end (HTTP, tokenizer and, disaggregated, the
@@ -48,6 +50,8 @@ PREFILL_CONTEXT = (0, 256, 1024)
 DECODE_BATCH = (1, 4, 16, 32, 64)
 DECODE_CONTEXT = (64, 256, 1024)
 TRANSFER_PAGES = (1, 4, 16, 64, 256)
+SLICE_PAGES = (2, 8, 32)  # pages per sender in the head-slice probe
+SLICE_SENDERS = 2  # prefill ranks writing into one decode rank at once: a TP 2 -> 1 transfer
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -58,6 +62,13 @@ class TransferFit:
     handshake_s: float
     page_bytes: int  # one page of this model's KV on one rank
     rows: list[tuple[int, float]]  # (bytes, seconds), best of the repeats per size
+
+
+@dataclass(frozen=True)
+class DescriptorFit:
+    per_descriptor_s: float  # the network model's figure: NIC time of one descriptor per GPU
+    senders: int
+    rows: list[tuple[int, float]]  # (descriptors of all senders, seconds), best of the repeats
 
 
 def _threads(config) -> int:
@@ -200,6 +211,88 @@ def profile_transfer(config, *, repeats: int = 5,
                        rows=[(int(b), float(s)) for b, s in zip(nbytes, seconds)])
 
 
+def profile_descriptors(items: Sequence[int], page_size: int, gb_per_s: float, *,
+                        repeats: int = 5, pages: Sequence[int] = SLICE_PAGES,
+                        senders: int = SLICE_SENDERS) -> DescriptorFit:
+    """What one descriptor costs: `senders` prefill ranks, each its own Mooncake engine and
+    thread, write their slice of every token slot of KV pages (`items`: bytes of one page per
+    buffer, on the receiving rank) into one decode rank at once, with the descriptors
+    runtime/transfer/layout.py writes across a TP mismatch (one per token slot per buffer).
+    The slope of time over descriptors, less the bytes at `gb_per_s`, times the senders, is
+    the network model's `per_descriptor_s`: it spreads a transfer's descriptors over the
+    sending GPUs, which only the measurement can say they really do in parallel."""
+    import threading
+
+    from runtime.transfer.layout import HeadSlice, head_slice_descriptors
+    from runtime.transfer.mooncake_engine import MooncakeEngine
+
+    most = max(pages)
+    slot_bytes = {item // page_size for item in items}
+    if len(slot_bytes) != 1 or next(iter(slot_bytes)) % senders:
+        raise RuntimeError(f"token slots of {sorted(slot_bytes)} bytes do not split into "
+                           f"{senders} equal slices")
+    piece_bytes = slot_bytes.pop() // senders
+    dst = [np.zeros(most * item, dtype=np.uint8) for item in items]
+    srcs = [[np.full(most * item // senders, s + 1, dtype=np.uint8) for item in items]
+            for s in range(senders)]
+    receiver = MooncakeEngine()
+    for buf in dst:
+        receiver.register(buf.ctypes.data, buf.nbytes)
+    writers = []
+    for bufs in srcs:
+        engine = MooncakeEngine()
+        for buf in bufs:
+            engine.register(buf.ctypes.data, buf.nbytes)
+        writers.append(engine)
+
+    def descriptors(rank: int, n: int):
+        order = list(range(n))
+        return head_slice_descriptors(
+            [b.ctypes.data for b in srcs[rank]], [i // senders for i in items],
+            [b.ctypes.data for b in dst], items, page_size, order, order,
+            HeadSlice(0, rank * piece_bytes, piece_bytes))
+
+    def write_all(n: int) -> float:
+        plans = [descriptors(rank, n) for rank in range(senders)]
+        threads = [threading.Thread(target=w.write, args=(receiver.session_id, *plan))
+                   for w, plan in zip(writers, plans)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0
+
+    try:
+        write_all(pages[0])  # connects the engines: not timed
+        rows = [(senders * n * page_size * len(items),
+                 min(write_all(n) for _ in range(repeats))) for n in pages]
+        landed = dst[0].reshape(most * page_size, -1)[:, :piece_bytes]
+        if not (landed[:pages[-1] * page_size] == 1).all():
+            raise RuntimeError("the head-slice probe's bytes did not land")
+    finally:
+        for engine in (*writers, receiver):
+            engine.unregister_all()
+    count = np.array([d for d, _ in rows], dtype=float)
+    wire = count * piece_bytes / (gb_per_s * 1e9)
+    slope, _ = np.polyfit(count, np.array([s for _, s in rows]) - wire, 1)
+    return DescriptorFit(per_descriptor_s=max(float(slope), 0.0) * senders, senders=senders,
+                         rows=[(int(d), float(s)) for d, s in rows])
+
+
+def page_bytes_per_buffer(config) -> list[int]:
+    """Bytes of one page of the deployment's model, per KV buffer, on an unsplit rank."""
+    import torch
+
+    from runtime.model.kv_cache import PagedKVCache
+    from runtime.model.loading import model_config_of
+
+    dtype = getattr(torch, config.dtype) if config.dtype else None
+    cache = PagedKVCache.for_model(model_config_of(config), num_pages=1,
+                                   page_size=config.page_size, dtype=dtype)
+    return list(cache.item_lens())
+
+
 def _histogram_totals(url: str, headers: dict, name: str) -> tuple[float, float]:
     """(sum, count) of one of the engine's histograms from its Prometheus `/metrics`."""
     request = urllib.request.Request(url + "/metrics", headers=headers)
@@ -284,6 +377,10 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
         transfer = profile_transfer(config, repeats=max(repeats, 3))
         log(f"KV transfer (Mooncake TCP loopback): floor {transfer.floor_s * 1e3:.2f} ms, "
             f"{transfer.gb_per_s:.2f} GB/s, handshake {transfer.handshake_s * 1e3:.2f} ms")
+        slices = profile_descriptors(page_bytes_per_buffer(config), config.page_size,
+                                     transfer.gb_per_s, repeats=max(repeats, 3))
+        log(f"  head slices ({slices.senders} ranks at once): "
+            f"{slices.per_descriptor_s * 1e6:.1f} us per descriptor per GPU")
     from pdsim.core.batch import BatchShape
     from pdsim.sim.profiled import ProfiledCostModel
 
@@ -322,7 +419,9 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
                       "engine_itl_s": round(engine.engine_itl_s, 6),
                       "client_itl_s": round(engine.client_itl_s, 6),
                       "modelled_ttft_s": round(modelled, 6)},
-            **({"transfer_bytes_s": [list(r) for r in transfer.rows]} if transfer else {}),
+            **({"transfer_bytes_s": [list(r) for r in transfer.rows],
+                "head_slice_descriptors_s": [list(r) for r in slices.rows],
+                "head_slice_senders": slices.senders} if transfer else {}),
         },
         "cost_model": {"name": "profiled", "params": {
             "timings": timings_path.name, "step_overhead_s": round(step_overhead_s, 6)}},
@@ -334,7 +433,8 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
         data["network"] = {
             "protocol": "tcp", "bandwidth_gb_per_s": round(transfer.gb_per_s, 4),
             "line_rate_efficiency": 1.0, "transfer_floor_s": round(transfer.floor_s, 6),
-            "handshake_s": round(transfer.handshake_s + request_overhead_s, 6)}
+            "handshake_s": round(transfer.handshake_s + request_overhead_s, 6),
+            "per_descriptor_s": round(slices.per_descriptor_s, 9)}
     else:
         data["cluster"] = {"colocated": {"scheduler": {"wakeup_s": round(request_overhead_s, 6)}}}
     out_path.write_text("# pdsim calibrate: measured on this machine (runtime/calibration.py)\n"

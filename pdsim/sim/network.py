@@ -46,8 +46,10 @@ PROTOCOLS = {
     # and so is the descriptor cost (~10 M work requests a second posted per GPU).
     "rdma": Protocol(line_rate_efficiency=0.87, transfer_floor_s=1.0e-3, per_descriptor_s=0.1e-6),
     # Mooncake's README: ~36 GB/s over the same NICs; the floor from benchmarks/pd_overhead.py;
-    # the descriptor cost from benchmarks/transfer_bench.py: 64 MiB as 65,536 head slices of
-    # 1 KiB took 0.86 s against 0.035 s as whole pages, 12.6 us a descriptor.
+    # the descriptor cost from one sender on a quiet machine: 64 MiB as 65,536 head slices of
+    # 1 KiB took 0.86 s against 0.035 s as whole pages, 12.6 us a descriptor. Loopback on 2
+    # shared cores costs more (benchmarks/transfer_bench.py's last line); `pdsim calibrate`
+    # measures the machine's own figure into `network.per_descriptor_s`.
     "tcp": Protocol(line_rate_efficiency=0.36, transfer_floor_s=2.7e-3, per_descriptor_s=12.6e-6),
 }
 
