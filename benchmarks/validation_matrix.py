@@ -86,6 +86,42 @@ def _pct(v: float) -> str:
     return "–" if v != v else f"{v:+.0%}"
 
 
+PHASE_DEPLOYMENTS = ("pd_1p1d_low", "pd_tp2to1_low")  # matched TP and a TP mismatch
+
+
+def phase_section(results: Path) -> list[str]:
+    """The phase tables of this run's PHASE_DEPLOYMENTS (`phases.csv` of each), side by side,
+    and which phase carries most of each one's TTFT error."""
+    tables = {name: pd.read_csv(results / name / "phases.csv").set_index("phase")
+              for name in PHASE_DEPLOYMENTS}
+    first = tables[PHASE_DEPLOYMENTS[0]]
+    lines = [
+        "What this run showed (the matrix's calibration; load on the machine adds to every real",
+        "figure, see the noise floor above):",
+        "",
+        "| phase (mean ms) | " + " | ".join(f"{n} real / sim" for n in tables) + " |",
+        "| --- |" + " ---: |" * len(tables),
+    ]
+    for phase in first.index:
+        cells = []
+        for t in tables.values():
+            row = t.loc[phase]
+            cell = f"{_ms(row['real_s'])} / {_ms(row['sim_s'])}"
+            cells.append(f"**{cell}**" if str(row["largest"]) == "True" else cell)
+        lines.append(f"| {phase} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for name, t in tables.items():
+        ttft = t.loc["TTFT"]
+        largest = t.index[t["largest"].astype(str) == "True"]
+        if len(largest):
+            share = t.loc[largest[0], "diff_s"] / (ttft["sim_s"] - ttft["real_s"])
+            off = ttft["sim_s"] / ttft["real_s"] - 1
+            lines.append(f"- **{name}**: the simulated mean TTFT is {abs(off):.0%} "
+                         f"{'below' if off < 0 else 'above'} the real one; **{largest[0]}** "
+                         f"carries {share:.0%} of the gap.")
+    return lines
+
+
 def render(measured: dict, frame: pd.DataFrame, repeat: pd.DataFrame, took_s: float) -> str:
     med = {m: float(np.median(np.abs(frame[f"{m}|error"]))) for m in MEAN_METRICS + P90_METRICS}
     real_rank = list(frame.sort_values("goodput per GPU (req/s)|real", ascending=False,
@@ -125,7 +161,8 @@ def render(measured: dict, frame: pd.DataFrame, repeat: pd.DataFrame, took_s: fl
         "  requests at 64–1024 tokens; the fastest of 5 runs each), which the `profiled` cost",
         "  model fits; the Mooncake backend over TCP on loopback for 1–256 pages of this model's",
         "  KV (a line: per-transfer floor and GB/s) and the receiver's bootstrap lookup",
-        "  (handshake); then lone requests (16 prompt, 32 output tokens, one at a time) on the",
+        "  (handshake); two ranks writing head slices into one at once, one descriptor per token",
+        "  slot, as a TP 2 → 1 transfer does (`network.per_descriptor_s`); then lone requests (16 prompt, 32 output tokens, one at a time) on the",
         "  served deployment: client TTFT − engine TTFT (the engine's `/metrics`) is the front",
         "  end (`router.frontend_latency_s`), the client's gap between tokens − the fitted",
         "  forward is a per-step overhead (`cost_model.params.step_overhead_s`), the engine's",
@@ -221,36 +258,7 @@ def render(measured: dict, frame: pd.DataFrame, repeat: pd.DataFrame, took_s: fl
         "ms on loopback), by which a worker's stamps may look early. One offset per worker keeps",
         "queueing on the way (router, HTTP) inside the phases.",
         "",
-        "What it showed (2026-12-01, one run each, calibration of the matrix above). The 2 cores",
-        "were shared with other engineers' test runs while these ran (load average 4–7), so every",
-        "real figure is inflated well beyond the matrix above; read the split, not the totals.",
-        "",
-        "| phase (mean ms) | pd_1p1d_low real / sim | pd_tp2to1_low real / sim |",
-        "| --- | ---: | ---: |",
-        "| arrival -> bootstrap done | 38.7 / 14.1 | 103.9 / 14.1 |",
-        "| bootstrap -> prefill start | 0.0 / 0.0 | 0.0 / 0.0 |",
-        "| prefill forward | **53.1 / 9.5** | 178.5 / 9.5 |",
-        "| prefill end -> KV landed | 30.5 / 0.8 | **8894.0 / 27.3** |",
-        "| KV landed -> decode joined | 0.0 / 0.0 | 0.0 / 0.0 |",
-        "| decode joined -> first token | 21.6 / 0.0 | 86.2 / 0.0 |",
-        "| TTFT | 143.8 / 24.4 | 9262.6 / 50.9 |",
-        "| decode ITL | 12.6 / 1.7 | 37.7 / 1.7 |",
-        "",
-        "- **TP mismatch: the KV transfer.** In pd_tp2to1_low the KV transfer carries 96% of the",
-        "  real TTFT. Even the first request, alone on the deployment (276 prompt tokens), waited",
-        "  430 ms from the end of its forward until its KV landed, against 30 ms simulated; at",
-        "  4 req/s the transfers queue behind each other and the wait grows to 15 s. The head-slice",
-        "  writes of a tp 2 → tp 1 transfer over Mooncake TCP cost far more than the network",
-        "  model's default per-descriptor price: calibrating that price (a transfer probe with",
-        "  mismatched TP) is the fix this points to, before the tp-2 forward.",
-        "- **Matched TP: spread over four phases.** In pd_1p1d_low no phase holds most of the gap:",
-        "  the prefill forward (−44 ms, the largest: the forward is slowed by the decode worker",
-        "  and the other load on the same cores, which a profile of the model alone cannot see),",
-        "  the KV transfer (−30 ms: the real transfer plus the decode side's polling, against a",
-        "  sub-ms modelled line), the bootstrap (−25 ms: router, HTTP, handshake) and the delivery",
-        "  of the first token from the decode worker through the router to the client (−22 ms;",
-        "  the simulator sends it as the request joins). Waiting for a forward slot and for room",
-        "  in the running batch cost nothing on either side at this load.",
+        *phase_section(REPO / "results" / "validation"),
         "",
         "## Where the remaining error comes from",
         "",
@@ -285,11 +293,12 @@ def render(measured: dict, frame: pd.DataFrame, repeat: pd.DataFrame, took_s: fl
         "  role's forward slows the other's. The near-saturation loads show it most.",
         "- **TP mismatch.** The prefill tp 2 deployment is simulated with the tp-1 forward profile",
         "  (calibrate profiles one rank; the gloo all-reduces between two CPU processes and the",
-        "  lockstep broadcast are not profiled) and the head-slice writes priced by the network",
-        "  model's default per-descriptor cost. On this CPU the real tp-2 prefill is far slower than one rank, so see",
-        "  its row: the real run saturates where the simulated one does not. A per-TP profile",
-        "  (calibrate each role's tp) is one missing piece; the phase table above puts most of",
-        "  this row's gap in the KV transfer, so a priced head-slice write is the other.",
+        "  lockstep broadcast are not profiled); its head-slice writes are priced at the",
+        "  calibrated cost of a descriptor. A lone request's real KV wait is close to that price;",
+        "  under load it is not, because here Mooncake's TCP transport spends CPU on every",
+        "  descriptor, on the same 2 cores the forwards run on, and the transfers queue behind",
+        "  each other and the forwards. The simulator gives the NIC its own time, as a GPU",
+        "  deployment has. A per-TP profile (calibrate each role's tp) is the other missing piece.",
         "- **Small samples.** 40 requests per deployment: a P90 rests on four requests.",
         "",
         "## In CI",
