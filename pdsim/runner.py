@@ -6,6 +6,7 @@ per request of every point), PNG plots, report.md and the config that produced t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from pdsim.sim.cluster import simulate
 from pdsim.sim.cost import SHARE_GROUPS, share_group
 from pdsim.sim.silicon import cost_columns
 from pdsim.specs.hardware import load_hardware_spec
-from pdsim.workload import ClosedLoop, generate
+from pdsim.core.request import Request
+from pdsim.workload import ClosedLoop, Workload, generate
 
 
 @dataclass
@@ -56,14 +58,17 @@ def point_columns(cfg: ExperimentConfig, request_rate: float,
     }
 
 
-def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir: str | None) -> PointResult:
-    """Simulate one configuration; also the unit of work of a parallel sweep."""
+def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir: str | None,
+              stop: Callable[[Workload], Callable[[Request], str]] | None = None) -> PointResult:
+    """Simulate one configuration; also the unit of work of a parallel sweep. `stop` makes,
+    from the workload, a check that may end the run early (`pdsim.sim.cluster.simulate`);
+    the summary's `stopped` says why it did ("" when the run went to the end)."""
     workload = generate(cfg.workload, base_dir=base_dir)
     cluster = build_cluster(cfg, base_dir)
     result = simulate(
         cluster, workload.arrival_s, workload.input_tokens, workload.output_tokens,
         seed=cfg.seed, max_duration_s=cfg.max_duration_s, closed_loop=workload.closed_loop,
-        prefix=workload.prefix,
+        prefix=workload.prefix, stop=None if stop is None else stop(workload),
     )
     if all(r.ok for r in result.records):
         result.check_pools_full()  # an idle cluster must have every page and slot back
@@ -80,6 +85,8 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
     row["decode_busy_frac"] = result.decode_busy_frac
     row["kv_transfer_gb"] = result.kv_transfer_gb
     row["decode_mean_batch"] = result.decode_mean_batch
+    if stop is not None:
+        row["stopped"] = result.stopped
     row.update(cost_columns(cfg.cost_model.name, [inst.cost for inst in result.instances]))
     row.update(share_columns(result.instances))  # after cost_columns: pricing adds lookups
     if cfg.faults.any:  # failed requests, their latency to error, recovery after a kill

@@ -47,8 +47,9 @@ SMALL = {
 
 @pytest.fixture(scope="module")
 def full():
-    """Every candidate of the small grid simulated (pre-filter off)."""
-    return plan(parse_plan(SMALL), prefilter=False, write=False, jobs=2)
+    """Every candidate of the small grid simulated to the end (pre-filter and early stop off)."""
+    cfg = parse_plan({**SMALL, "search": {**SMALL["search"], "early_stop": False}})
+    return plan(cfg, prefilter=False, write=False, jobs=2)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,21 @@ def test_recommendation_meets_the_slo_and_is_the_cheapest_that_does(full, planne
     # $/Mtok: the hour's price over the output tokens served in it.
     assert rec.summary["usd_per_mtok"] == pytest.approx(
         s["num_gpus"] * 2.95 / 3600 / s["output_tok_s"] * 1e6)
+
+
+def test_early_stop_ends_only_runs_that_miss_the_slo(full, planned):
+    table = planned.candidates.set_index("label")
+    whole = full.candidates.set_index("label")
+    stopped = table[table["simulated"] & (table["stopped"].fillna("") != "")]
+    assert len(stopped) >= 1  # this grid has candidates far over their targets
+    for label, row in stopped.iterrows():
+        assert not whole.loc[label, "feasible"], label  # simulated to the end: infeasible too
+        assert not row["feasible"] and row["completed"] < whole.loc[label, "completed"]
+        assert "over the" in row["stopped"] or "failed" in row["stopped"]
+    ran = table[table["simulated"] & (table["stopped"].fillna("") == "")]
+    for label, row in ran.iterrows():  # the runs that went to the end are unchanged
+        assert row["ttft_p90_s"] == whole.loc[label, "ttft_p90_s"], label
+    assert not set(planned.frontier["label"]) & set(stopped.index)
 
 
 def test_goodput_objective_ranks_by_goodput_per_gpu(full):

@@ -99,6 +99,10 @@ class SearchSpace(_Spec):
     cost_slack: float = Field(1.0, ge=0, description="once a feasible deployment is found, "
                               "simulate only candidates costing at most (1 + cost_slack) x its "
                               "cost (they fill the frontier and give the runner-up)")
+    early_stop: bool = Field(True, description="stop a candidate's simulation once enough "
+                             "finished requests miss a percentile target that it cannot be "
+                             "met (needs the whole-run measurement window); its figures are "
+                             "then partial and it is left off the frontier")
 
     @model_validator(mode="after")
     def _positive(self) -> SearchSpace:

@@ -193,7 +193,7 @@ class Prefilter:
             return Verdict(False, reason, verdict.prefill_util, verdict.decode_util)
 
         for q, bound_s in slo.percentile_targets("ttft"):
-            m = _needed(q, n_req)
+            m = needed(q, n_req)
             horizon = a_last + bound_s
             need_p = float(self._sorted_inputs[:m].sum())
             if need_p > p_rate * horizon:
@@ -225,14 +225,14 @@ class Prefilter:
         floors = np.sort(self.plan.router.frontend_latency_s + np.array(
             [cap.prefill_alone_s[int(n)] for n in self.workload.input_tokens]) / self.slack)
         for q, bound_s in targets:
-            floor = floors[_needed(q, len(floors)) - 1]
+            floor = floors[needed(q, len(floors)) - 1]
             if floor > bound_s:
                 return (f"TTFT floor: prefill alone gives TTFT p{q} >= {floor * 1e3:,.0f} ms > "
                         f"target {bound_s * 1e3:,.0f} ms")
         return ""
 
 
-def _needed(q: int, n: int) -> int:
+def needed(q: int, n: int) -> int:
     """Requests that must be within a bound for NumPy's linear-interpolated p`q` of `n` values
     to be: the order statistic at floor(q (n - 1) / 100) already is, and so are all below it."""
     return int(math.floor(q * (n - 1) / 100)) + 1 if n else 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from pdsim.metrics import price_columns
 from pdsim.planning.bottleneck import Bottleneck, find_bottleneck
 from pdsim.planning.candidates import Candidate, enumerate_deployments, prefill_pp_sizes
 from pdsim.planning.config import PERCENTILES, PlanConfig, load_plan, price_per_gpu_hour
+from pdsim.planning.early_stop import SloWatch
 from pdsim.planning.launch import experiment_yaml, sglang_commands
 from pdsim.planning.prefilter import Prefilter, RoleCapacity, Verdict
 from pdsim.planning.report import write_plan
@@ -140,8 +142,11 @@ def rank_feasible(cfg: PlanConfig, table: pd.DataFrame) -> list[int]:
 
 def pareto_frontier(table: pd.DataFrame, cfg: PlanConfig) -> pd.DataFrame:
     """Simulated rows no other row beats on tok/s/GPU and every latency the SLO targets (the
-    TTFT and ITL p90 when it targets none) at once."""
+    TTFT and ITL p90 when it targets none) at once. A run stopped early (its SLO out of reach)
+    has partial figures and takes no part."""
     sims = table[table["simulated"] & table["output_tok_s_per_gpu"].notna()]
+    if "stopped" in sims:
+        sims = sims[sims["stopped"].fillna("") == ""]
     if sims.empty:
         return sims
     vals = np.column_stack([-sims["output_tok_s_per_gpu"].to_numpy(float)]
@@ -184,11 +189,12 @@ def _bottleneck(cfg: PlanConfig, dep: Candidate, r: PointResult, filt: Prefilter
                            decode_nic_bytes_s=nic)
 
 
-def _run_candidate(index: int, cfg, swept: dict, base_dir: str | None) -> PointResult | str:
+def _run_candidate(index: int, cfg, swept: dict, base_dir: str | None,
+                   stop: Callable | None = None) -> PointResult | str:
     """One simulation; a deployment the simulator cannot build (its weights do not fit, say)
     comes back as the reason instead of failing the plan."""
     try:
-        return run_point(index, cfg, swept, base_dir)
+        return run_point(index, cfg, swept, base_dir, stop)
     except ConfigError as exc:
         return str(exc)
 
@@ -209,11 +215,13 @@ def _simulate(cfg: PlanConfig, deployments: list[Candidate], order: list[int], p
     order = order[:cfg.search.max_simulations]
     results: dict[int, PointResult] = {}
     cutoff = math.inf
+    # A run whose SLO is already out of reach stops there (pdsim.planning.early_stop).
+    stop = partial(SloWatch, cfg) if cfg.search.early_stop and cfg.metrics.whole_run else None
 
     def args(c: int):
         data = deployments[c].experiment_data(cfg, name=f"{cfg.name}_{c}")
         where = f"plan {cfg.name}, candidate {deployments[c].label}"
-        return c, parse_experiment(data, where), {}, base_dir
+        return c, parse_experiment(data, where), {}, base_dir, stop
 
     def done(c: int, r: PointResult | str, bar: Callable[[], None]) -> None:
         nonlocal cutoff

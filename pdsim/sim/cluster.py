@@ -79,6 +79,7 @@ class SimResult:
     decode_busy_frac: float = math.nan  # the same for decode (or colocated) instances
     kv_transfer_gb: float = 0.0  # KV moved between instances, GB
     decode_mean_batch: float = math.nan  # time-average requests per decode (or colocated) instance
+    stopped: str = ""  # why the run ended before every request finished (`stop`), or ""
 
     def check_pools_full(self) -> None:
         for inst in self.instances:
@@ -90,8 +91,10 @@ class Simulation:
     """One simulated run of a cluster on a workload."""
 
     def __init__(self, cluster: ClusterSpec, seed: int, max_duration_s: float = math.inf,
-                 decode_runs: bool = True):
+                 decode_runs: bool = True, stop: Callable[[Request], str] | None = None):
         self.cluster = cluster
+        self.stop = stop  # called with each finished request: a reason ends the run there
+        self.stopped = ""
         self.decode_runs = decode_runs
         self.env = simpy.Environment()
         self.fabric = SimFabric(self.env, cluster.network)
@@ -161,6 +164,10 @@ class Simulation:
         self._source.finished()
         if len(self.final) == self.num_requests:
             self._all_done.succeed()
+        elif self.stop is not None and not self.stopped:
+            self.stopped = self.stop(req)
+            if self.stopped and not self._give_up.triggered:
+                self._give_up.succeed()
 
     def submit(self, i: int, sent_s: float) -> None:
         """Route request `i`, sent by its client at `sent_s`, to its instances (now)."""
@@ -236,6 +243,7 @@ class Simulation:
             decode_busy_frac=_mean_busy(self.serving, span),
             kv_transfer_gb=self.fabric.kv_bytes / 1e9,
             decode_mean_batch=sum(i.decode_req_s for i in self.serving) / (len(self.serving) * span),
+            stopped=self.stopped,
         )
 
     def _records(self, input_tokens) -> list[RequestRecord]:
@@ -247,7 +255,8 @@ class Simulation:
                 sent = self._sent_s[i]
                 records.append(RequestRecord(
                     rid=rid, input_tokens=int(input_tokens[i]), output_tokens=0, status="failed",
-                    error="never sent: its client's earlier request did not finish in time"
+                    error=f"not simulated: the run stopped early, {self.stopped}" if self.stopped
+                    else "never sent: its client's earlier request did not finish in time"
                     if math.isnan(sent) else "did not finish before the simulation's time limit",
                     arrival_s=sent,
                 ))
@@ -288,10 +297,13 @@ def _collector_paused():
 
 def simulate(cluster: ClusterSpec, arrival_s, input_tokens, output_tokens, *, seed: int = 0,
              max_duration_s: float = math.inf, closed_loop: ClosedLoop | None = None,
-             decode_runs: bool = True, prefix: PrefixBlocks | None = None) -> SimResult:
+             decode_runs: bool = True, prefix: PrefixBlocks | None = None,
+             stop: Callable[[Request], str] | None = None) -> SimResult:
     """Serve the workload on the cluster. `decode_runs=False` simulates every decode step as
-    its own event (the reference the faster runs of steps must match)."""
-    return Simulation(cluster, seed, max_duration_s, decode_runs).run(
+    its own event (the reference the faster runs of steps must match). `stop`, called with
+    each finished request, may end the run early by returning why (unfinished requests then
+    fail with that reason: the planner's SLO watch)."""
+    return Simulation(cluster, seed, max_duration_s, decode_runs, stop).run(
         np.asarray(arrival_s, dtype=float), np.asarray(input_tokens), np.asarray(output_tokens),
         closed_loop, prefix,
     )

@@ -88,11 +88,14 @@ def leave_one_out(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def pchip(x: np.ndarray, y: np.ndarray, d: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """The monotone cubic through (x, y) with slopes d, at q (clamped into [x0, x-1])."""
+    """The monotone cubic through (x, y) with slopes d, at q (clamped into [x0, x-1]). `y` and
+    `d` may hold one curve per column (shape (len(x), m)): the result is then (len(q), m)."""
     q = np.clip(np.asarray(q, dtype=float), x[0], x[-1])
     k = np.clip(np.searchsorted(x, q, side="right") - 1, 0, len(x) - 2)
     h = x[k + 1] - x[k]
     t = (q - x[k]) / h
+    if y.ndim == 2:
+        h, t = h[:, None], t[:, None]
     t2, t3 = t * t, t * t * t
     return ((2 * t3 - 3 * t2 + 1) * y[k] + (t3 - 2 * t2 + t) * h * d[k]
             + (3 * t2 - 2 * t3) * y[k + 1] + (t3 - t2) * h * d[k + 1])
@@ -321,13 +324,9 @@ def _refine(l: np.ndarray, lz: np.ndarray, filled: np.ndarray
     """Split each interval of axis 0 into REFINE by the monotone cubic along that axis, so
     bilinear lookups on the finer grid follow it. A new point between a measured and a
     filled one is marked filled."""
-    slopes = [pchip_slopes(l, lz[:, j]) for j in range(lz.shape[1])]
-    points, rows, marks = [], [], []
-    for i in range(len(l) - 1):
-        q = l[i] + (l[i + 1] - l[i]) * np.arange(REFINE) / REFINE
-        points.append(q)
-        rows.append(np.stack([pchip(l, lz[:, j], slopes[j], q)
-                              for j in range(lz.shape[1])], axis=1))
-        marks.append(np.vstack([filled[i]] + [filled[i] | filled[i + 1]] * (REFINE - 1)))
-    return (np.concatenate([*points, l[-1:]]), np.vstack([*rows, lz[-1:]]),
-            np.vstack([*marks, filled[-1:]]))
+    slopes = np.stack([pchip_slopes(l, lz[:, j]) for j in range(lz.shape[1])], axis=1)
+    q = (l[:-1, None] + (l[1:] - l[:-1])[:, None] * np.arange(REFINE) / REFINE).ravel()
+    marks = np.repeat(filled[:-1] | filled[1:], REFINE, axis=0)
+    marks[::REFINE] = filled[:-1]
+    return (np.concatenate([q, l[-1:]]), np.vstack([pchip(l, lz, slopes, q), lz[-1:]]),
+            np.vstack([marks, filled[-1:]]))

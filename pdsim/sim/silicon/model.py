@@ -437,7 +437,7 @@ def _prefill_attention(grid: Grid2, tokens: int, pairs: float) -> tuple[float, b
     return seconds * min(b, 1.0), grid.transferred and not extra, extra
 
 
-@lru_cache(maxsize=8)  # ~6 MB a plan; a run needs one per role
+@lru_cache(maxsize=16)  # ~6 MB a plan; a run needs one per role, a plan one per (role, shape)
 def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: SiliconParams,
                 system: str) -> _Plan:
     # The GPU the tables were measured on, as published (whatever a spec based on it
