@@ -225,13 +225,18 @@ def test_plan_keys_are_the_fields_only_a_plan_has():
     assert set(_PLAN_KEYS) == set(PlanConfig.model_fields) - set(ExperimentConfig.model_fields)
 
 
-def test_trace_with_arrival_says_they_are_exclusive(tmp_path):
+@pytest.mark.parametrize("kind", ["experiment", "plan"])
+def test_trace_with_arrival_says_they_are_exclusive(tmp_path, kind):
     from pdsim.config import ConfigError, parse_experiment
+    from pdsim.planning import parse_plan
 
     config = tiny()
     config["workload"] = {**config["workload"], "trace": "t.jsonl"}
+    if kind == "plan":
+        config = {"name": "p", "model": config["model"], "hardware": config["hardware"],
+                  "max_gpus": 2, "slo": {"ttft_p90_s": 1.0}, "workload": config["workload"]}
     with pytest.raises(ConfigError) as err:
-        parse_experiment(config, "mixed.yaml")
+        (parse_experiment if kind == "experiment" else parse_plan)(config, "mixed.yaml")
     assert "`trace` and arrival, input_len, output_len are exclusive" in str(err.value)
     assert "unknown key" not in str(err.value)
 

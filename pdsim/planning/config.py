@@ -23,6 +23,7 @@ from pdsim.config import (
     NetworkConfig,
     RouterConfig,
     SchedulerKnobs,
+    workload_mix_error,
 )
 from pdsim.config_errors import format_validation_error
 from pdsim.metrics import SLO, MeasurementWindow
@@ -201,6 +202,9 @@ def _is_closed_loop(workload) -> bool:
 def parse_plan(data: Any, source: str = "<plan>") -> PlanConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: a plan is a mapping of keys, got {type(data).__name__}")
+    mixed = workload_mix_error(data.get("workload"), source)
+    if mixed is not None:
+        raise mixed
     try:
         return PlanConfig.model_validate(data)
     except ValidationError as exc:
