@@ -182,14 +182,15 @@ class ServeMetrics:
         a decode step's tokens count towards `sglang:gen_throughput` (generated tokens over the
         wall time of the last `GEN_THROUGHPUT_STEPS` decode steps, as SGLang's decode log
         computes it); an extend sets `sglang:cache_hit_rate` (prompt tokens found in the prefix
-        cache over prompt tokens, of the requests whose prefill this forward completed)."""
+        cache over prompt tokens, of the requests whose prompt this forward completed)."""
         self.forwards.labels(batch.kind).inc()
         self.forward_seconds.labels(batch.kind).inc(seconds)
         if batch.kind == "decode":
             shape = batch.shape
             self._decoded(shape.decode_reqs * shape.decode_query_len, seconds)
             return
-        done = [seg.req for seg in batch.segments if seg.is_last]
+        # (called after the forward's tokens joined their requests: `is_last` no longer holds)
+        done = [seg.req for seg in batch.segments if seg.end == seg.req.input_len]
         prompt = sum(r.input_len for r in done)
         if prompt:
             with self._lock:
