@@ -36,7 +36,6 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from pdsim.core.records import RequestRecord
 
@@ -75,6 +74,11 @@ GAUGE_HELP = {
     "pdsim_transfers_pending": "Transfers not yet finished on every TP rank.",
 }
 
+DERIVED_HELP = {
+    "sglang:gen_throughput": "Generated tokens per second over the last decode steps.",
+    "sglang:cache_hit_rate": "Prefix cache hit rate of the last prefill forward's requests.",
+}
+
 
 class ServeMetrics:
     """Everything one server's `/metrics` shows. The engine (or the router) calls `observe_*`
@@ -93,7 +97,7 @@ class ServeMetrics:
         self.engine_type = engine_type
         self.model_name = ""
         self.registry = CollectorRegistry()
-        self.registry.register(_Labelled(self))
+        self.registry.register(self)  # a collector: `collect`
         self._inner = CollectorRegistry()
         self._engine_families: set[str] = set()
         self._lock = threading.Lock()
@@ -185,9 +189,8 @@ class ServeMetrics:
         cache over prompt tokens, of the requests whose prompt this forward completed)."""
         self.forwards.labels(batch.kind).inc()
         self.forward_seconds.labels(batch.kind).inc(seconds)
-        if batch.kind == "decode":
-            shape = batch.shape
-            self._decoded(shape.decode_reqs * shape.decode_query_len, seconds)
+        if batch.kind == "decode":  # a token per request (the real executor never speculates)
+            self._decoded(batch.shape.decode_reqs, seconds)
             return
         # (called after the forward's tokens joined their requests: `is_last` no longer holds)
         done = [seg.req for seg in batch.segments if seg.end == seg.req.input_len]
@@ -224,7 +227,13 @@ class ServeMetrics:
         """The Prometheus text exposition (`CONTENT_TYPE`)."""
         return generate_latest(self.registry)
 
-    def engine_gauges(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
+        """What `/metrics` shows: the observed families, labelled, and the engine's gauges."""
+        yield from self._families()
+        if self.engine_type is not None:
+            yield from self._engine_gauges()
+
+    def _engine_gauges(self) -> Iterator[GaugeMetricFamily]:
         """The scheduler's gauges, plus generation throughput (engines that decode) and the
         prefix cache hit rate (engines that prefill)."""
         with self._lock:
@@ -240,7 +249,7 @@ class ServeMetrics:
             family.add_metric(list(labels.values()), value)
             yield family
 
-    def families(self) -> Iterator[Metric]:
+    def _families(self) -> Iterator[Metric]:
         """The observed families with their labels (`labels`) added."""
         for family in self._inner.collect():
             labels = self.labels(engine=family.name in self._engine_families)
@@ -248,24 +257,6 @@ class ServeMetrics:
             for s in family.samples:
                 out.add_sample(s.name, {**labels, **s.labels}, s.value, s.timestamp, s.exemplar)
             yield out
-
-
-DERIVED_HELP = {
-    "sglang:gen_throughput": "Generated tokens per second over the last decode steps.",
-    "sglang:cache_hit_rate": "Prefix cache hit rate of the last prefill forward's requests.",
-}
-
-
-class _Labelled(Collector):
-    """What `/metrics` shows: the observed families, labelled, and the engine's gauges."""
-
-    def __init__(self, metrics: ServeMetrics) -> None:
-        self.metrics = metrics
-
-    def collect(self) -> Iterator[Metric]:
-        yield from self.metrics.families()
-        if self.metrics.engine_type is not None:
-            yield from self.metrics.engine_gauges()
 
 
 def _observe(histogram: Histogram, value: float) -> None:
