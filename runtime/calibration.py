@@ -317,8 +317,10 @@ class EngineTimes:
     client_itl_s: float  # the same gaps as the client sees them
 
 
-TTFT_METRIC = "pdsim_time_to_first_token_seconds"
-ITL_METRIC = "pdsim_inter_token_latency_seconds"
+# The engine's own histograms: SGLang's names on the colocated server, `pdsim_` on a PD worker
+# (runtime/serve_metrics.py).
+TTFT_METRIC = "time_to_first_token_seconds"
+ITL_METRIC = "inter_token_latency_seconds"
 PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS = 16, 32
 
 
@@ -336,16 +338,18 @@ def measure_engine(config_path: str | Path, config, *, requests: int = 20) -> En
     n_in, n_out = PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS
     with RealDeployment(config_path, secret=secret) as real:
         engine = real.url if config.mode == "colocated" else real.workers[("decode", 0)]
+        prefix = "sglang:" if config.mode == "colocated" else "pdsim_"
+        names = [prefix + TTFT_METRIC, prefix + ITL_METRIC]
         replay(real.url, config.model_name, [0.0, 0.0], [n_in, n_in], [n_out, n_out])
         rows = []
         for i in range(requests):  # one at a time: nothing queues
-            before = [_histogram_totals(engine, headers, m) for m in (TTFT_METRIC, ITL_METRIC)]
+            before = [_histogram_totals(engine, headers, m) for m in names]
             (rec,) = replay(real.url, config.model_name, [0.0], [n_in], [n_out], seed=i)
             if not rec.ok:
                 raise RuntimeError(f"calibration request failed: {rec.error}")
             (t_sum, t_n), (i_sum, i_n) = (
                 (a[0] - b[0], a[1] - b[1]) for a, b in zip(
-                    [_histogram_totals(engine, headers, m) for m in (TTFT_METRIC, ITL_METRIC)],
+                    [_histogram_totals(engine, headers, m) for m in names],
                     before))
             if t_n != 1 or i_n < 1:
                 raise RuntimeError(f"the engine counted {t_n} requests and {i_n} gaps for one "

@@ -138,14 +138,16 @@ def pages_in_use(sched: InstanceScheduler) -> int:
 
 
 def scheduler_gauges(sched: InstanceScheduler) -> dict[str, float]:
-    """The gauges every engine shows: running and waiting requests, KV pages, request slots."""
+    """The gauges every engine shows (runtime/serve_metrics.py names them): running and waiting
+    requests, KV token slots, request slots."""
     used = pages_in_use(sched)
+    page_size = sched.config.page_size
     return {
-        "pdsim_num_requests_running": len(sched.running),
-        "pdsim_num_requests_waiting": len(sched.waiting),
-        "pdsim_kv_pages_used": used,
-        "pdsim_kv_pages_total": sched.pool.size,
-        "pdsim_kv_usage_ratio": used / sched.pool.size,
+        "sglang:num_running_reqs": len(sched.running),
+        "sglang:num_queue_reqs": len(sched.waiting),
+        "sglang:num_used_tokens": used * page_size,
+        "sglang:token_usage": used / sched.pool.size,
+        "sglang:max_total_num_tokens": sched.pool.size * page_size,
         "pdsim_request_slots_used": sched.req_slots.num_used,
     }
 
@@ -329,7 +331,7 @@ class Engine:
             log.warning("request %s failed alone: %s", rid, reason)
         self.inst.finish(step, result, now)
         batch = step[0]
-        self.metrics.observe_forward(batch.kind, result.duration_s)
+        self.metrics.observe_forward(batch, result.duration_s)
         if batch.kind == "extend":
             self._push_new(seg.req for seg in batch.segments if seg.is_last)
         else:

@@ -121,7 +121,7 @@ class PDClient:
         self.router = Router(settings.policy, len(prefill), len(decode), config.seed,
                              room_rng=random.SystemRandom(), policy_options=settings.policy_options)
         self.page_size = config.page_size
-        self.metrics = ServeMetrics()
+        self.metrics = ServeMetrics(engine_type=None)  # the client's view; no engine here
         self.records: deque[RequestRecord] = deque(maxlen=config.max_records)
         # The policies' load signal, what the core schedulers' load() counts in the simulator:
         # per prefill worker the prompt tokens sent whose prefill call has not returned (its KV

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import queue
 import random
-import re
 
 import pytest
 
 from pd_harness import (
     body, generate, pd_config, post_json, start_worker, stop_workers, wait_healthy,
 )
+from prom import Scrape
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -136,12 +136,11 @@ def test_worker_endpoints(cluster):
     assert all(r["decode_instance"] == 0 and len(r["token_times_s"]) == r["output_tokens"]
                for r in rows)
     assert any(r["prefill_instance"] == 0 for r in prefill.get("/records"))
-    import urllib.request
-
-    with urllib.request.urlopen(decode.url + "/metrics") as resp:
-        text = resp.read().decode()
-    assert re.search(r'pdsim_requests_total\{status="ok"\} [1-9]', text)
-    assert "pdsim_num_requests_transfer 0" in text and "pdsim_transfers_pending 0" in text
+    metrics = Scrape.of(decode.url)
+    engine = {"model_name": model, "engine_type": "decode"}
+    assert metrics.value("pdsim_requests_total", status="ok", model_name=model) >= 1
+    assert metrics.value("sglang:num_decode_transfer_queue_reqs", **engine) == 0
+    assert metrics.value("pdsim_transfers_pending", **engine) == 0
     # A malformed request never reaches the engine; the error names the field.
     status, err = post_json(prefill.url + "/generate", body("x", [1, 2], 4, prefill, colour=1))
     assert status == 400 and err["error"]["param"] == "colour"

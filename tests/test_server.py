@@ -27,6 +27,7 @@ import pytest
 import torch
 from configs import colocated_config
 from openai import OpenAI
+from prom import Scrape
 
 from runtime.model import AttentionMetadata
 from runtime.serve_config import load_serve_config
@@ -320,68 +321,42 @@ def test_records_have_the_lifecycle_timestamps(server, client):
     assert record.token_times_s == sorted(record.token_times_s)
 
 
-PROM_SAMPLE = re.compile(
-    r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*)\})? '
-    r"(\S+)$")
-
-
-def parse_prometheus(text):
-    """Strict enough for the text format: # HELP/# TYPE lines, then samples of declared
-    families with well-formed labels and float values. Returns {(name, labels): value}."""
-    types, samples = {}, {}
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            continue
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ")
-            assert kind in ("counter", "gauge", "histogram", "summary", "untyped"), line
-            types[name] = kind
-            continue
-        m = PROM_SAMPLE.match(line)
-        assert m, f"not a Prometheus sample: {line!r}"
-        name, labels, value = m.groups()
-        family = re.sub(r"_(bucket|sum|count)$", "", name)
-        assert name in types or types.get(family) == "histogram", f"undeclared {name}"
-        pairs = tuple(sorted(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"',
-                                        labels or "")))
-        samples[(name, pairs)] = float(value)
-    return types, samples
-
-
-def test_metrics_are_prometheus_text_and_count_what_happened(server, client):
-    def scrape():
-        status, ctype, text = get(server.url + "/metrics")
-        assert status == 200 and ctype.startswith("text/plain")
-        return parse_prometheus(text)
-
-    types, before = scrape()
-    assert types["pdsim_time_to_first_token_seconds"] == "histogram"
-    assert types["pdsim_requests_total"] == "counter"
+def test_metrics_are_sglangs_and_count_what_happened(server, client):
+    before = Scrape.of(server.url)
+    assert before.families["sglang:time_to_first_token_seconds"].type == "histogram"
+    assert before.families["pdsim_requests"].type == "counter"
     for _ in range(2):
         client.completions.create(model=model_name(server), prompt="count me", max_tokens=3,
                                   temperature=0, extra_body={"ignore_eos": True})
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model_name(server), prompt="x", max_tokens=-1)
     server.engine.check_pools_full()
-    _, after = scrape()
+    after = Scrape.of(server.url)
 
-    def delta(name, **labels):
-        key = (name, tuple(sorted(labels.items())))
-        return after.get(key, 0.0) - before.get(key, 0.0)
+    def delta(name, **labels):  # a labelled series appears at its first count
+        return sum(x.value for x in after.samples(name, **labels)) - \
+            sum(x.value for x in before.samples(name, **labels))
 
-    assert delta("pdsim_requests_total", status="ok") == 2
+    model = {"model_name": model_name(server)}
+    engine = {**model, "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
+    assert delta("pdsim_requests_total", status="ok", **model) == 2
     assert delta("pdsim_http_responses_total", endpoint="/v1/completions", code="200") == 2
     assert delta("pdsim_http_responses_total", endpoint="/v1/completions", code="400") == 1
-    assert delta("pdsim_prompt_tokens_total") == 2 * len(TOK.encode("count me"))
-    assert delta("pdsim_generation_tokens_total") == 6
-    assert delta("pdsim_time_to_first_token_seconds_count") == 2
-    assert delta("pdsim_inter_token_latency_seconds_count") == 4
-    assert delta("pdsim_forwards_total", kind="extend") >= 1
-    assert after[("pdsim_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == \
-        after[("pdsim_time_to_first_token_seconds_count", ())]
-    assert after[("pdsim_kv_pages_used", ())] == 0
-    assert after[("pdsim_kv_pages_total", ())] == SMALL["num_pages"]
-    assert after[("pdsim_num_requests_running", ())] == 0
+    assert delta("sglang:num_requests_total", **model) == 2
+    assert delta("sglang:prompt_tokens_total", **model) == 2 * len(TOK.encode("count me"))
+    assert delta("sglang:generation_tokens_total", **model) == 6
+    assert delta("sglang:time_to_first_token_seconds_count", **model) == 2
+    assert delta("sglang:inter_token_latency_seconds_count", **model) == 4
+    assert delta("sglang:queue_time_seconds_count", **engine) == 2
+    assert delta("pdsim_forwards_total", kind="extend", **engine) >= 1
+    assert after.value("sglang:time_to_first_token_seconds_bucket", le="+Inf", **model) == \
+        after.value("sglang:time_to_first_token_seconds_count", **model)
+    assert after.value("sglang:num_used_tokens", **engine) == 0
+    assert after.value("sglang:token_usage", **engine) == 0
+    assert after.value("sglang:max_total_num_tokens", **engine) == \
+        SMALL["num_pages"] * SMALL["page_size"]
+    assert after.value("sglang:num_running_reqs", **engine) == 0
+    assert after.value("sglang:num_queue_reqs", **engine) == 0
 
 
 # ---- a local checkpoint directory -----------------------------------------------------------

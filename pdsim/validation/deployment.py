@@ -16,7 +16,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 # Colocated: "... at URL/v1"; disaggregated: "... (disaggregated: ...) at URL/v1".
 READY = re.compile(r"^pdsim serve: .* at (http://\S+)/v1$")
-WORKER = re.compile(r"^pdsim serve: (prefill|decode) worker (\d+) .* at (http://[^\s,]+)")
+# Anywhere in a line: the workers print from processes of their own, so two ready lines may
+# share one (a line's text and its newline are separate writes to the pipe).
+WORKER = re.compile(r"pdsim serve: (prefill|decode) worker (\d+) \([^)]*\) at (http://[^\s,/]+:\d+)")
 
 
 class ServeError(RuntimeError):
@@ -54,7 +56,7 @@ class RealDeployment:
             if not line:
                 break
             self.lines.append(line)
-            if m := WORKER.match(line.strip()):
+            for m in WORKER.finditer(line):
                 self.workers[(m.group(1), int(m.group(2)))] = m.group(3)
             if m := READY.match(line.strip()):
                 return m.group(1)

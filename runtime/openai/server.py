@@ -2,7 +2,7 @@
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as server-sent events
 `data: {...}` ending with `data: [DONE]`, or one JSON body), `GET /v1/models`, `GET /health`,
-`GET /metrics` (Prometheus text).
+`GET /metrics` (Prometheus text, SGLang's names: runtime/serve_metrics.py).
 
 A request is validated before it reaches the engine; a bad one gets HTTP 400 and an OpenAI-style
 body `{"error": {"message", "type": "invalid_request_error", "param", "code"}}` naming the field
@@ -83,6 +83,7 @@ class OpenAIServer(AppServer):
                  default_chat_max_tokens: int = 256, max_inflight_requests: int = 4096,
                  on_close: Callable[[], None] | None = None) -> None:
         super().__init__(engine, engine.metrics)
+        self.metrics.name_model(model_name)
         self.max_inflight_requests = max_inflight_requests
         self._inflight = 0
         self.tokenizer = tokenizer
@@ -144,9 +145,7 @@ class OpenAIServer(AppServer):
                                  status=503, headers=RETRY_HEADERS)
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        response = web.Response(text=self.metrics.render())
-        response.headers["Content-Type"] = CONTENT_TYPE
-        return response
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:

@@ -91,6 +91,7 @@ class WorkerServer(AppServer):
     def __init__(self, engine: PDEngine, info: WorkerInfo, *,
                  max_inflight_requests: int = 4096) -> None:
         super().__init__(engine, engine.metrics)
+        self.metrics.name_model(info.model)
         self.info = info
         self.max_inflight_requests = max_inflight_requests
         self._inflight = 0
@@ -226,9 +227,7 @@ class WorkerServer(AppServer):
         return web.json_response({**self.engine.load, "queues": self.engine.queues})
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        response = web.Response(text=self.metrics.render())
-        response.headers["Content-Type"] = CONTENT_TYPE
-        return response
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def records(self, request: web.Request) -> web.Response:
         try:

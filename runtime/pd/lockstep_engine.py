@@ -47,23 +47,12 @@ from runtime.protocol.stream import StreamEvent
 from runtime.sampling import SamplingParams
 from runtime.protocol import step as steps
 from runtime.pd.kv import SnapshotKV
-from runtime.serve_metrics import GAUGES, ServeMetrics
+from runtime.serve_metrics import ServeMetrics
 from runtime.streams import deliver
 
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
-
-PD_GAUGES = {
-    **GAUGES,
-    "pdsim_num_requests_bootstrap": "Prefill: requests waiting for the decode side (bootstrap).",
-    "pdsim_num_requests_inflight": "Prefill: requests whose KV is being sent.",
-    "pdsim_num_requests_prealloc": "Decode: requests waiting for KV pages (prealloc).",
-    "pdsim_num_requests_transfer": "Decode: requests whose KV is on its way.",
-    "pdsim_num_requests_prebuilt": "Decode: requests with their KV, waiting to join the batch.",
-    "pdsim_metadata_slots_used": "First-token metadata slots in use.",
-    "pdsim_transfers_pending": "Transfers not yet finished on every TP rank.",
-}
 
 
 def _discard(event: StreamEvent) -> None:
@@ -171,7 +160,7 @@ class PDEngine:
                                  poll_interval_s=poll_interval_s, tick_s=tick_s)
         self.driver = Engine(executor, config, scheduler=self.sched, sync=self.sync,
                              gauges=self._gauges, max_records=max_records,
-                             metrics=metrics or ServeMetrics(PD_GAUGES))
+                             metrics=metrics or ServeMetrics(role))
         self.metrics = self.driver.metrics
         self.records = self.driver.records
         if self.is_leader:
@@ -257,17 +246,21 @@ class PDEngine:
             queues = {"bootstrap": len(sched.bootstrap), "waiting": len(sched.waiting),
                       "inflight": len(sched.inflight)}
             pending = sched.pending_tokens
+            gauges["sglang:num_prefill_prealloc_queue_reqs"] = queues["bootstrap"]
+            gauges["sglang:num_prefill_inflight_queue_reqs"] = queues["inflight"]
         else:
             queues = {"prealloc": len(sched.prealloc), "transfer": len(sched.transfer),
                       "prebuilt": len(sched.prebuilt), "waiting": len(sched.waiting),
                       "running": len(sched.running)}
             pending = (sum(r.input_len for r in sched.prealloc)
                        + sum(r.input_len for r in sched.transfer))
+            # SGLang's decode waiting queue holds the requests whose KV is in place
+            gauges["sglang:num_queue_reqs"] = queues["waiting"] + queues["prebuilt"]
+            gauges["sglang:num_decode_prealloc_queue_reqs"] = queues["prealloc"]
+            gauges["sglang:num_decode_transfer_queue_reqs"] = queues["transfer"]
         self.queues = queues
         self.load = {"load": sched.load(), "num_active": sched.num_active,
                      "pending_tokens": pending}
-        for name, n in queues.items():
-            gauges[f"pdsim_num_requests_{name}"] = n
         gauges["pdsim_metadata_slots_used"] = sched.metadata_slots.num_used
         gauges["pdsim_transfers_pending"] = self.kv.num_pending
         return gauges
