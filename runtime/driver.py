@@ -329,13 +329,14 @@ class Engine:
         streamed. The loop's second half."""
         for rid, reason in (result.failed or {}).items():
             log.warning("request %s failed alone: %s", rid, reason)
-        self.inst.finish(step, result, now)
         batch = step[0]
-        self.metrics.observe_forward(batch, result.duration_s)
-        if batch.kind == "extend":
-            self._push_new(seg.req for seg in batch.segments if seg.is_last)
-        else:
-            self._push_new(batch.reqs)
+        # The requests this forward gives a token, read before `finish` hands it over: a
+        # prefill chunk is last only while the request's fill length is still its prompt's.
+        produced = (batch.reqs if batch.kind == "decode"
+                    else [seg.req for seg in batch.segments if seg.is_last])
+        self.inst.finish(step, result, now)
+        self.metrics.observe_forward(batch, result.duration_s, produced)
+        self._push_new(produced)
         self._update_gauges()
 
     def _begin(self) -> tuple[float, bool]:

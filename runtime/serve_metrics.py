@@ -181,23 +181,22 @@ class ServeMetrics:
             return record.decode_join_s - record.transfer_done_s
         return record.prefill_start_s - record.arrival_s
 
-    def observe_forward(self, batch, seconds: float) -> None:
-        """A model forward of `batch` (an `ExtendBatch` or a `DecodeBatch`) that took `seconds`:
-        a decode step's tokens count towards `sglang:gen_throughput` (generated tokens over the
-        wall time of the last `GEN_THROUGHPUT_STEPS` decode steps, as SGLang's decode log
-        computes it); an extend sets `sglang:cache_hit_rate` (prompt tokens found in the prefix
-        cache over prompt tokens, of the requests whose prompt this forward completed)."""
+    def observe_forward(self, batch, seconds: float, produced) -> None:
+        """A model forward of `batch` (an `ExtendBatch` or a `DecodeBatch`) that took `seconds`
+        and gave the requests `produced` a token: a decode step's tokens count towards
+        `sglang:gen_throughput` (generated tokens over the wall time of the last
+        `GEN_THROUGHPUT_STEPS` decode steps, as SGLang's decode log computes it); an extend
+        sets `sglang:cache_hit_rate` (prompt tokens found in the prefix cache over prompt
+        tokens, of the requests whose prompt this forward completed)."""
         self.forwards.labels(batch.kind).inc()
         self.forward_seconds.labels(batch.kind).inc(seconds)
         if batch.kind == "decode":  # a token per request (the real executor never speculates)
             self._decoded(batch.shape.decode_reqs, seconds)
             return
-        # (called after the forward's tokens joined their requests: `is_last` no longer holds)
-        done = [seg.req for seg in batch.segments if seg.end == seg.req.input_len]
-        prompt = sum(r.input_len for r in done)
+        prompt = sum(r.input_len for r in produced)
         if prompt:
             with self._lock:
-                self._cache_hit_rate = sum(r.cached_tokens for r in done) / prompt
+                self._cache_hit_rate = sum(r.cached_tokens for r in produced) / prompt
 
     def _decoded(self, tokens: int, seconds: float) -> None:
         now = time.monotonic()

@@ -187,3 +187,23 @@ def test_the_real_engine_runs_the_scenario_as_the_core_harness_does():
     assert len(prefill.engine.records) == len(WORKLOAD)
     for slot in (prefill, decode):
         slot.engine.sched.check_pools_full()
+
+
+@pytest.mark.real
+def test_a_prefill_streams_its_first_token_from_the_step_that_made_it():
+    """A colocated engine streams a request's first token when its prefill forward settles,
+    not one decode step later with the second."""
+    from runtime.driver import Engine, Submit
+
+    config = scheduler_config(16, page_size=4)
+    engine = Engine(EngineExecutor(config), config)
+    events: list = []
+    req = Request("r", 6, 3, arrival_s=0.0, prompt_ids=list(range(6)))
+    engine.apply(Submit(req, events.append), 0.0)
+    step = engine.plan(0.0)
+    assert step[0].kind == "extend"
+    engine.settle(step, engine.executor.execute(step), EXTEND_S)
+    assert [e.token_ids for e in events] == [(7,)]
+    step = engine.plan(EXTEND_S)
+    engine.settle(step, engine.executor.execute(step), EXTEND_S + DECODE_S)
+    assert [len(e.token_ids) for e in events] == [1, 1]

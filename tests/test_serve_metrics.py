@@ -65,9 +65,9 @@ def test_gen_throughput_is_tokens_over_the_windows_wall_time(monkeypatch):
     metrics = ServeMetrics()
     step = SimpleNamespace(kind="decode", shape=BatchShape(decode_reqs=2))
     for _ in range(GEN_THROUGHPUT_STEPS - 1):
-        metrics.observe_forward(step, 0.1)
+        metrics.observe_forward(step, 0.1, ())
     assert scrape(metrics).value("sglang:gen_throughput") == 0  # the window is not complete
-    metrics.observe_forward(step, 0.1)
+    metrics.observe_forward(step, 0.1, ())
     # 40 steps of 2 tokens, from the first step's start (0.0) to the last one's end (4.0)
     assert scrape(metrics).value("sglang:gen_throughput") == pytest.approx(20.0)
     assert scrape(metrics).value("pdsim_forwards_total", kind="decode") == GEN_THROUGHPUT_STEPS
@@ -81,5 +81,5 @@ def test_cache_hit_rate_is_of_the_prompts_an_extend_completed():
         SimpleNamespace(req=done, end=40),  # its prompt's last chunk
         SimpleNamespace(req=other, end=80),  # a chunk in the middle: not counted yet
     ])
-    metrics.observe_forward(batch, 0.01)
+    metrics.observe_forward(batch, 0.01, [done])
     assert scrape(metrics).value("sglang:cache_hit_rate", engine_type="prefill") == 0.8
