@@ -220,6 +220,7 @@ def plan(
     """Find the cheapest deployment meeting a plan's SLO: pre-filter, simulate, recommend,
     and write the frontier, plots, report.md and launch commands (docs/planning.md)."""
     from pdsim.planning import plan as run_plan
+    from pdsim.planning.result import choice_line
 
     with _exits_on(ConfigError):
         result = run_plan(plan_file, out_dir=out, jobs=jobs, progress=not quiet,
@@ -229,10 +230,7 @@ def plan(
         _print_frontier(result, wide)
     for title, choice in (("recommended", result.recommended), ("runner-up", result.runner_up)):
         if choice is not None:
-            console.print(f"{title}: [bold]{choice.deployment.label}[/bold], "
-                          f"{choice.deployment.num_gpus} GPUs, ${choice.summary['usd_per_hour']:,.2f}/h"
-                          f", ${choice.summary['usd_per_mtok']:,.3f}/Mtok; bottleneck: "
-                          f"{choice.bottleneck.name} ({choice.bottleneck.words})", highlight=False,
+            console.print(choice_line(title, choice), highlight=False, markup=False,
                           soft_wrap=True)
     if result.recommended is None:
         console.print("[red]no simulated deployment meets the SLO[/red]")

@@ -45,6 +45,14 @@ class PlanResult:
         return self.candidates[self.candidates["feasible"] == True]  # noqa: E712 (NaN rows)
 
 
+def choice_line(title: str, c: Choice) -> str:
+    """One line on a pick, as `pdsim plan` prints it (and the docs quote it)."""
+    s = c.summary
+    return (f"{title}: {c.deployment.label}, {c.deployment.num_gpus} GPUs, "
+            f"${s['usd_per_hour']:,.2f}/h, ${s['usd_per_mtok']:,.3f}/Mtok; bottleneck: "
+            f"{c.bottleneck.name} ({c.bottleneck.words})")
+
+
 def latency_columns(cfg: PlanConfig) -> list[str]:
     """The summary's latency columns a plan is judged on: its targets, and the TTFT and ITL
     columns of the plots."""
