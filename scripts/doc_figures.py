@@ -58,10 +58,11 @@ def plan_blocks(result: PlanResult) -> dict[str, str]:
 
 
 def _frontier_table(result: PlanResult) -> str:
-    """The frontier near the recommendation: up to two GPUs more, at most eight rows."""
+    """The frontier near the recommendation: the eight rows closest to it in GPUs."""
     rec = result.recommended.deployment
-    rows = result.frontier[result.frontier["num_gpus"] <= rec.num_gpus + 2]
-    rows = rows.sort_values(["num_gpus", "output_tok_s_per_gpu"], ascending=[True, False]).head(8)
+    rows = result.frontier.assign(away=(result.frontier["num_gpus"] - rec.num_gpus).abs())
+    rows = rows.sort_values(["away", "output_tok_s_per_gpu"], ascending=[True, False]).head(8)
+    rows = rows.sort_values(["num_gpus", "output_tok_s_per_gpu"], ascending=[True, False])
     lines = ["| deployment | GPUs | TTFT | ITL | TPOT | tok/s/GPU | $/Mtok | feasible | bottleneck |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for _, r in rows.iterrows():
