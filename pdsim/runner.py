@@ -165,14 +165,11 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
 
 
 def _execute(pool: Pool, args: list, show: bool, name: str) -> list[PointResult]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from pdsim.progress import progress_bar
 
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())
-    with Progress(*columns, disable=not show, transient=False) as bar:
-        task = bar.add_task(f"simulating {name}", total=len(args))
+    with progress_bar(f"simulating {name}", len(args), show) as bar:
         results = []
         for result in pool.imap_unordered(_run_named_point, args):
             results.append(result)
-            bar.advance(task)
+            bar.advance()
         return results
