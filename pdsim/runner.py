@@ -159,7 +159,7 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
     summary.to_csv(out / "summary.csv", index=False)
     requests.to_parquet(out / "requests.parquet", index=False)
     (out / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    plots = plot_experiment(summary, out) + plot_latency_cdfs(requests, out, by="label")
+    plots = plot_experiment(summary, out, slo=cfg.slo) + plot_latency_cdfs(requests, out, by="label")
     write_report(summary, out, title=cfg.name, config_text=path.read_text(), plots=plots, slo=cfg.slo)
     return summary, out
 
