@@ -242,6 +242,7 @@ def plan(
         console.print(result.recommended.launch.script(), highlight=False, markup=False,
                       soft_wrap=True)
     console.print(f"wrote {result.out_dir}/report.md, frontier.csv, candidates.csv, frontier.png, "
+                  "throughput_vs_interactivity.png, "
                   "recommended.yaml, launch.sh", soft_wrap=True)
     if result.recommended is None:
         raise typer.Exit(1)

@@ -29,7 +29,7 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 PD_RATIO = "pd_ratio"
 SWEPT = "sweep."  # prefix of the summary columns holding each point's swept values
@@ -116,6 +116,28 @@ def _integer_ticks(axis, values) -> None:
     values = np.asarray(values, dtype=float)
     if len(values) and np.all(np.isfinite(values)) and np.all(values == np.round(values)):
         axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def log_axis(axis) -> None:
+    """Put `axis` (`ax.xaxis`, `ax.yaxis`) on a log scale labelled in plain numbers ("5", "20",
+    "300", not 5×10^0). Minor ticks are labelled too, fewer the more decades the axis spans
+    (every one within a factor 4; 2, 3 and 5 within a decade; 2 and 5 within two; none beyond),
+    so that a narrow axis still reads and labels never run into each other."""
+    if axis is axis.axes.xaxis:
+        axis.axes.set_xscale("log")
+    else:
+        axis.axes.set_yscale("log")
+
+    def minor(value: float, _pos) -> str:
+        lo, hi = sorted(axis.get_view_interval())
+        spread = hi / lo if lo > 0 else np.inf
+        digits = range(2, 10) if spread < 4 else (2, 3, 5) if spread < 10 else \
+            (2, 5) if spread < 100 else ()
+        mantissa = value / 10 ** np.floor(np.log10(value))
+        return f"{value:g}" if any(abs(mantissa - d) < 1e-6 for d in digits) else ""
+
+    axis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
+    axis.set_minor_formatter(FuncFormatter(minor))
 
 
 _SLO_NAMES = {"ttft_s": "TTFT", "itl_s": "mean ITL per request"}
@@ -227,10 +249,10 @@ def plot_sweep(
         bound = _slo_line(ax, slo, panel.slo, panel.scale)
         drawn = [table[s.column].to_numpy(float) * panel.scale for s in series]
         if _wide_spread(np.concatenate(drawn + ([bound.get_ydata()] if bound else []))):
-            ax.set_yscale("log")
+            log_axis(ax.yaxis)
         if ticks is None and _wide_spread(table["_x"].to_numpy(float)):  # 1 ... 256 clients
             values = sorted(table["_x"].unique())
-            ax.set_xscale("log")
+            log_axis(ax.xaxis)
             ax.set_xticks(values, [f"{v:g}" for v in values])
             ax.minorticks_off()
         elif ticks is None:
@@ -481,7 +503,7 @@ def plot_throughput_latency(summary: pd.DataFrame, out_dir: str | Path,
                 ax.annotate(f"{int(n)}", (xi, yi), textcoords="offset points", xytext=(4, 4),
                             fontsize="x-small", color=colors[curve])
         if _wide_spread(frame[column].to_numpy(float)):
-            ax.set_xscale("log")
+            log_axis(ax.xaxis)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("output tokens/s per GPU")
         ax.set_title(f"Throughput against {xlabel.split()[0]} (points: concurrent clients)")
@@ -550,7 +572,7 @@ def plot_interactivity(points: pd.DataFrame, path: str | Path, *, group: str | N
         ax.scatter([star[0]], [star[1]], marker="*", s=220, color="tab:red", zorder=5,
                    label="recommended")
     if _wide_spread(x):
-        ax.set_xscale("log")
+        log_axis(ax.xaxis)
     ax.set_xlabel("output tokens/s per user (1 / mean ITL of a request)")
     ax.set_ylabel("output tokens/s per GPU")
     ax.set_title(title or "Throughput per GPU against speed per user")
@@ -651,7 +673,7 @@ def plot_latency_cdfs(
             if not drawn:
                 continue
             if _wide_spread(np.concatenate(drawn)):
-                ax.set_xscale("log")
+                log_axis(ax.xaxis)
             for level in (0.5, 0.99):
                 ax.axhline(level, color="0.5", linewidth=0.8, linestyle=":")
             full_title = f"CDF of {title}"
