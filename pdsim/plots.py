@@ -144,12 +144,21 @@ _SLO_NAMES = {"ttft_s": "TTFT", "itl_s": "mean ITL per request"}
 
 
 def _slo_line(ax, slo, field: str, scale: float) -> Line2D | None:
-    """The SLO bound `slo.<field>` dashed across `ax` (values times `scale`); its legend handle."""
+    """The SLO bound `slo.<field>` dashed across `ax` (values times `scale`); its legend handle.
+    A bound far above the data (more than half the axis again) is left off the top, its label
+    saying so, rather than squash the data into the bottom of the plot."""
     bound = getattr(slo, field, None) if slo is not None and field else None
     if bound is None:
         return None
+    ax.autoscale_view()
+    limits = ax.get_ylim()
     label = f"SLO: {_SLO_NAMES.get(field, field)} ≤ {bound * scale:g} ms"
-    return ax.axhline(bound * scale, color="tab:red", linestyle="--", linewidth=1.1, label=label)
+    far = bound * scale > limits[1] + 0.5 * (limits[1] - limits[0])
+    line = ax.axhline(bound * scale, color="tab:red", linestyle="--", linewidth=1.1,
+                      label=label + (" (above the plot)" if far else ""))
+    if far:
+        ax.set_ylim(limits)
+    return line
 
 
 def _colors(n: int) -> list:
@@ -246,10 +255,9 @@ def plot_sweep(
                 ax.plot(rows["_x"] + shift[value], rows[s.column] * panel.scale,
                         color=colors[value], linestyle="none" if unordered else s.linestyle,
                         marker=s.marker, markersize=5 if unordered else 4, linewidth=1.6)
-        bound = _slo_line(ax, slo, panel.slo, panel.scale)
-        drawn = [table[s.column].to_numpy(float) * panel.scale for s in series]
-        if _wide_spread(np.concatenate(drawn + ([bound.get_ydata()] if bound else []))):
+        if _wide_spread(np.concatenate([table[s.column].to_numpy(float) for s in series])):
             log_axis(ax.yaxis)
+        bound = _slo_line(ax, slo, panel.slo, panel.scale)
         if ticks is None and _wide_spread(table["_x"].to_numpy(float)):  # 1 ... 256 clients
             values = sorted(table["_x"].unique())
             log_axis(ax.xaxis)
