@@ -1,7 +1,6 @@
 """Write a plan's results: candidates.csv, frontier.csv, frontier.png,
-throughput_vs_interactivity.png, report.md,
-recommended.yaml (pdsim's experiment), launch.sh (SGLang's commands) and plan.yaml (the plan
-as validated, defaults left out)."""
+throughput_vs_interactivity.png, report.md, recommended.yaml (pdsim's experiment), launch.sh
+(SGLang's commands) and plan.yaml (the plan as validated, defaults left out)."""
 
 from __future__ import annotations
 
@@ -14,6 +13,8 @@ import yaml
 
 from pdsim.planning.result import Choice, PlanResult, axis_column, latency_columns
 
+# pdsim.plots.INTERACTIVITY_PNG, not imported from there: pdsim.plots loads matplotlib, which
+# the simulation workers (they import this package) do without.
 INTERACTIVITY_PNG = "throughput_vs_interactivity.png"
 _FRONTIER_METRICS = ("ttft", "itl", "tpot")  # the frontier's panel columns, left to right
 FRONTIER_COLUMNS = ("label", "num_gpus", "usd_per_hour", "output_tok_s_per_gpu", "usd_per_mtok",
