@@ -308,9 +308,10 @@ def _pd_ticks(frame: pd.DataFrame) -> dict[str, str]:
 
 
 def _parallel(tp, dp) -> str:
-    if tp is None or tp != tp or not tp:
+    """"tp8", or "tp8 dp8" with DP attention; "" where the summary does not say (NaN, None)."""
+    if not tp or tp != tp:
         return ""
-    return f"tp{int(tp)}" + (f" dp{int(dp)}" if dp == dp and dp and dp > 1 else "")
+    return f"tp{int(tp)}" + (f" dp{int(dp)}" if dp and dp == dp and dp > 1 else "")
 
 
 def _sort_key(value):
