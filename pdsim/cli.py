@@ -51,7 +51,7 @@ def _fmt(col: str, row) -> str:
         return f"{v * 1e3:.1f}"
     if v != v:  # NaN: the column does not apply (no prefill instances, say)
         return "–"
-    if col == "slo_attainment":
+    if col in ("slo_attainment", "prefix_hit_rate"):
         return f"{v:.1%}"
     if col == "prefill_busy_frac":
         return f"{v:.0%}"
@@ -89,12 +89,14 @@ def run(
 def _print_points(summary, title: str, wide: bool) -> None:
     """The run table: one row per sweep point, named after what the sweep varies there
     (pdsim.plots.sweep_labels), or p0, p1... with a legend when those names are long."""
-    from pdsim.tables import Column, print_table, short_labels
+    from pdsim.tables import Column, print_table, short_labels, shows_prefix_hits
 
     names, legend = short_labels(summary["label"], "p")
+    table = TABLE_COLUMNS + ((("prefix hit", "prefix_hit_rate", 1),)
+                             if shows_prefix_hits(summary) else ())
     columns = [Column(name, priority, justify="left" if col is None else "right")
-               for name, col, priority in TABLE_COLUMNS]
-    rows = [[name] + [_fmt(col, row) for _, col, _ in TABLE_COLUMNS[1:]]
+               for name, col, priority in table]
+    rows = [[name] + [_fmt(col, row) for _, col, _ in table[1:]]
             for name, (_, row) in zip(names, summary.iterrows())]
     print_table(console, columns, rows, title=title, wide=wide, legend=legend,
                 caption="latencies in ms; goodput: requests/s meeting the SLO")
@@ -238,6 +240,7 @@ def plan(
         console.print(result.recommended.launch.script(), highlight=False, markup=False,
                       soft_wrap=True)
     console.print(f"wrote {result.out_dir}/report.md, frontier.csv, candidates.csv, frontier.png, "
+                  "throughput_vs_interactivity.png, "
                   "recommended.yaml, launch.sh", soft_wrap=True)
     if result.recommended is None:
         raise typer.Exit(1)

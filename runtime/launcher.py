@@ -108,11 +108,25 @@ def fetch_health(url: str, timeout_s: float = 2.0) -> dict | None:
 async def wait_healthy(workers: Sequence[WorkerProcess], stop: asyncio.Event,
                        timeout_s: float) -> dict[str, dict] | None:
     """Every worker's `/health` once all answer (by URL); None if `stop` was set first.
-    Raises `LaunchError` when a worker exits or `timeout_s` passes."""
+    Raises `LaunchError` when a worker exits or `timeout_s` passes. A spinner names the
+    workers still starting (pdsim.progress)."""
+    from pdsim.progress import phase
+
+    with phase(_waiting_for(workers)) as show:
+        return await _wait_healthy(workers, stop, timeout_s, show)
+
+
+def _waiting_for(workers: Sequence[WorkerProcess]) -> str:
+    return f"waiting for {', '.join(w.name for w in workers)} to be healthy"
+
+
+async def _wait_healthy(workers: Sequence[WorkerProcess], stop: asyncio.Event, timeout_s: float,
+                        show: Callable[[str], None]) -> dict[str, dict] | None:
     loop = asyncio.get_running_loop()
     deadline = time.monotonic() + timeout_s
     health: dict[str, dict] = {}
     while len(health) < len(workers):
+        show(_waiting_for([w for w in workers if w.url not in health]))
         for w in workers:
             if w.url in health:
                 continue

@@ -82,6 +82,7 @@ def _serve_name(path: Path) -> str:
 def validate(config_path: str | Path, *, calibration: str | Path | None = None,
              tolerance: Tolerance = Tolerance(), out_dir: str | Path | None = None,
              log=print) -> Validation:
+    from pdsim.progress import phase
     from pdsim.sim.build import build_cluster
     from pdsim.sim.cluster import simulate
     from pdsim.validation.deployment import RealDeployment
@@ -104,14 +105,17 @@ def validate(config_path: str | Path, *, calibration: str | Path | None = None,
     out.mkdir(parents=True, exist_ok=True)
 
     log(f"real: pdsim serve {path} ({len(work.arrival_s)} requests)")
-    with RealDeployment(path, secret=new_secret()) as real_dep:
+    with phase("starting the deployment"):
+        real_dep = RealDeployment(path, secret=new_secret())
+    with real_dep, phase(f"replaying {len(work.arrival_s)} requests"):
         real = replay(real_dep.url, _serve_name(path), work.arrival_s, work.input_tokens,
                       work.output_tokens, seed=cfg.seed)
         real = phases.merge_worker_records(real, real_dep.worker_records("prefill"),
                                            real_dep.worker_records("decode"))
     log("sim: " + (f"calibrated by {calibration}" if calibration else "as configured"))
-    sim = simulate(cluster, work.arrival_s, work.input_tokens, work.output_tokens,
-                   seed=sim_cfg.seed, max_duration_s=sim_cfg.max_duration_s).records
+    with phase("simulating"):
+        sim = simulate(cluster, work.arrival_s, work.input_tokens, work.output_tokens,
+                       seed=sim_cfg.seed, max_duration_s=sim_cfg.max_duration_s).records
 
     r = summarize(real, num_gpus=cluster.num_gpus, slo=cfg.slo)
     s = summarize(sim, num_gpus=cluster.num_gpus, slo=cfg.slo)
