@@ -19,6 +19,7 @@ from pdsim.config import ConfigError
 
 PROMPT_VOCAB = 256  # prompt ids are drawn below this: every servable preset's vocabulary holds them
 TEXT_TRIES = 50
+MIN_SPACED_WORDS = 16
 
 
 def id_prompts(input_tokens: Sequence[int], seed: int) -> list[list[int]]:
@@ -31,8 +32,9 @@ class TextPrompts:
     """Text prompts that a `tokenizer.json` encodes to an exact number of tokens.
 
     Words are drawn from the vocabulary's tokens that decode to plain text and encode back to
-    themselves alone; neighbours may still merge or split, so the draft is re-encoded and
-    trimmed or extended until its length is exact.
+    themselves alone (those that begin with a space where there are enough); neighbours may
+    still merge or split, so the draft is re-encoded and trimmed or extended until its length
+    is exact.
     """
 
     def __init__(self, tokenizer_dir: str | Path) -> None:
@@ -52,10 +54,13 @@ class TextPrompts:
         # What the endpoint's tokenizer adds to every prompt (a BOS, a template's tokens).
         self.special = len(self.tok.encode("", add_special_tokens=True).ids)
         specials = {t.content for t in self.tok.get_added_tokens_decoder().values()}
-        self.words = np.array(sorted(
-            i for tok, i in self.tok.get_vocab().items() if tok not in specials
-            and (text := self.tok.decode([i])).isprintable() and text.strip()
-            and self.tok.encode(text, add_special_tokens=False).ids == [i]))
+        words = {i: text for tok, i in self.tok.get_vocab().items() if tok not in specials
+                 and (text := self.tok.decode([i])).isprintable() and text.strip()
+                 and self.tok.encode(text, add_special_tokens=False).ids == [i]}
+        # Words that begin with a space do not merge with the word before them where the
+        # tokenizer splits at spaces first (byte-level BPE, SentencePiece): prefer them.
+        spaced = sorted(i for i, text in words.items() if text.startswith(" "))
+        self.words = np.array(spaced if len(spaced) >= MIN_SPACED_WORDS else sorted(words))
         if not len(self.words):
             raise ConfigError(f"--tokenizer {file}: no token of its vocabulary decodes to "
                               "plain text that encodes back to itself")

@@ -23,9 +23,7 @@ from typing import Any
 
 import pandas as pd
 
-from pdsim.config import (
-    ConfigError, ExperimentConfig, load_experiment, parse_experiment, read_config_file,
-)
+from pdsim.config import ConfigError, ExperimentConfig, parse_experiment, read_config_file
 from pdsim.core.records import RequestRecord
 from pdsim.metrics import records_frame, summarize
 from pdsim.validation import phases
@@ -94,12 +92,23 @@ class Experiment:
     calibration: str | Path | None
 
 
+# `pdsim compare` simulates the measured file's requests: a deployment YAML without a workload
+# gets this one only to pass the experiment's schema; it is never generated.
+UNUSED_WORKLOAD = {"num_requests": 1, "seed": 0, "arrival": {"process": "poisson", "rate_rps": 1},
+                   "input_len": {"dist": "fixed", "value": 1},
+                   "output_len": {"dist": "fixed", "value": 1}}
+
+
 def load_experiment_for(config_path: str | Path, calibration: str | Path | None,
                         what: str = "validate") -> Experiment:
+    """`what` "compare" takes a deployment without a workload (the file brings the requests)."""
     from pdsim.sim.build import build_cluster
 
     path = Path(config_path)
-    cfg, raw = load_experiment(path)
+    raw = read_config_file(path, "experiment")
+    if what == "compare" and isinstance(raw, dict) and "workload" not in raw:
+        raw = {**raw, "workload": UNUSED_WORKLOAD}
+    cfg = parse_experiment(raw, str(path))
     if cfg.sweep:
         raise ConfigError(f"{path}: {what} runs one deployment; drop its `sweep:`")
     base_dir = str(path.parent.resolve())
@@ -169,7 +178,7 @@ def validate(config_path: str | Path, *, calibration: str | Path | None = None,
     """Replay the config's workload on the deployment served here (`url` None) or on the
     endpoint at `url` (its API root, without /v1), simulate, compare (module docstring)."""
     from pdsim.validation import lengths
-    from pdsim.validation.deployment import RealDeployment
+    from pdsim.validation.deployment import RealDeployment, ServeError
     from pdsim.validation.prompts import TextPrompts
     from pdsim.validation.replay import replay_endpoint
     from pdsim.workload import generate
@@ -208,6 +217,8 @@ def validate(config_path: str | Path, *, calibration: str | Path | None = None,
                                   work.output_tokens, api=api, prompts=prompts, api_key=api_key,
                                   seed=cfg.seed)
         real = [r.record for r in replies]
+        if not any(r.ok for r in real):
+            raise ServeError(f"every request to {url} failed; the first: {real[0].error}")
         check = lengths.length_check(replies, work.input_tokens, work.output_tokens)
         out.mkdir(parents=True, exist_ok=True)
         check.to_csv(out / "lengths.csv", index=False)
