@@ -242,11 +242,26 @@ def calibrate(
     out: Path = typer.Option(..., "-o", "--out", help="calibration YAML to write; the forward "
                              "timings go beside it (<name>_timings.csv)"),
     repeats: int = typer.Option(5, help="runs per batch shape (the fastest is kept)"),
+    measured: Optional[Path] = typer.Option(
+        None, help="fit to these per-request results of the deployment instead of measuring "
+        "this machine (the formats of `pdsim compare`)"),
+    format: str = typer.Option("auto", "--format", help="--measured: auto, bench_serving, "
+                               "aiperf or csv"),
+    run: Optional[int] = typer.Option(None, help="--measured bench_serving: the line of the run"),
 ) -> None:
     """Measure this machine's forwards over a grid of batch shapes, the KV transfer over
-    message sizes and the HTTP/router front end, and write a calibration file for
-    `pdsim validate --calibration` (docs/validation.md)."""
+    message sizes and the HTTP/router front end, or fit a deployment's measured results
+    (--measured: a steady decode step and a concurrency-1 TTFT), and write a calibration file
+    for `pdsim validate --calibration` (docs/validation.md)."""
     from pdsim.validation.deployment import ServeError
+
+    if measured is not None:
+        from pdsim.validation.fit import calibrate_measured
+
+        with _exits_on(ConfigError):
+            path = calibrate_measured(config, measured, out, fmt=format, run=run)
+        print(f"wrote {path}")
+        return
     from runtime.calibration import calibrate as run_calibrate
 
     with _exits_on(ConfigError, ServeError):

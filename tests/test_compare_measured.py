@@ -278,3 +278,45 @@ def test_text_prompts_encode_to_exact_lengths(tmp_path):
     with pytest.raises(ConfigError) as info:
         bpe.prompt(1, np.random.default_rng(0))
     assert "at least 2" in str(info.value)
+
+
+def test_steady_gaps_know_the_batch_and_skip_what_changed():
+    from pdsim.core.records import RequestRecord
+    from pdsim.validation.fit import lone_requests, steady_gaps
+
+    def rec(rid, arrival, times):
+        return RequestRecord(rid=rid, input_tokens=8, output_tokens=len(times), status="ok",
+                             arrival_s=arrival, first_token_s=times[0], finish_s=times[-1],
+                             token_times_s=times)
+
+    a = rec("a", 0.0, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    b = rec("b", 2.5, [3.5, 4.5, 5.5])  # waits for its first token over a's gap 2 -> 3 and 3 -> 4
+    gaps, batch = steady_gaps([a, b])
+    # a: 1->2 alone (batch 1); 2->3 and 3->4 see b pending; 4->5 with b (batch 2); 5->6: b
+    # leaves at 5.5. b: 3.5->4.5 with a (batch 2); 4.5->5.5 with a (batch 2).
+    assert sorted(zip(gaps.tolist(), batch.tolist())) == [(1.0, 1), (1.0, 2), (1.0, 2), (1.0, 2)]
+    assert [r.rid for r in lone_requests([a, b])] == ["a"]
+
+
+def test_calibrate_measured_makes_the_simulation_reproduce_lone_requests(tmp_path):
+    # Requests far apart: every one alone, every gap a steady step at batch 1.
+    rows = [f"{t},32,8,0.05,{';'.join(['0.004'] * 7)}" for t in (0, 10, 20, 30)]
+    path = tmp_path / "lone.csv"
+    path.write_text("arrival_s,input_tokens,output_tokens,ttft_s,itls_s\n" + "\n".join(rows))
+    config = write_config(tmp_path)
+    proc = pdsim("calibrate", str(config), "--measured", "lone.csv", "-o", "calib/fit.yaml",
+                 cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "from 28 steady gaps at batch 1-1" in text and "from 4 requests alone" in text
+    overlay = yaml.safe_load((tmp_path / "calib" / "fit.yaml").read_text())
+    assert set(overlay) == {"measured", "cost_model", "router"}
+    assert overlay["measured"]["lone_requests"]["count"] == 4
+    before = pdsim("compare", str(config), "--measured", "lone.csv", "--out", "before",
+                   cwd=tmp_path, timeout=120)
+    after = pdsim("compare", str(config), "--measured", "lone.csv", "--calibration",
+                  "calib/fit.yaml", "--out", "after", cwd=tmp_path, timeout=120)
+    assert before.returncode == 1 and after.returncode == 0, after.stdout
+    table = pd.read_csv(tmp_path / "after" / "validation.csv").set_index("metric")
+    assert abs(table.loc["TTFT mean", "error"]) < 0.01
+    assert abs(table.loc["ITL mean", "error"]) < 0.01
