@@ -213,9 +213,9 @@ def compare(
     config: Path = typer.Argument(..., help="the deployment the results were measured on"),
     measured: Path = typer.Option(..., help="per-request results: SGLang bench_serving "
                                   "--output-details JSONL, aiperf profile_export.jsonl or CSV"),
-    format: str = typer.Option("auto", "--format", help="auto, bench_serving, aiperf or csv"),
-    run: Optional[int] = typer.Option(None, help="bench_serving: the line of the run to compare "
-                                      "(default: the file's only one)"),
+    fmt: str = typer.Option("auto", "--format", help="auto, bench_serving, aiperf or csv"),
+    run_line: Optional[int] = typer.Option(None, "--run", help="bench_serving: the line of the "
+                                           "run to compare (default: the file's only one)"),
     calibration: Optional[Path] = CALIBRATION_OPTION,
     tolerance: float = TOLERANCE_OPTION,
     tolerance_p90: float = TOLERANCE_P90_OPTION,
@@ -229,7 +229,7 @@ def compare(
     from pdsim.validation.validate import compare_measured
 
     with _exits_on(ConfigError):
-        result = compare_measured(config, measured, fmt=format, run=run, calibration=calibration,
+        result = compare_measured(config, measured, fmt=fmt, run=run_line, calibration=calibration,
                                   out_dir=out,
                                   tolerance=Tolerance(mean=tolerance, p90=tolerance_p90))
     _report_validation(result)
@@ -245,9 +245,10 @@ def calibrate(
     measured: Optional[Path] = typer.Option(
         None, help="fit to these per-request results of the deployment instead of measuring "
         "this machine (the formats of `pdsim compare`)"),
-    format: str = typer.Option("auto", "--format", help="--measured: auto, bench_serving, "
-                               "aiperf or csv"),
-    run: Optional[int] = typer.Option(None, help="--measured bench_serving: the line of the run"),
+    fmt: str = typer.Option("auto", "--format", help="--measured: auto, bench_serving, aiperf "
+                            "or csv"),
+    run_line: Optional[int] = typer.Option(None, "--run", help="--measured bench_serving: the "
+                                           "line of the run"),
 ) -> None:
     """Measure this machine's forwards over a grid of batch shapes, the KV transfer over
     message sizes and the HTTP/router front end, or fit a deployment's measured results
@@ -259,7 +260,7 @@ def calibrate(
         from pdsim.validation.fit import calibrate_measured
 
         with _exits_on(ConfigError):
-            path = calibrate_measured(config, measured, out, fmt=format, run=run)
+            path = calibrate_measured(config, measured, out, fmt=fmt, run=run_line)
         print(f"wrote {path}")
         return
     from runtime.calibration import calibrate as run_calibrate

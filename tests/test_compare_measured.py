@@ -160,6 +160,7 @@ def test_bench_serving_all_at_once_and_held_back_by_max_concurrency(tmp_path):
     assert any("Poisson process at its request_rate 4 req/s" in n for n in first.notes)
 
 
+@pytest.mark.slow
 def test_compare_a_bench_serving_file_end_to_end(tmp_path):
     config = write_config(tmp_path)
     path = tmp_path / "bench.jsonl"
@@ -179,6 +180,7 @@ def test_compare_a_bench_serving_file_end_to_end(tmp_path):
     assert sorted(sim["rid"].astype(str)) == ["0", "1", "3"]  # the failed request is not simulated
 
 
+@pytest.mark.slow
 def test_csv_with_itls_or_e2e(tmp_path):
     path = tmp_path / "runs.csv"
     path.write_text("arrival_s,input_tokens,output_tokens,ttft_s,itls_s,e2e_s,error\n"
@@ -238,6 +240,7 @@ def test_a_malformed_file_names_its_line_and_field(tmp_path, fmt, name, text, wo
         assert word in str(info.value)
 
 
+@pytest.mark.slow
 def test_malformed_file_exits_2_with_the_message(tmp_path):
     config = write_config(tmp_path)
     path = tmp_path / "c.csv"
@@ -298,6 +301,7 @@ def test_steady_gaps_know_the_batch_and_skip_what_changed():
     assert [r.rid for r in lone_requests([a, b])] == ["a"]
 
 
+@pytest.mark.slow
 def test_calibrate_measured_makes_the_simulation_reproduce_lone_requests(tmp_path):
     # Requests far apart: every one alone, every gap a steady step at batch 1.
     rows = [f"{t},32,8,0.05,{';'.join(['0.004'] * 7)}" for t in (0, 10, 20, 30)]

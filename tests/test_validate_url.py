@@ -129,6 +129,7 @@ def test_text_only_chunks_are_spread_to_the_reported_count():
     assert stream.token_times() == [1.0, 1.25, 1.5, 1.75, 2.0]
 
 
+@pytest.mark.slow
 def test_url_only_options_need_url(tmp_path):
     config = tmp_path / "pd.yaml"
     config.write_text("name: x\n" + tiny_pd_yaml() + WORKLOAD)

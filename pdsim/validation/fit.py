@@ -19,6 +19,7 @@ The report says how far each parameter moved. Everything else stays as the YAML 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -65,13 +66,16 @@ def steady_gaps(records: list[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def lone_requests(records: list[RequestRecord]) -> list[RequestRecord]:
-    """Completed requests nothing else overlapped from their send to their first token."""
-    ok = sorted((r for r in records if r.ok), key=lambda r: r.arrival_s)
+    """Completed requests nothing else overlapped from their send to their first token: no
+    earlier request still in flight at their send, none sent before their first token."""
+    order = sorted(records, key=lambda r: r.arrival_s)
     out = []
-    for r in ok:
-        if not any(q is not r and q.arrival_s < r.first_token_s and q.finish_s > r.arrival_s
-                   for q in records):
+    busy_until = -math.inf  # the latest finish of the requests sent so far
+    for i, r in enumerate(order):
+        next_sent = order[i + 1].arrival_s if i + 1 < len(order) else math.inf
+        if r.ok and busy_until <= r.arrival_s and next_sent >= r.first_token_s:
             out.append(r)
+        busy_until = max(busy_until, r.finish_s)
     return out
 
 
@@ -203,6 +207,7 @@ def calibrate_measured(config_path: str | Path, measured_path: str | Path, out_p
         "from": str(measured_path), "source": measured.source, "config": str(config_path),
         "requests": len(measured.records), "notes": measured.notes, **fit.overlay["measured"]}
     out_path.write_text(f"# pdsim calibrate --measured: fitted to {measured_path} "
-                        "(pdsim/validation/fit.py)\n" + yaml.safe_dump(fit.overlay, sort_keys=False))
+                        "(pdsim/validation/fit.py)\n"
+                        + yaml.safe_dump(fit.overlay, sort_keys=False))
     return out_path
 

@@ -158,8 +158,9 @@ BENCH_LISTS = ("input_lens", "output_lens", "ttfts", "itls", "errors")
 def _bench_serving(path: Path, seed: int, run: int | None) -> tuple[list[_Request], list[str]]:
     runs = dict(_lines(path))
     if run is None and len(runs) > 1:
-        raise MeasuredFileError(f"{path} holds {len(runs)} runs (lines {', '.join(map(str, runs))});"
-                                " pick one with --run LINE")
+        lines = ", ".join(map(str, runs))
+        raise MeasuredFileError(f"{path} holds {len(runs)} runs (lines {lines}); pick one with "
+                                "--run LINE")
     number = next(iter(runs)) if run is None else run
     if number not in runs:
         raise MeasuredFileError(f"--run {run}: {path} has runs on lines "
@@ -212,7 +213,7 @@ def _bench_serving(path: Path, seed: int, run: int | None) -> tuple[list[_Reques
     if limit is not None:
         sent = _held_back(sent, latencies, int(limit))
         notes.append(f"max_concurrency {limit}: a request is sent when an earlier one finishes "
-                     "(reconstructed from their latencies), so the simulated load is the measured one")
+                     "(reconstructed from their latencies)")
     for req, t in zip(requests, sent):
         req.arrival_s = float(t)
     return requests, notes

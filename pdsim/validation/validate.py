@@ -5,12 +5,13 @@ lengths.
 The real run is one of: the deployment served here (`pdsim serve`) and the config's workload
 replayed; the workload replayed against an endpoint already running (`--url`: a real SGLang
 PD deployment, vLLM, Dynamo, `pdsim serve`); or a benchmark client's per-request results
-(pdsim.validation.measured). Writes to the output directory: `validation.csv` and `validation.md` (the side-by-side table;
-the markdown also holds the phase table), `phases.csv` (per-phase means, sim against real, see
-`pdsim.validation.phases`), `validation.png` (CDFs and the per-request TTFT scatter),
+(pdsim.validation.measured). Writes to the output directory: `validation.csv` and
+`validation.md` (the side-by-side table; the markdown also holds the phase table), `phases.csv`
+(per-phase means, sim against real, see `pdsim.validation.phases`), `validation.png` (CDFs and the per-request TTFT scatter),
 `real_requests.csv` and `sim_requests.csv` (one row per request, matched by `rid`; served here,
-the real ones carry the PD workers' phase stamps on the client's clock). Against an endpoint,
-`lengths.csv` compares the token counts it reported with the workload's.
+the real ones carry the PD workers' phase stamps on the client's clock). Replayed,
+`lengths.csv` (and a table in validation.md) compares the token counts the endpoint reported
+with the workload's.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Validation:
     real: list[RequestRecord]
     sim: list[RequestRecord]
     out_dir: Path
-    lengths: pd.DataFrame | None = None  # against an endpoint: its token counts (lengths.py)
+    lengths: pd.DataFrame | None = None  # replayed: the token counts reported (lengths.py)
     notes: list[str] = field(default_factory=list)  # what a measured file made us assume
 
     @property
@@ -206,8 +207,6 @@ def validate(config_path: str | Path, *, calibration: str | Path | None = None,
             real = phases.merge_worker_records([r.record for r in replies],
                                                real_dep.worker_records("prefill"),
                                                real_dep.worker_records("decode"))
-        sections: list[str] = []
-        check = None
     else:
         prompts = TextPrompts(tokenizer).prompts(work.input_tokens, cfg.seed) if tokenizer else None
         if api != "generate" and model is None:
@@ -217,18 +216,18 @@ def validate(config_path: str | Path, *, calibration: str | Path | None = None,
                                   work.output_tokens, api=api, prompts=prompts, api_key=api_key,
                                   seed=cfg.seed)
         real = [r.record for r in replies]
-        if not any(r.ok for r in real):
-            raise ServeError(f"every request to {url} failed; the first: {real[0].error}")
-        check = lengths.length_check(replies, work.input_tokens, work.output_tokens)
-        out.mkdir(parents=True, exist_ok=True)
-        check.to_csv(out / "lengths.csv", index=False)
-        sections = [lengths.markdown(check)]
         title = f"{cfg.name}: {n} requests, {url} vs simulated"
+    if not any(r.ok for r in real):
+        raise ServeError(f"every request to {url or exp.path} failed; the first: {real[0].error}")
+    check = lengths.length_check(replies, work.input_tokens, work.output_tokens)
+    out.mkdir(parents=True, exist_ok=True)
+    check.to_csv(out / "lengths.csv", index=False)
     # What the endpoint processed (its reported counts); a failed request as it was asked for.
     n_in = [r.input_tokens if r.ok else int(w) for r, w in zip(real, work.input_tokens)]
     n_out = [r.output_tokens if r.ok else int(w) for r, w in zip(real, work.output_tokens)]
     result = compare_runs(exp, real, [r.rid for r in real], work.arrival_s, n_in, n_out, out=out,
-                          title=title, tolerance=tolerance, sections=sections, log=log)
+                          title=title, tolerance=tolerance, sections=[lengths.markdown(check)],
+                          log=log)
     result.lengths = check
     return result
 
