@@ -28,7 +28,6 @@ from byte_tokenizer import byte_tokenizer
 from pdsim.config import ConfigError
 from pdsim.validation.measured import MeasuredFileError, read_measured
 
-REPO = Path(__file__).resolve().parents[1]
 DEPLOYMENT = {"name": "measured", "seed": 0, "model": "tiny-llama", "device": "cpu",
               "router": {"port": 0}, "slo": {"ttft_s": 2.0, "itl_s": 0.5},
               "cluster": {"mode": "colocated", "colocated": {"instances": 1, "scheduler": {

@@ -22,7 +22,6 @@ from byte_tokenizer import byte_tokenizer
 from configs import tiny_pd_yaml
 from pdsim.validation.compare import METRICS
 
-REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = ("slo: {ttft_s: 2.0, itl_s: 0.5}\n"
             "workload: {num_requests: 10, seed: 3, arrival: {process: poisson, rate_rps: 4},\n"
             "  input_len: {dist: uniform, low: 16, high: 96},\n"

@@ -40,7 +40,7 @@ class TextPrompts:
     def __init__(self, tokenizer_dir: str | Path) -> None:
         try:
             from tokenizers import Tokenizer
-        except ImportError as exc:  # pragma: no cover - an install without `tokenizers`
+        except ImportError as exc:
             raise ConfigError("--tokenizer needs the `tokenizers` package") from exc
         path = Path(tokenizer_dir)
         file = path / "tokenizer.json" if path.is_dir() else path
