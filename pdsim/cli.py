@@ -152,34 +152,89 @@ def _check_serve(path: Path) -> None:
     console.print(f"{path}: valid serve config, {cfg.model_name} ({cfg.mode})", highlight=False)
 
 
+TOLERANCE_OPTION = typer.Option(0.15, help="largest relative error of mean TTFT, mean ITL and "
+                                "output throughput")
+TOLERANCE_P90_OPTION = typer.Option(0.25, help="largest relative error of P90 TTFT and ITL")
+CALIBRATION_OPTION = typer.Option(
+    None, help="a `pdsim calibrate` file laid over the config before simulating")
+
+
 @app.command()
 def validate(
     config: Path = typer.Argument(..., help="a deployment with a workload, e.g. "
                                   "experiments/validation/pd_1p1d_low.yaml"),
-    calibration: Optional[Path] = typer.Option(
-        None, help="a `pdsim calibrate` file laid over the config before simulating"),
-    tolerance: float = typer.Option(0.15, help="largest relative error of mean TTFT, mean ITL "
-                                    "and output throughput"),
-    tolerance_p90: float = typer.Option(0.25, help="largest relative error of P90 TTFT and ITL"),
+    calibration: Optional[Path] = CALIBRATION_OPTION,
+    tolerance: float = TOLERANCE_OPTION,
+    tolerance_p90: float = TOLERANCE_P90_OPTION,
     out: Optional[Path] = typer.Option(None, help="output directory (default "
                                        "results/validate_<name>)"),
+    url: Optional[str] = typer.Option(
+        None, help="replay against this running endpoint (its API root, e.g. "
+        "http://host:30000) instead of serving the config here: SGLang, vLLM, Dynamo, pdsim serve"),
+    api: str = typer.Option("completions", help="--url: completions (POST /v1/completions) or "
+                            "generate (SGLang's native POST /generate, input_ids)"),
+    tokenizer: Optional[Path] = typer.Option(
+        None, help="--url: the model's tokenizer.json (or its directory): send text prompts of "
+        "exact token lengths instead of token ids"),
+    api_key: Optional[str] = typer.Option(None, help="--url: sent as `Authorization: Bearer KEY`"),
+    model: Optional[str] = typer.Option(None, help="--url: the model name to ask for (default: "
+                                        "the first the endpoint lists)"),
 ) -> None:
-    """Serve the deployment for real, replay its workload (exact arrivals and lengths), simulate
-    it, and write the side-by-side table and plots; exit 1 when an error exceeds the tolerance
-    (docs/validation.md)."""
+    """Replay the config's workload (exact arrivals and lengths) on the deployment served here,
+    or on a running endpoint (--url), simulate it, and write the side-by-side table and plots;
+    exit 1 when an error exceeds the tolerance (docs/validation.md)."""
     from pdsim.validation.compare import Tolerance
     from pdsim.validation.deployment import ServeError
     from pdsim.validation.validate import validate as run_validate
 
     with _exits_on(ConfigError, ServeError):
         result = run_validate(config, calibration=calibration, out_dir=out,
-                              tolerance=Tolerance(mean=tolerance, p90=tolerance_p90))
+                              tolerance=Tolerance(mean=tolerance, p90=tolerance_p90), url=url,
+                              api=api, tokenizer=tokenizer, api_key=api_key, model=model)
+    _report_validation(result)
+
+
+def _report_validation(result) -> None:
+    """The written table, the files, a warning on token counts off, exit 1 when out of
+    tolerance."""
+    from pdsim.validation.lengths import mismatched
+
     print((result.out_dir / "validation.md").read_text())
     print(f"wrote {result.out_dir}/validation.csv, validation.md, validation.png")
+    if result.lengths is not None and mismatched(result.lengths):
+        console.print("[yellow]the endpoint's token counts differ from the workload's for some "
+                      "requests (see the table above, lengths.csv)[/yellow]")
     if not result.passed:
         over = ", ".join(result.table.loc[~result.table["within"], "metric"])
         print(f"outside the tolerance: {over}")
         raise typer.Exit(1)
+
+
+@app.command()
+def compare(
+    config: Path = typer.Argument(..., help="the deployment the results were measured on"),
+    measured: Path = typer.Option(..., help="per-request results: SGLang bench_serving "
+                                  "--output-details JSONL, aiperf profile_export.jsonl or CSV"),
+    fmt: str = typer.Option("auto", "--format", help="auto, bench_serving, aiperf or csv"),
+    run_line: Optional[int] = typer.Option(None, "--run", help="bench_serving: the line of the "
+                                           "run to compare (default: the file's only one)"),
+    calibration: Optional[Path] = CALIBRATION_OPTION,
+    tolerance: float = TOLERANCE_OPTION,
+    tolerance_p90: float = TOLERANCE_P90_OPTION,
+    out: Optional[Path] = typer.Option(None, help="output directory (default "
+                                       "results/compare_<name>)"),
+) -> None:
+    """Compare a benchmark's per-request results with the deployment simulated on the same
+    send times and lengths: the side-by-side table and plots of `validate`, no network needed;
+    exit 1 when an error exceeds the tolerance (docs/validation.md)."""
+    from pdsim.validation.compare import Tolerance
+    from pdsim.validation.validate import compare_measured
+
+    with _exits_on(ConfigError):
+        result = compare_measured(config, measured, fmt=fmt, run=run_line, calibration=calibration,
+                                  out_dir=out,
+                                  tolerance=Tolerance(mean=tolerance, p90=tolerance_p90))
+    _report_validation(result)
 
 
 @app.command()
@@ -189,11 +244,27 @@ def calibrate(
     out: Path = typer.Option(..., "-o", "--out", help="calibration YAML to write; the forward "
                              "timings go beside it (<name>_timings.csv)"),
     repeats: int = typer.Option(5, help="runs per batch shape (the fastest is kept)"),
+    measured: Optional[Path] = typer.Option(
+        None, help="fit to these per-request results of the deployment instead of measuring "
+        "this machine (the formats of `pdsim compare`)"),
+    fmt: str = typer.Option("auto", "--format", help="--measured: auto, bench_serving, aiperf "
+                            "or csv"),
+    run_line: Optional[int] = typer.Option(None, "--run", help="--measured bench_serving: the "
+                                           "line of the run"),
 ) -> None:
     """Measure this machine's forwards over a grid of batch shapes, the KV transfer over
-    message sizes and the HTTP/router front end, and write a calibration file for
-    `pdsim validate --calibration` (docs/validation.md)."""
+    message sizes and the HTTP/router front end, or fit a deployment's measured results
+    (--measured: a steady decode step and a concurrency-1 TTFT), and write a calibration file
+    for `pdsim validate --calibration` (docs/validation.md)."""
     from pdsim.validation.deployment import ServeError
+
+    if measured is not None:
+        from pdsim.validation.fit import calibrate_measured
+
+        with _exits_on(ConfigError):
+            path = calibrate_measured(config, measured, out, fmt=fmt, run=run_line)
+        print(f"wrote {path}")
+        return
     from runtime.calibration import calibrate as run_calibrate
 
     with _exits_on(ConfigError, ServeError):
