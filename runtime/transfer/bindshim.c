@@ -230,11 +230,12 @@ static int hand_over(struct listener *l, int i, struct sockaddr *addr, socklen_t
     return p.fd;
 }
 
-/* Take in one new connection; its index in the waiting list, or -1. */
-static int take_in(struct listener *l, accept_fn real_accept, int64_t now) {
+/* Take in one new connection (close-on-exec: a child started meanwhile must not keep it open);
+ * its index in the waiting list, or -1. */
+static int take_in(struct listener *l, int64_t now) {
     struct pending p;
     p.addr_len = sizeof p.addr;
-    p.fd = real_accept(l->fd, (struct sockaddr *)&p.addr, &p.addr_len);
+    p.fd = accept4(l->fd, (struct sockaddr *)&p.addr, &p.addr_len, SOCK_CLOEXEC);
     if (p.fd < 0) {
         if ((errno == EMFILE || errno == ENFILE) && l->count) drop(l, 0);
         return -1;
@@ -245,8 +246,7 @@ static int take_in(struct listener *l, accept_fn real_accept, int64_t now) {
     return l->count++;
 }
 
-static int guarded_accept(struct listener *l, accept_fn real_accept, struct sockaddr *addr,
-                          socklen_t *addr_len) {
+static int guarded_accept(struct listener *l, struct sockaddr *addr, socklen_t *addr_len) {
     int64_t until = now_ms() + GUARD_SLICE_MS;
     struct pollfd fds[GUARD_MAX_PENDING + 1];
     for (;;) {
@@ -279,7 +279,7 @@ static int guarded_accept(struct listener *l, accept_fn real_accept, struct sock
             if (ev & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) drop(l, i);
         }
         if (fds[0].revents & POLLIN) {
-            int i = take_in(l, real_accept, now);
+            int i = take_in(l, now);
             if (i >= 0 && readiness(l->wait[i].fd) == READY) return hand_over(l, i, addr, addr_len);
         }
     }
@@ -291,7 +291,7 @@ int accept(int fd, struct sockaddr *addr, socklen_t *addr_len) {
     struct listener *l = NULL;
     if (from_mooncake(__builtin_return_address(0))) l = listener_for(fd);
     if (!l) return real_accept(fd, addr, addr_len);
-    return guarded_accept(l, real_accept, addr, addr_len);
+    return guarded_accept(l, addr, addr_len);
 }
 
 int shutdown(int fd, int how) {
