@@ -10,7 +10,9 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -146,3 +148,101 @@ def test_without_the_guard_one_idle_peer_holds_up_a_handshake_for_5_s(writer):
         idle.close()
     finally:
         target.close()
+
+
+# ---- a whole deployment ----------------------------------------------------------------------
+
+
+class IdleFlood:
+    """Keeps `per_port` idle connections open to every port the processes `pids()` lists listen
+    on, opening new ones every 0.5 s for those a server closed."""
+
+    def __init__(self, pids, per_port: int) -> None:
+        from runtime.security import listeners
+
+        self._targets = lambda: {x.port for pid in pids() for x in listeners(pid)}
+        self.per_port = per_port
+        self.held: dict[int, list[socket.socket]] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop:
+            for port in self._targets():
+                alive = [s for s in self.held.get(port, []) if _open(s)]
+                while len(alive) < self.per_port and not self._stop:
+                    try:
+                        alive.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+                        alive[-1].settimeout(None)
+                    except OSError:
+                        break
+                self.held[port] = alive
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
+        for socks in self.held.values():
+            for s in socks:
+                s.close()
+
+
+def _open(sock: socket.socket) -> bool:
+    try:
+        while sock.recv(4096, socket.MSG_DONTWAIT):  # a ZMQ greeting, say
+            pass
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_restarted_prefill_reaches_a_decode_worker_flooded_with_idle_connections(tmp_path):
+    """The finding this guards against: idle connections on the decode worker's handshake port,
+    the prefill worker restarted (so its new engine must handshake again), requests failed with
+    "KV did not arrive". Here 40 idle connections are kept on every port of the decode worker."""
+    from configs import tiny_pd_yaml
+    from pd_harness import Proc
+    from test_pd_launcher import complete, descendants
+
+    if bindshim.build() is None:
+        pytest.skip("no C compiler to build the bind() wrapper")
+    cfg = tmp_path / "pd.yaml"
+    cfg.write_text(tiny_pd_yaml(extra="faults:\n  kill: [{role: prefill, instance: 0, at_s: 1, "
+                                      "restart_after_s: 1}]\n"))
+    launcher = Proc(str(cfg))
+    flood = None
+    try:
+        decode_port = int(launcher.wait_for(r"decode worker 0 .* at http://[\d.]+:(\d+)").group(1))
+        url = launcher.wait_for(r"\(disaggregated: .*\) at (http://\S+/v1)").group(1)
+        from runtime.security import listeners
+
+        def decode_pids():
+            return [p for p in descendants(launcher.proc.pid)
+                    if any(x.port == decode_port for x in listeners(p))]
+
+        flood = IdleFlood(decode_pids, per_port=40)
+        launcher.wait_for(r"fault injection: restart prefill worker 0", timeout_s=60)
+        prefill = launcher.wait_for(r"prefill worker 0 .* at (http://[\d.:]+)").group(1)
+        deadline = time.monotonic() + 120
+        while True:  # until the restarted prefill worker is loaded
+            try:
+                with urllib.request.urlopen(prefill + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the prefill worker did not come back"
+            time.sleep(0.5)
+        assert len(flood.held) >= 3 and all(len(v) == 40 for v in flood.held.values()), \
+            {port: len(v) for port, v in flood.held.items()}
+        start = time.monotonic()
+        complete(url)  # its KV goes from the new prefill engine to the flooded decode worker
+        assert time.monotonic() - start < 20.0
+    finally:
+        if flood is not None:
+            flood.close()
+        launcher.stop()

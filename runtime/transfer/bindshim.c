@@ -310,6 +310,7 @@ int close(int fd) {
         if (l && __atomic_load_n(&l->fd, __ATOMIC_ACQUIRE) == fd) {
             while (l->count) drop(l, l->count - 1);
             __atomic_store_n(&l->fd, -1, __ATOMIC_RELEASE);
+            __atomic_store_n(&guarded_ports[i], 0, __ATOMIC_RELEASE); /* the engine is gone */
         }
     }
     return real_close_fn()(fd);

@@ -23,7 +23,9 @@ Facts about the Mooncake Python API this relies on (checked against 0.3.13.post1
 - The handshake port serves one connection at a time: it waits up to 5 s (fixed, no setting) for
   a connection's request and then up to 5 s for the peer to close, so each idle connection
   delays every later handshake by 5 s. In a process started with the bind() wrapper the wrapper
-  guards the port (runtime/transfer/bindshim.py); `handshake_guarded` says whether it does.
+  guards the port (runtime/transfer/bindshim.py); `handshake_guarded` says whether it does. The
+  guard starts with Mooncake's next accept(), within 1 s of `initialize` (its listening socket
+  times out every second), and the constructor waits for that.
 - It logs through glog but never calls InitGoogleLogging, so glog writes every line to fd 2
   whatever GLOG_log_dir says; `initialize` alone writes a dozen, one of them an `E` line
   ("Local segment descriptor not found") on every healthy start. So fd 2 goes to a log file
