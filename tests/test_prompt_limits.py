@@ -73,7 +73,8 @@ def test_the_bytes_per_token_bound_of_hf_tokenizers(tmp_path):
 
     bpe.normalizer = normalizers.NFKC()  # may shrink a character 4 bytes to 1
     _save(tmp_path, bpe)
-    assert load_tokenizer(tmp_path).max_bytes_per_token == 4 * len("<|a-rather-long-special-token|>")
+    longest = len("<|a-rather-long-special-token|>")
+    assert load_tokenizer(tmp_path).max_bytes_per_token == 4 * longest
 
     bpe.normalizer = normalizers.Replace(tokenizers.Regex(" +"), " ")  # deletes spaces
     _save(tmp_path, bpe)
