@@ -119,14 +119,25 @@ class OpenAIServer(AppServer):
         return web.json_response(error_body(exc.message, "invalid_request_error", exc.param),
                                  status=400)
 
-    async def _body(self, request: web.Request) -> dict:
-        body = parse_json(await request.read())
+    def _body(self, raw: bytes) -> dict:
+        body = parse_json(raw)
         if not isinstance(body, dict):
             raise BadRequest(None, f"the body is a JSON {type(body).__name__}; allowed: an object")
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise BadRequest("model", f"model={short_repr(model)}; allowed: {self.model_name!r}")
         return body
+
+    async def _answer(self, request: web.Request, parse: Callable[[dict], GenParams],
+                      chat: bool) -> web.StreamResponse:
+        """Parse and tokenise on a worker thread (a body of megabytes takes a while: the other
+        clients' streams keep flowing meanwhile), then generate."""
+        raw = await request.read()
+        try:
+            params = await asyncio.to_thread(lambda: parse(self._body(raw)))
+        except BadRequest as exc:
+            return self._bad(exc)
+        return await self._generate(request, params, chat=chat)
 
     # ---- endpoints ----
 
@@ -148,18 +159,10 @@ class OpenAIServer(AppServer):
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            params = self.parser.completion(await self._body(request))
-        except BadRequest as exc:
-            return self._bad(exc)
-        return await self._generate(request, params, chat=False)
+        return await self._answer(request, self.parser.completion, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            params = self.parser.chat(await self._body(request))
-        except BadRequest as exc:
-            return self._bad(exc)
-        return await self._generate(request, params, chat=True)
+        return await self._answer(request, self.parser.chat, chat=True)
 
     # ---- generation ----
 
