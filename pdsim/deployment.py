@@ -304,6 +304,10 @@ class RouterConfig(_Spec):
                                   "stay silent on a request before the router fails it (a decode "
                                   "stream is silent while it waits for its KV: keep this above the "
                                   "decode scheduler's waiting_timeout_s)")
+    impl: Literal["pdsim", "sglang"] = Field(
+        "pdsim", description="real only, disaggregated: whose router `pdsim serve` starts: "
+        "pdsim's (runtime/router.py) or SGLang's (sglang-router, `pip install sglang-router`; "
+        "docs/serving.md, \"Behind SGLang's router\")")
 
     @field_validator("policy")
     @classmethod
@@ -315,7 +319,15 @@ class RouterConfig(_Spec):
     @model_validator(mode="after")
     def _options_fit_the_policy(self) -> RouterConfig:
         make_policy(self.policy, random.Random(0), **self.policy_options)  # raises naming the problem
+        if self.impl == "sglang" and self.policy not in SGLANG_POLICIES:
+            raise ValueError(f"policy {self.policy!r} has no counterpart in SGLang's router; "
+                             f"allowed with impl sglang: {', '.join(SGLANG_POLICIES)}")
         return self
+
+
+# The policies both routers have, under the same names (SGLang's also has manual, bucket and
+# consistent_hashing; pdsim's least_loaded)
+SGLANG_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
 
 
 class NetworkConfig(_Spec):

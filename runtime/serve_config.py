@@ -156,6 +156,18 @@ class PDServeConfig(_ServeBase):
         port = self.prefill.bootstrap_port
         return port + instance if port else 0
 
+    def request_limits(self, model_vocab: int, max_position: int):
+        """What one request may ask for (`runtime.openai.protocol.Limits`): its prompt must fit
+        the smaller KV pool, prompt + output the decode pool and the model's positions. The
+        router's API and the workers' OpenAI routes check the same."""
+        from runtime.openai.protocol import Limits
+
+        decode_pool = self.scheduler_config("decode").pool_tokens
+        prefill_pool = self.scheduler_config("prefill").pool_tokens
+        return Limits(max_model_len=min(decode_pool, max_position),
+                      pool_tokens=min(decode_pool, prefill_pool), max_position=max_position,
+                      model_vocab=model_vocab)
+
 
 MODES = {"colocated": ServeConfig, "disaggregated": PDServeConfig}
 

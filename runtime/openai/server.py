@@ -150,22 +150,30 @@ class OpenAIServer(AppServer):
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            params = self.parser.completion(await self._body(request))
+            body = await self._body(request)
+            params, options = self.parser.completion(body), self.submit_options(body)
         except BadRequest as exc:
             return self._bad(exc)
-        return await self._generate(request, params, chat=False)
+        return await self._generate(request, params, chat=False, options=options)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            params = self.parser.chat(await self._body(request))
+            body = await self._body(request)
+            params, options = self.parser.chat(body), self.submit_options(body)
         except BadRequest as exc:
             return self._bad(exc)
-        return await self._generate(request, params, chat=True)
+        return await self._generate(request, params, chat=True, options=options)
+
+    def submit_options(self, body: dict) -> dict[str, Any]:
+        """What a request body adds to the backend's `submit` beyond the OpenAI parameters:
+        nothing here; a PD worker's front (runtime/sglang_compat.py) takes the bootstrap fields
+        SGLang's router injects."""
+        return {}
 
     # ---- generation ----
 
-    async def _generate(self, request: web.Request, params: GenParams,
-                        chat: bool) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, params: GenParams, chat: bool,
+                        options: dict[str, Any] | None = None) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
 
@@ -180,7 +188,7 @@ class OpenAIServer(AppServer):
             self.engine.submit(params.prompt_ids, params.max_tokens, sink,
                                sampling=params.sampling,
                                stop_token_ids=params.stop_token_ids, rid=rid,
-                               top_logprobs=params.top_logprobs)
+                               top_logprobs=params.top_logprobs, **(options or {}))
         except EngineStopped:
             return busy_response("the server is shutting down")
         finished = False
