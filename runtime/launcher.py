@@ -175,6 +175,17 @@ def make_router(config: PDServeConfig, prefill: Sequence[str], decode: Sequence[
     return router
 
 
+async def start_router(router, config: PDServeConfig) -> None:
+    """Start `router` (`make_router`'s) at the config's address; SGLang's router failing to
+    come up is a `LaunchError` too."""
+    from runtime.sglang_router import SGLangRouterError
+
+    try:
+        await router.start(config.router.host, config.router.port)
+    except SGLangRouterError as exc:
+        raise LaunchError(str(exc)) from None
+
+
 def _stop_event() -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -214,7 +225,7 @@ async def _launch(config: PDServeConfig, on_ready, startup_timeout_s: float,
         prefill = [w.url for w in workers if w.role == "prefill"]
         decode = [w.url for w in workers if w.role == "decode"]
         router = make_router(config, prefill, decode, health, secret=secret)
-        await router.start(config.router.host, config.router.port)
+        await start_router(router, config)
         if on_ready is not None:
             on_ready(router.url)
         kills = asyncio.create_task(killer.run(workers))
@@ -276,7 +287,7 @@ def serve_router(config: PDServeConfig, prefill_urls: Sequence[str] = (),
             if health[u].get("role") != "prefill" or not health[u].get("bootstrap_port"):
                 raise LaunchError(f"{u} is not a prefill worker (its /health: {health[u]})")
         router = make_router(config, prefill, decode, health, secret=secret)
-        await router.start(config.router.host, config.router.port)
+        await start_router(router, config)
         try:
             if on_ready is not None:
                 on_ready(router.url)

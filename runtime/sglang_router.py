@@ -48,19 +48,23 @@ OPTION_FLAGS = {"cache_threshold": "--cache-threshold",
                 "max_tree_size": "--max-tree-size"}
 INTEGER_OPTIONS = ("balance_abs_threshold", "max_tree_size")  # SGLang's flags take integers
 SHUTDOWN_GRACE_S = 5
+PARENT_ENV = "PDSIM_ROUTER_PARENT_PID"
 
 
 def router_args(config, prefill: Sequence[tuple[str, int]], decode: Sequence[str], *,
-                port: int) -> list[str]:
+                port: int, metrics_port: int) -> list[str]:
     """sglang-router's arguments for `config`'s router section in front of these workers
-    (`prefill`: (URL, bootstrap port) each)."""
+    (`prefill`: (URL, bootstrap port) each). Its Prometheus exporter (by default on
+    0.0.0.0:29000, which a second router on the machine cannot have) goes to the router's host
+    and `metrics_port`."""
     r = config.router
     args = ["--pd-disaggregation"]
     for url, bootstrap_port in prefill:
         args += ["--prefill", url, str(bootstrap_port)]
     for url in decode:
         args += ["--decode", url]
-    args += ["--host", r.host, "--port", str(port), "--policy", r.policy]
+    args += ["--host", r.host, "--port", str(port), "--prometheus-host", r.host,
+             "--prometheus-port", str(metrics_port), "--policy", r.policy]
     for name, value in sorted(r.policy_options.items()):
         if name in INTEGER_OPTIONS:
             if value != int(value):
@@ -102,6 +106,10 @@ def check_installed() -> None:
                          "pip install sglang-router (or set router.impl: pdsim)")
 
 
+class SGLangRouterError(RuntimeError):
+    """SGLang's router exited, or did not register the workers in time."""
+
+
 def _readiness(url: str, timeout_s: float = 2.0) -> dict | None:
     try:
         with urllib.request.urlopen(f"{url}/readiness", timeout=timeout_s) as resp:
@@ -132,13 +140,15 @@ class SGLangRouter:
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.metrics_port = 0
 
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def command(self, port: int) -> list[str]:
-        args = router_args(self.config, self.prefill, self.decode, port=port)
+    def command(self, port: int, metrics_port: int) -> list[str]:
+        args = router_args(self.config, self.prefill, self.decode, port=port,
+                           metrics_port=metrics_port)
         return [sys.executable, "-m", "runtime.sglang_router", *args]
 
     async def start(self, host: str, port: int = 0) -> int:
@@ -147,10 +157,13 @@ class SGLangRouter:
         from runtime.pd.worker import child_env
 
         port = port or free_port(host)
+        self.metrics_port = free_port(host)
         env = {k: v for k, v in child_env().items() if k != API_KEY_ENV}
+        env[PARENT_ENV] = str(os.getpid())
         if self.api_key:
             env[API_KEY_ENV] = self.api_key
-        self.proc = subprocess.Popen(self.command(port), env=env, start_new_session=True)
+        self.proc = subprocess.Popen(self.command(port, self.metrics_port), env=env,
+                                     start_new_session=True)
         self.url = f"http://{host}:{port}"
         try:
             await self._wait_ready()
@@ -160,20 +173,18 @@ class SGLangRouter:
         return port
 
     async def _wait_ready(self) -> None:
-        from runtime.launcher import LaunchError
-
         loop = asyncio.get_running_loop()
         expected = len(self.prefill) + len(self.decode)
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise LaunchError(f"SGLang's router exited with status {self.proc.returncode} "
+                raise SGLangRouterError(f"SGLang's router exited with status {self.proc.returncode} "
                                   "while starting (see its output above)")
             state = await loop.run_in_executor(None, _readiness, self.url)
             if state and state.get("healthy_workers") == expected:
                 return
             if time.monotonic() > deadline:
-                raise LaunchError(f"SGLang's router did not register the {expected} workers "
+                raise SGLangRouterError(f"SGLang's router did not register the {expected} workers "
                                   f"within {self.startup_timeout_s:g} s (its /readiness: "
                                   f"{state})")
             await asyncio.sleep(0.2)
@@ -188,9 +199,14 @@ class SGLangRouter:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """sglang-router with these arguments, its API key from `PDSIM_API_KEY`."""
+    """sglang-router with these arguments, its API key from `PDSIM_API_KEY`; it dies with the
+    process that started it (`PARENT_ENV`), as the workers do."""
     from sglang_router.launch_router import launch_router, parse_router_args
 
+    from runtime.pd.worker import die_with_parent
+
+    if PARENT_ENV in os.environ:
+        die_with_parent(int(os.environ[PARENT_ENV]))
     args = parse_router_args(sys.argv[1:] if argv is None else argv)
     args.api_key = os.environ.get(API_KEY_ENV) or None
     launch_router(args)

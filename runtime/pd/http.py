@@ -271,7 +271,7 @@ class WorkerServer(AppServer):
 
     async def server_info(self, request: web.Request) -> web.Response:
         i = self.info
-        return web.json_response(server_info(role=i.role, model_name=i.model, tp=i.tp,
+        return web.json_response(server_info(role=i.role, tp=i.tp,
                                              bootstrap_port=i.bootstrap_port))
 
     async def model_info(self, request: web.Request) -> web.Response:
