@@ -300,31 +300,70 @@ def serve(
     insecure: bool = typer.Option(
         False, help="--role: run without a cluster secret (PDSIM_CLUSTER_SECRET); only on a "
         "machine no one else can reach"),
+    model_path: Optional[str] = typer.Option(None, help="SGLang's spelling of --model"),
+    disaggregation_mode: Optional[str] = typer.Option(
+        None, help="SGLang's spelling of --role prefill|decode (null: the whole deployment)"),
+    disaggregation_bootstrap_port: Optional[int] = typer.Option(
+        None, help="SGLang's spelling of --bootstrap-port"),
+    tp_size: Optional[int] = typer.Option(
+        None, min=1, help="the role's (or a colocated config's) tensor-parallel size"),
 ) -> None:
     """Serve a real model with an OpenAI-compatible HTTP API until Ctrl-C or SIGTERM:
-    colocated, or disaggregated (prefill and decode workers behind a router)."""
+    colocated, or disaggregated (prefill and decode workers behind a router). SGLang's
+    launch_server flags --model-path, --tp-size, --disaggregation-mode,
+    --disaggregation-bootstrap-port, --host and --port are understood too."""
     from runtime.serve_config import ServeConfig, load_serve_config
 
     security = {k: v for k, v in (("api_key", api_key), ("insecure", insecure or None))
                 if v is not None} or None
     with _exits_on(ConfigError):
+        model, role, bootstrap_port = _sglang_spellings(
+            model, model_path, role, disaggregation_mode, bootstrap_port,
+            disaggregation_bootstrap_port)
         cfg = load_serve_config(config, model=model, security=security)
+        top, sections = {}, {}
         if isinstance(cfg, ServeConfig):
             if role is not None:
                 raise ConfigError(f"--role {role}: only a disaggregated config has roles")
-            cfg = load_serve_config(config, model=model, host=host, port=port,
-                                    security=security)
+            top = {"host": host, "port": port}
+            if tp_size is not None:
+                sections["colocated"] = {"tp": tp_size}
         elif role not in (None, "prefill", "decode", "router"):
             raise ConfigError(f"--role {role!r}; allowed: prefill, decode, router")
-        elif host is not None or (port is not None and role in (None, "router")):
+        else:
             section = role if role in ("prefill", "decode") else "router"
             moved = {"host": host} if section != "router" else {"host": host, "port": port}
-            cfg = load_serve_config(config, model=model, security=security,
-                                    **{section: {k: v for k, v in moved.items() if v is not None}})
+            moved = {k: v for k, v in moved.items() if v is not None}
+            if moved:
+                sections[section] = moved
+            if tp_size is not None:
+                if role not in ("prefill", "decode"):
+                    raise ConfigError("--tp-size: a disaggregated deployment has one per role; "
+                                      "give --disaggregation-mode prefill|decode (or --role), "
+                                      "or set cluster.prefill.tp / cluster.decode.tp")
+                sections[role] = {**sections.get(role, {}), "tp": tp_size}
+        if top or sections:
+            cfg = load_serve_config(config, model=model, security=security, **top, **sections)
     if isinstance(cfg, ServeConfig):
         _serve_colocated(cfg)
     else:
         _serve_disaggregated(cfg, role, instance, port, bootstrap_port, prefill_url, decode_url)
+
+
+def _sglang_spellings(model, model_path, role, mode, bootstrap_port, sglang_bootstrap_port):
+    """`pdsim serve`'s options from SGLang's launch_server spellings; each may be given one
+    way only, or both ways alike."""
+    def one(name: str, ours, theirs_name: str, theirs):
+        if ours is not None and theirs is not None and ours != theirs:
+            raise ConfigError(f"--{name} {ours} and --{theirs_name} {theirs} disagree; give one")
+        return ours if ours is not None else theirs
+
+    if mode is not None and mode not in ("prefill", "decode", "null"):
+        raise ConfigError(f"--disaggregation-mode {mode!r}; allowed: prefill, decode, null")
+    return (one("model", model, "model-path", model_path),
+            one("role", role, "disaggregation-mode", None if mode == "null" else mode),
+            one("bootstrap-port", bootstrap_port, "disaggregation-bootstrap-port",
+                sglang_bootstrap_port))
 
 
 def _serve_colocated(cfg) -> None:

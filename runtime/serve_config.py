@@ -33,6 +33,7 @@ from pdsim.deployment import RoleConfig, servable_presets
 from pdsim.workload import WorkloadConfig
 
 ROLES = ("prefill", "decode")
+CLUSTER_ROLES = ("colocated", *ROLES)  # the cluster's sections a command-line override names
 
 
 class _ServeBase(ExperimentConfig):
@@ -194,7 +195,7 @@ def load_serve_config(path: str | Path | None = None,
                       **overrides: Any) -> ServeConfig | PDServeConfig:
     """The config in `path` (defaults when None) with the non-None `overrides` applied on top
     (keys, as the CLI options give them: `model`, `security`; `host` and `port` (the API's:
-    router); `prefill`, `decode`, `router` (a dict merged into that section))."""
+    router); `colocated`, `prefill`, `decode`, `router` (a dict merged into that section))."""
     source = str(path) if path is not None else "<defaults>"
     data: dict[str, Any] = {"model": "tiny-llama", "cluster": {
         "mode": "colocated", "colocated": {"instances": 1, "scheduler": {"num_pages": 2048}}}}
@@ -211,7 +212,7 @@ def load_serve_config(path: str | Path | None = None,
             if key in ("host", "port"):
                 data["router"] = {**(data.get("router") or {}), key: value}
                 continue
-            section, parent = (data["cluster"], key) if key in ROLES else (data, key)
+            section, parent = (data["cluster"], key) if key in CLUSTER_ROLES else (data, key)
             if isinstance(value, dict) and isinstance(section.get(parent), dict):
                 section[parent] = {**section[parent], **value}
             else:

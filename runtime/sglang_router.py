@@ -15,8 +15,8 @@ prefill URL's host as the bootstrap host, so that must be where the bootstrap se
 
 The policy is the config's (the four both routers have: pdsim.deployment.SGLANG_POLICIES),
 for prefill and decode alike as SGLang's `--policy` does; `cache_aware`'s options go to the
-flags of the same names, in SGLang's units (its tree and match ratio count characters of the
-request text, its load counts requests).
+flags of the same names (`SGLANG_OPTION_FLAGS`), in SGLang's units (its match ratio counts
+characters of the request text, its load requests).
 
 Without an API key the router sends the workers no credentials, so their SGLang routes are
 open: `check_exposure` then refuses workers that listen anywhere but loopback.
@@ -38,15 +38,12 @@ import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 
+from pdsim.deployment import SGLANG_OPTION_FLAGS
 from runtime.security import API_KEY_ENV
 
 log = logging.getLogger(__name__)
 
-OPTION_FLAGS = {"cache_threshold": "--cache-threshold",
-                "balance_abs_threshold": "--balance-abs-threshold",
-                "balance_rel_threshold": "--balance-rel-threshold",
-                "max_tree_size": "--max-tree-size"}
-INTEGER_OPTIONS = ("balance_abs_threshold", "max_tree_size")  # SGLang's flags take integers
+INTEGER_OPTIONS = ("balance_abs_threshold",)  # SGLang's flag takes an integer
 SHUTDOWN_GRACE_S = 5
 PARENT_ENV = "PDSIM_ROUTER_PARENT_PID"
 
@@ -71,7 +68,7 @@ def router_args(config, prefill: Sequence[tuple[str, int]], decode: Sequence[str
                 raise ValueError(f"router.policy_options.{name}: {value}; SGLang's router takes "
                                  "an integer")
             value = int(value)
-        args += [OPTION_FLAGS[name], str(value)]
+        args += [SGLANG_OPTION_FLAGS[name], str(value)]
     return args + ["--shutdown-grace-period-secs", str(SHUTDOWN_GRACE_S), "--log-level", "warn"]
 
 
