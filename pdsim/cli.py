@@ -497,5 +497,42 @@ def presets(wide: bool = WIDE_OPTION) -> None:
                 title="hardware, per GPU, dense peaks (pdsim/specs/hardware.py)")
 
 
+
+@app.command("import-sglang")
+def import_sglang(
+    commands: str = typer.Argument(..., help="SGLang launch commands (a launch.sh), or - for "
+                                   "standard input"),
+    base: Path = typer.Option(..., help="experiment whose workload, hardware, SLO... the "
+                              "deployment is simulated with (`pdsim plan` writes one beside "
+                              "launch.sh); its model, cluster and router are replaced"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="write the YAML here "
+                                       "(default: standard output)"),
+    name: Optional[str] = typer.Option(None, help="the experiment's name (default: the base's)"),
+    model: Optional[str] = typer.Option(
+        None, help="the simulator's model when --model-path is none it knows (a preset or a "
+        "file)"),
+) -> None:
+    """Read SGLang's launch commands (a server per role instance and the router, as `pdsim plan`
+    writes them in launch.sh) into an experiment YAML that `pdsim run` simulates."""
+    import sys
+
+    import yaml
+
+    from pdsim.config import parse_experiment, read_config_file
+    from pdsim.planning.import_sglang import import_sglang as read_commands
+
+    with _exits_on(ConfigError, OSError):
+        text = sys.stdin.read() if commands == "-" else Path(commands).read_text()
+        data = read_commands(text, read_config_file(base, "experiment") or {}, name=name,
+                             model=model)
+        parse_experiment(data, f"{commands} over {base}")  # what `pdsim run` will check
+        doc = yaml.safe_dump(data, sort_keys=False)
+        if out is None:
+            print(doc, end="")
+        else:
+            out.write_text(doc)
+            console.print(f"wrote {out}", highlight=False)
+
+
 if __name__ == "__main__":
     app()
