@@ -212,6 +212,10 @@ async def _launch(config: PDServeConfig, on_ready, startup_timeout_s: float,
                   stop_timeout_s: float) -> int:
     from runtime.pd.worker import stop_processes
 
+    if config.router.impl == "sglang":
+        from runtime.sglang_router import preflight
+
+        preflight(config, api_key(config.security.api_key))
     stop = _stop_event()
     secret = deployment_secret(config.security.cluster_secret)
     workers = spawn_workers(config, secret)

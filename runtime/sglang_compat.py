@@ -205,7 +205,7 @@ def server_info(*, role: str, tp: int, bootstrap_port: int) -> dict:
 
 def load_rows(load: dict[str, float], queues: dict[str, int]) -> list[dict]:
     """`/get_load` as SGLang answers it, one row per DP rank (here one): the router's
-    power_of_two sums `num_tokens`, which is the scheduler's load (the simulator's router signal)."""
+    power_of_two sums `num_tokens`, here the scheduler's load (the simulator's router signal)."""
     return [{"dp_rank": 0, "num_reqs": int(load.get("num_active", 0)),
              "num_waiting_reqs": int(queues.get("waiting", 0)),
              "num_tokens": int(load.get("load", 0))}]

@@ -97,10 +97,13 @@ def check_exposure(config, api_key: str | None) -> None:
                 "then sends the workers as a bearer token")
 
 
-def check_installed() -> None:
+def preflight(config, api_key: str | None) -> None:
+    """What can be refused before any worker starts: no sglang-router installed, open workers
+    off loopback (`check_exposure`)."""
     if importlib.util.find_spec("sglang_router") is None:
         raise ValueError("router.impl sglang runs SGLang's router, which is not installed: "
                          "pip install sglang-router (or set router.impl: pdsim)")
+    check_exposure(config, api_key)
 
 
 class SGLangRouterError(RuntimeError):
@@ -121,8 +124,7 @@ class SGLangRouter:
 
     def __init__(self, config, prefill: Sequence[tuple[str, int]], decode: Sequence[str], *,
                  api_key: str | None = None, startup_timeout_s: float = 60.0) -> None:
-        check_installed()
-        check_exposure(config, api_key)
+        preflight(config, api_key)
         for url, _ in prefill:
             host = urllib.parse.urlsplit(url).hostname
             if host != config.transfer.host:
@@ -175,15 +177,16 @@ class SGLangRouter:
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise SGLangRouterError(f"SGLang's router exited with status {self.proc.returncode} "
-                                  "while starting (see its output above)")
+                raise SGLangRouterError(f"SGLang's router exited with status "
+                                        f"{self.proc.returncode} while starting (see its output "
+                                        "above)")
             state = await loop.run_in_executor(None, _readiness, self.url)
             if state and state.get("healthy_workers") == expected:
                 return
             if time.monotonic() > deadline:
-                raise SGLangRouterError(f"SGLang's router did not register the {expected} workers "
-                                  f"within {self.startup_timeout_s:g} s (its /readiness: "
-                                  f"{state})")
+                raise SGLangRouterError(f"SGLang's router did not register the {expected} "
+                                        f"workers within {self.startup_timeout_s:g} s (its "
+                                        f"/readiness: {state})")
             await asyncio.sleep(0.2)
 
     async def close(self) -> None:

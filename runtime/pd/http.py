@@ -46,6 +46,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdsim.deployment import HttpLimits
 from runtime.checks import BadRequest, parse_json
 from runtime.http_app import AppServer
 from runtime.pd.lockstep_engine import PDEngine
@@ -58,7 +59,6 @@ from runtime.sglang_compat import (
     worker_guard,
 )
 from runtime.streams import RETRY_AFTER_S, EngineStopped, failure_status
-from pdsim.deployment import HttpLimits
 
 log = logging.getLogger(__name__)
 
