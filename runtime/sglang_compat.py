@@ -26,8 +26,9 @@ implemented (logprobs, stop strings, penalties, n > 1, batches, constrained deco
 with 400 naming the field.
 
 Credentials: SGLang's router cannot send pdsim's `X-PDSIM-Auth` token. Its `--api-key KEY` is
-both what its own clients must send and the `Authorization: Bearer KEY` it sends workers on
-every call but `/health`. `worker_guard` admits, on the routes above, either the cluster token
+both what its own clients must send and the `Authorization: Bearer KEY` it sends workers with
+its registration probes and every request it routes (not with `/health`, nor with the
+`/get_model_info` and `/get_server_info` it passes through from its clients). `worker_guard` admits, on the routes above, either the cluster token
 or that bearer key (`router_key`), or -- with no key -- anyone (the launcher then keeps the
 workers on loopback); every other route (pdsim's versioned `/generate` body included) still
 needs the cluster token.

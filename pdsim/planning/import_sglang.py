@@ -8,9 +8,10 @@ whose `--node-rank` is 0), parallelism (`--tp-size`, `--pp-size`, `--dp-size` wi
 `--enable-dp-attention`, `--ep-size`, `--moe-a2a-backend`), scheduler knobs
 (`--mem-fraction-static`, `--max-running-requests`, `--chunked-prefill-size`,
 `--max-prefill-tokens`, `--page-size`, `--num-reserved-decode-tokens`), `--kv-cache-dtype`,
-the model (`--model-path`) and the router's policy and cache_aware settings. Every instance of
-a role must have the same shape (the simulator has one per role), and every URL the router
-names must be a server's `http://HOST:PORT`. Flags that do not change the simulation (ports,
+the model (`--model-path`) and the router's policy (as SGLang names it: a plan's
+`least_loaded`, written as `power_of_two`, comes back as that) and cache_aware settings.
+Every instance of a role must have the same shape (the simulator has one per role), and every
+URL the router names must be a server's `http://HOST:PORT`. Flags that do not change the simulation (ports,
 devices, the transfer backend...) are read past.
 
 What the commands do not say -- the workload, the hardware, SLOs, the cost model -- comes from a
