@@ -17,10 +17,16 @@ import pytest
 from openai import OpenAI
 
 from configs import tiny_pd_yaml
-from pd_harness import Proc
 from runtime.security import SECRET_ENV, ClusterKey, new_secret
 
 PROMPT = "Hello, disaggregated world"
+
+
+def serve(*args: str):
+    """`pdsim serve ARGS` as a subprocess (pd_harness.Proc)."""
+    from pd_harness import Proc
+
+    return Proc(*args)
 
 
 def post(url: str, payload: dict, headers: dict | None = None) -> tuple[int, dict | str]:
@@ -84,13 +90,13 @@ def test_sglang_router_gives_pdsim_routers_tokens(tmp_path, monkeypatch):
     cfg.write_text(tiny_pd_yaml().replace("router: {port: 0}",
                                           "router: {port: 0, impl: sglang, policy: round_robin}"))
     pdsim_cfg.write_text(tiny_pd_yaml())  # the same deployment, pdsim's router
-    launcher = Proc(str(cfg))
+    launcher = serve(str(cfg))
     try:
         prefill = launcher.wait_for(r"prefill worker 0 \(tiny-llama, tp 1\) at (http://[^\s,]+)")
         decode = launcher.wait_for(r"decode worker 0 \(tiny-llama, tp 1\) at (http://[^\s,]+)")
         sglang_url = launcher.wait_for(r"tiny-llama \(disaggregated: .*\) at (http://\S+)/v1")
         sglang_url = sglang_url.group(1)
-        pdsim = Proc(str(pdsim_cfg), "--role", "router", "--port", "0",
+        pdsim = serve(str(pdsim_cfg), "--role", "router", "--port", "0",
                      "--prefill-url", prefill.group(1), "--decode-url", decode.group(1))
         try:
             pdsim_url = pdsim.wait_for(r"router for tiny-llama at (http://\S+)/v1").group(1)
@@ -146,7 +152,7 @@ def two_prefill_deployment(tmp_path, extra: str = "") -> str:
     return str(cfg)
 
 
-def launched(launcher: Proc) -> tuple[list[str], str]:
+def launched(launcher) -> tuple[list[str], str]:
     """The two prefill workers' URLs and the router's."""
     prefill = [launcher.wait_for(rf"prefill worker {i} \(tiny-llama, tp 1\) at "
                                  r"(http://[^\s,]+)").group(1) for i in (0, 1)]
@@ -159,7 +165,7 @@ def launched(launcher: Proc) -> tuple[list[str], str]:
 def test_api_key_is_the_workers_bearer_token(tmp_path, monkeypatch):
     secret, key = new_secret(), "router-key-for-the-test"
     monkeypatch.setenv(SECRET_ENV, secret)
-    launcher = Proc(two_prefill_deployment(tmp_path, "security: {api_key: " + key + "}"))
+    launcher = serve(two_prefill_deployment(tmp_path, "security: {api_key: " + key + "}"))
     try:
         prefill, url = launched(launcher)
         client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
@@ -201,7 +207,7 @@ def test_api_key_is_the_workers_bearer_token(tmp_path, monkeypatch):
 def test_cache_aware_keeps_a_prefix_on_one_prefill_worker(tmp_path, monkeypatch):
     secret = new_secret()
     monkeypatch.setenv(SECRET_ENV, secret)
-    launcher = Proc(two_prefill_deployment(tmp_path))
+    launcher = serve(two_prefill_deployment(tmp_path))
     try:
         prefill, url = launched(launcher)
         auth = ClusterKey.from_secret(secret).headers()
