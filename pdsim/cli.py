@@ -372,31 +372,70 @@ def serve(
     insecure: bool = typer.Option(
         False, help="--role: run without a cluster secret (PDSIM_CLUSTER_SECRET); only on a "
         "machine no one else can reach"),
+    model_path: Optional[str] = typer.Option(None, help="SGLang's spelling of --model"),
+    disaggregation_mode: Optional[str] = typer.Option(
+        None, help="SGLang's spelling of --role prefill|decode (null: the whole deployment)"),
+    disaggregation_bootstrap_port: Optional[int] = typer.Option(
+        None, help="SGLang's spelling of --bootstrap-port"),
+    tp_size: Optional[int] = typer.Option(
+        None, min=1, help="the role's (or a colocated config's) tensor-parallel size"),
 ) -> None:
     """Serve a real model with an OpenAI-compatible HTTP API until Ctrl-C or SIGTERM:
-    colocated, or disaggregated (prefill and decode workers behind a router)."""
+    colocated, or disaggregated (prefill and decode workers behind a router). SGLang's
+    launch_server flags --model-path, --tp-size, --disaggregation-mode,
+    --disaggregation-bootstrap-port, --host and --port are understood too."""
     from runtime.serve_config import ServeConfig, load_serve_config
 
     security = {k: v for k, v in (("api_key", api_key), ("insecure", insecure or None))
                 if v is not None} or None
     with _exits_on(ConfigError):
+        model, role, bootstrap_port = _sglang_spellings(
+            model, model_path, role, disaggregation_mode, bootstrap_port,
+            disaggregation_bootstrap_port)
         cfg = load_serve_config(config, model=model, security=security)
+        top, sections = {}, {}
         if isinstance(cfg, ServeConfig):
             if role is not None:
                 raise ConfigError(f"--role {role}: only a disaggregated config has roles")
-            cfg = load_serve_config(config, model=model, host=host, port=port,
-                                    security=security)
+            top = {"host": host, "port": port}
+            if tp_size is not None:
+                sections["colocated"] = {"tp": tp_size}
         elif role not in (None, "prefill", "decode", "router"):
             raise ConfigError(f"--role {role!r}; allowed: prefill, decode, router")
-        elif host is not None or (port is not None and role in (None, "router")):
+        else:
             section = role if role in ("prefill", "decode") else "router"
             moved = {"host": host} if section != "router" else {"host": host, "port": port}
-            cfg = load_serve_config(config, model=model, security=security,
-                                    **{section: {k: v for k, v in moved.items() if v is not None}})
+            moved = {k: v for k, v in moved.items() if v is not None}
+            if moved:
+                sections[section] = moved
+            if tp_size is not None:
+                if role not in ("prefill", "decode"):
+                    raise ConfigError("--tp-size: a disaggregated deployment has one per role; "
+                                      "give --disaggregation-mode prefill|decode (or --role), "
+                                      "or set cluster.prefill.tp / cluster.decode.tp")
+                sections[role] = {**sections.get(role, {}), "tp": tp_size}
+        if top or sections:
+            cfg = load_serve_config(config, model=model, security=security, **top, **sections)
     if isinstance(cfg, ServeConfig):
         _serve_colocated(cfg)
     else:
         _serve_disaggregated(cfg, role, instance, port, bootstrap_port, prefill_url, decode_url)
+
+
+def _sglang_spellings(model, model_path, role, mode, bootstrap_port, sglang_bootstrap_port):
+    """`pdsim serve`'s options from SGLang's launch_server spellings; each may be given one
+    way only, or both ways alike."""
+    def one(name: str, ours, theirs_name: str, theirs):
+        if ours is not None and theirs is not None and ours != theirs:
+            raise ConfigError(f"--{name} {ours} and --{theirs_name} {theirs} disagree; give one")
+        return ours if ours is not None else theirs
+
+    if mode is not None and mode not in ("prefill", "decode", "null"):
+        raise ConfigError(f"--disaggregation-mode {mode!r}; allowed: prefill, decode, null")
+    return (one("model", model, "model-path", model_path),
+            one("role", role, "disaggregation-mode", None if mode == "null" else mode),
+            one("bootstrap-port", bootstrap_port, "disaggregation-bootstrap-port",
+                sglang_bootstrap_port))
 
 
 def _serve_colocated(cfg) -> None:
@@ -528,6 +567,43 @@ def presets(wide: bool = WIDE_OPTION) -> None:
     columns = [Column("name", 0, "left")] + [Column(h, p) for h, p in headers]
     print_table(console, columns, rows, wide=wide,
                 title="hardware, per GPU, dense peaks (pdsim/specs/hardware.py)")
+
+
+
+@app.command("import-sglang")
+def import_sglang(
+    commands: str = typer.Argument(..., help="SGLang launch commands (a launch.sh), or - for "
+                                   "standard input"),
+    base: Path = typer.Option(..., help="experiment whose workload, hardware, SLO... the "
+                              "deployment is simulated with (`pdsim plan` writes one beside "
+                              "launch.sh); its model, cluster and router are replaced"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="write the YAML here "
+                                       "(default: standard output)"),
+    name: Optional[str] = typer.Option(None, help="the experiment's name (default: the base's)"),
+    model: Optional[str] = typer.Option(
+        None, help="the simulator's model when --model-path is none it knows (a preset or a "
+        "file)"),
+) -> None:
+    """Read SGLang's launch commands (a server per role instance and the router, as `pdsim plan`
+    writes them in launch.sh) into an experiment YAML that `pdsim run` simulates."""
+    import sys
+
+    import yaml
+
+    from pdsim.config import parse_experiment, read_config_file
+    from pdsim.planning.import_sglang import import_sglang as read_commands
+
+    with _exits_on(ConfigError, OSError):
+        text = sys.stdin.read() if commands == "-" else Path(commands).read_text()
+        data = read_commands(text, read_config_file(base, "experiment") or {}, name=name,
+                             model=model)
+        parse_experiment(data, f"{commands} over {base}")  # what `pdsim run` will check
+        doc = yaml.safe_dump(data, sort_keys=False)
+        if out is None:
+            print(doc, end="")
+        else:
+            out.write_text(doc)
+            console.print(f"wrote {out}", highlight=False)
 
 
 if __name__ == "__main__":

@@ -133,11 +133,16 @@ class OpenAIServer(AppServer):
         """Parse and tokenise on a worker thread (a body of megabytes takes a while: the other
         clients' streams keep flowing meanwhile), then generate."""
         raw = await request.read()
+
+        def parsed() -> tuple[GenParams, dict[str, Any]]:
+            body = self._body(raw)
+            return parse(body), self.submit_options(body)
+
         try:
-            params = await asyncio.to_thread(lambda: parse(self._body(raw)))
+            params, options = await asyncio.to_thread(parsed)
         except BadRequest as exc:
             return self._bad(exc)
-        return await self._generate(request, params, chat=chat)
+        return await self._generate(request, params, chat=chat, options=options)
 
     # ---- endpoints ----
 
@@ -164,10 +169,16 @@ class OpenAIServer(AppServer):
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._answer(request, self.parser.chat, chat=True)
 
+    def submit_options(self, body: dict) -> dict[str, Any]:
+        """What a request body adds to the backend's `submit` beyond the OpenAI parameters:
+        nothing here; a PD worker's front (runtime/sglang_compat.py) takes the bootstrap fields
+        SGLang's router injects."""
+        return {}
+
     # ---- generation ----
 
-    async def _generate(self, request: web.Request, params: GenParams,
-                        chat: bool) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, params: GenParams, chat: bool,
+                        options: dict[str, Any] | None = None) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
 
@@ -182,7 +193,7 @@ class OpenAIServer(AppServer):
             self.engine.submit(params.prompt_ids, params.max_tokens, sink,
                                sampling=params.sampling,
                                stop_token_ids=params.stop_token_ids, rid=rid,
-                               top_logprobs=params.top_logprobs)
+                               top_logprobs=params.top_logprobs, **(options or {}))
         except EngineStopped:
             return busy_response("the server is shutting down")
         finished = False
