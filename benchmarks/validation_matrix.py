@@ -314,6 +314,17 @@ def render(measured: dict, frame: pd.DataFrame, repeat: pd.DataFrame, took_s: fl
     return "\n".join(lines)
 
 
+HAND_WRITTEN = ("<!-- hand-written below: benchmarks/validation_matrix.py keeps what follows "
+                "this line -->")
+
+
+def hand_written(doc: Path) -> str:
+    """The doc's hand-written tail (from HAND_WRITTEN on), kept when the rest is regenerated."""
+    text = doc.read_text() if doc.exists() else ""
+    at = text.find(HAND_WRITTEN)
+    return "" if at < 0 else "\n" + text[at:]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reuse-calibration", action="store_true",
@@ -335,7 +346,7 @@ def main() -> None:
         frame.to_csv(out / "matrix.csv", index=False)
         repeat.to_csv(out / "repeat.csv", index=False)
     took_s = float(frame["wall_s"].sum()) if args.render_only else time.monotonic() - start
-    args.doc.write_text(render(measured, frame, repeat, took_s))
+    args.doc.write_text(render(measured, frame, repeat, took_s) + hand_written(args.doc))
     print(f"wrote {out / 'matrix.csv'} and {args.doc}")
 
 

@@ -51,7 +51,7 @@ def _fmt(col: str, row) -> str:
         return f"{v * 1e3:.1f}"
     if v != v:  # NaN: the column does not apply (no prefill instances, say)
         return "–"
-    if col == "slo_attainment":
+    if col in ("slo_attainment", "prefix_hit_rate"):
         return f"{v:.1%}"
     if col == "prefill_busy_frac":
         return f"{v:.0%}"
@@ -89,12 +89,14 @@ def run(
 def _print_points(summary, title: str, wide: bool) -> None:
     """The run table: one row per sweep point, named after what the sweep varies there
     (pdsim.plots.sweep_labels), or p0, p1... with a legend when those names are long."""
-    from pdsim.tables import Column, print_table, short_labels
+    from pdsim.tables import Column, print_table, short_labels, shows_prefix_hits
 
     names, legend = short_labels(summary["label"], "p")
+    table = TABLE_COLUMNS + ((("prefix hit", "prefix_hit_rate", 1),)
+                             if shows_prefix_hits(summary) else ())
     columns = [Column(name, priority, justify="left" if col is None else "right")
-               for name, col, priority in TABLE_COLUMNS]
-    rows = [[name] + [_fmt(col, row) for _, col, _ in TABLE_COLUMNS[1:]]
+               for name, col, priority in table]
+    rows = [[name] + [_fmt(col, row) for _, col, _ in table[1:]]
             for name, (_, row) in zip(names, summary.iterrows())]
     print_table(console, columns, rows, title=title, wide=wide, legend=legend,
                 caption="latencies in ms; goodput: requests/s meeting the SLO")
@@ -150,34 +152,89 @@ def _check_serve(path: Path) -> None:
     console.print(f"{path}: valid serve config, {cfg.model_name} ({cfg.mode})", highlight=False)
 
 
+TOLERANCE_OPTION = typer.Option(0.15, help="largest relative error of mean TTFT, mean ITL and "
+                                "output throughput")
+TOLERANCE_P90_OPTION = typer.Option(0.25, help="largest relative error of P90 TTFT and ITL")
+CALIBRATION_OPTION = typer.Option(
+    None, help="a `pdsim calibrate` file laid over the config before simulating")
+
+
 @app.command()
 def validate(
     config: Path = typer.Argument(..., help="a deployment with a workload, e.g. "
                                   "experiments/validation/pd_1p1d_low.yaml"),
-    calibration: Optional[Path] = typer.Option(
-        None, help="a `pdsim calibrate` file laid over the config before simulating"),
-    tolerance: float = typer.Option(0.15, help="largest relative error of mean TTFT, mean ITL "
-                                    "and output throughput"),
-    tolerance_p90: float = typer.Option(0.25, help="largest relative error of P90 TTFT and ITL"),
+    calibration: Optional[Path] = CALIBRATION_OPTION,
+    tolerance: float = TOLERANCE_OPTION,
+    tolerance_p90: float = TOLERANCE_P90_OPTION,
     out: Optional[Path] = typer.Option(None, help="output directory (default "
                                        "results/validate_<name>)"),
+    url: Optional[str] = typer.Option(
+        None, help="replay against this running endpoint (its API root, e.g. "
+        "http://host:30000) instead of serving the config here: SGLang, vLLM, Dynamo, pdsim serve"),
+    api: str = typer.Option("completions", help="--url: completions (POST /v1/completions) or "
+                            "generate (SGLang's native POST /generate, input_ids)"),
+    tokenizer: Optional[Path] = typer.Option(
+        None, help="--url: the model's tokenizer.json (or its directory): send text prompts of "
+        "exact token lengths instead of token ids"),
+    api_key: Optional[str] = typer.Option(None, help="--url: sent as `Authorization: Bearer KEY`"),
+    model: Optional[str] = typer.Option(None, help="--url: the model name to ask for (default: "
+                                        "the first the endpoint lists)"),
 ) -> None:
-    """Serve the deployment for real, replay its workload (exact arrivals and lengths), simulate
-    it, and write the side-by-side table and plots; exit 1 when an error exceeds the tolerance
-    (docs/validation.md)."""
+    """Replay the config's workload (exact arrivals and lengths) on the deployment served here,
+    or on a running endpoint (--url), simulate it, and write the side-by-side table and plots;
+    exit 1 when an error exceeds the tolerance (docs/validation.md)."""
     from pdsim.validation.compare import Tolerance
     from pdsim.validation.deployment import ServeError
     from pdsim.validation.validate import validate as run_validate
 
     with _exits_on(ConfigError, ServeError):
         result = run_validate(config, calibration=calibration, out_dir=out,
-                              tolerance=Tolerance(mean=tolerance, p90=tolerance_p90))
+                              tolerance=Tolerance(mean=tolerance, p90=tolerance_p90), url=url,
+                              api=api, tokenizer=tokenizer, api_key=api_key, model=model)
+    _report_validation(result)
+
+
+def _report_validation(result) -> None:
+    """The written table, the files, a warning on token counts off, exit 1 when out of
+    tolerance."""
+    from pdsim.validation.lengths import mismatched
+
     print((result.out_dir / "validation.md").read_text())
     print(f"wrote {result.out_dir}/validation.csv, validation.md, validation.png")
+    if result.lengths is not None and mismatched(result.lengths):
+        console.print("[yellow]the endpoint's token counts differ from the workload's for some "
+                      "requests (see the table above, lengths.csv)[/yellow]")
     if not result.passed:
         over = ", ".join(result.table.loc[~result.table["within"], "metric"])
         print(f"outside the tolerance: {over}")
         raise typer.Exit(1)
+
+
+@app.command()
+def compare(
+    config: Path = typer.Argument(..., help="the deployment the results were measured on"),
+    measured: Path = typer.Option(..., help="per-request results: SGLang bench_serving "
+                                  "--output-details JSONL, aiperf profile_export.jsonl or CSV"),
+    fmt: str = typer.Option("auto", "--format", help="auto, bench_serving, aiperf or csv"),
+    run_line: Optional[int] = typer.Option(None, "--run", help="bench_serving: the line of the "
+                                           "run to compare (default: the file's only one)"),
+    calibration: Optional[Path] = CALIBRATION_OPTION,
+    tolerance: float = TOLERANCE_OPTION,
+    tolerance_p90: float = TOLERANCE_P90_OPTION,
+    out: Optional[Path] = typer.Option(None, help="output directory (default "
+                                       "results/compare_<name>)"),
+) -> None:
+    """Compare a benchmark's per-request results with the deployment simulated on the same
+    send times and lengths: the side-by-side table and plots of `validate`, no network needed;
+    exit 1 when an error exceeds the tolerance (docs/validation.md)."""
+    from pdsim.validation.compare import Tolerance
+    from pdsim.validation.validate import compare_measured
+
+    with _exits_on(ConfigError):
+        result = compare_measured(config, measured, fmt=fmt, run=run_line, calibration=calibration,
+                                  out_dir=out,
+                                  tolerance=Tolerance(mean=tolerance, p90=tolerance_p90))
+    _report_validation(result)
 
 
 @app.command()
@@ -187,11 +244,27 @@ def calibrate(
     out: Path = typer.Option(..., "-o", "--out", help="calibration YAML to write; the forward "
                              "timings go beside it (<name>_timings.csv)"),
     repeats: int = typer.Option(5, help="runs per batch shape (the fastest is kept)"),
+    measured: Optional[Path] = typer.Option(
+        None, help="fit to these per-request results of the deployment instead of measuring "
+        "this machine (the formats of `pdsim compare`)"),
+    fmt: str = typer.Option("auto", "--format", help="--measured: auto, bench_serving, aiperf "
+                            "or csv"),
+    run_line: Optional[int] = typer.Option(None, "--run", help="--measured bench_serving: the "
+                                           "line of the run"),
 ) -> None:
     """Measure this machine's forwards over a grid of batch shapes, the KV transfer over
-    message sizes and the HTTP/router front end, and write a calibration file for
-    `pdsim validate --calibration` (docs/validation.md)."""
+    message sizes and the HTTP/router front end, or fit a deployment's measured results
+    (--measured: a steady decode step and a concurrency-1 TTFT), and write a calibration file
+    for `pdsim validate --calibration` (docs/validation.md)."""
     from pdsim.validation.deployment import ServeError
+
+    if measured is not None:
+        from pdsim.validation.fit import calibrate_measured
+
+        with _exits_on(ConfigError):
+            path = calibrate_measured(config, measured, out, fmt=fmt, run=run_line)
+        print(f"wrote {path}")
+        return
     from runtime.calibration import calibrate as run_calibrate
 
     with _exits_on(ConfigError, ServeError):
@@ -238,6 +311,7 @@ def plan(
         console.print(result.recommended.launch.script(), highlight=False, markup=False,
                       soft_wrap=True)
     console.print(f"wrote {result.out_dir}/report.md, frontier.csv, candidates.csv, frontier.png, "
+                  "throughput_vs_interactivity.png, "
                   "recommended.yaml, launch.sh", soft_wrap=True)
     if result.recommended is None:
         raise typer.Exit(1)
@@ -298,31 +372,70 @@ def serve(
     insecure: bool = typer.Option(
         False, help="--role: run without a cluster secret (PDSIM_CLUSTER_SECRET); only on a "
         "machine no one else can reach"),
+    model_path: Optional[str] = typer.Option(None, help="SGLang's spelling of --model"),
+    disaggregation_mode: Optional[str] = typer.Option(
+        None, help="SGLang's spelling of --role prefill|decode (null: the whole deployment)"),
+    disaggregation_bootstrap_port: Optional[int] = typer.Option(
+        None, help="SGLang's spelling of --bootstrap-port"),
+    tp_size: Optional[int] = typer.Option(
+        None, min=1, help="the role's (or a colocated config's) tensor-parallel size"),
 ) -> None:
     """Serve a real model with an OpenAI-compatible HTTP API until Ctrl-C or SIGTERM:
-    colocated, or disaggregated (prefill and decode workers behind a router)."""
+    colocated, or disaggregated (prefill and decode workers behind a router). SGLang's
+    launch_server flags --model-path, --tp-size, --disaggregation-mode,
+    --disaggregation-bootstrap-port, --host and --port are understood too."""
     from runtime.serve_config import ServeConfig, load_serve_config
 
     security = {k: v for k, v in (("api_key", api_key), ("insecure", insecure or None))
                 if v is not None} or None
     with _exits_on(ConfigError):
+        model, role, bootstrap_port = _sglang_spellings(
+            model, model_path, role, disaggregation_mode, bootstrap_port,
+            disaggregation_bootstrap_port)
         cfg = load_serve_config(config, model=model, security=security)
+        top, sections = {}, {}
         if isinstance(cfg, ServeConfig):
             if role is not None:
                 raise ConfigError(f"--role {role}: only a disaggregated config has roles")
-            cfg = load_serve_config(config, model=model, host=host, port=port,
-                                    security=security)
+            top = {"host": host, "port": port}
+            if tp_size is not None:
+                sections["colocated"] = {"tp": tp_size}
         elif role not in (None, "prefill", "decode", "router"):
             raise ConfigError(f"--role {role!r}; allowed: prefill, decode, router")
-        elif host is not None or (port is not None and role in (None, "router")):
+        else:
             section = role if role in ("prefill", "decode") else "router"
             moved = {"host": host} if section != "router" else {"host": host, "port": port}
-            cfg = load_serve_config(config, model=model, security=security,
-                                    **{section: {k: v for k, v in moved.items() if v is not None}})
+            moved = {k: v for k, v in moved.items() if v is not None}
+            if moved:
+                sections[section] = moved
+            if tp_size is not None:
+                if role not in ("prefill", "decode"):
+                    raise ConfigError("--tp-size: a disaggregated deployment has one per role; "
+                                      "give --disaggregation-mode prefill|decode (or --role), "
+                                      "or set cluster.prefill.tp / cluster.decode.tp")
+                sections[role] = {**sections.get(role, {}), "tp": tp_size}
+        if top or sections:
+            cfg = load_serve_config(config, model=model, security=security, **top, **sections)
     if isinstance(cfg, ServeConfig):
         _serve_colocated(cfg)
     else:
         _serve_disaggregated(cfg, role, instance, port, bootstrap_port, prefill_url, decode_url)
+
+
+def _sglang_spellings(model, model_path, role, mode, bootstrap_port, sglang_bootstrap_port):
+    """`pdsim serve`'s options from SGLang's launch_server spellings; each may be given one
+    way only, or both ways alike."""
+    def one(name: str, ours, theirs_name: str, theirs):
+        if ours is not None and theirs is not None and ours != theirs:
+            raise ConfigError(f"--{name} {ours} and --{theirs_name} {theirs} disagree; give one")
+        return ours if ours is not None else theirs
+
+    if mode is not None and mode not in ("prefill", "decode", "null"):
+        raise ConfigError(f"--disaggregation-mode {mode!r}; allowed: prefill, decode, null")
+    return (one("model", model, "model-path", model_path),
+            one("role", role, "disaggregation-mode", None if mode == "null" else mode),
+            one("bootstrap-port", bootstrap_port, "disaggregation-bootstrap-port",
+                sglang_bootstrap_port))
 
 
 def _serve_colocated(cfg) -> None:
@@ -454,6 +567,43 @@ def presets(wide: bool = WIDE_OPTION) -> None:
     columns = [Column("name", 0, "left")] + [Column(h, p) for h, p in headers]
     print_table(console, columns, rows, wide=wide,
                 title="hardware, per GPU, dense peaks (pdsim/specs/hardware.py)")
+
+
+
+@app.command("import-sglang")
+def import_sglang(
+    commands: str = typer.Argument(..., help="SGLang launch commands (a launch.sh), or - for "
+                                   "standard input"),
+    base: Path = typer.Option(..., help="experiment whose workload, hardware, SLO... the "
+                              "deployment is simulated with (`pdsim plan` writes one beside "
+                              "launch.sh); its model, cluster and router are replaced"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="write the YAML here "
+                                       "(default: standard output)"),
+    name: Optional[str] = typer.Option(None, help="the experiment's name (default: the base's)"),
+    model: Optional[str] = typer.Option(
+        None, help="the simulator's model when --model-path is none it knows (a preset or a "
+        "file)"),
+) -> None:
+    """Read SGLang's launch commands (a server per role instance and the router, as `pdsim plan`
+    writes them in launch.sh) into an experiment YAML that `pdsim run` simulates."""
+    import sys
+
+    import yaml
+
+    from pdsim.config import parse_experiment, read_config_file
+    from pdsim.planning.import_sglang import import_sglang as read_commands
+
+    with _exits_on(ConfigError, OSError):
+        text = sys.stdin.read() if commands == "-" else Path(commands).read_text()
+        data = read_commands(text, read_config_file(base, "experiment") or {}, name=name,
+                             model=model)
+        parse_experiment(data, f"{commands} over {base}")  # what `pdsim run` will check
+        doc = yaml.safe_dump(data, sort_keys=False)
+        if out is None:
+            print(doc, end="")
+        else:
+            out.write_text(doc)
+            console.print(f"wrote {out}", highlight=False)
 
 
 if __name__ == "__main__":

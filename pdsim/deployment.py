@@ -304,6 +304,10 @@ class RouterConfig(_Spec):
                                   "stay silent on a request before the router fails it (a decode "
                                   "stream is silent while it waits for its KV: keep this above the "
                                   "decode scheduler's waiting_timeout_s)")
+    impl: Literal["pdsim", "sglang"] = Field(
+        "pdsim", description="real only, disaggregated: whose router `pdsim serve` starts: "
+        "pdsim's (runtime/router.py) or SGLang's (sglang-router, `pip install sglang-router`; "
+        "docs/serving.md, \"Behind SGLang's router\")")
 
     @field_validator("policy")
     @classmethod
@@ -315,7 +319,26 @@ class RouterConfig(_Spec):
     @model_validator(mode="after")
     def _options_fit_the_policy(self) -> RouterConfig:
         make_policy(self.policy, random.Random(0), **self.policy_options)  # raises naming the problem
+        if self.impl == "sglang":
+            if self.policy not in SGLANG_POLICIES:
+                raise ValueError(f"policy {self.policy!r} has no counterpart in SGLang's router; "
+                                 f"allowed with impl sglang: {', '.join(SGLANG_POLICIES)}")
+            unmapped = sorted(set(self.policy_options) - set(SGLANG_OPTION_FLAGS))
+            if unmapped:
+                raise ValueError(f"policy_options {unmapped} have no counterpart in SGLang's "
+                                 f"router; allowed with impl sglang: "
+                                 f"{', '.join(SGLANG_OPTION_FLAGS)}")
         return self
+
+
+# The policies both routers have, under the same names (SGLang's also has manual, bucket and
+# consistent_hashing; pdsim's least_loaded)
+SGLANG_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
+# cache_aware's settings -> sglang_router's flags. max_tree_size has none: sglang_router counts
+# its tree in characters, pdsim in prefix keys (pages or blocks).
+SGLANG_OPTION_FLAGS = {"cache_threshold": "--cache-threshold",
+                       "balance_abs_threshold": "--balance-abs-threshold",
+                       "balance_rel_threshold": "--balance-rel-threshold"}
 
 
 class NetworkConfig(_Spec):

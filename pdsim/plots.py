@@ -8,8 +8,12 @@ field, one line per combination of the other fields that do not move with it. A 
 categories only (a router policy, a hardware preset, a flag) puts the first of them on the x
 axis as categories and draws points, not lines, one colour per combination of the others. When the number
 of closed-loop clients varies it also draws throughput per GPU against TTFT and ITL, one point
-per client count, the curve benchmark users read. `sweep_labels` names each point after what
-varies, for tables and CDF legends.
+per client count, the curve benchmark users read. Every sweep also gets output tokens/s per
+GPU against tokens/s per user (1 / a request's mean ITL), one point per sweep point, its Pareto
+frontier drawn (`plot_interactivity`; a plan draws its candidates the same way). The experiment's
+SLO bounds are dashed on the latency panels; legends sit outside the data, naming swept fields in
+words (`field_title`). `sweep_labels` names each point after what varies, for tables and CDF
+legends.
 
 Figures are built on `matplotlib.figure.Figure` and saved as PNG through the Agg renderer, never
 through pyplot: nothing is shown, no global backend is switched, and no figure outlives its call.
@@ -25,6 +29,7 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 PD_RATIO = "pd_ratio"
 SWEPT = "sweep."  # prefix of the summary columns holding each point's swept values
@@ -52,15 +57,16 @@ class _Panel:
     ylabel: str
     series: tuple[_Series, ...]
     scale: float = 1.0  # multiply values by this before plotting (1e3: seconds to ms)
+    slo: str = ""  # the SLO field bounding this metric, dashed across the panel
 
 
 _P50 = ("p50", "-", "o")
 _P99 = ("p99", "--", "s")
 _SWEEP_PANELS = (
     _Panel("ttft", "Time to first token", "TTFT (ms)",
-           (_Series("ttft_p50_s", *_P50), _Series("ttft_p99_s", *_P99)), 1e3),
+           (_Series("ttft_p50_s", *_P50), _Series("ttft_p99_s", *_P99)), 1e3, "ttft_s"),
     _Panel("itl", "Inter-token latency", "ITL (ms)",
-           (_Series("itl_p50_s", *_P50), _Series("itl_p99_s", *_P99)), 1e3),
+           (_Series("itl_p50_s", *_P50), _Series("itl_p99_s", *_P99)), 1e3, "itl_s"),
     _Panel("output_throughput_per_gpu", "Output throughput per GPU", "output tokens/s per GPU",
            (_Series("output_tok_s_per_gpu", "", "-", "o"),)),
     _Panel("goodput_per_gpu", "Goodput per GPU (requests meeting the SLO)", "requests/s per GPU",
@@ -99,6 +105,62 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
+def legend_outside(ax, handles=None, title: str | None = None):
+    """The axes' legend to the right of the data, never over it (constrained layout makes room)."""
+    return ax.legend(handles=handles, title=title, fontsize="small", title_fontsize="small",
+                     loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+
+
+def _integer_ticks(axis, values) -> None:
+    """Whole-number ticks on an axis whose values are all whole numbers (instances, clients)."""
+    values = np.asarray(values, dtype=float)
+    if len(values) and np.all(np.isfinite(values)) and np.all(values == np.round(values)):
+        axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def log_axis(axis) -> None:
+    """Put `axis` (`ax.xaxis`, `ax.yaxis`) on a log scale labelled in plain numbers ("5", "20",
+    "300", not 5×10^0). Minor ticks are labelled too, fewer the more decades the axis spans
+    (every one within a factor 4; 2, 3 and 5 within a decade; 2 and 5 within two; none beyond),
+    so that a narrow axis still reads and labels never run into each other."""
+    if axis is axis.axes.xaxis:
+        axis.axes.set_xscale("log")
+    else:
+        axis.axes.set_yscale("log")
+
+    def minor(value: float, _pos) -> str:
+        lo, hi = sorted(axis.get_view_interval())
+        spread = hi / lo if lo > 0 else np.inf
+        digits = range(2, 10) if spread < 4 else (2, 3, 5) if spread < 10 else \
+            (2, 5) if spread < 100 else ()
+        mantissa = value / 10 ** np.floor(np.log10(value))
+        return f"{value:g}" if any(abs(mantissa - d) < 1e-6 for d in digits) else ""
+
+    axis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
+    axis.set_minor_formatter(FuncFormatter(minor))
+
+
+_SLO_NAMES = {"ttft_s": "TTFT", "itl_s": "mean ITL per request"}
+
+
+def _slo_line(ax, slo, field: str, scale: float) -> Line2D | None:
+    """The SLO bound `slo.<field>` dashed across `ax` (values times `scale`); its legend handle.
+    A bound far above the data (more than half the axis again) is left off the top, its label
+    saying so, rather than squash the data into the bottom of the plot."""
+    bound = getattr(slo, field, None) if slo is not None and field else None
+    if bound is None:
+        return None
+    ax.autoscale_view()
+    limits = ax.get_ylim()
+    label = f"SLO: {_SLO_NAMES.get(field, field)} ≤ {bound * scale:g} ms"
+    far = bound * scale > limits[1] + 0.5 * (limits[1] - limits[0])
+    line = ax.axhline(bound * scale, color="tab:red", linestyle="--", linewidth=1.1,
+                      label=label + (" (above the plot)" if far else ""))
+    if far:
+        ax.set_ylim(limits)
+    return line
+
+
 def _colors(n: int) -> list:
     if n <= 10:
         return [colormaps["tab10"](i) for i in range(n)]
@@ -110,25 +172,31 @@ def plot_sweep(
     out_dir: str | Path,
     x: str = PD_RATIO,
     group: str = "request_rate",
+    *,
+    slo=None,
+    legend_title: str | None = None,
 ) -> list[Path]:
     """Plot TTFT, ITL (p50 and p99), output throughput per GPU and goodput per GPU of a sweep.
 
     `summary` holds one row per (configuration, request rate): `prefill_instances`,
     `decode_instances`, `request_rate` and the columns of `pdsim.metrics.summarize`.
     With ``x="pd_ratio"`` the x axis lists configurations as "1P:3D", ordered by prefill share;
-    any other `x` must be a numeric column. One line per value of `group`. When the sweep holds
-    a single configuration, the metrics are plotted against `group` instead. Rows repeating the
-    same (x, group) pair (several seeds, say) are averaged. Returns the PNG paths written (one per
-    metric whose columns are present).
+    any other `x` must be a numeric column. One line per value of `group` (`legend_title` heads
+    their legend). When the sweep holds a single configuration, the metrics are plotted against
+    `group` instead. Rows repeating the same (x, group) pair (several seeds, say) are averaged.
+    `slo` (a `pdsim.metrics.SLO`): its TTFT and ITL bounds dashed on those panels. Returns the
+    PNG paths written (one per metric whose columns are present).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if summary.empty:
         return []
     frame = _with_per_gpu(summary)
+    ticks_text = {}
     if x == PD_RATIO:
         if {"prefill_instances", "decode_instances"} <= set(frame):
             frame = with_pd_ratio(frame)
+            ticks_text = _pd_ticks(frame)
         elif PD_RATIO in frame:
             frame = frame.assign(prefill_share=frame.get("prefill_share", 0.0))
         else:
@@ -142,7 +210,7 @@ def plot_sweep(
     if frame[x].nunique() == 1 and has_groups and frame[group].nunique() > 1:
         # One configuration: nothing to compare across it, so plot against the group instead.
         frame = frame.assign(_line=str(frame[x].iloc[0]))
-        x, group = group, "_line"
+        x, group, legend_title = group, "_line", None
     elif not has_groups:
         frame = frame.assign(_line="all")
         group = "_line"
@@ -157,6 +225,8 @@ def plot_sweep(
         position = {label: i for i, label in enumerate(order)}
         table["_x"] = table[PD_RATIO].map(position).astype(float)
         xlabel, ticks = "P:D configuration (prefill:decode instances)", order
+        if ticks_text:
+            xlabel = "P:D configuration (prefill:decode instances), GPUs, parallelism"
     elif not pd.api.types.is_numeric_dtype(table[x]):  # categories (strings, booleans)
         order = list(dict.fromkeys(table[x]))
         table["_x"] = table[x].map({label: i for i, label in enumerate(order)}).astype(float)
@@ -177,7 +247,7 @@ def plot_sweep(
         series = [s for s in panel.series if s.column in table]
         if not series:
             continue
-        fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+        fig = Figure(figsize=(9.0, 4.8), layout="constrained")
         ax = fig.add_subplot()
         for value in line_values:
             rows = table[table[group] == value].sort_values("_x")
@@ -186,14 +256,19 @@ def plot_sweep(
                         color=colors[value], linestyle="none" if unordered else s.linestyle,
                         marker=s.marker, markersize=5 if unordered else 4, linewidth=1.6)
         if _wide_spread(np.concatenate([table[s.column].to_numpy(float) for s in series])):
-            ax.set_yscale("log")
+            log_axis(ax.yaxis)
+        bound = _slo_line(ax, slo, panel.slo, panel.scale)
         if ticks is None and _wide_spread(table["_x"].to_numpy(float)):  # 1 ... 256 clients
             values = sorted(table["_x"].unique())
-            ax.set_xscale("log")
+            log_axis(ax.xaxis)
             ax.set_xticks(values, [f"{v:g}" for v in values])
             ax.minorticks_off()
+        elif ticks is None:
+            _integer_ticks(ax.xaxis, table["_x"])
         if ticks is not None:
-            ax.set_xticks(range(len(ticks)), ticks, rotation=30 if len(ticks) > 6 else 0)
+            labels = [ticks_text.get(t, t) for t in ticks]
+            ax.set_xticks(range(len(ticks)), labels, rotation=30 if len(ticks) > 6 else 0,
+                          ha="right" if len(ticks) > 6 else "center", fontsize="small")
         if unordered:
             ax.set_xlim(-0.5, len(ticks) - 0.5)
         ax.set_xlabel(xlabel)
@@ -207,9 +282,36 @@ def plot_sweep(
         if len(series) > 1:
             handles += [Line2D([], [], color="0.3", linestyle="none" if unordered else s.linestyle,
                                marker=s.marker, markersize=4, label=s.label) for s in series]
-        ax.legend(handles=handles, fontsize="small", loc="best", framealpha=0.85)
+        if bound is not None:
+            handles.append(bound)
+        legend_outside(ax, handles, legend_title)
         written.append(_save(fig, out_dir / f"{panel.name}.png"))
     return written
+
+
+def _pd_ticks(frame: pd.DataFrame) -> dict[str, str]:
+    """Each P:D label's tick text: "2P:6D", then its GPUs and each role's parallelism, e.g.
+    "2P:6D\n32 GPU, tp4" ("tp8 / tp4 dp4" when prefill's and decode's differ)."""
+    if "num_gpus" not in frame:
+        return {}
+    out = {}
+    for label, rows in frame.groupby(PD_RATIO, sort=False):
+        row = rows.iloc[0]
+        roles = [_parallel(row.get(f"{role}_tp"), row.get(f"{role}_dp_attention"))
+                 for role in ("prefill", "decode") if row.get(f"{role}_instances", 0)]
+        gpus = sorted({int(n) for n in rows["num_gpus"]})
+        text = f"{label}\n{'/'.join(map(str, gpus))} GPU"
+        if roles and all(roles):
+            text += ", " + (roles[0] if len(set(roles)) == 1 else " / ".join(roles))
+        out[label] = text
+    return out
+
+
+def _parallel(tp, dp) -> str:
+    """"tp8", or "tp8 dp8" with DP attention; "" where the summary does not say (NaN, None)."""
+    if not tp or tp != tp:
+        return ""
+    return f"tp{int(tp)}" + (f" dp{int(dp)}" if dp and dp == dp and dp > 1 else "")
 
 
 def _sort_key(value):
@@ -219,6 +321,38 @@ def _sort_key(value):
 def _axis_label(column: str) -> str:
     named = {"request_rate": "request rate (req/s)", "concurrency": "concurrent clients"}
     return named.get(column, column.replace("_", " "))
+
+
+# Swept fields whose name in words is not their path's words (`field_title`).
+_FIELD_TITLES = {
+    "workload.arrival.rate_rps": "request rate (req/s)",
+    "workload.target_rate_rps": "target request rate (req/s)",
+    "workload.rate_scale": "rate scale",
+    "workload.arrival.concurrency": "concurrent clients",
+    "workload.closed_loop.concurrency": "concurrent clients",
+    "cluster.prefill.scheduler.disable_radix_cache": "prefill radix cache disabled",
+    "cluster.decode.scheduler.disable_radix_cache": "decode radix cache disabled",
+    "cluster.colocated.scheduler.disable_radix_cache": "radix cache disabled",
+}
+# Path parts that say where a field sits, not what it is.
+_PLACES = {"cluster", "workload", "arrival", "closed_loop", "scheduler", "params"}
+
+
+def field_title(field: str) -> str:
+    """A swept field's name in words for axes and legends: `cluster.decode.tp` -> "decode tp",
+    `router.policy` -> "router policy" (a few by name: `_FIELD_TITLES`)."""
+    if field in _FIELD_TITLES:
+        return _FIELD_TITLES[field]
+    return " ".join(part.replace("_", " ") for part in field.split(".") if part not in _PLACES)
+
+
+def _legend_value(field: str, value) -> str:
+    """A swept value in a legend headed by its field's title: the value, with its unit."""
+    if field in CONCURRENCY_FIELDS:
+        return _clients(value)
+    if field in RATE_FIELDS and field.endswith("_rps"):
+        return f"{float(value):g} req/s"
+    return str(value)
 
 
 def _line_label(group: str, value) -> str:
@@ -301,31 +435,48 @@ def sweep_labels(summary: pd.DataFrame) -> list[str]:
     return labels
 
 
-def plot_experiment(summary: pd.DataFrame, out_dir: str | Path) -> list[Path]:
-    """The sweep plots an experiment's summary calls for (see the module docstring)."""
+def plot_experiment(summary: pd.DataFrame, out_dir: str | Path, slo=None) -> list[Path]:
+    """The sweep plots an experiment's summary calls for (see the module docstring); `slo` (a
+    `pdsim.metrics.SLO`) dashed on the latency panels."""
+    out_dir = Path(out_dir)
     fields = varying_fields(summary)
     concurrency_varies = "concurrency" in summary and summary["concurrency"].nunique() > 1
     if is_pd_sweep(fields):
-        written = plot_sweep(summary, out_dir, group="concurrency" if concurrency_varies else "request_rate")
+        written = plot_sweep(summary, out_dir, slo=slo,
+                             group="concurrency" if concurrency_varies else "request_rate")
+        frame = with_pd_ratio(summary) if "prefill_instances" in summary else summary
+        group = PD_RATIO if PD_RATIO in frame and frame[PD_RATIO].nunique() > 1 else None
         if concurrency_varies:
-            frame = with_pd_ratio(summary) if "prefill_instances" in summary else summary
-            several = PD_RATIO in frame and frame[PD_RATIO].nunique() > 1
-            written += plot_throughput_latency(frame, out_dir, group=PD_RATIO if several else None)
+            written += plot_throughput_latency(frame, out_dir, group=group, legend_title="P:D")
+        written += plot_interactivity(frame, out_dir / INTERACTIVITY_PNG, group=group,
+                                      legend_title="P:D")
         return written
     x, lines = sweep_axes(summary)
-    x_column = "concurrency" if x in CONCURRENCY_FIELDS else short_field(x)
+    x_column = "concurrency" if x in CONCURRENCY_FIELDS else field_title(x)
     frame = summary.assign(**{x_column: summary[SWEPT + x]})
     frame["_line"] = _joined(frame, lines)
-    written = plot_sweep(frame, out_dir, x=x_column, group="_line" if lines else "")
-    if concurrency_varies:  # one curve per setting of everything but the clients
-        curves = [f for f in [x] + lines if f not in CONCURRENCY_FIELDS]
-        frame["_curve"] = _joined(frame, curves)
-        written += plot_throughput_latency(frame, out_dir, group="_curve" if curves else None)
+    written = plot_sweep(frame, out_dir, x=x_column, group="_line" if lines else "", slo=slo,
+                         legend_title=_titles(lines))
+    # one curve (one colour) per setting of everything but the load
+    curves = [f for f in [x] + lines if f not in CONCURRENCY_FIELDS + RATE_FIELDS]
+    frame["_curve"] = _joined(frame, curves)
+    if concurrency_varies:
+        written += plot_throughput_latency(frame, out_dir, group="_curve" if curves else None,
+                                           legend_title=_titles(curves))
+    written += plot_interactivity(frame, out_dir / INTERACTIVITY_PNG,
+                                  group="_curve" if curves else None,
+                                  legend_title=_titles(curves))
     return written
 
 
+def _titles(fields: list[str]) -> str | None:
+    return ", ".join(field_title(f) for f in fields) or None
+
+
 def _joined(frame: pd.DataFrame, fields: list[str]) -> list[str]:
-    return [", ".join(_value_text(f, row[SWEPT + f]) for f in fields) for _, row in frame.iterrows()]
+    """Each row's values of `fields`, for a legend headed by `_titles(fields)`."""
+    return [", ".join(_legend_value(f, row[SWEPT + f]) for f in fields)
+            for _, row in frame.iterrows()]
 
 
 _TRADEOFFS = (
@@ -335,7 +486,8 @@ _TRADEOFFS = (
 
 
 def plot_throughput_latency(summary: pd.DataFrame, out_dir: str | Path,
-                            group: str | None = None) -> list[Path]:
+                            group: str | None = None, legend_title: str | None = None
+                            ) -> list[Path]:
     """Output tokens/s per GPU against TTFT and against ITL (p50), one point per client count
     (`concurrency`), labelled with it; one curve per value of `group`. Returns the PNG paths."""
     out_dir = Path(out_dir)
@@ -348,7 +500,7 @@ def plot_throughput_latency(summary: pd.DataFrame, out_dir: str | Path,
     for stem, column, xlabel in _TRADEOFFS:
         if column not in frame or "output_tok_s_per_gpu" not in frame:
             continue
-        fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+        fig = Figure(figsize=(9.0, 4.8), layout="constrained")
         ax = fig.add_subplot()
         for curve in curves:
             rows = frame[frame[group] == curve].sort_values("concurrency")
@@ -360,15 +512,82 @@ def plot_throughput_latency(summary: pd.DataFrame, out_dir: str | Path,
                 ax.annotate(f"{int(n)}", (xi, yi), textcoords="offset points", xytext=(4, 4),
                             fontsize="x-small", color=colors[curve])
         if _wide_spread(frame[column].to_numpy(float)):
-            ax.set_xscale("log")
+            log_axis(ax.xaxis)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("output tokens/s per GPU")
         ax.set_title(f"Throughput against {xlabel.split()[0]} (points: concurrent clients)")
         ax.grid(True, which="major", alpha=0.35)
         if group != "_all":
-            ax.legend(fontsize="small", loc="best", framealpha=0.85)
+            legend_outside(ax, title=legend_title)
         written.append(_save(fig, out_dir / f"{stem}.png"))
     return written
+
+
+INTERACTIVITY_PNG = "throughput_vs_interactivity.png"
+USER_TOK_S = "output_tok_s_per_user"  # 1 / tpot_mean_s: the output speed one user sees
+
+
+def per_user_tok_s(frame: pd.DataFrame) -> pd.Series:
+    """Tokens/s one user sees: 1 / the mean over requests of each one's mean ITL (TPOT)."""
+    tpot = frame["tpot_mean_s"].astype(float)
+    return 1.0 / tpot.where(tpot > 0)
+
+
+def pareto_upper_right(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Which points no other beats on both `x` and `y` (higher is better on both); NaN never."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    ok = np.isfinite(x) & np.isfinite(y)
+    keep = np.zeros(len(x), dtype=bool)
+    for i in np.flatnonzero(ok):
+        beaten = ok & (x >= x[i]) & (y >= y[i]) & ((x > x[i]) | (y > y[i]))
+        keep[i] = not beaten.any()
+    return keep
+
+
+def plot_interactivity(points: pd.DataFrame, path: str | Path, *, group: str | None = None,
+                       legend_title: str | None = None, title: str | None = None,
+                       star: tuple[float, float] | None = None) -> list[Path]:
+    """Output tokens/s per GPU against tokens/s per user (`per_user_tok_s`), one point per row
+    of `points` (a sweep point, a plan candidate), coloured by `group`; the Pareto frontier
+    (`pareto_upper_right`) joined and ringed; `star`: a (per-user, per-GPU) point to mark, the
+    plan's recommendation. The throughput-against-interactivity chart: moving right along the
+    frontier, each user is served faster and each GPU serves fewer tokens. Returns [path], or
+    [] when no point has both figures."""
+    if not {"tpot_mean_s", "output_tok_s_per_gpu"} <= set(points):
+        return []
+    frame = points.assign(**{USER_TOK_S: per_user_tok_s(points)})
+    frame = frame[np.isfinite(frame[USER_TOK_S]) & frame["output_tok_s_per_gpu"].notna()]
+    if frame.empty:
+        return []
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = Figure(figsize=(9.0, 5.2), layout="constrained")
+    ax = fig.add_subplot()
+    x, y = frame[USER_TOK_S].to_numpy(float), frame["output_tok_s_per_gpu"].to_numpy(float)
+    if group is None:
+        ax.scatter(x, y, s=22, color="tab:blue", label="sweep point" if star is None else None)
+    else:
+        values = sorted(frame[group].unique(), key=_sort_key)
+        for value, color in zip(values, _colors(len(values))):
+            mine = (frame[group] == value).to_numpy()
+            ax.scatter(x[mine], y[mine], s=22, color=color, label=str(value))
+    front = pareto_upper_right(x, y)
+    order = np.argsort(x[front])
+    ax.plot(x[front][order], y[front][order], color="0.15", linewidth=1.3, zorder=3,
+            label="Pareto frontier")
+    ax.scatter(x[front], y[front], s=70, facecolors="none", edgecolors="0.15", linewidths=1.2,
+               zorder=4)
+    if star is not None:
+        ax.scatter([star[0]], [star[1]], marker="*", s=220, color="tab:red", zorder=5,
+                   label="recommended")
+    if _wide_spread(x):
+        log_axis(ax.xaxis)
+    ax.set_xlabel("output tokens/s per user (1 / mean ITL of a request)")
+    ax.set_ylabel("output tokens/s per GPU")
+    ax.set_title(title or "Throughput per GPU against speed per user")
+    ax.grid(True, which="major", alpha=0.35)
+    legend_outside(ax, title=legend_title)
+    return [_save(fig, path)]
 
 
 _CDF_METRICS = (
@@ -463,7 +682,7 @@ def plot_latency_cdfs(
             if not drawn:
                 continue
             if _wide_spread(np.concatenate(drawn)):
-                ax.set_xscale("log")
+                log_axis(ax.xaxis)
             for level in (0.5, 0.99):
                 ax.axhline(level, color="0.5", linewidth=0.8, linestyle=":")
             full_title = f"CDF of {title}"
@@ -476,7 +695,7 @@ def plot_latency_cdfs(
             ax.set_ylabel("fraction of completed requests")
             ax.set_ylim(0, 1.01)
             ax.grid(True, which="major", alpha=0.35)
-            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), title=by)
+            legend_outside(ax, title=by)
             written.append(_save(fig, out_dir / f"{stem}{suffix}.png"))
     return written
 

@@ -14,6 +14,7 @@ import pandas as pd
 
 from pdsim.metrics import SLO
 from pdsim.plots import PD_RATIO, is_pd_sweep, short_field, sweep_labels, varying_fields, with_pd_ratio
+from pdsim.tables import shows_prefix_hits
 
 _DASH = "–"
 
@@ -66,6 +67,7 @@ _TABLE: tuple[tuple[str, str, Callable], ...] = (
     ("output_tok_s_per_gpu", "out tok/s/GPU", _num),
     ("goodput_req_s_per_gpu", "goodput/GPU (req/s)", _num),
     ("slo_attainment", "SLO met", _pct),
+    ("prefix_hit_rate", "prefix hit", _pct),  # only when a prefix cache served some prompt
 )
 
 
@@ -150,7 +152,8 @@ def _label_header(frame: pd.DataFrame) -> str:
 def _results_section(frame: pd.DataFrame) -> str:
     columns = [(c, _label_header(frame) if c == PD_RATIO else h, f)
                for c, h, f in _TABLE if c in frame and not frame[c].isna().all()
-               and (c != "concurrency" or frame[c].any())]  # open loop: no clients column
+               and (c != "concurrency" or frame[c].any())  # open loop: no clients column
+               and (c != "prefix_hit_rate" or shows_prefix_hits(frame))]
     rows = [[fmt(row[c]) for c, _, fmt in columns] for _, row in frame.iterrows()]
     numeric = [c not in (PD_RATIO,) for c, _, _ in columns]
     table = _markdown_table([h for _, h, _ in columns], rows, numeric)

@@ -166,20 +166,17 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
     summary.to_csv(out / "summary.csv", index=False)
     requests.to_parquet(out / "requests.parquet", index=False)
     (out / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    plots = plot_experiment(summary, out) + plot_latency_cdfs(requests, out, by="label")
+    plots = plot_experiment(summary, out, slo=cfg.slo) + plot_latency_cdfs(requests, out, by="label")
     write_report(summary, out, title=cfg.name, config_text=path.read_text(), plots=plots, slo=cfg.slo)
     return summary, out
 
 
 def _execute(pool: Pool, args: list, show: bool, name: str) -> list[PointResult]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from pdsim.progress import progress_bar
 
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())
-    with Progress(*columns, disable=not show, transient=False) as bar:
-        task = bar.add_task(f"simulating {name}", total=len(args))
+    with progress_bar(f"simulating {name}", len(args), show) as bar:
         results = []
         for result in pool.imap_unordered(_run_named_point, args):
             results.append(result)
-            bar.advance(task)
+            bar.advance()
         return results

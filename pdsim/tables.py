@@ -86,6 +86,12 @@ def short_labels(labels: Sequence[str], prefix: str) -> tuple[list[str], list[tu
     return names, list(zip(names, labels))
 
 
+def shows_prefix_hits(summary) -> bool:
+    """Whether a table of run summaries has a prefix-hit column: some run took prompt tokens
+    from a prefix cache (`prefix_hit_rate` > 0; without a cache it is 0 everywhere)."""
+    return "prefix_hit_rate" in summary and bool((summary["prefix_hit_rate"].fillna(0) > 0).any())
+
+
 def target_width(console: Console, wide: bool) -> int | None:
     """The width tables are laid out for: the terminal's (or $COLUMNS); None (every column)
     with `wide`, or when the output is piped with no $COLUMNS."""

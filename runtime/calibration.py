@@ -365,6 +365,7 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
     """Measure (module docstring) and write the calibration YAML and its timings CSV."""
     import yaml
 
+    from pdsim.progress import phase
     from runtime.serve_config import load_serve_config
 
     config = load_serve_config(config_path)
@@ -373,16 +374,19 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
     timings_path = out_path.with_name(out_path.stem + "_timings.csv")
     log(f"forwards: {config.model}, {config.dtype or 'default dtype'}, "
         f"{_threads(config)} torch threads")
-    timings = profile_forwards(config, repeats=repeats)
+    with phase("profiling forwards"):
+        timings = profile_forwards(config, repeats=repeats)
     timings.to_csv(timings_path, index=False)
     log(f"  {len(timings)} forwards -> {timings_path}")
     transfer = None
     if config.mode != "colocated":
-        transfer = profile_transfer(config, repeats=max(repeats, 3))
+        with phase("measuring the KV transfer (Mooncake TCP loopback)"):
+            transfer = profile_transfer(config, repeats=max(repeats, 3))
         log(f"KV transfer (Mooncake TCP loopback): floor {transfer.floor_s * 1e3:.2f} ms, "
             f"{transfer.gb_per_s:.2f} GB/s, handshake {transfer.handshake_s * 1e3:.2f} ms")
-        slices = profile_descriptors(page_bytes_per_buffer(config), config.page_size,
-                                     transfer.gb_per_s, repeats=max(repeats, 3))
+        with phase("measuring head-slice descriptors"):
+            slices = profile_descriptors(page_bytes_per_buffer(config), config.page_size,
+                                         transfer.gb_per_s, repeats=max(repeats, 3))
         log(f"  head slices ({slices.senders} ranks at once): "
             f"{slices.per_descriptor_s * 1e6:.1f} us per descriptor per GPU")
     from pdsim.core.batch import BatchShape
@@ -394,7 +398,8 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
                                            prefill_attn_pairs=n_in * (n_in + 1) / 2)])
     decode_s = fit.step_time_s([BatchShape(decode_reqs=1,
                                            decode_context_tokens=n_in + n_out // 2)])
-    engine = measure_engine(config_path, config, requests=probe_requests)
+    with phase(f"serving {probe_requests} lone requests"):
+        engine = measure_engine(config_path, config, requests=probe_requests)
     frontend_s = max(0.0, engine.client_ttft_s - engine.engine_ttft_s)
     # The client's pace, not the engine's: on this machine tokens reach the client slower than
     # the engine emits them (docs/validation.md, "Where the error comes from").

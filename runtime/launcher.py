@@ -39,7 +39,9 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from runtime.security import api_key, deployment_secret, key_of, resolve_secret, secret_env
+from runtime.security import (
+    API_KEY_ENV, api_key, deployment_secret, key_of, resolve_secret, secret_env,
+)
 from runtime.faults import Killer
 from runtime.serve_config import ROLES, PDServeConfig
 from runtime.transfer.bindshim import preload_env
@@ -67,7 +69,7 @@ class WorkerProcess:
 
 def spawn_workers(config: PDServeConfig, secret: str | None = None) -> list[WorkerProcess]:
     """Start every prefill and decode instance of `config` (not waiting for them), `secret` in
-    their environment."""
+    their environment (and, behind SGLang's router, the API key it sends them)."""
     from runtime.distributed import free_port
     from runtime.pd.worker import child_env, python_command
 
@@ -83,7 +85,7 @@ def spawn_workers(config: PDServeConfig, secret: str | None = None) -> list[Work
                     payload["bootstrap_port"] = (config.bootstrap_port(i)
                                                  or free_port(config.transfer.host))
                 command = python_command("instance", payload)
-                env = {**child_env(), **secret_env(secret),
+                env = {**child_env(), **secret_env(secret), **router_key_env(config),
                        **preload_env(config.transfer.host)}  # Mooncake's ports: see bindshim
                 proc = subprocess.Popen(command, env=env, start_new_session=True)
                 workers.append(WorkerProcess(role, i, f"http://{spec.host}:{port}", proc,
@@ -94,6 +96,13 @@ def spawn_workers(config: PDServeConfig, secret: str | None = None) -> list[Work
         stop_processes([w.proc for w in workers])
         raise
     return workers
+
+
+def router_key_env(config: PDServeConfig) -> dict[str, str]:
+    """Behind SGLang's router, the API key it sends the workers (they accept it on their SGLang
+    routes), in their environment."""
+    key = api_key(config.security.api_key) if config.router.impl == "sglang" else None
+    return {API_KEY_ENV: key} if key else {}
 
 
 def fetch_health(url: str, timeout_s: float = 2.0) -> dict | None:
@@ -108,11 +117,25 @@ def fetch_health(url: str, timeout_s: float = 2.0) -> dict | None:
 async def wait_healthy(workers: Sequence[WorkerProcess], stop: asyncio.Event,
                        timeout_s: float) -> dict[str, dict] | None:
     """Every worker's `/health` once all answer (by URL); None if `stop` was set first.
-    Raises `LaunchError` when a worker exits or `timeout_s` passes."""
+    Raises `LaunchError` when a worker exits or `timeout_s` passes. A spinner names the
+    workers still starting (pdsim.progress)."""
+    from pdsim.progress import phase
+
+    with phase(_waiting_for(workers)) as show:
+        return await _wait_healthy(workers, stop, timeout_s, show)
+
+
+def _waiting_for(workers: Sequence[WorkerProcess]) -> str:
+    return f"waiting for {', '.join(w.name for w in workers)} to be healthy"
+
+
+async def _wait_healthy(workers: Sequence[WorkerProcess], stop: asyncio.Event, timeout_s: float,
+                        show: Callable[[str], None]) -> dict[str, dict] | None:
     loop = asyncio.get_running_loop()
     deadline = time.monotonic() + timeout_s
     health: dict[str, dict] = {}
     while len(health) < len(workers):
+        show(_waiting_for([w for w in workers if w.url not in health]))
         for w in workers:
             if w.url in health:
                 continue
@@ -137,22 +160,23 @@ async def wait_healthy(workers: Sequence[WorkerProcess], stop: asyncio.Event,
 
 def make_router(config: PDServeConfig, prefill: Sequence[str], decode: Sequence[str],
                 health: dict[str, dict], secret: str | None = None):
-    """The `PDRouter` (runtime/router.py) in front of the given workers; `health` holds each
-    prefill worker's `/health` (its bootstrap server). The router reads the deployment's
-    settings itself (its `router` section, seed, page size, limits of its server); its
-    bootstrap rooms always come from the OS. `secret`: the workers' cluster secret; the
-    config's API key (if any) guards the router's API."""
+    """The router `router.impl` names in front of the given workers; `health` holds each
+    prefill worker's `/health` (its bootstrap server). pdsim's `PDRouter` (runtime/router.py)
+    reads the deployment's settings itself (its `router` section, seed, page size, limits of
+    its server); its bootstrap rooms always come from the OS. `secret`: the workers' cluster
+    secret; the config's API key (if any) guards the router's API. SGLang's router
+    (runtime/sglang_router.py) gets the API key alone, for both."""
+    if config.router.impl == "sglang":
+        from runtime.sglang_router import SGLangRouter
+
+        return SGLangRouter(config, [(u, health[u]["bootstrap_port"]) for u in prefill],
+                            list(decode), api_key=api_key(config.security.api_key))
     from runtime.router import PDRouter, WorkerAddress
     from runtime.model.loading import load_text_side, model_config_of
-    from runtime.openai.protocol import Limits
 
     mcfg = model_config_of(config)
     text = load_text_side(config, mcfg.vocab_size)
-    decode_pool = config.scheduler_config("decode").pool_tokens
-    prefill_pool = config.scheduler_config("prefill").pool_tokens
-    limits = Limits(max_model_len=min(decode_pool, mcfg.max_position),
-                    pool_tokens=min(decode_pool, prefill_pool), max_position=mcfg.max_position,
-                    model_vocab=mcfg.vocab_size)
+    limits = config.request_limits(mcfg.vocab_size, mcfg.max_position)
     pre = [WorkerAddress(url=u, bootstrap_host=health[u]["bootstrap_host"],
                          bootstrap_port=health[u]["bootstrap_port"]) for u in prefill]
     dec = [WorkerAddress(url=u) for u in decode]
@@ -163,6 +187,17 @@ def make_router(config: PDServeConfig, prefill: Sequence[str], decode: Sequence[
     router.server.protect(api_key=api_key(config.security.api_key),
                           limits=config.security.limits)
     return router
+
+
+async def start_router(router, config: PDServeConfig) -> None:
+    """Start `router` (`make_router`'s) at the config's address; SGLang's router failing to
+    come up is a `LaunchError` too."""
+    from runtime.sglang_router import SGLangRouterError
+
+    try:
+        await router.start(config.router.host, config.router.port)
+    except SGLangRouterError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def _stop_event() -> asyncio.Event:
@@ -191,6 +226,10 @@ async def _launch(config: PDServeConfig, on_ready, startup_timeout_s: float,
                   stop_timeout_s: float) -> int:
     from runtime.pd.worker import stop_processes
 
+    if config.router.impl == "sglang":
+        from runtime.sglang_router import preflight
+
+        preflight(config, api_key(config.security.api_key))
     stop = _stop_event()
     secret = deployment_secret(config.security.cluster_secret)
     workers = spawn_workers(config, secret)
@@ -204,7 +243,7 @@ async def _launch(config: PDServeConfig, on_ready, startup_timeout_s: float,
         prefill = [w.url for w in workers if w.role == "prefill"]
         decode = [w.url for w in workers if w.role == "decode"]
         router = make_router(config, prefill, decode, health, secret=secret)
-        await router.start(config.router.host, config.router.port)
+        await start_router(router, config)
         if on_ready is not None:
             on_ready(router.url)
         kills = asyncio.create_task(killer.run(workers))
@@ -215,6 +254,10 @@ async def _launch(config: PDServeConfig, on_ready, startup_timeout_s: float,
             if dead:
                 log.error("%s exited with status %s; shutting down", dead[0].name,
                           dead[0].proc.returncode)
+                status = 1
+                break
+            if config.router.impl == "sglang" and not router.running:  # its own process
+                log.error("the router exited; shutting down")
                 status = 1
                 break
         return status
@@ -262,7 +305,7 @@ def serve_router(config: PDServeConfig, prefill_urls: Sequence[str] = (),
             if health[u].get("role") != "prefill" or not health[u].get("bootstrap_port"):
                 raise LaunchError(f"{u} is not a prefill worker (its /health: {health[u]})")
         router = make_router(config, prefill, decode, health, secret=secret)
-        await router.start(config.router.host, config.router.port)
+        await start_router(router, config)
         try:
             if on_ready is not None:
                 on_ready(router.url)

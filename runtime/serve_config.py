@@ -33,6 +33,7 @@ from pdsim.deployment import RoleConfig, servable_presets
 from pdsim.workload import WorkloadConfig
 
 ROLES = ("prefill", "decode")
+CLUSTER_ROLES = ("colocated", *ROLES)  # the cluster's sections a command-line override names
 
 
 class _ServeBase(ExperimentConfig):
@@ -156,6 +157,18 @@ class PDServeConfig(_ServeBase):
         port = self.prefill.bootstrap_port
         return port + instance if port else 0
 
+    def request_limits(self, model_vocab: int, max_position: int):
+        """What one request may ask for (`runtime.openai.protocol.Limits`): its prompt must fit
+        the smaller KV pool, prompt + output the decode pool and the model's positions. The
+        router's API and the workers' OpenAI routes check the same."""
+        from runtime.openai.protocol import Limits
+
+        decode_pool = self.scheduler_config("decode").pool_tokens
+        prefill_pool = self.scheduler_config("prefill").pool_tokens
+        return Limits(max_model_len=min(decode_pool, max_position),
+                      pool_tokens=min(decode_pool, prefill_pool), max_position=max_position,
+                      model_vocab=model_vocab)
+
 
 MODES = {"colocated": ServeConfig, "disaggregated": PDServeConfig}
 
@@ -182,7 +195,7 @@ def load_serve_config(path: str | Path | None = None,
                       **overrides: Any) -> ServeConfig | PDServeConfig:
     """The config in `path` (defaults when None) with the non-None `overrides` applied on top
     (keys, as the CLI options give them: `model`, `security`; `host` and `port` (the API's:
-    router); `prefill`, `decode`, `router` (a dict merged into that section))."""
+    router); `colocated`, `prefill`, `decode`, `router` (a dict merged into that section))."""
     source = str(path) if path is not None else "<defaults>"
     data: dict[str, Any] = {"model": "tiny-llama", "cluster": {
         "mode": "colocated", "colocated": {"instances": 1, "scheduler": {"num_pages": 2048}}}}
@@ -199,7 +212,7 @@ def load_serve_config(path: str | Path | None = None,
             if key in ("host", "port"):
                 data["router"] = {**(data.get("router") or {}), key: value}
                 continue
-            section, parent = (data["cluster"], key) if key in ROLES else (data, key)
+            section, parent = (data["cluster"], key) if key in CLUSTER_ROLES else (data, key)
             if isinstance(value, dict) and isinstance(section.get(parent), dict):
                 section[parent] = {**section[parent], **value}
             else:

@@ -1,6 +1,8 @@
 """Tokenizers: byte-level for random models, HF `tokenizer.json` for real checkpoints.
 
-Both satisfy the `Tokenizer` protocol. `StreamDecoder` turns a growing token stream into text
+Both satisfy the `Tokenizer` protocol. `max_bytes_per_token` bounds how much text one token can
+stand for, so a server can refuse a prompt that cannot fit before tokenising it (an 8 MiB text
+takes seconds to tokenise). `StreamDecoder` turns a growing token stream into text
 pieces without ever emitting half a UTF-8 character (a character split across byte tokens, or a
 byte-fallback BPE piece, waits until it is complete).
 """
@@ -19,6 +21,9 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int | None
     eos_id: int | None
+    # The most UTF-8 bytes of input text one token stands for; None where nothing bounds it.
+    # A text of n characters (>= n bytes) encodes to at least n / max_bytes_per_token tokens.
+    max_bytes_per_token: int | None
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
 
@@ -32,6 +37,7 @@ class ByteTokenizer:
     eos_id = 257
     pad_id = 258
     vocab_size = 259
+    max_bytes_per_token = 1
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -67,16 +73,58 @@ class HFTokenizer:
         special = _special_tokens(directory / "tokenizer_config.json")
         self.bos_id = self._id_of(special.get("bos_token"))
         self.eos_id = self._id_of(special.get("eos_token"))
+        self.max_bytes_per_token = _max_bytes_per_token(
+            json.loads(self._tok.to_str()), self._tok.get_vocab(with_added_tokens=True))
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of the GIL while it works (encode does not): a long text
+        # tokenised on a worker thread then leaves the server's event loop running
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+
+# Normalizers and pre-tokenizers that never delete text (a normalizer may shrink it: NFKC maps a
+# 4-byte character to a 1-byte one, hence the factor 4 below).
+_KEEPING_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Replace"}
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split",
+                           "UnicodeScripts"}
+
+
+def _keeps_text(part: dict | None, kinds: set[str]) -> bool:
+    if part is None:
+        return True
+    kind = part.get("type")
+    if kind == "Sequence":
+        items = part.get("normalizers") or part.get("pretokenizers") or []
+        return all(_keeps_text(p, kinds) for p in items)
+    if kind == "Replace":  # a string for one no shorter (" " -> "\u2581"), not a pattern
+        pattern = (part.get("pattern") or {}).get("String")
+        return pattern is not None and len(pattern) <= len(part.get("content") or "")
+    if kind == "Split" and part.get("behavior") == "Removed":
+        return False
+    return kind in kinds
+
+
+def _max_bytes_per_token(spec: dict, vocab: dict[str, int]) -> int | None:
+    """A bound on the input bytes one token stands for, from the tokenizer.json `spec`: a BPE
+    model that never falls back to an unknown token (which stands for a word of any length), and
+    no normalizer or pre-tokenizer that deletes text; None otherwise."""
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("unk_token") is not None
+                                      and not model.get("byte_fallback")):
+        return None
+    normalizer = spec.get("normalizer")
+    if not (_keeps_text(normalizer, _KEEPING_NORMALIZERS)
+            and _keeps_text(spec.get("pre_tokenizer"), _KEEPING_PRE_TOKENIZERS)):
+        return None
+    longest = max((len(token.encode("utf-8")) for token in vocab), default=1)
+    return longest * (4 if normalizer is not None else 1)
 
 
 def _special_tokens(config_file: Path) -> dict[str, str]:

@@ -83,7 +83,8 @@ def test_plot_sweep_multi_point(sweep, tmp_path, captured):
     paths = plot_sweep(summary, tmp_path / "sweep")
     assert_pngs(paths, SWEEP_FILES)
     ax = captured["ttft.png"].axes[0]
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["1P:3D", "1P:1D", "2P:2D", "3P:1D"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == [
+        "1P:3D\n8 GPU", "1P:1D\n4 GPU", "2P:2D\n8 GPU", "3P:1D\n8 GPU"]  # no TP columns here
     assert "ms" in ax.get_ylabel() and ax.get_title()
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend == ["1 req/s", "4 req/s", "p50", "p99"]
@@ -237,12 +238,14 @@ def test_generic_sweep_plots_against_its_field_one_line_per_other_field(tmp_path
     ep = swept([{"cluster.decode.tp": tp, "cluster.decode.ep": tp, "cluster.decode.two_batch_overlap": tbo}
                 for tp in (8, 16, 32) for tbo in (False, True)])
     paths = plots.plot_experiment(ep, tmp_path)
-    assert_pngs(paths, SWEEP_FILES)  # no throughput-latency curve: clients do not vary
+    # no throughput-latency curve: clients do not vary
+    assert_pngs(paths, SWEEP_FILES + ["throughput_vs_interactivity.png"])
     ax = captured["output_throughput_per_gpu.png"].axes[0]
-    assert ax.get_xlabel() == "decode.tp"
-    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert ax.get_xlabel() == "decode tp"
+    legend = ax.get_legend()
     # tp and ep move together: one line per two-batch-overlap setting, three points each.
-    assert legend == ["decode.two_batch_overlap=False", "decode.two_batch_overlap=True"]
+    assert legend.get_title().get_text() == "decode two batch overlap"
+    assert [t.get_text() for t in legend.get_texts()] == ["False", "True"]
     assert [list(line.get_xdata()) for line in ax.get_lines()] == [[8, 16, 32]] * 2
     np.testing.assert_allclose(ax.get_lines()[1].get_ydata(),
                                ep[ep["sweep.cluster.decode.two_batch_overlap"]]["output_tok_s_per_gpu"])
@@ -253,7 +256,8 @@ def test_concurrency_sweep_draws_throughput_against_latency(tmp_path, captured):
     clients = swept([{"workload.arrival.concurrency": n} for n in (1, 4, 16, 64, 256)])
     clients["concurrency"] = clients["sweep.workload.arrival.concurrency"]
     paths = plots.plot_experiment(clients, tmp_path)
-    assert_pngs(paths, SWEEP_FILES + ["throughput_vs_ttft.png", "throughput_vs_itl.png"])
+    assert_pngs(paths, SWEEP_FILES + ["throughput_vs_ttft.png", "throughput_vs_itl.png",
+                                      "throughput_vs_interactivity.png"])
     ax = captured["throughput_vs_ttft.png"].axes[0]
     line = ax.get_lines()[0]
     np.testing.assert_allclose(line.get_xdata(), clients["ttft_p50_s"] * 1e3)
@@ -272,10 +276,10 @@ def test_a_sweep_with_clients_and_another_field_draws_one_curve_per_setting(tmp_
                   for k in (1, 3) for n in (8, 32, 128)])
     spec["concurrency"] = spec["sweep.workload.arrival.concurrency"]
     plots.plot_experiment(spec, tmp_path)
-    assert captured["ttft.png"].axes[0].get_xlabel() == "speculative.num draft tokens"
+    assert captured["ttft.png"].axes[0].get_xlabel() == "speculative num draft tokens"
     ax = captured["throughput_vs_itl.png"].axes[0]
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
-        "speculative.num_draft_tokens=1", "speculative.num_draft_tokens=3"]
+    assert ax.get_legend().get_title().get_text() == "speculative num draft tokens"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["1", "3"]
     assert [len(line.get_xdata()) for line in ax.get_lines()] == [3, 3]
 
 

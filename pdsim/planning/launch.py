@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import yaml
 
+from pdsim.deployment import SGLANG_OPTION_FLAGS
 from pdsim.planning.candidates import Candidate, RoleShape
 from pdsim.planning.config import PlanConfig
 
@@ -23,11 +24,7 @@ from pdsim.planning.config import PlanConfig
 # load-aware one).
 ROUTER_POLICY = {"random": "random", "round_robin": "round_robin", "power_of_two": "power_of_two",
                  "least_loaded": "power_of_two"}
-# cache_aware's settings -> sglang_router's flags. max_tree_size has none here: sglang_router
-# counts its tree in characters, pdsim in prefix keys (pages or blocks).
-ROUTER_OPTION_FLAGS = {"cache_threshold": "--cache-threshold",
-                       "balance_abs_threshold": "--balance-abs-threshold",
-                       "balance_rel_threshold": "--balance-rel-threshold"}
+ROUTER_OPTION_FLAGS = SGLANG_OPTION_FLAGS  # cache_aware's settings -> sglang_router's flags
 
 
 @dataclass(frozen=True)

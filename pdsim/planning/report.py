@@ -1,17 +1,22 @@
-"""Write a plan's results: candidates.csv, frontier.csv, frontier.png, report.md,
-recommended.yaml (pdsim's experiment), launch.sh (SGLang's commands) and plan.yaml (the plan
-as validated, defaults left out)."""
+"""Write a plan's results: candidates.csv, frontier.csv, frontier.png,
+throughput_vs_interactivity.png, report.md, recommended.yaml (pdsim's experiment), launch.sh
+(SGLang's commands) and plan.yaml (the plan as validated, defaults left out)."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import yaml
 
 from pdsim.planning.result import Choice, PlanResult, axis_column, latency_columns
 
+# pdsim.plots.INTERACTIVITY_PNG, not imported from there: pdsim.plots loads matplotlib, which
+# the simulation workers (they import this package) do without.
+INTERACTIVITY_PNG = "throughput_vs_interactivity.png"
+_FRONTIER_METRICS = ("ttft", "itl", "tpot")  # the frontier's panel columns, left to right
 FRONTIER_COLUMNS = ("label", "num_gpus", "usd_per_hour", "output_tok_s_per_gpu", "usd_per_mtok",
                     "goodput_req_s_per_gpu", "goodput_req_per_usd", "feasible", "bottleneck")
 
@@ -21,7 +26,10 @@ def write_plan(result: PlanResult, out: Path) -> Path:
     cfg = result.plan
     result.candidates.to_csv(out / "candidates.csv", index=False)
     result.frontier.to_csv(out / "frontier.csv", index=False)
-    plots = [plot_frontier(result, out / "frontier.png")] if len(result.frontier) else []
+    plots = []
+    if len(result.frontier):
+        plots = [plot_frontier(result, out / "frontier.png"),
+                 *plot_interactivity_chart(result, out / INTERACTIVITY_PNG)]
     if result.recommended:
         (out / "recommended.yaml").write_text(result.recommended.experiment_yaml)
         (out / "launch.sh").write_text(result.recommended.launch.script())
@@ -32,19 +40,20 @@ def write_plan(result: PlanResult, out: Path) -> Path:
 
 
 def plot_frontier(result: PlanResult, path: Path) -> Path:
-    """tok/s/GPU and $/Mtok against the TTFT and ITL percentiles: every simulated candidate,
-    the feasible ones filled, each panel's own Pareto frontier as a staircase, the
+    """tok/s/GPU and $/Mtok against the TTFT, ITL and TPOT percentiles: every simulated
+    candidate, the feasible ones filled, each panel's own Pareto frontier as a staircase, the
     recommendation starred, the targets dashed."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from pdsim.plots import legend_outside, log_axis
 
     cfg, table = result.plan, result.candidates
     sims = table[table["simulated"]]
     ok = sims[sims["feasible"] == True]  # noqa: E712
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for col, metric in enumerate(("ttft", "itl")):
+    metrics = [m for m in _FRONTIER_METRICS if axis_column(cfg, m) in sims]
+    fig = Figure(figsize=(4.6 * len(metrics) + 2.2, 8), layout="constrained")
+    axes = fig.subplots(2, len(metrics), squeeze=False)
+    for col, metric in enumerate(metrics):
         x = axis_column(cfg, metric)
         bound = cfg.slo.targets().get(x)
         for row, y in enumerate(("output_tok_s_per_gpu", "usd_per_mtok")):
@@ -60,18 +69,34 @@ def plot_frontier(result: PlanResult, path: Path) -> Path:
                 ax.scatter([s[x] * 1e3], [s[y]], marker="*", s=180, color="tab:red",
                            label="recommended", zorder=5)
             if bound:
-                ax.axvline(bound * 1e3, ls="--", color="0.3", lw=0.8)
-            ax.set_xscale("log")
+                ax.axvline(bound * 1e3, ls="--", color="0.3", lw=0.8, label="SLO target")
+            log_axis(ax.xaxis)
             ax.set_xlabel(f"{metric.upper()} p{x.split('_p')[1][:-2]} (ms)")
             ax.set_ylabel("output tok/s per GPU" if y.startswith("output")
                           else "USD per M output tokens")
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    handles = {h.get_label(): h for ax in axes.flat for h in ax.get_legend_handles_labels()[0]}
+    legend_outside(axes[0][-1], list(handles.values()))
     fig.suptitle(f"{cfg.name}: {len(sims)} deployments simulated")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig.savefig(path, dpi=110, format="png")
     return path
+
+
+def plot_interactivity_chart(result: PlanResult, path: Path) -> list[Path]:
+    """tok/s/GPU against tok/s/user (pdsim.plots.plot_interactivity): one point per simulated
+    candidate, by whether it meets the SLO, the recommendation starred."""
+    from pdsim.plots import per_user_tok_s, plot_interactivity
+
+    sims = result.candidates[result.candidates["simulated"]]
+    sims = sims.assign(_slo=np.where(sims["feasible"] == True,  # noqa: E712
+                                     "meets the SLO", "misses the SLO"))
+    star = None
+    if result.recommended is not None:
+        s = result.recommended.summary
+        star = (float(per_user_tok_s(pd.DataFrame([s])).iloc[0]), s["output_tok_s_per_gpu"])
+    return plot_interactivity(sims, path, group="_slo", star=star,
+                              title=f"{result.plan.name}: throughput per GPU against speed "
+                                    "per user, one point per deployment")
 
 
 def _frontier_2d(rows: pd.DataFrame, x: str, y: str, higher_is_better: bool) -> pd.DataFrame:

@@ -24,6 +24,7 @@ from pdsim.planning.launch import experiment_yaml, sglang_commands
 from pdsim.planning.prefilter import Prefilter, RoleCapacity, Verdict
 from pdsim.planning.report import write_plan
 from pdsim.planning.result import Choice, PlanResult, latency_columns
+from pdsim.progress import phase
 from pdsim.runner import PointResult, run_point
 from pdsim.specs.hardware import HardwareSpec, load_hardware_spec
 from pdsim.specs.models import load_model_spec
@@ -62,7 +63,8 @@ def plan(source: PlanConfig | str | Path, *, out_dir: str | Path | None = None,
     t0 = time.perf_counter()
     filt = Prefilter(cfg, model, hw, workload, base_dir)
     use_filter = cfg.prefilter.enabled if prefilter is None else prefilter
-    table = _prefilter_table(deployments, filt if use_filter else None, price)
+    with phase(f"pre-filtering {len(deployments)} deployments", progress):
+        table = _prefilter_table(deployments, filt if use_filter else None, price)
     timings["prefilter_s"] = time.perf_counter() - t0
     timings["candidates"] = len(deployments)
 
@@ -210,7 +212,7 @@ def _simulate(cfg: PlanConfig, deployments: list[Candidate], order: list[int], p
     candidate's result can arrive after dearer ones went out); the rule is then replayed in
     cost order over the results (`_kept_in_cost_order`), so the plan is the same whatever the
     executor, the number of workers or the timing."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from pdsim.progress import progress_bar
 
     order = order[:cfg.search.max_simulations]
     results: dict[int, PointResult] = {}
@@ -233,12 +235,8 @@ def _simulate(cfg: PlanConfig, deployments: list[Candidate], order: list[int], p
         if cfg.objective == "cost" and meets(cfg, r.summary):
             cutoff = min(cutoff, deployments[c].num_gpus * price * (1 + cfg.search.cost_slack))
 
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())
-    with Progress(*columns, disable=not progress, transient=False) as bar, \
+    with progress_bar(f"simulating {cfg.name}", len(order), progress) as bar, \
             open_pool(executor, jobs, ray_address, tasks=len(order)) as pool:
-        task = bar.add_task(f"simulating {cfg.name}", total=len(order))
-        advance = lambda: bar.advance(task)  # noqa: E731
         pending = list(order)
         running: dict = {}  # with one local worker each task runs as it is submitted
         while pending or running:
@@ -250,8 +248,8 @@ def _simulate(cfg: PlanConfig, deployments: list[Candidate], order: list[int], p
                 break
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for fut in finished:
-                done(running.pop(fut), fut.result(), advance)
-        bar.update(task, total=len(results))
+                done(running.pop(fut), fut.result(), bar.advance)
+        bar.total(len(results))
     return _kept_in_cost_order(cfg, deployments, order, results, price)
 
 

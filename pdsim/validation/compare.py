@@ -77,7 +77,7 @@ def markdown(table: pd.DataFrame, title: str) -> str:
 def plot(real: Sequence[RequestRecord], sim: Sequence[RequestRecord], path: str | Path,
          title: str) -> Path:
     """CDFs of TTFT, ITL and E2E (real and sim on one axis each) and a per-request scatter of
-    simulated against measured TTFT (requests matched by their position in the workload)."""
+    simulated against measured TTFT (requests matched by `rid`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,7 +97,9 @@ def plot(real: Sequence[RequestRecord], sim: Sequence[RequestRecord], path: str 
         ax.set(xlabel=f"{what} (ms)", ylabel="CDF", title=what)
         ax.legend()
     ax = axes[3]
-    pairs = [(r.ttft_s * 1e3, s.ttft_s * 1e3) for r, s in zip(real, sim) if r.ok and s.ok]
+    sim_by_rid = {s.rid: s for s in sim if s.ok}
+    pairs = [(r.ttft_s * 1e3, sim_by_rid[r.rid].ttft_s * 1e3) for r in real
+             if r.ok and r.rid in sim_by_rid]
     if pairs:
         x, y = zip(*pairs)
         ax.scatter(x, y, s=10)

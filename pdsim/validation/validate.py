@@ -1,25 +1,30 @@
-"""`pdsim validate CONFIG`: serve the deployment for real, replay its workload, simulate the same
-deployment (with a calibration laid over it) on the same arrivals and lengths, compare.
+"""`pdsim validate CONFIG` and `pdsim compare CONFIG --measured FILE`: a real run of the
+deployment against its simulation (with a calibration laid over it) on the same arrivals and
+lengths.
 
-Writes to the output directory: `validation.csv` and `validation.md` (the side-by-side table;
-the markdown also holds the phase table), `phases.csv` (per-phase means, sim against real, see
-`pdsim.validation.phases`), `validation.png` (CDFs and the per-request TTFT scatter),
-`real_requests.csv` and `sim_requests.csv` (one row per request; the real ones carry the PD
-workers' phase stamps on the client's clock).
+The real run is one of: the deployment served here (`pdsim serve`) and the config's workload
+replayed; the workload replayed against an endpoint already running (`--url`: a real SGLang
+PD deployment, vLLM, Dynamo, `pdsim serve`); or a benchmark client's per-request results
+(pdsim.validation.measured). Writes to the output directory: `validation.csv` and
+`validation.md` (the side-by-side table; the markdown also holds the phase table), `phases.csv`
+(per-phase means, sim against real, see `pdsim.validation.phases`), `validation.png` (CDFs and the per-request TTFT scatter),
+`real_requests.csv` and `sim_requests.csv` (one row per request, matched by `rid`; served here,
+the real ones carry the PD workers' phase stamps on the client's clock). Replayed,
+`lengths.csv` (and a table in validation.md) compares the token counts the endpoint reported
+with the workload's.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from pdsim.config import (
-    ConfigError, ExperimentConfig, load_experiment, parse_experiment, read_config_file,
-)
+from pdsim.config import ConfigError, ExperimentConfig, parse_experiment, read_config_file
 from pdsim.core.records import RequestRecord
 from pdsim.metrics import records_frame, summarize
 from pdsim.validation import phases
@@ -36,6 +41,8 @@ class Validation:
     real: list[RequestRecord]
     sim: list[RequestRecord]
     out_dir: Path
+    lengths: pd.DataFrame | None = None  # replayed: the token counts reported (lengths.py)
+    notes: list[str] = field(default_factory=list)  # what a measured file made us assume
 
     @property
     def passed(self) -> bool:
@@ -73,56 +80,188 @@ def calibrated(raw: dict, source: str, calibration: str | Path | None) -> Experi
     return parse_experiment(data, f"{source}" + (f" + {calibration}" if calibration else ""))
 
 
+
+@dataclass
+class Experiment:
+    """The deployment YAML to validate, checked, with the calibration laid over it."""
+
+    path: Path
+    cfg: ExperimentConfig  # as written (what is served)
+    sim_cfg: ExperimentConfig  # with the calibration (what is simulated)
+    cluster: Any  # pdsim.sim.cluster.ClusterSpec of sim_cfg
+    base_dir: str
+    calibration: str | Path | None
+
+
+# `pdsim compare` simulates the measured file's requests: a deployment YAML without a workload
+# gets this one only to pass the experiment's schema; it is never generated.
+UNUSED_WORKLOAD = {"num_requests": 1, "seed": 0, "arrival": {"process": "poisson", "rate_rps": 1},
+                   "input_len": {"dist": "fixed", "value": 1},
+                   "output_len": {"dist": "fixed", "value": 1}}
+
+
+def load_experiment_for(config_path: str | Path, calibration: str | Path | None,
+                        what: str = "validate") -> Experiment:
+    """`what` "compare" takes a deployment without a workload (the file brings the requests)."""
+    from pdsim.sim.build import build_cluster
+
+    path = Path(config_path)
+    raw = read_config_file(path, "experiment")
+    if what == "compare" and isinstance(raw, dict) and "workload" not in raw:
+        raw = {**raw, "workload": UNUSED_WORKLOAD}
+    cfg = parse_experiment(raw, str(path))
+    if cfg.sweep:
+        raise ConfigError(f"{path}: {what} runs one deployment; drop its `sweep:`")
+    base_dir = str(path.parent.resolve())
+    sim_cfg = calibrated(raw, str(path), calibration)
+    return Experiment(path, cfg, sim_cfg, build_cluster(sim_cfg, base_dir), base_dir, calibration)
+
+
+def compare_runs(exp: Experiment, real: list[RequestRecord], sim_rids: Sequence[str],
+                 arrival_s: Sequence[float], input_tokens: Sequence[int],
+                 output_tokens: Sequence[int], *, out: Path, title: str, tolerance: Tolerance,
+                 sections: Sequence[str] = (), log=print) -> Validation:
+    """Simulate `exp` on the given arrivals and lengths (request i named `sim_rids[i]`, the
+    real record it stands for), compare with `real` and write the output directory's files
+    (module docstring); `sections` are markdown appended to validation.md."""
+    from pdsim.progress import phase
+    from pdsim.sim.cluster import simulate
+
+    log("sim: " + (f"calibrated by {exp.calibration}" if exp.calibration else "as configured"))
+    with phase("simulating"):
+        sim = simulate(exp.cluster, arrival_s, input_tokens, output_tokens,
+                       seed=exp.sim_cfg.seed, max_duration_s=exp.sim_cfg.max_duration_s).records
+    for rec, rid in zip(sim, sim_rids):
+        rec.rid = rid
+    num_gpus = exp.cluster.num_gpus
+    table = side_by_side(summarize(real, num_gpus=num_gpus, slo=exp.cfg.slo),
+                         summarize(sim, num_gpus=num_gpus, slo=exp.cfg.slo), tolerance)
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "validation.csv", index=False)
+    phase_table = phases.phase_table(real, sim)
+    phase_table.to_csv(out / "phases.csv", index=False)
+    (out / "validation.md").write_text("\n".join(
+        [markdown(table, title), *sections, phases.markdown(phase_table,
+                                                            "Where TTFT goes (means)")]))
+    plot(real, sim, out / "validation.png", title)
+    records_frame(real).to_csv(out / "real_requests.csv", index=False)
+    records_frame(sim).to_csv(out / "sim_requests.csv", index=False)
+    return Validation(table, phase_table, real, sim, out)
+
+
 def _serve_name(path: Path) -> str:
     from runtime.serve_config import load_serve_config
 
     return load_serve_config(path).model_name
 
 
+def endpoint_model(url: str, api_key: str | None) -> str:
+    """The first model an OpenAI-compatible endpoint lists at /v1/models."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url.rstrip("/") + "/v1/models", headers={
+        "Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            models = json.loads(resp.read()).get("data") or []
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise ConfigError(f"--url {url}: cannot list its models at /v1/models ({exc}); give "
+                          "--model") from None
+    if not models:
+        raise ConfigError(f"--url {url}: /v1/models lists no model; give --model")
+    return str(models[0]["id"])
+
+
 def validate(config_path: str | Path, *, calibration: str | Path | None = None,
              tolerance: Tolerance = Tolerance(), out_dir: str | Path | None = None,
-             log=print) -> Validation:
-    from pdsim.sim.build import build_cluster
-    from pdsim.sim.cluster import simulate
-    from pdsim.validation.deployment import RealDeployment
-    from pdsim.validation.replay import replay
+             url: str | None = None, api: str = "completions", tokenizer: str | Path | None = None,
+             api_key: str | None = None, model: str | None = None, log=print) -> Validation:
+    """Replay the config's workload on the deployment served here (`url` None) or on the
+    endpoint at `url` (its API root, without /v1), simulate, compare (module docstring)."""
+    from pdsim.progress import phase
+    from pdsim.validation import lengths
+    from pdsim.validation.deployment import RealDeployment, ServeError
+    from pdsim.validation.prompts import TextPrompts
+    from pdsim.validation.replay import replay_endpoint
     from pdsim.workload import generate
     from runtime.security import new_secret
 
-    path = Path(config_path)
-    cfg, raw = load_experiment(path)
-    if cfg.sweep:
-        raise ConfigError(f"{path}: validate runs one deployment; drop its `sweep:`")
-    base_dir = str(path.parent.resolve())
-    sim_cfg = calibrated(raw, str(path), calibration)
-    cluster = build_cluster(sim_cfg, base_dir)  # before serving: a bad config fails fast
-    work = generate(cfg.workload, base_dir=base_dir)
+    if url is None and (tokenizer or api_key or model or api != "completions"):
+        raise ConfigError("--tokenizer, --api-key, --model and --api go with --url")
+    if api == "generate" and tokenizer:
+        raise ConfigError("--tokenizer builds text prompts for --api completions; /generate "
+                          "takes token ids (input_ids)")
+    exp = load_experiment_for(config_path, calibration)  # before serving: a bad config fails fast
+    cfg = exp.cfg
+    work = generate(cfg.workload, base_dir=exp.base_dir)
     if work.closed_loop is not None:
-        raise ConfigError(f"{path}: workload: validate replays open-loop arrivals; a closed "
+        raise ConfigError(f"{exp.path}: workload: validate replays open-loop arrivals; a closed "
                           "loop's send times depend on the backend")
     out = Path(out_dir or Path("results") / f"validate_{cfg.name}")
+    n = len(work.arrival_s)
+    title = f"{cfg.name}: {n} requests, real vs simulated"
+    if url is None:
+        log(f"real: pdsim serve {exp.path} ({n} requests)")
+        with phase("starting the deployment"):
+            real_dep = RealDeployment(exp.path, secret=new_secret())
+        with real_dep, phase(f"replaying {n} requests"):
+            replies = replay_endpoint(real_dep.url, _serve_name(exp.path), work.arrival_s,
+                                      work.input_tokens, work.output_tokens, seed=cfg.seed)
+            real = phases.merge_worker_records([r.record for r in replies],
+                                               real_dep.worker_records("prefill"),
+                                               real_dep.worker_records("decode"))
+    else:
+        prompts = TextPrompts(tokenizer).prompts(work.input_tokens, cfg.seed) if tokenizer else None
+        if api != "generate" and model is None:
+            model = endpoint_model(url, api_key)
+        log(f"real: {url} ({api}, {'text' if tokenizer else 'token-id'} prompts, {n} requests)")
+        with phase(f"replaying {n} requests"):
+            replies = replay_endpoint(url, model or "", work.arrival_s, work.input_tokens,
+                                      work.output_tokens, api=api, prompts=prompts,
+                                      api_key=api_key, seed=cfg.seed)
+        real = [r.record for r in replies]
+        title = f"{cfg.name}: {n} requests, {url} vs simulated"
+    if not any(r.ok for r in real):
+        raise ServeError(f"every request to {url or exp.path} failed; the first: {real[0].error}")
+    check = lengths.length_check(replies, work.input_tokens, work.output_tokens)
     out.mkdir(parents=True, exist_ok=True)
+    check.to_csv(out / "lengths.csv", index=False)
+    # What the endpoint processed (its reported counts); a failed request as it was asked for.
+    n_in = [r.input_tokens if r.ok else int(w) for r, w in zip(real, work.input_tokens)]
+    n_out = [r.output_tokens if r.ok else int(w) for r, w in zip(real, work.output_tokens)]
+    result = compare_runs(exp, real, [r.rid for r in real], work.arrival_s, n_in, n_out, out=out,
+                          title=title, tolerance=tolerance, sections=[lengths.markdown(check)],
+                          log=log)
+    result.lengths = check
+    return result
 
-    log(f"real: pdsim serve {path} ({len(work.arrival_s)} requests)")
-    with RealDeployment(path, secret=new_secret()) as real_dep:
-        real = replay(real_dep.url, _serve_name(path), work.arrival_s, work.input_tokens,
-                      work.output_tokens, seed=cfg.seed)
-        real = phases.merge_worker_records(real, real_dep.worker_records("prefill"),
-                                           real_dep.worker_records("decode"))
-    log("sim: " + (f"calibrated by {calibration}" if calibration else "as configured"))
-    sim = simulate(cluster, work.arrival_s, work.input_tokens, work.output_tokens,
-                   seed=sim_cfg.seed, max_duration_s=sim_cfg.max_duration_s).records
 
-    r = summarize(real, num_gpus=cluster.num_gpus, slo=cfg.slo)
-    s = summarize(sim, num_gpus=cluster.num_gpus, slo=cfg.slo)
-    table = side_by_side(r, s, tolerance)
-    table.to_csv(out / "validation.csv", index=False)
-    phase_table = phases.phase_table(real, sim)
-    phase_table.to_csv(out / "phases.csv", index=False)
-    title = f"{cfg.name}: {len(work.arrival_s)} requests, real vs simulated"
-    (out / "validation.md").write_text(
-        markdown(table, title) + "\n" + phases.markdown(phase_table, "Where TTFT goes (means)"))
-    plot(real, sim, out / "validation.png", title)
-    records_frame(real).to_csv(out / "real_requests.csv", index=False)
-    records_frame(sim).to_csv(out / "sim_requests.csv", index=False)
-    return Validation(table, phase_table, real, sim, out)
+def compare_measured(config_path: str | Path, measured_path: str | Path, *, fmt: str = "auto",
+                     run: int | None = None, calibration: str | Path | None = None,
+                     tolerance: Tolerance = Tolerance(), out_dir: str | Path | None = None,
+                     log=print) -> Validation:
+    """`pdsim compare`: a benchmark client's per-request results against the deployment
+    simulated on the same send times and lengths (the requests that failed are not)."""
+    from pdsim.validation.measured import read_measured
+
+    exp = load_experiment_for(config_path, calibration, "compare")
+    measured = read_measured(measured_path, fmt, seed=exp.cfg.seed, run=run)
+    real = measured.records
+    done = [r for r in real if r.ok]
+    if not done:
+        raise ConfigError(f"{measured_path}: every request failed; nothing to compare")
+    out = Path(out_dir or Path("results") / f"compare_{exp.cfg.name}")
+    log(f"real: {measured_path} ({measured.source}, {len(real)} requests)")
+    for note in measured.notes:
+        log(f"  note: {note}")
+    sections = ["### What the file left to assume\n\n" + "".join(
+        f"- {note}\n" for note in measured.notes)] if measured.notes else []
+    result = compare_runs(
+        exp, real, [r.rid for r in done], [r.arrival_s for r in done],
+        [r.input_tokens for r in done], [r.output_tokens for r in done], out=out,
+        title=f"{exp.cfg.name}: {len(real)} requests of {Path(measured_path).name} vs simulated",
+        tolerance=tolerance, sections=sections, log=log)
+    result.notes = measured.notes
+    return result

@@ -100,7 +100,7 @@ class RequestParser:
     def chat(self, body: dict) -> GenParams:
         messages = self._messages(body.get("messages"))
         text = self.chat_template.render(messages)
-        ids = self.tokenizer.encode(text, add_bos=not self.chat_template.is_jinja)
+        ids = self._encode("messages", text, add_bos=not self.chat_template.is_jinja)
         logprobs = body.get("logprobs")
         if logprobs is not None and not isinstance(logprobs, bool):
             raise BadRequest("logprobs", f"logprobs={logprobs!r}; allowed: true, false or null")
@@ -120,7 +120,7 @@ class RequestParser:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one prompt
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(check_text("prompt", prompt))
+            ids = self._encode("prompt", check_text("prompt", prompt), add_bos=True)
         elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
             self._check_prompt_length("prompt", len(prompt))  # before checking every id
             ids = list(check_token_ids("prompt", prompt, self.limits.model_vocab, empty_ok=False))
@@ -166,6 +166,18 @@ class RequestParser:
             check_text(f"messages[{i}].content", content)
             out.append({"role": role, "content": content})
         return out
+
+    def _encode(self, field: str, text: str, add_bos: bool) -> list[int]:
+        """`text` tokenised, unless it is too long for any tokenisation to fit: a text of n
+        characters holds at least n / max_bytes_per_token tokens, so a huge one is refused in
+        no time instead of after seconds of tokenising."""
+        lim, per_token = self.limits, self.tokenizer.max_bytes_per_token
+        if per_token is not None and len(text) > lim.max_prompt_tokens * per_token:
+            raise BadRequest(field, f"the prompt has {len(text)} characters, so more than "
+                             f"{lim.max_prompt_tokens} tokens (a token of this tokenizer holds "
+                             f"at most {per_token} bytes); allowed: at most "
+                             f"{lim.max_prompt_tokens} tokens ({lim.prompt_limit_text()})")
+        return self.tokenizer.encode(text, add_bos=add_bos)
 
     def _check_prompt_length(self, field: str, n_tokens: int) -> None:
         lim = self.limits

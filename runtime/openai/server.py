@@ -119,14 +119,30 @@ class OpenAIServer(AppServer):
         return web.json_response(error_body(exc.message, "invalid_request_error", exc.param),
                                  status=400)
 
-    async def _body(self, request: web.Request) -> dict:
-        body = parse_json(await request.read())
+    def _body(self, raw: bytes) -> dict:
+        body = parse_json(raw)
         if not isinstance(body, dict):
             raise BadRequest(None, f"the body is a JSON {type(body).__name__}; allowed: an object")
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise BadRequest("model", f"model={short_repr(model)}; allowed: {self.model_name!r}")
         return body
+
+    async def _answer(self, request: web.Request, parse: Callable[[dict], GenParams],
+                      chat: bool) -> web.StreamResponse:
+        """Parse and tokenise on a worker thread (a body of megabytes takes a while: the other
+        clients' streams keep flowing meanwhile), then generate."""
+        raw = await request.read()
+
+        def parsed() -> tuple[GenParams, dict[str, Any]]:
+            body = self._body(raw)
+            return parse(body), self.submit_options(body)
+
+        try:
+            params, options = await asyncio.to_thread(parsed)
+        except BadRequest as exc:
+            return self._bad(exc)
+        return await self._generate(request, params, chat=chat, options=options)
 
     # ---- endpoints ----
 
@@ -148,23 +164,21 @@ class OpenAIServer(AppServer):
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            params = self.parser.completion(await self._body(request))
-        except BadRequest as exc:
-            return self._bad(exc)
-        return await self._generate(request, params, chat=False)
+        return await self._answer(request, self.parser.completion, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            params = self.parser.chat(await self._body(request))
-        except BadRequest as exc:
-            return self._bad(exc)
-        return await self._generate(request, params, chat=True)
+        return await self._answer(request, self.parser.chat, chat=True)
+
+    def submit_options(self, body: dict) -> dict[str, Any]:
+        """What a request body adds to the backend's `submit` beyond the OpenAI parameters:
+        nothing here; a PD worker's front (runtime/sglang_compat.py) takes the bootstrap fields
+        SGLang's router injects."""
+        return {}
 
     # ---- generation ----
 
-    async def _generate(self, request: web.Request, params: GenParams,
-                        chat: bool) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, params: GenParams, chat: bool,
+                        options: dict[str, Any] | None = None) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
 
@@ -179,7 +193,7 @@ class OpenAIServer(AppServer):
             self.engine.submit(params.prompt_ids, params.max_tokens, sink,
                                sampling=params.sampling,
                                stop_token_ids=params.stop_token_ids, rid=rid,
-                               top_logprobs=params.top_logprobs)
+                               top_logprobs=params.top_logprobs, **(options or {}))
         except EngineStopped:
             return busy_response("the server is shutting down")
         finished = False

@@ -26,6 +26,12 @@
   `GET /records` (the finished requests' `RequestRecord`s), `GET /pools` `{"full", "detail"}`
   (every rank: are all pages, request slots and metadata slots back?).
 
+SGLang's router (runtime/sglang_compat.py) is a client too, with a `SGLangFront`: `POST
+/generate` without `version` is SGLang's body, answered as SGLang answers it; `POST
+/v1/completions` and `/v1/chat/completions` with the bootstrap fields it injects; `GET
+/server_info`, `/model_info` (and their `/get_` names) and `/get_load`. pdsim's own versioned
+body needs the cluster token whatever credentials admitted the call.
+
 When a client goes away before its answer, the request is aborted.
 """
 
@@ -40,12 +46,18 @@ from typing import Any
 
 from aiohttp import web
 
+from pdsim.deployment import HttpLimits
 from runtime.checks import BadRequest, parse_json
 from runtime.http_app import AppServer
 from runtime.pd.lockstep_engine import PDEngine
 from runtime.protocol.stream import StreamEvent, to_sse_data
 from runtime.protocol.worker import GenerateParams, parse_generate
+from runtime.security import ClusterKey
 from runtime.serve_metrics import CONTENT_TYPE
+from runtime.sglang_compat import (
+    GenerateOutput, SGLangFront, load_rows, parse_sglang_generate, server_info, sse_line,
+    worker_guard,
+)
 from runtime.streams import RETRY_AFTER_S, EngineStopped, failure_status
 
 log = logging.getLogger(__name__)
@@ -89,19 +101,39 @@ class WorkerServer(AppServer):
     """Rank 0's HTTP front: `port = await server.start(host, port)`, `await server.close()`."""
 
     def __init__(self, engine: PDEngine, info: WorkerInfo, *,
-                 max_inflight_requests: int = 4096) -> None:
+                 max_inflight_requests: int = 4096, sglang: SGLangFront | None = None) -> None:
         super().__init__(engine, engine.metrics)
         self.metrics.name_model(info.model)
         self.info = info
         self.max_inflight_requests = max_inflight_requests
+        self.sglang = sglang
         self._inflight = 0
 
     def counted(self, path: str) -> bool:
-        return path in ("/generate", "/abort")
+        return path in ("/generate", "/abort", "/v1/completions", "/v1/chat/completions")
+
+    def protect(self, *, cluster_key: ClusterKey | None = None,
+                limits: HttpLimits | None = None) -> None:
+        """The cluster token on every path but `/health` and `/info`; with a `SGLangFront`,
+        its SGLang routes also admit what it allows (runtime/sglang_compat.py)."""
+        if cluster_key is not None:
+            front = self.sglang
+            self._guards.append(worker_guard(
+                cluster_key, router_key=front.router_key if front else None,
+                open_sglang=front.open_sglang if front else False))
+        super().protect(limits=limits)
 
     def make_app(self) -> web.Application:
         app = self.new_app()
         app.router.add_post("/generate", self.generate)
+        if self.sglang is not None:
+            app.router.add_post("/v1/completions", self.sglang.openai.completions)
+            app.router.add_post("/v1/chat/completions", self.sglang.openai.chat_completions)
+            for path in ("/server_info", "/get_server_info"):
+                app.router.add_get(path, self.server_info)
+            for path in ("/model_info", "/get_model_info"):
+                app.router.add_get(path, self.model_info)
+            app.router.add_get("/get_load", self.get_load)
         app.router.add_post("/abort", self.abort)
         app.router.add_get("/health", self.health)
         app.router.add_get("/info", self.health)
@@ -114,10 +146,21 @@ class WorkerServer(AppServer):
     # ---- endpoints ----
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        stream = None  # pdsim's body; else SGLang's, streamed or not
         try:
-            g = parse_generate(parse_json(await request.read()),
-                               model_vocab=self.info.model_vocab,
-                               max_position=self.info.max_position)
+            body = parse_json(await request.read())
+            if self.sglang is not None and isinstance(body, dict) and "version" not in body:
+                s = parse_sglang_generate(body, tokenizer=self.sglang.tokenizer,
+                                          eos_ids=self.sglang.eos_ids,
+                                          model_vocab=self.info.model_vocab,
+                                          max_position=self.info.max_position)
+                g, stream = s.params, s.stream
+            elif request.get("internal", True) is False:
+                return _error("pdsim's internal /generate body needs the deployment's "
+                              "X-PDSIM-Auth token", 401)
+            else:
+                g = parse_generate(body, model_vocab=self.info.model_vocab,
+                                   max_position=self.info.max_position)
         except BadRequest as exc:
             return _error(exc.message, 400, exc.param)
         if self._inflight >= self.max_inflight_requests:
@@ -141,7 +184,9 @@ class WorkerServer(AppServer):
         answered = False
         self._inflight += 1
         try:
-            if self.info.role == "prefill":
+            if stream is not None:
+                response = await self._sglang_reply(request, g, stream, queue)
+            elif self.info.role == "prefill":
                 response = await self._prefill_reply(g, queue)
             else:
                 response = await self._decode_stream(request, g.rid, queue)
@@ -194,6 +239,47 @@ class WorkerServer(AppServer):
                 await response.write(f"data: {end}\n\ndata: [DONE]\n\n".encode())
                 await response.write_eof()
         return response
+
+    async def _sglang_reply(self, request: web.Request, g: GenerateParams, stream: bool,
+                            queue: asyncio.Queue[StreamEvent]) -> web.StreamResponse:
+        """SGLang's answer (runtime/sglang_compat.py) on either side: one JSON body, or a
+        stream of the output so far. A failure before the first token gets its status."""
+        output = GenerateOutput(self.sglang.tokenizer, g.rid)
+        event = await queue.get()
+        if event.finished and event.error and not event.token_ids:
+            return _failed(event)
+        if not stream:
+            body = output.push(event)
+            while not event.finished:
+                event = await queue.get()
+                body = output.push(event)
+            return web.json_response(body, status=failure_status(event) if event.error else 200)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        try:
+            while True:
+                await response.write(sse_line(output.push(event)))
+                if event.finished:
+                    break
+                event = await queue.get()
+            await response.write(sse_line("[DONE]"))
+            await response.write_eof()
+        except ConnectionResetError:
+            log.info("%s: the client disconnected mid-stream", g.rid)
+            self.engine.abort(g.rid, "client disconnected")
+        return response
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        i = self.info
+        return web.json_response(server_info(role=i.role, tp=i.tp,
+                                             bootstrap_port=i.bootstrap_port))
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_generation": True})
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        return web.json_response(load_rows(self.engine.load, self.engine.queues))
 
     async def abort(self, request: web.Request) -> web.Response:
         """Fail a request in flight here; 404 for an id this worker does not hold (unknown, or

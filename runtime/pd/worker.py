@@ -215,6 +215,7 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
     from runtime.distributed import free_port
     from runtime.model.tp import check_tp
     from runtime.pd.http import WorkerInfo, WorkerServer
+    from runtime.sglang_compat import sglang_front
     from runtime.security import key_of, resolve_secret, secret_env
     from runtime.model.loading import model_config_of
     from runtime.transfer.bindshim import preload_env
@@ -253,7 +254,9 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
                           model_vocab=rank.executor.config.vocab_size,
                           max_position=rank.executor.config.max_position,
                           bootstrap_host=spec.bootstrap_host, bootstrap_port=spec.bootstrap_port)
-        server = WorkerServer(rank.engine, info,
+        front = sglang_front(config, rank.engine, model_vocab=info.model_vocab,
+                             max_position=info.max_position)
+        server = WorkerServer(rank.engine, info, sglang=front,
                               max_inflight_requests=config.max_inflight_requests)
         server.protect(cluster_key=key_of(secret), limits=config.security.limits)
         status = asyncio.run(_serve(server, host, port, followers, on_ready))

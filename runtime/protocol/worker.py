@@ -56,11 +56,7 @@ def parse_generate(body: Any, *, model_vocab: int, max_position: int) -> Generat
         check_version("generate", body["version"])
     except ProtocolError as exc:
         raise BadRequest(exc.field, str(exc)) from None
-    rid = body["rid"]
-    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_RID_CHARS:
-        raise BadRequest("rid", f"rid={rid!r:.80}; allowed: a string of 1..{MAX_RID_CHARS} "
-                         "characters")
-    check_text("rid", rid)
+    rid = check_rid(body["rid"])
     ids = check_token_ids("input_ids", body["input_ids"], model_vocab, empty_ok=False)
     max_new = body["max_new_tokens"]
     if not is_int(max_new) or max_new < 1:
@@ -76,6 +72,21 @@ def parse_generate(body: Any, *, model_vocab: int, max_position: int) -> Generat
     if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
         raise BadRequest("top_logprobs", f"top_logprobs={top!r}; allowed: an integer "
                          f"0..{MAX_TOP_LOGPROBS}")
+    host, port, room = check_bootstrap(body)
+    return GenerateParams(rid, ids, max_new, sampling, stop, top, host, port, room)
+
+
+def check_rid(rid: Any) -> str:
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_RID_CHARS:
+        raise BadRequest("rid", f"rid={rid!r:.80}; allowed: a string of 1..{MAX_RID_CHARS} "
+                         "characters")
+    return check_text("rid", rid)
+
+
+def check_bootstrap(body: dict) -> tuple[str, int, int]:
+    """A body's `bootstrap_host`, `bootstrap_port` and `bootstrap_room`: where the two sides of
+    a request meet (the prefill instance's bootstrap server, and the room that names the
+    request on both sides)."""
     host, port, room = body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"]
     if not isinstance(host, str) or not 0 < len(host) <= 255:
         raise BadRequest("bootstrap_host", f"bootstrap_host={host!r:.80}; allowed: a host name")
@@ -84,7 +95,7 @@ def parse_generate(body: Any, *, model_vocab: int, max_position: int) -> Generat
         raise BadRequest("bootstrap_port", f"bootstrap_port={port!r}; allowed: 1..65535")
     if not is_int(room) or not 0 <= room < ROOM_LIMIT:
         raise BadRequest("bootstrap_room", f"bootstrap_room={room!r}; allowed: 0..2**63-1")
-    return GenerateParams(rid, ids, max_new, sampling, stop, top, host, port, room)
+    return host, port, room
 
 
 def _sampling(raw: Any) -> SamplingParams:

@@ -23,7 +23,8 @@ data port bind every interface whatever `host` says, and peers that reach them c
 write the registered KV memory. Worker processes started with the bind() wrapper
 (runtime/transfer/bindshim.py) keep them on `host`; otherwise (`MooncakeEngine.exposed`) the
 manager logs at start-up which ports are open to every interface; docs/serving.md says what to
-firewall.
+firewall. The same wrapper keeps idle connections from stalling the engine's handshake port;
+without it the manager warns of that too.
 """
 
 from __future__ import annotations
@@ -68,6 +69,13 @@ class MooncakeKVManager:
                 "these ports can read and write this rank's registered KV memory; firewall them "
                 "(docs/serving.md, Security)",
                 ", ".join(f"{x.address}:{x.port}" for x in self.engine.exposed), config.host)
+        if not self.engine.handshake_guarded:
+            log.warning(
+                "Mooncake's handshake port %d serves one connection at a time and waits 5 s on "
+                "each idle one, and this process runs without the handshake guard "
+                "(runtime/transfer/bindshim.py): a few idle connections to it delay every "
+                "peer's handshake, a dozen make them time out (docs/serving.md, Security)",
+                self.engine.handshake_port)
         for ptr, length in zip(args.kv_data_ptrs, args.kv_data_lens):
             self.engine.register(ptr, length, owner=args.owners)
         self.engine.register(args.metadata_ptr, args.metadata_len, owner=args.owners)

@@ -20,6 +20,12 @@ Facts about the Mooncake Python API this relies on (checked against 0.3.13.post1
   to INADDR_ANY / in6addr_any and has no setting for the address (MC_TCP_BIND_ADDRESS only names
   the address it advertises, outside P2P mode); MC_MIN_RPC_PORT / MC_MAX_RPC_PORT narrow the
   port range, which helps a firewall rule. `exposed` lists what this engine opened.
+- The handshake port serves one connection at a time: it waits up to 5 s (fixed, no setting) for
+  a connection's request and then up to 5 s for the peer to close, so each idle connection
+  delays every later handshake by 5 s. In a process started with the bind() wrapper the wrapper
+  guards the port (runtime/transfer/bindshim.py); `handshake_guarded` says whether it does. The
+  guard starts with Mooncake's next accept(), within 1 s of `initialize` (its listening socket
+  times out every second), and the constructor waits for that.
 - It logs through glog but never calls InitGoogleLogging, so glog writes every line to fd 2
   whatever GLOG_log_dir says; `initialize` alone writes a dozen, one of them an `E` line
   ("Local segment descriptor not found") on every healthy start. So fd 2 goes to a log file
@@ -44,6 +50,7 @@ from importlib import metadata
 from pathlib import Path
 
 from runtime.security import exposed
+from runtime.transfer.bindshim import guard_handshake_port
 
 MIN_VERSION = (0, 3, 12)
 MAX_BATCH = 512  # descriptors per batch_transfer_sync_write call
@@ -163,7 +170,9 @@ class MooncakeEngine:
                 f"TransferEngine.initialize({hostname!r}, 'P2PHANDSHAKE', {protocol!r}, "
                 f"{device_name!r}) returned {rc}; Mooncake said: {' | '.join(errors) or '-'} "
                 f"(its whole start-up log: {log})")
-        self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
+        self.handshake_port = self._engine.get_rpc_port()
+        self.handshake_guarded = guard_handshake_port(self.handshake_port)
+        self.session_id = f"{hostname}:{self.handshake_port}"
         self.max_batch = max_batch
         self._budget = _Budget(max_inflight)
         self._regions: dict[int, tuple[int, object]] = {}  # base → (length, owner kept alive)
