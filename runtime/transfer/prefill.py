@@ -34,6 +34,7 @@ from runtime.transfer.layout import (
     head_slice_descriptors, page_descriptors,
 )
 from runtime.protocol.transfer import Abort, Heartbeat, RegisterDecode, Status, TransferInfo
+from runtime.streams import PEER_LOST
 from runtime.transfer.state import Epoch, RoomState
 
 log = logging.getLogger(__name__)
@@ -293,7 +294,7 @@ class PrefillSide:
                               for i in r.infos.values()), default=0.0)
                 if not r.done and silent > timeout_s:
                     self._fail(r, f"decode side silent for {silent:.1f} s (heartbeat timeout "
-                                  f"{timeout_s} s)")
+                                  f"{timeout_s} s); {PEER_LOST}")
                 if not r.done:
                     busy.update(i.session_id for i in r.infos.values())
             for sid, seen in list(self._last_seen.items()):
@@ -380,7 +381,8 @@ class PrefillSide:
                 targets = [(i, self._peers.get(i.session_id)) for i in r.infos.values()]
                 slot = r.metadata_slot
                 if any(peer is None for _, peer in targets):
-                    self._fail(r, "a decode rank of this room is no longer registered")
+                    self._fail(r, f"a decode rank of this room is no longer registered; "
+                                  f"{PEER_LOST}")
                     continue
             try:
                 if self.faults is not None:
