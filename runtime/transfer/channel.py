@@ -107,6 +107,14 @@ class ZmqChannel:
                     # brief slices, so the lock is free for other peers' frames in between
                     sock.poll(min(_CONNECT_POLL_MS, left_ms), zmq.POLLOUT)
 
+    def connected(self, endpoint: str, timeout_ms: int = 0) -> bool:
+        """Whether a frame to `endpoint` could go now (a connection is up and its queue not full),
+        waiting up to `timeout_ms` for one."""
+        with self._lock:
+            if self._closed:
+                return False
+            return bool(self._socket(endpoint).poll(timeout_ms, zmq.POLLOUT))
+
     def _socket(self, endpoint: str) -> zmq.Socket:
         """The PUSH socket to `endpoint`, made (and connecting) if it has none; caller holds
         the lock."""
