@@ -279,3 +279,41 @@ def test_a_restarted_router_leaves_nothing_held_and_serves_at_once(tmp_path, mon
             if p is not None and p.proc.poll() is None:
                 p.stop()
         stop_workers(workers)
+
+
+def test_the_decode_side_switches_to_a_restarted_prefill_at_its_first_failed_send():
+    """No heartbeats at all, so only the send can tell: the decode side has the old prefill
+    instance's ranks cached, the instance restarts (a new bootstrap server on the same port, its
+    rank at a new ZMQ endpoint), and the next request's transfer info, refused by the old
+    endpoint, goes to the new one -- the request succeeds; the stale state is gone."""
+    from pdsim.core.kvpoll import KVPoll
+    from pdsim.deployment import TransferConfig
+    from runtime.transfer.bootstrap_server import BootstrapServer
+    from runtime.transfer.mooncake import MooncakeKVManager
+    from test_mooncake_transfer import Cluster, Rank
+
+    config = TransferConfig(heartbeat_interval_s=0, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    cluster = Cluster.start(1, 1, config=config)
+    try:
+        senders, receivers = cluster.transfer(1, [0, 1], [2, 3])
+        assert all(e.poll() is KVPoll.Success for e in senders + receivers)
+        decode = cluster.decode[0][1].decode
+        (old,) = decode._registered
+        # The prefill instance dies and comes back on the same bootstrap port.
+        (_, dead), port = cluster.prefill[0], cluster.server.port
+        dead.close()
+        cluster.server.stop()
+        cluster.server = BootstrapServer(port=port).start()
+        rank = Rank.make(fill=cluster.full)
+        fresh = MooncakeKVManager(rank.args, config)
+        fresh.register_with_bootstrap("127.0.0.1", port)
+        cluster.prefill = [(rank, fresh)]
+        start = time.monotonic()
+        senders, receivers = cluster.transfer(2, [4, 5, 6], [7, 8, 9])
+        assert time.monotonic() - start < 5.0
+        for end in senders + receivers:
+            assert end.poll() is KVPoll.Success, end.failure_reason()
+        assert decode._registered == {fresh.channel.endpoint} != {old}
+        assert old not in decode._last_echo and old in decode._lost
+    finally:
+        cluster.close()
