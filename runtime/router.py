@@ -69,7 +69,7 @@ class WorkerAddress:
 
 class WorkerError(Exception):
     """A worker refused a request (its status and the field it named), or failed it: 502, or
-    503 when it cannot be reached."""
+    503 when it cannot be reached or drops the connection (killed, restarting)."""
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
