@@ -57,7 +57,6 @@ class _Room(RoomState):
     peers: list[_Peer] = field(default_factory=list)
     succeeded: set[int] = field(default_factory=set)  # prefill tp ranks that reported success
     resolving: bool = True  # a bootstrap lookup (the first, or after a lost peer) is running
-    resent: bool = False  # its transfer info met a lost peer and went to the new one
     forgotten: bool = False  # its receiver is gone: drop the room once the lookup ends
 
 
@@ -159,10 +158,10 @@ class DecodeSide:
 
     def _resend(self, room: int, data: bytes, dtype: str, metadata_slot: int) -> None:
         """A room's transfer info met a lost peer: look the prefill instance up afresh (a
-        restarted one has registered its new ranks) and send it there, once."""
+        restarted one has registered its new ranks) and send it there. Once: a room sends its
+        transfer info from `WaitingForInput` only."""
         with self._lock:
-            r = self._rooms[room]
-            r.resent = True
+            r = self._rooms[room]  # kept while `resolving`
             host, port = r.host, r.port
         try:
             peers = self._peers(room, host, port)
@@ -283,7 +282,8 @@ class DecodeSide:
         try:
             peers = self._peers(room, host, port)
         except Exception as exc:  # the room fails; the thread lives on
-            gone = isinstance(exc, ChannelError) or getattr(exc, "unavailable", False)
+            gone = isinstance(exc, ChannelError) or (isinstance(exc, BootstrapError)
+                                                     and exc.unavailable)
             with self._lock:
                 r = self._rooms.get(room)
                 if r is not None:
