@@ -12,8 +12,12 @@
   much later (runtime/transfer/bootstrap_server.py `answer_delay_s`).
 - **kill** (`Killer`, run by the launcher): at `at_s` after the router serves, SIGKILL to the
   worker's process group (rank 0 and its rank processes); with `restart_after_s`, the launcher
-  starts the same command again then (same ports), and the router, which keeps its worker list,
-  reaches it once it has loaded.
+  starts the same command again then (same HTTP and bootstrap ports; its ranks' ZMQ and Mooncake
+  ports are new, registered anew with the new bootstrap server), and the router, which keeps its
+  worker list, reaches it once it has loaded. Meanwhile requests get 503 with Retry-After (the
+  router tries each once more first); the other role's transfer side notices the lost peer at
+  its next frame to it and looks the restarted instance up afresh (runtime/transfer/decode.py),
+  so requests succeed as soon as it serves, not after the heartbeat timeout.
 """
 
 from __future__ import annotations

@@ -7,11 +7,14 @@ first one (computed by prefill, delivered in the KV metadata) included. The rout
 decode stream to the client and passes errors through with their status: a request a prefill
 worker refuses before any token (too long for its pool, say) gets that worker's 4xx.
 
-Every client gets an end: a worker that cannot be reached (503), that dies or stalls
-mid-stream (its connection reset or cut, `read_timeout_s` of silence: 502) ends the stream with
-an error event and `data: [DONE]` like any other failure. `GET /health` probes the workers
-(503 naming those that do not answer); more than `max_inflight_requests` at once get 503 with
-Retry-After.
+Every client gets an end: a worker that cannot be reached or drops the connection (killed,
+restarting: 503), that stalls (`read_timeout_s` of silence) or breaks the protocol (502) ends the
+stream with an error event and `data: [DONE]` like any other failure. A request that fails with
+503 before any token reached its client (a worker down or restarting, a transfer peer lost) is
+sent once more, as a new request (a fresh pair and room); a second 503 is the client's, with
+Retry-After. `GET /health` probes the workers (503 naming those that do not answer, and those
+that refuse this router's cluster token); more than `max_inflight_requests` at once get 503
+with Retry-After.
 
 It reuses `OpenAIServer` for parsing, validation and the OpenAI wire format; only the
 `Backend` differs: `PDClient` here instead of a local `Engine`.
@@ -41,7 +44,7 @@ from runtime.openai.protocol import Limits
 from runtime.openai.server import OpenAIServer
 from runtime.protocol.codec import ProtocolError
 from runtime.protocol.stream import StreamEvent, from_sse_data
-from runtime.protocol.worker import GenerateParams
+from runtime.protocol.worker import MAX_RID_CHARS, GenerateParams
 from runtime.sampling import SamplingParams
 from runtime.security import redact_addresses
 from runtime.serve_metrics import ServeMetrics
@@ -66,7 +69,7 @@ class WorkerAddress:
 
 class WorkerError(Exception):
     """A worker refused a request (its status and the field it named), or failed it: 502, or
-    503 when it cannot be reached."""
+    503 when it cannot be reached or drops the connection (killed, restarting)."""
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -84,6 +87,11 @@ async def _calling(worker: WorkerAddress):
     except aiohttp.ClientConnectorError as exc:
         log.warning("%s (%s) is unreachable: %s", worker.name, worker.url, exc)
         raise WorkerError(503, f"{worker.name} is unreachable") from None
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        # its process went away under the request (killed, restarting): try again later
+        log.warning("%s (%s) dropped the connection: %s", worker.name, worker.url, exc)
+        raise WorkerError(503, f"{worker.name} dropped the connection (restarting or "
+                               "gone)") from None
     except ProtocolError as exc:  # what the worker sent, named (it holds no address)
         log.warning("%s (%s) broke the protocol: %s", worker.name, worker.url, exc)
         raise WorkerError(502, f"{worker.name} failed: {redact_addresses(str(exc))}") from None
@@ -187,7 +195,19 @@ class PDClient:
 
     async def _serve(self, request: GenerateParams, sink: Sink) -> None:
         """Every way this ends, `sink` gets a last event: the decode stream's own, or an error
-        (a worker's refusal with its status, a worker gone mid-stream, a timeout, a cancel)."""
+        (a worker's refusal with its status, a worker gone mid-stream, a timeout, a cancel). A
+        503 before any token is tried once more, under a new worker rid (the first one may
+        still be held while its aborts land)."""
+        arrival_s = self.now()
+        if not await self._attempt(request, request.rid, sink, arrival_s, may_retry=True):
+            await self._attempt(replace(request, rid=_retry_rid(request.rid)), request.rid, sink,
+                                arrival_s, may_retry=False)
+
+    async def _attempt(self, request: GenerateParams, client_rid: str, sink: Sink,
+                       arrival_s: float, *, may_retry: bool) -> bool:
+        """One try of a request on a (prefill, decode) pair; False when it failed with a 503
+        before any token and `may_retry` (then nothing reached `sink` and nothing is
+        recorded)."""
         keys = token_page_keys(request.input_ids, self.page_size)
         inflight = self.inflight
         p, d, room = self.router.route(inflight.prefill_tokens.__getitem__,
@@ -195,13 +215,14 @@ class PDClient:
         pre, dec = self.prefill[p], self.decode[d]
         body = replace(request, bootstrap_host=pre.bootstrap_host,
                        bootstrap_port=pre.bootstrap_port, bootstrap_room=room).to_body()
-        record = RequestRecord(rid=body["rid"], input_tokens=len(body["input_ids"]),
+        record = RequestRecord(rid=client_rid, input_tokens=len(body["input_ids"]),
                                output_tokens=0, status="failed", prefill_instance=p,
-                               decode_instance=d, arrival_s=self.now())
+                               decode_instance=d, arrival_s=arrival_s)
         n_in = len(request.input_ids)
         inflight.sent(p, d, n_in)
         prefill_call = asyncio.create_task(self._prefill(pre, body))
         prefill_call.add_done_callback(lambda _t: inflight.prefill_returned(p, n_in))
+        retry = False
         try:
             await self._relay(dec, body, prefill_call, sink, record)
         except asyncio.CancelledError as exc:
@@ -212,8 +233,12 @@ class PDClient:
             raise
         except WorkerError as exc:
             record.error = exc.message
-            deliver(sink, StreamEvent(finished=True, error=exc.message, status=exc.status,
-                                      param=exc.param))
+            retry = may_retry and exc.status == 503 and not record.output_tokens
+            if retry:
+                log.info("request %s: %s; trying once more", client_rid, exc.message)
+            else:
+                deliver(sink, StreamEvent(finished=True, error=exc.message, status=exc.status,
+                                          param=exc.param))
             await self._abort_both(pre, dec, body["rid"], exc.message)
         except Exception as exc:  # a bug here: the client still gets an end, the log one line
             log.error("request %s failed in the router: %r", body["rid"], exc)
@@ -225,11 +250,13 @@ class PDClient:
                 prefill_call.cancel()
             await asyncio.gather(prefill_call, return_exceptions=True)
             inflight.decode_returned(d)
-            record.finish_s = self.now()
-            if record.token_times_s:
-                record.first_token_s = record.token_times_s[0]
-            self.records.append(record)
-            self.metrics.observe_request(record)
+            if not retry:
+                record.finish_s = self.now()
+                if record.token_times_s:
+                    record.first_token_s = record.token_times_s[0]
+                self.records.append(record)
+                self.metrics.observe_request(record)
+        return not retry
 
     def loads(self) -> tuple[list[int], list[int]]:
         """The policies' load signal now (the core's `InflightLoad`): per prefill worker the
@@ -319,11 +346,18 @@ class PDClient:
         return dict(self._health)
 
     async def _probe(self, worker: WorkerAddress) -> str | None:
+        """Why `worker` cannot serve this router's requests, or None. `/health` needs no
+        token, so `/load` (which does) tells whether the worker takes this router's."""
+        timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
         try:
-            async with self._session.get(
-                    f"{worker.url}/health",
-                    timeout=aiohttp.ClientTimeout(total=self.health_timeout_s)) as resp:
-                return None if resp.status == 200 else f"/health answered {resp.status}"
+            async with self._session.get(f"{worker.url}/health", timeout=timeout) as resp:
+                if resp.status != 200:
+                    return f"/health answered {resp.status}"
+            async with self._session.get(f"{worker.url}/load", timeout=timeout) as resp:
+                if resp.status == 401:
+                    return ("refuses this router's cluster token (401): the router does not "
+                            "hold the workers' cluster secret")
+                return None
         except asyncio.TimeoutError:
             return f"/health did not answer within {self.health_timeout_s:g} s"
         except (aiohttp.ClientError, OSError) as exc:
@@ -404,4 +438,9 @@ async def _worker_error(resp: aiohttp.ClientResponse, worker: WorkerAddress) -> 
 
 
 OPENAI_FIELD = {"input_ids": "prompt", "max_new_tokens": "max_tokens"}
+
+
+def _retry_rid(rid: str) -> str:
+    """The worker rid of a request's second try (kept within the workers' rid limit)."""
+    return rid[:MAX_RID_CHARS - len(".retry")] + ".retry"
 

@@ -18,8 +18,12 @@ class EngineStopped(RuntimeError):
 
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait before trying again
-# Failures that mean "too busy right now" (a request that waited its turn too long), not a fault.
-BUSY_FAILURES = ("shutting down", "bootstrap timed out", "KV did not arrive within")
+# In the reason of a request failed because its peer worker died or restarted under it (the
+# transfer layer noticed: runtime/transfer/decode.py, prefill.py): a retry meets the new one.
+PEER_LOST = "peer restarted or gone"
+# Failures that mean "too busy right now" (a request that waited its turn too long) or "a peer
+# is restarting", not a fault: 503, the client may retry.
+BUSY_FAILURES = ("shutting down", "bootstrap timed out", "KV did not arrive within", PEER_LOST)
 
 
 def failure_status(event: StreamEvent) -> int:

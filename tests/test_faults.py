@@ -123,20 +123,19 @@ def test_sim_kill_decode_fails_its_requests_at_once_and_restart_serves_again():
     wl, result = simulate(data)
     recs = result.records
     died = [r for r in recs if r.error == "decode worker 0 died"]
-    refused = [r for r in recs if "decode worker 0 unreachable" in r.error]
-    assert died and refused and len(died) + len(refused) == sum(not r.ok for r in recs)
+    assert died and len(died) == sum(not r.ok for r in recs)
     for r in died:  # in flight at the kill: the stream breaks then
         assert r.decode_instance == 0 and r.arrival_s <= kill_s and r.finish_s == kill_s
-    for r in refused:  # sent to the dead worker: refused as it reaches the router
-        assert kill_s <= r.arrival_s < kill_s + back_s
-        assert 0 <= r.finish_s - r.arrival_s < 0.05  # the front end's latency only
+    # Routed to the dead worker while it is down: refused, and routed once more, to decode 1.
+    down = [r for r in recs if kill_s < r.arrival_s < kill_s + back_s]
+    assert down and all(r.ok and r.decode_instance == 1 for r in down)
     later = [r for r in recs if r.arrival_s >= kill_s + back_s]
     assert later and all(r.ok for r in later)
     assert any(r.ok and r.decode_instance == 0 for r in later)  # the restarted one serves
     assert all(r.ok for r in recs if r.decode_instance == 1)
     result.check_pools_full()
     row = run_point(0, parse_experiment(data), {}, None).summary
-    assert row["failed"] == len(died) + len(refused)
+    assert row["failed"] == len(died)
     assert row["error_latency_p50_s"] >= 0 and row["error_latency_max_s"] <= kill_s
     assert 0 < row["recovery_s"] < 2.0  # decode 1 still serves: the next request succeeds
 

@@ -28,6 +28,7 @@ from pd_harness import (
     body, generate, pd_config, post_decode, post_json, post_prefill, start_worker, stop_workers,
     wait_healthy,
 )
+from runtime.streams import PEER_LOST
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -261,7 +262,8 @@ def test_decode_with_another_page_size_refuses_to_pair(cluster):
 
 
 SILENT = re.compile(r"bootstrap failed: decode side silent for \d+\.\d s "
-                    rf"\(heartbeat timeout {re.escape(str(HEARTBEAT_TIMEOUT_S))} s\)")
+                    rf"\(heartbeat timeout {re.escape(str(HEARTBEAT_TIMEOUT_S))} s\); "
+                    rf"{PEER_LOST}")
 
 
 def test_killing_the_decode_worker(cluster):
@@ -309,7 +311,7 @@ def test_killing_the_decode_worker(cluster):
             late, early = pending[1:], []
             while late:
                 status, err = await post_prefill(session, p, late.pop(0))
-                if status == 500 and SILENT.fullmatch(err["error"]["message"]):
+                if status == 503 and SILENT.fullmatch(err["error"]["message"]):
                     break
                 early.append((status, err))
                 await asyncio.sleep(0.5)
@@ -317,13 +319,15 @@ def test_killing_the_decode_worker(cluster):
             return first, early, rest
 
     (status, err), early, rest = asyncio.run(scenario())
-    assert status == 500 and err["error"]["message"].startswith(
+    # The decode worker is gone, not broken: 503 (retry), the reason saying so.
+    assert status == 503 and err["error"]["message"].startswith(
         "KV transfer failed: KV write failed: batch_transfer_sync_write to 127.0.0.1:"), err
+    assert err["error"]["message"].endswith(PEER_LOST), err
     for status, err in early:
-        assert status == 500 and err["error"]["message"].startswith("KV transfer failed: "), err
+        assert status == 503 and err["error"]["message"].startswith("KV transfer failed: "), err
     assert rest, f"no late prefill half refused for the silence: {early}"
     for status, err in rest:
-        assert status == 500 and SILENT.fullmatch(err["error"]["message"]), err
+        assert status == 503 and SILENT.fullmatch(err["error"]["message"]), err
     assert_pools_full(p)
     w["decode"] = fresh = start_worker(cfg, "decode")
     wait_healthy([fresh])

@@ -25,7 +25,7 @@ from runtime.security import (
 )
 from runtime.transfer import bindshim
 from runtime.protocol import transfer as m
-from runtime.transfer.channel import ZmqChannel
+from runtime.transfer.channel import ChannelError, ZmqChannel
 from runtime.transfer.prefill import MAX_UNCLAIMED_ROOMS
 from configs import tiny_pd_yaml
 from test_mooncake_transfer import CONFIG, Cluster, request, wait_for
@@ -126,11 +126,12 @@ def test_the_channel_drops_and_counts_unauthenticated_frames():
 
 
 def test_the_channel_keeps_at_most_max_peers_sockets():
-    channel = ZmqChannel(key=KEY, max_peers=4)
+    channel = ZmqChannel(key=KEY, max_peers=4, connect_timeout_s=0.01)
     try:
         before = open_fds()
         for port in range(20000, 20050):  # nothing listens there: ZMQ keeps reconnecting
-            channel.send(f"tcp://127.0.0.1:{port}", BEAT)
+            with pytest.raises(ChannelError, match="no connection within 0.01 s"):
+                channel.send(f"tcp://127.0.0.1:{port}", BEAT)
         assert channel.num_peers == 4
         # closed sockets go once their linger (0.1 s) is over
         wait_for(lambda: open_fds() - before < 15, timeout_s=5, what="the sockets to close")

@@ -177,12 +177,17 @@ class Simulation:
         n_in, n_out = self._inputs[i], self._outputs[i]
         keys = () if self._prefix is None else self._prefix.ids_of(i).tolist()  # router: blocks
         inflight = self.inflight
-        p, d, room = self._router.route(inflight.prefill_tokens.__getitem__,
-                                        inflight.decode_requests.__getitem__, keys)
-        inflight.sent(p, d, n_in)
-        if self.faults is not None and self.faults.refused(rid, n_in, n_out, sent_s, p, d):
+        for retry in (False, True):  # a pair with a dead worker: the router tries once more
+            p, d, room = self._router.route(inflight.prefill_tokens.__getitem__,
+                                            inflight.decode_requests.__getitem__, keys)
+            inflight.sent(p, d, n_in)
+            if self.faults is None or not (dead := self.faults.dead(p, d)):
+                break
             inflight.prefill_returned(p, n_in)  # the connection refused: both calls return
-            return  # routed to a dead instance
+            if retry:
+                self.faults.refuse(rid, n_in, n_out, sent_s, p, d, dead)
+                return
+            inflight.decode_returned(d)
         if self.prefills:
             pre = self.prefills[p]
             preq = Request(rid, n_in, n_out, arrival_s=sent_s, bootstrap_room=room,

@@ -14,10 +14,14 @@
   - prefill worker killed: each request it has not finished and whose first token has not
     reached the client fails, as the router aborts its decode side (between two of its
     forwards); requests already streaming go on decoding;
-  - later requests routed to a dead worker fail on arrival (connection refused): the router
-    keeps its worker list and policy as configured.
+  - later requests routed to a dead worker are refused (connection refused, a 503); the router
+    keeps its worker list and policy as configured and routes a refused request once more (the
+    policy may pick a live pair; when the dead worker is its role's only one, the second try
+    is refused too and the request fails on arrival: "prefill worker 0 is unreachable").
   With `restart_after_s` the instance serves again that much later, with empty queues and
-  full pools (a new process).
+  full pools (a new process), and takes requests at once: the real decode side notices a
+  restarted prefill at its first frame to it (a lost connection), not after the heartbeat
+  timeout, so no request after the restart waits for one.
 """
 
 from __future__ import annotations
@@ -78,19 +82,20 @@ class SimFaults:
 
     # ---- routing -------------------------------------------------------------------------------
 
-    def refused(self, rid: str, input_len: int, max_new_tokens: int, sent_s: float, p: int,
-                d: int) -> bool:
-        """Fail a request routed to a dead instance at once, as the real router does when the
-        worker's port refuses the connection."""
-        dead = [(role, i) for role, i in (("prefill", p), ("decode", d))
-                if not self._instance(role, i).alive]
-        if not dead:
-            return False
+    def dead(self, p: int, d: int) -> str:
+        """The first dead worker of a (prefill, decode) pair ("prefill worker 0"), or ""."""
+        for role, i in (("prefill", p), ("decode", d)):
+            if not self._instance(role, i).alive:
+                return f"{role} worker {i}"
+        return ""
+
+    def refuse(self, rid: str, input_len: int, max_new_tokens: int, sent_s: float, p: int,
+               d: int, dead: str) -> None:
+        """Fail a request whose second pair too had a dead worker, at once, as the real router
+        does when the worker's port refuses the connection (503)."""
         req = Request(rid, input_len, max_new_tokens, arrival_s=sent_s, prefill_instance=p,
                       decode_instance=d)
-        role, i = dead[0]
-        self._end(req, f"{role} worker {i} unreachable (connection refused)")
-        return True
+        self._end(req, f"{dead} is unreachable")
 
     def track(self, preq: Request, dreq: Request) -> None:
         if self.config.kill:

@@ -15,8 +15,10 @@
   event (the first carries the first token, from the prefill side's metadata), then
   `data: [DONE]`. A request that fails before its first token gets an error status instead.
   Errors are `{"error": {"message", "type", "param", "code"}}`: 400 for a malformed request or
-  one the instance can never hold, 409 for a request id in use, 503 while shutting down, 500 for
-  a failure on the way (transfer, timeout, crossed metadata), the reason in the message.
+  one the instance can never hold, 409 for a request id in use, 503 with Retry-After while
+  shutting down, too busy, or when the peer worker of the transfer was lost (killed or
+  restarting: `PEER_LOST` in the reason, runtime/streams.py), 500 for another failure on the
+  way (a failed transfer, crossed metadata), the reason in the message.
 - `POST /abort` `{"rid", "reason"}`: fail the request wherever it is (the other side learns
   through the transfer layer).
 - `GET /health` (also `/info`): role, instance, tp, model, and a prefill worker's bootstrap

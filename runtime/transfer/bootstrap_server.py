@@ -15,7 +15,8 @@ an attack).
 
 `BootstrapServer` runs aiohttp on its own event loop in a background thread (`start` / `stop`);
 `BootstrapClient` is a small synchronous client (urllib) that retries with backoff while the
-server is unreachable or still answers 503.
+server is unreachable or still answers 503 (a restarting prefill instance), until its timeout or
+until the caller's `cancelled()` says the answer is no longer wanted.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
 
 from aiohttp import web
@@ -38,7 +40,12 @@ from runtime.security import ClusterKey, cluster_middleware
 
 
 class BootstrapError(RuntimeError):
-    """The bootstrap server refused a request, or did not become ready in time."""
+    """The bootstrap server refused a request, or did not become ready in time (`unavailable`:
+    it was unreachable or not ready, as while its prefill instance restarts)."""
+
+    def __init__(self, message: str, *, unavailable: bool = False) -> None:
+        super().__init__(message)
+        self.unavailable = unavailable
 
 
 class RankConflict(ValueError):
@@ -338,11 +345,12 @@ class BootstrapClient:
     def register(self, reg: RankRegistration) -> None:
         self._request("PUT", "/route", body=asdict(reg))
 
-    def parallel_info(self) -> ParallelInfo:
-        return ParallelInfo(**self._get_route(-1, -1, -1))
+    def parallel_info(self, cancelled: Callable[[], bool] | None = None) -> ParallelInfo:
+        return ParallelInfo(**self._get_route(-1, -1, -1, cancelled))
 
-    def rank(self, dp_rank: int, tp_rank: int, pp_rank: int = 0) -> RankRegistration:
-        return RankRegistration.from_json(self._get_route(dp_rank, tp_rank, pp_rank))
+    def rank(self, dp_rank: int, tp_rank: int, pp_rank: int = 0,
+             cancelled: Callable[[], bool] | None = None) -> RankRegistration:
+        return RankRegistration.from_json(self._get_route(dp_rank, tp_rank, pp_rank, cancelled))
 
     def health(self) -> bool:
         try:
@@ -351,14 +359,16 @@ class BootstrapClient:
             return False
         return True
 
-    def _get_route(self, dp: int, tp: int, pp: int) -> dict:
+    def _get_route(self, dp: int, tp: int, pp: int,
+                   cancelled: Callable[[], bool] | None) -> dict:
         q = urllib.parse.urlencode(
             {"prefill_dp_rank": dp, "target_tp_rank": tp, "target_pp_rank": pp})
-        return self._request("GET", f"/route?{q}")
+        return self._request("GET", f"/route?{q}", cancelled=cancelled)
 
     def _request(self, method: str, path: str, body: dict | None = None,
-                 retry: bool = True) -> dict:
-        """One call; 503 and connection errors are retried with backoff until `timeout_s`."""
+                 retry: bool = True, cancelled: Callable[[], bool] | None = None) -> dict:
+        """One call; 503 and connection errors are retried with backoff until `timeout_s`, or
+        until `cancelled()` is true."""
         deadline = time.monotonic() + self.timeout_s
         delay = self.backoff_s
         data = None if body is None else json.dumps(body).encode()
@@ -378,7 +388,10 @@ class BootstrapClient:
                 last = f"unreachable: {getattr(exc, 'reason', exc)}"
             if not retry or time.monotonic() + delay > deadline:
                 raise BootstrapError(f"{method} {self.base}{path} not answered within "
-                                     f"{self.timeout_s} s (last: {last})")
+                                     f"{self.timeout_s} s (last: {last})", unavailable=True)
+            if cancelled is not None and cancelled():
+                raise BootstrapError(f"{method} {self.base}{path}: no longer wanted (last: "
+                                     f"{last})", unavailable=True)
             time.sleep(delay)
             delay = min(delay * 2, self.max_backoff_s)
 

@@ -9,6 +9,11 @@ The PULL socket takes frames of at most `MAX_FRAME_BYTES` (ZMQ's MAXMSGSIZE): a 
 sends a larger one is disconnected by ZMQ before the frame is buffered (it reconnects, and
 others are served meanwhile).
 
+A PUSH socket queues frames only while its peer is connected (ZMQ_IMMEDIATE): a peer that died
+or restarted (its process gone, its socket closed) fails the next `send` at once with
+`ChannelError`, instead of filling a queue nobody will read. A new socket waits up to
+`connect_timeout_s` for its first connection before it gives up on the peer.
+
 At most `max_peers` PUSH sockets stay open: the least recently used one is closed (with whatever
 is still queued for it) when a new peer needs a socket, and `forget` closes a peer's at once.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 
 import zmq
@@ -32,15 +38,19 @@ MAX_PEERS = 256
 # and a few hundred bytes of fields. Twice that leaves margin; anything larger is not ours.
 MAX_REQUEST_PAGES = 1 << 22
 MAX_FRAME_BYTES = 2 * (8 * MAX_REQUEST_PAGES + (64 << 10))
+CONNECT_TIMEOUT_S = 1.0  # a new peer socket's first connection (loopback: about 1 ms)
+_CONNECT_POLL_MS = 10
 
 
 class ChannelError(RuntimeError):
-    """A message could not be handed to ZMQ: the peer's queue is full (it is gone or stuck)."""
+    """A message could not be handed to ZMQ: the peer is not connected (gone or restarting) or
+    its queue is full (stuck)."""
 
 
 class ZmqChannel:
     def __init__(self, host: str = "127.0.0.1", key: ClusterKey | None = None, *,
-                 max_peers: int = MAX_PEERS, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+                 max_peers: int = MAX_PEERS, max_frame_bytes: int = MAX_FRAME_BYTES,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         if max_peers < 1:
             raise ValueError(f"max_peers={max_peers}; allowed: >= 1")
         if max_frame_bytes < 1:
@@ -55,7 +65,9 @@ class ZmqChannel:
         self.endpoint = f"tcp://{host}:{port}"
         self._key = key
         self._max_peers = max_peers
+        self._connect_timeout_s = connect_timeout_s
         self._push: OrderedDict[str, zmq.Socket] = OrderedDict()  # least recently used first
+        self._fresh: set[str] = set()  # endpoints whose socket has not delivered a frame yet
         self._lock = threading.Lock()
         self._closed = False
         self.rejected_frames = 0  # unauthenticated (bad or missing tag)
@@ -67,29 +79,60 @@ class ZmqChannel:
         return len(self._push)
 
     def send(self, endpoint: str, msg: Message) -> None:
-        """Queue `msg` for `endpoint` without blocking (ZMQ delivers it once connected)."""
+        """Queue `msg` for a connected `endpoint` without blocking; the first frame to a new
+        peer waits (up to `connect_timeout_s`) for the connection."""
         frame = encode(msg)
         if self._key is not None:
             frame = self._key.seal(frame)
+        deadline = time.monotonic() + self._connect_timeout_s
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise ChannelError("channel is closed")
+                sock = self._socket(endpoint)
+                try:
+                    sock.send(frame, flags=zmq.NOBLOCK, copy=False)
+                    self._fresh.discard(endpoint)
+                    return
+                except zmq.Again:
+                    if endpoint not in self._fresh:
+                        raise ChannelError(f"{type(msg).__name__} to {endpoint}: not connected "
+                                           "or its queue is full (peer gone, restarting or not "
+                                           "reading)") from None
+                    left_ms = (deadline - time.monotonic()) * 1000
+                    if left_ms <= 0:
+                        raise ChannelError(f"{type(msg).__name__} to {endpoint}: no connection "
+                                           f"within {self._connect_timeout_s:g} s (peer gone "
+                                           "or restarting)") from None
+                    # brief slices, so the lock is free for other peers' frames in between
+                    sock.poll(min(_CONNECT_POLL_MS, left_ms), zmq.POLLOUT)
+
+    def connected(self, endpoint: str, timeout_ms: int = 0) -> bool:
+        """Whether a frame to `endpoint` could go now (a connection is up and its queue not full),
+        waiting up to `timeout_ms` for one."""
         with self._lock:
             if self._closed:
-                raise ChannelError("channel is closed")
-            sock = self._push.get(endpoint)
-            if sock is None:
-                while len(self._push) >= self._max_peers:
-                    _, old = self._push.popitem(last=False)
-                    old.close()
-                sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 100)  # on close, a moment to flush the last aborts
-                sock.connect(endpoint)
-                self._push[endpoint] = sock
-            else:
-                self._push.move_to_end(endpoint)
-            try:
-                sock.send(frame, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                raise ChannelError(f"{type(msg).__name__} to {endpoint}: its queue is full "
-                                   "(peer gone or not reading)") from None
+                return False
+            return bool(self._socket(endpoint).poll(timeout_ms, zmq.POLLOUT))
+
+    def _socket(self, endpoint: str) -> zmq.Socket:
+        """The PUSH socket to `endpoint`, made (and connecting) if it has none; caller holds
+        the lock."""
+        sock = self._push.get(endpoint)
+        if sock is not None:
+            self._push.move_to_end(endpoint)
+            return sock
+        while len(self._push) >= self._max_peers:
+            old_endpoint, old = self._push.popitem(last=False)
+            self._fresh.discard(old_endpoint)
+            old.close()
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 100)  # on close, a moment to flush the last aborts
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only while connected
+        sock.connect(endpoint)
+        self._push[endpoint] = sock
+        self._fresh.add(endpoint)
+        return sock
 
     def recv(self, timeout_ms: int) -> Message | None:
         """The next valid message, or None after `timeout_ms`; bad frames are counted, logged
@@ -120,6 +163,7 @@ class ZmqChannel:
         """Drop the PUSH socket to a peer that is gone (and whatever is queued for it)."""
         with self._lock:
             sock = self._push.pop(endpoint, None)
+            self._fresh.discard(endpoint)
             if sock is not None:
                 sock.close()
 
@@ -129,5 +173,6 @@ class ZmqChannel:
             for sock in self._push.values():
                 sock.close()
             self._push.clear()
+            self._fresh.clear()
             self._pull.close()
             self._ctx.term()

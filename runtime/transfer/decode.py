@@ -6,6 +6,14 @@ server for its parallel info and rank addresses (cached per server), checks the 
 and sends this rank's one-time `RegisterDecode` to each new prefill rank; then `WaitingForInput`.
 `send_metadata` sends a `TransferInfo` to every target (`Transferring`); the room is `Success`
 once every target prefill rank has reported success.
+
+A prefill rank is lost when a frame to it cannot be handed over (the channel queues frames only
+while connected: a killed or restarted rank fails the next heartbeat or transfer info at once) or
+when it stops echoing heartbeats for `heartbeat_timeout_s`. Then its registration, its cached
+bootstrap answers and its socket are dropped; rooms whose transfer info went to it fail with
+`PEER_LOST` in the reason (an HTTP 503: retry), and a room about to send to it looks its prefill
+instance up again instead: a restarted instance registers anew with its bootstrap server (same
+address, new rank endpoints), and the room's transfer info goes to the new ranks, once.
 """
 
 from __future__ import annotations
@@ -13,14 +21,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pdsim.core.kvpoll import KVPoll
 from runtime.transfer.bootstrap_server import (
-    BootstrapClient, ParallelInfo, RankRegistration, check_compatible,
+    BootstrapClient, BootstrapError, ParallelInfo, RankRegistration, check_compatible,
 )
 from runtime.security import ClusterKey
+from runtime.streams import PEER_LOST
 from runtime.transfer.channel import ChannelError, ZmqChannel
 from runtime.transfer.layout import KVArgs, Target, plan_targets
 from runtime.protocol.transfer import (
@@ -29,6 +40,8 @@ from runtime.protocol.transfer import (
 from runtime.transfer.state import Epoch, RoomState
 
 log = logging.getLogger(__name__)
+
+MAX_LOST_ENDPOINTS = 1024  # lost prefill endpoints remembered, so nothing waits on them again
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +52,11 @@ class _Peer:
 
 @dataclass
 class _Room(RoomState):
+    host: str = ""  # the prefill instance's bootstrap server
+    port: int = 0
     peers: list[_Peer] = field(default_factory=list)
     succeeded: set[int] = field(default_factory=set)  # prefill tp ranks that reported success
-    resolving: bool = True  # the bootstrap lookup is still running
+    resolving: bool = True  # a bootstrap lookup (the first, or after a lost peer) is running
     forgotten: bool = False  # its receiver is gone: drop the room once the lookup ends
 
 
@@ -75,6 +90,7 @@ class DecodeSide:
         self._registered: set[str] = set()  # prefill endpoints that have our RegisterDecode
         self._register_lock = threading.Lock()
         self._last_echo: dict[str, float] = {}
+        self._lost: OrderedDict[str, None] = OrderedDict()  # lost endpoints, newest last
         self._pool = ThreadPoolExecutor(bootstrap_threads, thread_name_prefix="kv-bootstrap")
 
     # ---- the receiver's view ---------------------------------------------------------------
@@ -83,7 +99,7 @@ class DecodeSide:
         with self._lock:
             if room in self._rooms:
                 raise ValueError(f"room {room} already has a receiver on this rank")
-            self._rooms[room] = _Room()
+            self._rooms[room] = _Room(host=host, port=port)
         self._pool.submit(self._bootstrap, room, host, port)
 
     def poll(self, room: int) -> KVPoll:
@@ -105,14 +121,69 @@ class DecodeSide:
                                    "expected WaitingForInput")
             self._update(r, KVPoll.Transferring)
             peers = list(r.peers)
+        lost = self._send_info(room, peers, data, dtype, metadata_slot)
+        if not lost:
+            return
+        with self._lock:
+            if r.done:
+                return
+            r.resolving = True  # the lookup thread owns it now; `_lose` leaves it alone
+        self._lose(lost)
+        self._pool.submit(self._resend, room, data, dtype, metadata_slot)
+
+    def _send_info(self, room: int, peers: list[_Peer], data: bytes, dtype: str,
+                   metadata_slot: int) -> dict[str, str]:
+        """Send a room's `TransferInfo` to each peer; the lost ones (endpoint: why)."""
+        lost = {}
+        for p in peers:
+            why = self._send(p.endpoint, TransferInfo(
+                room=room, session_id=self._session_id, decode_tp_rank=self.args.tp_rank,
+                dst_pages=b"" if p.target.is_dummy else data, page_dtype=dtype,
+                metadata_slot=metadata_slot, is_dummy=p.target.is_dummy))
+            if why:
+                lost[p.endpoint] = why
+        return lost
+
+    def _send(self, endpoint: str, msg) -> str:
+        """Hand `msg` to a prefill rank: "" if done, else why not (a lost rank is not tried:
+        a new socket to it would wait for a connection that never comes)."""
+        with self._lock:
+            if endpoint in self._lost:
+                return "lost earlier"
         try:
-            for p in peers:
-                self._channel.send(p.endpoint, TransferInfo(
-                    room=room, session_id=self._session_id, decode_tp_rank=self.args.tp_rank,
-                    dst_pages=b"" if p.target.is_dummy else data, page_dtype=dtype,
-                    metadata_slot=metadata_slot, is_dummy=p.target.is_dummy))
+            self._channel.send(endpoint, msg)
         except ChannelError as exc:
-            self.abort(room, f"could not send transfer info: {exc}")
+            return str(exc)
+        return ""
+
+    def _resend(self, room: int, data: bytes, dtype: str, metadata_slot: int) -> None:
+        """A room's transfer info met a lost peer: look the prefill instance up afresh (a
+        restarted one has registered its new ranks) and send it there. Once: a room sends its
+        transfer info from `WaitingForInput` only."""
+        with self._lock:
+            r = self._rooms[room]  # kept while `resolving`
+            host, port = r.host, r.port
+        try:
+            peers = self._peers(room, host, port)
+            lost = self._send_info(room, peers, data, dtype, metadata_slot)
+            if lost:
+                self._lose(lost)
+                raise ChannelError(next(iter(lost.values())))
+        except Exception as exc:  # the room fails; the thread lives on
+            with self._lock:
+                self._update(r, KVPoll.Failed, f"prefill instance at {host}:{port} lost and not "
+                                               f"back: {exc}; {PEER_LOST}")
+                self._resolved(room, r)
+            return
+        log.info("room %d: transfer info sent again, to the prefill ranks now registered at "
+                 "%s:%d", room, host, port)
+        with self._lock:
+            r.peers = peers
+            aborted = r.state is KVPoll.Failed
+            reason = r.reason
+            self._resolved(room, r)
+        if aborted:  # the receiver gave up meanwhile
+            self._tell_abort(room, reason, peers)
 
     def abort(self, room: int, reason: str) -> None:
         with self._lock:
@@ -156,47 +227,68 @@ class DecodeSide:
         with self._register_lock:
             endpoints = list(self._registered)
         beat = Heartbeat(session_id=self._session_id, endpoint=self._channel.endpoint, reply=False)
+        lost = {}
         for endpoint in endpoints:
-            try:
-                self._channel.send(endpoint, beat)
-            except ChannelError:
-                pass  # check_liveness notices the missing echo
+            if why := self._send(endpoint, beat):
+                lost[endpoint] = why
+        if lost:  # not connected any more: killed or restarted, no need to wait for the timeout
+            self._lose(lost)
 
     def check_liveness(self, timeout_s: float) -> None:
-        """Fail unfinished rooms on prefill ranks that stopped echoing heartbeats, and stop
-        talking to those ranks (a room that needs one again registers anew)."""
+        """Lose the prefill ranks that stopped echoing heartbeats for `timeout_s`."""
         now = time.monotonic()
         with self._lock:
-            dead = {ep: now - seen for ep, seen in self._last_echo.items()
-                    if now - seen > timeout_s}
-            for ep in dead:
-                del self._last_echo[ep]
+            silent = {ep: now - seen for ep, seen in self._last_echo.items()
+                      if now - seen > timeout_s}
+        if silent:
+            self._lose({ep: f"silent for {s:.1f} s (heartbeat timeout {timeout_s} s)"
+                        for ep, s in silent.items()})
+
+    def _lose(self, lost: dict[str, str]) -> None:
+        """Stop talking to prefill ranks that are gone (endpoint: why): fail the unfinished
+        rooms whose transfer info went to them, drop their registration, the bootstrap answers
+        that named them (a restarted instance listens elsewhere: ask again) and their sockets.
+        Rooms not yet sent, or being looked up anew, are left to find the new ranks."""
+        with self._lock:
+            for ep in lost:
+                self._last_echo.pop(ep, None)
+                self._lost[ep] = None
+                self._lost.move_to_end(ep)
+            while len(self._lost) > MAX_LOST_ENDPOINTS:
+                self._lost.popitem(last=False)
             for r in self._rooms.values():
+                if r.state is not KVPoll.Transferring or r.resolving:
+                    continue
                 for p in r.peers:
-                    if p.endpoint in dead and not r.done:
+                    if p.endpoint in lost:
                         self._update(r, KVPoll.Failed, (
-                            f"prefill rank {p.target.prefill_tp_rank} at {p.endpoint} silent for "
-                            f"{dead[p.endpoint]:.1f} s (heartbeat timeout {timeout_s} s)"))
-        if dead:
-            with self._register_lock:
-                self._registered -= set(dead)
-            with self._server_lock:  # a restarted prefill instance listens elsewhere: ask again
-                for key, server in list(self._servers.items()):
-                    if any(_endpoint(reg) in dead for reg in server.ranks.values()):
-                        del self._servers[key]
-            for ep in dead:
-                self._channel.forget(ep)
+                            f"prefill rank {p.target.prefill_tp_rank} at {p.endpoint} lost "
+                            f"({lost[p.endpoint]}); {PEER_LOST}"))
+                        break
+        for ep, why in lost.items():
+            log.warning("prefill rank at %s lost: %s", ep, why)
+        with self._register_lock:
+            self._registered -= set(lost)
+        with self._server_lock:
+            for key, server in list(self._servers.items()):
+                if any(_endpoint(reg) in lost for reg in server.ranks.values()):
+                    del self._servers[key]
+        for ep in lost:
+            self._channel.forget(ep)
 
     # ---- bootstrap ---------------------------------------------------------------------------
 
     def _bootstrap(self, room: int, host: str, port: int) -> None:
         try:
-            peers = self._resolve(room, host, port)
+            peers = self._peers(room, host, port)
         except Exception as exc:  # the room fails; the thread lives on
+            gone = isinstance(exc, ChannelError) or (isinstance(exc, BootstrapError)
+                                                     and exc.unavailable)
             with self._lock:
                 r = self._rooms.get(room)
                 if r is not None:
-                    self._update(r, KVPoll.Failed, f"bootstrap with {host}:{port} failed: {exc}")
+                    self._update(r, KVPoll.Failed, f"bootstrap with {host}:{port} failed: {exc}"
+                                                   + (f"; {PEER_LOST}" if gone else ""))
                     self._resolved(room, r)
             return
         with self._lock:
@@ -217,8 +309,26 @@ class DecodeSide:
         if r.forgotten:
             del self._rooms[room]
 
+    def _peers(self, room: int, host: str, port: int) -> list[_Peer]:
+        """The room's prefill ranks, registered with; looked up afresh once if a cached one
+        turns out to be lost."""
+        try:
+            return self._resolve(room, host, port)
+        except ChannelError:
+            return self._resolve(room, host, port)
+
+    def _cancelled(self, room: int) -> Callable[[], bool]:
+        """Whether the room's lookup is still wanted (a bootstrap server that is down is
+        retried until then)."""
+        def cancelled() -> bool:
+            with self._lock:
+                r = self._rooms.get(room)
+                return r is None or r.forgotten or r.state is KVPoll.Failed
+        return cancelled
+
     def _resolve(self, room: int, host: str, port: int) -> list[_Peer]:
-        server = self._server(host, port)
+        cancelled = self._cancelled(room)
+        server = self._server(host, port, cancelled)
         info = server.info
         dp_rank = room % info.dp_size
         if info.pp_size != 1:
@@ -231,21 +341,27 @@ class DecodeSide:
             key = (dp_rank, t.prefill_tp_rank)
             reg = server.ranks.get(key)
             if reg is None:
-                reg = server.client.rank(dp_rank, t.prefill_tp_rank, 0)
+                reg = server.client.rank(dp_rank, t.prefill_tp_rank, 0, cancelled)
                 with self._server_lock:
                     server.ranks[key] = reg
+                with self._lock:  # the bootstrap server's answer is the truth now
+                    self._lost.pop(_endpoint(reg), None)
             endpoint = _endpoint(reg)
-            self._ensure_registered(endpoint)
+            try:
+                self._ensure_registered(endpoint)
+            except ChannelError as exc:
+                self._lose({endpoint: str(exc)})
+                raise
             peers.append(_Peer(t, endpoint))
         return peers
 
-    def _server(self, host: str, port: int) -> _Server:
+    def _server(self, host: str, port: int, cancelled: Callable[[], bool]) -> _Server:
         with self._server_lock:
             server = self._servers.get((host, port))
             if server is not None and server.info is not None:
                 return server
         server = _Server(BootstrapClient(host, port, timeout_s=self._timeout_s, key=self._key))
-        info = server.client.parallel_info()
+        info = server.client.parallel_info(cancelled)
         check_compatible(info, page_size=self.args.page_size, kv_dtype=self.args.kv_dtype)
         if info.is_mla != self.args.is_mla:
             raise ValueError(f"prefill is_mla={info.is_mla}, decode is_mla={self.args.is_mla}")
@@ -280,11 +396,9 @@ class DecodeSide:
 
     def _tell_abort(self, room: int, reason: str, peers: list[_Peer]) -> None:
         for p in peers:
-            try:
-                self._channel.send(p.endpoint, Abort(room=room, reason=reason,
-                                                     session_id=self._session_id))
-            except ChannelError as exc:
-                log.warning("room %d: could not send abort to %s: %s", room, p.endpoint, exc)
+            if why := self._send(p.endpoint, Abort(room=room, reason=reason,
+                                                   session_id=self._session_id)):
+                log.info("room %d: abort not sent to %s: %s", room, p.endpoint, why)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

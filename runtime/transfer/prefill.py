@@ -12,7 +12,9 @@ registered (`RegisterDecode`), and a heartbeat's echo goes to the endpoint the r
 never to one a message names. A room that a message creates before this rank's sender exists
 (transfer info or an abort that overtook the request) is "unclaimed": at most
 `MAX_UNCLAIMED_ROOMS` are kept, each for `unclaimed_ttl_s`. A registered rank silent for the
-heartbeat timeout, with no unfinished room, is forgotten and its ZMQ socket closed.
+heartbeat timeout, with no unfinished room, is forgotten and its ZMQ socket closed. A write that
+fails because its decode rank died (its ZMQ connection is gone too) fails the room with
+`PEER_LOST` in the reason: an HTTP 503, retry.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from runtime.transfer.layout import (
     head_slice_descriptors, page_descriptors,
 )
 from runtime.protocol.transfer import Abort, Heartbeat, RegisterDecode, Status, TransferInfo
+from runtime.streams import PEER_LOST
 from runtime.transfer.state import Epoch, RoomState
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,8 @@ log = logging.getLogger(__name__)
 MAX_FAILED_ROOMS = 4096  # failed rooms remembered after their sender is gone
 MAX_UNCLAIMED_ROOMS = 4096  # rooms messages created before their sender, at most
 MAX_PEER_ERRORS = 256  # why recent decode ranks could not register
+GONE_CHECK_MS = 50  # after a failed write: how long a decode rank's connection gets to drop
+CONNECT_WAIT_MS = 100  # ... and a new socket to it to connect, if it had none
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,7 +298,7 @@ class PrefillSide:
                               for i in r.infos.values()), default=0.0)
                 if not r.done and silent > timeout_s:
                     self._fail(r, f"decode side silent for {silent:.1f} s (heartbeat timeout "
-                                  f"{timeout_s} s)")
+                                  f"{timeout_s} s); {PEER_LOST}")
                 if not r.done:
                     busy.update(i.session_id for i in r.infos.values())
             for sid, seen in list(self._last_seen.items()):
@@ -380,7 +385,8 @@ class PrefillSide:
                 targets = [(i, self._peers.get(i.session_id)) for i in r.infos.values()]
                 slot = r.metadata_slot
                 if any(peer is None for _, peer in targets):
-                    self._fail(r, "a decode rank of this room is no longer registered")
+                    self._fail(r, f"a decode rank of this room is no longer registered; "
+                                  f"{PEER_LOST}")
                     continue
             try:
                 if self.faults is not None:
@@ -392,14 +398,27 @@ class PrefillSide:
                 if self.faults is not None:
                     self.faults.after_write(time.monotonic() - started)  # a slow NIC
             except Exception as exc:  # any failure fails the room, never the worker
+                gone = self._gone([peer for _, peer in targets])
                 with self._lock:
-                    self._fail(r, f"KV write failed: {exc}")
+                    self._fail(r, f"KV write failed: {exc}" + (f"; {PEER_LOST}" if gone else ""))
                 continue
             if chunk.last:
                 with self._lock:
                     if r.state is not KVPoll.Failed:
                         self._update(r, KVPoll.Success)
                         self._report(r, list(r.infos.values()))
+
+    def _gone(self, peers: list[PeerPlan]) -> bool:
+        """Whether a decode rank of a failed write has lost its connection (killed or
+        restarting). Its death shows the write and the ZMQ connection at about the same moment,
+        so a connection still up gets a moment to drop."""
+        endpoints = {p.reg.endpoint for p in peers}
+        for wait_ms in (0, GONE_CHECK_MS):
+            if wait_ms:
+                time.sleep(wait_ms / 1000)
+            if not all(self._channel.connected(ep, CONNECT_WAIT_MS) for ep in endpoints):
+                return True
+        return False
 
     def _write(self, chunk: _Chunk, info: TransferInfo, peer: PeerPlan, slot: int) -> None:
         a, reg = self.args, peer.reg
