@@ -123,14 +123,15 @@ class EngineExecutor(FixedExecutor):
         pass
 
 
-def harness_log(engines: list | None = None) -> list[tuple[float, str, str, tuple[str, ...]]]:
+def harness_log(engines: list | None = None, *, decode_config=DECODE, workload=WORKLOAD
+                ) -> list[tuple[float, str, str, tuple[str, ...]]]:
     """The same scenario on the core test driver with the instant fake transfer backend; with
     `engines` (an empty list to fill), each instance is a real serving `Engine` (runtime/
     driver.py) whose own loop halves the driver runs on its clock."""
     wire = FakeWire()
     drv = Driver(FixedExecutor(extend_s=EXTEND_S, decode_s=DECODE_S))
     prefill = PrefillScheduler(PREFILL, FakeKVManager(wire), instance_id=0)
-    decode = DecodeScheduler(DECODE, FakeKVManager(wire), instance_id=1)
+    decode = DecodeScheduler(decode_config, FakeKVManager(wire), instance_id=1)
     if engines is None:
         drv.add_instance("P0", prefill)
         drv.add_instance("D0", decode)
@@ -140,7 +141,7 @@ def harness_log(engines: list | None = None) -> list[tuple[float, str, str, tupl
         for name, sched in (("P0", prefill), ("D0", decode)):
             engines.append(Engine(EngineExecutor(sched.config), sched.config, scheduler=sched))
             drv.add_engine(name, engines[-1])
-    for i, (at, n_in, n_out) in enumerate(WORKLOAD):
+    for i, (at, n_in, n_out) in enumerate(workload):
         for name in ("P0", "D0"):
             drv.submit(at, name, Request(str(i), n_in, n_out, arrival_s=at,
                                          prompt_ids=list(range(n_in)), bootstrap_room=1000 + i))
@@ -207,3 +208,21 @@ def test_a_prefill_streams_its_first_token_from_the_step_that_made_it():
     step = engine.plan(EXTEND_S)
     engine.settle(step, engine.executor.execute(step), EXTEND_S + DECODE_S)
     assert [len(e.token_ids) for e in events] == [1, 1]
+
+
+@pytest.mark.real
+def test_the_real_engine_puts_the_wait_for_a_running_slot_in_ttft_not_itl():
+    """At max_running_requests, a request whose KV landed waits in the prebuilt line; the
+    serving engine streams its first token when it joins the running batch (as SGLang's
+    prebuilt batch does), so its TTFT holds the wait and its gaps are one decode step each."""
+    engines: list = []
+    one_slot = scheduler_config(16, page_size=4, num_reserved_decode_tokens=4,
+                                max_running_requests=1)
+    harness_log(engines, decode_config=one_slot, workload=[(0.0, 4, 3), (0.0, 4, 3)])
+    _, decode = engines
+    first, second = sorted(decode.engine.records, key=lambda r: r.first_token_s)
+    assert first.status == second.status == "ok"
+    assert second.decode_join_s >= first.finish_s  # it waited for the only running slot
+    assert second.first_token_s == second.decode_join_s > second.transfer_done_s
+    gaps = np.diff(second.token_times_s)
+    assert np.allclose(gaps, DECODE_S)  # the wait is in TTFT, none of it in ITL
