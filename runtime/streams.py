@@ -21,17 +21,22 @@ RETRY_AFTER_S = 1  # what a 503 tells the client to wait before trying again
 # In the reason of a request failed because its peer worker died or restarted under it (the
 # transfer layer noticed: runtime/transfer/decode.py, prefill.py): a retry meets the new one.
 PEER_LOST = "peer restarted or gone"
-# Failures that mean "too busy right now" (a request that waited its turn too long) or "a peer
-# is restarting", not a fault: 503, the client may retry.
-BUSY_FAILURES = ("shutting down", "bootstrap timed out", "KV did not arrive within", PEER_LOST)
+# A KV write that failed on the wire (Mooncake's error, or an injected fault): the next try
+# takes a new pair and room.
+WRITE_FAILED = "KV write failed"
+# Failures that mean "too busy right now" (a request that waited its turn too long), "a peer
+# is restarting" or "this transfer failed", not a fault of the request: 503, the client may
+# retry (and the router does, once, before any token).
+RETRYABLE_FAILURES = ("shutting down", "bootstrap timed out", "KV did not arrive within",
+                      PEER_LOST, WRITE_FAILED)
 
 
 def failure_status(event: StreamEvent) -> int:
-    """The HTTP status of a failed request: its own (a refusal), 503 when the server was too
-    busy or is stopping (the client may retry), else 500."""
+    """The HTTP status of a failed request: its own (a refusal), 503 when a retry may succeed
+    (RETRYABLE_FAILURES), else 500."""
     if event.status:
         return event.status
-    return 503 if event.error and any(m in event.error for m in BUSY_FAILURES) else 500
+    return 503 if event.error and any(m in event.error for m in RETRYABLE_FAILURES) else 500
 
 
 def deliver(sink: Sink, event: StreamEvent) -> None:

@@ -28,7 +28,7 @@ from pdsim.core.token_times import TokenTimes
 from pdsim.faults import FaultsConfig
 from pdsim.sim.arrivals import ArrivalSource, ClosedLoopSource, OpenLoop
 from pdsim.sim.cost import CostModel
-from pdsim.sim.faults import SimFaults
+from pdsim.sim.faults import RETRY_SUFFIX, SimFaults
 from pdsim.sim.instance import SimInstance
 from pdsim.sim.network import Link, NetworkModel, SimFabric, SimKVManager
 from pdsim.sim.pipeline import make_executor
@@ -159,8 +159,17 @@ class Simulation:
         self.inflight.prefill_returned(req.prefill_instance, req.input_len)
 
     def _request_done(self, req: Request) -> None:
-        self.final[req.rid] = req
         self.inflight.decode_returned(req.decode_instance)
+        if (self.faults is not None and req.error and not req.token_times_s
+                and not req.rid.endswith(RETRY_SUFFIX) and self.faults.retryable(req.error)):
+            # The real router sends a request that failed with a 503 before any token once
+            # more, as a new pair and room (runtime/router.py): so does this one, as an event
+            # of its own (the instance that failed it is still settling its step).
+            i = int(req.rid)
+            self.env.timeout(0).callbacks.append(
+                lambda _ev: self.submit(i, self._sent_s[i], retry=True))
+            return
+        self.final[req.rid.removesuffix(RETRY_SUFFIX)] = req
         self._source.finished()
         if len(self.final) == self.num_requests:
             self._all_done.succeed()
@@ -169,22 +178,24 @@ class Simulation:
             if self.stopped and not self._give_up.triggered:
                 self._give_up.succeed()
 
-    def submit(self, i: int, sent_s: float) -> None:
-        """Route request `i`, sent by its client at `sent_s`, to its instances (now)."""
+    def submit(self, i: int, sent_s: float, retry: bool = False) -> None:
+        """Route request `i`, sent by its client at `sent_s`, to its instances (now); `retry`:
+        the router's second try after a failed first one (rid `i.retry`)."""
         now = self.env.now
         self._sent_s[i] = sent_s
-        rid = str(i)
+        rid = str(i) + (RETRY_SUFFIX if retry else "")
         n_in, n_out = self._inputs[i], self._outputs[i]
         keys = () if self._prefix is None else self._prefix.ids_of(i).tolist()  # router: blocks
         inflight = self.inflight
-        for retry in (False, True):  # a pair with a dead worker: the router tries once more
+        tries = 1 if retry else 2  # a pair with a dead worker: the router tries once more
+        for n in range(tries):
             p, d, room = self._router.route(inflight.prefill_tokens.__getitem__,
                                             inflight.decode_requests.__getitem__, keys)
             inflight.sent(p, d, n_in)
             if self.faults is None or not (dead := self.faults.dead(p, d)):
                 break
             inflight.prefill_returned(p, n_in)  # the connection refused: both calls return
-            if retry:
+            if n == tries - 1:
                 self.faults.refuse(rid, n_in, n_out, sent_s, p, d, dead)
                 return
             inflight.decode_returned(d)
@@ -267,7 +278,8 @@ class Simulation:
                 ))
                 continue
             rec = req.to_record("failed" if req.error else "ok")
-            pre = self.prefill_side.get(rid)
+            rec.rid = rid  # a retried request's record is its client's
+            pre = self.prefill_side.get(req.rid)
             if pre is not None:
                 rec.prefill_instance = pre.prefill_instance
                 rec.bootstrap_done_s = pre.bootstrap_done_s

@@ -2,6 +2,9 @@
 
 - **fail_transfers**: a sender whose rid `transfer_fails` picks fails at its first `send`,
   before any byte moves: `KVPoll.Failed` on both sides, as the real Mooncake sender reports it.
+  The real router gets a 503 before any token and sends the request once more (rid
+  `<rid>.retry`, a new pair and room, its arrival unchanged), and so does the simulated one: a
+  request fails only when its retry's transfer fails too.
 - **slow_nic**: the instance's link bandwidth is divided by the factor.
 - **bootstrap_delay_s**: a decode instance's first contact with a prefill instance waits for two
   bootstrap answers (the parallel info, then the rank's address), so it takes twice the delay
@@ -18,6 +21,7 @@
     keeps its worker list and policy as configured and routes a refused request once more (the
     policy may pick a live pair; when the dead worker is its role's only one, the second try
     is refused too and the request fails on arrival: "prefill worker 0 is unreachable").
+  A request killed so before its first token is sent once more, as for a failed transfer.
   With `restart_after_s` the instance serves again that much later, with empty queues and
   full pools (a new process), and takes requests at once: the real decode side notices a
   restarted prefill at its first frame to it (a lost connection), not after the heartbeat
@@ -35,6 +39,9 @@ from pdsim.core.request import Request
 from pdsim.faults import TRANSFER_FAULT, FaultsConfig, KillFault
 from pdsim.sim.instance import SimInstance
 from pdsim.sim.network import SimFabric
+
+
+RETRY_SUFFIX = ".retry"  # the router's second try of a request (runtime/router.py's rid)
 
 
 class SimFaults:
@@ -81,6 +88,12 @@ class SimFaults:
         return ""
 
     # ---- routing -------------------------------------------------------------------------------
+
+    @staticmethod
+    def retryable(error: str) -> bool:
+        """Whether the real backend answers a request that failed so, before any token, with a
+        503 that its router retries once: a failed KV transfer, a worker that died under it."""
+        return TRANSFER_FAULT in error or error.endswith(" died")
 
     def dead(self, p: int, d: int) -> str:
         """The first dead worker of a (prefill, decode) pair ("prefill worker 0"), or ""."""

@@ -13,8 +13,8 @@ never to one a message names. A room that a message creates before this rank's s
 (transfer info or an abort that overtook the request) is "unclaimed": at most
 `MAX_UNCLAIMED_ROOMS` are kept, each for `unclaimed_ttl_s`. A registered rank silent for the
 heartbeat timeout, with no unfinished room, is forgotten and its ZMQ socket closed. A write that
-fails because its decode rank died (its ZMQ connection is gone too) fails the room with
-`PEER_LOST` in the reason: an HTTP 503, retry.
+fails fails the room with `WRITE_FAILED` in the reason (and `PEER_LOST` when its decode rank
+died: its ZMQ connection is gone too): an HTTP 503, which the router retries once.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from runtime.transfer.layout import (
     head_slice_descriptors, page_descriptors,
 )
 from runtime.protocol.transfer import Abort, Heartbeat, RegisterDecode, Status, TransferInfo
-from runtime.streams import PEER_LOST
+from runtime.streams import PEER_LOST, WRITE_FAILED
 from runtime.transfer.state import Epoch, RoomState
 
 log = logging.getLogger(__name__)
@@ -400,7 +400,7 @@ class PrefillSide:
             except Exception as exc:  # any failure fails the room, never the worker
                 gone = self._gone([peer for _, peer in targets])
                 with self._lock:
-                    self._fail(r, f"KV write failed: {exc}" + (f"; {PEER_LOST}" if gone else ""))
+                    self._fail(r, f"{WRITE_FAILED}: {exc}" + (f"; {PEER_LOST}" if gone else ""))
                 continue
             if chunk.last:
                 with self._lock:
