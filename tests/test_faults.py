@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from configs import tiny_pd_yaml
+from stream_client import stream_completion
 
 from pdsim.config import ConfigError, parse_experiment
 from pdsim.faults import TRANSFER_FAULT, FaultsConfig, fault_summary, transfer_fails
@@ -272,28 +273,7 @@ KILL_CONFIG = tiny_pd_yaml(decode_pages=512, extra=(
 
 
 async def _stream(session, url: str, max_tokens: int, t0: float) -> dict:
-    """One streamed completion: when it was sent and ended (s since t0), tokens, its error, and
-    whether it ended at all (an error answer, or [DONE])."""
-    out = {"sent": time.monotonic() - t0, "tokens": 0, "error": None, "ended": False}
-    payload = {"model": "tiny-llama", "prompt": "Fault injection, both backends", "stream": True,
-               "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-               "return_token_ids": True}
-    async with session.post(f"{url}/completions", json=payload) as resp:
-        if resp.status != 200:
-            out["error"], out["ended"] = (await resp.json())["error"]["message"], True
-        else:
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if line == "data: [DONE]":
-                    out["ended"] = True
-                elif line.startswith("data:"):
-                    chunk = json.loads(line[5:])
-                    if "error" in chunk:
-                        out["error"] = chunk["error"]["message"]
-                    else:
-                        out["tokens"] += len(chunk["choices"][0].get("token_ids") or ())
-    out["end"] = time.monotonic() - t0
-    return out
+    return await stream_completion(session, url, "Fault injection, both backends", max_tokens, t0)
 
 
 async def _kill_scenario(url: str) -> tuple[list[dict], list[dict], dict]:

@@ -18,6 +18,7 @@ import urllib.request
 import pytest
 
 from configs import tiny_pd_yaml
+from stream_client import stream_completion
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -43,33 +44,11 @@ def restart_yaml(role: str) -> str:
 
 
 async def _one(session, url: str, t0: float) -> dict:
-    """One streamed completion: when it was sent and ended (s since t0), its status, its
-    Retry-After, tokens, and the error it ended with (if any)."""
-    out = {"sent": time.monotonic() - t0, "status": 0, "retry_after": None, "tokens": 0,
-           "error": None, "done": False}
-    payload = {"model": "tiny-llama", "prompt": "A worker restarts under load", "stream": True,
-               "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    async with session.post(f"{url}/completions", json=payload) as resp:
-        out["status"], out["retry_after"] = resp.status, resp.headers.get("Retry-After")
-        if resp.status != 200:
-            out["error"] = (await resp.json())["error"]["message"]
-        else:
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if line == "data: [DONE]":
-                    out["done"] = True
-                elif line.startswith("data:"):
-                    chunk = json.loads(line[5:])
-                    if "error" in chunk:
-                        out["error"] = chunk["error"]["message"]
-                    else:
-                        out["tokens"] += len(chunk["choices"][0].get("token_ids") or ())
-    out["end"] = time.monotonic() - t0
-    return out
+    return await stream_completion(session, url, "A worker restarts under load", 6, t0)
 
 
 def ok(r: dict) -> bool:
-    return r["status"] == 200 and r["done"] and r["error"] is None and r["tokens"] == 6
+    return r["status"] == 200 and r["ended"] and r["error"] is None and r["tokens"] == 6
 
 
 async def drive_through_restart(url: str, worker_url: str, *, deadline_s: float = 300.0):
@@ -163,7 +142,7 @@ def test_a_restarted_worker_costs_503s_never_500s_and_serves_again_at_once(role,
         assert r["end"] - r["sent"] < 5.0, r  # refused promptly, not after a timeout
     for r in results:
         if r["status"] == 200 and not ok(r):  # only a stream the kill cut may end early,
-            assert role == "decode" and r["done"] and r["tokens"] > 0, r  # with its tokens
+            assert role == "decode" and r["ended"] and r["tokens"] > 0, r  # with its tokens
             assert r["sent"] < down + 1.0, r
     # Back: the next requests succeed, well before the heartbeat timeout could have run out.
     assert recovery_s(results, back) < RECOVERY_S, (back, results[-12:])
