@@ -14,4 +14,5 @@ fi
 python -m pip install -q --disable-pip-version-check torch==2.13.0
 python -m pip install -q --disable-pip-version-check -e '.[real,test,silicon,ray]'
 
-python -m pytest -q "$@"
+# The slowest tests are listed so the 30-minute budget can be watched.
+python -m pytest -q --durations=25 "$@"
