@@ -34,7 +34,8 @@ TABLE_COLUMNS = (
     ("TTFT p99", "ttft_p99_s", 2), ("ITL p50", "itl_p50_s", 1), ("ITL p99", "itl_p99_s", 2),
     ("tok/s/GPU", "output_tok_s_per_gpu", 1), ("goodput/GPU", "goodput_req_s_per_gpu", 1),
     ("SLO met", "slo_attainment", 1), ("P busy", "prefill_busy_frac", 4),
-    ("D batch", "decode_mean_batch", 4),
+    ("D batch", "decode_mean_batch", 4), ("$/Mtok", "usd_per_mtok", 3),
+    ("goodput/$", "goodput_req_per_usd", 3),
 )
 WIDE_OPTION = typer.Option(False, "--wide", help="every table column, however wide the table")
 
