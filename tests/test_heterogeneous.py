@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import simpy
+import yaml
 from typer.testing import CliRunner
 
 from pdsim.cli import app
@@ -162,3 +163,48 @@ def test_the_heterogeneous_experiment_checks():
     result = CliRunner().invoke(app, ["check", str(ROOT / "experiments" / "heterogeneous.yaml")])
     assert result.exit_code == 0, result.output
     assert "valid experiment" in result.output
+
+
+def mixed_plan(**fields) -> dict:
+    """Llama-3.1-8B with 4k-token prompts under a tight TTFT: prefill wants H100's compute,
+    decode only memory bandwidth, which an H20 at $1.20 an hour sells cheaper."""
+    data = {
+        "name": "mixed_plan", "model": "llama-3.1-8b", "hardware": "h100",
+        "gpu_types": [{"hardware": "h20", "usd_per_gpu_hour": 1.20}],
+        "max_gpus": 2, "search": {"modes": ["disaggregated"], "tp": [1]},
+        "cost_model": {"name": "roofline"},
+        "workload": {"num_requests": 40, "seed": 0,
+                     "arrival": {"process": "poisson", "rate_rps": 2},
+                     "input_len": {"dist": "fixed", "value": 4096},
+                     "output_len": {"dist": "fixed", "value": 128}},
+        "slo": {"ttft_p90_s": 0.4, "itl_p90_s": 0.03},
+    }
+    data.update(fields)
+    return data
+
+
+def test_the_planner_puts_prefill_and_decode_on_the_gpus_that_serve_them_cheapest():
+    from pdsim.planning import parse_plan, plan
+
+    result = plan(parse_plan(mixed_plan()), write=False, jobs=1)
+    table = result.candidates.set_index("label")
+    # 1P1D on each of the four placements; H20 prefill misses the TTFT target on either decode.
+    assert len(table) == 4
+    h100, h20 = load_hardware_spec("h100").usd_per_gpu_hour, 1.20
+    best = result.recommended
+    assert best.deployment.label == "1P TP1 on h100 + 1D TP1 on h20"
+    assert best.summary["usd_per_hour"] == pytest.approx(h100 + h20)
+    assert table.loc["1P TP1 on h100 + 1D TP1 on h100", "feasible"] == True  # noqa: E712
+    assert table.loc["1P TP1 on h20 + 1D TP1 on h20", "feasible"] != True  # noqa: E712
+    assert any(line.startswith("The mix wins") for line in result.hardware_lines)
+    # Its experiment runs the decode role on an H20 at the plan's price.
+    cfg = parse_experiment(yaml.safe_load(best.experiment_yaml), "recommended")
+    assert cfg.cluster.decode.hardware == {"base": "h20", "name": "h20", "usd_per_gpu_hour": h20}
+    assert usd_per_gpu_hour(cfg) == pytest.approx((h100 + h20) / 2)
+
+
+def test_a_gpu_type_without_a_price_is_named():
+    from pdsim.planning import parse_plan, plan
+
+    with pytest.raises(ConfigError, match=r"gpu_types\[0\]: .*'h20' has no list price"):
+        plan(parse_plan(mixed_plan(gpu_types=[{"hardware": "h20"}])), write=False, jobs=1)
