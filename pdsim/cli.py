@@ -143,7 +143,15 @@ def _check_plan(path: Path) -> None:
         hardware = load_hardware_spec(plan_cfg.hardware, base_dir)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    console.print(f"{path}: valid plan, {model.name} on {hardware.name}", highlight=False)
+    names = hardware.name
+    if plan_cfg.gpu_types:  # each type loads and has a price
+        from pdsim.planning.hardware_mix import gpu_options
+
+        try:
+            names = ", ".join(o.name for o in gpu_options(plan_cfg, base_dir))
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    console.print(f"{path}: valid plan, {model.name} on {names}", highlight=False)
 
 
 def _check_serve(path: Path) -> None:

@@ -153,10 +153,11 @@ def test_gpus_of_two_kinds_cannot_share_an_nvlink_domain():
 
 
 def test_a_tp_mismatch_across_hardware_moves_head_slices():
-    same = build_cluster(parse_experiment(experiment(prefill={"tp": 2}, decode={"hardware": "h20"}),
-                                          "test"))
-    assert same.network.descriptors_per_page > 0  # GQA heads split 2 ways into 1: slices
-    assert math.isclose(same.decode.nic_bytes_per_s, 50e9 * 0.87)
+    cluster = build_cluster(parse_experiment(
+        experiment(prefill={"tp": 2}, decode={"hardware": "a10"}), "test"))
+    assert cluster.network.descriptors_per_page > 0  # GQA heads split 2 ways into 1: slices
+    assert math.isclose(cluster.prefill.nic_bytes_per_s, 2 * 50e9 * 0.87)  # 2 H100 NICs
+    assert math.isclose(cluster.decode.nic_bytes_per_s, 3.125e9 * 0.87)  # one A10's 25 Gb/s
 
 
 def test_the_heterogeneous_experiment_checks():
@@ -208,3 +209,22 @@ def test_a_gpu_type_without_a_price_is_named():
 
     with pytest.raises(ConfigError, match=r"gpu_types\[0\]: .*'h20' has no list price"):
         plan(parse_plan(mixed_plan(gpu_types=[{"hardware": "h20"}])), write=False, jobs=1)
+
+
+def test_pdsim_check_loads_and_prices_every_gpu_type(tmp_path):
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump(mixed_plan()))
+    result = CliRunner().invoke(app, ["check", str(plan_file)])
+    assert result.exit_code == 0 and "on h100, h20" in result.output, result.output
+    plan_file.write_text(yaml.safe_dump(mixed_plan(gpu_types=[{"hardware": "h20"}])))
+    result = CliRunner().invoke(app, ["check", str(plan_file)])
+    assert result.exit_code != 0 and "gpu_types[0]" in result.output, result.output
+
+
+def test_serving_accepts_and_ignores_role_hardware():
+    from runtime.serve_config import parse_serve_config
+    from configs import tiny_pd_yaml
+
+    data = yaml.safe_load(tiny_pd_yaml())
+    data["cluster"]["decode"]["hardware"] = "h20"  # sim only, like `hardware`: not refused
+    assert parse_serve_config(data).cluster.decode.hardware == "h20"
