@@ -133,7 +133,7 @@ def _resolve(value: float | str, base_dir: str | None) -> float | str:
 
 
 def role_hardware(cfg: ExperimentConfig, base_dir: str | None = None) -> dict[str, HardwareSpec]:
-    """Each role's GPU: its own `hardware`, else the deployment's (one spec per distinct field)."""
+    """Each role's GPU: its own `hardware`, else the deployment's; an error names the field."""
     specs: dict[str, HardwareSpec] = {}
     for name in cfg.cluster.roles:
         field = cfg.role_hardware(name)

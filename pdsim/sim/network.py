@@ -11,7 +11,8 @@ are free. Every transfer also costs `per_descriptor_s` of NIC time per descripto
 buffer and run of pages contiguous on both sides, or per token slot when GQA heads move as
 slices across a TP mismatch) on each side, spread over that side's GPUs; alone, a transfer
 lasts as long as the slower side needs for its bytes and descriptors (`transfer_work_bytes`),
-so prefill and decode on different hardware move the KV at the slower NIC. An instance of pipeline stages sends from all its stages' NICs at
+so prefill and decode on different hardware move the KV at the slower NIC. An instance of
+pipeline stages sends from all its stages' NICs at
 once, each stage its own layers' KV (`stage_kv_page_bytes`): its link is the stages' NICs
 together, at the pace of the stage with the most layers, and its descriptors spread over all its
 GPUs. With `enabled: false` the bytes move for free; the per-transfer
