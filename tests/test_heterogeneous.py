@@ -16,6 +16,7 @@ from pdsim.config import ConfigError, parse_experiment
 from pdsim.runner import run_point
 from pdsim.sim.build import build_cluster, usd_per_gpu_hour
 from pdsim.sim.network import Link, NetworkModel, SimFabric
+from pdsim.sim.silicon import tables
 from pdsim.specs.hardware import load_hardware_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +50,17 @@ def test_each_role_builds_its_cost_model_and_pool_on_its_own_hardware():
     # The same knobs, a bigger pool: 88 % of H200's 141 GB against of H100's 80 GB, less the
     # same 16 GB of weights: about twice the pages.
     assert cluster.decode.scheduler.num_pages > 1.9 * cluster.prefill.scheduler.num_pages
+
+
+@pytest.mark.skipif(tables.systems_dir() is None, reason="aiconfigurator-core's kernel tables "
+                    "are not installed")
+@pytest.mark.parametrize("prefill", ["h100", "h200", "b200", "gb200"])
+def test_auto_prices_each_role_with_its_gpus_tables_or_the_roofline(prefill):
+    cfg = parse_experiment(experiment(prefill={"hardware": prefill}, decode={"hardware": "h20"},
+                                      cost_model={"name": "auto"}), "test")
+    cluster = build_cluster(cfg)
+    assert type(cluster.prefill.cost()).__name__ == "SiliconCostModel"
+    assert type(cluster.decode.cost()).__name__ == "RooflineCostModel"  # H20: no tables
 
 
 def test_a_decode_heavy_load_decodes_faster_on_the_faster_decode_gpu():
