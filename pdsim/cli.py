@@ -34,7 +34,8 @@ TABLE_COLUMNS = (
     ("TTFT p99", "ttft_p99_s", 2), ("ITL p50", "itl_p50_s", 1), ("ITL p99", "itl_p99_s", 2),
     ("tok/s/GPU", "output_tok_s_per_gpu", 1), ("goodput/GPU", "goodput_req_s_per_gpu", 1),
     ("SLO met", "slo_attainment", 1), ("P busy", "prefill_busy_frac", 4),
-    ("D batch", "decode_mean_batch", 4),
+    ("D batch", "decode_mean_batch", 4), ("$/Mtok", "usd_per_mtok", 3),
+    ("goodput/$", "goodput_req_per_usd", 3),
 )
 WIDE_OPTION = typer.Option(False, "--wide", help="every table column, however wide the table")
 
@@ -142,7 +143,15 @@ def _check_plan(path: Path) -> None:
         hardware = load_hardware_spec(plan_cfg.hardware, base_dir)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    console.print(f"{path}: valid plan, {model.name} on {hardware.name}", highlight=False)
+    names = hardware.name
+    if plan_cfg.gpu_types:  # each type loads and has a price
+        from pdsim.planning.hardware_mix import gpu_options
+
+        try:
+            names = ", ".join(o.name for o in gpu_options(plan_cfg, base_dir))
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    console.print(f"{path}: valid plan, {model.name} on {names}", highlight=False)
 
 
 def _check_serve(path: Path) -> None:

@@ -268,8 +268,8 @@ def check_files(workload: BaseModel, base_dir: str | Path | None, source: str) -
 
 
 # Keys only a plan has (PlanConfig's fields an experiment lacks), to tell the two apart.
-_PLAN_KEYS = ("max_gpus", "target_rate_rps", "usd_per_gpu_hour", "objective", "search",
-              "prefilter", "launch", "scheduler")
+_PLAN_KEYS = ("max_gpus", "target_rate_rps", "usd_per_gpu_hour", "gpu_types", "objective",
+              "search", "prefilter", "launch", "scheduler")
 
 
 def config_kind(data: Any) -> str:

@@ -162,6 +162,10 @@ class RoleConfig(_Spec):
 
     instances: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
+    hardware: str | dict[str, Any] | None = Field(
+        None, description="sim only: this role's GPU, as the deployment's `hardware` takes it "
+        "(a preset, a YAML file or a mapping); it prices the role's steps, sizes its KV pool "
+        "and sets its NIC. None: the deployment's `hardware`")
     pp: int = Field(1, ge=1, description="sim only, prefill only: pipeline stages per instance "
                     "(SGLang's --pp-size), each tp GPUs with its share of the layers "
                     "(docs/cost_model.md, \"Pipeline-parallel prefill\")")
@@ -538,6 +542,11 @@ class Deployment(_Spec):
         self.faults.check_instances({} if c.mode == "colocated" else
                                     {"prefill": c.prefill.instances, "decode": c.decode.instances})
         return self
+
+    def role_hardware(self, role: str) -> str | dict[str, Any]:
+        """The hardware field a role runs on: its own `hardware`, else the deployment's."""
+        own = self.cluster.roles[role].hardware
+        return self.hardware if own is None else own
 
     @property
     def mode(self) -> str:

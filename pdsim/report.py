@@ -66,6 +66,8 @@ _TABLE: tuple[tuple[str, str, Callable], ...] = (
     ("e2e_p99_s", "E2E p99 (ms)", _ms),
     ("output_tok_s_per_gpu", "out tok/s/GPU", _num),
     ("goodput_req_s_per_gpu", "goodput/GPU (req/s)", _num),
+    ("usd_per_mtok", "$/Mtok", _num),  # both NaN, so left out, when the hardware has no price
+    ("goodput_req_per_usd", "goodput req/$", _num),
     ("slo_attainment", "SLO met", _pct),
     ("prefix_hit_rate", "prefix hit", _pct),  # only when a prefix cache served some prompt
 )

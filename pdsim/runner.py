@@ -18,11 +18,10 @@ from pdsim.config import ExperimentConfig, check_files, expand_sweep, load_exper
 from pdsim.pools import Pool, open_pool
 from pdsim.faults import fault_summary, first_kill_s
 from pdsim.metrics import price_columns, records_frame, summarize
-from pdsim.sim.build import build_cluster
+from pdsim.sim.build import build_cluster, usd_per_gpu_hour
 from pdsim.sim.cluster import simulate
 from pdsim.sim.cost import SHARE_GROUPS, share_group
 from pdsim.sim.silicon import cost_columns
-from pdsim.specs.hardware import load_hardware_spec
 from pdsim.core.request import Request
 from pdsim.workload import ClosedLoop, Workload, generate
 
@@ -78,8 +77,8 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
     row = {"point": index, **point_columns(cfg, rate, workload.closed_loop),
            **{f"sweep.{k}": v for k, v in swept.items()}}
     row.update(summarize(result.records, num_gpus=cluster.num_gpus, slo=cfg.slo, window=cfg.metrics))
-    # usd_per_hour, usd_per_mtok, goodput_req_per_usd at the hardware's price (NaN: none)
-    row.update(price_columns(row, load_hardware_spec(cfg.hardware, base_dir).usd_per_gpu_hour))
+    # usd_per_hour, usd_per_mtok, goodput_req_per_usd at each role's hardware price (NaN: none)
+    row.update(price_columns(row, usd_per_gpu_hour(cfg, base_dir)))
     row["sim_time_s"] = result.sim_time_s
     row["prefill_busy_frac"] = result.prefill_busy_frac
     row["decode_busy_frac"] = result.decode_busy_frac

@@ -138,6 +138,14 @@ class LaunchConfig(_Spec):
     dist_init_port: int = Field(5000, ge=1, le=65535)
 
 
+class GpuType(_Spec):
+    """One more GPU type a plan may put a role on, at its price."""
+
+    hardware: str | dict[str, Any] = Field(description="a preset, a YAML file or a mapping")
+    usd_per_gpu_hour: float | None = Field(
+        None, gt=0, description="price of one GPU-hour; default: the hardware preset's")
+
+
 class PlanConfig(_Spec):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
@@ -147,6 +155,10 @@ class PlanConfig(_Spec):
     hardware: str | dict[str, Any] = Field(description="a preset, a YAML file or a mapping")
     usd_per_gpu_hour: float | None = Field(
         None, gt=0, description="price of one GPU-hour; default: the hardware preset's")
+    gpu_types: list[GpuType] = Field(
+        default_factory=list, description="more GPU types, each at its price: the search "
+        "then puts each role on any of them or on `hardware` (prefill on one, decode on "
+        "another; docs/planning.md, \"Heterogeneous hardware\"). Empty: `hardware` alone")
     workload: WorkloadConfig
     slo: PlanSLO
     max_gpus: int | None = Field(None, ge=1, description="GPU budget: no candidate uses more")

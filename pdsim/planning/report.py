@@ -141,16 +141,21 @@ def report_text(result: PlanResult, plots: list[str]) -> str:
     lines = [f"# Plan: {cfg.name}", ""]
     if cfg.description:
         lines += [cfg.description, ""]
+    where = ("the GPU types below" if result.hardware_lines
+             else f"{cfg.hardware if isinstance(cfg.hardware, str) else 'custom hardware'} at "
+             f"${result.usd_per_gpu_hour:g} per GPU-hour")
     lines += [
-        f"{cfg.model if isinstance(cfg.model, str) else 'custom model'} on "
-        f"{cfg.hardware if isinstance(cfg.hardware, str) else 'custom hardware'} at "
-        f"${result.usd_per_gpu_hour:g} per GPU-hour; SLO: " + ", ".join(
+        f"{cfg.model if isinstance(cfg.model, str) else 'custom model'} on {where}; SLO: "
+        + ", ".join(
             f"{k.removesuffix('_s').replace('_', ' ')} <= {v * 1e3:,.1f} ms"
             for k, v in cfg.slo.targets().items()) + "; objective: " + cfg.objective + ".",
         "",
         f"{len(table)} deployments enumerated, {kept} kept by the analytic pre-filter "
         f"({t.get('prefilter_s', 0):.2f} s), {int(table['simulated'].sum())} simulated "
         f"({t.get('simulate_s', 0):.1f} s), {len(result.feasible)} of them meet the SLO.", ""]
+    if result.hardware_lines:
+        lines += ["## Heterogeneous hardware", "", *[f"- {line}" for line in result.hardware_lines],
+                  ""]
     if result.recommended is None:
         lines += ["**No simulated deployment meets the SLO.** Raise max_gpus, relax the SLO or "
                   "widen the search space.", ""]

@@ -39,6 +39,9 @@ class PlanResult:
     runner_up: Choice | None
     timings_s: dict[str, float] = field(default_factory=dict)
     out_dir: Path | None = None
+    # A plan over several GPU types: their prices, and whether a mix beats one type
+    # (pdsim.planning.hardware_mix); empty for one type.
+    hardware_lines: list[str] = field(default_factory=list)
 
     @property
     def feasible(self) -> pd.DataFrame:

@@ -42,6 +42,12 @@ def plan(source: PlanConfig | str | Path, *, out_dir: str | Path | None = None,
         path = Path(source)
         source, base_dir = load_plan(path), str(path.parent.resolve())
     cfg = source
+    if cfg.gpu_types:  # several GPU types: a role on each (pdsim.planning.hardware_mix)
+        from pdsim.planning.hardware_mix import plan_hardware_mix
+
+        return plan_hardware_mix(cfg, out_dir=out_dir, jobs=jobs, progress=progress,
+                                 prefilter=prefilter, write=write, base_dir=base_dir,
+                                 executor=executor, ray_address=ray_address)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     try:

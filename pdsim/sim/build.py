@@ -132,16 +132,45 @@ def _resolve(value: float | str, base_dir: str | None) -> float | str:
     return value
 
 
+def role_hardware(cfg: ExperimentConfig, base_dir: str | None = None) -> dict[str, HardwareSpec]:
+    """Each role's GPU: its own `hardware`, else the deployment's; an error names the field."""
+    specs: dict[str, HardwareSpec] = {}
+    for name in cfg.cluster.roles:
+        field = cfg.role_hardware(name)
+        where = "hardware" if field is cfg.hardware else f"cluster.{name}.hardware"
+        try:
+            specs[name] = load_hardware_spec(field, base_dir)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    return specs
+
+
+def usd_per_gpu_hour(cfg: ExperimentConfig, base_dir: str | None = None) -> float | None:
+    """The deployment's price per GPU-hour: each role's GPUs at their hardware's price,
+    averaged over the GPUs; None when a role's hardware has no price."""
+    hws = role_hardware(cfg, base_dir)
+    roles = cfg.cluster.roles
+    if any(hws[name].usd_per_gpu_hour is None for name in roles):
+        return None
+    return (sum(role.gpus * hws[name].usd_per_gpu_hour for name, role in roles.items())
+            / cfg.cluster.num_gpus)
+
+
 def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> ClusterSpec:
     try:
         model = load_model_spec(cfg.model, base_dir)
-        hw = load_hardware_spec(cfg.hardware, base_dir)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(str(exc)) from None
+    hws = role_hardware(cfg, base_dir)
     net = cfg.network
     proto = PROTOCOLS[net.protocol]
     c = cfg.cluster
     pd = c.mode != "colocated"
+    if pd and net.intra_node and hws["prefill"] != hws["decode"]:
+        raise ConfigError(
+            f"network.intra_node: prefill on {hws['prefill'].name} and decode on "
+            f"{hws['decode'].name} cannot share an NVLink domain; drop intra_node or give "
+            "both roles one hardware")
     src_attn = c.prefill.tp // c.prefill.dp_attention if pd else 0
     dst_attn = c.decode.tp // c.decode.dp_attention if pd else 0
     per_run, per_page = (0.0, 0.0) if not pd else descriptor_counts(
@@ -165,12 +194,13 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
                  "router_options": dict(cfg.router.policy_options)}
     if not pd:
         return ClusterSpec("colocated", cfg.router.policy, network,
-                           colocated=build_role(cfg, c.colocated, "colocated", model, hw,
-                                                base_dir=base_dir), **overheads)
+                           colocated=build_role(cfg, c.colocated, "colocated", model,
+                                                hws["colocated"], base_dir=base_dir),
+                           **overheads)
     # GQA KV split over different attention-TP sizes on the two sides moves as head slices:
     # many small writes instead of whole pages (docs/architecture.md, "TP mismatch"), priced by the
     # network model per descriptor.
-    prefill = build_role(cfg, c.prefill, "prefill", model, hw, base_dir)
+    prefill = build_role(cfg, c.prefill, "prefill", model, hws["prefill"], base_dir)
     if model.is_mla and src_attn > dst_attn:  # only dst_attn prefill ranks send; the rest idle
         prefill = replace(prefill, nic_bytes_per_s=prefill.nic_bytes_per_s * dst_attn / src_attn)
     return ClusterSpec(
@@ -178,7 +208,7 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
         cfg.router.policy,
         network,
         prefill=prefill,
-        decode=build_role(cfg, c.decode, "decode", model, hw, base_dir),
+        decode=build_role(cfg, c.decode, "decode", model, hws["decode"], base_dir),
         faults=cfg.faults,
         **overheads,
     )

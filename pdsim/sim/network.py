@@ -9,7 +9,10 @@ share along its path (sender's link and receiver's link), recomputed whenever on
 ends (processor sharing). `sharing: fifo`: a chunk occupies both links alone from the moment both
 are free. Every transfer also costs `per_descriptor_s` of NIC time per descriptor (one per
 buffer and run of pages contiguous on both sides, or per token slot when GQA heads move as
-slices across a TP mismatch). An instance of pipeline stages sends from all its stages' NICs at
+slices across a TP mismatch) on each side, spread over that side's GPUs; alone, a transfer
+lasts as long as the slower side needs for its bytes and descriptors (`transfer_work_bytes`),
+so prefill and decode on different hardware move the KV at the slower NIC. An instance of
+pipeline stages sends from all its stages' NICs at
 once, each stage its own layers' KV (`stage_kv_page_bytes`): its link is the stages' NICs
 together, at the pace of the stage with the most layers, and its descriptors spread over all its
 GPUs. With `enabled: false` the bytes move for free; the per-transfer
@@ -117,6 +120,23 @@ class Link:
         self.bytes_per_s = bytes_per_s
         self.gpus = gpus
         self.busy_until = 0.0
+
+
+def descriptor_s(src: Link, dst: Link, descriptors: float, per_descriptor_s: float) -> float:
+    """NIC time of a transfer's descriptors: each side's NICs handle every descriptor, spread
+    over that side's GPUs in parallel; the side with fewer GPUs takes longer."""
+    return descriptors * per_descriptor_s / min(src.gpus, dst.gpus)
+
+
+def transfer_work_bytes(src: Link, dst: Link, nbytes: float, descriptors: float,
+                        per_descriptor_s: float) -> float:
+    """A transfer's work in bytes at the pair's pace, min(src, dst) bytes/s: alone on both
+    links it lasts as long as the slower side takes for the bytes and its own descriptors.
+    Sides of equal per-GPU bandwidth give the sender's bytes plus its descriptor time."""
+    rate = min(src.bytes_per_s, dst.bytes_per_s)
+    alone_s = max(nbytes / link.bytes_per_s + descriptors * per_descriptor_s / link.gpus
+                  for link in (src, dst))
+    return alone_s * rate
 
 
 class _Flow:
@@ -234,12 +254,10 @@ class SimFabric:
         if not self.model.enabled:
             done()
             return
-        # Descriptors cost NIC time on the sender's GPUs, in parallel: bytes it could have sent.
-        descriptor_s = descriptors * self.model.per_descriptor_s / src.gpus
         if math.isinf(min(src.bytes_per_s, dst.bytes_per_s)):  # a link without a limit
-            self.later(descriptor_s, done)
+            self.later(descriptor_s(src, dst, descriptors, self.model.per_descriptor_s), done)
             return
-        work = nbytes + descriptor_s * src.bytes_per_s
+        work = transfer_work_bytes(src, dst, nbytes, descriptors, self.model.per_descriptor_s)
         if self.model.sharing == "fifo":
             now = self.env.now
             start = max(now, src.busy_until, dst.busy_until)
