@@ -148,7 +148,8 @@ class SimAutoscaler:
         self._arrivals: list[tuple[int, int]] = []
         self._ttft_s: list[float] = []
         self._itl_s: list[float] = []
-        self._busy_s = {r: 0.0 for r in ROLES}
+        self._busy_s = {r: 0.0 for r in ROLES}  # forward seconds of each role so far
+        self._busy_window = {r: 0.0 for r in ROLES}  # ... in the last window, / its length
 
     # ----- what the simulation tells it ----------------------------------------------------
 
@@ -212,14 +213,22 @@ class SimAutoscaler:
             queue = sum(len(s.prealloc) + len(s.waiting) for s in scheds)
         kv = sum(s.pool.num_used / s.pool.size for s in scheds) / len(scheds)
         return RoleState(running=len(insts), starting=len(self.starting[role]),
-                         draining=len(self.draining[role]), queue_len=queue, kv_usage=kv)
+                         draining=len(self.draining[role]), queue_len=queue, kv_usage=kv,
+                         busy=self._busy_share(role, len(insts)))
+
+    def _busy_share(self, role: str, running: int) -> float | None:
+        """The role's forward time in the window over the window times its serving instances
+        (draining ones' work counts: it was load), capped at 1; None in an empty window."""
+        window_s = self.sim.env.now - self._window_start_s
+        if window_s <= 0:
+            return None
+        total = sum(inst.busy_s for inst in self.instances[role])
+        self._busy_window[role] = (total - self._busy_s[role]) / window_s
+        self._busy_s[role] = total
+        return min(1.0, self._busy_window[role] / running)
 
     def _sample(self, obs: ScaleObservation, target: ScaleTarget) -> None:
-        busy = {}
-        for role in ROLES:
-            total = sum(inst.busy_s for inst in self.instances[role])
-            busy[role] = (total - self._busy_s[role]) / obs.window_s
-            self._busy_s[role] = total
+        busy = dict(self._busy_window)
         states = {r: obs.role(r) for r in ROLES}
         self.samples.append(TimelineSample(
             obs.now_s, {r: s.running for r, s in states.items()},
