@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pdsim.autoscaling_config import AutoscalingConfig
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.router import POLICIES, make_policy
 from pdsim.core.running import Speculation
@@ -484,6 +485,9 @@ class Deployment(_Spec):
     transfer: TransferConfig = TransferConfig()
     faults: FaultsConfig = Field(FaultsConfig(), description="fault injection (pdsim/faults.py)")
     security: SecurityConfig = SecurityConfig()
+    autoscaling: AutoscalingConfig | None = Field(
+        None, description="resize the prefill and decode roles while serving "
+        "(pdsim/autoscaling_config.py); none: the counts stay as given")
     # Real only: the served model's weights, text side and HTTP limits.
     served_model_name: str | None = Field(
         None, description="real only: the name clients send as `model` (default: the preset "
@@ -541,6 +545,13 @@ class Deployment(_Spec):
         c = self.cluster
         self.faults.check_instances({} if c.mode == "colocated" else
                                     {"prefill": c.prefill.instances, "decode": c.decode.instances})
+        return self
+
+    @model_validator(mode="after")
+    def _autoscaling_fits(self) -> Deployment:
+        if self.autoscaling is not None:
+            c = self.cluster
+            self.autoscaling.check_cluster(c.mode, c.prefill.instances, c.decode.instances)
         return self
 
     def role_hardware(self, role: str) -> str | dict[str, Any]:
