@@ -140,6 +140,15 @@ class PDServeConfig(_ServeBase):
         check_serving(self.faults)
         return self
 
+    @model_validator(mode="after")
+    def _autoscaled_by_pdsim(self) -> PDServeConfig:
+        """The launcher scales the workers behind pdsim's router (runtime/scaling.py), which
+        admits and drains workers while it serves; SGLang's router is a process of its own."""
+        if self.autoscaling is not None and self.router.impl != "pdsim":
+            raise ValueError(f"autoscaling: needs router.impl pdsim (the router that admits "
+                             f"and drains workers while serving), got {self.router.impl!r}")
+        return self
+
     @property
     def prefill(self) -> RoleConfig:
         return self.cluster.prefill
