@@ -305,10 +305,12 @@ def make_scaler(config: PDServeConfig, router, workers: list[WorkerProcess], sec
             raise LaunchError("the launcher is stopping")
         return health[worker.url]
 
-    return Scaler(config, router, workers,
+    key = key_of(secret)
+    return Scaler(router, workers,
                   spawn=lambda role, i: spawn_worker(config, role, i, secret),
                   wait_healthy=healthy,
-                  stop=lambda w: stop_processes([w.proc], timeout_s=stop_timeout_s))
+                  stop=lambda w: stop_processes([w.proc], timeout_s=stop_timeout_s),
+                  headers=None if key is None else key.headers())
 
 
 def make_autoscaler(config: PDServeConfig, scaler, secret: str | None):

@@ -3,9 +3,11 @@ router's membership moved together, on command or by the shared autoscaling poli
 
 `Scaler.scale(role, instances)` starts new instances of `role` (the next instance numbers;
 each joins the router once it answers `/health`) or removes the newest ones: the router drains
-each (no new requests; its calls in flight finish), then its process is stopped. One change
-runs at a time. `POST /scale {"role", "instances"}` on the router (its internal plane: the
-cluster token) does the same over HTTP and answers with the workers after the change.
+each (no new requests; its calls in flight finish), reads whether the worker got every page
+and slot back (its `/pools`; a warning if not), then stops its process. One change runs at a
+time. `POST /scale {"role", "instances"}` on the router (its internal plane: the cluster token)
+does the same over HTTP and answers with the instances and workers after the change and the
+`/pools` of each worker removed.
 
 `Autoscaler` runs the deployment's `autoscaling:` policy (pdsim/core/autoscale.py, the same
 the simulator runs) every `interval_s`: it builds a `ScaleObservation` of the interval that
@@ -34,7 +36,6 @@ from runtime.router_control import MembershipError, read_object
 if TYPE_CHECKING:
     from runtime.launcher import WorkerProcess
     from runtime.router import PDRouter
-    from runtime.serve_config import PDServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +54,17 @@ class Scaler:
     """`workers` is the launcher's list of running worker processes: new ones join it once
     they serve, removed ones leave it before they are stopped (so the launcher does not take
     their exit for a crash). `wait_healthy(worker)` returns a started worker's `/health` JSON
-    (raising when it exits or takes too long)."""
+    (raising when it exits or takes too long). `headers`: the cluster token, for the workers'
+    `/pools`; `pools_timeout_s`: how long a drained worker may take to show them full."""
 
-    def __init__(self, config: PDServeConfig, router: PDRouter, workers: list[WorkerProcess],
+    def __init__(self, router: PDRouter, workers: list[WorkerProcess],
                  *, spawn: Callable[[str, int], WorkerProcess],
                  wait_healthy: Callable[[WorkerProcess], object],
-                 stop: Callable[[WorkerProcess], None]) -> None:
-        self.config = config
+                 stop: Callable[[WorkerProcess], None], headers: dict[str, str] | None = None,
+                 pools_timeout_s: float = 10.0) -> None:
         self.router = router
+        self.headers = headers or {}
+        self.pools_timeout_s = pools_timeout_s
         self.workers = workers
         self._spawn = spawn
         self._wait_healthy = wait_healthy
@@ -78,18 +82,21 @@ class Scaler:
         client = self.router.client
         return client.prefill if role == "prefill" else client.decode
 
-    async def scale(self, role: str, instances: int) -> None:
-        """Add or remove `role` instances until `instances` serve."""
+    async def scale(self, role: str, instances: int) -> list[dict]:
+        """Add or remove `role` instances until `instances` serve; returns, for each worker
+        removed, its name, URL and `/pools` once drained (`{"full", "detail"}`)."""
         if role not in ROLES:
             raise ScaleError(400, f"role: {role!r}; allowed: {', '.join(ROLES)}")
         if instances < 1:
             raise ScaleError(400, f"instances: {instances}; allowed: 1 or more (a router needs "
                                   "one worker of each role)")
+        drained = []
         async with self._lock:
             while len(self.serving(role)) < instances:
                 await self._add(role)
             while len(self.serving(role)) > instances:
-                await self._remove(role)
+                drained.append(await self._remove(role))
+        return drained
 
     async def _add(self, role: str) -> None:
         instance = self._next[role]
@@ -99,9 +106,9 @@ class Scaler:
         self.starting[role] += 1
         try:
             health = await self._wait_healthy(worker)
-            await self.router.client.add_worker(role, worker.url,
-                                                str(health.get("bootstrap_host") or ""),
-                                                int(health.get("bootstrap_port") or 0))
+            bootstrap = ((str(health.get("bootstrap_host") or ""),
+                          int(health.get("bootstrap_port") or 0)) if role == "prefill" else ())
+            await self.router.client.add_worker(role, worker.url, *bootstrap)
         except BaseException as exc:
             await asyncio.shield(asyncio.get_running_loop().run_in_executor(
                 None, self._stop, worker))
@@ -115,7 +122,7 @@ class Scaler:
         self.workers.append(worker)
         log.info("scaling: %s serves", worker.name)
 
-    async def _remove(self, role: str) -> None:
+    async def _remove(self, role: str) -> dict:
         worker = max(self.serving(role), key=lambda w: w.instance)
         log.info("scaling: draining %s", worker.name)
         try:
@@ -123,8 +130,31 @@ class Scaler:
         except MembershipError as exc:
             raise ScaleError(409, exc.message) from None
         self.workers.remove(worker)
+        pools = await self._pools(worker)
         await asyncio.get_running_loop().run_in_executor(None, self._stop, worker)
         log.info("scaling: %s stopped", worker.name)
+        return {"name": worker.name, "url": worker.url, "pools": pools}
+
+    async def _pools(self, worker: WorkerProcess) -> dict:
+        """Whether the drained `worker` has every page, request slot and metadata slot back
+        and its transfers released: its `/pools`, polled until full, up to `pools_timeout_s`
+        (then a warning)."""
+        deadline = asyncio.get_running_loop().time() + self.pools_timeout_s
+        state: dict = {}
+        async with aiohttp.ClientSession(headers=self.headers,
+                                         timeout=aiohttp.ClientTimeout(total=5)) as session:
+            while asyncio.get_running_loop().time() < deadline:
+                try:
+                    async with session.get(f"{worker.url}/pools") as resp:
+                        state = await resp.json()
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+                    state = {"full": False, "detail": f"/pools failed: {type(exc).__name__}"}
+                if state.get("full"):
+                    return state
+                await asyncio.sleep(0.1)
+        log.warning("scaling: %s drained but not every page and slot is back: %s", worker.name,
+                    state.get("detail"))
+        return state
 
     def counts(self) -> dict[str, int]:
         return {role: len(self.serving(role)) for role in ROLES}
@@ -134,13 +164,13 @@ class Scaler:
         try:
             body = await read_object(request, {"role": str, "instances": int},
                                      ("role", "instances"))
-            await self.scale(body["role"], body["instances"])
+            drained = await self.scale(body["role"], body["instances"])
         except BadRequest as exc:
             return error_json(400, exc.message)
         except ScaleError as exc:
             return error_json(exc.status, exc.message)
         return web.json_response({"instances": self.counts(), "workers": [
-            m.describe() for m in self.router.client.members()]})
+            m.describe() for m in self.router.client.members()], "drained": drained})
 
 
 # ---- the autoscaling loop ------------------------------------------------------------------

@@ -49,15 +49,23 @@ async def started(*workers: ScriptedWorker):
     return workers
 
 
-async def make_router(prefill, decode, api_key: str | None = None) -> PDRouter:
+def make_router(prefill, decode, api_key: str | None = None, *, start: bool = True):
+    """A router with the cluster key in front of scripted workers; started (a coroutine to
+    await) unless `start` is False (then the caller protects and starts it)."""
     router = PDRouter([WorkerAddress(w.url, "127.0.0.1", 9999) for w in prefill],
                       [WorkerAddress(w.url) for w in decode], Deployment(),
                       tokenizer=ByteTokenizer(), model_name="tiny",
                       limits=Limits(max_model_len=4096, pool_tokens=4096, max_position=4096,
                                     model_vocab=512), cluster_key=KEY)
-    router.protect(api_key=api_key)
-    await router.start()
-    return router
+    if not start:
+        return router
+
+    async def started_router() -> PDRouter:
+        router.protect(api_key=api_key)
+        await router.start()
+        return router
+
+    return started_router()
 
 
 async def complete(session: aiohttp.ClientSession, router: PDRouter, prompt: str,
