@@ -17,6 +17,11 @@ not exited after `stop_timeout_s` is killed. The workers also die with the launc
 Ports: a role's `port` (and prefill's `bootstrap_port`) is instance 0's, instance i adds i; 0
 means a free port, picked here and handed to the worker.
 
+Scaling (runtime/scaling.py, pdsim's router only): `POST /scale {"role", "instances"}` on the
+router starts or drains and stops instances of a role while it serves; with an `autoscaling:`
+section the configured policy does so every `interval_s` (`GET /autoscaling` shows its
+decisions). An instance the launcher stopped after its drain is not a crash.
+
 Security: `launch` uses the configured cluster secret (`PDSIM_CLUSTER_SECRET`, else
 `security.cluster_secret`) or generates a fresh one for this deployment, and hands it to every
 worker in its environment (never on its command line); the router sends the derived token on
@@ -258,17 +263,20 @@ async def _launch(config: PDServeConfig, on_ready, startup_timeout_s: float,
         prefill = [w.url for w in workers if w.role == "prefill"]
         decode = [w.url for w in workers if w.role == "decode"]
         router = make_router(config, prefill, decode, health, secret=secret)
-        scaler = None
+        autoscaler = None
         if config.router.impl == "pdsim":
             scaler = make_scaler(config, router, workers, secret, stop, startup_timeout_s,
                                  stop_timeout_s)
             router.add_internal(("POST", "/scale", scaler.handle))
+            if config.autoscaling is not None:
+                autoscaler = make_autoscaler(config, scaler, secret)
+                router.add_internal(("GET", "/autoscaling", autoscaler.handle))
         await start_router(router, config)
         if on_ready is not None:
             on_ready(router.url)
         tasks.append(asyncio.create_task(killer.run(workers)))
-        if config.autoscaling is not None:
-            tasks.append(asyncio.create_task(make_autoscaler(config, scaler, secret).run()))
+        if autoscaler is not None:
+            tasks.append(asyncio.create_task(autoscaler.run()))
         while not stop.is_set():
             await _wait(stop, 1.0)
             dead = [w for w in workers

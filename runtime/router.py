@@ -16,6 +16,9 @@ Retry-After. `GET /health` probes the workers (503 naming those that do not answ
 that refuse this router's cluster token); more than `max_inflight_requests` at once get 503
 with Retry-After.
 
+Workers join and leave while it serves (`/workers`, runtime/router_control.py): a worker being
+removed gets no new requests and leaves once its calls in flight are done.
+
 It reuses `OpenAIServer` for parsing, validation and the OpenAI wire format; only the
 `Backend` differs: `PDClient` here instead of a local `Engine`.
 """
@@ -161,9 +164,6 @@ class PDClient:
         if not prefill or not decode:
             raise ValueError(f"a PD router needs prefill and decode workers, got {len(prefill)} "
                              f"prefill and {len(decode)} decode")
-        for w in prefill:
-            if not w.bootstrap_host or not w.bootstrap_port:
-                raise ValueError(f"prefill worker {w.url} names no bootstrap host and port")
         # the workers that take new requests, in the policies' index order; draining ones aside
         self.prefill: list[Member] = []
         self.decode: list[Member] = []

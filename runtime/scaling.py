@@ -4,15 +4,16 @@ router's membership moved together, on command or by the shared autoscaling poli
 `Scaler.scale(role, instances)` starts new instances of `role` (the next instance numbers;
 each joins the router once it answers `/health`) or removes the newest ones: the router drains
 each (no new requests; its calls in flight finish), reads whether the worker got every page
-and slot back (its `/pools`; a warning if not), then stops its process. One change runs at a
-time. `POST /scale {"role", "instances"}` on the router (its internal plane: the cluster token)
-does the same over HTTP and answers with the instances and workers after the change and the
-`/pools` of each worker removed.
+and slot back (its `/pools`; a warning if not), then stops its process. One change of a role
+runs at a time; the two roles change at once. `POST /scale {"role", "instances"}` on the
+router (its internal plane: the cluster token) does the same over HTTP and answers with the
+instances and workers after the change and the `/pools` of each worker removed.
 
 `Autoscaler` runs the deployment's `autoscaling:` policy (pdsim/core/autoscale.py, the same
 the simulator runs) every `interval_s`: it builds a `ScaleObservation` of the interval that
 ended from the workers' `/load` and `/metrics` (queue lengths, KV usage) and the router's
-records (arrivals, lengths, TTFT and ITL), and scales each role to the target.
+records (arrivals, lengths, TTFT and ITL), and scales each role to the target. `GET
+/autoscaling` on the router (cluster token) shows its recent observations and targets.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections import deque
+from dataclasses import asdict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -72,7 +75,7 @@ class Scaler:
         self.starting: dict[str, int] = {role: 0 for role in ROLES}
         self._next = {role: 1 + max((w.instance for w in workers if w.role == role), default=-1)
                       for role in ROLES}
-        self._lock = asyncio.Lock()
+        self._locks = {role: asyncio.Lock() for role in ROLES}
 
     def serving(self, role: str) -> list[WorkerProcess]:
         urls = {m.address.url for m in self._group(role)}
@@ -84,14 +87,15 @@ class Scaler:
 
     async def scale(self, role: str, instances: int) -> list[dict]:
         """Add or remove `role` instances until `instances` serve; returns, for each worker
-        removed, its name, URL and `/pools` once drained (`{"full", "detail"}`)."""
+        removed, its name, URL, the router's calls on it when its drain began and its `/pools`
+        once drained (`{"full", "detail"}`)."""
         if role not in ROLES:
             raise ScaleError(400, f"role: {role!r}; allowed: {', '.join(ROLES)}")
         if instances < 1:
             raise ScaleError(400, f"instances: {instances}; allowed: 1 or more (a router needs "
                                   "one worker of each role)")
         drained = []
-        async with self._lock:
+        async with self._locks[role]:
             while len(self.serving(role)) < instances:
                 await self._add(role)
             while len(self.serving(role)) > instances:
@@ -124,7 +128,8 @@ class Scaler:
 
     async def _remove(self, role: str) -> dict:
         worker = max(self.serving(role), key=lambda w: w.instance)
-        log.info("scaling: draining %s", worker.name)
+        in_flight = next(m.calls for m in self._group(role) if m.address.url == worker.url)
+        log.info("scaling: draining %s (%d calls in flight)", worker.name, in_flight)
         try:
             await self.router.client.remove_worker(worker.url)
         except MembershipError as exc:
@@ -133,7 +138,8 @@ class Scaler:
         pools = await self._pools(worker)
         await asyncio.get_running_loop().run_in_executor(None, self._stop, worker)
         log.info("scaling: %s stopped", worker.name)
-        return {"name": worker.name, "url": worker.url, "pools": pools}
+        return {"name": worker.name, "url": worker.url, "in_flight_at_drain": in_flight,
+                "pools": pools}
 
     async def _pools(self, worker: WorkerProcess) -> dict:
         """Whether the drained `worker` has every page, request slot and metadata slot back
@@ -177,15 +183,26 @@ class Scaler:
 
 
 class Autoscaler:
-    """Every `policy.interval_s`: observe, decide, scale (both roles at once)."""
+    """Every `policy.interval_s`: observe, decide, scale (both roles; a decision's changes
+    done before the next interval starts). `decisions` keeps the last `max_decisions`
+    (observation, target); `GET /autoscaling` shows them."""
 
     def __init__(self, policy: AutoscalePolicy, scaler: Scaler, *,
-                 headers: dict[str, str] | None = None, timeout_s: float = 5.0) -> None:
+                 headers: dict[str, str] | None = None, timeout_s: float = 5.0,
+                 max_decisions: int = 100) -> None:
         self.policy = policy
         self.scaler = scaler
         self.headers = headers or {}
         self.timeout_s = timeout_s
-        self.decisions: list[tuple[ScaleObservation, dict[str, int]]] = []
+        self.decisions: deque[tuple[ScaleObservation, dict[str, int]]] = deque(
+            maxlen=max_decisions)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        """`GET /autoscaling`: the policy's interval and its recent decisions."""
+        return web.json_response({
+            "policy": type(self.policy).__name__, "interval_s": self.policy.interval_s,
+            "decisions": [{"observation": asdict(obs), "target": want}
+                          for obs, want in self.decisions]})
 
     async def run(self) -> None:
         client = self.scaler.router.client

@@ -14,6 +14,9 @@ a router). Serving ignores the simulator-only sections (workload, cost_model, ne
     router: {policy: round_robin, port: 30000}
     transfer: {protocol: tcp, heartbeat_interval_s: 2, heartbeat_timeout_s: 20}
 
+An `autoscaling:` section (pdsim/autoscaling_config.py) makes `pdsim serve` resize the roles
+while it serves (runtime/scaling.py); it needs pdsim's router (`router.impl: pdsim`).
+
 Serving reads a file with the validators `pdsim run` reads it with (the deployment's): a key
 either backend would reject, such as the earlier flat layout's (`mode:` at the top, a role's
 `num_pages`, `transfer.bootstrap_timeout_s`), is an error naming its place now.

@@ -183,3 +183,17 @@ def test_a_window_observation_counts_what_the_router_saw_in_it():
     assert math.isclose(obs.itl_p90_s, 0.25)  # 1.0 s over 4 gaps
     empty = window_observation([], [], 5.0, 6.0, pre, dec)
     assert empty.arrivals == 0 and empty.mean_input_tokens is None and empty.ttft_p90_s is None
+
+
+def test_a_serve_config_autoscales_only_behind_pdsims_router():
+    from pdsim.config import ConfigError
+    from runtime.serve_config import parse_serve_config
+
+    base = {"model": "tiny-llama", "cluster": {
+        "mode": "disaggregated", "prefill": {"scheduler": {"num_pages": 64}},
+        "decode": {"scheduler": {"num_pages": 64}}},
+        "autoscaling": {"policy": "threshold", "interval_s": 5}}
+    assert parse_serve_config(base).autoscaling.interval_s == 5
+    with pytest.raises(ConfigError) as e:
+        parse_serve_config({**base, "router": {"impl": "sglang"}})
+    assert "autoscaling: needs router.impl pdsim" in str(e.value)
