@@ -318,7 +318,8 @@ def make_scaler(config: PDServeConfig, router, workers: list[WorkerProcess], sec
                   spawn=lambda role, i: spawn_worker(config, role, i, secret),
                   wait_healthy=healthy,
                   stop=lambda w: stop_processes([w.proc], timeout_s=stop_timeout_s),
-                  headers=None if key is None else key.headers())
+                  headers=None if key is None else key.headers(),
+                  bounds=None if config.autoscaling is None else config.autoscaling.bounds)
 
 
 def make_autoscaler(config: PDServeConfig, scaler, secret: str | None):

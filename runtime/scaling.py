@@ -30,7 +30,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdsim.core.autoscale import ROLES, AutoscalePolicy, RoleState, ScaleObservation
+from pdsim.core.autoscale import ROLES, AutoscalePolicy, Bounds, RoleState, ScaleObservation
 from pdsim.core.records import RequestRecord
 from runtime.checks import BadRequest
 from runtime.http_app import error_json
@@ -58,14 +58,17 @@ class Scaler:
     they serve, removed ones leave it before they are stopped (so the launcher does not take
     their exit for a crash). `wait_healthy(worker)` returns a started worker's `/health` JSON
     (raising when it exits or takes too long). `headers`: the cluster token, for the workers'
-    `/pools`; `pools_timeout_s`: how long a drained worker may take to show them full."""
+    `/pools`; `pools_timeout_s`: how long a drained worker may take to show them full.
+    `bounds`: the fewest and most instances of each role (the `autoscaling:` section's);
+    default 1 or more."""
 
     def __init__(self, router: PDRouter, workers: list[WorkerProcess],
                  *, spawn: Callable[[str, int], WorkerProcess],
                  wait_healthy: Callable[[WorkerProcess], object],
                  stop: Callable[[WorkerProcess], None], headers: dict[str, str] | None = None,
-                 pools_timeout_s: float = 10.0) -> None:
+                 pools_timeout_s: float = 10.0, bounds: Bounds | None = None) -> None:
         self.router = router
+        self.bounds = bounds
         self.headers = headers or {}
         self.pools_timeout_s = pools_timeout_s
         self.workers = workers
@@ -91,7 +94,12 @@ class Scaler:
         once drained (`{"full", "detail"}`)."""
         if role not in ROLES:
             raise ScaleError(400, f"role: {role!r}; allowed: {', '.join(ROLES)}")
-        if instances < 1:
+        if self.bounds is not None:
+            low, high = self.bounds.limits(role)
+            if not low <= instances <= high:
+                raise ScaleError(400, f"instances: {instances}; allowed: {low} to {high} "
+                                      f"(autoscaling.{role})")
+        elif instances < 1:
             raise ScaleError(400, f"instances: {instances}; allowed: 1 or more (a router needs "
                                   "one worker of each role)")
         drained = []

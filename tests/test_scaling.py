@@ -11,7 +11,7 @@ import math
 import aiohttp
 import pytest
 
-from pdsim.core.autoscale import FixedSchedule, RoleState
+from pdsim.core.autoscale import Bounds, FixedSchedule, RoleState
 from pdsim.core.records import RequestRecord
 from runtime.launcher import WorkerProcess
 from runtime.scaling import Autoscaler, Scaler, ScaleError, window_observation
@@ -80,6 +80,11 @@ def test_post_scale_moves_a_role_to_a_count_and_refuses_bad_input():
                     with pytest.raises(ScaleError) as e:
                         await scaler.scale(role, n)
                     assert e.value.status == 400 and message in e.value.message
+                scaler.bounds = Bounds(max_decode=2)  # an autoscaling section's
+                with pytest.raises(ScaleError) as e:
+                    await scaler.scale("decode", 3)
+                assert "instances: 3; allowed: 1 to 2 (autoscaling.decode)" in e.value.message
+                assert scaler.counts() == {"prefill": 1, "decode": 1}
         finally:
             await cleanup(router, *workers)
 
