@@ -5,7 +5,7 @@ cost model when they are not given.
 
 ```yaml
 autoscaling:
-  policy: threshold            # fixed | threshold | sla
+  policy: threshold            # static | fixed | threshold | sla
   interval_s: 30               # the policy decides once per interval
   prefill: {min_instances: 1, max_instances: 8}
   decode: {min_instances: 1, max_instances: 8}
@@ -29,6 +29,7 @@ from pdsim.core.autoscale import (
     FixedSchedule,
     RoleThresholds,
     SlaPlanner,
+    StaticPolicy,
     ThresholdPolicy,
 )
 
@@ -85,6 +86,10 @@ class RoleThresholdParams(_Spec):
     kv_up: float = Field(0.85, gt=0, le=1, description="grow when the share of KV pages in use "
                          "exceeds this")
     kv_down: float = Field(0.4, ge=0, lt=1, description="shrink only when KV usage is below this")
+    busy_up: float | None = Field(None, gt=0, le=1, description="grow when the share of the "
+                                  "window the instances computed exceeds this (with busy_down)")
+    busy_down: float | None = Field(None, ge=0, lt=1, description="shrink only when the busy "
+                                    "share is below this (with busy_up)")
 
     @model_validator(mode="after")
     def _ordered(self) -> RoleThresholdParams:
@@ -92,7 +97,8 @@ class RoleThresholdParams(_Spec):
         return self
 
     def thresholds(self) -> RoleThresholds:
-        return RoleThresholds(self.queue_up, self.queue_down, self.kv_up, self.kv_down)
+        return RoleThresholds(self.queue_up, self.queue_down, self.kv_up, self.kv_down,
+                              self.busy_up, self.busy_down)
 
 
 class ThresholdParams(_Spec):
@@ -116,11 +122,14 @@ class SlaParams(_Spec):
         "sustains within the ITL SLO (sim: derived from the cost model when omitted)")
 
 
-POLICY_NAMES = ("fixed", "threshold", "sla")
-
-
 class AutoscalingConfig(_Spec):
-    policy: Literal["fixed", "threshold", "sla"]
+    """`policy` picks the policy; the sections of the others may stay (and are ignored), so
+    one experiment can sweep `autoscaling.policy`."""
+
+    policy: Literal["static", "fixed", "threshold", "sla"] = Field(
+        description="static: keep the starting counts (the baseline, with the same timeline); "
+        "fixed: fixed.schedule; threshold: queue and KV thresholds; sla: size each role for "
+        "the predicted load")
     interval_s: float = Field(30.0, gt=0, allow_inf_nan=False,
                               description="the policy decides once per interval")
     prefill: RoleLimits = RoleLimits()
@@ -132,10 +141,6 @@ class AutoscalingConfig(_Spec):
 
     @model_validator(mode="after")
     def _params_match_policy(self) -> AutoscalingConfig:
-        for name in POLICY_NAMES:
-            if name != self.policy and getattr(self, name) is not None:
-                raise ValueError(f"autoscaling.{name} is given but policy is {self.policy!r}: "
-                                 f"set policy: {name}, or drop the {name} section")
         if self.policy == "fixed" and self.fixed is None:
             raise ValueError("policy fixed needs fixed.schedule: a list of "
                              "{at_s, prefill, decode} steps")
@@ -168,6 +173,8 @@ class AutoscalingConfig(_Spec):
                     decode_tokens_per_s: float | None = None) -> AutoscalePolicy:
         """The configured policy. The SLA planner's capacities come from its section, else
         from these arguments (a backend's own estimate); a ValueError when neither has one."""
+        if self.policy == "static":
+            return StaticPolicy(self.interval_s)
         if self.policy == "fixed":
             return FixedSchedule([(s.at_s, s.prefill, s.decode) for s in self.fixed.schedule],
                                  self.interval_s, self.bounds)

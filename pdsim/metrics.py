@@ -425,3 +425,34 @@ def littles_law(
     lam = inside.sum() / length
     w = float((dep - arr)[inside].mean()) if inside.any() else 0.0
     return LittlesLaw(area / length, float(lam * w))
+
+
+def timeline(records: Sequence[RequestRecord], window_end_s: Sequence[float],
+             slo: SLO) -> list[dict]:
+    """Latency and SLO figures per time window, (previous end, end] from 0: the requests that
+    arrived in each (so a window's figures are what its load got). Per window: `arrivals`,
+    `arrival_rate_rps`, `failed`, `slo_attainment` (as in `summarize`: failures are misses),
+    TTFT p50/p90 and the p90 over requests of each one's mean ITL (completed requests; NaN
+    when none)."""
+    records = list(records)
+    arrival = np.fromiter((r.arrival_s for r in records), dtype=np.float64, count=len(records))
+    ok = np.fromiter((r.ok for r in records), dtype=bool, count=len(records))
+    ttft = np.fromiter((r.ttft_s for r in records), dtype=np.float64, count=len(records))
+    tpot = _token_times(records).mean_gap()
+    met = ok & _latencies_meet(ttft, tpot, slo)
+    rows, start = [], 0.0
+    for end in window_end_s:
+        inside = (arrival > start) & (arrival <= end) if start else (arrival <= end)
+        n, done = int(inside.sum()), inside & ok
+        row = {"start_s": start, "end_s": float(end), "arrivals": n,
+               "arrival_rate_rps": n / (end - start) if end > start else NAN,
+               "failed": int((inside & ~ok).sum()),
+               "slo_attainment": float(met[inside].mean()) if n else NAN}
+        row |= {k: v for k, v in _percentiles(ttft[done], "ttft", (50, 90)).items()
+                if not k.endswith("mean_s")}
+        gaps = tpot[done]
+        gaps = gaps[~np.isnan(gaps)]
+        row["itl_p90_s"] = float(np.percentile(gaps, 90)) if len(gaps) else NAN
+        rows.append(row)
+        start = float(end)
+    return rows

@@ -704,3 +704,46 @@ def _slug(value) -> str:
     text = f"{value:g}" if isinstance(value, (float, np.floating)) else str(value)
     return "".join(c if c.isalnum() or c in ".-" else "_" for c in text)
 
+
+
+def plot_timeline(timeline: pd.DataFrame, path: str | Path, slo=None) -> Path:
+    """An autoscaled run over time, one colour per sweep point (`label`): the load (arrivals
+    per second of each window), the instances of each role serving at the window's end
+    (prefill solid, decode dashed), TTFT p90 and the p90 of requests' mean ITL by arrival
+    window, and the share of each window's arrivals that met the SLO. `timeline` is the
+    runner's timeline.csv (pdsim.sim.autoscaler.timeline_frame)."""
+    path = Path(path)
+    labels = list(dict.fromkeys(timeline["label"])) if "label" in timeline else [""]
+    colors = dict(zip(labels, _colors(len(labels))))
+    fig = Figure(figsize=(10, 11), layout="constrained")
+    load, inst, ttft, itl, met = fig.subplots(5, 1, sharex=True)
+    first = timeline[timeline["label"] == labels[0]] if "label" in timeline else timeline
+    minutes = first["end_s"] / 60
+    load.step(minutes, first["arrival_rate_rps"], where="pre", color="black")
+    load.set(title="Load", ylabel="arrivals (req/s)")
+    for label in labels:
+        part = timeline[timeline["label"] == label] if "label" in timeline else timeline
+        x, c = part["end_s"] / 60, colors[label]
+        for role, style in (("prefill", "-"), ("decode", "--")):
+            if f"{role}_running" in part:
+                inst.step(x, part[f"{role}_running"], where="post", color=c, linestyle=style)
+        ttft.plot(x, part["ttft_p90_s"] * 1e3, color=c, marker=".")
+        itl.plot(x, part["itl_p90_s"] * 1e3, color=c, marker=".")
+        met.plot(x, part["slo_attainment"] * 100, color=c, marker=".", label=label)
+    inst.set(title="Instances serving", ylabel="instances")
+    inst.yaxis.set_major_locator(MaxNLocator(integer=True))
+    legend_outside(inst, [Line2D([], [], color="grey", linestyle="-", label="prefill"),
+                          Line2D([], [], color="grey", linestyle="--", label="decode")])
+    ttft.set(title="TTFT p90 by arrival window", ylabel="TTFT (ms)")
+    itl.set(title="Mean ITL per request, p90 by arrival window", ylabel="ITL (ms)")
+    for ax, field in ((ttft, "ttft_s"), (itl, "itl_s")):
+        if ax.has_data():
+            log_axis(ax.yaxis)
+        line = _slo_line(ax, slo, field, 1e3)
+        if line is not None:
+            legend_outside(ax, [line])
+    met.set(title="SLO attainment by arrival window", ylabel="met (%)", xlabel="time (min)",
+            ylim=(-2, 102))
+    if "label" in timeline:
+        legend_outside(met)
+    return _save(fig, path)

@@ -67,6 +67,8 @@ _TABLE: tuple[tuple[str, str, Callable], ...] = (
     ("output_tok_s_per_gpu", "out tok/s/GPU", _num),
     ("goodput_req_s_per_gpu", "goodput/GPU (req/s)", _num),
     ("slo_attainment", "SLO met", _pct),
+    ("gpu_hours", "GPU-hours", _num),  # autoscaling: what the run held...
+    ("gpu_hours_vs_static_peak", "vs static at peak", _pct),  # ...against its peak held throughout
     ("prefix_hit_rate", "prefix hit", _pct),  # only when a prefix cache served some prompt
 )
 

@@ -1,11 +1,13 @@
 """Run an experiment: every sweep point simulated, then tables, plots and a report written.
 
 Outputs in `results/<experiment>/`: summary.csv (one row per point), requests.parquet (one row
-per request of every point), PNG plots, report.md and the config that produced them.
+per request of every point), timeline.csv (with autoscaling: one row per point and policy
+interval), PNG plots, report.md and the config that produced them.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,7 @@ from pdsim.config import ExperimentConfig, check_files, expand_sweep, load_exper
 from pdsim.pools import Pool, open_pool
 from pdsim.faults import fault_summary, first_kill_s
 from pdsim.metrics import price_columns, records_frame, summarize
+from pdsim.sim.autoscaler import AutoscaleSetup, timeline_frame
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cluster import simulate
 from pdsim.sim.cost import SHARE_GROUPS, share_group
@@ -32,6 +35,7 @@ class PointResult:
     index: int
     summary: dict[str, Any]
     requests: pd.DataFrame
+    timeline: pd.DataFrame | None = None  # with autoscaling: one row per policy interval
 
 
 def point_columns(cfg: ExperimentConfig, request_rate: float,
@@ -69,6 +73,7 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
         cluster, workload.arrival_s, workload.input_tokens, workload.output_tokens,
         seed=cfg.seed, max_duration_s=cfg.max_duration_s, closed_loop=workload.closed_loop,
         prefix=workload.prefix, stop=None if stop is None else stop(workload),
+        autoscale=None if cfg.autoscaling is None else AutoscaleSetup(cfg.autoscaling, cfg.slo.itl_s),
     )
     if all(r.ok for r in result.records):
         result.check_pools_full()  # an idle cluster must have every page and slot back
@@ -77,9 +82,17 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
         rate = round(workload.mean_rate_rps, 3)  # NaN for a closed loop
     row = {"point": index, **point_columns(cfg, rate, workload.closed_loop),
            **{f"sweep.{k}": v for k, v in swept.items()}}
-    row.update(summarize(result.records, num_gpus=cluster.num_gpus, slo=cfg.slo, window=cfg.metrics))
+    # With autoscaling the GPUs change over the run: per-GPU figures and prices use the mean
+    # held (GPU-hours / the run), and the scaling columns say what was held when.
+    scaling = None if result.autoscaler is None else result.autoscaler.summary(result.sim_time_s)
+    num_gpus = cluster.num_gpus if scaling is None else scaling["mean_gpus"]
+    row.update(summarize(result.records, num_gpus=num_gpus, slo=cfg.slo, window=cfg.metrics))
     # usd_per_hour, usd_per_mtok, goodput_req_per_usd at the hardware's price (NaN: none)
-    row.update(price_columns(row, load_hardware_spec(cfg.hardware, base_dir).usd_per_gpu_hour))
+    usd_per_gpu_hour = load_hardware_spec(cfg.hardware, base_dir).usd_per_gpu_hour
+    row.update(price_columns(row, usd_per_gpu_hour))
+    if scaling is not None:
+        row.update(scaling)
+        row["usd"] = scaling["gpu_hours"] * (math.nan if usd_per_gpu_hour is None else usd_per_gpu_hour)
     row["sim_time_s"] = result.sim_time_s
     row["prefill_busy_frac"] = result.prefill_busy_frac
     row["decode_busy_frac"] = result.decode_busy_frac
@@ -95,7 +108,11 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
     frame["in_window"] = cfg.metrics.mask(frame["arrival_s"].to_numpy(float),
                                           frame["finish_s"].to_numpy(float))
     frame.insert(0, "point", index)
-    return PointResult(index, row, frame)
+    timeline = None
+    if result.autoscaler is not None:
+        timeline = timeline_frame(result.autoscaler, result.records, result.sim_time_s, cfg.slo)
+        timeline.insert(0, "point", index)
+    return PointResult(index, row, frame, timeline)
 
 
 class PointError(RuntimeError):
@@ -143,7 +160,7 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
     on the cluster at `ray_address`, default a local instance); pdsim.pools."""
     # Here, not at import: pool workers import this module to run points and never plot
     # (matplotlib takes ~0.25 s to import).
-    from pdsim.plots import plot_experiment, plot_latency_cdfs, sweep_labels
+    from pdsim.plots import plot_experiment, plot_latency_cdfs, plot_timeline, sweep_labels
     from pdsim.report import write_report
 
     path = Path(path)
@@ -167,6 +184,12 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
     requests.to_parquet(out / "requests.parquet", index=False)
     (out / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     plots = plot_experiment(summary, out, slo=cfg.slo) + plot_latency_cdfs(requests, out, by="label")
+    timelines = [r.timeline for r in results if r.timeline is not None]
+    if timelines:
+        timeline = pd.concat(timelines, ignore_index=True)
+        timeline.insert(1, "label", timeline["point"].map(dict(zip(summary["point"], summary["label"]))))
+        timeline.to_csv(out / "timeline.csv", index=False)
+        plots.append(plot_timeline(timeline, out / "timeline.png", slo=cfg.slo))
     write_report(summary, out, title=cfg.name, config_text=path.read_text(), plots=plots, slo=cfg.slo)
     return summary, out
 

@@ -318,7 +318,7 @@ def test_config_is_frozen():
     [
         ({"burst": 2}, "burst", "Extra inputs"),
         ({"arrival": {"process": "poisson", "rate_rps": 1, "cv": 2}}, "arrival.cv", "Extra inputs"),
-        ({"arrival": {"process": "weibull", "rate_rps": 1}}, "arrival.process", "allowed: closed, constant, gamma"),
+        ({"arrival": {"process": "weibull", "rate_rps": 1}}, "arrival.process", "allowed: closed, constant, diurnal, gamma"),
         ({"arrival": {"rate_rps": 1}}, "arrival.process", "Field required"),
         ({"arrival": {"process": "poisson", "rate_rps": -2}}, "arrival.rate_rps", "greater than 0"),
         ({"arrival": {"process": "gamma", "rate_rps": 1, "cv": 0}}, "arrival.cv", "greater than 0"),

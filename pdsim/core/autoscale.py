@@ -9,9 +9,10 @@ requests) or drains them (they take no new requests and leave once their work is
 A policy keeps only what it needs between calls (a cooldown's last change, a predictor's
 history), keyed on `now_s` from the observation; nothing here reads a clock.
 
+- `StaticPolicy`: the counts the cluster has (a baseline with the same timeline and GPU-hours).
 - `FixedSchedule`: the counts at given times (tests, and a known daily profile).
-- `ThresholdPolicy`: one instance more or less per role when its queue per instance or its KV
-  usage crosses a threshold, with a cooldown per role.
+- `ThresholdPolicy`: one instance more or less per role when its queue per instance, its KV
+  usage or (where given) its busy share crosses a threshold, with a cooldown per role.
 - `SlaPlanner`, in the style of NVIDIA Dynamo's SLA planner: predict the next interval's
   request rate and mean input and output lengths from the past windows, and give each role as
   many instances as that load needs at a per-instance capacity measured at the SLO (prompt
@@ -38,6 +39,7 @@ class RoleState:
     draining: int = 0  # out of the router, finishing their work
     queue_len: int = 0  # prefill: requests waiting; decode: requests waiting or pre-allocating
     kv_usage: float = 0.0  # share of the running instances' KV pages in use, 0..1
+    busy: float | None = None  # share of the window the running instances computed (None: unknown)
 
     @property
     def provisioned(self) -> int:
@@ -124,6 +126,17 @@ def _positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
+class StaticPolicy:
+    """Keeps what the cluster has: the baseline autoscaling is measured against."""
+
+    def __init__(self, interval_s: float):
+        _positive("interval_s", interval_s)
+        self.interval_s = interval_s
+
+    def decide(self, obs: ScaleObservation) -> ScaleTarget:
+        return ScaleTarget(obs.prefill.provisioned, obs.decode.provisioned)
+
+
 class FixedSchedule:
     """The counts of the latest step at or before `now_s`: `steps` are (at_s, prefill,
     decode) in increasing at_s. Before the first step the cluster keeps what it has."""
@@ -152,13 +165,18 @@ class FixedSchedule:
 @dataclass(frozen=True)
 class RoleThresholds:
     """When one role grows or shrinks by one instance: up when its queue per running instance
-    exceeds `queue_up` or its KV usage exceeds `kv_up`; down when both are below
-    `queue_down` and `kv_down` and nothing of the role is starting or draining."""
+    exceeds `queue_up`, its KV usage `kv_up` or its busy share `busy_up`; down when all are
+    below `queue_down`, `kv_down` and `busy_down` and nothing of the role is starting or
+    draining. The busy thresholds (None: not used) read `RoleState.busy`, a window's average,
+    where the queue and KV usage are what the end of the window holds: a prefill instance
+    busy 90% of the time may have an empty queue whenever it is looked at."""
 
     queue_up: float = 4.0
     queue_down: float = 0.5
     kv_up: float = 0.85
     kv_down: float = 0.4
+    busy_up: float | None = None
+    busy_down: float | None = None
 
     def __post_init__(self):
         if not 0 <= self.queue_down < self.queue_up:
@@ -167,6 +185,22 @@ class RoleThresholds:
         if not 0 <= self.kv_down < self.kv_up <= 1:
             raise ValueError(f"thresholds need 0 <= kv_down < kv_up <= 1, got kv_down "
                              f"{self.kv_down}, kv_up {self.kv_up}")
+        if (self.busy_up is None) != (self.busy_down is None) or (
+                self.busy_up is not None and not 0 <= self.busy_down < self.busy_up <= 1):
+            raise ValueError(f"thresholds need both busy_down and busy_up or neither, with "
+                             f"0 <= busy_down < busy_up <= 1, got busy_down {self.busy_down}, "
+                             f"busy_up {self.busy_up}")
+
+    def grow(self, state: RoleState) -> bool:
+        queue = state.queue_len / max(state.running, 1)
+        busy = self.busy_up is not None and state.busy is not None and state.busy > self.busy_up
+        return queue > self.queue_up or state.kv_usage > self.kv_up or busy
+
+    def shrink(self, state: RoleState) -> bool:
+        queue = state.queue_len / max(state.running, 1)
+        idle = self.busy_down is None or state.busy is None or state.busy < self.busy_down
+        return (queue < self.queue_down and state.kv_usage < self.kv_down and idle
+                and not state.starting and not state.draining)
 
 
 class ThresholdPolicy:
@@ -191,11 +225,9 @@ class ThresholdPolicy:
             state, th = obs.role(role), self.thresholds[role]
             n = state.provisioned
             if obs.now_s - self.last_change_s[role] >= self.cooldown_s:
-                queue = state.queue_len / max(state.running, 1)
-                if queue > th.queue_up or state.kv_usage > th.kv_up:
+                if th.grow(state):
                     n += 1
-                elif (queue < th.queue_down and state.kv_usage < th.kv_down
-                      and not state.starting and not state.draining):
+                elif th.shrink(state):
                     n -= 1
             n = self.bounds.clamp(role, n)
             if n != state.provisioned:

@@ -254,6 +254,18 @@ class Router:
         self.num_prefill = num_prefill
         self.num_decode = num_decode
         self.room_rng = room_rng or self.rng
+        self._serving: tuple[list[int], list[int]] | None = None  # None: every instance
+
+    def set_serving(self, prefill: Sequence[int], decode: Sequence[int]) -> None:
+        """Route only to these instances (indices into each role's instances): an autoscaler
+        keeps starting and draining ones out. A policy picks a position in these lists, so a
+        stateful policy's per-position state (round robin's turn, cache-aware trees) follows
+        the list: add joining instances at the end."""
+        if not decode or (self.num_prefill and not prefill):
+            raise ValueError(f"a router needs a serving decode instance and, in PD mode, a "
+                             f"serving prefill instance; got prefill {list(prefill)}, "
+                             f"decode {list(decode)}")
+        self._serving = (list(prefill), list(decode))
 
     def add_instance(self, role: str) -> None:
         """One more `role` ("prefill" or "decode") instance, at the next index."""
@@ -292,10 +304,23 @@ class Router:
         """(prefill instance, decode instance, bootstrap room). `keys` (the prompt's prefix
         keys) go to the side that computes the prompt: the prefill side, or the serving side
         of colocated instances."""
+        if self._serving is not None:
+            return self._route_serving(prefill_load, decode_load, keys)
         if self.num_prefill:
             p = self.prefill_policy.pick(self.num_prefill, prefill_load, keys)
             d = self.decode_policy.pick(self.num_decode, decode_load)
         else:
             p = -1
             d = self.decode_policy.pick(self.num_decode, decode_load, keys)
+        return p, d, new_bootstrap_room(self.room_rng)
+
+    def _route_serving(self, prefill_load: Callable[[int], float],
+                       decode_load: Callable[[int], float], keys: Sequence[Hashable]
+                       ) -> tuple[int, int, int]:
+        pids, dids = self._serving
+        p = -1
+        if self.num_prefill:
+            p = pids[self.prefill_policy.pick(len(pids), lambda k: prefill_load(pids[k]), keys)]
+        d = dids[self.decode_policy.pick(len(dids), lambda k: decode_load(dids[k]),
+                                         () if self.num_prefill else keys)]
         return p, d, new_bootstrap_room(self.room_rng)

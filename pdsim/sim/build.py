@@ -10,7 +10,7 @@ from pdsim.config import ConfigError, ExperimentConfig, RoleConfig
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.running import Speculation
 from pdsim.sim.cluster import ClusterSpec, RoleSpec
-from pdsim.sim.cost import Parallelism, kv_capacity_tokens, make_cost_model
+from pdsim.sim.cost import Parallelism, kv_capacity_tokens, make_cost_model, weight_bytes_per_gpu
 from pdsim.sim.network import PROTOCOLS, NetworkModel, descriptor_counts, stage_kv_page_bytes
 from pdsim.sim.speculative import (
     draft_spec,
@@ -76,7 +76,7 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     nic *= kv_page_bytes / max(stage_kv_page_bytes(kv_page_bytes, model.num_layers, role.pp))
     return RoleSpec(role.instances, role.dp_attention, role.gpus_per_instance, sched, cost, nic,
                     kv_page_bytes, state_bytes_per_request=state_bytes, wakeup_s=knobs.wakeup_s,
-                    pp=role.pp)
+                    pp=role.pp, weight_bytes_per_gpu=weight_bytes_per_gpu(model, par))
 
 
 def _expert_load_params(cfg: ExperimentConfig, role: RoleConfig) -> dict:

@@ -27,6 +27,7 @@ from pdsim.core.scheduler import ColocatedScheduler, InstanceScheduler
 from pdsim.core.token_times import TokenTimes
 from pdsim.faults import FaultsConfig
 from pdsim.sim.arrivals import ArrivalSource, ClosedLoopSource, OpenLoop
+from pdsim.sim.autoscaler import AutoscaleSetup, SimAutoscaler
 from pdsim.sim.cost import CostModel
 from pdsim.sim.faults import RETRY_SUFFIX, SimFaults
 from pdsim.sim.instance import SimInstance
@@ -49,6 +50,7 @@ class RoleSpec:
     state_bytes_per_request: float = 0.0  # sent with a request's last chunk (draft state)
     wakeup_s: float = 0.0  # an idle scheduler of this role notices new work this late
     pp: int = 1  # pipeline stages per instance (pdsim/sim/pipeline.py)
+    weight_bytes_per_gpu: float = 0.0  # what a new instance's GPUs load at a cold start
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class SimResult:
     kv_transfer_gb: float = 0.0  # KV moved between instances, GB
     decode_mean_batch: float = math.nan  # time-average requests per decode (or colocated) instance
     stopped: str = ""  # why the run ended before every request finished (`stop`), or ""
+    autoscaler: SimAutoscaler | None = field(default=None, repr=False)  # its spans and samples
 
     def check_pools_full(self) -> None:
         for inst in self.instances:
@@ -91,8 +94,14 @@ class Simulation:
     """One simulated run of a cluster on a workload."""
 
     def __init__(self, cluster: ClusterSpec, seed: int, max_duration_s: float = math.inf,
-                 decode_runs: bool = True, stop: Callable[[Request], str] | None = None):
+                 decode_runs: bool = True, stop: Callable[[Request], str] | None = None,
+                 autoscale: AutoscaleSetup | None = None):
+        if autoscale is not None and cluster.faults.any:
+            raise ValueError("autoscaling with fault injection is not simulated: drop faults "
+                             "or autoscaling")
         self.cluster = cluster
+        self.autoscale = autoscale
+        self.autoscaler: SimAutoscaler | None = None
         self.stop = stop  # called with each finished request: a reason ends the run there
         self.stopped = ""
         self.decode_runs = decode_runs
@@ -118,22 +127,37 @@ class Simulation:
                                         lambda i: self.inflight.prefill_lost(i))
 
     def _build_role(self, role: RoleSpec, kind: str, key_base: int) -> list[SimInstance]:
-        insts = []
-        for i in range(role.instances):
-            holder: list[SimInstance] = []
-            notify = lambda h=holder: h[0].notify()  # noqa: E731  (bound once the instance exists)
-            make_schedulers = self._schedulers_of(role, kind, i, key_base + i, notify)
-            on_done = self._prefill_done if kind == "prefill" else self._request_done
-            inst = SimInstance(
-                self.env, Instance(make_schedulers(), on_done, self.cluster.dp_assignment),
-                make_executor(role.cost(), role.pp, lambda: self.env.now), make_schedulers, wakes_on_arrival=kind == "colocated",
-                wakeup_s=role.wakeup_s, decode_runs=self.decode_runs,
-                next_arrival_s=(lambda: self.next_arrival_s) if kind == "colocated"
-                else lambda: math.inf)
-            holder.append(inst)
-            insts.append(inst)
+        insts = [self._new_instance(role, kind, i, key_base + i) for i in range(role.instances)]
         self.instances.extend(insts)
         return insts
+
+    def _new_instance(self, role: RoleSpec, kind: str, index: int, key: int) -> SimInstance:
+        """Instance `index` of its role; `key` names it on the fabric."""
+        holder: list[SimInstance] = []
+        notify = lambda: holder[0].notify()  # noqa: E731  (bound once the instance exists)
+        make_schedulers = self._schedulers_of(role, kind, index, key, notify)
+        on_done = self._prefill_done if kind == "prefill" else self._request_done
+        inst = SimInstance(
+            self.env, Instance(make_schedulers(), on_done, self.cluster.dp_assignment),
+            make_executor(role.cost(), role.pp, lambda: self.env.now), make_schedulers,
+            wakes_on_arrival=kind == "colocated", wakeup_s=role.wakeup_s,
+            decode_runs=self.decode_runs,
+            next_arrival_s=(lambda: self.next_arrival_s) if kind == "colocated"
+            else lambda: math.inf)
+        holder.append(inst)
+        return inst
+
+    def add_instance(self, kind: str) -> int:
+        """A new instance of role `kind` (prefill or decode) on the fabric, not yet routed to
+        (`Router.set_serving`); its index among the role's instances."""
+        role, insts = ((self.cluster.prefill, self.prefills) if kind == "prefill"
+                       else (self.cluster.decode, self.serving))
+        inst = self._new_instance(role, kind, len(insts), len(self.instances))
+        insts.append(inst)
+        self.instances.append(inst)
+        load = self.inflight.prefill_tokens if kind == "prefill" else self.inflight.decode_requests
+        load.append(0)
+        return len(insts) - 1
 
     def _schedulers_of(self, role: RoleSpec, kind: str, index: int, key: int,
                        notify: Callable[[], None]) -> Callable[[], list[InstanceScheduler]]:
@@ -157,9 +181,13 @@ class Simulation:
     def _prefill_done(self, req: Request) -> None:
         self.prefill_side[req.rid] = req
         self.inflight.prefill_returned(req.prefill_instance, req.input_len)
+        if self.autoscaler is not None:
+            self.autoscaler.returned("prefill", req.prefill_instance)
 
     def _request_done(self, req: Request) -> None:
         self.inflight.decode_returned(req.decode_instance)
+        if self.autoscaler is not None:
+            self.autoscaler.finished(req)
         if (self.faults is not None and req.error and not req.token_times_s
                 and not req.rid.endswith(RETRY_SUFFIX) and self.faults.retryable(req.error)):
             # The real router sends a request that failed with a 503 before any token once
@@ -185,11 +213,13 @@ class Simulation:
         self._sent_s[i] = sent_s
         rid = str(i) + (RETRY_SUFFIX if retry else "")
         n_in, n_out = self._inputs[i], self._outputs[i]
+        if self.autoscaler is not None:
+            self.autoscaler.arrived(n_in, n_out)
         keys = () if self._prefix is None else self._prefix.ids_of(i).tolist()  # router: blocks
         inflight = self.inflight
         tries = 1 if retry else 2  # a pair with a dead worker: the router tries once more
         for n in range(tries):
-            p, d, room = self._router.route(inflight.prefill_tokens.__getitem__,
+            p, d, room = self.router.route(inflight.prefill_tokens.__getitem__,
                                             inflight.decode_requests.__getitem__, keys)
             inflight.sent(p, d, n_in)
             if self.faults is None or not (dead := self.faults.dead(p, d)):
@@ -240,8 +270,11 @@ class Simulation:
         self._inputs, self._outputs = input_tokens.tolist(), output_tokens.tolist()
         self._sent_s = [math.nan] * self.num_requests
         self.inflight = InflightLoad(len(self.prefills), len(self.serving))
-        self._router = Router(self.cluster.router_policy, len(self.prefills), len(self.serving),
-                              self.router_seed, policy_options=self.cluster.router_options)
+        self.router = Router(self.cluster.router_policy, len(self.prefills), len(self.serving),
+                             self.router_seed, policy_options=self.cluster.router_options)
+        if self.autoscale is not None:
+            self.autoscaler = SimAutoscaler(self, self.autoscale, input_tokens, output_tokens)
+            self.autoscaler.start()
         self._source: ArrivalSource = (OpenLoop(arrival_s) if closed_loop is None
                                        else ClosedLoopSource(closed_loop))
         self._source.start(self)
@@ -260,6 +293,7 @@ class Simulation:
             kv_transfer_gb=self.fabric.kv_bytes / 1e9,
             decode_mean_batch=sum(i.decode_req_s for i in self.serving) / (len(self.serving) * span),
             stopped=self.stopped,
+            autoscaler=self.autoscaler,
         )
 
     def _records(self, input_tokens) -> list[RequestRecord]:
@@ -315,12 +349,14 @@ def _collector_paused():
 def simulate(cluster: ClusterSpec, arrival_s, input_tokens, output_tokens, *, seed: int = 0,
              max_duration_s: float = math.inf, closed_loop: ClosedLoop | None = None,
              decode_runs: bool = True, prefix: PrefixBlocks | None = None,
-             stop: Callable[[Request], str] | None = None) -> SimResult:
+             stop: Callable[[Request], str] | None = None,
+             autoscale: AutoscaleSetup | None = None) -> SimResult:
     """Serve the workload on the cluster. `decode_runs=False` simulates every decode step as
     its own event (the reference the faster runs of steps must match). `stop`, called with
     each finished request, may end the run early by returning why (unfinished requests then
-    fail with that reason: the planner's SLO watch)."""
-    return Simulation(cluster, seed, max_duration_s, decode_runs, stop).run(
+    fail with that reason: the planner's SLO watch). `autoscale` resizes the roles while
+    serving (pdsim/sim/autoscaler.py)."""
+    return Simulation(cluster, seed, max_duration_s, decode_runs, stop, autoscale).run(
         np.asarray(arrival_s, dtype=float), np.asarray(input_tokens), np.asarray(output_tokens),
         closed_loop, prefix,
     )

@@ -10,6 +10,9 @@ workload:                     # synthetic
   num_requests: 2000
   seed: 7
   arrival: {process: gamma, rate_rps: 4.0, cv: 2.0}   # poisson | gamma (cv) | constant
+  # a rate that changes over time (Poisson at each moment's rate; `schedule`):
+  # {process: steps, steps: [{at_s: 0, rate_rps: 2}, {at_s: 300, rate_rps: 8}]}
+  # {process: diurnal, trough_rps: 1, peak_rps: 10, period_s: 1800}  # peak at period/2
   # or a closed loop: {process: closed, concurrency: 64, think_time_s: 0.0}
   input_len: {dist: lognormal, mean: 2048, cv: 1.0, min: 16, max: 32768}
   output_len: {dist: empirical, path: ../shared/traces/conversation_trace.jsonl, column: output}
@@ -29,7 +32,8 @@ workload:                     # trace replay
 ```
 
 Modules: `arrays` (the Workload value), `registry` (names to spec classes), `synthetic`
-(arrival processes, length distributions), `traces` (reading Mooncake and Azure files),
+(arrival processes, length distributions), `schedule` (arrival rates that change over
+time), `traces` (reading Mooncake and Azure files),
 `replay` (windowing and rescaling a trace), `prefix` (system prompts, conversations and the hit
 rate of an unbounded prefix cache). A Mooncake trace's `hash_ids` and the synthetic prefixes
 become `Workload.prefix` (`PrefixBlocks`). A new arrival process or length distribution is a
@@ -55,6 +59,7 @@ from pdsim.workload.prefix import (
 )
 from pdsim.workload.registry import Registry, Spec
 from pdsim.workload.replay import TraceWorkload
+from pdsim.workload.schedule import DiurnalArrival, ScheduledArrival, StepsArrival
 from pdsim.workload.synthetic import (
     ARRIVAL_PROCESSES,
     LENGTH_DISTRIBUTIONS,
@@ -89,6 +94,7 @@ __all__ = [
     "ClosedLoop",
     "ClosedLoopArrival",
     "ConstantArrival",
+    "DiurnalArrival",
     "Conversation",
     "EmpiricalLength",
     "FixedLength",
@@ -98,8 +104,10 @@ __all__ = [
     "PoissonArrival",
     "PrefixBlocks",
     "Registry",
+    "ScheduledArrival",
     "SharedPrefix",
     "Spec",
+    "StepsArrival",
     "SyntheticWorkload",
     "TraceFormat",
     "TraceNotFoundError",
