@@ -169,13 +169,13 @@ class PDClient:
         self.decode: list[Member] = []
         self.draining: list[Member] = []
         self._added = {"prefill": 0, "decode": 0}
-        for role, given in (("prefill", prefill), ("decode", decode)):
-            for w in given:
-                self._join(role, w)
         settings = config.router
         # Rooms from the OS: routers sharing workers must not draw the same ones.
         self.router = Router(settings.policy, len(prefill), len(decode), config.seed,
                              room_rng=random.SystemRandom(), policy_options=settings.policy_options)
+        for role, given in (("prefill", prefill), ("decode", decode)):
+            for w in given:
+                self._join(role, w)
         self.page_size = config.page_size
         self.metrics = ServeMetrics(engine_type=None)  # the client's view; no engine here
         self.records: deque[RequestRecord] = deque(maxlen=config.max_records)
@@ -256,9 +256,10 @@ class PDClient:
         before any token and `may_retry` (then nothing reached `sink` and nothing is
         recorded)."""
         keys = token_page_keys(request.input_ids, self.page_size)
-        p, d, room = self.router.route(lambda i: self.prefill[i].load,
-                                       lambda i: self.decode[i].load, keys)
-        pre_member, dec_member = self.prefill[p], self.decode[d]
+        serving = self._serving
+        p, d, room = self.router.route(lambda i: serving["prefill"][i].load,
+                                       lambda i: serving["decode"][i].load, keys)
+        pre_member, dec_member = serving["prefill"][p], serving["decode"][d]
         pre, dec = pre_member.address, dec_member.address
         body = replace(request, bootstrap_host=pre.bootstrap_host,
                        bootstrap_port=pre.bootstrap_port, bootstrap_room=room).to_body()
@@ -323,7 +324,17 @@ class PDClient:
         member.idle.set()
         self._added[role] += 1
         (self.prefill if role == "prefill" else self.decode).append(member)
+        self._route_to_serving()
         return member
+
+    def _route_to_serving(self) -> None:
+        """Tell the core router which workers take requests (by index, in joining order: a
+        policy's per-position state follows the list, the core's `set_serving`)."""
+        self._serving = {role: {m.index: m for m in group}
+                         for role, group in (("prefill", self.prefill), ("decode", self.decode))}
+        if self.prefill and self.decode:
+            self.router.set_serving(list(self._serving["prefill"]),
+                                    list(self._serving["decode"]))
 
     def members(self) -> list[Member]:
         """Every worker the router knows: serving (prefill, then decode), then draining."""
@@ -355,7 +366,6 @@ class PDClient:
                                            "/health; give bootstrap_host and bootstrap_port")
         if any(m.address.url == worker.url for m in self.members()):  # added while we asked
             raise MembershipError(409, f"{worker.url} is already a worker of this router")
-        self.router.add_instance(role)
         member = self._join(role, worker)
         log.info("%s (%s) joined", member.name, worker.url)
         return member
@@ -376,8 +386,8 @@ class PDClient:
         if len(group) == 1:
             raise MembershipError(409, f"{member.name} is the last {member.role} worker "
                                        "serving; add another before removing it")
-        self.router.remove_instance(member.role, group.index(member))
         group.remove(member)
+        self._route_to_serving()
         member.draining = True
         self.draining.append(member)
         log.info("%s (%s) draining: %d calls in flight", member.name, url, member.calls)

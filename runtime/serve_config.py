@@ -147,9 +147,16 @@ class PDServeConfig(_ServeBase):
     def _autoscaled_by_pdsim(self) -> PDServeConfig:
         """The launcher scales the workers behind pdsim's router (runtime/scaling.py), which
         admits and drains workers while it serves; SGLang's router is a process of its own."""
-        if self.autoscaling is not None and self.router.impl != "pdsim":
+        if self.autoscaling is None:
+            return self
+        if self.router.impl != "pdsim":
             raise ValueError(f"autoscaling: needs router.impl pdsim (the router that admits "
                              f"and drains workers while serving), got {self.router.impl!r}")
+        try:
+            self.autoscaling.make_policy()
+        except ValueError as exc:  # sla without capacities: only the simulator derives them
+            raise ValueError(f"autoscaling: {exc}; serving has no cost model to derive them "
+                             "from") from None
         return self
 
     @property

@@ -202,3 +202,8 @@ def test_a_serve_config_autoscales_only_behind_pdsims_router():
     with pytest.raises(ConfigError) as e:
         parse_serve_config({**base, "router": {"impl": "sglang"}})
     assert "autoscaling: needs router.impl pdsim" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        parse_serve_config({**base, "autoscaling": {"policy": "sla", "sla": {
+            "prefill_tokens_per_s": 100.0}}})
+    assert "autoscaling.sla.decode_tokens_per_s" in str(e.value)
+    assert "serving has no cost model" in str(e.value)

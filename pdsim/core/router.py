@@ -172,11 +172,6 @@ class CacheAwarePolicy:
                 tree.evict(tree.num_values - self.max_tree_size)
         return choice
 
-    def forget(self, index: int) -> None:
-        """Instance `index` left: drop its tree; the trees after it move down one index."""
-        if index < len(self.trees):
-            del self.trees[index]
-
     def imbalanced(self, lowest: float, highest: float) -> bool:
         return (highest - lowest > self.balance_abs_threshold
                 and highest > self.balance_rel_threshold * lowest)
@@ -266,36 +261,6 @@ class Router:
                              f"serving prefill instance; got prefill {list(prefill)}, "
                              f"decode {list(decode)}")
         self._serving = (list(prefill), list(decode))
-
-    def add_instance(self, role: str) -> None:
-        """One more `role` ("prefill" or "decode") instance, at the next index."""
-        if role == "prefill":
-            self.num_prefill += 1
-        elif role == "decode":
-            self.num_decode += 1
-        else:
-            raise ValueError(f"role {role!r}; allowed: prefill, decode")
-
-    def remove_instance(self, role: str, index: int) -> None:
-        """Instance `index` of `role` leaves: those after it move down one index, and what the
-        policy keeps per instance (cache_aware's trees) moves with them. The last decode
-        instance, and the last prefill one of a disaggregated router, stay."""
-        count = {"prefill": self.num_prefill, "decode": self.num_decode}.get(role)
-        if count is None:
-            raise ValueError(f"role {role!r}; allowed: prefill, decode")
-        if not 0 <= index < count:
-            raise ValueError(f"{role} instance {index}; allowed: 0 to {count - 1}")
-        if count == 1:
-            raise ValueError(f"{role} instance {index} is the last one; a router keeps at "
-                             "least one of each role it routes to")
-        policy = self.prefill_policy if role == "prefill" else self.decode_policy
-        forget = getattr(policy, "forget", None)
-        if forget is not None:
-            forget(index)
-        if role == "prefill":
-            self.num_prefill -= 1
-        else:
-            self.num_decode -= 1
 
     def route(
         self, prefill_load: Callable[[int], float], decode_load: Callable[[int], float],
