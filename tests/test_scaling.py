@@ -43,7 +43,7 @@ class Pool:
         self.stopped.append(worker.name)
 
 
-async def deployment(n_spares: int = 2):
+async def deployment(n_spares: int = 2, wait_healthy=None):
     workers = await started(ScriptedWorker("prefill"), ScriptedWorker("decode"),
                             *(ScriptedWorker(role) for role in ("prefill", "decode")
                               for _ in range(n_spares)))
@@ -52,7 +52,7 @@ async def deployment(n_spares: int = 2):
     pool = Pool(spares)
     scaler = Scaler(router, [WorkerProcess("prefill", 0, p0.url, None),
                              WorkerProcess("decode", 0, d0.url, None)],
-                    spawn=pool.spawn, wait_healthy=pool.healthy, stop=pool.stop,
+                    spawn=pool.spawn, wait_healthy=wait_healthy or pool.healthy, stop=pool.stop,
                     pools_timeout_s=0.0)  # scripted workers have no /pools
     return router, scaler, pool, workers
 
@@ -207,3 +207,25 @@ def test_a_serve_config_autoscales_only_behind_pdsims_router():
             "prefill_tokens_per_s": 100.0}}})
     assert "autoscaling.sla.decode_tokens_per_s" in str(e.value)
     assert "serving has no cost model" in str(e.value)
+
+
+def test_an_instance_that_does_not_come_up_is_stopped_and_named():
+    async def exits(worker: WorkerProcess) -> dict:
+        raise RuntimeError(f"{worker.name} exited with status 1 while starting")
+
+    async def main():
+        router, scaler, pool, workers = await deployment(wait_healthy=exits)
+        try:
+            with pytest.raises(ScaleError) as e:
+                await scaler.scale("decode", 2)
+            assert e.value.status == 503
+            assert e.value.message == ("decode worker 1 did not come up: decode worker 1 exited "
+                                       "with status 1 while starting")
+            assert pool.stopped == ["decode worker 1"] and scaler.starting["decode"] == 0
+            assert scaler.counts() == {"prefill": 1, "decode": 1}
+            assert [m.name for m in router.client.members()] == ["prefill worker 0",
+                                                                 "decode worker 0"]
+        finally:
+            await cleanup(router, *workers)
+
+    asyncio.run(main())
