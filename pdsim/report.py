@@ -47,6 +47,14 @@ def _int(value) -> str:
     return _DASH if _is_missing(value) else str(int(value))
 
 
+def _gpus(value) -> str:
+    """Whole GPUs, or the mean held to a tenth when autoscaling changed them over the run."""
+    if _is_missing(value):
+        return _DASH
+    value = float(value)
+    return str(round(value)) if abs(value - round(value)) < 1e-6 else f"{value:.1f}"
+
+
 def _rate(value) -> str:
     return _DASH if _is_missing(value) else f"{float(value):g}"
 
@@ -56,7 +64,7 @@ _TABLE: tuple[tuple[str, str, Callable], ...] = (
     (PD_RATIO, "P:D", str),
     ("request_rate", "rate (req/s)", _rate),
     ("concurrency", "clients", _int),
-    ("num_gpus", "GPUs", _int),
+    ("num_gpus", "GPUs", _gpus),
     ("completed", "done", _int),
     ("failed", "failed", _int),
     ("ttft_p50_s", "TTFT p50 (ms)", _ms),

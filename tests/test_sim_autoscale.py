@@ -168,3 +168,19 @@ def test_timeline_windows_count_every_arrival_once():
     assert frame["arrivals"].sum() == 200
     assert np.all(np.diff(frame["end_s"]) > 0) and frame["end_s"].iloc[-1] == result.sim_time_s
     assert (frame["gpus"].dropna() == 2).all()
+
+
+def test_busy_fractions_count_only_the_time_an_instance_was_there(tmp_path):
+    from pdsim.plots import plot_timeline
+    from pdsim.sim.autoscaler import timeline_frame
+
+    cfg, cluster, result = run(experiment({"policy": "fixed", "fixed": {"schedule": SCHEDULE}}))
+    scaler, end = result.autoscaler, result.sim_time_s
+    prefill_busy_s = sum(inst.busy_s for inst in scaler.instances["prefill"])
+    assert result.prefill_busy_frac == pytest.approx(
+        prefill_busy_s / scaler.serving_s("prefill", end))
+    assert scaler.serving_s("prefill", end) < 3 * end  # two of the three served a while only
+    frame = timeline_frame(scaler, result.records, end, cfg.slo)
+    frame["label"] = "fixed"
+    path = plot_timeline(frame, tmp_path / "timeline.png", slo=cfg.slo)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

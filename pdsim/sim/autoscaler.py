@@ -283,6 +283,11 @@ class SimAutoscaler:
 
     # ----- after the run -------------------------------------------------------------------
 
+    def serving_s(self, role: str, end_s: float) -> float:
+        """Seconds the role's instances were joined (serving or draining), summed."""
+        return sum((end_s if math.isnan(s.left_s) else s.left_s) - s.joined_s
+                   for s in self.spans if s.role == role and not math.isnan(s.joined_s))
+
     def gpu_hours(self, end_s: float) -> float:
         return sum(s.gpus * s.held_s(end_s) for s in self.spans) / 3600
 

@@ -286,12 +286,17 @@ class Simulation:
         self.final.clear()
         self.prefill_side.clear()
         span = self.env.now or math.nan
+        # instance-seconds of each role: with autoscaling, the time each instance served
+        p_span, d_span = ((len(self.prefills) * span, len(self.serving) * span)
+                          if self.autoscaler is None else
+                          (self.autoscaler.serving_s("prefill", span),
+                           self.autoscaler.serving_s("decode", span)))
         return SimResult(
             records, self.env.now, self.instances,
-            prefill_busy_frac=_mean_busy(self.prefills, span),
-            decode_busy_frac=_mean_busy(self.serving, span),
+            prefill_busy_frac=_mean_busy(self.prefills, p_span),
+            decode_busy_frac=_mean_busy(self.serving, d_span),
             kv_transfer_gb=self.fabric.kv_bytes / 1e9,
-            decode_mean_batch=sum(i.decode_req_s for i in self.serving) / (len(self.serving) * span),
+            decode_mean_batch=sum(i.decode_req_s for i in self.serving) / d_span,
             stopped=self.stopped,
             autoscaler=self.autoscaler,
         )
@@ -324,10 +329,11 @@ class Simulation:
         return records
 
 
-def _mean_busy(instances: Sequence[SimInstance], span_s: float) -> float:
+def _mean_busy(instances: Sequence[SimInstance], instance_s: float) -> float:
+    """Forward time over `instance_s`, the seconds the instances were there, summed."""
     if not instances:
         return math.nan
-    return sum(i.busy_s for i in instances) / (len(instances) * span_s)
+    return sum(i.busy_s for i in instances) / instance_s
 
 
 @contextmanager
