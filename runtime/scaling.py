@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections import deque
 from dataclasses import asdict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import aiohttp
+import numpy as np
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -274,19 +274,20 @@ def window_observation(arrivals: Sequence[tuple[float, int]], records: Sequence[
                        start_s: float, end_s: float, prefill: RoleState,
                        decode: RoleState) -> ScaleObservation:
     """The window (start_s, end_s] as the router saw it: the requests that arrived in it
-    (`arrivals`: (arrival_s, prompt tokens)) and their mean prompt; of its finished requests
-    (`records`), the mean output of those that finished in it, the p90 TTFT of those whose
-    first token came in it, the p90 of the mean gap of those that finished in it."""
+    (`arrivals`: (arrival_s, prompt tokens)) and their mean prompt; of the requests that
+    finished in it (`records`) and succeeded, the mean output, the p90 TTFT and the p90 of each
+    one's mean inter-token gap (the simulator's autoscaler reads the same; its mean output is
+    of the arrivals, whose lengths it knows in advance)."""
     arrived = [n for t, n in arrivals if start_s < t <= end_s]
-    finished = [r for r in records if start_s < r.finish_s <= end_s]
-    first = [r.ttft_s for r in records if r.ok and start_s < r.first_token_s <= end_s]
+    finished = [r for r in records if r.ok and start_s < r.finish_s <= end_s]
+    first = [r.ttft_s for r in finished if r.token_times_s]
     gaps = [(r.token_times_s[-1] - r.token_times_s[0]) / (len(r.token_times_s) - 1)
-            for r in finished if r.ok and len(r.token_times_s) > 1]
+            for r in finished if len(r.token_times_s) > 1]
     return ScaleObservation(
         now_s=end_s, window_s=end_s - start_s, prefill=prefill, decode=decode,
         arrivals=len(arrived),
         mean_input_tokens=_mean(arrived),
-        mean_output_tokens=_mean([r.output_tokens for r in finished if r.ok]),
+        mean_output_tokens=_mean([r.output_tokens for r in finished]),
         ttft_p90_s=_p90(first), itl_p90_s=_p90(gaps))
 
 
@@ -295,8 +296,4 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 def _p90(values: Sequence[float]) -> float | None:
-    """The nearest-rank 90th percentile."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+    return float(np.percentile(values, 90)) if values else None

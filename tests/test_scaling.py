@@ -175,17 +175,18 @@ def test_a_window_observation_counts_what_the_router_saw_in_it():
                              first_token_s=first, finish_s=finish, token_times_s=times)
 
     records = [record(0.5, 0.9, 1.9, 11),  # finished before the window
-               record(1.5, 2.5, 3.5, 5),  # first token and finish in the window
-               record(2.5, 2.9, 6.0, 4),  # first token in it, finished after
+               record(1.5, 2.5, 3.5, 5),  # finished in the window: TTFT 1.0, gaps 0.25
+               record(1.0, 1.5, 3.0, 3),  # finished in the window: TTFT 0.5, gaps 0.75
+               record(2.5, 2.9, 6.0, 4),  # finished after
                record(3.0, 3.2, 3.8, 3, ok=False)]  # failed: no latencies, no length
     arrivals = [(0.5, 10), (1.5, 20), (2.5, 40), (3.0, 30), (4.5, 99)]
     pre, dec = RoleState(running=1), RoleState(running=2, draining=1)
     obs = window_observation(arrivals, records, 2.0, 4.0, pre, dec)
     assert (obs.now_s, obs.window_s, obs.prefill, obs.decode) == (4.0, 2.0, pre, dec)
     assert obs.arrivals == 2 and obs.mean_input_tokens == 35.0  # at 2.5 and 3.0
-    assert obs.mean_output_tokens == 5.0  # of the one that finished ok in the window
-    assert math.isclose(obs.ttft_p90_s, 1.0)  # of 1.0 and 0.4: nearest rank
-    assert math.isclose(obs.itl_p90_s, 0.25)  # 1.0 s over 4 gaps
+    assert obs.mean_output_tokens == 4.0  # of the two that finished ok in the window
+    assert math.isclose(obs.ttft_p90_s, 0.95)  # of 0.5 and 1.0, interpolated
+    assert math.isclose(obs.itl_p90_s, 0.7)  # of 0.25 and 0.75
     empty = window_observation([], [], 5.0, 6.0, pre, dec)
     assert empty.arrivals == 0 and empty.mean_input_tokens is None and empty.ttft_p90_s is None
 
