@@ -11,7 +11,7 @@ autoscaling:
   decode: {min_instances: 1, max_instances: 8}
   cold_start: {weights_gb_per_s: 2.0, process_start_s: 20}
   threshold: {cooldown_s: 60, prefill: {queue_up: 4}, decode: {kv_up: 0.85}}
-  # sla: {predictor: moving_average, window: 3, prefill_tokens_per_s: 40000, decode_tokens_per_s: 6000}
+  # sla: {predictor: linear, window: 4, prefill_tokens_per_s: 40000, decode_tokens_per_s: 6000}
   # fixed: {schedule: [{at_s: 0, prefill: 1, decode: 1}, {at_s: 600, prefill: 2, decode: 3}]}
 ```
 """

@@ -100,8 +100,8 @@ def derived_capacities(prefill: RoleSpec, decode: RoleSpec, mean_input_tokens: f
 
     d = decode.scheduler
     context = max(1, round(mean_input_tokens + mean_output_tokens / 2))
-    most = max(1, min(d.max_running_requests,
-                      d.num_pages * d.page_size // max(1, round(mean_input_tokens + mean_output_tokens))))
+    per_request = max(1, round(mean_input_tokens + mean_output_tokens))
+    most = max(1, min(d.max_running_requests, d.num_pages * d.page_size // per_request))
     cost = decode.cost()
 
     def step_s(b: int) -> float:

@@ -113,7 +113,8 @@ class DiurnalArrival(ScheduledArrival):
     def _expected_by(self, t_s: np.ndarray) -> np.ndarray:
         mid, amp = (self.peak_rps + self.trough_rps) / 2, (self.peak_rps - self.trough_rps) / 2
         w = 2 * math.pi / self.period_s
-        return mid * t_s + amp / w * (np.sin(w * (t_s - self._phase_s)) - math.sin(-w * self._phase_s))
+        phase = self._phase_s
+        return mid * t_s + amp / w * (np.sin(w * (t_s - phase)) - math.sin(-w * phase))
 
     def time_of_expected(self, expected: np.ndarray) -> np.ndarray:
         if not len(expected):
