@@ -17,6 +17,11 @@ not exited after `stop_timeout_s` is killed. The workers also die with the launc
 Ports: a role's `port` (and prefill's `bootstrap_port`) is instance 0's, instance i adds i; 0
 means a free port, picked here and handed to the worker.
 
+Scaling (runtime/scaling.py, pdsim's router only): `POST /scale {"role", "instances"}` on the
+router starts or drains and stops instances of a role while it serves; with an `autoscaling:`
+section the configured policy does so every `interval_s` (`GET /autoscaling` shows its
+decisions). An instance the launcher stopped after its drain is not a crash.
+
 Security: `launch` uses the configured cluster secret (`PDSIM_CLUSTER_SECRET`, else
 `security.cluster_secret`) or generates a fresh one for this deployment, and hands it to every
 worker in its environment (never on its command line); the router sends the derived token on
@@ -70,32 +75,42 @@ class WorkerProcess:
 def spawn_workers(config: PDServeConfig, secret: str | None = None) -> list[WorkerProcess]:
     """Start every prefill and decode instance of `config` (not waiting for them), `secret` in
     their environment (and, behind SGLang's router, the API key it sends them)."""
-    from runtime.distributed import free_port
-    from runtime.pd.worker import child_env, python_command
-
     workers: list[WorkerProcess] = []
     try:
         for role in ROLES:
-            spec = config.role(role)
-            for i in range(spec.instances):
-                port = config.worker_port(role, i) or free_port(spec.host)
-                payload = {"parent_pid": os.getpid(), "config": config.model_dump(mode="json"),
-                           "role": role, "instance": i, "port": port, "bootstrap_port": None}
-                if role == "prefill":
-                    payload["bootstrap_port"] = (config.bootstrap_port(i)
-                                                 or free_port(config.transfer.host))
-                command = python_command("instance", payload)
-                env = {**child_env(), **secret_env(secret), **router_key_env(config),
-                       **preload_env(config.transfer.host)}  # Mooncake's ports: see bindshim
-                proc = subprocess.Popen(command, env=env, start_new_session=True)
-                workers.append(WorkerProcess(role, i, f"http://{spec.host}:{port}", proc,
-                                             command, env))
+            for i in range(config.role(role).instances):
+                workers.append(spawn_worker(config, role, i, secret))
     except BaseException:
         from runtime.pd.worker import stop_processes
 
         stop_processes([w.proc for w in workers])
         raise
     return workers
+
+
+def spawn_worker(config: PDServeConfig, role: str, instance: int,
+                 secret: str | None = None) -> WorkerProcess:
+    """Start instance `instance` of `role` (not waiting for it); one past the config's
+    `instances` is one scaling added."""
+    from runtime.distributed import free_port
+    from runtime.pd.worker import child_env, python_command
+
+    spec = config.role(role)
+    port = config.worker_port(role, instance) or free_port(spec.host)
+    dumped = config.model_dump(mode="json")
+    dumped["cluster"][role]["instances"] = max(spec.instances, instance + 1)
+    if dumped.get("autoscaling") is not None:  # the worker does not scale; its count may exceed
+        dumped["autoscaling"] = None           # the bounds' starting count now
+    payload = {"parent_pid": os.getpid(), "config": dumped, "role": role, "instance": instance,
+               "port": port, "bootstrap_port": None}
+    if role == "prefill":
+        payload["bootstrap_port"] = (config.bootstrap_port(instance)
+                                     or free_port(config.transfer.host))
+    command = python_command("instance", payload)
+    env = {**child_env(), **secret_env(secret), **router_key_env(config),
+           **preload_env(config.transfer.host)}  # Mooncake's ports: see bindshim
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
+    return WorkerProcess(role, instance, f"http://{spec.host}:{port}", proc, command, env)
 
 
 def router_key_env(config: PDServeConfig) -> dict[str, str]:
@@ -180,20 +195,24 @@ def make_router(config: PDServeConfig, prefill: Sequence[str], decode: Sequence[
     pre = [WorkerAddress(url=u, bootstrap_host=health[u]["bootstrap_host"],
                          bootstrap_port=health[u]["bootstrap_port"]) for u in prefill]
     dec = [WorkerAddress(url=u) for u in decode]
-    key = key_of(secret)
-    router = PDRouter(pre, dec, config, tokenizer=text.tokenizer, model_name=config.model_name,
-                      limits=limits, chat_template=text.chat_template, eos_ids=text.eos_ids,
-                      headers=None if key is None else key.headers())
-    router.server.protect(api_key=api_key(config.security.api_key),
-                          limits=config.security.limits)
-    return router
+    return PDRouter(pre, dec, config, tokenizer=text.tokenizer, model_name=config.model_name,
+                    limits=limits, chat_template=text.chat_template, eos_ids=text.eos_ids,
+                    cluster_key=key_of(secret))
+
+
+def protect_router(router, config: PDServeConfig) -> None:
+    """pdsim's router: the API key on its public API, the security limits on all of it; after
+    its last internal route (SGLang's router takes its key when made)."""
+    if config.router.impl != "sglang":
+        router.protect(api_key=api_key(config.security.api_key), limits=config.security.limits)
 
 
 async def start_router(router, config: PDServeConfig) -> None:
-    """Start `router` (`make_router`'s) at the config's address; SGLang's router failing to
-    come up is a `LaunchError` too."""
+    """Start `router` (`make_router`'s) at the config's address, protected
+    (`protect_router`); SGLang's router failing to come up is a `LaunchError` too."""
     from runtime.sglang_router import SGLangRouterError
 
+    protect_router(router, config)
     try:
         await router.start(config.router.host, config.router.port)
     except SGLangRouterError as exc:
@@ -235,7 +254,8 @@ async def _launch(config: PDServeConfig, on_ready, startup_timeout_s: float,
     workers = spawn_workers(config, secret)
     router = None
     status = 0
-    killer, kills = Killer(config.faults), None  # fault injection: kills and restarts
+    killer = Killer(config.faults)  # fault injection: kills and restarts
+    tasks: list[asyncio.Task] = []  # the kills, the autoscaler
     try:
         health = await wait_healthy(workers, stop, startup_timeout_s)
         if health is None:
@@ -243,10 +263,20 @@ async def _launch(config: PDServeConfig, on_ready, startup_timeout_s: float,
         prefill = [w.url for w in workers if w.role == "prefill"]
         decode = [w.url for w in workers if w.role == "decode"]
         router = make_router(config, prefill, decode, health, secret=secret)
+        autoscaler = None
+        if config.router.impl == "pdsim":
+            scaler = make_scaler(config, router, workers, secret, stop, startup_timeout_s,
+                                 stop_timeout_s)
+            router.add_internal(("POST", "/scale", scaler.handle))
+            if config.autoscaling is not None:
+                autoscaler = make_autoscaler(config, scaler, secret)
+                router.add_internal(("GET", "/autoscaling", autoscaler.handle))
         await start_router(router, config)
         if on_ready is not None:
             on_ready(router.url)
-        kills = asyncio.create_task(killer.run(workers))
+        tasks.append(asyncio.create_task(killer.run(workers)))
+        if autoscaler is not None:
+            tasks.append(asyncio.create_task(autoscaler.run()))
         while not stop.is_set():
             await _wait(stop, 1.0)
             dead = [w for w in workers
@@ -262,13 +292,44 @@ async def _launch(config: PDServeConfig, on_ready, startup_timeout_s: float,
                 break
         return status
     finally:
-        if kills is not None:
-            kills.cancel()
-            await asyncio.gather(kills, return_exceptions=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if router is not None:
             await router.close()
         await asyncio.get_running_loop().run_in_executor(
             None, lambda: stop_processes([w.proc for w in workers], timeout_s=stop_timeout_s))
+
+
+def make_scaler(config: PDServeConfig, router, workers: list[WorkerProcess], secret: str | None,
+                stop: asyncio.Event, startup_timeout_s: float, stop_timeout_s: float):
+    """The `Scaler` (runtime/scaling.py) of this launcher's workers behind pdsim's `router`."""
+    from runtime.pd.worker import stop_processes
+    from runtime.scaling import Scaler
+
+    async def healthy(worker: WorkerProcess) -> dict:
+        health = await wait_healthy([worker], stop, startup_timeout_s)
+        if health is None:
+            raise LaunchError("the launcher is stopping")
+        return health[worker.url]
+
+    key = key_of(secret)
+    return Scaler(router, workers,
+                  spawn=lambda role, i: spawn_worker(config, role, i, secret),
+                  wait_healthy=healthy,
+                  stop=lambda w: stop_processes([w.proc], timeout_s=stop_timeout_s),
+                  headers=None if key is None else key.headers(),
+                  bounds=None if config.autoscaling is None else config.autoscaling.bounds)
+
+
+def make_autoscaler(config: PDServeConfig, scaler, secret: str | None):
+    """The `autoscaling:` section's policy driving `scaler`, reading the workers with the
+    cluster token."""
+    from runtime.scaling import Autoscaler
+
+    key = key_of(secret)
+    return Autoscaler(config.autoscaling.make_policy(), scaler,
+                      headers=None if key is None else key.headers())
 
 
 def serve_router(config: PDServeConfig, prefill_urls: Sequence[str] = (),

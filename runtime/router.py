@@ -16,6 +16,9 @@ Retry-After. `GET /health` probes the workers (503 naming those that do not answ
 that refuse this router's cluster token); more than `max_inflight_requests` at once get 503
 with Retry-After.
 
+Workers join and leave while it serves (`/workers`, runtime/router_control.py): a worker being
+removed gets no new requests and leaves once its calls in flight are done.
+
 It reuses `OpenAIServer` for parsing, validation and the OpenAI wire format; only the
 `Backend` differs: `PDClient` here instead of a local `Engine`.
 """
@@ -30,29 +33,31 @@ import random
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import aiohttp
+from aiohttp import web
 
 from pdsim.core.radix import token_page_keys
 from pdsim.core.records import RequestRecord
-from pdsim.core.router import InflightLoad, Router
+from pdsim.core.router import Router
 from runtime.chat_template import ChatTemplate
 from runtime.openai.protocol import Limits
 from runtime.openai.server import OpenAIServer
 from runtime.protocol.codec import ProtocolError
 from runtime.protocol.stream import StreamEvent, from_sse_data
 from runtime.protocol.worker import MAX_RID_CHARS, GenerateParams
+from runtime.router_control import MembershipError, WorkerRoutes, internal_guard
 from runtime.sampling import SamplingParams
-from runtime.security import redact_addresses
+from runtime.security import ClusterKey, redact_addresses
 from runtime.serve_metrics import ServeMetrics
 from runtime.streams import EngineStopped, Sink, deliver
 from runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from pdsim.deployment import Deployment
+    from pdsim.deployment import Deployment, HttpLimits
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,42 @@ class WorkerAddress:
     bootstrap_host: str = ""
     bootstrap_port: int = 0
     name: str = ""  # what clients are told: "decode worker 1", never the URL (PDClient sets it)
+
+
+@dataclass(eq=False)
+class Member:
+    """A worker the router knows. `load` is the policies' signal (what the core schedulers'
+    load() counts in the simulator): for a prefill worker the prompt tokens sent whose prefill
+    call has not returned (its KV not yet computed and sent), for a decode worker the requests
+    in flight. `calls`: the calls to it in flight (prefill calls, decode streams); a draining
+    worker gets no new ones and leaves once they are 0."""
+
+    role: str
+    index: int  # among the workers of its role ever added: its name's number
+    address: WorkerAddress
+    load: int = 0
+    calls: int = 0
+    draining: bool = False
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def name(self) -> str:
+        return self.address.name
+
+    def sent(self, load: int) -> None:
+        self.load += load
+        self.calls += 1
+        self.idle.clear()
+
+    def returned(self, load: int) -> None:
+        self.load -= load
+        self.calls -= 1
+        if not self.calls:
+            self.idle.set()
+
+    def describe(self) -> dict:
+        return {"name": self.name, "role": self.role, "url": self.address.url,
+                "state": "draining" if self.draining else "serving", "requests": self.calls}
 
 
 class WorkerError(Exception):
@@ -104,6 +145,10 @@ async def _calling(worker: WorkerAddress):
 class PDClient:
     """The router's `Backend`: each request becomes a task that talks to two workers.
 
+    Workers join (`add_worker`) and leave (`remove_worker`: drained first) while it serves;
+    each keeps the name it got ("decode worker 2": its index among those of its role ever
+    added), which its records' instance fields carry too.
+
     `config` is the deployment: its `router` section (policy, policy_options, read_timeout_s:
     the most a worker may stay silent), `seed` (the policy's), `max_records` and `page_size`
     (the prefill workers' KV pages: the policy gets each prompt's page keys,
@@ -119,22 +164,23 @@ class PDClient:
         if not prefill or not decode:
             raise ValueError(f"a PD router needs prefill and decode workers, got {len(prefill)} "
                              f"prefill and {len(decode)} decode")
-        for w in prefill:
-            if not w.bootstrap_host or not w.bootstrap_port:
-                raise ValueError(f"prefill worker {w.url} names no bootstrap host and port")
-        self.prefill = [replace(w, name=f"prefill worker {i}") for i, w in enumerate(prefill)]
-        self.decode = [replace(w, name=f"decode worker {i}") for i, w in enumerate(decode)]
+        # the workers that take new requests, in the policies' index order; draining ones aside
+        self.prefill: list[Member] = []
+        self.decode: list[Member] = []
+        self.draining: list[Member] = []
+        self._added = {"prefill": 0, "decode": 0}
         settings = config.router
         # Rooms from the OS: routers sharing workers must not draw the same ones.
         self.router = Router(settings.policy, len(prefill), len(decode), config.seed,
                              room_rng=random.SystemRandom(), policy_options=settings.policy_options)
+        for role, given in (("prefill", prefill), ("decode", decode)):
+            for w in given:
+                self._join(role, w)
         self.page_size = config.page_size
         self.metrics = ServeMetrics(engine_type=None)  # the client's view; no engine here
         self.records: deque[RequestRecord] = deque(maxlen=config.max_records)
-        # The policies' load signal, what the core schedulers' load() counts in the simulator:
-        # per prefill worker the prompt tokens sent whose prefill call has not returned (its KV
-        # not yet computed and sent), per decode worker the requests in flight.
-        self.inflight = InflightLoad(len(prefill), len(decode))
+        # (arrival_s, prompt tokens) of the requests submitted: the autoscaler's arrivals
+        self.arrivals: deque[tuple[float, int]] = deque(maxlen=config.max_records)
         self._tasks: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
         self._connect_timeout_s = connect_timeout_s
@@ -177,6 +223,7 @@ class PDClient:
         if not self.running:
             raise EngineStopped("the router is not running")
         rid = rid or uuid.uuid4().hex
+        self.arrivals.append((self.now(), len(prompt_ids)))
         request = GenerateParams(
             rid, list(prompt_ids), max_new_tokens, sampling or SamplingParams(),
             list(stop_token_ids), top_logprobs, bootstrap_host="", bootstrap_port=0,
@@ -209,19 +256,23 @@ class PDClient:
         before any token and `may_retry` (then nothing reached `sink` and nothing is
         recorded)."""
         keys = token_page_keys(request.input_ids, self.page_size)
-        inflight = self.inflight
-        p, d, room = self.router.route(inflight.prefill_tokens.__getitem__,
-                                       inflight.decode_requests.__getitem__, keys)
-        pre, dec = self.prefill[p], self.decode[d]
+        serving = self._serving
+        p, d, room = self.router.route(lambda i: serving["prefill"][i].load,
+                                       lambda i: serving["decode"][i].load, keys)
+        pre_member, dec_member = serving["prefill"][p], serving["decode"][d]
+        pre, dec = pre_member.address, dec_member.address
         body = replace(request, bootstrap_host=pre.bootstrap_host,
                        bootstrap_port=pre.bootstrap_port, bootstrap_room=room).to_body()
         record = RequestRecord(rid=client_rid, input_tokens=len(body["input_ids"]),
-                               output_tokens=0, status="failed", prefill_instance=p,
-                               decode_instance=d, arrival_s=arrival_s)
+                               output_tokens=0, status="failed",
+                               prefill_instance=pre_member.index,
+                               decode_instance=dec_member.index,
+                               arrival_s=arrival_s)
         n_in = len(request.input_ids)
-        inflight.sent(p, d, n_in)
+        pre_member.sent(n_in)
+        dec_member.sent(1)
         prefill_call = asyncio.create_task(self._prefill(pre, body))
-        prefill_call.add_done_callback(lambda _t: inflight.prefill_returned(p, n_in))
+        prefill_call.add_done_callback(lambda _t: pre_member.returned(n_in))
         retry = False
         try:
             await self._relay(dec, body, prefill_call, sink, record)
@@ -249,7 +300,7 @@ class PDClient:
             if not prefill_call.done():
                 prefill_call.cancel()
             await asyncio.gather(prefill_call, return_exceptions=True)
-            inflight.decode_returned(d)
+            dec_member.returned(1)
             if not retry:
                 record.finish_s = self.now()
                 if record.token_times_s:
@@ -259,10 +310,93 @@ class PDClient:
         return not retry
 
     def loads(self) -> tuple[list[int], list[int]]:
-        """The policies' load signal now (the core's `InflightLoad`): per prefill worker the
-        prompt tokens whose prefill call has not returned, per decode worker the requests in
-        flight."""
-        return list(self.inflight.prefill_tokens), list(self.inflight.decode_requests)
+        """The policies' load signal now, per serving worker (`Member.load`): prompt tokens
+        whose prefill call has not returned, requests in flight."""
+        return [m.load for m in self.prefill], [m.load for m in self.decode]
+
+    # ---- membership -------------------------------------------------------------------------
+
+    def _join(self, role: str, worker: WorkerAddress) -> Member:
+        if role == "prefill" and (not worker.bootstrap_host or not worker.bootstrap_port):
+            raise ValueError(f"prefill worker {worker.url} names no bootstrap host and port")
+        index = self._added[role]
+        member = Member(role, index, replace(worker, name=f"{role} worker {index}"))
+        member.idle.set()
+        self._added[role] += 1
+        (self.prefill if role == "prefill" else self.decode).append(member)
+        self._route_to_serving()
+        return member
+
+    def _route_to_serving(self) -> None:
+        """Tell the core router which workers take requests (by index, in joining order: a
+        policy's per-position state follows the list, the core's `set_serving`)."""
+        self._serving = {role: {m.index: m for m in group}
+                         for role, group in (("prefill", self.prefill), ("decode", self.decode))}
+        if self.prefill and self.decode:
+            self.router.set_serving(list(self._serving["prefill"]),
+                                    list(self._serving["decode"]))
+
+    def members(self) -> list[Member]:
+        """Every worker the router knows: serving (prefill, then decode), then draining."""
+        return [*self.prefill, *self.decode, *self.draining]
+
+    async def add_worker(self, role: str, url: str, bootstrap_host: str = "",
+                         bootstrap_port: int = 0) -> Member:
+        """Admit the worker at `url`: it must answer `GET /health` as a `role` worker and take
+        this router's cluster token; a prefill worker's bootstrap server is its `/health`'s
+        unless given. It takes requests from the next one routed."""
+        worker = WorkerAddress(url, bootstrap_host, bootstrap_port)
+        if role not in ("prefill", "decode"):
+            raise MembershipError(400, f"role: {role!r}; allowed: prefill, decode")
+        if any(m.address.url == worker.url for m in self.members()):
+            raise MembershipError(409, f"{worker.url} is already a worker of this router")
+        if role == "decode" and (worker.bootstrap_host or worker.bootstrap_port):
+            raise MembershipError(400, "bootstrap_host and bootstrap_port: a decode worker has "
+                                       "no bootstrap server; give them for prefill only")
+        health, why = await self._check(worker.url)
+        if why is None and health.get("role") != role:
+            why = f"its /health names role {health.get('role')!r}, not {role!r}"
+        if why is not None:
+            raise MembershipError(400, f"{worker.url} cannot join as a {role} worker: {why}")
+        if role == "prefill" and not worker.bootstrap_port:
+            worker = replace(worker, bootstrap_host=str(health.get("bootstrap_host") or ""),
+                             bootstrap_port=int(health.get("bootstrap_port") or 0))
+            if not worker.bootstrap_port:
+                raise MembershipError(400, f"{worker.url} names no bootstrap server in its "
+                                           "/health; give bootstrap_host and bootstrap_port")
+        if any(m.address.url == worker.url for m in self.members()):  # added while we asked
+            raise MembershipError(409, f"{worker.url} is already a worker of this router")
+        member = self._join(role, worker)
+        log.info("%s (%s) joined", member.name, worker.url)
+        return member
+
+    async def remove_worker(self, url: str) -> Member:
+        """Drain the serving worker at `url`, then forget it: it gets no new requests at once;
+        a decode worker finishes its streams, a prefill worker its prefill calls (the call
+        returns once its KV is sent). Returns once nothing of this router's is left on it;
+        the caller may stop it then."""
+        serving = {m.address.url: m for m in (*self.prefill, *self.decode)}
+        member = serving.get(url)
+        if member is None:
+            if any(m.address.url == url for m in self.draining):
+                raise MembershipError(409, f"{url} is draining already")
+            raise MembershipError(404, f"{url} is not a worker of this router; its workers: "
+                                       f"{', '.join(serving) or 'none'}")
+        group = self.prefill if member.role == "prefill" else self.decode
+        if len(group) == 1:
+            raise MembershipError(409, f"{member.name} is the last {member.role} worker "
+                                       "serving; add another before removing it")
+        group.remove(member)
+        self._route_to_serving()
+        member.draining = True
+        self.draining.append(member)
+        log.info("%s (%s) draining: %d calls in flight", member.name, url, member.calls)
+        try:
+            await member.idle.wait()
+        finally:
+            self.draining.remove(member)
+        log.info("%s (%s) left", member.name, url)
+        return member
 
     async def _prefill(self, worker: WorkerAddress, body: dict) -> None:
         async with _calling(worker):
@@ -336,7 +470,7 @@ class PDClient:
         if not self.running:
             return {"router": "stopped"}
         if time.monotonic() - self._health_at > self.health_ttl_s:
-            workers = self.prefill + self.decode
+            workers = [m.address for m in (*self.prefill, *self.decode)]
             found = await asyncio.gather(*(self._probe(w) for w in workers))
             self._health = {w.name: why for w, why in zip(workers, found) if why}
             for w, why in zip(workers, found):
@@ -346,42 +480,86 @@ class PDClient:
         return dict(self._health)
 
     async def _probe(self, worker: WorkerAddress) -> str | None:
-        """Why `worker` cannot serve this router's requests, or None. `/health` needs no
-        token, so `/load` (which does) tells whether the worker takes this router's."""
+        """Why `worker` cannot serve this router's requests, or None."""
+        return (await self._check(worker.url))[1]
+
+    async def _check(self, url: str) -> tuple[dict, str | None]:
+        """The worker's `/health` JSON and why it cannot serve this router's requests (None:
+        it can). `/health` needs no token, so `/load` (which does) tells whether the worker
+        takes this router's."""
         timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
         try:
-            async with self._session.get(f"{worker.url}/health", timeout=timeout) as resp:
+            async with self._session.get(f"{url}/health", timeout=timeout) as resp:
                 if resp.status != 200:
-                    return f"/health answered {resp.status}"
-            async with self._session.get(f"{worker.url}/load", timeout=timeout) as resp:
+                    return {}, f"/health answered {resp.status}"
+                health = await resp.json(content_type=None)
+            async with self._session.get(f"{url}/load", timeout=timeout) as resp:
                 if resp.status == 401:
-                    return ("refuses this router's cluster token (401): the router does not "
-                            "hold the workers' cluster secret")
-                return None
+                    return health, ("refuses this router's cluster token (401): the router "
+                                    "does not hold the workers' cluster secret")
+            if not isinstance(health, dict):
+                return {}, "its /health is not a JSON object"
+            return health, None
         except asyncio.TimeoutError:
-            return f"/health did not answer within {self.health_timeout_s:g} s"
-        except (aiohttp.ClientError, OSError) as exc:
-            return f"unreachable ({type(exc).__name__})"
+            return {}, f"/health did not answer within {self.health_timeout_s:g} s"
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            return {}, f"unreachable ({type(exc).__name__})"
 
     def now(self) -> float:
         """Seconds since `start()` (the router's records' time base)."""
         return time.monotonic() - self._t0
 
 
+class _RouterServer(OpenAIServer):
+    """The OpenAI API, plus internal routes (`add_internal`: `/workers`, the launcher's
+    `/scale`) that need the cluster token and never the API key."""
+
+    def __init__(self, *args, cluster_key: ClusterKey | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cluster_key = cluster_key
+        self.internal: list[tuple[str, str, Callable]] = []
+
+    @property
+    def internal_paths(self) -> frozenset[str]:
+        return frozenset(path for _, path, _ in self.internal)
+
+    def make_app(self) -> web.Application:
+        app = super().make_app()
+        app.middlewares.append(internal_guard(self.cluster_key, self.internal_paths))
+        for method, path, handler in self.internal:
+            app.router.add_route(method, path, handler)
+        return app
+
+
 class PDRouter:
     """The router server: `port = await router.start(host, port)`, then `await router.close()`.
     `config` is the deployment (its router section, seed, page size, records kept, chat
-    max_tokens default, requests answered at once); the rest comes from the served model."""
+    max_tokens default, requests answered at once); the rest comes from the served model.
+    `cluster_key`: the workers' (the router sends its token on every call to them, and
+    requires it on its internal routes, runtime/router_control.py)."""
 
     def __init__(self, prefill: Sequence[WorkerAddress], decode: Sequence[WorkerAddress],
                  config: Deployment, *, tokenizer: Tokenizer, model_name: str, limits: Limits,
                  chat_template: ChatTemplate | None = None, eos_ids: Sequence[int] = (),
-                 headers: dict[str, str] | None = None) -> None:
-        self.client = PDClient(prefill, decode, config, headers=headers)
-        self.server = OpenAIServer(self.client, tokenizer, model_name=model_name, limits=limits,
-                                   chat_template=chat_template, eos_ids=eos_ids,
-                                   default_chat_max_tokens=config.default_max_tokens,
-                                   max_inflight_requests=config.max_inflight_requests)
+                 cluster_key: ClusterKey | None = None) -> None:
+        self.client = PDClient(prefill, decode, config,
+                               headers=None if cluster_key is None else cluster_key.headers())
+        self.server = _RouterServer(self.client, tokenizer, model_name=model_name, limits=limits,
+                                    chat_template=chat_template, eos_ids=eos_ids,
+                                    default_chat_max_tokens=config.default_max_tokens,
+                                    max_inflight_requests=config.max_inflight_requests,
+                                    cluster_key=cluster_key)
+        self.add_internal(*WorkerRoutes(self.client).routes())
+
+    def add_internal(self, *routes: tuple[str, str, Callable]) -> None:
+        """(method, path, handler) routes that need the cluster token; before `start()`."""
+        self.server.internal.extend(routes)
+
+    def protect(self, *, api_key: str | None = None, limits: HttpLimits | None = None) -> None:
+        """Require `api_key` on the public API (not on the internal routes); serve under
+        `limits`. Before `start()`, after the last `add_internal`."""
+        self.server.protect(api_key=api_key, limits=limits,
+                            open_paths=("/health", "/info", *self.server.internal_paths))
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         return await self.server.start(host, port)

@@ -14,6 +14,9 @@ a router). Serving ignores the simulator-only sections (workload, cost_model, ne
     router: {policy: round_robin, port: 30000}
     transfer: {protocol: tcp, heartbeat_interval_s: 2, heartbeat_timeout_s: 20}
 
+An `autoscaling:` section (pdsim/autoscaling_config.py) makes `pdsim serve` resize the roles
+while it serves (runtime/scaling.py); it needs pdsim's router (`router.impl: pdsim`).
+
 Serving reads a file with the validators `pdsim run` reads it with (the deployment's): a key
 either backend would reject, such as the earlier flat layout's (`mode:` at the top, a role's
 `num_pages`, `transfer.bootstrap_timeout_s`), is an error naming its place now.
@@ -138,6 +141,22 @@ class PDServeConfig(_ServeBase):
         if self.cluster.mode != "disaggregated":
             raise ValueError("cluster.mode: a PDServeConfig is disaggregated; use ServeConfig")
         check_serving(self.faults)
+        return self
+
+    @model_validator(mode="after")
+    def _autoscaled_by_pdsim(self) -> PDServeConfig:
+        """The launcher scales the workers behind pdsim's router (runtime/scaling.py), which
+        admits and drains workers while it serves; SGLang's router is a process of its own."""
+        if self.autoscaling is None:
+            return self
+        if self.router.impl != "pdsim":
+            raise ValueError(f"autoscaling: needs router.impl pdsim (the router that admits "
+                             f"and drains workers while serving), got {self.router.impl!r}")
+        try:
+            self.autoscaling.make_policy()
+        except ValueError as exc:  # sla without capacities: only the simulator derives them
+            raise ValueError(f"autoscaling: {exc}; serving has no cost model to derive them "
+                             "from") from None
         return self
 
     @property
