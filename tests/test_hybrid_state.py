@@ -21,7 +21,7 @@ from pdsim.runner import run_point
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cost import Parallelism, pool_sizes, weight_bytes_per_gpu
 from pdsim.specs.hardware import load_hardware_spec
-from pdsim.specs.models import ModelSpec, model_preset
+from pdsim.specs.models import ModelSpec, model_preset, model_spec_from_hf_config
 from pdsim.specs.pipeline import stage_model
 
 # ----- specs -----------------------------------------------------------------------------------
@@ -37,6 +37,45 @@ def test_hybrid_presets_match_their_published_sizes(name, total, active):
     spec = model_preset(name)
     assert spec.num_params == pytest.approx(total, rel=0.005)
     assert spec.active_params_per_token == pytest.approx(active, rel=0.04)
+
+
+HF_CONFIGS = {
+    # openai/gpt-oss-120b config.json (the fields pdsim reads)
+    "gpt-oss-120b": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "head_dim": 64,
+        "hidden_size": 2880, "intermediate_size": 2880, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "num_hidden_layers": 36, "num_local_experts": 128,
+        "num_experts_per_tok": 4, "sliding_window": 128, "vocab_size": 201088,
+        "layer_types": ["sliding_attention", "full_attention"] * 18,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]},
+    },
+    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (no layer_types: full_attention_interval)
+    "qwen3-next-80b-a3b": {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "head_dim": 256,
+        "hidden_size": 2048, "intermediate_size": 5120, "num_attention_heads": 16,
+        "num_key_value_heads": 2, "num_hidden_layers": 48, "num_experts": 512,
+        "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_hf_configs_load_as_the_hybrid_presets(name):
+    assert model_spec_from_hf_config(HF_CONFIGS[name], name) == model_preset(name)
+
+
+def test_hf_layer_types_that_pdsim_does_not_model_are_named():
+    config = {**HF_CONFIGS["gpt-oss-120b"], "layer_types": ["chunked_attention"] * 36}
+    with pytest.raises(ValueError, match=r"layer_types \['chunked_attention'\] are not modelled"):
+        model_spec_from_hf_config(config, "x")
 
 
 def test_layer_pattern_counts_each_kind():

@@ -217,6 +217,16 @@ class ModelSpec(BaseModel):
         return self.layer_pattern != ("full_attention",)
 
     @property
+    def attention_summary(self) -> str:
+        """The attention kind, and a hybrid model's layer mix: `gqa: 18 swa-128 + 18 full`."""
+        if not self.is_hybrid:
+            return self.attention
+        parts = [f"{self.num_sliding_layers} swa-{self.sliding_window}" if self.num_sliding_layers
+                 else "", f"{self.num_linear_layers} linear" if self.num_linear_layers else "",
+                 f"{self.num_full_attention_layers} full"]
+        return f"{self.attention}: {' + '.join(p for p in parts if p)}"
+
+    @property
     def is_mla(self) -> bool:
         return self.attention == "mla"
 
@@ -520,20 +530,21 @@ _PRESETS: dict[str, dict[str, Any]] = {
     ),
     # openai/gpt-oss-120b config.json: layer_types alternate sliding_attention (window 128)
     # and full_attention, starting with sliding; 128 experts of 2880, top 4, every layer MoE;
-    # experts published in MXFP4, attention, router, embedding and LM head in BF16. Its
+    # experts published in MXFP4 (its quantization_config converts every MLP; none is dense),
+    # attention, router, embedding and LM head in BF16. Its
     # attention sinks and biases are not modelled (< 0.01 % of its parameters).
     "gpt-oss-120b": dict(
         num_layers=36, hidden_size=2880, num_attention_heads=64, num_kv_heads=8, head_dim=64,
         intermediate_size=2880, vocab_size=201088, num_experts=128, experts_per_token=4,
         moe_intermediate_size=2880, layer_pattern=("sliding_attention", "full_attention"),
-        sliding_window=128, precision=Precision(moe_experts="mxfp4"),
+        sliding_window=128, precision=Precision(dense_mlp="mxfp4", moe_experts="mxfp4"),
     ),
     # openai/gpt-oss-20b config.json: the same with 24 layers and 32 experts.
     "gpt-oss-20b": dict(
         num_layers=24, hidden_size=2880, num_attention_heads=64, num_kv_heads=8, head_dim=64,
         intermediate_size=2880, vocab_size=201088, num_experts=32, experts_per_token=4,
         moe_intermediate_size=2880, layer_pattern=("sliding_attention", "full_attention"),
-        sliding_window=128, precision=Precision(moe_experts="mxfp4"),
+        sliding_window=128, precision=Precision(dense_mlp="mxfp4", moe_experts="mxfp4"),
     ),
     # Qwen/Qwen3-Next-80B-A3B-Instruct config.json: full_attention_interval 4 (three Gated
     # DeltaNet layers, then one full-attention layer); 512 experts of 512, top 10, one shared
@@ -581,6 +592,8 @@ _GQA_ARCHS = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 # Kimi-K2 checkpoints name DeepseekV3ForCausalLM (model_type "kimi_k2"): the same shapes.
 _MLA_ARCHS = {
@@ -592,7 +605,8 @@ SUPPORTED_ARCHITECTURES = tuple(sorted({**_GQA_ARCHS, **_MLA_ARCHS}))
 
 def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec:
     """A spec from the dict of an HF `config.json` (Llama, Mistral, Qwen2/3, Qwen3-MoE,
-    DeepSeek-V2/V3 and Kimi-K2); weight formats from its `quantization_config`."""
+    gpt-oss, Qwen3-Next, DeepSeek-V2/V3 and Kimi-K2); weight formats from its
+    `quantization_config`."""
     arch = _architecture_of(config)
     h = _req(config, "hidden_size")
     heads = _req(config, "num_attention_heads")
@@ -632,7 +646,46 @@ def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec
         fields["head_dim"] = config.get("head_dim") or h // heads
         if config.get("num_experts"):
             fields.update(_qwen_moe_fields(config, fields["num_layers"]))
+        elif config.get("num_local_experts"):  # gpt-oss: every layer MoE, experts of MLP size
+            fields.update(num_experts=config["num_local_experts"],
+                          experts_per_token=_req(config, "num_experts_per_tok"),
+                          moe_intermediate_size=fields["intermediate_size"])
+        fields.update(_hybrid_fields(config, fields["num_layers"]))
     return ModelSpec(**fields)
+
+
+_STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _hybrid_fields(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """A hybrid model's layer kinds: HF's `layer_types` (or Qwen3-Next's
+    `full_attention_interval`) as its shortest repeating pattern, and the fields its kinds need."""
+    types = config.get("layer_types")
+    if types is None and config.get("full_attention_interval"):
+        interval = config["full_attention_interval"]
+        types = (["linear_attention"] * (interval - 1) + ["full_attention"]) * num_layers
+        types = types[:num_layers]
+    if not types:
+        return {}
+    known = LayerType.__args__
+    unknown = sorted({t for t in types} - set(known))
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not modelled; known: {', '.join(known)}")
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    period = next(p for p in range(1, num_layers + 1)
+                  if all(t == types[i % p] for i, t in enumerate(types)))
+    fields: dict[str, Any] = {"layer_pattern": tuple(types[:period])}
+    if "sliding_attention" in types:
+        fields["sliding_window"] = _req(config, "sliding_window")
+    if "linear_attention" in types:
+        fields.update({name: _req(config, name) for name in LINEAR_FIELDS})
+        ssm_dtype = config.get("mamba_ssm_dtype", "float32")
+        if ssm_dtype not in _STATE_DTYPE_BYTES:
+            raise ValueError(f"mamba_ssm_dtype {ssm_dtype!r}; known: "
+                             f"{', '.join(_STATE_DTYPE_BYTES)}")
+        fields["recurrent_state_dtype_bytes"] = _STATE_DTYPE_BYTES[ssm_dtype]
+    return fields
 
 
 def _qwen_moe_fields(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
