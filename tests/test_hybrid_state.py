@@ -188,7 +188,9 @@ def test_cluster_sizes_state_slots_and_prices_the_state_on_the_wire():
     assert decode.kv_bytes_per_page == 16 * 12 * 2 * 256 * 2 * 4  # each of 4 ranks its own copy
     assert decode.state_bytes_per_request == 36 * 2_146_304  # the whole state, split 4 ways
 
-    oss = build_cluster(parse_experiment(_experiment("gpt-oss-20b"))).decode
+    data = _experiment("gpt-oss-20b")
+    data["hardware"] = "b200"  # MXFP4 experts need FP4 tensor cores
+    oss = build_cluster(parse_experiment(data)).decode
     assert oss.scheduler.state_slots == 0  # a window is pooled by tokens, not slots
     assert oss.state_bytes_per_request == 128 * 12 * 2 * 8 * 64 * 2
 
@@ -291,3 +293,30 @@ def test_abort_returns_the_state_slot():
     assert d.abort("r0", "client went away", 2.0)
     assert d.state_slots.num_used == 0
     d.check_pools_full()
+
+
+# ----- cost ------------------------------------------------------------------------------------
+
+
+def test_only_full_attention_layers_attend_over_the_whole_context():
+    """A decode step over long contexts: gpt-oss's sliding-window half of the layers reads no
+    context-long KV, so its attention costs about half of the same model with every layer full."""
+    from pdsim.core.batch import BatchShape
+    from pdsim.sim.cost import make_cost_model
+
+    hybrid = model_preset("gpt-oss-120b")
+    full = hybrid.model_copy(update={"layer_pattern": ("full_attention",), "sliding_window": None})
+    hw = load_hardware_spec("b200")
+    shape = BatchShape(decode_reqs=64, decode_context_tokens=64 * 32768)
+    kernels = [make_cost_model("roofline", m, hw, Parallelism(tp=2)).attention_kernels_s(shape)
+               for m in (hybrid, full)]
+    assert kernels[0] < 0.6 * kernels[1]
+
+
+def test_silicon_tables_refuse_hybrid_models_and_auto_takes_the_roofline():
+    from pdsim.sim.cost import RooflineCostModel, make_cost_model
+
+    args = (model_preset("qwen3-next-80b-a3b"), load_hardware_spec("h200"), Parallelism(tp=4))
+    with pytest.raises(ValueError, match="use the roofline cost model"):
+        make_cost_model("silicon", *args)
+    assert isinstance(make_cost_model("auto", *args), RooflineCostModel)

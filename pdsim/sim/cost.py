@@ -435,7 +435,10 @@ class RooflineCostModel:
         self._dense_layers = model.num_dense_layers
         self._dense_dp = parallel.moe_dense_tp == 1
         dense_tp = parallel.moe_dense_tp or tp
-        dense_rate = _block_rate("dense_mlp", prec.dense_mlp, hardware, p)
+        # (a model without dense layers needs no dense rate: its checkpoint may name a format
+        # for MLPs it does not have, gpt-oss's MXFP4 say, that this GPU cannot run)
+        dense_rate = (_block_rate("dense_mlp", prec.dense_mlp, hardware, p)
+                      if model.num_dense_layers else math.inf)
         self._dense_floor_s = 2 * p.gemm_floor_s  # gate_up and down
         inter = model.intermediate_size / dense_tp
         self._dense_s_tok = 2 * model.dense_mlp_params / dense_tp / dense_rate
