@@ -10,10 +10,12 @@ import pytest
 from configs import scheduler_config
 from core_harness import Driver, FixedExecutor
 from test_core_pd import submit
+from test_transfer_contract import BACKENDS, Watch
 
 from pdsim.config import ConfigError, parse_experiment
 from pdsim.core.decode import DecodeScheduler
 from pdsim.core.fake_transfer import FakeKVManager, FakeWire
+from pdsim.core.kvpoll import KVPoll
 from pdsim.core.prefill import PrefillScheduler
 from pdsim.core.request import Request
 from pdsim.core.scheduler import ColocatedScheduler
@@ -320,3 +322,53 @@ def test_silicon_tables_refuse_hybrid_models_and_auto_takes_the_roofline():
     with pytest.raises(ValueError, match="use the roofline cost model"):
         make_cost_model("silicon", *args)
     assert isinstance(make_cost_model("auto", *args), RooflineCostModel)
+
+
+# ----- the transfer contract: state_indices ----------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["fake", "sim"])
+@pytest.mark.parametrize("src_states, dst_states, ok", [
+    ([0], [3], True), ([], [], True), ([], [3], False), ([0], [], False)])
+def test_state_indices_ride_with_the_last_chunk(backend, src_states, dst_states, ok):
+    pair = BACKENDS[backend]()
+    w = handshake_with_state(pair, dst_states)
+    sender = w.endpoints["sender"]
+    sender.init(num_pages=2, metadata_slot=0)
+    sender.send([0, 1], last=True, state_indices=src_states)
+    for side in ("sender", "receiver"):
+        final = w.until(side, lambda s: s in (KVPoll.Success, KVPoll.Failed))
+        assert final is (KVPoll.Success if ok else KVPoll.Failed)
+    if not ok:
+        assert (f"sends {len(src_states)} state slots, the decode side expects "
+                f"{len(dst_states)}") in w.endpoints["receiver"].failure_reason()
+    elif backend == "fake":
+        assert pair.prefill.wire.sent_states[w.room] == list(zip(src_states, dst_states))
+
+
+def handshake_with_state(pair, dst_states):
+    """The contract's handshake, the receiver also naming its state slots."""
+    room = next(_ROOMS)
+    sender = pair.prefill.create_sender(pair.request(room))
+    receiver = pair.decode.create_receiver(pair.request(room))
+    w = Watch(pair, sender=sender, receiver=receiver)
+    w.room = room
+    w.until("receiver", lambda s: s >= KVPoll.WaitingForInput)
+    receiver.send_metadata([4, 5], 0, state_indices=dst_states)
+    w.until("sender", lambda s: s >= KVPoll.WaitingForInput)
+    return w
+
+
+_ROOMS = iter(range(5000, 6000))
+
+
+@pytest.mark.real
+def test_mooncake_refuses_state_indices():
+    pair = BACKENDS["mooncake"]()
+    try:
+        receiver = pair.decode.create_receiver(pair.request(next(_ROOMS)))
+        with pytest.raises(ValueError, match="the Mooncake backend moves KV pages only"):
+            receiver.send_metadata([1], 0, state_indices=[2])
+        receiver.abort("test over")
+    finally:
+        pair.close()
