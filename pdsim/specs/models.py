@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -667,7 +667,7 @@ def _hybrid_fields(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]
         types = types[:num_layers]
     if not types:
         return {}
-    known = LayerType.__args__
+    known = get_args(LayerType)
     unknown = sorted({t for t in types} - set(known))
     if unknown:
         raise ValueError(f"layer_types {unknown} are not modelled; known: {', '.join(known)}")
