@@ -557,10 +557,11 @@ def presets(wide: bool = WIDE_OPTION) -> None:
             blocks["experts"] = m.precision.moe_experts
         blocks["head"] = m.precision.lm_head
         formats = ", ".join(f"{block} {dtype}" for block, dtype in blocks.items())
-        rows.append([name, _count(m.num_params), _count(m.active_params_per_token), m.attention,
+        rows.append([name, _count(m.num_params), _count(m.active_params_per_token),
+                     m.attention_summary,
                      mlp, formats, " + ".join(backends[name])])
     columns = [Column("name", 0, "left"), Column("params", 1), Column("active/token", 1),
-               Column("attention", 2, "left"), Column("MLP", 1, "left", wrap=True),
+               Column("attention", 2, "left", wrap=True), Column("MLP", 1, "left", wrap=True),
                Column("weight formats", 3, "left", wrap=True),
                Column("backends", 2, "left", wrap=True)]
     print_table(console, columns, rows, title="models (pdsim/specs/models.py)", wide=wide)

@@ -105,14 +105,26 @@ class SchedulerKnobs(_Spec):
         "weights; the real backend does not measure its device and needs it given")
     wakeup_s: float = Field(0.0, ge=0, description="sim only: an idle scheduler notices new "
                             "work (a request, a finished transfer) this late")
+    max_mamba_cache_size: int | None = Field(
+        None, ge=1, description="sim only, models with linear-attention layers: recurrent-state "
+        "slots per DP rank (SGLang's --max-mamba-cache-size); a request holds one from "
+        "admission to its end. None: sized by mamba_full_memory_ratio")
+    mamba_full_memory_ratio: float = Field(
+        0.9, gt=0, description="sim only: recurrent-state memory over KV-pool memory when "
+        "max_mamba_cache_size is not given (SGLang's --mamba-full-memory-ratio)")
+    swa_full_tokens_ratio: float = Field(
+        0.8, gt=0, description="sim only, models with sliding-window layers: their pool's tokens "
+        "over the full-attention pool's (SGLang's --swa-full-tokens-ratio)")
     disable_radix_cache: bool = Field(
         False, description="SGLang's --disable-radix-cache: the prefill and colocated "
         "schedulers keep a radix prefix cache unless true (decode has none)")
 
     def build(self, num_pages: int, dp_attention: int = 1, where: str = "scheduler",
-              speculation: Speculation | None = None) -> SchedulerConfig:
-        """The core config of one DP rank of an instance with `num_pages` pages per rank."""
+              speculation: Speculation | None = None, state_slots: int = 0) -> SchedulerConfig:
+        """The core config of one DP rank of an instance with `num_pages` pages and
+        `state_slots` recurrent-state slots per rank."""
         return SchedulerConfig(
+            state_slots=state_slots,
             num_pages=num_pages, page_size=self.page_size,
             max_running_requests=self._running_per_rank(num_pages, dp_attention, where),
             max_prefill_tokens=self.max_prefill_tokens,

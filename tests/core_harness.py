@@ -45,11 +45,13 @@ class StubEndpoint:
     def init(self, num_pages: int, metadata_slot: int) -> None:
         self.calls.append(("init", num_pages, metadata_slot))
 
-    def send(self, page_indices: Sequence[int], last: bool) -> None:
+    def send(self, page_indices: Sequence[int], last: bool,
+             state_indices: Sequence[int] = ()) -> None:
         self.calls.append(("send", list(page_indices), last))
 
     # receiver side
-    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
+    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int,
+                      state_indices: Sequence[int] = ()) -> None:
         self.calls.append(("send_metadata", list(page_indices), metadata_slot))
 
     def abort(self, reason: str) -> None:

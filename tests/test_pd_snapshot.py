@@ -31,7 +31,7 @@ class Scripted:
     def failure_reason(self) -> str:
         return self.reason
 
-    def send_metadata(self, pages, slot) -> None:
+    def send_metadata(self, pages, slot, state_indices=()) -> None:
         pass
 
     def close(self) -> None:

@@ -78,9 +78,9 @@ def test_early_sent_cached_pages_land_before_the_suffix_forward_ends(monkeypatch
     sends = []  # per chunk: [sent at, last, landed at]
     send, landed = network.SimKVSender.send, network.SimKVSender._chunk_landed
 
-    def record_send(self, page_indices, last):
+    def record_send(self, page_indices, last, state_indices=()):
         sends.append([self.fabric.env.now, last, None, self.room])
-        send(self, page_indices, last)
+        send(self, page_indices, last, state_indices)
 
     def record_landed(self):
         chunk = next(c for c in sends if c[3] is self.room and c[2] is None)

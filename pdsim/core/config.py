@@ -20,7 +20,9 @@ class SchedulerConfig:
     running or queued request when admitting new ones, so admitted requests can keep decoding.
     `speculation` (simulator only) makes decode steps verify draft tokens. `prefix_cache` gives
     colocated and prefill schedulers a radix cache of prompt pages (`pdsim.core.radix`); a
-    request takes from it only if it carries `prefix_keys`.
+    request takes from it only if it carries `prefix_keys`. With `state_slots`, every request
+    also holds one slot of the recurrent-state pool from admission to its end (SGLang's mamba
+    pool), so the slots cap how many run or wait for their KV at once.
     """
 
     num_pages: int
@@ -31,6 +33,7 @@ class SchedulerConfig:
     num_reserved_decode_tokens: int
     pre_alloc_size: int  # decode: extra request slots for requests waiting for their KV
     metadata_slots: int
+    state_slots: int  # recurrent-state slots (0: the model keeps no per-request state)
     bootstrap_timeout_s: float
     waiting_timeout_s: float
     speculation: Speculation | None
@@ -41,7 +44,8 @@ class SchedulerConfig:
                      "metadata_slots"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}")
-        for name in ("chunked_prefill_size", "num_reserved_decode_tokens", "pre_alloc_size"):
+        for name in ("chunked_prefill_size", "num_reserved_decode_tokens", "pre_alloc_size",
+                     "state_slots"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 0, got {getattr(self, name)}")
 

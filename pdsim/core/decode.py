@@ -69,7 +69,8 @@ class DecodeScheduler(InstanceScheduler):
         epoch = self.kv.poll_epoch()
         if self.prealloc:
             seen = ((epoch, self.pool.num_free, self.req_slots.num_free,
-                     self.metadata_slots.num_free, self._num_decoding())
+                     self.metadata_slots.num_free, self._state_slots_free(),
+                     self._num_decoding())
                     if self._prealloc_blocked else epoch)
             if seen != self._prealloc_seen:
                 self._prealloc_seen = seen
@@ -137,7 +138,8 @@ class DecodeScheduler(InstanceScheduler):
         budget = self.pool.free_tokens - self._reserved_tokens()
         if pages_needed * cfg.page_size + cfg.num_reserved_decode_tokens > budget and self._num_decoding():
             return False
-        if self.req_slots.num_free == 0 or self.metadata_slots.num_free == 0:
+        if (self.req_slots.num_free == 0 or self.metadata_slots.num_free == 0
+                or self._state_slots_free() == 0):
             return False
         pages = self.pool.alloc_many(pages_needed)
         if pages is None:
@@ -145,7 +147,8 @@ class DecodeScheduler(InstanceScheduler):
         req.pages = pages
         req.req_slot = self.req_slots.alloc()
         req.metadata_slot = self.metadata_slots.alloc()
-        req.receiver.send_metadata(pages, req.metadata_slot)
+        self._take_state_slot(req)
+        req.receiver.send_metadata(pages, req.metadata_slot, state_indices=req.state_indices)
         return True
 
     # ----- transfer --------------------------------------------------------------------------

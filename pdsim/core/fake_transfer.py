@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdsim.core.kvpoll import KVPoll, advance
-from pdsim.core.transfer import DictMetadataStore
+from pdsim.core.transfer import DictMetadataStore, state_mismatch
 
 
 @dataclass(slots=True)
@@ -22,6 +22,7 @@ class _Room:
     dst_metadata_slot: int = -1
     dst_manager: "FakeKVManager | None" = None
     src_pages: list[int] = field(default_factory=list)
+    dst_states: list[int] = field(default_factory=list)
     reason: str = ""
 
 
@@ -32,6 +33,7 @@ class FakeWire:
         self.epoch = 0  # bumped on every change any endpoint could observe
         self.rooms: dict[int, _Room] = {}
         self.sent_pages: dict[int, list[tuple[int, int]]] = {}  # room → (src, dst) page pairs
+        self.sent_states: dict[int, list[tuple[int, int]]] = {}  # room → (src, dst) state slots
 
     def room(self, room_id: int) -> _Room:
         return self.rooms.setdefault(room_id, _Room())
@@ -65,7 +67,8 @@ class FakeKVSender:
     def init(self, num_pages: int, metadata_slot: int) -> None:
         self._metadata_slot = metadata_slot
 
-    def send(self, page_indices: Sequence[int], last: bool) -> None:
+    def send(self, page_indices: Sequence[int], last: bool,
+             state_indices: Sequence[int] = ()) -> None:
         self._wire.epoch += 1
         r = self._room()
         if r.state is KVPoll.Failed:
@@ -77,7 +80,12 @@ class FakeKVSender:
                 r.state = KVPoll.Failed
                 r.reason = f"sent {len(r.src_pages)} pages, receiver expects {len(r.dst_pages)}"
                 return
+            if len(state_indices) != len(r.dst_states):
+                r.state = KVPoll.Failed
+                r.reason = state_mismatch(state_indices, r.dst_states)
+                return
             self._wire.sent_pages[self._room_id] = list(zip(r.src_pages, r.dst_pages))
+            self._wire.sent_states[self._room_id] = list(zip(state_indices, r.dst_states))
             # The one-sided write of the metadata slot into the receiver's buffer.
             meta = self._manager.metadata.read(self._metadata_slot)
             if meta is not None and r.dst_manager is not None:
@@ -100,10 +108,12 @@ class FakeKVReceiver:
     def poll(self) -> KVPoll:
         return self._wire.room(self._room_id).state
 
-    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
+    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int,
+                      state_indices: Sequence[int] = ()) -> None:
         self._wire.epoch += 1
         r = self._wire.room(self._room_id)
         r.dst_pages = list(page_indices)
+        r.dst_states = list(state_indices)
         r.dst_metadata_slot = metadata_slot
         r.dst_manager = self._manager
         r.receiver_ready = True

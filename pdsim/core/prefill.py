@@ -61,7 +61,8 @@ class PrefillScheduler(InstanceScheduler):
     def step(self, now: float):
         epoch = self.kv.poll_epoch()
         if self.bootstrap:
-            seen = ((epoch, self.metadata_slots.num_free, self.req_slots.num_free)
+            seen = ((epoch, self.metadata_slots.num_free, self.req_slots.num_free,
+                     self._state_slots_free())
                     if self._bootstrap_blocked else epoch)
             overdue = now - self.bootstrap[0].queued_s >= self.config.bootstrap_timeout_s
             if seen != self._bootstrap_seen or overdue:
@@ -141,6 +142,10 @@ class PrefillScheduler(InstanceScheduler):
         if slot is None:
             self.metadata_slots.free(meta)
             return False
+        if not self._take_state_slot(req):
+            self.metadata_slots.free(meta)
+            self.req_slots.free(slot)
+            return False
         req.metadata_slot, req.req_slot = meta, slot
         return True
 
@@ -169,7 +174,8 @@ class PrefillScheduler(InstanceScheduler):
     def _send(self, req: Request, pages: list[int], last: bool, now: float) -> None:
         if req.transfer_start_s != req.transfer_start_s:  # NaN: its first pages go now
             req.transfer_start_s = now
-        req.sender.send(pages, last=last)
+        # The last chunk also carries the request's state (its slot on this side).
+        req.sender.send(pages, last=last, state_indices=req.state_indices if last else ())
 
     def _prefilled(self, req: Request, token: int | None, logprob: float, now: float) -> None:
         req.prefill_end_s = now

@@ -51,6 +51,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     req_slot: int = -1
     metadata_slot: int = -1
+    state_indices: list[int] = field(default_factory=list)  # its recurrent-state slot, if any
     sender: object = None
     receiver: object = None
     sent_pages: int = 0  # prefill side: pages already handed to the sender

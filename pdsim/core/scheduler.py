@@ -35,6 +35,9 @@ class InstanceScheduler:
         self.pool = PagePool(config.num_pages, config.page_size)
         self.cache = RadixCache(self.pool) if config.prefix_cache and self.caches_prefixes else None
         self.req_slots = IndexPool(req_slots or config.max_running_requests, "request slot")
+        # A hybrid model's recurrent states: one slot per request beside its pages.
+        self.state_slots = (IndexPool(config.state_slots, "state slot") if config.state_slots
+                            else None)
         self.waiting: deque[Request] = deque()
         spec = config.speculation
         self.running = (RunningBatch(self.pool) if spec is None
@@ -76,8 +79,27 @@ class InstanceScheduler:
             slot = self.req_slots.alloc()
             if slot is None:
                 return False
+            if not self._take_state_slot(req):
+                self.req_slots.free(slot)
+                return False
             req.req_slot = slot
         return True
+
+    def _take_state_slot(self, req: Request) -> bool:
+        """A recurrent-state slot for `req`; False when none is free (always True when the
+        model keeps no per-request state)."""
+        if self.state_slots is None:
+            return True
+        slot = self.state_slots.alloc()
+        if slot is None:
+            return False
+        req.state_indices = [slot]
+        return True
+
+    def _state_slots_free(self) -> int:
+        """Free recurrent-state slots (-1 without a state pool): part of what a blocked queue
+        waits for."""
+        return -1 if self.state_slots is None else self.state_slots.num_free
 
     def _free_tokens(self) -> int:
         """KV tokens new requests can have: free pages, plus cached pages nobody pins."""
@@ -288,6 +310,9 @@ class InstanceScheduler:
         if req.req_slot >= 0:
             self.req_slots.free(req.req_slot)
             req.req_slot = -1
+        if req.state_indices:
+            self.state_slots.free_many(req.state_indices)
+            req.state_indices = []
         if req.metadata_slot >= 0:
             self.metadata_slots.free(req.metadata_slot)
             req.metadata_slot = -1
@@ -337,6 +362,8 @@ class InstanceScheduler:
         prefix cache, back means free or cached and not pinned."""
         (self.pool if self.cache is None else self.cache).check_full()
         self.req_slots.check_full()
+        if self.state_slots is not None:
+            self.state_slots.check_full()
         if self.metadata_slots is not None:
             self.metadata_slots.check_full()
 

@@ -2,11 +2,13 @@
 
 Prefill side (`KVSender`): created when a request arrives, polled in the bootstrap queue until the
 decode side has said where to write (`WaitingForInput`); `init` then fixes the page count and the
-metadata slot; `send` hands over pages chunk by chunk, the last call also carries the metadata.
+metadata slot; `send` hands over pages chunk by chunk, the last call also carries the metadata
+and, for a hybrid model, the request's recurrent-state slot (`state_indices`).
 
 Decode side (`KVReceiver`): created when a request arrives, handshakes with the prefill rank
 (`Bootstrapping` → `WaitingForInput`); once pages are allocated, `send_metadata` tells the prefill
-side the destination pages and metadata slot; `Success` means KV and metadata are in place.
+side the destination pages, metadata slot and state slot (`state_indices`, empty when the model
+keeps no per-request state); `Success` means KV and metadata are in place.
 
 The sim, fake and Mooncake backends implement these three classes and nothing else; one contract
 test runs against all of them.
@@ -29,6 +31,13 @@ class FirstTokenMetadata:
     first_token_id: int
     first_logprob: float
     cached_tokens: int
+
+
+def state_mismatch(src_states: Sequence[int], dst_states: Sequence[int]) -> str:
+    """The failure when the two sides disagree on whether a request has a state to move (one
+    model with a recurrent state, the other without: a misconfigured pair)."""
+    return (f"the prefill side sends {len(src_states)} state slots, the decode side expects "
+            f"{len(dst_states)}: both sides must serve the same model")
 
 
 class MetadataStore(Protocol):
@@ -57,8 +66,10 @@ class KVSender(Protocol):
 
     def init(self, num_pages: int, metadata_slot: int) -> None: ...
 
-    def send(self, page_indices: Sequence[int], last: bool) -> None:
-        """Queue the next pages of this request (in order); `last` also ships the metadata slot."""
+    def send(self, page_indices: Sequence[int], last: bool,
+             state_indices: Sequence[int] = ()) -> None:
+        """Queue the next pages of this request (in order); `last` also ships the metadata slot
+        and the state in `state_indices`."""
         ...
 
     def abort(self, reason: str) -> None: ...
@@ -69,7 +80,8 @@ class KVSender(Protocol):
 class KVReceiver(Protocol):
     def poll(self) -> KVPoll: ...
 
-    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None: ...
+    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int,
+                      state_indices: Sequence[int] = ()) -> None: ...
 
     def abort(self, reason: str) -> None: ...
 

@@ -10,7 +10,7 @@ from pdsim.config import ConfigError, ExperimentConfig, RoleConfig
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.running import Speculation
 from pdsim.sim.cluster import ClusterSpec, RoleSpec
-from pdsim.sim.cost import Parallelism, kv_capacity_tokens, make_cost_model, weight_bytes_per_gpu
+from pdsim.sim.cost import Parallelism, make_cost_model, pool_sizes, weight_bytes_per_gpu
 from pdsim.sim.network import PROTOCOLS, NetworkModel, descriptor_counts, stage_kv_page_bytes
 from pdsim.sim.speculative import (
     draft_spec,
@@ -41,10 +41,13 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     try:
         draft = None if spec.method == "none" else draft_spec(
             spec.method, model, spec.draft_layers, spec.draft_model)
-        num_pages = knobs.num_pages or (
-            _pool_tokens(model, hw, par, knobs.mem_fraction_static, kv_bytes, draft)
-            // knobs.page_size
-        )
+        sizes = pool_sizes(model, hw, par, knobs.mem_fraction_static, kv_bytes,
+                           max_mamba_cache_size=knobs.max_mamba_cache_size,
+                           mamba_full_memory_ratio=knobs.mamba_full_memory_ratio,
+                           swa_full_tokens_ratio=knobs.swa_full_tokens_ratio)
+        tokens = sizes.kv_tokens if draft is None else kv_capacity_with_draft(
+            sizes.kv_tokens, model, draft, par, kv_bytes)
+        num_pages = knobs.num_pages or tokens // knobs.page_size
         cost = _cost_factory(cfg, model, hw, par, params, draft)
         cost()
     except ValueError as exc:
@@ -53,16 +56,21 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
         raise ConfigError(f"cluster.{name}: no room for a single KV page after the weights")
     try:
         sched = knobs.build(num_pages, role.dp_attention, f"cluster.{name}.scheduler",
-                            _speculation(cfg))
+                            _speculation(cfg), state_slots=sizes.state_slots)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     sched = _low_latency_cap(sched, role, name, cfg)
     attn_tp = role.tp // role.dp_attention
     # What a page weighs on the wire: every attention-TP rank of the receiving side needs its
     # own slice (GQA) or its own replica (MLA). A speculating draft's KV and last hidden state
-    # move with it (SGLang ships them in the KV and metadata buffers).
+    # move with it (SGLang ships them in the KV and metadata buffers), and so do a hybrid
+    # model's per-request states: its sliding-window KV (a whole window, the last pages) and
+    # its recurrent state.
     kv_models = [model] if draft is None else [model, draft]
-    state_bytes = 0.0 if draft is None else draft_state_bytes_per_request(model)
+    state_bytes = attn_tp * (model.swa_window_bytes_per_request_per_rank(attn_tp, kv_bytes)
+                             + model.recurrent_state_bytes_per_request_per_rank(attn_tp))
+    if draft is not None:
+        state_bytes += draft_state_bytes_per_request(model)
     kv_page_bytes = sum(knobs.page_size * m.kv_bytes_per_token_per_rank(attn_tp, kv_bytes)
                         * attn_tp for m in kv_models)
     net = cfg.network
@@ -101,12 +109,6 @@ def _low_latency_cap(sched: SchedulerConfig, role: RoleConfig, name: str,
     if sched.max_running_requests <= cap:
         return sched
     return replace(sched, max_running_requests=cap)
-
-
-def _pool_tokens(model: ModelSpec, hw: HardwareSpec, par: Parallelism, mem_fraction: float,
-                 kv_bytes: float, draft: ModelSpec | None) -> int:
-    tokens = kv_capacity_tokens(model, hw, par, mem_fraction, kv_bytes)
-    return tokens if draft is None else kv_capacity_with_draft(tokens, model, draft, par, kv_bytes)
 
 
 def _cost_factory(cfg: ExperimentConfig, model: ModelSpec, hw: HardwareSpec, par: Parallelism,

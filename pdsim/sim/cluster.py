@@ -47,7 +47,7 @@ class RoleSpec:
     cost: Callable[[], CostModel]  # one cost model per instance
     nic_bytes_per_s: float = math.inf  # the instance's NIC bandwidth, all its GPUs together
     kv_bytes_per_page: float = 0.0  # bytes a page of this role's KV weighs on the wire
-    state_bytes_per_request: float = 0.0  # sent with a request's last chunk (draft state)
+    state_bytes_per_request: float = 0.0  # lands with a request's last chunk (draft, SWA, state)
     wakeup_s: float = 0.0  # an idle scheduler of this role notices new work this late
     pp: int = 1  # pipeline stages per instance (pdsim/sim/pipeline.py)
     weight_bytes_per_gpu: float = 0.0  # what a new instance's GPUs load at a cold start

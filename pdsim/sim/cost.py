@@ -5,7 +5,7 @@ requests. Implementations are looked up by name (`make_cost_model`); "roofline" 
 one, described with its defaults in docs/cost_model.md.
 
 This module also answers the other sizing question the simulator asks of a (model, GPU,
-parallelism) triple: how many KV tokens fit (`kv_capacity_tokens`).
+parallelism) triple: how many KV tokens and recurrent-state slots fit (`pool_sizes`).
 """
 
 from __future__ import annotations
@@ -387,8 +387,8 @@ class RooflineCostModel:
         # Attention block on one GPU of a DP rank: projections, then the attention kernels.
         attn_rate = _block_rate("attention", prec.attention, hardware, p)
         wb = DTYPES[prec.attention].weight_bytes
-        self._attn_proj_s_tok = 2 * model.attn_params_per_layer / attn_tp / attn_rate
-        self._attn_w_bytes = model.attn_params_per_layer * wb / attn_tp
+        self._attn_proj_s_tok = 2 * model.attn_params / model.num_layers / attn_tp / attn_rate
+        self._attn_w_bytes = model.attn_params / model.num_layers * wb / attn_tp
         if model.is_mla:
             q_out = heads * model.head_dim
             q_io = h + model.q_lora_rank * 2 + q_out if model.q_lora_rank else h + q_out
@@ -419,8 +419,12 @@ class RooflineCostModel:
         # kv_b (or its two absorbed batched GEMMs in decode) and o.
         self._attn_gemm_floor_s = (5 if model.is_mla else 2) * p.gemm_floor_s
         self._attn_act_tok = proj_io * ACT_BYTES
-        self._pf_attn_s_pair = pf_flops_pair / kernel_rate
-        self._dec_attn_s_ctx = dec_flops_ctx / kernel_rate
+        # Per layer on average: in a hybrid model only full-attention layers attend over the
+        # whole context (a sliding window's and a recurrent state's per-token work is not
+        # priced beyond the projections).
+        full_share = model.num_full_attention_layers / model.num_layers
+        self._pf_attn_s_pair = pf_flops_pair / kernel_rate * full_share
+        self._dec_attn_s_ctx = dec_flops_ctx / kernel_rate * full_share
         kv_bytes = model.kv_bytes_per_token_per_rank(attn_tp, p.kv_dtype_bytes)
         self._kv_mem_s_tok = kv_bytes / model.num_layers / mem_rate  # write or read, per layer
         # Two fused add+RMSNorms (read x and residual, write both) and RoPE (read+write q, k).
@@ -431,7 +435,10 @@ class RooflineCostModel:
         self._dense_layers = model.num_dense_layers
         self._dense_dp = parallel.moe_dense_tp == 1
         dense_tp = parallel.moe_dense_tp or tp
-        dense_rate = _block_rate("dense_mlp", prec.dense_mlp, hardware, p)
+        # (a model without dense layers needs no dense rate: its checkpoint may name a format
+        # for MLPs it does not have, gpt-oss's MXFP4 say, that this GPU cannot run)
+        dense_rate = (_block_rate("dense_mlp", prec.dense_mlp, hardware, p)
+                      if model.num_dense_layers else math.inf)
         self._dense_floor_s = 2 * p.gemm_floor_s  # gate_up and down
         inter = model.intermediate_size / dense_tp
         self._dense_s_tok = 2 * model.dense_mlp_params / dense_tp / dense_rate
@@ -693,6 +700,19 @@ class RooflineCostModel:
         return layers * experts, layers * comm, tbo
 
 
+class PoolSizes(NamedTuple):
+    """One attention-DP rank's pools: KV tokens (of the full-attention layers) and state slots
+    (requests that can hold a recurrent state at once; 0 when the model keeps none)."""
+
+    kv_tokens: int
+    state_slots: int
+
+
+# SGLang's defaults for hybrid models (--swa-full-tokens-ratio, --mamba-full-memory-ratio).
+SWA_FULL_TOKENS_RATIO = 0.8
+MAMBA_FULL_MEMORY_RATIO = 0.9
+
+
 def kv_capacity_tokens(
     model: ModelSpec,
     hardware: HardwareSpec,
@@ -700,17 +720,41 @@ def kv_capacity_tokens(
     mem_fraction_static: float = 0.88,
     kv_dtype_bytes: float = 2,
 ) -> int:
-    """KV tokens one attention-DP rank can hold.
+    """KV tokens one attention-DP rank can hold (`pool_sizes` with SGLang's hybrid defaults)."""
+    return pool_sizes(model, hardware, parallel, mem_fraction_static, kv_dtype_bytes).kv_tokens
 
-    SGLang's rule: `mem_fraction_static` of each GPU's memory holds the weights and the KV
-    pool. Each GPU of a DP rank stores every token of that rank's pool, but only its own
-    slice of it (GQA: its KV heads; MLA: the whole latent, replicated), so the tokens that fit
-    are the free bytes of one GPU over the per-GPU bytes of one token. The same count holds
-    for every DP rank. With pipeline stages a GPU holds only its stage's layers, weights and
-    KV (the slowest stage's, which holds the most).
+
+def pool_sizes(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    parallel: Parallelism,
+    mem_fraction_static: float = 0.88,
+    kv_dtype_bytes: float = 2,
+    *,
+    max_mamba_cache_size: int | None = None,
+    mamba_full_memory_ratio: float = MAMBA_FULL_MEMORY_RATIO,
+    swa_full_tokens_ratio: float = SWA_FULL_TOKENS_RATIO,
+) -> PoolSizes:
+    """KV tokens and recurrent-state slots one attention-DP rank can hold.
+
+    SGLang's rule: `mem_fraction_static` of each GPU's memory holds the weights and the pools.
+    Each GPU of a DP rank stores every token of that rank's pool, but only its own slice of it
+    (GQA: its KV heads; MLA: the whole latent, replicated), so the tokens that fit are the free
+    bytes of one GPU over the per-GPU bytes of one token. The same count holds for every DP
+    rank. With pipeline stages a GPU holds only its stage's layers, weights and KV (the slowest
+    stage's, which holds the most).
+
+    Hybrid models, as SGLang sizes them: the recurrent states of linear-attention layers take
+    `max_mamba_cache_size` slots, or (None) `mamba_full_memory_ratio` of the KV pool's memory
+    (state : KV = ratio : 1); sliding-window layers get a pool of `swa_full_tokens_ratio` times
+    the full-attention tokens, so a token of the pool costs its full-attention KV plus that
+    share of its sliding-window KV.
     """
     if not 0 < mem_fraction_static <= 1:
         raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
+    if mamba_full_memory_ratio <= 0 or swa_full_tokens_ratio <= 0:
+        raise ValueError(f"mamba_full_memory_ratio ({mamba_full_memory_ratio}) and "
+                         f"swa_full_tokens_ratio ({swa_full_tokens_ratio}) must be > 0")
     budget = hardware.hbm_bytes * mem_fraction_static
     weights = weight_bytes_per_gpu(model, parallel)
     free = budget - weights
@@ -721,6 +765,24 @@ def kv_capacity_tokens(
             f"({mem_fraction_static} x {hardware.hbm_gib} GiB) is available; raise tp or "
             f"mem_fraction_static"
         )
-    per_token = stage_model(model, parallel.pp).kv_bytes_per_token_per_rank(
-        parallel.attn_tp, kv_dtype_bytes)
-    return int(free // per_token)
+    stage = stage_model(model, parallel.pp)
+    attn_tp = parallel.attn_tp
+    per_token = (stage.kv_bytes_per_token_per_rank(attn_tp, kv_dtype_bytes)
+                 + swa_full_tokens_ratio * stage.swa_bytes_per_token_per_rank(
+                     attn_tp, kv_dtype_bytes))
+    state_bytes = stage.recurrent_state_bytes_per_request_per_rank(attn_tp)
+    slots = 0
+    if state_bytes:
+        if max_mamba_cache_size is None:
+            slots = int(free * mamba_full_memory_ratio / (1 + mamba_full_memory_ratio)
+                        // state_bytes)
+        else:
+            slots = max_mamba_cache_size
+        free -= slots * state_bytes
+        if slots < 1 or free <= 0:
+            raise ValueError(
+                f"{model.name}: {slots} recurrent-state slots of {state_bytes / 2**20:.1f} MiB "
+                f"leave no room for a KV pool (or hold no request); change "
+                "max_mamba_cache_size, mamba_full_memory_ratio, tp or mem_fraction_static"
+            )
+    return PoolSizes(int(free // per_token), slots)

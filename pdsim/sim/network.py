@@ -30,7 +30,7 @@ from typing import Literal
 import simpy
 
 from pdsim.core.kvpoll import KVPoll, advance
-from pdsim.core.transfer import DictMetadataStore
+from pdsim.core.transfer import DictMetadataStore, state_mismatch
 from pdsim.sim.events import Call, call_fn, push_after
 from pdsim.specs.pipeline import stage_layer_ranges
 
@@ -188,6 +188,7 @@ class _Room:
     __slots__ = (
         "sender_state", "receiver_state", "dst_manager", "dst_slot", "reason", "chunks_pending",
         "last_sent", "src_manager", "expected_pages", "sent_pages", "metadata_sent", "dst_pages",
+        "dst_states",
     )
 
     def __init__(self) -> None:
@@ -203,6 +204,7 @@ class _Room:
         self.sent_pages = 0
         self.metadata_sent = None
         self.dst_pages: Sequence[int] = ()
+        self.dst_states: Sequence[int] = ()
 
 
 class SimFabric:
@@ -322,7 +324,7 @@ class SimKVManager:
         self.instance_key = instance_key
         self.link = link
         self.bytes_per_page = bytes_per_page
-        self.state_bytes_per_request = state_bytes_per_request  # with the last chunk
+        self.state_bytes_per_request = state_bytes_per_request  # lands with the last chunk
         self._notify = notify
         self.epoch = 0
         self.metadata = DictMetadataStore()
@@ -369,9 +371,13 @@ class SimKVSender(_Endpoint):
         room.expected_pages = num_pages
         self._metadata_slot = metadata_slot
 
-    def send(self, page_indices: Sequence[int], last: bool) -> None:
+    def send(self, page_indices: Sequence[int], last: bool,
+             state_indices: Sequence[int] = ()) -> None:
         room = self.room
         if room.sender_state is KVPoll.Failed:
+            return
+        if last and len(state_indices) != len(room.dst_states):
+            self.fabric.fail(room, state_mismatch(state_indices, room.dst_states))
             return
         if self.fabric.faults is not None and (reason := self.fabric.faults.drops(room)):
             self.fabric.fail(room, reason)  # before any byte moves, as the real sender does
@@ -385,7 +391,7 @@ class SimKVSender(_Endpoint):
         dst = room.dst_manager
         nbytes = len(page_indices) * dst.bytes_per_page  # what lands: the receiver's slices
         if last:
-            nbytes += self.manager.state_bytes_per_request
+            nbytes += dst.state_bytes_per_request
         model = self.fabric.model
         first = room.sent_pages - len(page_indices)
         dst_pages = room.dst_pages[first:room.sent_pages]
@@ -427,10 +433,12 @@ class SimKVReceiver(_Endpoint):
         room.receiver_state = advance(room.receiver_state, KVPoll.WaitingForInput)
         self.manager.changed()
 
-    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
+    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int,
+                      state_indices: Sequence[int] = ()) -> None:
         room = self.room
         room.dst_slot = metadata_slot
         room.dst_pages = page_indices
+        room.dst_states = state_indices
         room.receiver_state = advance(room.receiver_state, KVPoll.Transferring)
         self.manager.epoch += 1
         self.fabric.later(self.fabric.model.message_latency_s, self._metadata_arrived)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pdsim.core.batch import BatchShape
 from pdsim.sim.cost import ACT_BYTES, CostModel, Parallelism, make_cost_model
 from pdsim.specs.hardware import HardwareSpec
-from pdsim.specs.models import ModelSpec, load_model_spec
+from pdsim.specs.models import LINEAR_FIELDS, ModelSpec, load_model_spec
 
 DraftBuilder = Callable[[ModelSpec, int, "str | None"], ModelSpec]
 _DRAFTS: dict[str, DraftBuilder] = {}
@@ -53,6 +53,11 @@ def draft_method_names() -> list[str]:
     return sorted(_DRAFTS)
 
 
+# A draft's layers attend over the whole context (Qwen3-Next's MTP layer is full attention).
+FULL_ATTENTION_ONLY = {"layer_pattern": ("full_attention",), "sliding_window": None,
+                       **dict.fromkeys(LINEAR_FIELDS)}
+
+
 @register_draft("mtp")
 def mtp_draft(target: ModelSpec, draft_layers: int, draft_model: str | None) -> ModelSpec:
     """MTP layers are decoder layers of the target's own kind (DeepSeek-V3's is a MoE layer)."""
@@ -60,7 +65,7 @@ def mtp_draft(target: ModelSpec, draft_layers: int, draft_model: str | None) -> 
         raise ValueError("speculative.draft_model: MTP drafts with the target's own MTP layers; "
                          "a separate draft model is for method 'eagle'")
     return target.model_copy(update={"name": f"{target.name}-mtp", "num_layers": draft_layers,
-                                     "first_k_dense_layers": 0})
+                                     "first_k_dense_layers": 0, **FULL_ATTENTION_ONLY})
 
 
 @register_draft("eagle")
@@ -70,7 +75,7 @@ def eagle_draft(target: ModelSpec, draft_layers: int, draft_model: str | None) -
         return load_model_spec(draft_model)
     return target.model_copy(update={
         "name": f"{target.name}-eagle", "num_layers": draft_layers,
-        "first_k_dense_layers": draft_layers if target.is_moe else 0,
+        "first_k_dense_layers": draft_layers if target.is_moe else 0, **FULL_ATTENTION_ONLY,
     })
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -37,6 +37,9 @@ from pdsim.specs.sources import (
 
 MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 MOE_FIELDS = ("num_experts", "experts_per_token", "moe_intermediate_size")
+LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_conv_kernel_dim")
+LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
 # `weight_dtype_bytes` (one width for every block, the field before `precision`) -> format.
 _UNIFORM_BY_BYTES: dict[float, DTypeName] = {2: "bf16", 1: "fp8", 0.5: "w4a16"}
 
@@ -54,6 +57,15 @@ class ModelSpec(BaseModel):
 
     `precision` gives each block's weight format. The older `weight_dtype_bytes` is still
     accepted as input: 2, 1 or 0.5 put every block, LM head included, in bf16, fp8 or w4a16.
+
+    Hybrid models: layer i is of type `layer_pattern[i % len(layer_pattern)]` (HF's
+    `layer_types` names). A `full_attention` layer keeps every token's KV; a
+    `sliding_attention` layer only the last `sliding_window` tokens' (gpt-oss); a
+    `linear_attention` layer (Qwen3-Next's Gated DeltaNet) no KV at all but a fixed-size
+    recurrent state per request: `linear_num_value_heads` matrices of `linear_key_head_dim` x
+    `linear_value_head_dim` in `recurrent_state_dtype_bytes` (SGLang keeps them in fp32 by
+    default), plus a causal-convolution state of the last `linear_conv_kernel_dim - 1` inputs
+    of its q/k/v channels (bf16). Its projections replace the attention block's.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -81,6 +93,15 @@ class ModelSpec(BaseModel):
     first_k_dense_layers: int = Field(default=0, ge=0)
     precision: Precision = Precision()
     tie_word_embeddings: bool = False
+    # Hybrid models only
+    layer_pattern: tuple[LayerType, ...] = Field(default=("full_attention",), min_length=1)
+    sliding_window: int | None = Field(default=None, gt=0)
+    linear_num_key_heads: int | None = Field(default=None, gt=0)
+    linear_num_value_heads: int | None = Field(default=None, gt=0)
+    linear_key_head_dim: int | None = Field(default=None, gt=0)
+    linear_value_head_dim: int | None = Field(default=None, gt=0)
+    linear_conv_kernel_dim: int | None = Field(default=None, gt=1)
+    recurrent_state_dtype_bytes: float = Field(default=4, gt=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -137,6 +158,7 @@ class ModelSpec(BaseModel):
                 f"experts_per_token ({self.experts_per_token}) exceeds num_experts "
                 f"({self.num_experts})"
             )
+        self._check_hybrid()
         if self.first_k_dense_layers > self.num_layers:
             raise ValueError(
                 f"first_k_dense_layers ({self.first_k_dense_layers}) exceeds num_layers "
@@ -144,7 +166,65 @@ class ModelSpec(BaseModel):
             )
         return self
 
+    def _check_hybrid(self) -> None:
+        kinds = set(self.layer_pattern)
+        if "full_attention" not in kinds:
+            raise ValueError(
+                f"layer_pattern {list(self.layer_pattern)} has no full_attention layer; pdsim "
+                "sizes the KV pool by the layers that keep every token, so it needs one"
+            )
+        has_sliding = "sliding_attention" in kinds
+        if has_sliding != (self.sliding_window is not None):
+            raise ValueError("sliding_window (tokens) goes with a sliding_attention layer in "
+                             "layer_pattern, and only with one")
+        linear_set = [f for f in LINEAR_FIELDS if getattr(self, f) is not None]
+        if "linear_attention" in kinds:
+            missing = [f for f in LINEAR_FIELDS if getattr(self, f) is None]
+            if missing:
+                raise ValueError(f"a linear_attention layer needs {', '.join(missing)}")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(
+                    f"linear_num_value_heads ({self.linear_num_value_heads}) must be a "
+                    f"multiple of linear_num_key_heads ({self.linear_num_key_heads})"
+                )
+        elif linear_set:
+            raise ValueError(f"{', '.join(linear_set)} only apply with a linear_attention "
+                             "layer in layer_pattern")
+        if self.is_mla and kinds != {"full_attention"}:
+            raise ValueError("sliding or linear attention layers are not modelled with MLA")
+
     # ----- structure -------------------------------------------------------------------------
+
+    def _count_layers(self, kind: str) -> int:
+        pattern = self.layer_pattern
+        whole, rest = divmod(self.num_layers, len(pattern))
+        return whole * pattern.count(kind) + pattern[:rest].count(kind)
+
+    @property
+    def num_full_attention_layers(self) -> int:
+        return self._count_layers("full_attention")
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return self._count_layers("sliding_attention")
+
+    @property
+    def num_linear_layers(self) -> int:
+        return self._count_layers("linear_attention")
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.layer_pattern != ("full_attention",)
+
+    @property
+    def attention_summary(self) -> str:
+        """The attention kind, and a hybrid model's layer mix: `gqa: 18 swa-128 + 18 full`."""
+        if not self.is_hybrid:
+            return self.attention
+        parts = [f"{self.num_sliding_layers} swa-{self.sliding_window}" if self.num_sliding_layers
+                 else "", f"{self.num_linear_layers} linear" if self.num_linear_layers else "",
+                 f"{self.num_full_attention_layers} full"]
+        return f"{self.attention}: {' + '.join(p for p in parts if p)}"
 
     @property
     def is_mla(self) -> bool:
@@ -181,6 +261,30 @@ class ModelSpec(BaseModel):
         kv_b = self.kv_lora_rank * nh * (self.qk_nope_head_dim + self.v_head_dim)
         o = nh * self.v_head_dim * h
         return q + kv_a + kv_b + o
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a linear-attention layer's causal convolution (its q, k and v)."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    @property
+    def linear_attn_params_per_layer(self) -> int:
+        """Projections of one Gated DeltaNet block: q/k/v/z in, the b/a gates, the depthwise
+        convolution and the output projection (its per-head decay and norm are < 0.01 %)."""
+        if not self.num_linear_layers:
+            return 0
+        h, value = self.hidden_size, self.linear_num_value_heads * self.linear_value_head_dim
+        qkvz = h * (self.linear_conv_dim + value)
+        gates = h * 2 * self.linear_num_value_heads
+        conv = self.linear_conv_dim * self.linear_conv_kernel_dim
+        return qkvz + gates + conv + value * h
+
+    @property
+    def attn_params(self) -> int:
+        """Attention (or linear-attention) projection weights of all layers."""
+        return ((self.num_layers - self.num_linear_layers) * self.attn_params_per_layer
+                + self.num_linear_layers * self.linear_attn_params_per_layer)
 
     @property
     def norm_params_per_layer(self) -> int:
@@ -220,9 +324,8 @@ class ModelSpec(BaseModel):
     @property
     def num_params(self) -> int:
         """Total parameter count."""
-        per_layer = self.attn_params_per_layer + self.norm_params_per_layer
         return (
-            self.num_layers * per_layer
+            self.attn_params + self.num_layers * self.norm_params_per_layer
             + self.num_dense_layers * self.dense_mlp_params
             + self.num_moe_layers * self.moe_layer_params
             + self.embedding_params
@@ -239,9 +342,8 @@ class ModelSpec(BaseModel):
             moe_active = (
                 self.experts_per_token + self.num_shared_experts
             ) * self.expert_params + self.router_params
-        per_layer = self.attn_params_per_layer + self.norm_params_per_layer
         return (
-            self.num_layers * per_layer
+            self.attn_params + self.num_layers * self.norm_params_per_layer
             + self.num_dense_layers * self.dense_mlp_params
             + self.num_moe_layers * moe_active
             + self.vocab_size * self.hidden_size
@@ -285,7 +387,7 @@ class ModelSpec(BaseModel):
             routed = self.num_experts * self.expert_params / ep / (tp // ep)
             shared = self.num_shared_experts * self.expert_params / (1 if deepep else tp)
         blocks = [
-            (p.attention, self.num_layers * self.attn_params_per_layer / attn_tp),
+            (p.attention, self.attn_params / attn_tp),
             (p.dense_mlp, self.num_dense_layers * self.dense_mlp_params / (dense_tp or tp)),
             (p.moe_experts, self.num_moe_layers * (routed + shared)),
             (p.lm_head, (self.embedding_params + self.lm_head_params)
@@ -304,8 +406,10 @@ class ModelSpec(BaseModel):
         return 2 * self.num_kv_heads * self.head_dim
 
     def kv_bytes_per_token(self, kv_dtype_bytes: float = 2) -> int:
-        """KV-cache bytes of one token over all layers, unsharded."""
-        return round(self.num_layers * self.kv_elems_per_token_per_layer * kv_dtype_bytes)
+        """KV-cache bytes of one token over the layers that keep every token (all layers
+        unless the model is hybrid: its full-attention layers), unsharded."""
+        return round(self.num_full_attention_layers * self.kv_elems_per_token_per_layer
+                     * kv_dtype_bytes)
 
     def kv_heads_per_rank(self, tp: int) -> int:
         """KV heads one attention-TP rank holds: `max(1, num_kv_heads // tp)` (heads replicate
@@ -316,12 +420,48 @@ class ModelSpec(BaseModel):
             return 1
         return max(1, self.num_kv_heads // tp)
 
-    def kv_bytes_per_token_per_rank(self, tp: int, kv_dtype_bytes: float = 2) -> int:
-        """KV bytes one attention-TP rank stores per token over all layers (MLA: full latent)."""
+    def _kv_bytes_per_token_per_layer_per_rank(self, tp: int, kv_dtype_bytes: float) -> float:
         if self.is_mla:
-            return self.kv_bytes_per_token(kv_dtype_bytes)
-        elems = 2 * self.kv_heads_per_rank(tp) * self.head_dim
-        return round(self.num_layers * elems * kv_dtype_bytes)
+            return self.kv_elems_per_token_per_layer * kv_dtype_bytes
+        return 2 * self.kv_heads_per_rank(tp) * self.head_dim * kv_dtype_bytes
+
+    def kv_bytes_per_token_per_rank(self, tp: int, kv_dtype_bytes: float = 2) -> int:
+        """KV bytes one attention-TP rank stores per token over the layers that keep every
+        token (MLA: full latent)."""
+        per_layer = self._kv_bytes_per_token_per_layer_per_rank(tp, kv_dtype_bytes)
+        return round(self.num_full_attention_layers * per_layer)
+
+    def swa_bytes_per_token_per_rank(self, tp: int, kv_dtype_bytes: float = 2) -> int:
+        """KV bytes one attention-TP rank stores per token over the sliding-window layers; a
+        request keeps at most `sliding_window` such tokens."""
+        per_layer = self._kv_bytes_per_token_per_layer_per_rank(tp, kv_dtype_bytes)
+        return round(self.num_sliding_layers * per_layer)
+
+    def recurrent_state_bytes_per_layer_per_rank(self, tp: int) -> int:
+        """One request's recurrent state in one linear-attention layer on one attention-TP
+        rank: its value heads (with their key heads' convolution channels) split over tp."""
+        if not self.num_linear_layers:
+            return 0
+        for label, heads in (("linear_num_key_heads", self.linear_num_key_heads),
+                             ("linear_num_value_heads", self.linear_num_value_heads)):
+            if tp < 1 or heads % tp:
+                raise ValueError(f"attention tp={tp} must divide {label} ({heads}): the "
+                                 "recurrent state splits by heads")
+        ssm = (self.linear_num_value_heads * self.linear_key_head_dim
+               * self.linear_value_head_dim * self.recurrent_state_dtype_bytes)
+        conv_elems = self.linear_conv_dim * (self.linear_conv_kernel_dim - 1)
+        conv = conv_elems * DTYPES["bf16"].weight_bytes
+        return round((ssm + conv) / tp)
+
+    def recurrent_state_bytes_per_request_per_rank(self, tp: int) -> int:
+        """One request's recurrent state over all linear-attention layers, one rank's share."""
+        return self.num_linear_layers * self.recurrent_state_bytes_per_layer_per_rank(tp)
+
+    def swa_window_bytes_per_request_per_rank(self, tp: int, kv_dtype_bytes: float = 2) -> int:
+        """Sliding-window KV of one request with a full window, one rank's share."""
+        if not self.num_sliding_layers:
+            return 0
+        return self.sliding_window * self.swa_bytes_per_token_per_rank(tp, kv_dtype_bytes)
 
 
 def _check_divides(label: str, part: int, tp: int) -> None:
@@ -388,6 +528,37 @@ _PRESETS: dict[str, dict[str, Any]] = {
         num_layers=28, hidden_size=3584, num_attention_heads=28, num_kv_heads=4, head_dim=128,
         intermediate_size=18944, vocab_size=152064,
     ),
+    # openai/gpt-oss-120b config.json: layer_types alternate sliding_attention (window 128)
+    # and full_attention, starting with sliding; 128 experts of 2880, top 4, every layer MoE;
+    # experts published in MXFP4 (its quantization_config converts every MLP; none is dense),
+    # attention, router, embedding and LM head in BF16. Its
+    # attention sinks and biases are not modelled (< 0.01 % of its parameters).
+    "gpt-oss-120b": dict(
+        num_layers=36, hidden_size=2880, num_attention_heads=64, num_kv_heads=8, head_dim=64,
+        intermediate_size=2880, vocab_size=201088, num_experts=128, experts_per_token=4,
+        moe_intermediate_size=2880, layer_pattern=("sliding_attention", "full_attention"),
+        sliding_window=128, precision=Precision(dense_mlp="mxfp4", moe_experts="mxfp4"),
+    ),
+    # openai/gpt-oss-20b config.json: the same with 24 layers and 32 experts.
+    "gpt-oss-20b": dict(
+        num_layers=24, hidden_size=2880, num_attention_heads=64, num_kv_heads=8, head_dim=64,
+        intermediate_size=2880, vocab_size=201088, num_experts=32, experts_per_token=4,
+        moe_intermediate_size=2880, layer_pattern=("sliding_attention", "full_attention"),
+        sliding_window=128, precision=Precision(dense_mlp="mxfp4", moe_experts="mxfp4"),
+    ),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json: full_attention_interval 4 (three Gated
+    # DeltaNet layers, then one full-attention layer); 512 experts of 512, top 10, one shared
+    # expert of 512 (shared_expert_intermediate_size), every layer MoE; BF16. The SSM state
+    # stays fp32 (SGLang's --mamba-ssm-dtype default). Not modelled: the gate doubling the
+    # full-attention layers' q_proj (0.13 % of the parameters).
+    "qwen3-next-80b-a3b": dict(
+        num_layers=48, hidden_size=2048, num_attention_heads=16, num_kv_heads=2, head_dim=256,
+        intermediate_size=5120, vocab_size=151936, num_experts=512, experts_per_token=10,
+        moe_intermediate_size=512, num_shared_experts=1,
+        layer_pattern=("linear_attention",) * 3 + ("full_attention",),
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    ),
     # Qwen/Qwen2.5-72B-Instruct config.json.
     "qwen2.5-72b": dict(
         num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8, head_dim=128,
@@ -421,6 +592,8 @@ _GQA_ARCHS = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 # Kimi-K2 checkpoints name DeepseekV3ForCausalLM (model_type "kimi_k2"): the same shapes.
 _MLA_ARCHS = {
@@ -432,7 +605,8 @@ SUPPORTED_ARCHITECTURES = tuple(sorted({**_GQA_ARCHS, **_MLA_ARCHS}))
 
 def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec:
     """A spec from the dict of an HF `config.json` (Llama, Mistral, Qwen2/3, Qwen3-MoE,
-    DeepSeek-V2/V3 and Kimi-K2); weight formats from its `quantization_config`."""
+    gpt-oss, Qwen3-Next, DeepSeek-V2/V3 and Kimi-K2); weight formats from its
+    `quantization_config`."""
     arch = _architecture_of(config)
     h = _req(config, "hidden_size")
     heads = _req(config, "num_attention_heads")
@@ -472,7 +646,46 @@ def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec
         fields["head_dim"] = config.get("head_dim") or h // heads
         if config.get("num_experts"):
             fields.update(_qwen_moe_fields(config, fields["num_layers"]))
+        elif config.get("num_local_experts"):  # gpt-oss: every layer MoE, experts of MLP size
+            fields.update(num_experts=config["num_local_experts"],
+                          experts_per_token=_req(config, "num_experts_per_tok"),
+                          moe_intermediate_size=fields["intermediate_size"])
+        fields.update(_hybrid_fields(config, fields["num_layers"]))
     return ModelSpec(**fields)
+
+
+_STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _hybrid_fields(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """A hybrid model's layer kinds: HF's `layer_types` (or Qwen3-Next's
+    `full_attention_interval`) as its shortest repeating pattern, and the fields its kinds need."""
+    types = config.get("layer_types")
+    if types is None and config.get("full_attention_interval"):
+        interval = config["full_attention_interval"]
+        types = (["linear_attention"] * (interval - 1) + ["full_attention"]) * num_layers
+        types = types[:num_layers]
+    if not types:
+        return {}
+    known = get_args(LayerType)
+    unknown = sorted({t for t in types} - set(known))
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not modelled; known: {', '.join(known)}")
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    period = next(p for p in range(1, num_layers + 1)
+                  if all(t == types[i % p] for i, t in enumerate(types)))
+    fields: dict[str, Any] = {"layer_pattern": tuple(types[:period])}
+    if "sliding_attention" in types:
+        fields["sliding_window"] = _req(config, "sliding_window")
+    if "linear_attention" in types:
+        fields.update({name: _req(config, name) for name in LINEAR_FIELDS})
+        ssm_dtype = config.get("mamba_ssm_dtype", "float32")
+        if ssm_dtype not in _STATE_DTYPE_BYTES:
+            raise ValueError(f"mamba_ssm_dtype {ssm_dtype!r}; known: "
+                             f"{', '.join(_STATE_DTYPE_BYTES)}")
+        fields["recurrent_state_dtype_bytes"] = _STATE_DTYPE_BYTES[ssm_dtype]
+    return fields
 
 
 def _qwen_moe_fields(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:

@@ -32,4 +32,7 @@ def stage_model(model: ModelSpec, pp: int) -> ModelSpec:
         return model
     last = stage_layer_ranges(model.num_layers, pp)[-1]
     dense = max(0, model.first_k_dense_layers - last.start) if model.is_moe else 0
-    return model.model_copy(update={"num_layers": len(last), "first_k_dense_layers": dense})
+    shift = last.start % len(model.layer_pattern)  # the stage's first layer's type first
+    pattern = model.layer_pattern[shift:] + model.layer_pattern[:shift]
+    return model.model_copy(update={"num_layers": len(last), "first_k_dense_layers": dense,
+                                    "layer_pattern": pattern})

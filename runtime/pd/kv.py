@@ -113,10 +113,12 @@ class _Refused:
     def init(self, num_pages: int, metadata_slot: int) -> None:
         pass
 
-    def send(self, page_indices: Sequence[int], last: bool) -> None:
+    def send(self, page_indices: Sequence[int], last: bool,
+             state_indices: Sequence[int] = ()) -> None:
         pass
 
-    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
+    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int,
+                      state_indices: Sequence[int] = ()) -> None:
         pass
 
     def abort(self, reason: str) -> None:
@@ -130,8 +132,9 @@ class SnapshotSender(_Endpoint):
     def init(self, num_pages: int, metadata_slot: int) -> None:
         self.inner.init(num_pages, metadata_slot)
 
-    def send(self, page_indices: Sequence[int], last: bool) -> None:
-        self.inner.send(page_indices, last)
+    def send(self, page_indices: Sequence[int], last: bool,
+             state_indices: Sequence[int] = ()) -> None:
+        self.inner.send(page_indices, last, state_indices)
 
 
 class SnapshotReceiver(_Endpoint):
@@ -139,9 +142,10 @@ class SnapshotReceiver(_Endpoint):
 
     metadata_slot = -1
 
-    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
+    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int,
+                      state_indices: Sequence[int] = ()) -> None:
         self.metadata_slot = metadata_slot
-        self.inner.send_metadata(page_indices, metadata_slot)
+        self.inner.send_metadata(page_indices, metadata_slot, state_indices)
 
     def local_values(self) -> list[int]:
         poll = self.inner.poll()

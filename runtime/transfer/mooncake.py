@@ -197,12 +197,24 @@ class MooncakeKVSender(_Endpoint):
     def init(self, num_pages: int, metadata_slot: int) -> None:
         self._side.init(self.room, num_pages, metadata_slot)
 
-    def send(self, page_indices: Sequence[int], last: bool) -> None:
+    def send(self, page_indices: Sequence[int], last: bool,
+             state_indices: Sequence[int] = ()) -> None:
+        _pages_only(state_indices)
         self._side.send(self.room, page_indices, last)
 
 
 class MooncakeKVReceiver(_Endpoint):
     """Decode side of one request; see `decode.DecodeSide` for the states."""
 
-    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
+    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int,
+                      state_indices: Sequence[int] = ()) -> None:
+        _pages_only(state_indices)
         self._side.send_metadata(self.room, page_indices, metadata_slot)
+
+
+def _pages_only(state_indices: Sequence[int]) -> None:
+    if state_indices:
+        raise ValueError(
+            f"state_indices {list(state_indices)}: the Mooncake backend moves KV pages only; "
+            "models with a per-request state (SWA window, recurrent state) run in the simulator"
+        )

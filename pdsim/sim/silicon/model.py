@@ -149,6 +149,10 @@ class SiliconCostModel:
             raise ValueError(f"silicon params: {problems}; allowed params: {allowed}") from None
         if parallel.ep > 1 and not model.is_moe:
             raise ValueError(f"ep={parallel.ep} needs a MoE model; {model.name} is dense")
+        if model.is_hybrid:  # "auto" then falls back on the roofline
+            raise MissingTable(
+                f"silicon: {model.name} has sliding-window or linear-attention layers, which "
+                "the measured attention tables do not cover; use the roofline cost model")
         tables.require_systems_dir()
         system = p.system or tables.system_for(hardware)
         if system is None:
