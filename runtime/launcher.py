@@ -42,7 +42,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from runtime.security import (
     API_KEY_ENV, api_key, deployment_secret, key_of, resolve_secret, secret_env,
@@ -50,26 +49,13 @@ from runtime.security import (
 from runtime.faults import Killer
 from runtime.serve_config import ROLES, PDServeConfig
 from runtime.transfer.bindshim import preload_env
+from runtime.worker_process import WorkerProcess
 
 log = logging.getLogger(__name__)
 
 
 class LaunchError(RuntimeError):
     """A worker did not come up."""
-
-
-@dataclass
-class WorkerProcess:
-    role: str
-    instance: int
-    url: str
-    proc: subprocess.Popen | None  # None: started elsewhere (`--role router`)
-    command: list[str] | None = None  # how it was started: a restart (runtime/faults.py) reuses
-    env: dict[str, str] | None = None
-
-    @property
-    def name(self) -> str:
-        return f"{self.role} worker {self.instance}"
 
 
 def spawn_workers(config: PDServeConfig, secret: str | None = None) -> list[WorkerProcess]:

@@ -37,7 +37,7 @@ from runtime.http_app import error_json
 from runtime.router_control import MembershipError, read_object
 
 if TYPE_CHECKING:
-    from runtime.launcher import WorkerProcess
+    from runtime.worker_process import WorkerProcess
     from runtime.router import PDRouter
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -31,8 +31,25 @@ from pdsim.metrics import SLO, timeline
 if TYPE_CHECKING:
     import pandas as pd
 
+    import simpy
+
     from pdsim.core.request import Request
-    from pdsim.sim.cluster import RoleSpec, Simulation
+    from pdsim.core.router import InflightLoad, Router
+    from pdsim.sim.instance import SimInstance
+    from pdsim.sim.spec import ClusterSpec, RoleSpec
+
+
+class ScalableSim(Protocol):
+    """What the autoscaler drives of a simulation (pdsim/sim/cluster.py's `Simulation`)."""
+
+    env: simpy.Environment
+    cluster: ClusterSpec
+    prefills: list[SimInstance]
+    serving: list[SimInstance]
+    inflight: InflightLoad
+    router: Router
+
+    def add_instance(self, kind: str) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -119,7 +136,7 @@ def derived_capacities(prefill: RoleSpec, decode: RoleSpec, mean_input_tokens: f
 
 
 class SimAutoscaler:
-    def __init__(self, sim: Simulation, setup: AutoscaleSetup, input_tokens: np.ndarray,
+    def __init__(self, sim: ScalableSim, setup: AutoscaleSetup, input_tokens: np.ndarray,
                  output_tokens: np.ndarray):
         self.sim = sim
         self.config = config = setup.config

@@ -9,7 +9,7 @@ from pathlib import Path
 from pdsim.config import ConfigError, ExperimentConfig, RoleConfig
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.running import Speculation
-from pdsim.sim.cluster import ClusterSpec, RoleSpec
+from pdsim.sim.spec import ClusterSpec, RoleSpec
 from pdsim.sim.cost import Parallelism, make_cost_model, pool_sizes, weight_bytes_per_gpu
 from pdsim.sim.network import PROTOCOLS, NetworkModel, descriptor_counts, stage_kv_page_bytes
 from pdsim.sim.speculative import (

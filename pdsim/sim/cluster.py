@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from pdsim.core.config import SchedulerConfig
 from pdsim.core.decode import DecodeScheduler
 from pdsim.core.instance import Instance
 from pdsim.core.prefill import PrefillScheduler
@@ -25,51 +24,14 @@ from pdsim.core.request import Request
 from pdsim.core.router import InflightLoad, Router
 from pdsim.core.scheduler import ColocatedScheduler, InstanceScheduler
 from pdsim.core.token_times import TokenTimes
-from pdsim.faults import FaultsConfig
 from pdsim.sim.arrivals import ArrivalSource, ClosedLoopSource, OpenLoop
 from pdsim.sim.autoscaler import AutoscaleSetup, SimAutoscaler
-from pdsim.sim.cost import CostModel
 from pdsim.sim.faults import RETRY_SUFFIX, SimFaults
 from pdsim.sim.instance import SimInstance
-from pdsim.sim.network import Link, NetworkModel, SimFabric, SimKVManager
+from pdsim.sim.network import Link, SimFabric, SimKVManager
 from pdsim.sim.pipeline import make_executor
+from pdsim.sim.spec import ClusterSpec, RoleSpec
 from pdsim.workload import ClosedLoop, PrefixBlocks
-
-
-@dataclass(frozen=True)
-class RoleSpec:
-    """The instances of one role (prefill, decode or colocated)."""
-
-    instances: int
-    dp_attention: int
-    gpus_per_instance: int
-    scheduler: SchedulerConfig
-    cost: Callable[[], CostModel]  # one cost model per instance
-    nic_bytes_per_s: float = math.inf  # the instance's NIC bandwidth, all its GPUs together
-    kv_bytes_per_page: float = 0.0  # bytes a page of this role's KV weighs on the wire
-    state_bytes_per_request: float = 0.0  # lands with a request's last chunk (draft, SWA, state)
-    wakeup_s: float = 0.0  # an idle scheduler of this role notices new work this late
-    pp: int = 1  # pipeline stages per instance (pdsim/sim/pipeline.py)
-    weight_bytes_per_gpu: float = 0.0  # what a new instance's GPUs load at a cold start
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    mode: str  # "disaggregated" or "colocated"
-    router_policy: str
-    network: NetworkModel
-    prefill: RoleSpec | None = None
-    decode: RoleSpec | None = None
-    colocated: RoleSpec | None = None
-    frontend_latency_s: float = 0.0  # tokenizer + HTTP + router, per request
-    dp_assignment: str = "room"  # how an instance picks the attention-DP rank of a request
-    faults: FaultsConfig = FaultsConfig()
-    router_options: dict[str, float] = field(default_factory=dict)  # the policy's settings
-
-    @property
-    def num_gpus(self) -> int:
-        roles = [r for r in (self.prefill, self.decode, self.colocated) if r is not None]
-        return sum(r.instances * r.gpus_per_instance for r in roles)
 
 
 @dataclass

@@ -1,0 +1,49 @@
+"""What a simulated cluster is made of: its roles' instances and the fabric between them, as
+pdsim/sim/build.py derives them from an experiment and pdsim/sim/cluster.py runs them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdsim.core.config import SchedulerConfig
+from pdsim.faults import FaultsConfig
+from pdsim.sim.cost import CostModel
+from pdsim.sim.network import NetworkModel
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """The instances of one role (prefill, decode or colocated)."""
+
+    instances: int
+    dp_attention: int
+    gpus_per_instance: int
+    scheduler: SchedulerConfig
+    cost: Callable[[], CostModel]  # one cost model per instance
+    nic_bytes_per_s: float = math.inf  # the instance's NIC bandwidth, all its GPUs together
+    kv_bytes_per_page: float = 0.0  # bytes a page of this role's KV weighs on the wire
+    state_bytes_per_request: float = 0.0  # lands with a request's last chunk (draft, SWA, state)
+    wakeup_s: float = 0.0  # an idle scheduler of this role notices new work this late
+    pp: int = 1  # pipeline stages per instance (pdsim/sim/pipeline.py)
+    weight_bytes_per_gpu: float = 0.0  # what a new instance's GPUs load at a cold start
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    mode: str  # "disaggregated" or "colocated"
+    router_policy: str
+    network: NetworkModel
+    prefill: RoleSpec | None = None
+    decode: RoleSpec | None = None
+    colocated: RoleSpec | None = None
+    frontend_latency_s: float = 0.0  # tokenizer + HTTP + router, per request
+    dp_assignment: str = "room"  # how an instance picks the attention-DP rank of a request
+    faults: FaultsConfig = FaultsConfig()
+    router_options: dict[str, float] = field(default_factory=dict)  # the policy's settings
+
+    @property
+    def num_gpus(self) -> int:
+        roles = [r for r in (self.prefill, self.decode, self.colocated) if r is not None]
+        return sum(r.instances * r.gpus_per_instance for r in roles)

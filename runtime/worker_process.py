@@ -1,0 +1,20 @@
+"""A worker process of a served PD deployment, as the launcher started it (or was told of it)."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+
+
+@dataclass
+class WorkerProcess:
+    role: str
+    instance: int
+    url: str
+    proc: subprocess.Popen | None  # None: started elsewhere (`--role router`)
+    command: list[str] | None = None  # how it was started: a restart (runtime/faults.py) reuses
+    env: dict[str, str] | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} worker {self.instance}"
