@@ -9,13 +9,21 @@ Per model one cluster: prefill with dp 1 and dp 2, decode with dp 1 and dp 2 (si
 The MLA cluster's DP prefill runs its dense MLP per process (`moe_dense_tp: 1`); the others
 gather the DP ranks' tokens for it. Decode DP 2 picks ranks by shortest queue, so a request's
 decode rank need not be its prefill rank.
+
+The model alone: four gloo processes as two DP ranks of two attention-TP processes each, the
+ranks' prompts and lengths differing and one rank idling while the other decodes, against the
+unsharded model.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pd_harness import body, generate, pd_config, start_worker, stop_workers, wait_healthy
+from runtime.distributed import TPGroup, free_port, run_ranks
+from runtime.model import AttentionMetadata, ModelConfig, PagedKVCache, build_model
+from runtime.model.tp import DPRanks, apply_dp_attention, run_idle
 from test_pd_serving import MAX_NEW, PROMPT_LENS, colocated_outputs, prompts
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
@@ -99,3 +107,79 @@ def test_seeded_sampling_and_top_logprobs_on_the_second_dp_rank(cluster):
     for a, b in zip(tops1, tops2):
         assert [t for t, _ in a] == [t for t, _ in b]
         assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-4)
+
+
+# ---- the model alone: DP 2 x attention TP 2 -------------------------------------------------
+
+MODEL_CASES = [("tiny-llama", True), ("tiny-mla", True), ("tiny-mla", False)]  # dense MLP over tp?
+PAGE_SIZE, NUM_PAGES = 4, 16
+RANK_PAGES = ([11, 3, 7, 14, 0], [2, 9, 5])
+RANK_PROMPTS = (9, 5)  # prompt tokens per DP rank
+RANK_DECODES = (8, 3)  # decode steps per DP rank: rank 1 idles through the last five
+
+
+def rank_prompt(r: int) -> list[int]:
+    gen = torch.Generator().manual_seed(10 + r)
+    return torch.randint(0, 256, (RANK_PROMPTS[r],), generator=gen).tolist()
+
+
+def tokens_in(r: int, step: int) -> int:
+    return RANK_PROMPTS[r] if step == 0 else (1 if step <= RANK_DECODES[r] else 0)
+
+
+def greedy(model, kv, r: int, steps: int, tokens_at=None):
+    """Rank r's prompt then `steps` greedy decode steps; (tokens, per-step logits). `tokens_at`
+    is called before each step with the step number (the DP ranks' token counts)."""
+    tokens = rank_prompt(r)
+    new, logits = list(tokens), []
+    for step in range(1 + steps):
+        if tokens_at is not None:
+            tokens_at(step)
+        meta = AttentionMetadata.build([len(new)], [len(tokens) - len(new)], [RANK_PAGES[r]],
+                                       PAGE_SIZE)
+        out = model(torch.tensor(new), meta.positions(), meta, kv)[0]
+        logits.append(out.tolist())
+        tokens.append(int(out.argmax()))
+        new = tokens[-1:]
+    return tokens[RANK_PROMPTS[r]:], logits
+
+
+def dp_generate(world: TPGroup, attn_methods: list[str]) -> dict:
+    attn = TPGroup.join(attn_methods[world.rank // 2], world.rank % 2, 2)
+    out = {}
+    try:
+        for name, dense_tp in MODEL_CASES:
+            config = ModelConfig.preset(name)
+            dp = DPRanks(world, attn, 2)
+            model = apply_dp_attention(build_model(config, seed=7), dp, dense_tp=dense_tp)
+            kv = PagedKVCache.for_model(config, num_pages=NUM_PAGES, page_size=PAGE_SIZE,
+                                        tp_size=attn.size)
+            r = dp.dp_rank
+
+            def counts(step: int) -> None:
+                dp.token_counts = [tokens_in(e, step) for e in range(2)]
+
+            tokens, logits = greedy(model, kv, r, RANK_DECODES[r], counts)
+            for step in range(1 + RANK_DECODES[r], 1 + max(RANK_DECODES)):  # the idle batch
+                counts(step)
+                run_idle(model)
+            out[f"{name}-{dense_tp}"] = {"rank": r, "tokens": tokens, "logits": logits}
+    finally:
+        attn.destroy()
+    return out
+
+
+def test_dp_ranks_of_two_attention_tp_processes_match_the_unsharded_model():
+    methods = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    results = run_ranks(dp_generate, 4, methods, timeout_s=300)
+    for name, dense_tp in MODEL_CASES:
+        config = ModelConfig.preset(name)
+        for r in range(2):
+            kv = PagedKVCache.for_model(config, num_pages=NUM_PAGES, page_size=PAGE_SIZE)
+            want_tokens, want_logits = greedy(build_model(config, seed=7), kv, r, RANK_DECODES[r])
+            for proc in (2 * r, 2 * r + 1):
+                got = results[proc][f"{name}-{dense_tp}"]
+                assert got["rank"] == r
+                assert got["tokens"] == want_tokens, (name, dense_tp, proc)
+                for a, b in zip(got["logits"], want_logits):
+                    assert a == pytest.approx(b, abs=2e-4)
