@@ -10,6 +10,8 @@ The MLA cluster's DP prefill runs its dense MLP per process (`moe_dense_tp: 1`);
 gather the DP ranks' tokens for it. Decode DP 2 picks ranks by shortest queue, so a request's
 decode rank need not be its prefill rank.
 
+`pdsim validate` serves and simulates experiments/real_pd_dp_attention.yaml (DP 2 -> DP 2).
+
 The model alone: four gloo processes as two DP ranks of two attention-TP processes each, the
 ranks' prompts and lengths differing and one rank idling while the other decodes, against the
 unsharded model.
@@ -17,8 +19,15 @@ unsharded model.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
 import pytest
 import torch
+import yaml
 
 from pd_harness import body, generate, pd_config, start_worker, stop_workers, wait_healthy
 from runtime.distributed import TPGroup, free_port, run_ranks
@@ -49,7 +58,7 @@ def cluster(request):
             workers["decode", dp] = start_worker(
                 pd_config(model, router=router, **dp_role(model, "decode", dp)), "decode")
         reference = colocated_outputs(model)  # while the workers start
-        wait_healthy(list(workers.values()))
+        wait_healthy(list(workers.values()), timeout_s=300)  # six processes on a shared CPU
         yield model, workers, reference
     finally:
         stop_workers(list(workers.values()))
@@ -183,3 +192,26 @@ def test_dp_ranks_of_two_attention_tp_processes_match_the_unsharded_model():
                 assert got["tokens"] == want_tokens, (name, dense_tp, proc)
                 for a, b in zip(got["logits"], want_logits):
                     assert a == pytest.approx(b, abs=2e-4)
+
+
+# ---- pdsim validate ------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_validate_a_dp_attention_deployment(tmp_path):
+    raw = yaml.safe_load((REPO / "experiments" / "real_pd_dp_attention.yaml").read_text())
+    raw["workload"]["num_requests"] = 12
+    raw["cost_model"]["params"]["timings"] = str(
+        REPO / "experiments" / "calibration" / "tiny_llama_cpu_timings.csv")
+    (tmp_path / "dp.yaml").write_text(yaml.safe_dump(raw))
+    calibration = REPO / "experiments" / "validation" / "calibration" / "pd.yaml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdsim.cli", "validate", "dp.yaml", "--calibration",
+         str(calibration), "--tolerance", "10", "--out", "out"], cwd=tmp_path,
+        env={**os.environ, "GLOG_minloglevel": "2"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = pd.read_csv(tmp_path / "out" / "validation.csv").set_index("metric")
+    assert table.loc["completed", "real"] == table.loc["completed", "sim"] == 12
+    real = pd.read_csv(tmp_path / "out" / "real_requests.csv")
+    assert len(real) == 12 and (real["status"] == "ok").all()

@@ -154,8 +154,9 @@ class SnapshotSender(_Endpoint):
 
 
 class SnapshotReceiver(_Endpoint):
-    # the poll; whether this rank's metadata slot holds our room; the slot's content
-    width = 6
+    # the poll; whether this rank's metadata slot holds our room; whether this rank read the
+    # slot (0: it did); the slot's content (attention DP: for the other DP ranks' mirrors)
+    width = 7
 
     metadata_slot = -1
 
@@ -169,12 +170,12 @@ class SnapshotReceiver(_Endpoint):
 
     def local_values(self) -> list[int]:
         poll = self.inner.poll()
-        room_ok, content = 1, [NO_VALUE] * 4
+        room_ok, content = 1, [1, *[NO_VALUE] * 4]
         if poll is KVPoll.Success and self.mirror is None:
             meta = self._kv.metadata.inner.read(self.metadata_slot)
             room_ok = int(meta is not None and meta.bootstrap_room == self.room)
             if meta is not None:
-                content = [meta.bootstrap_room, meta.first_token_id,
+                content = [0, meta.bootstrap_room, meta.first_token_id,
                            _float_bits(meta.first_logprob), meta.cached_tokens]
         return [int(poll), room_ok, *content]
 
@@ -182,8 +183,8 @@ class SnapshotReceiver(_Endpoint):
         changed = super().take(values)
         if self.state is KVPoll.Success and changed:
             if self.mirror is not None:
-                if values[1] and NO_VALUE not in values[2:6]:
-                    room, token, bits, cached = values[2:6]
+                if values[1] and values[2] == 0:
+                    room, token, bits, cached = values[3:7]
                     self.mirror.metadata.write(self.metadata_slot, FirstTokenMetadata(
                         room, token, _bits_float(bits), cached))
             elif not values[1]:
