@@ -10,6 +10,9 @@ The MLA cluster's DP prefill runs its dense MLP per process (`moe_dense_tp: 1`);
 gather the DP ranks' tokens for it. Decode DP 2 picks ranks by shortest queue, so a request's
 decode rank need not be its prefill rank.
 
+The transfer snapshot alone: two processes as two DP ranks, each moving only its own rank's
+transfers, agree on both ranks' states and first-token metadata.
+
 `pdsim validate` serves and simulates experiments/real_pd_dp_attention.yaml (DP 2 -> DP 2).
 
 The model alone: four gloo processes as two DP ranks of two attention-TP processes each, the
@@ -30,9 +33,14 @@ import torch
 import yaml
 
 from pd_harness import body, generate, pd_config, start_worker, stop_workers, wait_healthy
+from pdsim.core.kvpoll import KVPoll
+from pdsim.core.request import Request
+from pdsim.core.transfer import FirstTokenMetadata
 from runtime.distributed import TPGroup, free_port, run_ranks
 from runtime.model import AttentionMetadata, ModelConfig, PagedKVCache, build_model
 from runtime.model.tp import DPRanks, apply_dp_attention, run_idle
+from runtime.pd.kv import OTHER_RANK, SnapshotKV
+from test_pd_snapshot import ScriptedManager
 from test_pd_serving import MAX_NEW, PROMPT_LENS, colocated_outputs, prompts
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
@@ -215,3 +223,44 @@ def test_validate_a_dp_attention_deployment(tmp_path):
     assert table.loc["completed", "real"] == table.loc["completed", "sim"] == 12
     real = pd.read_csv(tmp_path / "out" / "real_requests.csv")
     assert len(real) == 12 and (real["status"] == "ok").all()
+
+
+# ---- the transfer snapshot of two DP ranks -------------------------------------------------
+
+
+def mirrored(group: TPGroup) -> dict:
+    """DP rank r (this process) owns request r's receiver; the other one is mirrored."""
+    rank = group.rank
+    inner = ScriptedManager()
+    kv = SnapshotKV(inner, group)
+    ports = [kv if r == rank else kv.mirror() for r in range(2)]
+    reqs = [Request(f"r{r}", 4, 2, bootstrap_room=100 + r) for r in range(2)]
+    recvs = [ports[r].create_receiver(reqs[r]) for r in range(2)]
+    for recv in recvs:
+        recv.send_metadata([0], 3)  # slot 3 of each rank's own pool
+    seen = []
+
+    def step() -> None:
+        kv.refresh()
+        seen.append([int(r.poll()) for r in recvs])
+
+    step()
+    if rank == 0:  # rank 0's KV and first token arrive; rank 1's transfer fails
+        inner.made["r0"].state = KVPoll.Success
+        inner.metadata.write(3, FirstTokenMetadata(100, 7, -0.25, 4))
+    else:
+        inner.made["r1"].state, inner.made["r1"].reason = KVPoll.Failed, "boom"
+    step()
+    meta = ports[0].metadata.read(3)
+    return {"seen": seen, "meta": None if meta is None else [
+        meta.bootstrap_room, meta.first_token_id, meta.first_logprob, meta.cached_tokens],
+        "reason": recvs[1].failure_reason(), "moved": sorted(inner.made)}
+
+
+def test_each_dp_rank_moves_its_own_transfers_and_both_see_them():
+    rank0, rank1 = run_ranks(mirrored, 2)
+    B, S, F = KVPoll.Bootstrapping, KVPoll.Success, KVPoll.Failed
+    assert rank0["seen"] == rank1["seen"] == [[B, B], [S, F]]
+    assert rank0["meta"] == rank1["meta"] == [100, 7, -0.25, 4]  # rank 1 reads rank 0's token
+    assert (rank0["reason"], rank1["reason"]) == (OTHER_RANK, "boom")
+    assert (rank0["moved"], rank1["moved"]) == (["r0"], ["r1"])  # no process touches the other's
