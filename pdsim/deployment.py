@@ -182,8 +182,9 @@ class RoleConfig(_Spec):
     pp: int = Field(1, ge=1, description="sim only, prefill only: pipeline stages per instance "
                     "(SGLang's --pp-size), each tp GPUs with its share of the layers "
                     "(docs/cost_model.md, \"Pipeline-parallel prefill\")")
-    dp_attention: int = Field(1, ge=1, description="sim only so far: attention data-parallel "
-                              "ranks per instance (SGLang's --dp-size with --enable-dp-attention)")
+    dp_attention: int = Field(1, ge=1, description="attention data-parallel ranks per instance "
+                              "(SGLang's --dp-size with --enable-dp-attention); real: PD roles "
+                              "only, docs/serving.md")
     ep: int = Field(1, ge=1, description="sim only so far: expert-parallel size")
     kv_dtype: KVDTypeName | None = Field(
         None, description="sim only: KV-cache dtype (SGLang's --kv-cache-dtype); default: the "
@@ -194,11 +195,12 @@ class RoleConfig(_Spec):
     two_batch_overlap: bool = Field(
         False, description="sim only: SGLang's --enable-two-batch-overlap (needs moe_a2a: deepep)")
     moe_dense_tp: Literal[1] | None = Field(
-        None, description="sim only: SGLang's --moe-dense-tp-size: None = tp; 1 = dense MLP "
+        None, description="SGLang's --moe-dense-tp-size: None = tp; 1 = dense MLP "
         "layers data-parallel, per GPU on its own tokens (needs dp_attention > 1)")
     dp_lm_head: bool = Field(
         False, description="sim only: SGLang's --enable-dp-lm-head: LM head and embedding per "
-        "attention-DP rank (needs dp_attention > 1)")
+        "attention-DP rank (needs dp_attention > 1; the real backend runs them per DP rank "
+        "either way)")
     eplb: EPLBConfig | None = Field(
         None, description="sim only: SGLang's --enable-eplb (needs ep > 1): experts placed by "
         "their load, redundant copies of the hottest")
@@ -306,7 +308,8 @@ class RouterConfig(_Spec):
         "cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size; "
         "defaults sgl-router's)")
     dp_assignment: Literal["room", "shortest_queue"] = Field(
-        "room", description="sim only: how a request's decode DP rank is picked")
+        "room", description="how a request's decode DP rank is picked (a real prefill "
+        "instance always takes room % dp_attention, where the decode side looks it up)")
     frontend_latency_s: float = Field(6.5e-3, ge=0, description="sim only: tokenizer, HTTP and "
                                       "router time of a request, both ways, counted in its TTFT")
     host: str = Field("127.0.0.1", description="real only: the API's bind address")

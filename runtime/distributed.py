@@ -15,6 +15,8 @@ the same order with tensors of the same shape.
   fails the request everywhere (SGLang's `poll_and_all_reduce`).
 - `broadcast_tensor` / `broadcast_bytes` / `broadcast_msgpack`: rank 0's value to every rank;
   bytes travel as a length then a uint8 tensor, objects as msgpack (never pickle).
+- `all_gather` / `all_gather_msgpack`: every rank's tensor (same shape) or object, in rank order
+  (attention DP: the tokens of the MLP layers, each rank's sampled tokens).
 
 `run_ranks(fn, size)` starts `size` fresh processes that join one group and run `fn(group)`;
 their JSON results come back in rank order (tests and benchmarks).
@@ -172,6 +174,27 @@ class TPGroup:
         rank; the others pass nothing. Tuples come back as lists."""
         payload = msgpack.packb(obj, use_bin_type=True) if self.rank == 0 else None
         return msgpack.unpackb(self.broadcast_bytes(payload), raw=False, strict_map_key=False)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (all of one shape and dtype), in rank order."""
+        pg = self._backend()
+        if pg is None:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        pg.allgather([out], [tensor.contiguous()]).wait()
+        return out
+
+    def all_gather_msgpack(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (msgpack-able), in rank order: the lengths first, then the
+        payloads padded to the longest."""
+        payload = msgpack.packb(obj, use_bin_type=True)
+        if self._backend() is None:
+            return [obj]
+        lengths = [int(n) for n in self.all_gather(torch.tensor([len(payload)], dtype=torch.int64))]
+        buffer = torch.zeros(max(lengths), dtype=torch.uint8)
+        buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return [msgpack.unpackb(t[:n].numpy().tobytes(), raw=False, strict_map_key=False)
+                for t, n in zip(self.all_gather(buffer), lengths)]
 
     def barrier(self) -> None:
         pg = self._backend()

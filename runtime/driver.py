@@ -10,7 +10,8 @@
 
 The engine is composed, not subclassed: the scheduler is the colocated baseline's
 `ColocatedScheduler` unless another is given (a PD worker passes a `PrefillScheduler` or
-`DecodeScheduler`); the synchroniser `sync` is `LocalSync` (one process) unless another is given
+`DecodeScheduler`, or with attention DP one per DP rank, which the core's instance steps together
+and gives each request to as the simulator's does: `dp_assignment`); the synchroniser `sync` is `LocalSync` (one process) unless another is given
 (a PD worker's `LockstepSync`, runtime/pd/lockstep_engine.py, broadcasts rank 0's inputs to the
 tensor-parallel ranks and MIN-reduces their transfer polls); `gauges` says what the metrics show.
 
@@ -106,7 +107,7 @@ class Synchroniser(Protocol):
         engine then stops."""
         ...
 
-    def idle_timeout(self, sched: InstanceScheduler, now: float) -> float | None:
+    def idle_timeout(self, inst: Instance, now: float) -> float | None:
         """How long to sleep when nothing runs (None: until the inbox gets something; 0: not)."""
         ...
 
@@ -124,8 +125,8 @@ class LocalSync:
             apply(entry, now)
         return now, stopping
 
-    def idle_timeout(self, sched: InstanceScheduler, now: float) -> float | None:
-        return None if sched.is_idle else 0.01
+    def idle_timeout(self, inst: Instance, now: float) -> float | None:
+        return None if inst.is_idle else 0.01
 
     def release(self, req: Request) -> None:
         pass
@@ -152,26 +153,47 @@ def scheduler_gauges(sched: InstanceScheduler) -> dict[str, float]:
     }
 
 
+def merged_gauges(scheds: Sequence[InstanceScheduler]) -> dict[str, float]:
+    """`scheduler_gauges` over an instance's DP ranks: counts add up, the token usage is the
+    share of all their KV slots."""
+    gauges: dict[str, float] = {}
+    for sched in scheds:
+        for key, value in scheduler_gauges(sched).items():
+            gauges[key] = gauges.get(key, 0) + value
+    gauges["sglang:token_usage"] = (gauges["sglang:num_used_tokens"]
+                                    / gauges["sglang:max_total_num_tokens"])
+    return gauges
+
+
 class Engine:
     """`scheduler`: the core scheduler to drive (built with `config`); default a
-    `ColocatedScheduler(config, instance_id)`. `sync`: default `LocalSync()`. `gauges`: the
-    scheduler's gauges for the metrics; default `scheduler_gauges`."""
+    `ColocatedScheduler(config, instance_id)`; `schedulers` instead: one per attention-DP rank,
+    handed requests by `dp_assignment`. `sync`: default `LocalSync()`. `gauges`: the
+    schedulers' gauges for the metrics; default `merged_gauges`."""
 
     def __init__(self, executor: ModelExecutor, config: SchedulerConfig, *, instance_id: int = 0,
-                 scheduler: InstanceScheduler | None = None, sync: Synchroniser | None = None,
-                 gauges: Callable[[InstanceScheduler], dict[str, float]] = scheduler_gauges,
+                 scheduler: InstanceScheduler | None = None,
+                 schedulers: Sequence[InstanceScheduler] | None = None,
+                 dp_assignment: str = "room", sync: Synchroniser | None = None,
+                 gauges: Callable[[Sequence[InstanceScheduler]], dict[str, float]] = merged_gauges,
                  max_records: int = 100_000, metrics: ServeMetrics | None = None) -> None:
         if (config.num_pages, config.page_size) != (executor.kv.num_pages, executor.page_size):
             raise ValueError(
                 f"scheduler pool {config.num_pages} pages x {config.page_size} tokens differs from "
                 f"the executor's KV cache {executor.kv.num_pages} x {executor.page_size}")
-        if scheduler is not None and scheduler.config != config:
+        if scheduler is not None and schedulers is not None:
+            raise ValueError("give scheduler or schedulers, not both")
+        if schedulers is None:
+            schedulers = [scheduler if scheduler is not None
+                          else ColocatedScheduler(config, instance_id)]
+        if any(s.config != config for s in schedulers):
             raise ValueError("the scheduler was built with another SchedulerConfig than the "
                              "engine's")
         self.executor = executor
         self.config = config
-        self.sched = scheduler if scheduler is not None else ColocatedScheduler(config, instance_id)
-        self.inst = Instance([self.sched], self._finished)
+        self.scheds = list(schedulers)
+        self.sched = self.scheds[0]
+        self.inst = Instance(self.scheds, self._finished, dp_assignment)
         self.sync: Synchroniser = sync if sync is not None else LocalSync()
         self.gauges = gauges
         self.metrics = metrics or ServeMetrics()
@@ -277,11 +299,11 @@ class Engine:
     def check_pools_full(self, timeout: float = 30.0) -> None:
         """Wait until no request is active, then check that every page and slot is back."""
         deadline = time.monotonic() + timeout
-        while not self.call(lambda: self.sched.is_idle):
+        while not self.call(lambda: self.inst.is_idle):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the engine is still busy after {timeout} s")
             time.sleep(0.01)
-        self.call(self.sched.check_pools_full)
+        self.call(self.inst.check_pools_full)
 
     # ---- the loop (engine thread) ------------------------------------------------------------
 
@@ -294,7 +316,7 @@ class Engine:
             if step is None:
                 with self._cond:
                     if not self._inbox and not self._stopping:
-                        timeout = self.sync.idle_timeout(self.sched, now)
+                        timeout = self.sync.idle_timeout(self.inst, now)
                         if timeout is None or timeout > 0:
                             self._cond.wait(timeout)
                 continue
@@ -324,19 +346,26 @@ class Engine:
             self._update_gauges()
         return step
 
-    def settle(self, step: list, result: BatchResult, now: float) -> None:
-        """The step's forward ended at `now`: the core takes its results, the new tokens are
-        streamed. The loop's second half."""
-        for rid, reason in (result.failed or {}).items():
-            log.warning("request %s failed alone: %s", rid, reason)
-        batch = step[0]
-        # The requests this forward gives a token, read before `finish` hands it over: a
-        # prefill chunk is last only while the request's fill length is still its prompt's.
-        produced = (batch.reqs if batch.kind == "decode"
-                    else [seg.req for seg in batch.segments if seg.is_last])
+    def settle(self, step: list, result: BatchResult | list[BatchResult | None],
+               now: float) -> None:
+        """The step's forward ended at `now`: the core takes its results (one, or one per
+        attention-DP rank), the new tokens are streamed. The loop's second half."""
+        results = result if isinstance(result, list) else [result] * len(step)
+        forwards = []
+        for batch, res in zip(step, results):
+            if batch is None:
+                continue
+            for rid, reason in (res.failed or {}).items():
+                log.warning("request %s failed alone: %s", rid, reason)
+            # The requests this forward gives a token, read before `finish` hands it over: a
+            # prefill chunk is last only while the request's fill length is still its prompt's.
+            produced = (batch.reqs if batch.kind == "decode"
+                        else [seg.req for seg in batch.segments if seg.is_last])
+            forwards.append((batch, res.duration_s, produced))
         self.inst.finish(step, result, now)
-        self.metrics.observe_forward(batch, result.duration_s, produced)
-        self._push_new(produced)
+        for batch, duration_s, produced in forwards:
+            self.metrics.observe_forward(batch, duration_s, produced)
+            self._push_new(produced)
         self._update_gauges()
 
     def _begin(self) -> tuple[float, bool]:
@@ -445,7 +474,7 @@ class Engine:
         self.executor.release(req.rid)
 
     def _update_gauges(self) -> None:
-        self.metrics.set_gauges(self.gauges(self.sched))
+        self.metrics.set_gauges(self.gauges(self.scheds))
 
     # ---- results -----------------------------------------------------------------------------
 

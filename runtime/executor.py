@@ -20,6 +20,12 @@ is named in the result's `failed`: the scheduler fails it alone (a prefill sends
 on), the rest of the batch goes on. Every TP rank samples the same rows with the same
 generators, so every rank fails the same requests.
 
+With attention DP (a model sharded by `runtime.model.tp.apply_dp_attention`) a step holds one
+batch per DP rank: this process runs its own rank's batch (or the idle batch when it has none,
+so the other ranks' MLP collectives go on), and every process then gathers every rank's sampled
+tokens, logprobs, failures and top logprobs, so that each holds the same results per rank
+(`execute` returns one `BatchResult` per rank, None for an idle one).
+
 Every forward is timed (wall clock, the device synchronised) and recorded with its `BatchShape`,
 the inputs of the simulator's cost model: `timings_frame()` / `save_timings(path)`.
 """
@@ -40,6 +46,7 @@ from pdsim.core.executor import only_batch
 from pdsim.core.request import Request
 from runtime.model.kv_cache import PagedKVCache
 from runtime.model import AttentionMetadata, CausalLM
+from runtime.model.tp import run_idle
 from runtime.sampler import make_generator, sample
 from runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -89,6 +96,8 @@ class ModelExecutor:
         self._top_k: dict[str, int] = {}
         self._top: dict[str, list[list[tuple[int, float]]]] = {}
         self._failures: dict[str, str] = {}
+        self._new_top: dict[str, list[tuple[int, float]]] = {}  # the last forward's top logprobs
+        self.dp = getattr(model, "dp", None)  # `DPRanks` of an attention-DP instance
 
     # ---- per-request state -----------------------------------------------------------------
 
@@ -129,14 +138,48 @@ class ModelExecutor:
 
     # ---- the port --------------------------------------------------------------------------
 
-    def execute(self, step: Sequence[Batch | None]) -> BatchResult:
-        """The executor port (pdsim/core/executor.py): run the step's one batch."""
-        return self.forward(only_batch(step))
+    def execute(self, step: Sequence[Batch | None]) -> BatchResult | list[BatchResult | None]:
+        """The executor port (pdsim/core/executor.py): run the step's one batch, or with
+        attention DP this rank's batch, and return every rank's result."""
+        if self.dp is None:
+            return self.forward(only_batch(step))
+        return self._execute_dp(step)
+
+    def _execute_dp(self, step: Sequence[Batch | None]) -> list[BatchResult | None]:
+        dp = self.dp
+        if len(step) != dp.dp_size:
+            raise ValueError(f"a step of {len(step)} batches for {dp.dp_size} DP ranks")
+        dp.token_counts = [0 if b is None else _num_tokens(b) for b in step]
+        start = time.perf_counter()
+        own = step[dp.dp_rank]
+        if own is None:
+            run_idle(self.model)
+            mine = None
+        else:
+            r = self.forward(own)
+            mine = {"tokens": r.token_ids, "logprobs": r.logprobs, "failed": r.failed or {},
+                    "top": self._new_top}
+        gathered = dp.world.all_gather_msgpack(mine)
+        duration = time.perf_counter() - start
+        results: list[BatchResult | None] = []
+        for rank, batch in enumerate(step):
+            got = gathered[rank * dp.attn.size]  # the first process of DP rank `rank`
+            if batch is None:
+                results.append(None)
+                continue
+            if rank != dp.dp_rank:
+                for rid, top in got["top"].items():
+                    if rid in self._top_k:
+                        self._top[rid].append([(int(t), float(lp)) for t, lp in top])
+            results.append(BatchResult(duration_s=duration, token_ids=got["tokens"],
+                                       logprobs=got["logprobs"], failed=got["failed"] or None))
+        return results
 
     def forward(self, batch: Batch) -> BatchResult:
         """Run one batch; its measured duration and the sampled tokens."""
         start = time.perf_counter()
         self._failures = {}  # this batch's rows whose sampling fails
+        self._new_top = {}
         if batch.kind == "extend":
             token_ids, logprobs = self._extend(batch)
         elif batch.kind == "decode":
@@ -211,7 +254,9 @@ class ModelExecutor:
         for j, i in enumerate(rows):
             rid = reqs[i].rid
             want = self._top_k[rid]
-            self._top[rid].append(list(zip(indices[j][:want], values[j][:want])))
+            top_k = list(zip(indices[j][:want], values[j][:want]))
+            self._top[rid].append(top_k)
+            self._new_top[rid] = top_k
 
     # ---- warm-up and timings ---------------------------------------------------------------
 
@@ -223,6 +268,8 @@ class ModelExecutor:
         pages = list(range(-(-(tokens + 1) // self.page_size)))
         ids = [i % self.config.vocab_size for i in range(tokens)]
         for qlens, cached, chunk in (([tokens], [0], ids), ([1], [tokens], [0])):
+            if self.dp is not None:  # every DP rank warms up alike, in step
+                self.dp.token_counts = [len(chunk)] * self.dp.dp_size
             meta = AttentionMetadata.build(qlens, cached, [pages], self.page_size,
                                            device=self.device)
             self.model(torch.tensor(chunk, device=self.device), meta.positions(), meta, self.kv)
@@ -238,6 +285,13 @@ class ModelExecutor:
     def save_timings(self, path: str | Path) -> Path:
         """Write the recorded forwards to `.csv` or `.parquet` (by the file's suffix)."""
         return save_table(self.timings_frame(), path, "timings")
+
+
+def _num_tokens(batch: Batch) -> int:
+    """The tokens a batch feeds the model."""
+    if batch.kind == "extend":
+        return sum(seg.end - seg.start for seg in batch.segments)
+    return len(batch.reqs)
 
 
 def save_table(frame, path: str | Path, what: str) -> Path:

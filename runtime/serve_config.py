@@ -60,7 +60,9 @@ class _ServeBase(ExperimentConfig):
     @model_validator(mode="after")
     def _real_parallelism(self) -> _ServeBase:
         for name, role in self.cluster.roles.items():
-            for knob in ("dp_attention", "ep", "pp"):
+            # attention DP runs in PD workers' rank processes; the colocated engine is one process
+            knobs = ("ep", "pp") if name != "colocated" else ("dp_attention", "ep", "pp")
+            for knob in knobs:
                 if getattr(role, knob) != 1:
                     raise ValueError(f"cluster.{name}.{knob}: {getattr(role, knob)}; the real "
                                      "backend serves 1 only (the simulator models more)")

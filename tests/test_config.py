@@ -245,9 +245,9 @@ def test_serving_refuses_what_only_the_simulator_models():
 
     with pytest.raises(ConfigError, match="'llama-3.1-8b' is not a servable preset"):
         parse_serve_config({"model": "llama-3.1-8b", "cluster": {"mode": "disaggregated"}})
-    with pytest.raises(ConfigError, match="cluster.decode.dp_attention: 2; the real backend"):
-        parse_serve_config({"model": "tiny-llama",
-                            "cluster": {"decode": {"tp": 2, "dp_attention": 2}}})
+    with pytest.raises(ConfigError, match="cluster.colocated.dp_attention: 2; the real backend"):
+        parse_serve_config({"model": "tiny-llama", "cluster": {"mode": "colocated", "colocated": {
+            "tp": 2, "dp_attention": 2, "scheduler": {"num_pages": 64}}}})
     with pytest.raises(ConfigError, match="cluster.colocated.instances: 2"):
         parse_serve_config({"model": "tiny-llama", "cluster": {
             "mode": "colocated", "colocated": {"instances": 2, "scheduler": {"num_pages": 64}}}})

@@ -118,14 +118,23 @@ class Instance:
         self._drain()
         return step if any(b is not None for b in step) else None
 
-    def finish(self, step: Step, result: BatchResult, now: float) -> None:
-        """The step's forward ended at `now` with `result`."""
-        if result.token_ids is not None and len(step) > 1:
-            raise ValueError("an executor returned tokens for an attention-DP step; token "
-                             "results are per rank and not supported across ranks yet")
-        for sched, batch in zip(self.schedulers, step):
+    def finish(self, step: Step, result: BatchResult | Sequence[BatchResult | None],
+               now: float) -> None:
+        """The step's forward ended at `now` with `result`: one for the whole step (the
+        simulator's: a duration), or one per rank (tokens are per rank: the real backend's
+        attention-DP executor)."""
+        if isinstance(result, BatchResult):
+            if result.token_ids is not None and len(step) > 1:
+                raise ValueError("an executor returned one token result for an attention-DP "
+                                 "step; tokens are per rank: return one result per rank")
+            results = [result] * len(step)
+        else:
+            results = list(result)
+            if len(results) != len(step):
+                raise ValueError(f"{len(results)} results for a step of {len(step)} ranks")
+        for sched, batch, res in zip(self.schedulers, step, results):
             if batch is not None:
-                sched.on_batch_done(batch, result, now)
+                sched.on_batch_done(batch, res, now)
         self._drain()
 
     def fail(self, step: Step, reason: str, now: float) -> None:

@@ -20,6 +20,17 @@ With tp ranks, rank r:
   logits, identical on every rank because all-reduce hands every rank the same bits.
 
 Row-parallel projections have no bias in the supported models (it would be added tp times).
+
+Attention data parallelism (`apply_dp_attention`, SGLang's --enable-dp-attention): the tp ranks
+of an instance form `dp` DP ranks of `tp // dp` processes each (process p is in DP rank
+`p // (tp // dp)`). Each DP rank runs attention on its own batch, its heads split over its
+processes (the attention-TP group, one all-reduce after attention); the embeddings and the LM head
+run on its own rows. The dense MLP and MoE blocks gather the tokens of every DP rank over the
+whole instance (an all-gather padded to the longest rank's), run split `tp` ways as above, sum
+(all-reduce) and keep this rank's rows. With `moe_dense_tp: 1` a dense MLP instead runs whole on
+each process over its own tokens, with no collective. A DP rank with no batch in a step runs the
+idle batch (`run_idle`): no tokens of its own through every MLP block's collectives, so the ranks
+with work are never left waiting.
 """
 
 from __future__ import annotations
@@ -54,6 +65,50 @@ def check_tp(config: ModelConfig, tp_size: int) -> None:
     if config.num_experts:
         need(config.moe_intermediate_size % tp_size == 0, "moe_intermediate_size",
              config.moe_intermediate_size, "must divide by tp")
+
+
+def check_dp_attention(config: ModelConfig, tp_size: int, dp_size: int) -> None:
+    """Raise ValueError unless `config` runs with `tp_size` processes in `dp_size` DP ranks:
+    attention splits over `tp_size // dp_size`, the MLP blocks over `tp_size`."""
+    if dp_size < 1 or tp_size % dp_size:
+        raise ValueError(f"dp_attention={dp_size} must divide tp={tp_size}")
+    check_tp(config, tp_size // dp_size)
+    for field in ("intermediate_size", "moe_intermediate_size"):
+        if getattr(config, field) and getattr(config, field) % tp_size:
+            raise ValueError(f"model {config.name!r} cannot run with tp={tp_size}: "
+                             f"{field}={getattr(config, field)} must divide by tp")
+
+
+class DPRanks:
+    """One process's place in an instance with attention DP: `world` is the instance's group
+    (every process), `attn` this DP rank's attention-TP group. `token_counts` holds each DP
+    rank's tokens in the forward about to run; the executor sets it before every forward."""
+
+    def __init__(self, world: TPGroup, attn: TPGroup, dp_size: int) -> None:
+        if world.size != dp_size * attn.size:
+            raise ValueError(f"an instance of {world.size} processes cannot hold {dp_size} DP "
+                             f"ranks of {attn.size}")
+        self.world = world
+        self.attn = attn
+        self.dp_size = dp_size
+        self.dp_rank = world.rank // attn.size
+        self.token_counts = [0] * dp_size
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every DP rank's rows of `x`, in DP-rank order."""
+        counts = self.token_counts
+        if x.shape[0] != counts[self.dp_rank]:
+            raise ValueError(f"DP rank {self.dp_rank}: {x.shape[0]} rows, expected "
+                             f"{counts[self.dp_rank]}")
+        padded = x.new_zeros((max(counts), *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        parts = self.world.all_gather(padded)
+        return torch.cat([parts[r * self.attn.size][:n] for r, n in enumerate(counts)])
+
+    def own_rows(self, y: torch.Tensor) -> torch.Tensor:
+        """This DP rank's rows of a gathered `y`."""
+        start = sum(self.token_counts[: self.dp_rank])
+        return y[start: start + self.token_counts[self.dp_rank]]
 
 
 def head_range(config: ModelConfig, tp_size: int, rank: int) -> range:
@@ -109,6 +164,44 @@ def apply_tp(model: CausalLM, group: TPGroup) -> CausalLM:
         attn.register_forward_hook(reduce)
         layer.mlp.register_forward_hook(reduce)
     return model
+
+
+@torch.no_grad()
+def apply_dp_attention(model: CausalLM, dp: DPRanks, *, dense_tp: bool = True) -> CausalLM:
+    """Shard `model` in place for its process of an instance with attention DP (module
+    docstring); `dense_tp=False` is `moe_dense_tp: 1`. Every process must call this on an
+    identical model; the model then keeps `dp` as `model.dp`."""
+    config = model.config
+    check_dp_attention(config, dp.world.size, dp.dp_size)
+    attn_tp, attn_rank = dp.attn.size, dp.attn.rank
+    tp, rank = dp.world.size, dp.world.rank
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        if attn_tp > 1:
+            if isinstance(attn, GQAAttention):
+                _shard_gqa(attn, config, attn_tp, attn_rank)
+            else:
+                _shard_mla(attn, config, attn_tp, attn_rank)
+            attn.register_forward_hook(_all_reduce_hook(dp.attn))
+        if isinstance(layer.mlp, GatedMLP) and not dense_tp:
+            continue  # whole on every process, over its own tokens
+        for mlp in _gated_mlps(layer.mlp):
+            _shard_mlp(mlp, tp, rank)
+        layer.mlp.register_forward_pre_hook(lambda _m, args: (dp.gather(args[0]),))
+        layer.mlp.register_forward_hook(
+            lambda _m, _args, out: dp.own_rows(dp.world.all_reduce_sum(out)))
+    model.dp = dp
+    return model
+
+
+@torch.inference_mode()
+def run_idle(model: CausalLM) -> None:
+    """The idle batch of a DP rank with nothing to run: no tokens through every layer's MLP
+    block, whose collectives the other DP ranks' forwards are waiting in."""
+    weight = model.model.embed_tokens.weight
+    empty = weight.new_zeros((0, model.config.hidden_size))
+    for layer in model.model.layers:
+        layer.mlp(empty)
 
 
 def _shard_gqa(attn: GQAAttention, config: ModelConfig, tp: int, rank: int) -> None:

@@ -26,6 +26,15 @@ the request alike.
 
 With a single rank the collective is skipped; the snapshot is then just this rank's polls.
 
+Attention DP: every process holds the schedulers of every DP rank of its instance (the same
+inputs, so the same states), but only its own rank's transfers. The other ranks' schedulers get
+`mirror()` ports, whose endpoints move nothing and contribute the MIN's identity (`Success`, and
+no metadata); the snapshot is reduced over the whole instance, so a mirrored request takes the
+states its own rank's processes report. A receiver also contributes its metadata slot's content
+(room, first token, its logprob's bits, cached tokens) once `Success`, so a mirror port's
+metadata store holds the first token the owning rank read, and every process's decode scheduler
+decides alike.
+
 `release(req)` closes a finished request's endpoint (the Mooncake endpoints' `close()` forgets the
 room), explicitly: the core may hold a finished request for a while (the running batch forgets
 lazily), so waiting for garbage collection would leave its room registered. An endpoint the real
@@ -35,14 +44,24 @@ so the request fails through the scheduler like any other transfer failure.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 from pdsim.core.kvpoll import KVPoll, advance
-from pdsim.core.transfer import FirstTokenMetadata
+from pdsim.core.transfer import DictMetadataStore, FirstTokenMetadata
 from runtime.distributed import TPGroup
 
 FINAL = (KVPoll.Success, KVPoll.Failed)
 OTHER_RANK = "failed on another tensor-parallel rank of this instance"
+NO_VALUE = 2**63 - 1  # the MIN's identity: what a rank that knows nothing contributes
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _bits_float(n: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", n))[0]
 
 
 class SnapshotMetadata:
@@ -138,9 +157,15 @@ class SnapshotSender(_Endpoint):
 
 
 class SnapshotReceiver(_Endpoint):
-    width = 2  # the poll, and whether this rank's metadata slot holds our room
+    # the poll; whether this rank's metadata slot holds our room; whether this rank read the
+    # slot (0: it did); the slot's content (attention DP: for the other DP ranks' mirrors)
+    width = 7
 
     metadata_slot = -1
+
+    def __init__(self, kv: SnapshotKV, inner, room: int, mirror: MirrorKV | None = None) -> None:
+        super().__init__(kv, inner, room)
+        self.mirror = mirror  # the port of another DP rank whose metadata this one fills
 
     def send_metadata(self, page_indices: Sequence[int], metadata_slot: int,
                       state_indices: Sequence[int] = ()) -> None:
@@ -149,17 +174,70 @@ class SnapshotReceiver(_Endpoint):
 
     def local_values(self) -> list[int]:
         poll = self.inner.poll()
-        room_ok = 1
-        if poll is KVPoll.Success:
+        room_ok, content = 1, [1, *[NO_VALUE] * 4]
+        if poll is KVPoll.Success and self.mirror is None:
             meta = self._kv.metadata.inner.read(self.metadata_slot)
             room_ok = int(meta is not None and meta.bootstrap_room == self.room)
-        return [int(poll), room_ok]
+            if meta is not None:
+                content = [0, meta.bootstrap_room, meta.first_token_id,
+                           _float_bits(meta.first_logprob), meta.cached_tokens]
+        return [int(poll), room_ok, *content]
 
     def take(self, values: Sequence[int]) -> bool:
         changed = super().take(values)
-        if self.state is KVPoll.Success and not values[1]:
-            self._kv.metadata.disputed[self.metadata_slot] = self.room
+        if self.state is KVPoll.Success and changed:
+            if self.mirror is not None:
+                if values[1] and values[2] == 0:
+                    room, token, bits, cached = values[3:7]
+                    self.mirror.metadata.write(self.metadata_slot, FirstTokenMetadata(
+                        room, token, _bits_float(bits), cached))
+            elif not values[1]:
+                self._kv.metadata.disputed[self.metadata_slot] = self.room
         return changed
+
+
+class _Mirror:
+    """The inner endpoint of a request another DP rank's processes transfer: it moves nothing
+    and reports the MIN's identity."""
+
+    def poll(self) -> KVPoll:
+        return KVPoll.Success
+
+    def failure_reason(self) -> str:
+        return ""
+
+    def init(self, num_pages: int, metadata_slot: int) -> None:
+        pass
+
+    def send(self, page_indices: Sequence[int], last: bool) -> None:
+        pass
+
+    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
+        pass
+
+    def abort(self, reason: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MirrorKV:
+    """The `KVManager` port of another DP rank's scheduler on this process (module docstring)."""
+
+    def __init__(self, kv: SnapshotKV) -> None:
+        self.kv = kv
+        self.metadata = DictMetadataStore()
+
+    def poll_epoch(self) -> int:
+        return self.kv.poll_epoch()
+
+    def create_sender(self, req) -> SnapshotSender:
+        return self.kv._track(req, SnapshotSender(self.kv, _Mirror(), req.bootstrap_room))
+
+    def create_receiver(self, req) -> SnapshotReceiver:
+        return self.kv._track(req, SnapshotReceiver(self.kv, _Mirror(), req.bootstrap_room,
+                                                    mirror=self))
 
 
 class SnapshotKV:
@@ -195,6 +273,10 @@ class SnapshotKV:
             return make(req)
         except Exception as exc:  # noqa: BLE001 - the request fails, the loop goes on
             return _Refused(f"could not start the transfer: {exc}")
+
+    def mirror(self) -> MirrorKV:
+        """The port of another DP rank's scheduler (attention DP, module docstring)."""
+        return MirrorKV(self)
 
     # ---- the driver's side ---------------------------------------------------------------
 

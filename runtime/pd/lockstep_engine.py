@@ -20,6 +20,16 @@ manager reports progress (`on_progress`), a queue timeout falls due, or -- with 
 `poll_interval_s` passes while transfers are in flight (another rank may be the one that moved)
 or `tick_s` passes (so the waiting ranks' collectives never time out).
 
+Attention DP (`dp` > 1): every rank process holds one scheduler per DP rank, in one core
+`Instance`, exactly as the simulator's instance does; the broadcast inbox is applied to all of
+them, so every process holds the same states and plans the same step (one batch per DP rank).
+A prefill instance hands a request to DP rank `bootstrap_room % dp` (where the decode side looks
+it up: `prefill_dp_rank` in the bootstrap lookup); a decode instance picks by `dp_assignment`
+(the router's, as the simulator does). A process transfers the KV of its own DP rank only; the
+other ranks' schedulers see their transfers through the MIN-reduced snapshot
+(runtime/pd/kv.py, `mirror`). The executor runs this process's rank's batch, or the idle batch,
+and gathers every rank's tokens (runtime/executor.py).
+
 A decode worker's first token comes in the KV metadata, not from a forward: the core puts the
 request in its outbox (`sched.emitted`) and the engine streams it like any other token.
 """
@@ -37,10 +47,11 @@ from pdsim.core.decode import DecodeScheduler
 from pdsim.core.prefill import PrefillScheduler
 from pdsim.core.request import Request
 from pdsim.core.scheduler import InstanceScheduler
+from pdsim.core.instance import Instance
 from runtime.distributed import TPGroup
 from pdsim.core.instance import Abort
 from runtime.driver import (
-    Apply, Call, CheckPools, Engine, Entry, Submit, pages_in_use, scheduler_gauges,
+    Apply, Call, CheckPools, Engine, Entry, Submit, merged_gauges, pages_in_use,
 )
 from runtime.executor import ModelExecutor
 from runtime.protocol.stream import StreamEvent
@@ -119,7 +130,7 @@ class LockstepSync:
             return Abort(op.rid, op.reason)
         return Call(self.pools_status, Future())
 
-    def idle_timeout(self, sched: InstanceScheduler, now: float) -> float | None:
+    def idle_timeout(self, sched: Instance, now: float) -> float | None:
         if not self.is_leader or self.kv.inner.poll_epoch() != self.kv.inner_epoch_seen:
             return 0  # followers wait in the next broadcast; news arrived since the snapshot
         waits = []
@@ -139,26 +150,35 @@ class LockstepSync:
 
 
 class PDEngine:
-    """One rank's engine: an `Engine` over the role's scheduler with a `LockstepSync`.
-    `kv_manager` is this rank's real transfer manager (Mooncake); `group` the instance's TP
-    group (`TPGroup.single()` for tp = 1)."""
+    """One rank's engine: an `Engine` over the role's scheduler (one per DP rank with
+    `dp` > 1; this process is in DP rank `dp_rank`) with a `LockstepSync`. `kv_manager` is this
+    rank's real transfer manager (Mooncake); `group` the instance's TP group, every process of
+    the instance (`TPGroup.single()` for tp = 1)."""
 
     def __init__(self, executor: ModelExecutor, config: SchedulerConfig, *, role: str,
                  kv_manager, group: TPGroup | None = None, instance_id: int = 0,
+                 dp: int = 1, dp_rank: int = 0, dp_assignment: str = "room",
                  max_records: int = 100_000, metrics: ServeMetrics | None = None,
                  poll_interval_s: float = 0.005, tick_s: float = 1.0) -> None:
         if role not in ROLES:
             raise ValueError(f"role {role!r}; allowed: {', '.join(ROLES)}")
+        if not 0 <= dp_rank < dp:
+            raise ValueError(f"dp_rank {dp_rank} out of range for dp={dp}")
         self.role = role
         self.group = group or TPGroup.single()
         self.kv = SnapshotKV(kv_manager, self.group)
         make = PrefillScheduler if role == "prefill" else DecodeScheduler
-        self.sched = make(config, self.kv, instance_id)
+        self.scheds = [make(config, self.kv if r == dp_rank else self.kv.mirror(), instance_id)
+                       for r in range(dp)]
+        self.sched = self.scheds[dp_rank]
+        if role == "prefill":
+            dp_assignment = "room"  # the decode side looks the prefill rank up by the room
         self.load: dict[str, float] = {"load": 0, "num_active": 0, "pending_tokens": 0}
         self.queues: dict[str, int] = {}
         self.sync = LockstepSync(self.group, self.kv, self._pools_status,
                                  poll_interval_s=poll_interval_s, tick_s=tick_s)
-        self.driver = Engine(executor, config, scheduler=self.sched, sync=self.sync,
+        self.driver = Engine(executor, config, schedulers=self.scheds,
+                             dp_assignment=dp_assignment, sync=self.sync,
                              gauges=self._gauges, max_records=max_records,
                              metrics=metrics or ServeMetrics(role))
         self.metrics = self.driver.metrics
@@ -222,13 +242,15 @@ class PDEngine:
 
     def _pools_status(self) -> dict[str, Any]:
         """Every rank, at the same point: this rank's leftovers, MIN-reduced over the ranks."""
-        s, problems = self.sched, []
-        if not s.is_idle:
-            problems.append(f"{s.num_active} requests active")
-        for pool in (s.pool, s.req_slots, s.metadata_slots):
-            used = pages_in_use(s) if pool is s.pool else pool.num_used
-            if used:
-                problems.append(f"{used} of {pool.size} {pool.name}s in use")
+        problems = []
+        for r, s in enumerate(self.scheds):
+            where = f"DP rank {r}: " if len(self.scheds) > 1 else ""
+            if not s.is_idle:
+                problems.append(f"{where}{s.num_active} requests active")
+            for pool in (s.pool, s.req_slots, s.metadata_slots):
+                used = pages_in_use(s) if pool is s.pool else pool.num_used
+                if used:
+                    problems.append(f"{where}{used} of {pool.size} {pool.name}s in use")
         if self.kv.num_live:
             problems.append(f"{self.kv.num_live} transfer endpoints not released")
         flags = [1] * self.group.size
@@ -240,28 +262,37 @@ class PDEngine:
                             if problems else f"tp ranks {others} are not full")
         return {"full": all(flags), "detail": "; ".join(problems)}
 
-    def _gauges(self, sched: InstanceScheduler) -> dict[str, float]:
-        gauges = scheduler_gauges(sched)
-        if isinstance(sched, PrefillScheduler):
-            queues = {"bootstrap": len(sched.bootstrap), "waiting": len(sched.waiting),
-                      "inflight": len(sched.inflight)}
-            pending = sched.pending_tokens
+    def _gauges(self, scheds: list[InstanceScheduler]) -> dict[str, float]:
+        """The instance's gauges, queues and load: its DP ranks' added up."""
+        gauges = merged_gauges(scheds)
+        queues: dict[str, int] = {}
+        pending = load = 0
+        for sched in scheds:
+            if isinstance(sched, PrefillScheduler):
+                mine = {"bootstrap": len(sched.bootstrap), "waiting": len(sched.waiting),
+                        "inflight": len(sched.inflight)}
+                pending += sched.pending_tokens
+            else:
+                mine = {"prealloc": len(sched.prealloc), "transfer": len(sched.transfer),
+                        "prebuilt": len(sched.prebuilt), "waiting": len(sched.waiting),
+                        "running": len(sched.running)}
+                pending += (sum(r.input_len for r in sched.prealloc)
+                            + sum(r.input_len for r in sched.transfer))
+            for key, value in mine.items():
+                queues[key] = queues.get(key, 0) + value
+            load += sched.load()
+        if self.role == "prefill":
             gauges["sglang:num_prefill_prealloc_queue_reqs"] = queues["bootstrap"]
             gauges["sglang:num_prefill_inflight_queue_reqs"] = queues["inflight"]
         else:
-            queues = {"prealloc": len(sched.prealloc), "transfer": len(sched.transfer),
-                      "prebuilt": len(sched.prebuilt), "waiting": len(sched.waiting),
-                      "running": len(sched.running)}
-            pending = (sum(r.input_len for r in sched.prealloc)
-                       + sum(r.input_len for r in sched.transfer))
             # SGLang's decode waiting queue holds the requests whose KV is in place
             gauges["sglang:num_queue_reqs"] = queues["waiting"] + queues["prebuilt"]
             gauges["sglang:num_decode_prealloc_queue_reqs"] = queues["prealloc"]
             gauges["sglang:num_decode_transfer_queue_reqs"] = queues["transfer"]
         self.queues = queues
-        self.load = {"load": sched.load(), "num_active": sched.num_active,
+        self.load = {"load": load, "num_active": sum(s.num_active for s in scheds),
                      "pending_tokens": pending}
-        gauges["pdsim_metadata_slots_used"] = sched.metadata_slots.num_used
+        gauges["pdsim_metadata_slots_used"] = sum(s.metadata_slots.num_used for s in scheds)
         gauges["pdsim_transfers_pending"] = self.kv.num_pending
         return gauges
 

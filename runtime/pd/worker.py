@@ -14,6 +14,14 @@ Rank 0 starts ranks 1.. with `python -m runtime.pd.worker --follower JSON`; a fo
 its parent (PR_SET_PDEATHSIG), ignores Ctrl-C (rank 0 stops the instance by broadcasting a stop)
 and exits when its engine loop ends. `python -m runtime.pd.worker --instance JSON` runs a whole
 instance (what the launcher starts).
+
+With `dp_attention: dp` the `tp` ranks form `dp` attention-DP ranks of `tp // dp` processes each
+(rank r is in DP rank `r // (tp // dp)`, attention-TP rank `r % (tp // dp)`): the instance's
+group spans every process (the inbox broadcast, the MIN-reduced poll, the MLP blocks' all-gather
+and all-reduce), and each DP rank of more than one process forms its own attention-TP group too
+(its own rendezvous address). Each process caches and transfers its own DP rank's KV: it registers
+with the bootstrap server as (dp rank, attention-TP rank) of (dp, tp // dp), which is where a
+decode rank looks the room's prefill rank up (`prefill_dp_rank = room % dp`).
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ class RankSpec:
     rank: int
     tp: int
     init_method: str = ""  # tcp://HOST:PORT of the TP group's store (tp > 1)
+    dp: int = 1  # attention-DP ranks of the instance
+    attn_init_methods: tuple[str, ...] = ()  # per DP rank: its attention-TP group's store
     bootstrap_host: str = ""  # prefill: its instance's bootstrap server
     bootstrap_port: int = 0
 
@@ -60,10 +70,16 @@ class Rank:
     executor: object
     manager: object
     engine: object
+    attn_group: object = None  # attention DP with tp // dp > 1: this DP rank's group
 
     def close(self) -> None:
         self.engine.stop()
         self.manager.close()
+        self.destroy_groups()
+
+    def destroy_groups(self) -> None:
+        if self.attn_group is not None:
+            self.attn_group.destroy(barrier=False)
         self.group.destroy(barrier=False)
 
 
@@ -72,7 +88,7 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     import torch
 
     from runtime.executor import ModelExecutor
-    from runtime.model.tp import apply_tp
+    from runtime.model.tp import DPRanks, apply_dp_attention, apply_tp
     from runtime.pd.lockstep_engine import PDEngine
     from runtime.model.loading import load_served_model, load_text_side, resolve_device
     from runtime.transfer.layout import KVArgs
@@ -89,29 +105,41 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     if device == "cuda":
         check_gpu_transfer()
         device = f"cuda:{spec.rank % torch.cuda.device_count()}"
-    model = apply_tp(load_served_model(config, device), group)
+    model = load_served_model(config, device)
+    attn = dp = None
+    if spec.dp == 1:
+        model = apply_tp(model, group)
+        attn_group = group
+    else:
+        attn_group = attn = join_attn_group(spec)
+        dp = DPRanks(group, attn, spec.dp)
+        model = apply_dp_attention(model, dp, dense_tp=role.moe_dense_tp != 1)
     mcfg = model.config
     text = load_text_side(config, mcfg.vocab_size)
     sched_cfg = config.scheduler_config(spec.role)
     executor = ModelExecutor(model, num_pages=sched_cfg.num_pages, page_size=config.page_size,
                              seed=config.seed, vocab_limit=text.vocab_limit(mcfg.vocab_size),
-                             tp_size=group.size)
+                             tp_size=attn_group.size)
     executor.warmup()  # every rank: the forward's all-reduces keep them together
     metadata = MetadataBuffer.allocate(sched_cfg.metadata_slots)
-    args = KVArgs.for_cache(executor.kv, metadata, tp_rank=group.rank, tp_size=group.size,
-                            total_kv_heads=mcfg.num_kv_heads)
+    dp_rank = 0 if dp is None else dp.dp_rank
+    args = KVArgs.for_cache(executor.kv, metadata, tp_rank=attn_group.rank,
+                            tp_size=attn_group.size, total_kv_heads=mcfg.num_kv_heads,
+                            dp_rank=dp_rank, dp_size=spec.dp)
     manager = MooncakeKVManager(args, config.transfer, key=key)
     manager.prefill.faults = TransferFaults.for_instance(config.faults, spec.role, spec.instance)
     try:
         if spec.role == "prefill":
             manager.register_with_bootstrap(spec.bootstrap_host, spec.bootstrap_port)
         engine = PDEngine(executor, sched_cfg, role=spec.role, kv_manager=manager, group=group,
-                          instance_id=spec.instance, max_records=config.max_records,
+                          instance_id=spec.instance, dp=spec.dp, dp_rank=dp_rank,
+                          dp_assignment=config.router.dp_assignment,
+                          max_records=config.max_records,
                           poll_interval_s=config.transfer.poll_interval_s)
     except BaseException:
         manager.close()
         raise
-    return Rank(spec, group, executor, manager, engine)
+    return Rank(spec, group, executor, manager, engine, attn)
 
 
 def check_gpu_transfer() -> None:
@@ -134,6 +162,17 @@ def join_group(spec: RankSpec):
     if spec.tp == 1:
         return TPGroup.single()
     return TPGroup.join(spec.init_method, spec.rank, spec.tp, timeout_s=GROUP_TIMEOUT_S)
+
+
+def join_attn_group(spec: RankSpec):
+    """This rank's attention-TP group: the processes of its DP rank."""
+    from runtime.distributed import TPGroup
+
+    size = spec.tp // spec.dp
+    if size == 1:
+        return TPGroup.single()
+    return TPGroup.join(spec.attn_init_methods[spec.rank // size], spec.rank % size, size,
+                        timeout_s=GROUP_TIMEOUT_S)
 
 
 # ---- processes -------------------------------------------------------------------------------
@@ -187,7 +226,8 @@ def _follower_main(payload: dict) -> int:
     die_with_parent(payload["parent_pid"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the instance stops
     config = PDServeConfig.model_validate(payload["config"])
-    spec = RankSpec(**payload["spec"])
+    spec = RankSpec(**{**payload["spec"],
+                       "attn_init_methods": tuple(payload["spec"]["attn_init_methods"])})
     group = join_group(spec)
     rank = build_rank(config, spec, group)
     rank.engine.start()
@@ -213,7 +253,7 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
     returns the exit status. `port` / `bootstrap_port` override the configured ones."""
     from runtime.transfer.bootstrap_server import BootstrapServer
     from runtime.distributed import free_port
-    from runtime.model.tp import check_tp
+    from runtime.model.tp import check_dp_attention
     from runtime.pd.http import WorkerInfo, WorkerServer
     from runtime.sglang_compat import sglang_front
     from runtime.security import key_of, resolve_secret, secret_env
@@ -223,7 +263,8 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
     spec_cfg = config.role(role)
     if not 0 <= instance < spec_cfg.instances:
         raise ValueError(f"{role} instance {instance}; the config has {spec_cfg.instances}")
-    check_tp(model_config_of(config), spec_cfg.tp)  # a clear error before any process starts
+    # a clear error before any process starts
+    check_dp_attention(model_config_of(config), spec_cfg.tp, spec_cfg.dp_attention)
     secret = resolve_secret(config.security.cluster_secret, insecure=config.security.insecure,
                             what=f"{role} worker {instance}")
     host = spec_cfg.host
@@ -232,17 +273,20 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
     followers: list[subprocess.Popen] = []
     rank = None
     try:
-        spec = RankSpec(role, instance, 0, spec_cfg.tp)
+        spec = RankSpec(role, instance, 0, spec_cfg.tp, dp=spec_cfg.dp_attention)
         if role == "prefill":
             bport = config.bootstrap_port(instance) if bootstrap_port is None else bootstrap_port
             bootstrap = BootstrapServer(config.transfer.host, bport, key_of(secret),
                                         limits=config.security.limits)
             bootstrap.answer_delay_s = config.faults.bootstrap_delay_s  # fault injection
             bootstrap.start()
-            spec = RankSpec(role, instance, 0, spec_cfg.tp, bootstrap_host=config.transfer.host,
-                            bootstrap_port=bootstrap.port)
+            spec = RankSpec(role, instance, 0, spec_cfg.tp, dp=spec_cfg.dp_attention,
+                            bootstrap_host=config.transfer.host, bootstrap_port=bootstrap.port)
         if spec.tp > 1:
-            spec = RankSpec(**{**asdict(spec), "init_method": f"tcp://127.0.0.1:{free_port()}"})
+            attn = () if spec.tp == spec.dp else tuple(
+                f"tcp://127.0.0.1:{free_port()}" for _ in range(spec.dp))
+            spec = RankSpec(**{**asdict(spec), "init_method": f"tcp://127.0.0.1:{free_port()}",
+                               "attn_init_methods": attn})
             for r in range(1, spec.tp):
                 payload = {"parent_pid": os.getpid(), "config": config.model_dump(mode="json"),
                            "spec": {**asdict(spec), "rank": r}}
@@ -266,7 +310,7 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
         stop_processes(followers, grace_s=10.0)  # they end with rank 0's stop broadcast
         if rank is not None:
             rank.manager.close()
-            rank.group.destroy(barrier=False)
+            rank.destroy_groups()
         if bootstrap is not None:
             bootstrap.stop()
     return status
