@@ -209,10 +209,12 @@ class _Mirror:
     def init(self, num_pages: int, metadata_slot: int) -> None:
         pass
 
-    def send(self, page_indices: Sequence[int], last: bool) -> None:
+    def send(self, page_indices: Sequence[int], last: bool,
+             state_indices: Sequence[int] = ()) -> None:
         pass
 
-    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int) -> None:
+    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int,
+                      state_indices: Sequence[int] = ()) -> None:
         pass
 
     def abort(self, reason: str) -> None:
