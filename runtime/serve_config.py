@@ -57,7 +57,7 @@ class _ServeBase(ExperimentConfig):
     @model_validator(mode="after")
     def _real_parallelism(self) -> _ServeBase:
         for name, role in self.cluster.roles.items():
-            for knob in ("dp_attention", "ep", "pp"):
+            for knob in ("dp_attention", "pp"):
                 if getattr(role, knob) != 1:
                     raise ValueError(f"cluster.{name}.{knob}: {getattr(role, knob)}; the real "
                                      "backend serves 1 only (the simulator models more)")
@@ -109,6 +109,10 @@ class ServeConfig(_ServeBase):
         if self.cluster.colocated.instances != 1:
             raise ValueError(f"cluster.colocated.instances: {self.cluster.colocated.instances}; "
                              "the real backend serves one colocated engine (more: simulator only)")
+        if self.cluster.colocated.ep != 1:
+            raise ValueError(f"cluster.colocated.ep: {self.cluster.colocated.ep}; the colocated "
+                             "server is one process: the real backend serves expert "
+                             "parallelism disaggregated (prefill or decode ep)")
         return self
 
     @property

@@ -218,3 +218,71 @@ def test_single_rank_all_to_all_returns_its_rows_and_checks_counts():
     assert torch.equal(group.all_to_all(rows, [3], [3]), rows)
     with pytest.raises(ValueError, match="one count per rank"):
         group.all_to_all(rows, [2], [3])
+
+
+# ---- disaggregated serving -----------------------------------------------------------------
+
+PD_PROMPT_LENS, PD_MAX_NEW = (5, 17, 40, 70), 10  # 40 and 70: prefilled in chunks of 32
+
+
+@pytest.fixture(scope="module")
+def pd_workers():
+    """Prefill and decode workers of tiny-moe, each at tp 1 and at tp 2 with ep 2; KV over
+    Mooncake TCP on loopback."""
+    from pd_harness import pd_config, start_worker, stop_workers, wait_healthy
+
+    workers = {}
+    try:
+        for role in ("prefill", "decode"):
+            for ep in (1, 2):
+                config = pd_config("tiny-moe", **{role: {"tp": ep, "ep": ep}})
+                workers[role, ep] = start_worker(config, role)
+        wait_healthy(list(workers.values()), timeout_s=300)
+        yield workers
+    finally:
+        stop_workers(list(workers.values()))
+        assert all(w.proc.returncode == 0 for w in workers.values()), \
+            {k: w.proc.returncode for k, w in workers.items()}
+
+
+@pytest.mark.slow
+def test_pd_with_expert_parallel_prefill_or_decode_equals_unsharded(pd_workers):
+    """Greedy outputs of ep 2 -> 1, 1 -> 2 and 2 -> 2 equal the unsharded 1 -> 1 deployment's,
+    and every page and slot comes back."""
+    import random
+
+    from pd_harness import body, generate
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 259) for _ in range(n)] for n in PD_PROMPT_LENS]
+    outputs = {}
+    for pep, dep in ((1, 1), (2, 1), (1, 2), (2, 2)):
+        prefill, decode = pd_workers["prefill", pep], pd_workers["decode", dep]
+        bodies = [body(f"ep{pep}{dep}-{i}", ids, PD_MAX_NEW, prefill)
+                  for i, ids in enumerate(prompts)]
+        outcomes = generate(prefill, decode, bodies)
+        for o in outcomes:
+            assert o.prefill_status == 200 and o.decode_status == 200, (o.prefill_body,
+                                                                        o.decode_body)
+            assert o.last["finish_reason"] == "length" and o.last["error"] is None
+        outputs[pep, dep] = [o.token_ids for o in outcomes]
+        for w in (prefill, decode):
+            assert w.wait_pools_full() == {"full": True, "detail": ""}
+    assert all(len(t) == PD_MAX_NEW for t in outputs[1, 1])
+    for pair in ((2, 1), (1, 2), (2, 2)):
+        assert outputs[pair] == outputs[1, 1], pair
+
+
+def test_a_colocated_ep_is_refused_for_serving():
+    """The colocated server is one process; expert parallelism is served by PD workers."""
+    from pdsim.config import ConfigError
+    from runtime.serve_config import parse_serve_config
+
+    role = {"instances": 1, "tp": 2, "ep": 2, "scheduler": {"num_pages": 64}}
+    with pytest.raises(ConfigError, match="cluster.colocated.ep: 2; the colocated server is one "
+                                        "process"):
+        parse_serve_config({"model": "tiny-moe", "cluster": {"mode": "colocated",
+                                                             "colocated": role}})
+    pd = parse_serve_config({"model": "tiny-moe", "cluster": {
+        "mode": "disaggregated", "prefill": role, "decode": {**role, "tp": 1, "ep": 1}}})
+    assert (pd.prefill.ep, pd.decode.ep) == (2, 1)

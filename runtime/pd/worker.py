@@ -89,7 +89,7 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     if device == "cuda":
         check_gpu_transfer()
         device = f"cuda:{spec.rank % torch.cuda.device_count()}"
-    model = apply_tp(load_served_model(config, device), group)
+    model = apply_tp(load_served_model(config, device), group, role.ep)
     mcfg = model.config
     text = load_text_side(config, mcfg.vocab_size)
     sched_cfg = config.scheduler_config(spec.role)
@@ -223,7 +223,8 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
     spec_cfg = config.role(role)
     if not 0 <= instance < spec_cfg.instances:
         raise ValueError(f"{role} instance {instance}; the config has {spec_cfg.instances}")
-    check_tp(model_config_of(config), spec_cfg.tp)  # a clear error before any process starts
+    # a clear error before any process starts
+    check_tp(model_config_of(config), spec_cfg.tp, spec_cfg.ep)
     secret = resolve_secret(config.security.cluster_secret, insecure=config.security.insecure,
                             what=f"{role} worker {instance}")
     host = spec_cfg.host
