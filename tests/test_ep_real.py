@@ -286,3 +286,46 @@ def test_a_colocated_ep_is_refused_for_serving():
     pd = parse_serve_config({"model": "tiny-moe", "cluster": {
         "mode": "disaggregated", "prefill": role, "decode": {**role, "tp": 1, "ep": 1}}})
     assert (pd.prefill.ep, pd.decode.ep) == (2, 1)
+
+
+# ---- calibration ----------------------------------------------------------------------------
+
+# The profiled cost model against the forwards it prices, each shape the fastest of 10: the
+# median error within 25 % over the fitted shapes and over the held-out ones, every shape within
+# a factor of 2 (on a shared 2-core machine one shape can still catch a burst of load).
+MEDIAN_TOLERANCE, WORST_FACTOR = 0.25, 2.0
+
+
+@pytest.mark.slow
+def test_calibrated_cost_model_prices_the_expert_parallel_forwards():
+    """`pdsim calibrate`'s forward profile of tiny-moe decoding at tp 2 ep 2 (two rank processes,
+    the forwards with their all-to-alls), fitted as calibrate fits it (the profiled cost model)
+    on part of the grid, prices both the fitted shapes and the held-out ones (48-token
+    extends, 64-token contexts, batches of 8)."""
+    import numpy as np
+
+    from pd_harness import pd_config
+    from pdsim.core.batch import BatchShape
+    from pdsim.sim.profiled import ProfiledCostModel
+    from runtime.calibration import profile_forwards
+
+    config = pd_config("tiny-moe", decode={"tp": 2, "ep": 2})
+    frame = profile_forwards(config, repeats=10, prefill_tokens=(16, 48, 128),
+                             prefill_context=(0, 64, 128), decode_batch=(1, 4, 8, 16),
+                             decode_context=(32, 64, 128))
+    extend = frame["prefill_tokens"] > 0
+    tokens, reqs = frame["prefill_tokens"].clip(lower=1), frame["decode_reqs"].clip(lower=1)
+    context = np.where(extend, frame["prefill_attn_pairs"] / tokens - (tokens + 1) / 2,
+                       frame["decode_context_tokens"] / reqs - 1)
+    held = ((frame["prefill_tokens"] == 48) | (frame["decode_reqs"] == 8)
+            | (context == 64)).to_numpy()
+    assert 0 < held.sum() < len(frame) - 8
+    model = ProfiledCostModel(None, None, None, timings=frame[~held])
+    priced = np.array([model.step_time_s([BatchShape(
+        prefill_tokens=int(r.prefill_tokens), prefill_attn_pairs=float(r.prefill_attn_pairs),
+        decode_reqs=int(r.decode_reqs), decode_context_tokens=int(r.decode_context_tokens))])
+        for r in frame.itertuples()])
+    error = priced / frame["duration_s"].to_numpy() - 1
+    assert np.abs(np.log1p(error)).max() < np.log(WORST_FACTOR), error.round(3)
+    assert np.median(np.abs(error[held])) < MEDIAN_TOLERANCE, error.round(3)
+    assert np.median(np.abs(error[~held])) < MEDIAN_TOLERANCE, error.round(3)
