@@ -79,18 +79,18 @@ class ExpertParallelMoE(nn.Module):
         mine = torch.tensor_split(torch.arange(x.shape[0], device=x.device), group.size)[
             group.rank]
         experts, weights = self.route(x[mine])
-        # Every copy once per rank holding a slice of its expert, ordered by (rank, local
-        # expert): the rank is (expert's EP group) * moe_tp + slice, the local expert e % per.
+        # Each copy once per rank holding a slice of its expert, keyed by (that rank, the local
+        # expert): the rank is (the expert's EP group) * moe_tp + slice, the local expert e % per.
         expert = experts.flatten().repeat_interleave(moe_tp)
         dest = (expert // per) * moe_tp + torch.arange(moe_tp, device=x.device).repeat(
             experts.numel())
-        order = torch.argsort(dest * per + expert % per, stable=True)
-        copy = order // moe_tp  # which (token, slot) copy each sent row is
-        send = torch.bincount(dest * per + expert % per, minlength=group.size * per)
-        recv = group.all_to_all(send.view(group.size, per), [1] * group.size,
-                                [1] * group.size)
-        send_rows, recv_rows = send.view(group.size, per).sum(1).tolist(), recv.sum(1).tolist()
-        received = group.all_to_all(x[mine][copy // experts.shape[1]], send_rows, recv_rows)
+        key = dest * per + expert % per
+        copy = torch.argsort(key, stable=True) // moe_tp  # the (token, slot) of each sent row
+        token = copy // self.top_k
+        send = torch.bincount(key, minlength=group.size * per).view(group.size, per)
+        recv = group.all_to_all(send, [1] * group.size, [1] * group.size)
+        send_rows, recv_rows = send.sum(1).tolist(), recv.sum(1).tolist()
+        received = group.all_to_all(x[mine][token], send_rows, recv_rows)
         local = torch.arange(per, device=x.device).repeat(group.size).repeat_interleave(
             recv.flatten())
         out_rows = torch.empty_like(received)
@@ -100,8 +100,7 @@ class ExpertParallelMoE(nn.Module):
                 out_rows[rows] = mlp(received[rows])
         back = group.all_to_all(out_rows, recv_rows, send_rows)
         out = torch.zeros_like(x, dtype=torch.float32)
-        out.index_add_(0, mine[copy // experts.shape[1]],
-                       back.float() * weights.flatten()[copy, None])
+        out.index_add_(0, mine[token], back.float() * weights.flatten()[copy, None])
         if self.shared_experts is not None:
             out += self.shared_experts(x).float()
         return out.to(x.dtype)
