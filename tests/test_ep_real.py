@@ -297,16 +297,20 @@ MEDIAN_TOLERANCE, WORST_FACTOR = 0.25, 2.0
 
 
 @pytest.mark.slow
-def test_calibrated_cost_model_prices_the_expert_parallel_forwards():
+def test_calibrated_cost_model_prices_the_expert_parallel_forwards(tmp_path):
     """`pdsim calibrate`'s forward profile of tiny-moe decoding at tp 2 ep 2 (two rank processes,
     the forwards with their all-to-alls), fitted as calibrate fits it (the profiled cost model)
     on part of the grid, prices both the fitted shapes and the held-out ones (48-token
-    extends, 64-token contexts, batches of 8)."""
+    extends, 64-token contexts, batches of 8); the simulator prices that EP deployment's decode
+    step with it."""
     import numpy as np
 
     from pd_harness import pd_config
+    from pdsim.config import parse_experiment
     from pdsim.core.batch import BatchShape
+    from pdsim.sim.build import build_cluster
     from pdsim.sim.profiled import ProfiledCostModel
+    from pdsim.validation.validate import UNUSED_WORKLOAD
     from runtime.calibration import profile_forwards
 
     config = pd_config("tiny-moe", decode={"tp": 2, "ep": 2})
@@ -329,3 +333,11 @@ def test_calibrated_cost_model_prices_the_expert_parallel_forwards():
     assert np.abs(np.log1p(error)).max() < np.log(WORST_FACTOR), error.round(3)
     assert np.median(np.abs(error[held])) < MEDIAN_TOLERANCE, error.round(3)
     assert np.median(np.abs(error[~held])) < MEDIAN_TOLERANCE, error.round(3)
+    frame[~held].to_csv(tmp_path / "timings.csv", index=False)
+    sim = build_cluster(parse_experiment({
+        "name": "ep", "model": "tiny-moe", "workload": UNUSED_WORKLOAD,
+        "cluster": {"mode": "disaggregated", "decode": {"tp": 2, "ep": 2}},
+        "cost_model": {"name": "profiled", "params": {"timings": "timings.csv"}}}, "ep"),
+        str(tmp_path))
+    shape = [BatchShape(decode_reqs=8, decode_context_tokens=8 * 65)]
+    assert sim.decode.cost().step_time_s(shape) == pytest.approx(model.step_time_s(shape))
