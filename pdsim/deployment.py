@@ -185,7 +185,9 @@ class RoleConfig(_Spec):
     dp_attention: int = Field(1, ge=1, description="attention data-parallel ranks per instance "
                               "(SGLang's --dp-size with --enable-dp-attention); real: PD roles "
                               "only, docs/serving.md")
-    ep: int = Field(1, ge=1, description="sim only so far: expert-parallel size")
+    ep: int = Field(1, ge=1, description="expert-parallel size: routed experts split whole over "
+                    "ep of the tp GPUs (sliced over tp/ep); real: prefill and decode roles, "
+                    "tokens moved by all-to-all (docs/serving.md, \"Expert parallelism\")")
     kv_dtype: KVDTypeName | None = Field(
         None, description="sim only: KV-cache dtype (SGLang's --kv-cache-dtype); default: the "
         "experiment's kv_dtype_bytes")
@@ -488,7 +490,7 @@ class Deployment(_Spec):
     model: str | dict[str, Any] = Field(
         "llama-3.1-8b", description="sim: a preset, a file (relative to this YAML's folder "
         "first) or a mapping of ModelSpec fields, optionally over `base: <preset or file>`; "
-        "real: a servable preset (tiny-llama, tiny-mla) or a local checkpoint directory")
+        "real: a servable preset (tiny-llama, tiny-mla, tiny-moe) or a local checkpoint directory")
     hardware: str | dict[str, Any] = Field(
         "h100", description="sim only: a preset, a YAML file or a mapping of HardwareSpec "
         "fields, optionally over `base:`")

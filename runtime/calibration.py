@@ -7,7 +7,9 @@ Three measurements, none of them an end-to-end serving figure:
   over a grid of batch shapes -- extends of `prefill_tokens` new tokens after `context` cached
   ones, decodes of `batch` requests at `context` tokens each -- each the fastest of `repeats`
   passes over the grid (other processes on a shared machine only add time); the rows are the executor's
-  timings table (`ForwardTiming` columns), which the `profiled` cost model fits.
+  timings table (`ForwardTiming` columns), which the `profiled` cost model fits. A decode role
+  of tp > 1 runs as its tp rank processes, sharded as served: the all-reduces and, with `ep`,
+  the expert all-to-alls are in the times.
 - **KV transfer**: the Mooncake backend over TCP on loopback (sender `send(last=True)` to the
   receiver's `Success`, metadata slot and ZMQ status included) for messages of 1..256 pages of
   this model's KV; a least-squares line gives the per-transfer floor (s) and the bandwidth
@@ -84,23 +86,50 @@ def profile_forwards(config, *, repeats: int = 5, prefill_tokens: Sequence[int] 
                      prefill_context: Sequence[int] = PREFILL_CONTEXT,
                      decode_batch: Sequence[int] = DECODE_BATCH,
                      decode_context: Sequence[int] = DECODE_CONTEXT):
-    """The executor's timings table over the grid (module docstring), as a DataFrame."""
+    """The executor's timings table over the grid (module docstring), as a DataFrame.
+
+    A disaggregated decode role of tp > 1 is profiled as it serves: tp rank processes, the
+    model sharded (`apply_tp`, its `ep`), each forward with its all-reduces and, under expert
+    parallelism, its all-to-alls; rank 0's times are the table."""
     import pandas as pd
+
+    from runtime.distributed import TPGroup, run_ranks
+    from runtime.executor import TIMING_COLUMNS
+
+    grid = [repeats, list(prefill_tokens), list(prefill_context), list(decode_batch),
+            list(decode_context)]
+    tp = 1 if config.mode == "colocated" else config.decode.tp
+    dumped = config.model_dump(mode="json")
+    if tp == 1:
+        rows = _profile_rank(TPGroup.single(), dumped, *grid)
+    else:
+        rows = run_ranks(_profile_rank, tp, dumped, *grid, timeout_s=1800)[0]
+    return pd.DataFrame(rows, columns=list(TIMING_COLUMNS))
+
+
+def _profile_rank(group, dumped: dict, repeats: int, prefill_tokens: list[int],
+                  prefill_context: list[int], decode_batch: list[int],
+                  decode_context: list[int]) -> list[list]:
+    """One rank's part of `profile_forwards`: every rank runs the same forwards in lock step."""
     import torch
 
-    from runtime.executor import TIMING_COLUMNS
     from runtime.model import AttentionMetadata
     from runtime.model.kv_cache import PagedKVCache
     from runtime.model.loading import load_served_model
+    from runtime.model.tp import apply_tp
+    from runtime.serve_config import parse_serve_config
 
+    config = parse_serve_config(dumped)
     torch.set_num_threads(_threads(config))
-    model = load_served_model(config, "cpu")
+    ep = 1 if config.mode == "colocated" else config.decode.ep
+    model = apply_tp(load_served_model(config, "cpu"), group, ep)
     mcfg = model.config
     page = config.page_size
     longest = max(max(prefill_tokens) + max(prefill_context), max(decode_context) + 1)
     pages_per_req = -(-longest // page)
     most = max(max(decode_batch), 1)
     kv = PagedKVCache.for_model(mcfg, num_pages=pages_per_req * most, page_size=page,
+                                tp_size=group.size,
                                 dtype=getattr(torch, config.dtype) if config.dtype else None)
     tables = [list(range(i * pages_per_req, (i + 1) * pages_per_req)) for i in range(most)]
     rng = np.random.default_rng(0)
@@ -124,8 +153,7 @@ def profile_forwards(config, *, repeats: int = 5, prefill_tokens: Sequence[int] 
     best = [math.inf] * len(shapes)
     for _ in range(repeats):
         best = [min(b, forward(*shape[5:])) for b, shape in zip(best, shapes)]
-    rows = [(*shape[:5], t) for shape, t in zip(shapes, best)]
-    return pd.DataFrame(rows, columns=list(TIMING_COLUMNS))
+    return [[*shape[:5], t] for shape, t in zip(shapes, best)]
 
 
 def profile_transfer(config, *, repeats: int = 5,

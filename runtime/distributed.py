@@ -13,6 +13,8 @@ the same order with tensors of the same shape.
 - `all_reduce_sum(t)`: the row-parallel projections' partial sums (`runtime.model.tp`).
 - `all_reduce_min_int(values)`: KVPoll states of an instance's ranks; MIN, so one `Failed` (0)
   fails the request everywhere (SGLang's `poll_and_all_reduce`).
+- `all_to_all(rows, send_counts, recv_counts)`: expert parallelism's token dispatch and
+  combine (`runtime.model.moe`).
 - `broadcast_tensor` / `broadcast_bytes` / `broadcast_msgpack`: rank 0's value to every rank;
   bytes travel as a length then a uint8 tensor, objects as msgpack (never pickle).
 - `all_gather` / `all_gather_msgpack`: every rank's tensor (same shape) or object, in rank order
@@ -195,6 +197,27 @@ class TPGroup:
         buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         return [msgpack.unpackb(t[:n].numpy().tobytes(), raw=False, strict_map_key=False)
                 for t, n in zip(self.all_gather(buffer), lengths)]
+
+    def all_to_all(self, rows: torch.Tensor, send_counts: Sequence[int],
+                   recv_counts: Sequence[int]) -> torch.Tensor:
+        """Send `rows` (dim 0) out in rank order, `send_counts[i]` of them to rank i; returns the
+        rows received, in rank order, `recv_counts[i]` from rank i (what rank i sends here).
+
+        Expert parallelism's dispatch and combine (`runtime.model.moe`); with a `[size]` tensor
+        of counts and counts of 1 each, it tells every rank how many rows to expect.
+        """
+        if sum(send_counts) != rows.shape[0] or len(send_counts) != self.size \
+                or len(recv_counts) != self.size:
+            raise ValueError(f"all_to_all: {rows.shape[0]} rows, send counts {list(send_counts)}, "
+                             f"receive counts {list(recv_counts)}; each needs one count per "
+                             f"rank ({self.size}) and the send counts must sum to the rows")
+        pg = self._backend()
+        if pg is None:
+            return rows.clone()
+        out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+        pg.alltoall_base(out, rows.contiguous(), list(recv_counts), list(send_counts),
+                         dist.AllToAllOptions()).wait()
+        return out
 
     def barrier(self) -> None:
         pg = self._backend()

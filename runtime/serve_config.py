@@ -10,7 +10,7 @@ a router). Serving ignores the simulator-only sections (workload, cost_model, ne
       mode: disaggregated
       prefill: {instances: 1, tp: 1, scheduler: {num_pages: 1024}}
       decode: {instances: 1, tp: 1, scheduler: {num_pages: 2048}}
-    model: tiny-llama          # a servable preset (tiny-llama, tiny-mla) or a checkpoint directory
+    model: tiny-llama          # a servable preset (tiny-llama, tiny-mla, tiny-moe) or checkpoint
     router: {policy: round_robin, port: 30000}
     transfer: {protocol: tcp, heartbeat_interval_s: 2, heartbeat_timeout_s: 20}
 
@@ -60,12 +60,17 @@ class _ServeBase(ExperimentConfig):
     @model_validator(mode="after")
     def _real_parallelism(self) -> _ServeBase:
         for name, role in self.cluster.roles.items():
-            # attention DP runs in PD workers' rank processes; the colocated engine is one process
-            knobs = ("ep", "pp") if name != "colocated" else ("dp_attention", "ep", "pp")
+            # attention DP and EP run in PD workers' rank processes; the colocated engine
+            # is one process (its ep has its own message below)
+            knobs = ("pp",) if name != "colocated" else ("dp_attention", "pp")
             for knob in knobs:
                 if getattr(role, knob) != 1:
                     raise ValueError(f"cluster.{name}.{knob}: {getattr(role, knob)}; the real "
                                      "backend serves 1 only (the simulator models more)")
+            if role.dp_attention > 1 and role.ep > 1:
+                raise ValueError(f"cluster.{name}: dp_attention {role.dp_attention} with ep "
+                                 f"{role.ep}; the real backend serves one of them above 1 per "
+                                 "role (the simulator models both)")
         return self
 
     @model_validator(mode="after")
@@ -114,6 +119,10 @@ class ServeConfig(_ServeBase):
         if self.cluster.colocated.instances != 1:
             raise ValueError(f"cluster.colocated.instances: {self.cluster.colocated.instances}; "
                              "the real backend serves one colocated engine (more: simulator only)")
+        if self.cluster.colocated.ep != 1:
+            raise ValueError(f"cluster.colocated.ep: {self.cluster.colocated.ep}; the colocated "
+                             "server is one process: the real backend serves expert "
+                             "parallelism disaggregated (prefill or decode ep)")
         return self
 
     @property

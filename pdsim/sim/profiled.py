@@ -69,9 +69,15 @@ class ProfiledCostModel:
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism, *,
                  timings: str | Path | pd.DataFrame, kv_dtype_bytes: float = 2,
-                 role: str = "colocated", step_overhead_s: float = 0.0) -> None:
-        # kv_dtype_bytes and role are accepted as every cost model's are; the measured
-        # forwards already carry their effect.
+                 role: str = "colocated", step_overhead_s: float = 0.0,
+                 expert_imbalance: bool = True, seed: int = 0,
+                 eplb_redundant_experts: int | None = None) -> None:
+        # kv_dtype_bytes, role and (under expert parallelism) expert_imbalance and seed are
+        # accepted as every cost model's are; the measured forwards already carry their effect
+        # (the real model's own routing). The real backend has no EPLB to have measured.
+        if eplb_redundant_experts is not None:
+            raise ValueError("eplb: the profiled forwards were measured without EPLB (the real "
+                             "backend has none); remove eplb or use the roofline cost model")
         frame = timings if not isinstance(timings, (str, Path)) else _read(Path(timings))
         self.extend_base_s, self.decode_base_s, slopes = fit_linear_costs(frame)
         self._a, self._b, self._c, self._d = (float(v) for v in slopes)

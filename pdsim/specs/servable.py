@@ -28,4 +28,17 @@ SERVABLE_HF_CONFIGS: dict[str, dict[str, Any]] = {
         "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
         "n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
     },
+    # Expert parallelism's test model (DeepSeek-V2's MoE layout, scaled down): layer 0 dense,
+    # layers 1-2 MoE with 16 routed experts (2 per token) and 1 shared, so `ep` of 2 or 4
+    # holds 8 or 4 whole experts per rank.
+    "tiny-moe": {
+        "_name_or_path": "tiny-moe", "model_type": "deepseek_v2", "torch_dtype": "float32",
+        "vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 256,
+        "max_position_embeddings": 2048,
+        "kv_lora_rank": 64, "q_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "n_routed_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+    },
 }

@@ -112,12 +112,16 @@ class MoE(nn.Module):
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
             if config.num_shared_experts else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts `[T, k]` and their float32 weights `[T, k]`."""
         probs = self.gate(x).float().softmax(-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
-        weights = weights * self.scaling
+        return experts, weights * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
         out = torch.zeros_like(x, dtype=torch.float32)
         for e, expert in enumerate(self.experts):
             rows, rank = (experts == e).nonzero(as_tuple=True)

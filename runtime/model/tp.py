@@ -15,7 +15,9 @@ With tp ranks, rank r:
   o_proj are split by heads.
 - Dense MLP and every MoE expert, shared experts too: gate/up column-parallel and down row-parallel
   along the intermediate dim; the router is replicated, so every rank routes alike and one
-  all-reduce after the whole MoE block sums the partial outputs.
+  all-reduce after the whole MoE block sums the partial outputs. With `ep` > 1 the routed
+  experts are instead split whole over ep groups of tp/ep ranks (sliced within a group) and
+  tokens reach them by all-to-all (runtime.model.moe); the same all-reduce ends the block.
 - Embeddings, norms and lm_head are replicated (the simplest choice): every rank computes the full
   logits, identical on every rank because all-reduce hands every rank the same bits.
 
@@ -44,10 +46,12 @@ from runtime.model.layers import GatedMLP, MoE
 from runtime.model.llama import GQAAttention
 from runtime.model.mla import MLAAttention
 from runtime.model.model import CausalLM
+from runtime.model.moe import ExpertParallelMoE, check_ep
 
 
-def check_tp(config: ModelConfig, tp_size: int) -> None:
-    """Raise ValueError, naming the field, unless `config` splits evenly `tp_size` ways."""
+def check_tp(config: ModelConfig, tp_size: int, ep_size: int = 1) -> None:
+    """Raise ValueError, naming the field, unless `config` splits evenly `tp_size` ways (its
+    routed experts `ep_size` ways)."""
 
     def need(ok: bool, field: str, value: int, rule: str) -> None:
         if not ok:
@@ -65,6 +69,7 @@ def check_tp(config: ModelConfig, tp_size: int) -> None:
     if config.num_experts:
         need(config.moe_intermediate_size % tp_size == 0, "moe_intermediate_size",
              config.moe_intermediate_size, "must divide by tp")
+    check_ep(config, tp_size, ep_size)
 
 
 def check_dp_attention(config: ModelConfig, tp_size: int, dp_size: int) -> None:
@@ -138,13 +143,14 @@ def kv_head_range(config: ModelConfig, tp_size: int, rank: int) -> range:
 
 
 @torch.no_grad()
-def apply_tp(model: CausalLM, group: TPGroup) -> CausalLM:
-    """Shard `model` in place for rank `group.rank` of `group.size`; returns it.
+def apply_tp(model: CausalLM, group: TPGroup, ep: int = 1) -> CausalLM:
+    """Shard `model` in place for rank `group.rank` of `group.size`, its routed experts over `ep`
+    of them; returns it.
 
     A group of one leaves the model untouched. Every rank must call this on an identical model.
     """
     config = model.config
-    check_tp(config, group.size)
+    check_tp(config, group.size, ep)
     if group.size == 1:
         return model
     first = model.model.layers[0].self_attn
@@ -159,8 +165,15 @@ def apply_tp(model: CausalLM, group: TPGroup) -> CausalLM:
             _shard_mla(attn, config, tp, rank)
         else:
             raise TypeError(f"apply_tp: no rule for attention {type(attn).__name__}")
-        for mlp in _gated_mlps(layer.mlp):
-            _shard_mlp(mlp, tp, rank)
+        if ep > 1 and isinstance(layer.mlp, MoE):
+            layer.mlp = ExpertParallelMoE(layer.mlp, config, group, ep)
+            for mlp in layer.mlp.experts:
+                _shard_mlp(mlp, tp // ep, rank % (tp // ep))
+            if layer.mlp.shared_experts is not None:
+                _shard_mlp(layer.mlp.shared_experts, tp, rank)
+        else:
+            for mlp in _gated_mlps(layer.mlp):
+                _shard_mlp(mlp, tp, rank)
         attn.register_forward_hook(reduce)
         layer.mlp.register_forward_hook(reduce)
     return model

@@ -108,7 +108,7 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     model = load_served_model(config, device)
     attn = dp = None
     if spec.dp == 1:
-        model = apply_tp(model, group)
+        model = apply_tp(model, group, role.ep)
         attn_group = group
     else:
         attn_group = attn = join_attn_group(spec)
@@ -265,6 +265,7 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
         raise ValueError(f"{role} instance {instance}; the config has {spec_cfg.instances}")
     # a clear error before any process starts
     check_dp_attention(model_config_of(config), spec_cfg.tp, spec_cfg.dp_attention)
+    check_tp(model_config_of(config), spec_cfg.tp, spec_cfg.ep)
     secret = resolve_secret(config.security.cluster_secret, insecure=config.security.insecure,
                             what=f"{role} worker {instance}")
     host = spec_cfg.host
