@@ -160,6 +160,22 @@ def test_num_pages_means_the_same_and_serving_needs_it_given():
     assert load_serve_config(None).scheduler_config().num_pages == 2048  # the file-less default
 
 
+
+def test_serving_refuses_attention_dp_and_ep_together_on_one_role():
+    """The real backend serves attention DP or EP above 1 on a PD role, not both at once; the
+    simulator takes both."""
+    from runtime.serve_config import parse_serve_config
+
+    pages = {"scheduler": {"num_pages": 64}}
+    data = {**BASE, "model": "tiny-moe",
+            "cluster": {"prefill": pages, "decode": {**pages, "tp": 2, "dp_attention": 2, "ep": 2}}}
+    assert build_cluster(parse_experiment(data)).decode.dp_attention == 2
+    with pytest.raises(ConfigError, match=r"cluster.decode: dp_attention 2 with ep 2; the real "
+                                          r"backend serves one of them above 1 per role"):
+        parse_serve_config(data)
+    one = {**data, "cluster": {"prefill": pages, "decode": {**pages, "tp": 2, "ep": 2}}}
+    assert parse_serve_config(one).role("decode").ep == 2
+
 # Spellings `pdsim run` rejects (the earlier flat serve layout's among them), each with the
 # field path and message of its error.
 REJECTED = [
