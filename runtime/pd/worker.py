@@ -253,7 +253,7 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
     returns the exit status. `port` / `bootstrap_port` override the configured ones."""
     from runtime.transfer.bootstrap_server import BootstrapServer
     from runtime.distributed import free_port
-    from runtime.model.tp import check_dp_attention
+    from runtime.model.tp import check_dp_attention, check_tp
     from runtime.pd.http import WorkerInfo, WorkerServer
     from runtime.sglang_compat import sglang_front
     from runtime.security import key_of, resolve_secret, secret_env
