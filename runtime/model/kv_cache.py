@@ -12,6 +12,10 @@ which is what a transfer engine needs (`kv_data_ptrs`, `kv_data_lens`, `kv_item_
 page, token slot `t` starts at `t * slot_bytes()`, and KV head `h` of that slot at
 `head_offset_bytes(h)` (for the head-sliced writes of a TP mismatch).
 
+A hybrid model's cache has buffers for its KV layers only (`ModelConfig.kv_layers`; a
+sliding-window layer keeps every token's KV, attention masks it to the window) and its
+per-request recurrent state in `state` (runtime/model/hybrid.py).
+
 A token's flat slot index is `page * page_size + offset`. The cache does not hand pages out: the
 scheduler core owns the free lists and passes page indices in.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from runtime.model.config import ModelConfig
+from runtime.model.hybrid import RecurrentState
 
 
 class PagedKVCache:
@@ -53,6 +58,7 @@ class PagedKVCache:
         self.buffers: list[torch.Tensor] = [
             torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(count)
         ]
+        self.state = None  # hybrid models: the RecurrentState (see `for_model`)
 
     @classmethod
     def for_model(
@@ -64,14 +70,29 @@ class PagedKVCache:
         tp_size: int = 1,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
+        state_slots: int = 0,
     ) -> PagedKVCache:
-        """A cache for `config` on one attention-TP rank (GQA heads split `tp_size` ways)."""
+        """A cache for `config` on one attention-TP rank (GQA heads split `tp_size` ways).
+
+        Only the layers that keep KV get buffers (`config.kv_layers`). A model with
+        linear-attention layers also gets `state`, a `RecurrentState` of `state_slots` slots.
+        """
         heads = 1 if config.is_mla else max(1, config.num_kv_heads // tp_size)
-        return cls(
-            num_layers=config.num_layers, num_pages=num_pages, page_size=page_size, heads=heads,
+        cache = cls(
+            num_layers=len(config.kv_layers), num_pages=num_pages, page_size=page_size, heads=heads,
             head_dim=config.kv_cache_head_dim, mla=config.is_mla,
             dtype=dtype if dtype is not None else getattr(torch, config.dtype), device=device,
         )
+        if config.linear_layers:
+            if state_slots < 1:
+                raise ValueError(f"model {config.name!r} keeps a recurrent state per request: "
+                                 f"state_slots={state_slots}; must be >= 1")
+            cache.state = RecurrentState(config, num_slots=state_slots, tp_size=tp_size,
+                                         device=device)
+        elif state_slots:
+            raise ValueError(f"state_slots={state_slots}, but model {config.name!r} keeps no "
+                             "recurrent state; allowed: 0")
+        return cache
 
     # ---- tensors the model reads and writes ----------------------------------------------
 
