@@ -38,6 +38,7 @@ import torch
 from pdsim.core.batch import Batch, BatchResult, DecodeBatch, ExtendBatch
 from pdsim.core.executor import only_batch
 from pdsim.core.request import Request
+from runtime.model.hybrid import recurrent_state_for
 from runtime.model.kv_cache import PagedKVCache
 from runtime.model import AttentionMetadata, CausalLM
 from runtime.sampler import make_generator, sample
@@ -81,8 +82,9 @@ class ModelExecutor:
         self.device = next(model.parameters()).device
         self.page_size = page_size
         self.kv = PagedKVCache.for_model(self.config, num_pages=num_pages, page_size=page_size,
-                                         tp_size=tp_size, dtype=kv_dtype, device=self.device,
-                                         state_slots=state_slots)
+                                         tp_size=tp_size, dtype=kv_dtype, device=self.device)
+        self.kv.state = recurrent_state_for(self.config, state_slots, tp_size=tp_size,
+                                            device=self.device)
         if vocab_limit is not None and not 0 < vocab_limit <= self.config.vocab_size:
             raise ValueError(f"vocab_limit={vocab_limit}; must be in 1..{self.config.vocab_size}")
         self.vocab_limit = vocab_limit

@@ -16,6 +16,7 @@ from zero (a new request, or the recompute of a retracted one), so a slot needs 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
@@ -25,6 +26,8 @@ from torch import nn
 from pdsim.core.config import SchedulerConfig
 from runtime.model.attention import AttentionMetadata
 from runtime.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 class RecurrentState:
@@ -135,15 +138,31 @@ class GatedLinearRecurrence(nn.Module):
         return self.o_proj(out.to(x.dtype).reshape(tokens, heads * dv))
 
 
+def recurrent_state_for(config: ModelConfig, num_slots: int, *, tp_size: int = 1,
+                        device: str | torch.device = "cpu") -> RecurrentState | None:
+    """The state buffer of `num_slots` slots a model with linear-attention layers needs (set it
+    as the paged cache's `state`), None for other models; the slot count must match."""
+    if config.linear_layers:
+        if num_slots < 1:
+            raise ValueError(f"model {config.name!r} keeps a recurrent state per request: "
+                             f"state_slots={num_slots}; must be >= 1")
+        return RecurrentState(config, num_slots=num_slots, tp_size=tp_size, device=device)
+    if num_slots:
+        raise ValueError(f"state_slots={num_slots}, but model {config.name!r} keeps no "
+                         "recurrent state; allowed: 0")
+    return None
+
+
 def with_state_slots(sched: SchedulerConfig, config: ModelConfig) -> SchedulerConfig:
     """`sched` with the state slots `config` needs: one per request slot (running and, on
     decode, preallocated) for a model with linear-attention layers, else none.
 
-    Such a model cannot take a cached prefix (its state at the prefix's end is not kept), so
-    a prefix cache is refused."""
+    Such a model cannot take a cached prefix (the state at the prefix's end is not kept), so its
+    prefix cache is off (SGLang's radix cache is on by default; this says so in the log)."""
     if not config.linear_layers:
         return sched
     if sched.prefix_cache:
-        raise ValueError(f"model {config.name!r} keeps a recurrent state, which a cached prefix "
-                         "does not have: prefix_cache must be false")
-    return replace(sched, state_slots=sched.max_running_requests + sched.pre_alloc_size)
+        log.info("model %s keeps a recurrent state per request, which a cached prefix does not "
+                 "have: prefix cache off", config.name)
+    return replace(sched, prefix_cache=False,
+                   state_slots=sched.max_running_requests + sched.pre_alloc_size)

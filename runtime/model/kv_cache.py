@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 
 from runtime.model.config import ModelConfig
-from runtime.model.hybrid import RecurrentState
 
 
 class PagedKVCache:
@@ -58,7 +57,9 @@ class PagedKVCache:
         self.buffers: list[torch.Tensor] = [
             torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(count)
         ]
-        self.state = None  # hybrid models: the RecurrentState (see `for_model`)
+        # Hybrid models: the per-request RecurrentState the linear-attention layers read and
+        # write (runtime/model/hybrid.py `recurrent_state_for`); None otherwise.
+        self.state = None
 
     @classmethod
     def for_model(
@@ -70,29 +71,17 @@ class PagedKVCache:
         tp_size: int = 1,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
-        state_slots: int = 0,
     ) -> PagedKVCache:
         """A cache for `config` on one attention-TP rank (GQA heads split `tp_size` ways).
 
-        Only the layers that keep KV get buffers (`config.kv_layers`). A model with
-        linear-attention layers also gets `state`, a `RecurrentState` of `state_slots` slots.
+        Only the layers that keep KV get buffers (`config.kv_layers`).
         """
         heads = 1 if config.is_mla else max(1, config.num_kv_heads // tp_size)
-        cache = cls(
+        return cls(
             num_layers=len(config.kv_layers), num_pages=num_pages, page_size=page_size, heads=heads,
             head_dim=config.kv_cache_head_dim, mla=config.is_mla,
             dtype=dtype if dtype is not None else getattr(torch, config.dtype), device=device,
         )
-        if config.linear_layers:
-            if state_slots < 1:
-                raise ValueError(f"model {config.name!r} keeps a recurrent state per request: "
-                                 f"state_slots={state_slots}; must be >= 1")
-            cache.state = RecurrentState(config, num_slots=state_slots, tp_size=tp_size,
-                                         device=device)
-        elif state_slots:
-            raise ValueError(f"state_slots={state_slots}, but model {config.name!r} keeps no "
-                             "recurrent state; allowed: 0")
-        return cache
 
     # ---- tensors the model reads and writes ----------------------------------------------
 

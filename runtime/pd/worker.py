@@ -73,6 +73,7 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
 
     from runtime.executor import ModelExecutor
     from runtime.model.tp import apply_tp
+    from runtime.model.hybrid import with_state_slots
     from runtime.pd.lockstep_engine import PDEngine
     from runtime.model.loading import load_served_model, load_text_side, resolve_device
     from runtime.transfer.layout import KVArgs
@@ -92,10 +93,10 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     model = apply_tp(load_served_model(config, device), group)
     mcfg = model.config
     text = load_text_side(config, mcfg.vocab_size)
-    sched_cfg = config.scheduler_config(spec.role)
+    sched_cfg = with_state_slots(config.scheduler_config(spec.role), mcfg)
     executor = ModelExecutor(model, num_pages=sched_cfg.num_pages, page_size=config.page_size,
                              seed=config.seed, vocab_limit=text.vocab_limit(mcfg.vocab_size),
-                             tp_size=group.size)
+                             tp_size=group.size, state_slots=sched_cfg.state_slots)
     executor.warmup()  # every rank: the forward's all-reduces keep them together
     metadata = MetadataBuffer.allocate(sched_cfg.metadata_slots)
     args = KVArgs.for_cache(executor.kv, metadata, tp_rank=group.rank, tp_size=group.size,
