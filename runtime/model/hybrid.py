@@ -34,8 +34,8 @@ class RecurrentState:
     """`[num_slots, linear layers, heads, state_floats_per_head]` float32, one request per slot.
 
     A slot's bytes are contiguous, and inside it head `h` of linear layer `i` is the contiguous
-    range at `head_offset_bytes(i, h)`: what a transfer engine needs to move a slot, or a TP
-    rank's slice of its heads.
+    range at `(i * heads + h) * floats * 4`: what a transfer engine needs to move a slot, or a
+    TP rank's slice of its heads (runtime/transfer/layout.py `state_descriptors`).
     """
 
     def __init__(self, config: ModelConfig, *, num_slots: int, tp_size: int = 1,
@@ -69,16 +69,6 @@ class RecurrentState:
 
     def slot_bytes(self) -> int:
         return self.tensor[0].numel() * self.tensor.element_size()
-
-    def head_bytes(self) -> int:
-        return self.floats_per_head * self.tensor.element_size()
-
-    def head_offset_bytes(self, layer: int, head: int) -> int:
-        """Offset of (linear layer `layer`, local head `head`) inside a slot."""
-        if not 0 <= head < self.heads or not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer {layer}, head {head} outside {self.num_layers} layers x "
-                             f"{self.heads} heads")
-        return (layer * self.heads + head) * self.head_bytes()
 
 
 class GatedLinearRecurrence(nn.Module):
