@@ -1,8 +1,8 @@
 """Disaggregated serving of the tiny hybrid model (sliding-window, linear-recurrence and full
 layers) on real processes, Mooncake over TCP on loopback: the prefill side's recurrent-state slot
-travels with the request's last chunk (runtime/transfer/prefill.py), whole at TP 1->1 and as
-head slices from each of two prefill ranks at TP 2->1, and greedy outputs equal colocated
-serving's token for token. Prompts of 5 to 70 tokens cross the 16-token window and the 32-token
+travels with the request's last chunk (runtime/transfer/prefill.py), whole at TP 1->1, as head
+slices from each of two prefill ranks at TP 2->1 and into each of two decode ranks at TP 1->2,
+and greedy outputs equal colocated serving's token for token. Prompts of 5 to 70 tokens cross the 16-token window and the 32-token
 chunks.
 """
 
@@ -24,7 +24,7 @@ def cluster():
     try:
         for tp in (1, 2):
             workers["prefill", tp] = start_worker(pd_config(MODEL, prefill={"tp": tp}), "prefill")
-        workers["decode", 1] = start_worker(pd_config(MODEL), "decode")
+            workers["decode", tp] = start_worker(pd_config(MODEL, decode={"tp": tp}), "decode")
         reference = colocated_outputs(MODEL)  # while the workers start
         wait_healthy(list(workers.values()))
         yield workers, reference
@@ -34,11 +34,14 @@ def cluster():
             {k: w.proc.returncode for k, w in workers.items()}
 
 
-@pytest.mark.parametrize("ptp", [1, 2], ids=["tp1to1", "tp2to1"])
-def test_greedy_outputs_equal_colocated(cluster, ptp):
+PAIRS = [(1, 1), (2, 1), (1, 2)]  # (prefill tp, decode tp)
+
+
+@pytest.mark.parametrize("ptp, dtp", PAIRS, ids=[f"tp{p}to{d}" for p, d in PAIRS])
+def test_greedy_outputs_equal_colocated(cluster, ptp, dtp):
     workers, reference = cluster
-    prefill, decode = workers["prefill", ptp], workers["decode", 1]
-    bodies = [body(f"{MODEL}-{ptp}1-{i}", ids, n, prefill)
+    prefill, decode = workers["prefill", ptp], workers["decode", dtp]
+    bodies = [body(f"{MODEL}-{ptp}{dtp}-{i}", ids, n, prefill)
               for i, (ids, n) in enumerate(zip(prompts(), MAX_NEW))]
     outcomes = generate(prefill, decode, bodies)
     for i, (o, want) in enumerate(zip(outcomes, reference)):
