@@ -2,8 +2,8 @@
 layers) on real processes, Mooncake over TCP on loopback: the prefill side's recurrent-state slot
 travels with the request's last chunk (runtime/transfer/prefill.py), whole at TP 1->1, as head
 slices from each of two prefill ranks at TP 2->1 and into each of two decode ranks at TP 1->2,
-and greedy outputs equal colocated serving's token for token. Prompts of 5 to 70 tokens cross the 16-token window and the 32-token
-chunks.
+and greedy outputs equal colocated serving's token for token. Prompts of 5 to 70 tokens cross
+the 16-token window and the 32-token chunks.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from pd_harness import body, generate, pd_config, start_worker, stop_workers, wait_healthy
-from test_pd_serving import MAX_NEW, PROMPT_LENS, colocated_outputs, prompts
+from test_pd_serving import MAX_NEW, colocated_outputs, prompts
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 

@@ -2,10 +2,11 @@
 engine (P2P handshake; "tcp" here, "rdma" with a device name on clusters), ZMQ and the HTTP
 bootstrap server.
 
-One `MooncakeKVManager` per rank owns the engine (with this rank's KV and metadata buffers
-registered once, and its recurrent-state buffer for a hybrid model), a ZMQ PULL socket, and a service thread that dispatches incoming messages and
-sends heartbeats. A prefill rank uses its senders (see `prefill.py`), a decode rank its receivers
-(see `decode.py`); one manager can do both, so no role flag is needed.
+One `MooncakeKVManager` per rank owns the engine (with this rank's KV and metadata buffers, and
+a hybrid model's recurrent-state buffer, registered once), a ZMQ PULL socket, and a service
+thread that dispatches incoming messages and sends heartbeats. A prefill rank uses its senders
+(see `prefill.py`), a decode rank its receivers (see `decode.py`); one manager can do both, so
+no role flag is needed.
 
     metadata = MetadataBuffer.allocate(num_slots)
     args = KVArgs.for_cache(cache, metadata, tp_rank=r, tp_size=n, total_kv_heads=heads)

@@ -5,7 +5,8 @@ A room waits in `Bootstrapping` until every decode rank that will read from this
 its `TransferInfo` (one, or decode_tp / prefill_tp of them), then `WaitingForInput`. Each `send`
 queues one chunk on the room's worker (rooms are pinned to a worker, so chunks run in order);
 the worker writes the chunk to every real target and, on the last chunk, the metadata slot and
-the request's recurrent-state slot (hybrid models) too, then reports `Success` (or `Failed`) to every target over ZMQ.
+the request's recurrent-state slot (hybrid models) too, then reports `Success` (or `Failed`) to
+every target over ZMQ.
 
 Peer state stays bounded whatever arrives: heartbeats and aborts count only from decode ranks that
 registered (`RegisterDecode`), and a heartbeat's echo goes to the endpoint the rank registered,
@@ -126,7 +127,7 @@ def _plan_state(local: KVArgs, reg: RegisterDecode) -> HeadSlice | None:
     return piece
 
 
-def reg_state_slots(reg: RegisterDecode) -> int:
+def _reg_state_slots(reg: RegisterDecode) -> int:
     return reg.state_len // reg.state_slot_len if reg.state_len else 0
 
 
@@ -318,7 +319,7 @@ class PrefillSide:
                     peer.reg.metadata_len, peer.reg.metadata_item_len)):
                 self._fail(r, f"decode rank {msg.decode_tp_rank}: {bad}")
             elif not msg.is_dummy and (bad := _state_out_of_range(
-                    msg.dst_state_slots, reg_state_slots(peer.reg), "its")):
+                    msg.dst_state_slots, _reg_state_slots(peer.reg), "its")):
                 self._fail(r, f"decode rank {msg.decode_tp_rank}: {bad}")
             else:
                 r.expected = decode_ranks_per_prefill_rank(self.args.tp_size, peer.reg.tp_size)
