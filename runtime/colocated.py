@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from runtime.driver import Engine
 from runtime.executor import ModelExecutor
+from runtime.model.hybrid import with_state_slots
 from runtime.model.loading import load_served_model, load_text_side, resolve_device
 from runtime.openai.protocol import Limits
 from runtime.openai.server import OpenAIServer
@@ -30,9 +31,10 @@ def build_server(config: ServeConfig) -> OpenAIServer:
     mcfg = model.config
     text = load_text_side(config, mcfg.vocab_size)
     tokenizer, template, eos_ids = text.tokenizer, text.chat_template, text.eos_ids
-    sched_cfg = config.scheduler_config()
+    sched_cfg = with_state_slots(config.scheduler_config(), mcfg)
     executor = ModelExecutor(model, num_pages=config.num_pages, page_size=config.page_size,
-                             seed=config.seed, vocab_limit=text.vocab_limit(mcfg.vocab_size))
+                             seed=config.seed, vocab_limit=text.vocab_limit(mcfg.vocab_size),
+                             state_slots=sched_cfg.state_slots)
     executor.warmup()
     engine = Engine(executor, sched_cfg, max_records=config.max_records)
     limits = Limits(max_model_len=min(sched_cfg.pool_tokens, mcfg.max_position),

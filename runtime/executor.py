@@ -44,6 +44,7 @@ import torch
 from pdsim.core.batch import Batch, BatchResult, DecodeBatch, ExtendBatch
 from pdsim.core.executor import only_batch
 from pdsim.core.request import Request
+from runtime.model.hybrid import recurrent_state_for
 from runtime.model.kv_cache import PagedKVCache
 from runtime.model import AttentionMetadata, CausalLM
 from runtime.model.tp import run_idle
@@ -76,17 +77,21 @@ class ModelExecutor:
     tp_size: the tensor-parallel size `model` was sharded for (`apply_tp`): a GQA cache then
         holds this rank's `max(1, num_kv_heads // tp_size)` heads.
     max_timings: forwards whose timing is kept (the oldest are dropped beyond it).
+    state_slots: the recurrent-state slots of a hybrid model's cache (the scheduler's
+        `state_slots`; a request runs on its `state_indices[0]`); 0 for other models.
     """
 
     def __init__(self, model: CausalLM, *, num_pages: int, page_size: int, seed: int = 0,
                  vocab_limit: int | None = None, kv_dtype: torch.dtype | None = None,
-                 tp_size: int = 1, max_timings: int = 1_000_000) -> None:
+                 tp_size: int = 1, max_timings: int = 1_000_000, state_slots: int = 0) -> None:
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
         self.page_size = page_size
         self.kv = PagedKVCache.for_model(self.config, num_pages=num_pages, page_size=page_size,
                                          tp_size=tp_size, dtype=kv_dtype, device=self.device)
+        self.kv.state = recurrent_state_for(self.config, state_slots, tp_size=tp_size,
+                                            device=self.device)
         if vocab_limit is not None and not 0 < vocab_limit <= self.config.vocab_size:
             raise ValueError(f"vocab_limit={vocab_limit}; must be in 1..{self.config.vocab_size}")
         self.vocab_limit = vocab_limit
@@ -218,8 +223,9 @@ class ModelExecutor:
     def _forward(self, ids: list[int], query_lens: list[int], cached_lens: list[int],
                  tables: Sequence[Sequence[int]], reqs: Sequence[Request],
                  sampled: Sequence[bool]) -> tuple[list[int], list[float]]:
+        state_slots = [req.state_indices[0] for req in reqs] if self.kv.state else ()
         meta = AttentionMetadata.build(query_lens, cached_lens, tables, self.page_size,
-                                       device=self.device)
+                                       device=self.device, state_slots=state_slots)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         logits = self.model(input_ids, meta.positions(), meta, self.kv)
         if self.vocab_limit is not None:
@@ -262,7 +268,8 @@ class ModelExecutor:
 
     def warmup(self, tokens: int = 32) -> None:
         """Run an untimed extend and decode through pages 0.. so that the first request does not
-        pay for lazy initialisation. The scratch KV is overwritten before anything reads it."""
+        pay for lazy initialisation. The scratch KV (and state slot 0) is overwritten before
+        anything reads it."""
         tokens = max(2, min(tokens, self.kv.num_pages * self.page_size - 1,
                             self.config.max_position - 1))
         pages = list(range(-(-(tokens + 1) // self.page_size)))
@@ -271,7 +278,8 @@ class ModelExecutor:
             if self.dp is not None:  # every DP rank warms up alike, in step
                 self.dp.token_counts = [len(chunk)] * self.dp.dp_size
             meta = AttentionMetadata.build(qlens, cached, [pages], self.page_size,
-                                           device=self.device)
+                                           device=self.device,
+                                           state_slots=[0] if self.kv.state else ())
             self.model(torch.tensor(chunk, device=self.device), meta.positions(), meta, self.kv)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

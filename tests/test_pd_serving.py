@@ -37,6 +37,7 @@ def colocated_outputs(model: str) -> list[list[int]]:
     """The reference: the colocated engine (the same scheduler knobs) on the same prompts."""
     from runtime.driver import Engine
     from runtime.executor import ModelExecutor
+    from runtime.model.hybrid import with_state_slots
     from runtime.model.loading import load_served_model, load_text_side
     from runtime.serve_config import ServeConfig
 
@@ -45,9 +46,11 @@ def colocated_outputs(model: str) -> list[list[int]]:
         "mode": "colocated", "colocated": {"instances": 1, "scheduler": cfg.decode.scheduler}})
     net = load_served_model(colo, "cpu")
     text = load_text_side(colo, net.config.vocab_size)
+    sched = with_state_slots(colo.scheduler_config(), net.config)
     executor = ModelExecutor(net, num_pages=colo.num_pages, page_size=colo.page_size,
-                             seed=colo.seed, vocab_limit=text.vocab_limit(net.config.vocab_size))
-    engine = Engine(executor, colo.scheduler_config()).start()
+                             seed=colo.seed, vocab_limit=text.vocab_limit(net.config.vocab_size),
+                             state_slots=sched.state_slots)
+    engine = Engine(executor, sched).start()
     events: queue.Queue = queue.Queue()
     try:
         for i, (ids, n) in enumerate(zip(prompts(), MAX_NEW)):

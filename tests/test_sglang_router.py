@@ -129,7 +129,7 @@ def test_sglang_router_gives_pdsim_routers_tokens(tmp_path, monkeypatch):
         # Without an API key the workers' SGLang routes are open (on loopback only), their
         # internal ones are not: pdsim's versioned body and /records still need the token.
         status, body = post(f"{decode.group(1)}/generate", {
-            "version": 2, "rid": "x", "input_ids": [1, 2], "max_new_tokens": 1,
+            "version": 3, "rid": "x", "input_ids": [1, 2], "max_new_tokens": 1,
             "bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 1})
         assert status == 401 and "X-PDSIM-Auth" in body["error"]["message"]
         with pytest.raises(urllib.error.HTTPError) as refused:

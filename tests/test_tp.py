@@ -14,6 +14,7 @@ import torch
 from runtime.distributed import JoinTimeout, RankFailed, TPGroup, free_port, run_ranks
 from runtime.model.kv_cache import PagedKVCache
 from runtime.model import AttentionMetadata, ModelConfig, build_model
+from runtime.model.hybrid import recurrent_state_for
 from runtime.model.tp import apply_tp, check_tp, head_range, kv_head_range
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
@@ -24,6 +25,8 @@ CASES = {
     "mqa-qkv-bias": TINY_LLAMA.with_(name="mqa-qkv-bias", num_kv_heads=1, qkv_bias=True),
     "tiny-mla": TINY_MLA,  # MLA, q LoRA, layer 1 MoE with a shared expert
     "mla-no-q-lora": TINY_MLA.with_(name="mla-no-q-lora", q_lora_rank=None),
+    # Sliding-window, linear-recurrence (its state split by heads) and full-attention layers.
+    "tiny-hybrid": ModelConfig.preset("tiny-hybrid"),
 }
 GQA_CASES = [c for c in CASES if not CASES[c].is_mla]
 MLA_CASES = [c for c in CASES if CASES[c].is_mla]
@@ -38,17 +41,21 @@ def generate(group: TPGroup, case: str) -> dict:
     model = apply_tp(build_model(config, seed=7), group)
     kv = PagedKVCache.for_model(config, num_pages=NUM_PAGES, page_size=PAGE_SIZE,
                                 tp_size=group.size)
+    kv.state = recurrent_state_for(config, 2 if config.linear_layers else 0, tp_size=group.size)
+    slots = [1] if kv.state is not None else []
     tokens = torch.randint(0, 256, (PROMPT_LEN,),
                            generator=torch.Generator().manual_seed(3)).tolist()
     new, logits_per_step = list(tokens), []
     for _ in range(1 + DECODE_STEPS):
-        meta = AttentionMetadata.build([len(new)], [len(tokens) - len(new)], [PAGES], PAGE_SIZE)
+        meta = AttentionMetadata.build([len(new)], [len(tokens) - len(new)], [PAGES], PAGE_SIZE,
+                                       state_slots=slots)
         logits = model(torch.tensor(new), meta.positions(), meta, kv)[0]
         logits_per_step.append(logits.tolist())
         tokens.append(int(logits.argmax()))
         new = tokens[-1:]
     return {"tokens": tokens[PROMPT_LEN:], "logits": logits_per_step, "kv_heads": kv.heads,
-            "kv": [buffer[PAGES].tolist() for buffer in kv.buffers]}
+            "kv": [buffer[PAGES].tolist() for buffer in kv.buffers],
+            "state": [] if kv.state is None else kv.state.tensor[slots[0]].tolist()}
 
 
 def generate_all(group: TPGroup) -> dict:
@@ -124,6 +131,17 @@ def test_gqa_rank_cache_holds_its_head_slice(case, tp1, tp2):
         for got, want in zip(tp2[rank][case]["kv"], full):  # K of every layer, then V
             torch.testing.assert_close(_tensor(got), want[:, :, heads.start: heads.stop],
                                        atol=1e-5, rtol=1e-5)
+
+
+def test_hybrid_rank_state_holds_its_head_slice(tp1, tp2):
+    """Each rank's recurrent state (its slot, every linear layer) is its heads of the tp=1
+    state: what lets a prefill rank's slot land as a head slice in a decode rank's."""
+    full = _tensor(tp1["tiny-hybrid"]["state"])  # [linear layers, heads, floats]
+    per_rank = CASES["tiny-hybrid"].linear_num_heads // TP
+    for rank in range(TP):
+        torch.testing.assert_close(_tensor(tp2[rank]["tiny-hybrid"]["state"]),
+                                   full[:, rank * per_rank: (rank + 1) * per_rank],
+                                   atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", MLA_CASES)

@@ -53,12 +53,15 @@ def mooncake_pair() -> Pair:
     def manager() -> MooncakeKVManager:
         buffers = [np.zeros((32, 4, 2, 8), dtype=np.float16) for _ in range(4)]
         md = MetadataBuffer.allocate(8)
+        state = np.zeros((8, 1, 2, 16), dtype=np.float32)  # slots x layers x heads x floats
         return MooncakeKVManager(KVArgs(
+            state_ptr=state.ctypes.data, state_len=state.nbytes, state_slot_len=state[0].nbytes,
+            state_layers=1, total_state_heads=2,
             kv_data_ptrs=[b.ctypes.data for b in buffers],
             kv_data_lens=[b.nbytes for b in buffers], kv_item_lens=[b[0].nbytes for b in buffers],
             metadata_ptr=md.ptr, metadata_len=md.nbytes, metadata_item_len=md.item_len,
             page_size=4, kv_dtype="float16", total_kv_heads=2, kv_heads_per_rank=2,
-            owners=(buffers, md)))  # registered memory must live as long as the manager
+            owners=(buffers, md, state)))  # registered memory must live as long as the manager
 
     prefill, decode = manager(), manager()
     prefill.register_with_bootstrap("127.0.0.1", server.port)

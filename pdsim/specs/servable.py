@@ -41,4 +41,18 @@ SERVABLE_HF_CONFIGS: dict[str, dict[str, Any]] = {
         "n_routed_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
         "n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
     },
+    # A hybrid (runtime/model/hybrid.py): a sliding-window layer (window 16, so short prompts
+    # cross it), two gated linear-recurrence layers with a per-request recurrent state, and one
+    # full-attention layer.
+    "tiny-hybrid": {
+        "_name_or_path": "tiny-hybrid", "model_type": "llama", "torch_dtype": "float32",
+        "vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "intermediate_size": 256, "max_position_embeddings": 2048,
+        "layer_types": ["sliding_attention", "linear_attention", "full_attention",
+                        "linear_attention"],
+        "sliding_window": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "mamba_ssm_dtype": "float32",
+    },
 }

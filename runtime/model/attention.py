@@ -34,6 +34,7 @@ class AttentionMetadata:
     page_table: `[S, max_pages]` int64, each request's pages in order, padded with 0.
     context_lens_t: `context_lens` as an int32 tensor on the device.
     out_slots: `[T]` int64 flat cache slot (`page * page_size + offset`) of every new token.
+    state_slots: each segment's slot in the recurrent-state buffer (hybrid models; else empty).
     """
 
     query_lens: tuple[int, ...]
@@ -42,17 +43,21 @@ class AttentionMetadata:
     page_table: torch.Tensor
     context_lens_t: torch.Tensor
     out_slots: torch.Tensor
+    state_slots: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, query_lens: Sequence[int], cached_lens: Sequence[int],
               page_tables: Sequence[Sequence[int]], page_size: int,
-              device: str | torch.device = "cpu") -> AttentionMetadata:
+              device: str | torch.device = "cpu",
+              state_slots: Sequence[int] = ()) -> AttentionMetadata:
         """Metadata for segments of `query_lens` new tokens after `cached_lens` cached ones.
 
         `page_tables[s]` lists the pages of request `s` in order and must cover its context.
         """
         if not len(query_lens) == len(cached_lens) == len(page_tables):
             raise ValueError("query_lens, cached_lens and page_tables differ in length")
+        if state_slots and len(state_slots) != len(query_lens):
+            raise ValueError(f"{len(state_slots)} state slots for {len(query_lens)} segments")
         context_lens = [c + q for q, c in zip(query_lens, cached_lens)]
         for s, (ctx, pages) in enumerate(zip(context_lens, page_tables)):
             if query_lens[s] < 1:
@@ -72,6 +77,7 @@ class AttentionMetadata:
             query_lens=tuple(query_lens), context_lens=tuple(context_lens), page_size=page_size,
             page_table=table.to(device), out_slots=slots.to(device),
             context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            state_slots=tuple(state_slots),
         )
 
     @classmethod
@@ -135,43 +141,59 @@ def _positions(query_lens: Sequence[int], cached_lens: Sequence[int]) -> torch.T
 
 
 def paged_attention(q: torch.Tensor, meta: AttentionMetadata, key_buffer: torch.Tensor,
-                    value_buffer: torch.Tensor, decode: DecodeFn, scale: float) -> torch.Tensor:
+                    value_buffer: torch.Tensor, decode: DecodeFn, scale: float,
+                    window: int = 0) -> torch.Tensor:
     """Attention of the new tokens `q` `[T, H, Dk]` over their cached context -> `[T, H, Dv]`.
 
     Buffers are `[num_pages, page_size, heads, dim]` (the value buffer may be a view of the key
     buffer, as in MLA). `decode(q, page_table, context_lens, max_context_len)` handles the
-    one-token segments.
+    one-token segments. `window` > 0 (a sliding-window layer): each token attends only to the
+    last `window` tokens up to itself, and every segment goes the per-segment way.
     """
     num_heads, v_dim = q.shape[1], value_buffer.shape[-1]
     out = q.new_empty(q.shape[0], num_heads, v_dim)
     starts = meta.token_starts
-    if meta.decode_segments:
+    if meta.decode_segments and not window:
         segs, tokens = meta.decode_index
         max_len = max(meta.context_lens[s] for s in meta.decode_segments)
         out[tokens] = decode(q[tokens], meta.page_table[segs], meta.context_lens_t[segs], max_len)
     k_flat = key_buffer.flatten(0, 1)
     v_flat = value_buffer.flatten(0, 1)
     for s, n in enumerate(meta.query_lens):
-        if n == 1:
+        if n == 1 and not window:
             continue
         ctx = meta.context_lens[s]
         slots, _ = context_slots(meta.page_table[s: s + 1], meta.context_lens_t[s: s + 1],
                                  meta.page_size, ctx)
         keys, values = k_flat[slots[0]], v_flat[slots[0]]  # [ctx, KVH, D]
-        allowed = (torch.arange(ctx, device=q.device)[None, :]
-                   <= torch.arange(ctx - n, ctx, device=q.device)[:, None])
+        allowed = _causal_mask(n, ctx, window, q.device)
         out[starts[s]: starts[s + 1]] = _sdpa(q[starts[s]: starts[s + 1]], keys, values, scale,
                                               mask=allowed)
     return out
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention inside each segment, no cache: q `[T, H, D]`, k/v `[T, KVH, D]`."""
+                           meta: AttentionMetadata, scale: float,
+                           window: int = 0) -> torch.Tensor:
+    """Causal attention inside each segment, no cache: q `[T, H, D]`, k/v `[T, KVH, D]`
+    (`window` > 0: over the last `window` tokens only)."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     for start, end in zip(meta.token_starts, meta.token_starts[1:]):
-        out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], scale, mask=None)
+        n = end - start
+        mask = _causal_mask(n, n, window, q.device) if window else None
+        out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], scale, mask=mask)
     return out
+
+
+def _causal_mask(n: int, ctx: int, window: int, device: torch.device) -> torch.Tensor:
+    """`[n, ctx]`: the last `n` of `ctx` tokens may see key j (bottom-right aligned causal, and
+    within the last `window` tokens when `window` > 0)."""
+    keys = torch.arange(ctx, device=device)[None, :]
+    queries = torch.arange(ctx - n, ctx, device=device)[:, None]
+    allowed = keys <= queries
+    if window:
+        allowed &= keys > queries - window
+    return allowed
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -68,6 +68,17 @@ class ModelConfig:
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     moe_scoring: Literal["softmax", "sigmoid"] = "softmax"
+    # Hybrid layers (runtime/model/hybrid.py): layer i is `layer_types[i]` (empty: all
+    # "full_attention"). A "sliding_attention" layer attends to the last `sliding_window` tokens;
+    # a "linear_attention" layer keeps no KV but a recurrent state per request, of
+    # `linear_num_heads` heads (key dim `linear_key_head_dim`, value dim
+    # `linear_value_head_dim`) after a causal convolution of `linear_conv_kernel_dim` taps.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    linear_num_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, allowed: str) -> ValueError:
@@ -93,6 +104,33 @@ class ModelConfig:
                           f"must be in 1..num_experts={self.num_experts}")
             if self.moe_intermediate_size <= 0:
                 raise bad("moe_intermediate_size", self.moe_intermediate_size, "must be > 0")
+        self._check_hybrid(bad)
+
+    def _check_hybrid(self, bad) -> None:
+        if not self.layer_types:
+            return
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_layers:
+            raise bad("layer_types", list(self.layer_types),
+                      f"needs one entry per layer ({self.num_layers})")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise bad("layer_types", unknown, f"allowed: {list(LAYER_TYPES)}")
+        if self.is_mla:
+            raise bad("attention", "mla", "hybrid layer_types need attention='gqa'")
+        if "full_attention" not in self.layer_types:
+            raise bad("layer_types", list(self.layer_types), "need a full_attention layer")
+        if ("sliding_attention" in self.layer_types) != (self.sliding_window > 0):
+            raise bad("sliding_window", self.sliding_window,
+                      "must be > 0 exactly when a layer is sliding_attention")
+        if "linear_attention" in self.layer_types:
+            for field in ("linear_num_heads", "linear_key_head_dim", "linear_value_head_dim"):
+                if getattr(self, field) <= 0:
+                    raise bad(field, getattr(self, field),
+                              "must be > 0 with a linear_attention layer")
+            if self.linear_conv_kernel_dim < 2:
+                raise bad("linear_conv_kernel_dim", self.linear_conv_kernel_dim,
+                          "must be >= 2 with a linear_attention layer")
 
     # ---- derived sizes -------------------------------------------------------------------
 
@@ -118,10 +156,34 @@ class ModelConfig:
         """GQA keeps K and V in two buffers per layer, MLA one latent buffer."""
         return 1 if self.is_mla else 2
 
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else "full_attention"
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep KV in the paged cache (all but linear-attention ones), in order;
+        a layer's index in this tuple is its index in the cache."""
+        return tuple(i for i in range(self.num_layers)
+                     if self.layer_type(i) != "linear_attention")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The linear-attention layers, in order (a layer's index here is its index in the
+        recurrent-state buffer)."""
+        return tuple(i for i in range(self.num_layers)
+                     if self.layer_type(i) == "linear_attention")
+
+    @property
+    def state_floats_per_head(self) -> int:
+        """Recurrent-state elements of one linear-attention head of one layer: its key x value
+        matrix, then its convolution's last `linear_conv_kernel_dim - 1` q/k/v inputs."""
+        dk, dv = self.linear_key_head_dim, self.linear_value_head_dim
+        return dk * dv + (2 * dk + dv) * (self.linear_conv_kernel_dim - 1)
+
     def kv_bytes_per_token(self, tp_size: int = 1) -> int:
         """KV cache bytes one token occupies on one attention-TP rank, all layers."""
         heads = 1 if self.is_mla else max(1, self.num_kv_heads // tp_size)
-        return (self.num_layers * self.kv_buffers_per_layer * heads * self.kv_cache_head_dim
+        return (len(self.kv_layers) * self.kv_buffers_per_layer * heads * self.kv_cache_head_dim
                 * self.dtype_bytes)
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -183,6 +245,7 @@ class ModelConfig:
                 raise ValueError(f"{origin}: use_sliding_window=True is not supported")
             return ModelConfig(
                 **common,
+                **_hybrid_fields(hf),
                 num_kv_heads=hf.get("num_key_value_heads") or heads,
                 head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
                 qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
@@ -232,6 +295,17 @@ class ModelConfig:
         if not self.is_mla:
             hf.update(model_type="qwen2" if self.qkv_bias else "llama",
                       num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim)
+            if self.layer_types:
+                hf["layer_types"] = list(self.layer_types)
+            if self.sliding_window:
+                hf["sliding_window"] = self.sliding_window
+            if self.linear_layers:
+                hf.update(linear_num_key_heads=self.linear_num_heads,
+                          linear_num_value_heads=self.linear_num_heads,
+                          linear_key_head_dim=self.linear_key_head_dim,
+                          linear_value_head_dim=self.linear_value_head_dim,
+                          linear_conv_kernel_dim=self.linear_conv_kernel_dim,
+                          mamba_ssm_dtype="float32")
             return hf
         hf.update(
             model_type="deepseek_v2", num_key_value_heads=self.num_heads,
@@ -245,6 +319,31 @@ class ModelConfig:
             routed_scaling_factor=self.routed_scaling_factor, scoring_func=self.moe_scoring,
         )
         return hf
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+
+
+def _hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The hybrid-layer fields of a llama-type config with `layer_types` (the recurrent state is
+    kept in float32; the key and value head counts must match)."""
+    types = hf.get("layer_types")
+    if not types:
+        return {}
+    fields: dict[str, Any] = {"layer_types": tuple(types),
+                              "sliding_window": hf.get("sliding_window") or 0}
+    if "linear_attention" in types:
+        key_heads, value_heads = hf.get("linear_num_key_heads"), hf.get("linear_num_value_heads")
+        if key_heads != value_heads:
+            raise ValueError(f"linear_num_key_heads={key_heads} and linear_num_value_heads="
+                             f"{value_heads}; the real backend needs them equal")
+        if hf.get("mamba_ssm_dtype", "float32") != "float32":
+            raise ValueError(f"mamba_ssm_dtype={hf['mamba_ssm_dtype']!r}; allowed: 'float32'")
+        fields.update(linear_num_heads=key_heads,
+                      linear_key_head_dim=hf.get("linear_key_head_dim") or 0,
+                      linear_value_head_dim=hf.get("linear_value_head_dim") or 0,
+                      linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim") or 0)
+    return fields
 
 
 def _parse_rope_scaling(raw: dict[str, Any] | None, origin: str) -> RopeScaling | None:

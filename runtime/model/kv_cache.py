@@ -12,6 +12,10 @@ which is what a transfer engine needs (`kv_data_ptrs`, `kv_data_lens`, `kv_item_
 page, token slot `t` starts at `t * slot_bytes()`, and KV head `h` of that slot at
 `head_offset_bytes(h)` (for the head-sliced writes of a TP mismatch).
 
+A hybrid model's cache has buffers for its KV layers only (`ModelConfig.kv_layers`; a
+sliding-window layer keeps every token's KV, attention masks it to the window) and its
+per-request recurrent state in `state` (runtime/model/hybrid.py).
+
 A token's flat slot index is `page * page_size + offset`. The cache does not hand pages out: the
 scheduler core owns the free lists and passes page indices in.
 """
@@ -53,6 +57,9 @@ class PagedKVCache:
         self.buffers: list[torch.Tensor] = [
             torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(count)
         ]
+        # Hybrid models: the per-request RecurrentState the linear-attention layers read and
+        # write (runtime/model/hybrid.py `recurrent_state_for`); None otherwise.
+        self.state = None
 
     @classmethod
     def for_model(
@@ -65,10 +72,13 @@ class PagedKVCache:
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
     ) -> PagedKVCache:
-        """A cache for `config` on one attention-TP rank (GQA heads split `tp_size` ways)."""
+        """A cache for `config` on one attention-TP rank (GQA heads split `tp_size` ways).
+
+        Only the layers that keep KV get buffers (`config.kv_layers`).
+        """
         heads = 1 if config.is_mla else max(1, config.num_kv_heads // tp_size)
         return cls(
-            num_layers=config.num_layers, num_pages=num_pages, page_size=page_size, heads=heads,
+            num_layers=len(config.kv_layers), num_pages=num_pages, page_size=page_size, heads=heads,
             head_dim=config.kv_cache_head_dim, mla=config.is_mla,
             dtype=dtype if dtype is not None else getattr(torch, config.dtype), device=device,
         )

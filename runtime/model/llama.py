@@ -1,4 +1,4 @@
-"""Grouped-query attention (Llama, Qwen2) over the paged cache."""
+"""Grouped-query attention (Llama, Qwen2) over the paged cache, full or sliding-window."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ class GQAAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer = config.kv_layers.index(layer)  # its buffers in the paged cache
+        self.window = (config.sliding_window
+                       if config.layer_type(layer) == "sliding_attention" else 0)
         self.rotary = rotary
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -36,7 +38,7 @@ class GQAAttention(nn.Module):
         k = self.rotary(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), positions)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if kv is None:
-            out = dense_causal_attention(q, k, v, meta, self.scale)
+            out = dense_causal_attention(q, k, v, meta, self.scale, self.window)
         else:
             k_buffer, v_buffer = kv.key_buffer(self.layer), kv.value_buffer(self.layer)
             kernels.store_kv(k_buffer, k, meta.out_slots)
@@ -47,5 +49,5 @@ class GQAAttention(nn.Module):
                                                     context_lens, self.scale,
                                                     max_context_len=max_len)
 
-            out = paged_attention(q, meta, k_buffer, v_buffer, decode, self.scale)
+            out = paged_attention(q, meta, k_buffer, v_buffer, decode, self.scale, self.window)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))

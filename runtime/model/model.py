@@ -1,4 +1,5 @@
-"""The decoder-only causal LM: embeddings, decoder layers (GQA or MLA, dense or MoE), LM head.
+"""The decoder-only causal LM: embeddings, decoder layers (GQA or MLA, dense or MoE; hybrid
+models mix full, sliding-window and linear-attention layers), LM head.
 
 Parameter names follow HF Llama / Qwen2 / DeepSeek-V2 (`model.layers.0.self_attn.q_proj.weight`,
 ...), so a checkpoint's state dict loads without renaming.
@@ -11,6 +12,7 @@ from torch import nn
 
 from runtime.model.attention import AttentionMetadata
 from runtime.model.config import ModelConfig
+from runtime.model.hybrid import GatedLinearRecurrence
 from runtime.model.kv_cache import PagedKVCache
 from runtime.model.layers import GatedMLP, MoE, RMSNorm, RotaryEmbedding
 from runtime.model.llama import GQAAttention
@@ -20,8 +22,11 @@ from runtime.model.mla import MLAAttention
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        attention = MLAAttention if config.is_mla else GQAAttention
-        self.self_attn = attention(config, layer, rotary)
+        if config.layer_type(layer) == "linear_attention":
+            self.self_attn = GatedLinearRecurrence(config, layer)
+        else:
+            attention = MLAAttention if config.is_mla else GQAAttention
+            self.self_attn = attention(config, layer, rotary)
         self.mlp = (MoE(config) if config.is_moe_layer(layer)
                     else GatedMLP(config.hidden_size, config.intermediate_size))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

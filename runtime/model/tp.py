@@ -13,6 +13,9 @@ With tp ranks, rank r:
 - MLA attention: q_a_proj / q_a_layernorm and kv_a_proj_with_mqa / kv_a_layernorm are replicated,
   so every rank computes and caches the same full latent; q_b_proj (or q_proj), kv_b_proj and
   o_proj are split by heads.
+- Linear-attention layers (hybrid models): split by heads, like GQA: qkv_proj, conv_weight and
+  gate_proj keep this rank's `linear_num_heads / tp` heads, o_proj is row-parallel; each rank's
+  recurrent state holds its heads (`RecurrentState(tp_size=tp)`).
 - Dense MLP and every MoE expert, shared experts too: gate/up column-parallel and down row-parallel
   along the intermediate dim; the router is replicated, so every rank routes alike and one
   all-reduce after the whole MoE block sums the partial outputs. With `ep` > 1 the routed
@@ -42,6 +45,7 @@ from torch import nn
 
 from runtime.distributed import TPGroup
 from runtime.model.config import ModelConfig
+from runtime.model.hybrid import GatedLinearRecurrence
 from runtime.model.layers import GatedMLP, MoE
 from runtime.model.llama import GQAAttention
 from runtime.model.mla import MLAAttention
@@ -64,6 +68,9 @@ def check_tp(config: ModelConfig, tp_size: int, ep_size: int = 1) -> None:
         kv = config.num_kv_heads
         need(kv % tp_size == 0 if tp_size <= kv else tp_size % kv == 0, "num_kv_heads", kv,
              "and tp must divide one another")
+    if config.linear_layers:
+        need(config.linear_num_heads % tp_size == 0, "linear_num_heads",
+             config.linear_num_heads, "must divide by tp")
     need(config.intermediate_size % tp_size == 0, "intermediate_size", config.intermediate_size,
          "must divide by tp")
     if config.num_experts:
@@ -153,7 +160,8 @@ def apply_tp(model: CausalLM, group: TPGroup, ep: int = 1) -> CausalLM:
     check_tp(config, group.size, ep)
     if group.size == 1:
         return model
-    first = model.model.layers[0].self_attn
+    first = next(layer.self_attn for layer in model.model.layers
+                 if not isinstance(layer.self_attn, GatedLinearRecurrence))
     if first.num_heads != config.num_heads:
         raise ValueError("apply_tp: this model is already sharded")
     tp, rank, reduce = group.size, group.rank, _all_reduce_hook(group)
@@ -163,6 +171,8 @@ def apply_tp(model: CausalLM, group: TPGroup, ep: int = 1) -> CausalLM:
             _shard_gqa(attn, config, tp, rank)
         elif isinstance(attn, MLAAttention):
             _shard_mla(attn, config, tp, rank)
+        elif isinstance(attn, GatedLinearRecurrence):
+            _shard_linear(attn, tp, rank)
         else:
             raise TypeError(f"apply_tp: no rule for attention {type(attn).__name__}")
         if ep > 1 and isinstance(layer.mlp, MoE):
@@ -235,6 +245,18 @@ def _shard_mla(attn: MLAAttention, config: ModelConfig, tp: int, rank: int) -> N
     _keep(attn.kv_b_proj, 0, first * kv_dim, count * kv_dim)
     _keep(attn.o_proj, 1, first * attn.v_dim, count * attn.v_dim)
     attn.num_heads = count
+
+
+def _shard_linear(attn: GatedLinearRecurrence, tp: int, rank: int) -> None:
+    count = attn.heads // tp
+    first = rank * count
+    c = attn.channels
+    _keep(attn.qkv_proj, 0, first * c, count * c)
+    attn.conv_weight = nn.Parameter(attn.conv_weight.narrow(0, first * c, count * c).clone(),
+                                    requires_grad=attn.conv_weight.requires_grad)
+    _keep(attn.gate_proj, 0, first, count)
+    _keep(attn.o_proj, 1, first * attn.value_dim, count * attn.value_dim)
+    attn.heads = count
 
 
 def _gated_mlps(block: GatedMLP | MoE) -> list[GatedMLP]:

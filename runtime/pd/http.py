@@ -1,7 +1,7 @@
 """The HTTP API of a prefill or decode worker (rank 0 of its instance; aiohttp). The router
 (runtime/router.py) is its client; docs/serving.md documents it.
 
-- `POST /generate` `{"version": 2, "rid", "input_ids", "max_new_tokens", "sampling":
+- `POST /generate` `{"version": 3, "rid", "input_ids", "max_new_tokens", "sampling":
   {"temperature", "top_p", "top_k", "seed"}, "stop_token_ids", "top_logprobs", "bootstrap_host",
   "bootstrap_port", "bootstrap_room"}`, a `GenerateParams` (runtime/protocol/worker.py, which
   the router encodes with `to_body()`); `sampling`, `stop_token_ids` and `top_logprobs` may be

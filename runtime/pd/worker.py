@@ -89,6 +89,7 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
 
     from runtime.executor import ModelExecutor
     from runtime.model.tp import DPRanks, apply_dp_attention, apply_tp
+    from runtime.model.hybrid import with_state_slots
     from runtime.pd.lockstep_engine import PDEngine
     from runtime.model.loading import load_served_model, load_text_side, resolve_device
     from runtime.transfer.layout import KVArgs
@@ -116,10 +117,10 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
         model = apply_dp_attention(model, dp, dense_tp=role.moe_dense_tp != 1)
     mcfg = model.config
     text = load_text_side(config, mcfg.vocab_size)
-    sched_cfg = config.scheduler_config(spec.role)
+    sched_cfg = with_state_slots(config.scheduler_config(spec.role), mcfg)
     executor = ModelExecutor(model, num_pages=sched_cfg.num_pages, page_size=config.page_size,
                              seed=config.seed, vocab_limit=text.vocab_limit(mcfg.vocab_size),
-                             tp_size=attn_group.size)
+                             tp_size=attn_group.size, state_slots=sched_cfg.state_slots)
     executor.warmup()  # every rank: the forward's all-reduces keep them together
     metadata = MetadataBuffer.allocate(sched_cfg.metadata_slots)
     dp_rank = 0 if dp is None else dp.dp_rank

@@ -8,7 +8,7 @@ Decode -> prefill: `RegisterDecode` (once per decode rank and prefill rank), `Tr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
@@ -38,6 +38,12 @@ class RegisterDecode:
     is_mla: bool
     total_kv_heads: int
     kv_heads_per_rank: int
+    # Its recurrent-state buffer (hybrid models; all 0 without one), see `KVArgs`.
+    state_ptr: int = 0
+    state_len: int = 0
+    state_slot_len: int = 0
+    state_layers: int = 0
+    total_state_heads: int = 0
 
 
 @message
@@ -53,6 +59,8 @@ class TransferInfo:
     page_dtype: str  # "int32" or "int64"
     metadata_slot: int
     is_dummy: bool
+    # Its state slots (hybrid models), written with the last chunk.
+    dst_state_slots: list[int] = field(default_factory=list)
 
     def pages(self) -> np.ndarray:
         return unpack_pages(self.dst_pages, self.page_dtype)

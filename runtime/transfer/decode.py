@@ -110,8 +110,9 @@ class DecodeSide:
         with self._lock:
             return self._rooms[room].reason
 
-    def send_metadata(self, room: int, pages, metadata_slot: int) -> None:
+    def send_metadata(self, room: int, pages, metadata_slot: int, state_indices=()) -> None:
         data, dtype = pack_pages(pages)
+        states = [int(s) for s in state_indices]
         with self._lock:
             r = self._rooms[room]
             if r.state is KVPoll.Failed:
@@ -121,7 +122,7 @@ class DecodeSide:
                                    "expected WaitingForInput")
             self._update(r, KVPoll.Transferring)
             peers = list(r.peers)
-        lost = self._send_info(room, peers, data, dtype, metadata_slot)
+        lost = self._send_info(room, peers, data, dtype, metadata_slot, states)
         if not lost:
             return
         with self._lock:
@@ -129,17 +130,18 @@ class DecodeSide:
                 return
             r.resolving = True  # the lookup thread owns it now; `_lose` leaves it alone
         self._lose(lost)
-        self._pool.submit(self._resend, room, data, dtype, metadata_slot)
+        self._pool.submit(self._resend, room, data, dtype, metadata_slot, states)
 
     def _send_info(self, room: int, peers: list[_Peer], data: bytes, dtype: str,
-                   metadata_slot: int) -> dict[str, str]:
+                   metadata_slot: int, states: list[int]) -> dict[str, str]:
         """Send a room's `TransferInfo` to each peer; the lost ones (endpoint: why)."""
         lost = {}
         for p in peers:
             why = self._send(p.endpoint, TransferInfo(
                 room=room, session_id=self._session_id, decode_tp_rank=self.args.tp_rank,
                 dst_pages=b"" if p.target.is_dummy else data, page_dtype=dtype,
-                metadata_slot=metadata_slot, is_dummy=p.target.is_dummy))
+                metadata_slot=metadata_slot, is_dummy=p.target.is_dummy,
+                dst_state_slots=[] if p.target.is_dummy else states))
             if why:
                 lost[p.endpoint] = why
         return lost
@@ -156,7 +158,8 @@ class DecodeSide:
             return str(exc)
         return ""
 
-    def _resend(self, room: int, data: bytes, dtype: str, metadata_slot: int) -> None:
+    def _resend(self, room: int, data: bytes, dtype: str, metadata_slot: int,
+                states: list[int]) -> None:
         """A room's transfer info met a lost peer: look the prefill instance up afresh (a
         restarted one has registered its new ranks) and send it there. Once: a room sends its
         transfer info from `WaitingForInput` only."""
@@ -165,7 +168,7 @@ class DecodeSide:
             host, port = r.host, r.port
         try:
             peers = self._peers(room, host, port)
-            lost = self._send_info(room, peers, data, dtype, metadata_slot)
+            lost = self._send_info(room, peers, data, dtype, metadata_slot, states)
             if lost:
                 self._lose(lost)
                 raise ChannelError(next(iter(lost.values())))
@@ -384,7 +387,9 @@ class DecodeSide:
                 metadata_ptr=a.metadata_ptr, metadata_len=a.metadata_len,
                 metadata_item_len=a.metadata_item_len, page_size=a.page_size,
                 kv_dtype=a.kv_dtype, is_mla=a.is_mla, total_kv_heads=a.total_kv_heads,
-                kv_heads_per_rank=a.kv_heads_per_rank))
+                kv_heads_per_rank=a.kv_heads_per_rank, state_ptr=a.state_ptr,
+                state_len=a.state_len, state_slot_len=a.state_slot_len,
+                state_layers=a.state_layers, total_state_heads=a.total_state_heads))
             self._registered.add(endpoint)
             with self._lock:
                 self._last_echo.setdefault(endpoint, time.monotonic())

@@ -1,6 +1,11 @@
 """Where bytes go: the buffers of one rank (`KVArgs`), who talks to whom under a TP mismatch, and
 the (src, dst, length) descriptors of one chunk.
 
+A hybrid model's recurrent state moves with a request's last chunk, one slot per request: the
+prefill rank's `RecurrentState` slot into the decode rank's. Its heads split over TP like KV
+heads (`total_state_heads // tp` per rank, no replicas), so under a TP mismatch a prefill rank
+writes, per layer, its heads at their offset in the decode rank's slot.
+
 A KV buffer is `[num_pages, page_size, heads, head_dim]` (see runtime/model/kv_cache.py): page `p` is
 `ptr + p * item_len`, token `t` of it `+ t * item_len / page_size`, and head `h` of that token
 `+ h * head_bytes`.
@@ -40,6 +45,14 @@ class KVArgs:
     is_mla: bool = False
     dp_rank: int = 0
     dp_size: int = 1
+    # The recurrent-state buffer of a hybrid model (runtime/model/hybrid.py `RecurrentState`;
+    # all 0 without one): `state_len` bytes of slots of `state_slot_len` bytes, each holding
+    # `state_layers` layers x this rank's `total_state_heads // tp_size` heads, head-contiguous.
+    state_ptr: int = 0
+    state_len: int = 0
+    state_slot_len: int = 0
+    state_layers: int = 0
+    total_state_heads: int = 0
     # Whatever owns the memory above (tensors, arrays): held so it lives as long as these args
     # (and so the manager holding them). Mooncake writes into registered memory blindly, so
     # freeing it while registered corrupts the heap.
@@ -71,16 +84,41 @@ class KVArgs:
                 if (item // self.page_size) % self.kv_heads_per_rank:
                     raise ValueError(f"buffer {i}: a token slot of {item // self.page_size} bytes "
                                      f"does not split into {self.kv_heads_per_rank} heads")
+        if self.state_len:
+            if self.state_layers < 1 or self.total_state_heads % self.tp_size:
+                raise ValueError(f"a state of {self.state_layers} layers x "
+                                 f"{self.total_state_heads} heads does not split over TP "
+                                 f"{self.tp_size}")
+            pieces = self.state_layers * self.state_heads_per_rank
+            if (self.state_slot_len <= 0 or self.state_len % self.state_slot_len
+                    or self.state_slot_len % pieces):
+                raise ValueError(f"state: {self.state_len} bytes of {self.state_slot_len}-byte "
+                                 f"slots of {pieces} heads do not divide evenly")
+
+    @property
+    def state_heads_per_rank(self) -> int:
+        return self.total_state_heads // self.tp_size
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.state_len // self.state_slot_len if self.state_len else 0
 
     @classmethod
     def for_cache(cls, cache, metadata, *, tp_rank: int = 0, tp_size: int = 1,
                   total_kv_heads: int | None = None, dp_rank: int = 0, dp_size: int = 1) -> KVArgs:
-        """From a `runtime.model.kv_cache.PagedKVCache` and a `MetadataBuffer`; a GQA cache needs the
-        model's `total_kv_heads` (a rank's own count may be a replica)."""
+        """From a `runtime.model.kv_cache.PagedKVCache` (with its recurrent state, if any) and a
+        `MetadataBuffer`; a GQA cache needs the model's `total_kv_heads` (a rank's own count may
+        be a replica)."""
         if not cache.mla and total_kv_heads is None:
             raise ValueError("KVArgs.for_cache: pass total_kv_heads for a GQA cache")
         total = 1 if cache.mla else total_kv_heads
+        state = cache.state
+        state_fields = {} if state is None else dict(
+            state_ptr=state.data_ptr(), state_len=state.data_len(),
+            state_slot_len=state.slot_bytes(), state_layers=state.num_layers,
+            total_state_heads=state.heads * tp_size)
         return cls(
+            **state_fields,
             kv_data_ptrs=cache.data_ptrs(), kv_data_lens=cache.data_lens(),
             kv_item_lens=cache.item_lens(), metadata_ptr=metadata.ptr,
             metadata_len=metadata.nbytes, metadata_item_len=metadata.item_len,
@@ -190,6 +228,25 @@ def head_slice_descriptors(src_ptrs, src_item_lens, dst_ptrs, dst_item_lens, pag
         dsts.append((dst_ptr + dst_pages * d_item + tokens * d_slot + piece.dst_offset).ravel())
     n = sum(len(s) for s in srcs)
     return _flat(srcs), _flat(dsts), [piece.length] * n
+
+
+def state_descriptors(src_ptr: int, src_slot_len: int, dst_ptr: int, dst_slot_len: int,
+                      layers: int, src_slots, dst_slots, piece: HeadSlice | None) -> Descriptors:
+    """A request's recurrent state: whole slots (`piece` None: same heads on both sides), else
+    per slot and layer this rank's heads at their offset in the peer's layer."""
+    srcs, dsts, lens = [], [], []
+    for src, dst in zip(src_slots, dst_slots):
+        if piece is None:
+            srcs.append(src_ptr + src * src_slot_len)
+            dsts.append(dst_ptr + dst * dst_slot_len)
+            lens.append(src_slot_len)
+            continue
+        src_layer, dst_layer = src_slot_len // layers, dst_slot_len // layers
+        for layer in range(layers):
+            srcs.append(src_ptr + src * src_slot_len + layer * src_layer + piece.src_offset)
+            dsts.append(dst_ptr + dst * dst_slot_len + layer * dst_layer + piece.dst_offset)
+            lens.append(piece.length)
+    return srcs, dsts, lens
 
 
 def _flat(parts: list[np.ndarray]) -> list[int]:

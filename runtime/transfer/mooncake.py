@@ -2,10 +2,11 @@
 engine (P2P handshake; "tcp" here, "rdma" with a device name on clusters), ZMQ and the HTTP
 bootstrap server.
 
-One `MooncakeKVManager` per rank owns the engine (with this rank's KV and metadata buffers
-registered once), a ZMQ PULL socket, and a service thread that dispatches incoming messages and
-sends heartbeats. A prefill rank uses its senders (see `prefill.py`), a decode rank its receivers
-(see `decode.py`); one manager can do both, so no role flag is needed.
+One `MooncakeKVManager` per rank owns the engine (with this rank's KV and metadata buffers, and
+a hybrid model's recurrent-state buffer, registered once), a ZMQ PULL socket, and a service
+thread that dispatches incoming messages and sends heartbeats. A prefill rank uses its senders
+(see `prefill.py`), a decode rank its receivers (see `decode.py`); one manager can do both, so
+no role flag is needed.
 
     metadata = MetadataBuffer.allocate(num_slots)
     args = KVArgs.for_cache(cache, metadata, tp_rank=r, tp_size=n, total_kv_heads=heads)
@@ -79,6 +80,8 @@ class MooncakeKVManager:
         for ptr, length in zip(args.kv_data_ptrs, args.kv_data_lens):
             self.engine.register(ptr, length, owner=args.owners)
         self.engine.register(args.metadata_ptr, args.metadata_len, owner=args.owners)
+        if args.state_len:
+            self.engine.register(args.state_ptr, args.state_len, owner=args.owners)
         self.metadata = MetadataBuffer.at_address(args.metadata_ptr, args.metadata_len)
         self.channel = ZmqChannel(config.host, key)
         self._epoch = Epoch()
@@ -199,8 +202,7 @@ class MooncakeKVSender(_Endpoint):
 
     def send(self, page_indices: Sequence[int], last: bool,
              state_indices: Sequence[int] = ()) -> None:
-        _pages_only(state_indices)
-        self._side.send(self.room, page_indices, last)
+        self._side.send(self.room, page_indices, last, state_indices)
 
 
 class MooncakeKVReceiver(_Endpoint):
@@ -208,13 +210,4 @@ class MooncakeKVReceiver(_Endpoint):
 
     def send_metadata(self, page_indices: Sequence[int], metadata_slot: int,
                       state_indices: Sequence[int] = ()) -> None:
-        _pages_only(state_indices)
-        self._side.send_metadata(self.room, page_indices, metadata_slot)
-
-
-def _pages_only(state_indices: Sequence[int]) -> None:
-    if state_indices:
-        raise ValueError(
-            f"state_indices {list(state_indices)}: the Mooncake backend moves KV pages only; "
-            "models with a per-request state (SWA window, recurrent state) run in the simulator"
-        )
+        self._side.send_metadata(self.room, page_indices, metadata_slot, state_indices)

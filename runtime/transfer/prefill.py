@@ -4,8 +4,9 @@ that write KV pages into the decode side's registered buffers.
 A room waits in `Bootstrapping` until every decode rank that will read from this rank has sent
 its `TransferInfo` (one, or decode_tp / prefill_tp of them), then `WaitingForInput`. Each `send`
 queues one chunk on the room's worker (rooms are pinned to a worker, so chunks run in order);
-the worker writes the chunk to every real target and, on the last chunk, the metadata slot too,
-then reports `Success` (or `Failed`) to every target over ZMQ.
+the worker writes the chunk to every real target and, on the last chunk, the metadata slot and
+the request's recurrent-state slot (hybrid models) too, then reports `Success` (or `Failed`) to
+every target over ZMQ.
 
 Peer state stays bounded whatever arrives: heartbeats and aborts count only from decode ranks that
 registered (`RegisterDecode`), and a heartbeat's echo goes to the endpoint the rank registered,
@@ -33,7 +34,7 @@ from runtime.transfer.channel import ChannelError, ZmqChannel
 from runtime.transfer.mooncake_engine import MooncakeEngine
 from runtime.transfer.layout import (
     HeadSlice, KVArgs, decode_ranks_per_prefill_rank, head_range, head_slice,
-    head_slice_descriptors, page_descriptors,
+    head_slice_descriptors, page_descriptors, state_descriptors,
 )
 from runtime.protocol.transfer import Abort, Heartbeat, RegisterDecode, Status, TransferInfo
 from runtime.streams import PEER_LOST, WRITE_FAILED
@@ -54,6 +55,7 @@ class PeerPlan:
 
     reg: RegisterDecode
     piece: HeadSlice | None  # None: whole pages (same heads, or MLA)
+    state_piece: HeadSlice | None = None  # None: whole state slots (same heads, or no state)
 
 
 def plan_peer(local: KVArgs, reg: RegisterDecode) -> PeerPlan:
@@ -73,16 +75,24 @@ def plan_peer(local: KVArgs, reg: RegisterDecode) -> PeerPlan:
     if reg.metadata_item_len != local.metadata_item_len:
         problems.append(f"metadata slot: prefill {local.metadata_item_len} bytes, decode "
                         f"{reg.metadata_item_len}")
+    for name in ("state_layers", "total_state_heads"):
+        if getattr(local, name) != getattr(reg, name):
+            problems.append(f"recurrent state {name}: prefill {getattr(local, name)}, decode "
+                            f"{getattr(reg, name)}")
+    if local.state_len and not local.is_mla and local.tp_size > local.total_kv_heads:
+        problems.append(f"prefill TP {local.tp_size} above {local.total_kv_heads} KV heads "
+                        "(replicated heads) with a recurrent state is not supported")
     if problems:
         raise ValueError("incompatible decode rank " + reg.session_id + ": " + "; ".join(problems))
     src_heads = (0, 1) if local.is_mla else head_range(local.tp_rank, local.tp_size,
                                                        local.total_kv_heads)
     dst_heads = (0, 1) if reg.is_mla else head_range(reg.tp_rank, reg.tp_size, reg.total_kv_heads)
+    state_piece = _plan_state(local, reg)
     if src_heads == dst_heads:
         if tuple(reg.kv_item_lens) != local.kv_item_lens:
             raise ValueError(f"decode rank {reg.session_id} has pages of {reg.kv_item_lens} bytes, "
                              f"prefill {list(local.kv_item_lens)}")
-        return PeerPlan(reg, None)
+        return PeerPlan(reg, None, state_piece)
     head_bytes = {item // local.page_size // src_heads[1] for item in local.kv_item_lens}
     dst_bytes = {item // reg.page_size // dst_heads[1] for item in reg.kv_item_lens}
     if len(head_bytes) != 1 or head_bytes != dst_bytes:
@@ -92,7 +102,40 @@ def plan_peer(local: KVArgs, reg: RegisterDecode) -> PeerPlan:
     if piece is None:
         raise ValueError(f"prefill heads {src_heads} and decode rank {reg.tp_rank} heads "
                          f"{dst_heads} do not overlap")
-    return PeerPlan(reg, piece)
+    return PeerPlan(reg, piece, state_piece)
+
+
+def _plan_state(local: KVArgs, reg: RegisterDecode) -> HeadSlice | None:
+    """Where this rank's recurrent-state heads go in the decode rank's slot (None: the whole
+    slot, or no state)."""
+    if not local.state_len:
+        return None
+    src = (local.tp_rank * local.state_heads_per_rank, local.state_heads_per_rank)
+    dst_count = reg.total_state_heads // reg.tp_size
+    dst = (reg.tp_rank * dst_count, dst_count)
+    src_head = local.state_slot_len // (local.state_layers * src[1])
+    dst_head = reg.state_slot_len // (reg.state_layers * dst[1])
+    if src_head != dst_head:
+        raise ValueError(f"recurrent-state heads differ: prefill {src_head} bytes, decode "
+                         f"{dst_head}")
+    if src == dst:
+        return None
+    piece = head_slice(src, dst, src_head)
+    if piece is None:
+        raise ValueError(f"prefill state heads {src} and decode rank {reg.tp_rank} state heads "
+                         f"{dst} do not overlap")
+    return piece
+
+
+def _reg_state_slots(reg: RegisterDecode) -> int:
+    return reg.state_len // reg.state_slot_len if reg.state_len else 0
+
+
+def _state_out_of_range(slots, num_slots: int, who: str) -> str:
+    bad = [s for s in slots if not 0 <= s < num_slots]
+    if bad and not num_slots:
+        return f"{who} state slots {bad}, but it keeps no recurrent state"
+    return f"{who} state slots {bad} outside 0..{num_slots - 1}" if bad else ""
 
 
 def _out_of_range(pages: np.ndarray, slot: int, data_lens, item_lens, metadata_len: int,
@@ -123,6 +166,7 @@ class _Chunk:
     src_pages: np.ndarray
     offset: int  # index of the chunk's first page in the request's page list
     last: bool
+    src_states: tuple[int, ...] = ()  # the request's state slots (last chunk only)
 
 
 class PrefillSide:
@@ -178,8 +222,11 @@ class PrefillSide:
                                   f"prefill sends {num_pages}")
                     return
 
-    def send(self, room: int, pages, last: bool) -> None:
+    def send(self, room: int, pages, last: bool, state_indices=()) -> None:
         src = np.asarray(pages, dtype=np.int64)
+        states = tuple(int(s) for s in state_indices)
+        if states and not last:
+            raise ValueError(f"room {room}: state_indices {list(states)} go with the last chunk")
         with self._lock:
             r = self._room(room)
             if r.state is KVPoll.Failed:
@@ -194,10 +241,24 @@ class PrefillSide:
                                     a.metadata_len, a.metadata_item_len):
                 self._fail(r, f"prefill side: {bad}")
                 return
-            chunk = _Chunk(room, src, r.queued_pages, last)
+            if last and (bad := self._state_mismatch(r, states)):
+                self._fail(r, bad)
+                return
+            chunk = _Chunk(room, src, r.queued_pages, last, states)
             r.queued_pages += len(src)
             self._update(r, KVPoll.Transferring)
         self._queues[hash(room) % len(self._queues)].put(chunk)
+
+    def _state_mismatch(self, r: _Room, states: tuple[int, ...]) -> str:
+        """Why the request's state slots do not fit its decode ranks', or "" (lock held)."""
+        if bad := _state_out_of_range(states, self.args.num_state_slots, "prefill side:"):
+            return bad
+        for info in r.infos.values():
+            want = len(info.dst_state_slots)
+            if not info.is_dummy and want != len(states):
+                return (f"prefill sends {len(states)} state slots, the decode side expects "
+                        f"{want} (decode rank {info.decode_tp_rank})")
+        return ""
 
     def abort(self, room: int, reason: str) -> None:
         with self._lock:
@@ -256,6 +317,9 @@ class PrefillSide:
             elif not msg.is_dummy and (bad := _out_of_range(
                     msg.pages(), msg.metadata_slot, peer.reg.kv_data_lens, peer.reg.kv_item_lens,
                     peer.reg.metadata_len, peer.reg.metadata_item_len)):
+                self._fail(r, f"decode rank {msg.decode_tp_rank}: {bad}")
+            elif not msg.is_dummy and (bad := _state_out_of_range(
+                    msg.dst_state_slots, _reg_state_slots(peer.reg), "its")):
                 self._fail(r, f"decode rank {msg.decode_tp_rank}: {bad}")
             else:
                 r.expected = decode_ranks_per_prefill_rank(self.args.tp_size, peer.reg.tp_size)
@@ -437,6 +501,12 @@ class PrefillSide:
             srcs.append(a.metadata_ptr + slot * a.metadata_item_len)
             dsts.append(reg.metadata_ptr + info.metadata_slot * reg.metadata_item_len)
             lens.append(a.metadata_item_len)
+            s_srcs, s_dsts, s_lens = state_descriptors(
+                a.state_ptr, a.state_slot_len, reg.state_ptr, reg.state_slot_len,
+                a.state_layers, chunk.src_states, info.dst_state_slots, peer.state_piece)
+            srcs += s_srcs
+            dsts += s_dsts
+            lens += s_lens
         self._engine.write(reg.session_id, srcs, dsts, lens)
 
     def close(self) -> None:
