@@ -240,8 +240,8 @@ def run_case(name: str, case: Case, jobs: int, duration_s: float, executor: str,
     for a in aic:
         print(f"aiconfigurator {AIC_VERSION}: {a.described} ({a.note}): predicts "
               f"{a.tok_s_per_gpu:,.1f} tok/s/GPU = {a.rate_rps:.2f} req/s, TTFT "
-              f"{a.ttft_ms:,.0f} ms, TPOT {a.tpot_ms:.1f} ms; search {a.search_s:.1f} s wall",
-              flush=True)
+              f"{a.ttft_ms:,.0f} ms, TPOT {a.tpot_ms:.1f} ms; search {a.search_s:.1f} s wall, "
+              f"{a.search_cpu_s:.1f} CPU-s", flush=True)
         for err in a.errors:
             print(f"  (skipped a higher-ranked configuration: {err})")
     rate = rate_rps or (aic[0].rate_rps if aic else case.fallback_rate_rps)
