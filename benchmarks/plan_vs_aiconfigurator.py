@@ -14,10 +14,13 @@ Per case:
    request rate it predicts the deployment sustains within the SLO.
 2. `pdsim plan` searches the same budget at that request rate (Poisson arrivals, fixed 4000/500
    lengths) with percentile targets TTFT p90 <= 2 s and TPOT p90 <= 40 ms (aiconfigurator's
-   figures are steady-state averages; a percentile target is the stricter reading).
+   figures are steady-state averages; a percentile target is the stricter reading), with
+   `search.early_stop` (a candidate's run ends once its SLO is out of reach: the same
+   recommendation, found sooner; the question here is the recommendation, not the frontier).
 3. pdsim simulates aiconfigurator's recommendation on the same workload.
 It prints both recommendations, their goodput per GPU (aiconfigurator's own prediction and
-pdsim's simulation) and both search times. When aiconfigurator cannot be installed or run the
+pdsim's simulation) and both search times, wall and CPU (the machine's load average is
+printed with them). When aiconfigurator cannot be installed or run the
 reason is printed and pdsim's side still runs, at the case's fallback rate.
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -75,6 +79,7 @@ class AicChoice:
     ttft_ms: float
     tpot_ms: float
     search_s: float
+    search_cpu_s: float
     note: str = ""
     errors: list[str] = field(default_factory=list)
 
@@ -103,9 +108,9 @@ def run_aiconfigurator(cli: Path, case: Case, name: str) -> list[AicChoice]:
             "--save-dir", str(save), *case.aic_args]
     print("$ aiconfigurator", " ".join(argv[1:]), flush=True)
     started = time.time()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_s(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(argv, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_s(resource.RUSAGE_CHILDREN) - cpu0
     log = proc.stdout + proc.stderr
     (save / "aiconfigurator.log").write_text(log)
     if proc.returncode != 0:
@@ -120,11 +125,19 @@ def run_aiconfigurator(cli: Path, case: Case, name: str) -> list[AicChoice]:
     chosen = re.search(r"Best Experiment Chosen: (\w+)", log)
     first = chosen.group(1) if chosen else max(
         rows, key=lambda m: rows[m]["tokens/s/gpu_cluster"].iloc[0])
-    return [_choice(mode, rows[mode], case, wall, recommended=mode == first)
+    return [_choice(mode, rows[mode], case, wall, cpu, recommended=mode == first)
             for mode in sorted(rows, key=lambda m: m != first)]
 
 
-def _choice(mode: str, table: pd.DataFrame, case: Case, wall: float, recommended: bool) -> AicChoice:
+def cpu_s(*who: int) -> float:
+    """User + system CPU seconds of `who` (RUSAGE_SELF, RUSAGE_CHILDREN: finished children,
+    the pool's workers and aiconfigurator's process): unlike wall time, not stretched when
+    other jobs share the machine."""
+    return sum(resource.getrusage(w).ru_utime + resource.getrusage(w).ru_stime for w in who)
+
+
+def _choice(mode: str, table: pd.DataFrame, case: Case, wall: float, cpu: float,
+            recommended: bool) -> AicChoice:
     """aiconfigurator's best row of one mode that pdsim can express (no pipeline stages)."""
     errors = []
     for rank, (_, row) in enumerate(table.iterrows(), 1):
@@ -139,7 +152,7 @@ def _choice(mode: str, table: pd.DataFrame, case: Case, wall: float, recommended
     tok_s_gpu = float(row["tokens/s/gpu_cluster"])
     what = "recommended" if recommended else f"best {mode}"
     return AicChoice(dep, described, tok_s_gpu, tok_s_gpu * case.gpus / OSL, float(row["ttft"]),
-                     float(row["tpot"]), wall, errors=errors,
+                     float(row["tpot"]), wall, cpu, errors=errors,
                      note=f"{what}; its {mode} rank {rank}; {gpus_used} of {case.gpus} GPUs used")
 
 
@@ -184,7 +197,7 @@ def plan_data(case: Case, name: str, rate_rps: float, duration_s: float) -> dict
                      "input_len": {"dist": "fixed", "value": ISL},
                      "output_len": {"dist": "fixed", "value": OSL}},
         "slo": {"ttft_p90_s": TTFT_S, "tpot_p90_s": TPOT_S},
-        "search": case.search,
+        "search": {**case.search, "early_stop": True},
         "router": {"policy": "least_loaded"},
     }
 
@@ -199,11 +212,12 @@ def simulate(dep: Candidate, cfg) -> dict:
     return summary
 
 
-def _row(tool: str, label: str, gpus: int, s: dict | None, search_s: float,
+def _row(tool: str, label: str, gpus: int, s: dict | None, search_s: float, search_cpu_s: float,
          aic: AicChoice | None = None) -> dict:
     row = {"tool": tool, "deployment": label, "GPUs": gpus,
            "aic tok/s/GPU": aic.tok_s_per_gpu if aic else None,
-           "aic req/s/GPU": aic.tok_s_per_gpu / OSL if aic else None, "search s": round(search_s, 1)}
+           "aic req/s/GPU": aic.tok_s_per_gpu / OSL if aic else None, "search s": round(search_s, 1),
+           "search CPU s": round(search_cpu_s, 1)}
     if s is not None:
         row.update({"pdsim TTFT p90 ms": s["ttft_p90_s"] * 1e3,
                     "pdsim TPOT p90 ms": s["tpot_p90_s"] * 1e3,
@@ -216,7 +230,8 @@ def _row(tool: str, label: str, gpus: int, s: dict | None, search_s: float,
 def run_case(name: str, case: Case, jobs: int, duration_s: float, executor: str,
              rate_rps: float | None = None) -> pd.DataFrame:
     print(f"\n== {name}: {case.hf_model} on {case.gpus} H200, ISL {ISL} / OSL {OSL}, "
-          f"TTFT {TTFT_S:g} s, TPOT {TPOT_S * 1e3:g} ms ==", flush=True)
+          f"TTFT {TTFT_S:g} s, TPOT {TPOT_S * 1e3:g} ms (load average "
+          f"{os.getloadavg()[0]:.1f}) ==", flush=True)
     aic: list[AicChoice] = []
     try:
         aic = run_aiconfigurator(ensure_aiconfigurator(AIC_VENV), case, name)
@@ -225,19 +240,23 @@ def run_case(name: str, case: Case, jobs: int, duration_s: float, executor: str,
     for a in aic:
         print(f"aiconfigurator {AIC_VERSION}: {a.described} ({a.note}): predicts "
               f"{a.tok_s_per_gpu:,.1f} tok/s/GPU = {a.rate_rps:.2f} req/s, TTFT "
-              f"{a.ttft_ms:,.0f} ms, TPOT {a.tpot_ms:.1f} ms; search {a.search_s:.1f} s wall",
-              flush=True)
+              f"{a.ttft_ms:,.0f} ms, TPOT {a.tpot_ms:.1f} ms; search {a.search_s:.1f} s wall, "
+              f"{a.search_cpu_s:.1f} CPU-s", flush=True)
         for err in a.errors:
             print(f"  (skipped a higher-ranked configuration: {err})")
     rate = rate_rps or (aic[0].rate_rps if aic else case.fallback_rate_rps)
     cfg = parse_plan(plan_data(case, name, rate, duration_s), f"{name} plan")
     print(f"pdsim plan at {rate:.2f} req/s, {cfg.workload.num_requests} requests ...", flush=True)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_s(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
     result = plan(cfg, write=False, jobs=jobs, progress=False, executor=executor)
     plan_s = time.perf_counter() - t0
+    plan_cpu_s = cpu_s(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) - cpu0
     t = result.timings_s
+    stopped = int((result.candidates.get("stopped", pd.Series(dtype=str)).fillna("") != "").sum())
     print(f"pdsim plan: {t['candidates']} deployments, {int(result.candidates['prefilter_keep'].sum())}"
-          f" past the pre-filter, {t['simulated']} simulated, {plan_s:.1f} s wall", flush=True)
+          f" past the pre-filter, {t['simulated']} simulated ({stopped} stopped once their SLO "
+          f"was out of reach), {plan_s:.1f} s wall, {plan_cpu_s:.1f} CPU-s (load average "
+          f"{os.getloadavg()[0]:.1f})", flush=True)
     rows = []
     for a in aic:
         try:
@@ -247,15 +266,16 @@ def run_case(name: str, case: Case, jobs: int, duration_s: float, executor: str,
             print(f"pdsim cannot build aiconfigurator's {a.deployment.label}: {exc}")
         rows.append(_row(f"aiconfigurator ({a.note.split(';')[0]})",
                          f"{a.deployment.label} ({a.described})", a.deployment.num_gpus, s,
-                         a.search_s, a))
+                         a.search_s, a.search_cpu_s, a))
     rec = result.recommended
     if rec is None:
         print("pdsim plan: no deployment meets the SLO")
         rows.append({"tool": "pdsim plan", "deployment": "none meets the SLO",
-                     "search s": round(plan_s, 1)})
+                     "search s": round(plan_s, 1), "search CPU s": round(plan_cpu_s, 1)})
     else:
         s = {**rec.summary.to_dict(), "meets_slo": True}
-        rows.append(_row("pdsim plan", rec.deployment.label, rec.deployment.num_gpus, s, plan_s))
+        rows.append(_row("pdsim plan", rec.deployment.label, rec.deployment.num_gpus, s, plan_s,
+                         plan_cpu_s))
         print(f"pdsim recommends {rec.deployment.label}; bottleneck: {rec.bottleneck.name} "
               f"({rec.bottleneck.words})")
     frame = pd.DataFrame(rows)

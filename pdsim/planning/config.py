@@ -101,9 +101,11 @@ class SearchSpace(_Spec):
                               "simulate only candidates costing at most (1 + cost_slack) x its "
                               "cost (they fill the frontier and give the runner-up)")
     early_stop: bool = Field(False, description="stop a candidate's simulation once enough "
-                             "finished requests miss a percentile target that it cannot be "
-                             "met (needs the whole-run measurement window); its figures are "
-                             "then partial and it is left off the frontier")
+                             "requests are certain to miss a percentile target (finished over "
+                             "it, or with an open loop, past arrival + the TTFT target without "
+                             "a first token) that it cannot be met (needs the whole-run "
+                             "measurement window); its figures are then partial and it is "
+                             "left off the frontier")
 
     @model_validator(mode="after")
     def _positive(self) -> SearchSpace:

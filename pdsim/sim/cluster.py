@@ -65,6 +65,7 @@ class Simulation:
         self.autoscale = autoscale
         self.autoscaler: SimAutoscaler | None = None
         self.stop = stop  # called with each finished request: a reason ends the run there
+        self._stop_sees = getattr(stop, "sent", None)  # and, if it has one, with each one routed
         self.stopped = ""
         self.decode_runs = decode_runs
         self.env = simpy.Environment()
@@ -164,8 +165,12 @@ class Simulation:
         if len(self.final) == self.num_requests:
             self._all_done.succeed()
         elif self.stop is not None and not self.stopped:
-            self.stopped = self.stop(req)
-            if self.stopped and not self._give_up.triggered:
+            self._stop_if(self.stop(req))
+
+    def _stop_if(self, reason: str) -> None:
+        if reason:
+            self.stopped = reason
+            if not self._give_up.triggered:
                 self._give_up.succeed()
 
     def submit(self, i: int, sent_s: float, retry: bool = False) -> None:
@@ -203,6 +208,8 @@ class Simulation:
                        token_times_s=TokenTimes())  # compact: views of the step times
         dec.instance.add_request(dreq, now)
         dec.admitted()
+        if self._stop_sees is not None and not self.stopped:
+            self._stop_if(self._stop_sees(dreq))
         if self.faults is not None:
             self.faults.track(preq, dreq)
 
@@ -322,9 +329,15 @@ def simulate(cluster: ClusterSpec, arrival_s, input_tokens, output_tokens, *, se
     """Serve the workload on the cluster. `decode_runs=False` simulates every decode step as
     its own event (the reference the faster runs of steps must match). `stop`, called with
     each finished request, may end the run early by returning why (unfinished requests then
+<<<<<<< HEAD
     fail with that reason: the planner's SLO watch). `autoscale` resizes the roles while
     serving (pdsim/sim/autoscaler.py)."""
     return Simulation(cluster, seed, max_duration_s, decode_runs, stop, autoscale).run(
+=======
+    fail with that reason: the planner's SLO watch); its `sent` method, if it has one, is
+    called the same way with each request (the one that streams its tokens) as it is routed."""
+    return Simulation(cluster, seed, max_duration_s, decode_runs, stop).run(
+>>>>>>> h-planspeed
         np.asarray(arrival_s, dtype=float), np.asarray(input_tokens), np.asarray(output_tokens),
         closed_loop, prefix,
     )
