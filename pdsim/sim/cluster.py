@@ -329,15 +329,10 @@ def simulate(cluster: ClusterSpec, arrival_s, input_tokens, output_tokens, *, se
     """Serve the workload on the cluster. `decode_runs=False` simulates every decode step as
     its own event (the reference the faster runs of steps must match). `stop`, called with
     each finished request, may end the run early by returning why (unfinished requests then
-<<<<<<< HEAD
-    fail with that reason: the planner's SLO watch). `autoscale` resizes the roles while
-    serving (pdsim/sim/autoscaler.py)."""
-    return Simulation(cluster, seed, max_duration_s, decode_runs, stop, autoscale).run(
-=======
     fail with that reason: the planner's SLO watch); its `sent` method, if it has one, is
-    called the same way with each request (the one that streams its tokens) as it is routed."""
-    return Simulation(cluster, seed, max_duration_s, decode_runs, stop).run(
->>>>>>> h-planspeed
+    called the same way with each request (the one that streams its tokens) as it is routed.
+    `autoscale` resizes the roles while serving (pdsim/sim/autoscaler.py)."""
+    return Simulation(cluster, seed, max_duration_s, decode_runs, stop, autoscale).run(
         np.asarray(arrival_s, dtype=float), np.asarray(input_tokens), np.asarray(output_tokens),
         closed_loop, prefix,
     )
