@@ -47,16 +47,16 @@ SMALL = {
 
 @pytest.fixture(scope="module")
 def full():
-    """Every candidate of the small grid simulated to the end (pre-filter off)."""
-    return plan(parse_plan(SMALL), prefilter=False, write=False, jobs=2)
+    """Every candidate of the small grid simulated to the end (pre-filter and early stop off)."""
+    cfg = parse_plan({**SMALL, "search": {**SMALL["search"], "early_stop": False}})
+    return plan(cfg, prefilter=False, write=False, jobs=2)
 
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    """The plan with its pre-filter, and early stop on."""
+    """The plan as written: its pre-filter and early stop on (the defaults)."""
     out = tmp_path_factory.mktemp("plan")
-    cfg = parse_plan({**SMALL, "search": {**SMALL["search"], "early_stop": True}})
-    return plan(cfg, out_dir=out, jobs=2)
+    return plan(parse_plan(SMALL), out_dir=out, jobs=2)
 
 
 @pytest.mark.slow

@@ -100,12 +100,12 @@ class SearchSpace(_Spec):
     cost_slack: float = Field(1.0, ge=0, description="once a feasible deployment is found, "
                               "simulate only candidates costing at most (1 + cost_slack) x its "
                               "cost (they fill the frontier and give the runner-up)")
-    early_stop: bool = Field(False, description="stop a candidate's simulation once enough "
+    early_stop: bool = Field(True, description="stop a candidate's simulation once enough "
                              "requests are certain to miss a percentile target (finished over "
                              "it, or with an open loop, past arrival + the TTFT target without "
                              "a first token) that it cannot be met (needs the whole-run "
                              "measurement window); its figures are then partial and it is "
-                             "left off the frontier")
+                             "left off the frontier; false keeps every candidate's full figures")
 
     @model_validator(mode="after")
     def _positive(self) -> SearchSpace:
