@@ -10,6 +10,7 @@ it. `plan(PlanConfig or PLAN.yaml)` returns a `PlanResult`; `pdsim plan` is its 
 
 from pdsim.planning.config import PlanConfig, load_plan, parse_plan
 from pdsim.planning.result import Choice, PlanResult
-from pdsim.planning.search import meets, plan
+from pdsim.planning.run import plan
+from pdsim.planning.search import meets
 
 __all__ = ["Choice", "PlanConfig", "PlanResult", "load_plan", "meets", "parse_plan", "plan"]

@@ -4,7 +4,7 @@ included, priced per role; the pre-filter measures each role on its own type, an
 survivors are simulated cheapest first. The report says whether the best mix beats the best
 deployment on one type, and by what (docs/planning.md, "Heterogeneous hardware").
 
-A plan with no `gpu_types` never comes here: `pdsim.planning.search.plan` searches it as before.
+A plan with no `gpu_types` never comes here: `pdsim.planning.search.plan_one_hardware` searches it.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def plan_hardware_mix(cfg: PlanConfig, *, out_dir: str | Path | None = None,
                       prefilter: bool | None = None, write: bool = True,
                       base_dir: str | None = None, executor: str = "local",
                       ray_address: str | None = None) -> PlanResult:
-    """`pdsim.planning.search.plan` for a plan with `gpu_types` (same arguments)."""
+    """`pdsim.planning.plan` for a plan with `gpu_types` (same arguments)."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     options = gpu_options(cfg, base_dir)

@@ -1,4 +1,4 @@
-"""`plan()`: enumerate deployments, pre-filter them analytically, simulate the survivors
+"""The search of a plan on one GPU type: enumerate deployments, pre-filter them analytically, simulate the survivors
 cheapest first, and pick the recommendation, the runner-up and the Pareto frontier."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pdsim.pools import open_pool
 from pdsim.metrics import price_columns
 from pdsim.planning.bottleneck import Bottleneck, find_bottleneck
 from pdsim.planning.candidates import Candidate, enumerate_deployments, prefill_pp_sizes
-from pdsim.planning.config import PERCENTILES, PlanConfig, load_plan, price_per_gpu_hour
+from pdsim.planning.config import PERCENTILES, PlanConfig, price_per_gpu_hour
 from pdsim.planning.early_stop import SloWatch
 from pdsim.planning.launch import experiment_yaml, sglang_commands
 from pdsim.planning.prefilter import Prefilter, RoleCapacity, Verdict
@@ -31,23 +31,12 @@ from pdsim.specs.models import load_model_spec
 from pdsim.workload import generate
 
 
-def plan(source: PlanConfig | str | Path, *, out_dir: str | Path | None = None,
-         jobs: int | None = None, progress: bool = False, prefilter: bool | None = None,
-         write: bool = True, base_dir: str | None = None, executor: str = "local",
-         ray_address: str | None = None) -> PlanResult:
-    """Run a plan (a PlanConfig or a PLAN.yaml path); write results/<name>/ unless `write` is
-    False. `prefilter` overrides the plan's `prefilter.enabled`. `executor`/`ray_address`: where
-    the simulations run (pdsim.pools: `local` process pool or `ray`)."""
-    if not isinstance(source, PlanConfig):
-        path = Path(source)
-        source, base_dir = load_plan(path), str(path.parent.resolve())
-    cfg = source
-    if cfg.gpu_types:  # several GPU types: a role on each (pdsim.planning.hardware_mix)
-        from pdsim.planning.hardware_mix import plan_hardware_mix
-
-        return plan_hardware_mix(cfg, out_dir=out_dir, jobs=jobs, progress=progress,
-                                 prefilter=prefilter, write=write, base_dir=base_dir,
-                                 executor=executor, ray_address=ray_address)
+def plan_one_hardware(cfg: PlanConfig, *, out_dir: str | Path | None = None,
+                      jobs: int | None = None, progress: bool = False,
+                      prefilter: bool | None = None, write: bool = True,
+                      base_dir: str | None = None, executor: str = "local",
+                      ray_address: str | None = None) -> PlanResult:
+    """`pdsim.planning.plan` for a plan on its one `hardware` (same arguments)."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     try:
