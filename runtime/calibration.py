@@ -114,6 +114,7 @@ def _profile_rank(group, dumped: dict, repeats: int, prefill_tokens: list[int],
     import torch
 
     from runtime.model import AttentionMetadata
+    from runtime.model.hybrid import recurrent_state_for
     from runtime.model.kv_cache import PagedKVCache
     from runtime.model.loading import load_served_model
     from runtime.model.tp import apply_tp
@@ -132,11 +133,16 @@ def _profile_rank(group, dumped: dict, repeats: int, prefill_tokens: list[int],
                                 tp_size=group.size,
                                 dtype=getattr(torch, config.dtype) if config.dtype else None)
     tables = [list(range(i * pages_per_req, (i + 1) * pages_per_req)) for i in range(most)]
+    # A hybrid model's linear-attention layers read and write a state slot per request, as
+    # served (runtime/executor.py); other models keep none.
+    kv.state = recurrent_state_for(mcfg, most if mcfg.linear_layers else 0, tp_size=group.size)
+    slots = list(range(most)) if kv.state is not None else []
     rng = np.random.default_rng(0)
 
     def forward(qlens: list[int], cached: list[int]) -> float:
         ids = torch.as_tensor(rng.integers(1, 256, sum(qlens)), dtype=torch.int64)
-        meta = AttentionMetadata.build(qlens, cached, tables[: len(qlens)], page)
+        meta = AttentionMetadata.build(qlens, cached, tables[: len(qlens)], page,
+                                       state_slots=slots[: len(qlens)])
         start = time.perf_counter()
         with torch.inference_mode():
             model(ids, meta.positions(), meta, kv).argmax(-1).tolist()  # one row per segment

@@ -1,0 +1,56 @@
+"""`pdsim validate` serves and simulates a hybrid model's deployment: experiments/real_pd_hybrid.yaml
+(tiny-hybrid, prefill tp 1 -> decode tp 1, its recurrent state moved by Mooncake over TCP on
+loopback) with the committed calibration of this deployment. Both sides complete every request,
+and the simulated transfer of a request's last chunk carries its hybrid state: a sliding window's
+KV and the recurrent state of both linear-attention layers.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from pdsim.specs.models import load_model_spec
+from pdsim.validation.validate import load_experiment_for
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+EXPERIMENT = REPO / "experiments" / "real_pd_hybrid.yaml"
+CALIBRATION = REPO / "experiments" / "validation" / "calibration" / "pd_hybrid.yaml"
+REQUESTS = 8
+
+
+def test_the_simulated_transfer_carries_the_hybrid_state():
+    exp = load_experiment_for(EXPERIMENT, CALIBRATION)
+    model = load_model_spec("tiny-hybrid")
+    kv_dtype_bytes = exp.sim_cfg.kv_dtype_bytes
+    recurrent_bytes = model.recurrent_state_bytes_per_request_per_rank(1)
+    window_bytes = model.swa_window_bytes_per_request_per_rank(1, kv_dtype_bytes)
+    assert recurrent_bytes > 0 and window_bytes > 0
+    for role in (exp.cluster.prefill, exp.cluster.decode):
+        assert role.state_bytes_per_request == recurrent_bytes + window_bytes
+
+
+def test_validate_a_hybrid_deployment(tmp_path):
+    raw = yaml.safe_load(EXPERIMENT.read_text())
+    raw["workload"]["num_requests"] = REQUESTS
+    (tmp_path / "hybrid.yaml").write_text(yaml.safe_dump(raw))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdsim.cli", "validate", "hybrid.yaml", "--calibration",
+         str(CALIBRATION), "--tolerance", "10", "--out", "out"], cwd=tmp_path,
+        env={**os.environ, "GLOG_minloglevel": "2"}, capture_output=True, text=True, timeout=600)
+    # 0: within the tolerance, 1: outside it; anything else is an error.
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = pd.read_csv(tmp_path / "out" / "validation.csv").set_index("metric")
+    assert table.loc["completed", "real"] == table.loc["completed", "sim"] == REQUESTS
+    for side in ("real", "sim"):
+        done = pd.read_csv(tmp_path / "out" / f"{side}_requests.csv")
+        assert len(done) == REQUESTS and (done["status"] == "ok").all(), side
+        assert (done["output_tokens"] > 0).all(), side
