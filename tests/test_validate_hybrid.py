@@ -1,7 +1,8 @@
 """`pdsim validate` serves and simulates a hybrid model's deployment: experiments/real_pd_hybrid.yaml
 (tiny-hybrid, prefill tp 1 -> decode tp 1, its recurrent state moved by Mooncake over TCP on
 loopback) with the committed calibration of this deployment. Both sides complete every request,
-and the simulated transfer of a request's last chunk carries its hybrid state: a sliding window's
+the real workers' pools (pages and recurrent-state slots too) all come back, and the simulated
+transfer of a request's last chunk carries its hybrid state: a sliding window's
 KV and the recurrent state of both linear-attention layers.
 """
 
@@ -48,6 +49,8 @@ def test_validate_a_hybrid_deployment(tmp_path):
         env={**os.environ, "GLOG_minloglevel": "2"}, capture_output=True, text=True, timeout=600)
     # 0: within the tolerance, 1: outside it; anything else is an error.
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Every page, request, metadata and recurrent-state slot is back on both workers.
+    assert "real: every worker's pages and slots came back" in proc.stdout, proc.stdout[-3000:]
     table = pd.read_csv(tmp_path / "out" / "validation.csv").set_index("metric")
     assert table.loc["completed", "real"] == table.loc["completed", "sim"] == REQUESTS
     for side in ("real", "sim"):

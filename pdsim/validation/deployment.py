@@ -66,16 +66,29 @@ class RealDeployment:
     def worker_records(self, role: str) -> list[list[dict]]:
         """Every `role` ("prefill" or "decode") worker's `/records` rows, one list per worker
         in instance order; each worker's times are on its own clock (NaN as None)."""
+        return [self._get(url, "/records") for (r, _), url in sorted(self.workers.items())
+                if r == role]
+
+    def worker_pools(self, timeout_s: float = 15.0) -> dict[str, str]:
+        """Each worker's leftovers once the replay is over, "" where every page and slot came
+        back, keyed "prefill 0", "decode 0", ...; a worker still releasing its last transfers
+        is asked again until `timeout_s`."""
+        out = {}
+        deadline = time.monotonic() + timeout_s
+        for (role, i), url in sorted(self.workers.items()):
+            while not (state := self._get(url, "/pools"))["full"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            out[f"{role} {i}"] = "" if state["full"] else state["detail"]
+        return out
+
+    def _get(self, url: str, path: str):
+        """A worker's internal endpoint's JSON (with the cluster key)."""
         from runtime.security import ClusterKey
 
         headers = ClusterKey.from_secret(self.secret).headers()
-        out = []
-        for (r, _), url in sorted(self.workers.items()):
-            if r == role:
-                req = urllib.request.Request(f"{url}/records", headers=headers)
-                with urllib.request.urlopen(req, timeout=60) as resp:
-                    out.append(json.loads(resp.read()))
-        return out
+        req = urllib.request.Request(f"{url}{path}", headers=headers)
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())
 
     def _drain(self) -> None:
         for line in self.proc.stdout:

@@ -212,6 +212,10 @@ def validate(config_path: str | Path, *, calibration: str | Path | None = None,
             real = phases.merge_worker_records([r.record for r in replies],
                                                real_dep.worker_records("prefill"),
                                                real_dep.worker_records("decode"))
+            leaks = {w: d for w, d in real_dep.worker_pools().items() if d}
+        if real_dep.workers:
+            log("real: " + ("; ".join(f"{w}: pools not full: {d}" for w, d in leaks.items())
+                           or "every worker's pages and slots came back"))
     else:
         prompts = TextPrompts(tokenizer).prompts(work.input_tokens, cfg.seed) if tokenizer else None
         if api != "generate" and model is None:

@@ -26,7 +26,7 @@
 - `GET /load` `{"load", "num_active", "pending_tokens", "queues"}` (`load`: the scheduler's
   `load()`, the signal the simulator's router uses), `GET /metrics` (Prometheus),
   `GET /records` (the finished requests' `RequestRecord`s), `GET /pools` `{"full", "detail"}`
-  (every rank: are all pages, request slots and metadata slots back?).
+  (every rank: are all pages, request, metadata and state slots back?).
 
 SGLang's router (runtime/sglang_compat.py) is a client too, with a `SGLangFront`: `POST
 /generate` without `version` is SGLang's body, answered as SGLang answers it; `POST

@@ -224,7 +224,7 @@ class PDEngine:
         return self.driver.has_request(rid, timeout)
 
     def pools(self, timeout: float | None = 30.0) -> dict[str, Any]:
-        """Ask every rank whether all its pages, request slots and metadata slots are back and
+        """Ask every rank whether all its pages, request, metadata and state slots are back and
         its transfers released: `{"full": bool, "detail": str}` (rank 0 only)."""
         fut: Future = Future()
         self.driver.post(CheckPools(fut))
@@ -247,7 +247,9 @@ class PDEngine:
             where = f"DP rank {r}: " if len(self.scheds) > 1 else ""
             if not s.is_idle:
                 problems.append(f"{where}{s.num_active} requests active")
-            for pool in (s.pool, s.req_slots, s.metadata_slots):
+            for pool in (s.pool, s.req_slots, s.metadata_slots, s.state_slots):
+                if pool is None:  # no recurrent-state slots: not a hybrid model
+                    continue
                 used = pages_in_use(s) if pool is s.pool else pool.num_used
                 if used:
                     problems.append(f"{where}{used} of {pool.size} {pool.name}s in use")
