@@ -1,9 +1,9 @@
-"""`pdsim validate` serves and simulates a hybrid model's deployment: experiments/real_pd_hybrid.yaml
-(tiny-hybrid, prefill tp 1 -> decode tp 1, its recurrent state moved by Mooncake over TCP on
-loopback) with the committed calibration of this deployment. Both sides complete every request,
-the real workers' pools (pages and recurrent-state slots too) all come back, and the simulated
-transfer of a request's last chunk carries its hybrid state: a sliding window's
-KV and the recurrent state of both linear-attention layers.
+"""`pdsim validate` serves and simulates a hybrid model's deployment,
+experiments/real_pd_hybrid.yaml (tiny-hybrid, prefill tp 1 -> decode tp 1, its recurrent state
+moved by Mooncake over TCP on loopback), with the committed calibration of this deployment. Both
+sides complete every request, the real workers' pools (recurrent-state slots too) all come back,
+and the simulated transfer of a request's last chunk carries its hybrid state: a sliding
+window's KV and the recurrent state of both linear-attention layers.
 """
 
 from __future__ import annotations
