@@ -3,7 +3,8 @@ experiments/real_pd_hybrid.yaml (tiny-hybrid, prefill tp 1 -> decode tp 1, its r
 moved by Mooncake over TCP on loopback), with the committed calibration of this deployment. Both
 sides complete every request, the real workers' pools (recurrent-state slots too) all come back,
 and the simulated transfer of a request's last chunk carries its hybrid state: a sliding
-window's KV and the recurrent state of both linear-attention layers.
+window's KV and the recurrent state of both linear-attention layers. A worker's `/pools` check
+counts its recurrent-state slots: one held outside any request keeps it from full.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pandas as pd
@@ -57,3 +59,36 @@ def test_validate_a_hybrid_deployment(tmp_path):
         done = pd.read_csv(tmp_path / "out" / f"{side}_requests.csv")
         assert len(done) == REQUESTS and (done["status"] == "ok").all(), side
         assert (done["output_tokens"] > 0).all(), side
+
+
+def _pools_around_a_taken_state_slot(group) -> dict:
+    """A tp-1 tiny-hybrid decode worker's `/pools` answer before, while and after one of its
+    recurrent-state slots is held outside any request."""
+    from pd_harness import pd_config
+    from runtime.pd.worker import RankSpec, build_rank
+
+    rank = build_rank(pd_config("tiny-hybrid"), RankSpec("decode", 0, 0, 1), group)
+    engine = rank.engine.start()
+    try:
+        slots = engine.scheds[0].state_slots
+        before = engine.pools(30)
+        slot = engine.call(slots.alloc)
+        held = engine.pools(30)
+        engine.call(lambda: slots.free_many([slot]))
+        return {"before": before, "held": held, "after": engine.pools(30)}
+    finally:
+        engine.stop()
+        rank.manager.close()
+        # Mooncake's destructor holds an exiting process up for seconds: leave once answered.
+        threading.Timer(3.0, os._exit, (0,)).start()
+
+
+def test_a_held_state_slot_keeps_the_pools_from_full():
+    from runtime.distributed import run_ranks
+
+    (got,) = run_ranks(_pools_around_a_taken_state_slot, 1, timeout_s=120)
+    full = {"full": True, "detail": ""}
+    assert got["before"] == got["after"] == full
+    assert got["held"]["full"] is False
+    assert got["held"]["detail"].startswith("1 of ")
+    assert got["held"]["detail"].endswith("state slots in use")
