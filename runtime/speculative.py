@@ -1,20 +1,25 @@
-"""Greedy speculative decoding on the real model: an MTP draft head (runtime/model/draft.py)
-proposes `k` tokens per request, and the target verifies them in one extend forward of `k + 1`
+"""Greedy speculative decoding in the real executor: an MTP draft head (runtime/model/draft.py)
+proposes up to `k` tokens for a request, and the target verifies them in one extend of `k + 1`
 tokens against the paged KV cache.
 
-A verify step of a request with `kv_len` cached tokens and pending token `t` (its last output,
-not yet in the cache) feeds `[t, d_1..d_k]` at positions `kv_len..kv_len + k`; the target's
-greedy tokens `g_0..g_k` at those positions accept the longest prefix with `d_{i+1} == g_i`
-(say `n` drafts), and the step emits `d_1..d_n, g_n`. The cache then holds `kv_len + n + 1`
-valid tokens; the rejected drafts' slots are stale and are overwritten by the next step, and the
-pages that only they used go back to the free list. The target's hidden state at the last
-accepted position feeds the next draft. So the output is exactly the target's greedy output,
-whatever the draft proposes.
+A verify of a request with `L` cached tokens and pending token `t` (its last output, not yet in
+the cache) feeds `[t, d_1..d_k]` at positions `L..L + k`; the target's greedy tokens
+`g_0..g_k` there accept the longest prefix with `d_{i+1} == g_i` (say `n` drafts), so the
+request's next tokens are `d_1..d_n, g_n`: the target's own greedy tokens, whatever the draft
+proposed. The KV of `t, d_1..d_n` is now in the cache; the rejected drafts' slots are stale and
+the next verify overwrites them.
 
-Scope: greedy requests run to `max_new_tokens` in one batch here (`SpeculativeDecoder.generate`);
-the core scheduler's running batch, the serving engine and PD do not speculate yet. Models with
-a recurrent state (hybrid) are refused: rolling a recurrent state back needs a snapshot per
-draft position.
+The core scheduler still plans one token per request per decode step, and its page accounting
+stays exact because the executor never writes outside the pages the scheduler gave a request:
+`k` is cut to the slots those pages hold beyond `L` (and to the tokens the request has left).
+The step returns `d_1` (or `g_0`) and keeps the rest; the scheduler's next steps for that
+request, which feed tokens whose KV is already cached, take them from there without a forward.
+A decode step whose requests all hold verified tokens runs no forward at all.
+
+Only greedy requests without top logprobs speculate; the others in the same step run a plain
+decode forward (a second forward when both kinds are present). An extend of a request (a
+recompute after retraction) drops what it holds. Models with a recurrent state (hybrid) are
+refused: rolling a recurrent state back needs a snapshot per draft position.
 """
 
 from __future__ import annotations
@@ -24,120 +29,134 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.executor import ModelExecutor
+from pdsim.core.request import Request
 from runtime.model import AttentionMetadata
 from runtime.model.draft import MTPDraft
+from runtime.sampler import sample
+from runtime.sampling import SamplingParams
+
+GREEDY = SamplingParams()
 
 
 @dataclass(slots=True)
 class AcceptanceStats:
-    """Verify steps run and the drafts they accepted (per request step, not per batch)."""
+    """Verify steps run (per request) and the drafts they accepted."""
 
     num_draft_tokens: int
     verify_steps: int = 0
+    proposed_drafts: int = 0
     accepted_drafts: int = 0
-    accept_lens: list[int] = field(default_factory=list)  # drafts accepted by each step
 
     @property
     def mean_accepted_drafts(self) -> float:
         """Accepted drafts per verify step (0..k)."""
         return self.accepted_drafts / self.verify_steps if self.verify_steps else 0.0
 
-    @property
-    def mean_accept_len(self) -> float:
-        """Tokens emitted per verify step (accepted drafts + the target's own token), the
-        simulator's `speculative.acceptance.mean_accept_len`."""
-        return self.mean_accepted_drafts + 1.0
-
-    def record(self, accepted: int) -> None:
-        self.verify_steps += 1
-        self.accepted_drafts += accepted
-        self.accept_lens.append(accepted)
+    def as_dict(self) -> dict[str, float]:
+        return {"num_draft_tokens": self.num_draft_tokens, "verify_steps": self.verify_steps,
+                "proposed_drafts": self.proposed_drafts, "accepted_drafts": self.accepted_drafts,
+                "mean_accepted_drafts": self.mean_accepted_drafts}
 
 
-class SpeculativeDecoder:
-    """Greedy generation with `num_draft_tokens` MTP drafts per step, on `executor`'s model and
-    paged cache; `free_pages` are the cache pages it may use (it takes and returns them)."""
+@dataclass(slots=True)
+class _Verified:
+    """Tokens verified ahead of the scheduler: the decode step at KV length `kv_len` returns
+    `tokens[0]`."""
 
-    def __init__(self, executor: ModelExecutor, draft: MTPDraft, num_draft_tokens: int,
-                 free_pages: Sequence[int]) -> None:
-        if num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens={num_draft_tokens}; must be >= 1")
-        if executor.kv.state:
-            raise ValueError(f"model {executor.config.name!r} keeps a recurrent state; "
-                             "speculative decoding supports attention-only models")
-        self.executor, self.draft, self.k = executor, draft, num_draft_tokens
-        self.page_size = executor.page_size
-        self.free_pages = list(free_pages)
-        self.stats = AcceptanceStats(num_draft_tokens)
+    kv_len: int
+    tokens: list[int]
+    logprobs: list[float]
 
-    def _pages_for(self, pages: list[int], tokens: int) -> None:
-        """Grow or shrink `pages` to exactly cover `tokens` slots."""
-        need = -(-tokens // self.page_size)
-        while len(pages) < need:
-            if not self.free_pages:
-                raise RuntimeError(f"out of KV pages: a request needs {need} for {tokens} tokens")
-            pages.append(self.free_pages.pop())
-        while len(pages) > need:
-            self.free_pages.append(pages.pop())
 
-    def _hidden(self, ids: list[int], query_lens: list[int], cached_lens: list[int],
-                tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states and greedy next tokens of every fed token."""
-        ex = self.executor
-        meta = AttentionMetadata.build(query_lens, cached_lens, tables, self.page_size,
-                                       device=ex.device)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=ex.device)
-        hidden = ex.model.hidden_states(input_ids, meta.positions(), meta, ex.kv)
-        logits = ex.model.compute_logits(hidden)
-        if ex.vocab_limit is not None:
-            logits = logits[:, : ex.vocab_limit]
-        return hidden, logits.argmax(-1)
+@dataclass
+class DecodeSpeculation:
+    """The executor's speculative state: the draft head, `k`, each request's last hidden state
+    (the draft's input) and the tokens verified ahead of the scheduler."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        """Each prompt's greedy continuation of `max_new_tokens` tokens."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens}; must be >= 1")
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate needs at least one prompt, each of at least one token")
-        n, k, device = len(prompts), self.k, self.executor.device
-        pages: list[list[int]] = [[] for _ in range(n)]
-        for p, table in zip(prompts, pages):
-            self._pages_for(table, len(p))
-        hidden, greedy = self._hidden([t for p in prompts for t in p], [len(p) for p in prompts],
-                                      [0] * n, pages)
-        last = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1
-        state = hidden[last]  # the target's hidden state before each pending token
-        outputs = [[t] for t in greedy[last].tolist()]
-        kv_lens = [len(p) for p in prompts]
-        active = [i for i in range(n) if max_new_tokens > 1]
-        while active:
-            tokens = torch.tensor([outputs[i][-1] for i in active], device=device)
-            positions = torch.tensor([kv_lens[i] for i in active], device=device)
-            drafts = self.draft.propose(state[active], tokens, positions, k,
-                                        self.executor.vocab_limit).tolist()
-            for i in active:
-                self._pages_for(pages[i], kv_lens[i] + k + 1)
-            hidden, greedy = self._hidden(
-                [t for j, i in enumerate(active) for t in [outputs[i][-1], *drafts[j]]],
-                [k + 1] * len(active), [kv_lens[i] for i in active], [pages[i] for i in active])
-            greedy = greedy.view(len(active), k + 1).tolist()
-            keep = []
-            for j, i in enumerate(active):
-                accepted = 0
-                while accepted < k and drafts[j][accepted] == greedy[j][accepted]:
-                    accepted += 1
-                self.stats.record(accepted)
-                emitted = (drafts[j][:accepted] + [greedy[j][accepted]])
-                outputs[i].extend(emitted[: max_new_tokens - len(outputs[i])])
-                kv_lens[i] += accepted + 1
-                state[i] = hidden[j * (k + 1) + accepted]
-                if len(outputs[i]) < max_new_tokens:
-                    self._pages_for(pages[i], kv_lens[i])  # the rejected drafts' pages return
-                    keep.append(i)
-                else:
-                    self._pages_for(pages[i], 0)
-            active = keep
-        for table in pages:
-            self._pages_for(table, 0)
-        return outputs
+    draft: MTPDraft
+    num_draft_tokens: int
+    stats: AcceptanceStats = field(init=False)
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
+    verified: dict[str, _Verified] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens={self.num_draft_tokens}; must be >= 1")
+        self.stats = AcceptanceStats(self.num_draft_tokens)
+
+    def forget(self, rid: str) -> None:
+        self.hidden.pop(rid, None)
+        self.verified.pop(rid, None)
+
+    def remember(self, reqs: Sequence[Request], sampled: Sequence[bool],
+                 hidden: torch.Tensor) -> None:
+        """Keep the last-token hidden states of a plain forward's rows; an extend's other rows
+        (a chunk that is not the last) drop what their request held."""
+        for row, (req, last) in enumerate(zip(reqs, sampled)):
+            self.verified.pop(req.rid, None)
+            if last:
+                self.hidden[req.rid] = hidden[row]
+            else:
+                self.hidden.pop(req.rid, None)
+
+    def can_verify(self, req: Request, top_k: dict[str, int]) -> bool:
+        params = req.sampling
+        return ((params is None or params.greedy) and req.rid not in top_k
+                and req.rid in self.hidden)
+
+    def take(self, req: Request, kv_len: int) -> tuple[int, float] | None:
+        """The verified token of `req`'s decode step at `kv_len`, if it holds one."""
+        got = self.verified.get(req.rid)
+        if got is None or got.kv_len != kv_len:
+            self.verified.pop(req.rid, None)
+            return None
+        token, logprob = got.tokens.pop(0), got.logprobs.pop(0)
+        got.kv_len += 1
+        if not got.tokens:
+            del self.verified[req.rid]
+        return token, logprob
+
+    def drafts_for(self, req: Request, kv_len: int, page_size: int, max_position: int) -> int:
+        """Drafts `req` may verify at `kv_len`: within its pages, its tokens left, positions."""
+        room = len(req.pages) * page_size - kv_len - 1
+        left = req.max_new_tokens - req.num_output - 1
+        return max(0, min(self.num_draft_tokens, room, left, max_position - kv_len - 1))
+
+    def verify(self, executor, reqs: Sequence[Request],
+               kv_lens: Sequence[int]) -> list[tuple[int, float]]:
+        """One verify forward for greedy `reqs`; each one's token for this step (the rest of
+        its accepted tokens are kept for its next steps)."""
+        model, device, vocab_limit = executor.model, executor.device, executor.vocab_limit
+        ks = [self.drafts_for(r, L, executor.page_size, executor.config.max_position)
+              for r, L in zip(reqs, kv_lens)]
+        pending = [r.output_ids[-1] for r in reqs]
+        drafts = self.draft.propose(
+            torch.stack([self.hidden[r.rid] for r in reqs]),
+            torch.tensor(pending, device=device), torch.tensor(list(kv_lens), device=device),
+            max(ks), vocab_limit).tolist() if max(ks) else [[] for _ in reqs]
+        ids = [t for p, d, k in zip(pending, drafts, ks) for t in [p, *d[:k]]]
+        query_lens = [k + 1 for k in ks]
+        meta = AttentionMetadata.build(query_lens, kv_lens, [r.pages for r in reqs],
+                                       executor.page_size, device=device)
+        hidden = model.hidden_states(torch.tensor(ids, dtype=torch.int64, device=device),
+                                     meta.positions(), meta, executor.kv)
+        logits = model.compute_logits(hidden)
+        if vocab_limit is not None:
+            logits = logits[:, :vocab_limit]
+        result = sample(logits, [GREEDY] * len(ids), [None] * len(ids))
+        greedy, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
+        out = []
+        for req, d, k, start, L in zip(reqs, drafts, ks, meta.token_starts, kv_lens):
+            n = 0
+            while n < k and d[n] == greedy[start + n]:
+                n += 1
+            if k:
+                self.stats.verify_steps += 1
+                self.stats.proposed_drafts += k
+                self.stats.accepted_drafts += n
+            self.hidden[req.rid] = hidden[start + n]
+            out.append((greedy[start], logprobs[start]))
+            if n:
+                self.verified[req.rid] = _Verified(L + 1, greedy[start + 1: start + n + 1],
+                                                   logprobs[start + 1: start + n + 1])
+        return out

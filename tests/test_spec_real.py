@@ -1,92 +1,115 @@
-"""Speculative decoding on the real model (runtime/speculative.py, runtime/model/draft.py):
-greedy output identical to the target's own greedy decoding, drafts accepted or rejected."""
+"""Speculative decoding in the real executor (runtime/speculative.py, runtime/model/draft.py):
+through the core scheduler, greedy output is identical with and without speculation, whether
+the drafts are accepted or rejected, and the page pool comes back full."""
 
 import pytest
 import torch
+from configs import scheduler_config
 
+from pdsim.core.request import Request
+from pdsim.core.scheduler import ColocatedScheduler
 from runtime.executor import ModelExecutor
-from runtime.model import AttentionMetadata, PRESETS, build_model
+from runtime.model import PRESETS, build_model
 from runtime.model.draft import build_draft
-from runtime.speculative import SpeculativeDecoder
+from runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.real
 
-PROMPTS = [[1, 2, 3], [7] * 9, list(range(40, 60)), [300, 5, 300, 5, 300]]
+VOCAB = 300
 NEW_TOKENS = 12
-PAGE_SIZE = 4
-NUM_PAGES = 64
 
 
-def reference(model, prompt, new_tokens):
-    """Greedy decoding by recomputing the whole sequence without a cache each step."""
-    seq = list(prompt)
-    for _ in range(new_tokens):
-        meta = AttentionMetadata.without_cache([len(seq)])
-        logits = model(torch.tensor(seq), meta.positions(), meta, None)
-        seq.append(int(logits[0].argmax()))
-    return seq[len(prompt):]
+@pytest.fixture(autouse=True)
+def _torch_kernels(monkeypatch):
+    monkeypatch.setenv("PDSIM_KERNEL_BACKEND", "torch")
 
 
-def setup(preset):
-    model = build_model(PRESETS[preset], seed=3)
-    executor = ModelExecutor(model, num_pages=NUM_PAGES, page_size=PAGE_SIZE)
-    return model, executor
+def prompt(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mla"])
-@pytest.mark.parametrize("k", [1, 3])
-def test_mtp_draft_output_equals_greedy(preset, k):
-    model, executor = setup(preset)
-    decoder = SpeculativeDecoder(executor, build_draft(model, seed=5), k, range(NUM_PAGES))
-    got = decoder.generate(PROMPTS, NEW_TOKENS)
-    assert got == [reference(model, p, NEW_TOKENS) for p in PROMPTS]
-    stats = decoder.stats
-    assert stats.verify_steps >= len(PROMPTS) * (NEW_TOKENS - 1) / (k + 1)
-    assert 0 <= stats.mean_accepted_drafts <= k
-    assert sorted(decoder.free_pages) == list(range(NUM_PAGES))  # every page came back
-    print(f"{preset} k={k}: {stats.mean_accepted_drafts:.2f} drafts accepted per verify step")
+def run(model, *, draft=None, k=3, num_pages=40, sampled=()):
+    """Six requests through the colocated scheduler; (requests, executor, scheduler)."""
+    cfg = scheduler_config(num_pages, page_size=4, max_running_requests=8,
+                           max_prefill_tokens=48, chunked_prefill_size=8,
+                           num_reserved_decode_tokens=2)
+    sched = ColocatedScheduler(cfg)
+    executor = ModelExecutor(model, num_pages=cfg.num_pages, page_size=cfg.page_size,
+                             vocab_limit=VOCAB)
+    if draft is not None:
+        executor.speculate(draft, k)
+    reqs = [Request(f"r{i}", 5 + 3 * i, NEW_TOKENS, arrival_s=0.0, prompt_ids=prompt(5 + 3 * i, i),
+                    sampling=SamplingParams(temperature=1.0, seed=i) if i in sampled else None)
+            for i in range(6)]
+    now, forwards = 0.0, 0
+    for r in reqs:
+        sched.add_request(r, now)
+    while not sched.is_idle:
+        batch = sched.step(now)
+        assert batch is not None, "the scheduler stalled"
+        result = executor.forward(batch)
+        now += result.duration_s + 1e-3
+        sched.on_batch_done(batch, result, now)
+    sched.check_pools_full()
+    assert not any(r.error for r in reqs)
+    return reqs, executor
 
 
 class OracleDraft:
-    """Proposes the reference continuation, wrong wherever position % 3 == 0, so verify steps
-    accept 0..k drafts."""
+    """Proposes the reference continuation, wrong at every third output index, so verify
+    steps accept anything from 0 to k drafts."""
 
-    def __init__(self, prompt, ref):
-        self.prompt, self.ref = prompt, ref
+    def __init__(self, reference):
+        self.reference = reference  # (pending token, position) -> what follows, per request
 
     def propose(self, hidden, tokens, positions, k, vocab_limit=None):
-        start = int(positions[0]) - len(self.prompt) + 1  # index in ref of the first draft
-        out = []
-        for j in range(k):
-            i = start + j
-            tok = self.ref[i] if i < len(self.ref) else 0
-            out.append((tok + 1) % 512 if (i + len(self.prompt)) % 3 == 0 else tok)
-        return torch.tensor([out])
+        rows = []
+        for token, pos in zip(tokens.tolist(), positions.tolist()):
+            follow = self.reference[(token, pos)]
+            rows.append([(t + 1) % VOCAB if (pos + j) % 3 == 0 else t
+                         for j, t in enumerate((follow + [0] * k)[:k])])
+        return torch.tensor(rows)
 
 
-def test_accepted_and_rejected_drafts_keep_greedy_output():
-    model, executor = setup("tiny-llama")
-    k = 3
-    for prompt in PROMPTS:
-        ref = reference(model, prompt, NEW_TOKENS)
-        decoder = SpeculativeDecoder(executor, OracleDraft(prompt, ref), k, range(NUM_PAGES))
-        assert decoder.generate([prompt], NEW_TOKENS) == [ref]
-        lens = decoder.stats.accept_lens
-        assert 0 < decoder.stats.accepted_drafts and min(lens) < k  # both paths ran
-        assert len(lens) < NEW_TOKENS - 1  # fewer forwards than plain decoding
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mla"])
+def test_mtp_speculation_keeps_greedy_output(preset):
+    model = build_model(PRESETS[preset], seed=3)
+    plain, _ = run(model)
+    spec, executor = run(model, draft=build_draft(model, seed=5), k=3)
+    for a, b in zip(plain, spec):
+        assert b.output_ids == a.output_ids, a.rid
+        assert b.output_logprobs == pytest.approx(a.output_logprobs, abs=1e-4)
+    stats = executor.speculation.stats
+    assert stats.verify_steps > 0 and 0 <= stats.accepted_drafts <= stats.proposed_drafts
+    print(f"{preset}: random MTP head, {stats.mean_accepted_drafts:.3f} drafts accepted per "
+          f"verify step ({stats.accepted_drafts}/{stats.proposed_drafts})")
 
 
-def test_hybrid_refused():
+@pytest.mark.parametrize("num_pages", [40, 12])  # 12: retractions and recomputes
+def test_accepted_and_rejected_drafts_keep_output_and_pages(num_pages):
+    model = build_model(PRESETS["tiny-llama"], seed=3)
+    sampled = {2} if num_pages == 12 else set()  # a sampled request decodes plainly
+    plain, _ = run(model, num_pages=num_pages, sampled=sampled)
+    reference = {}
+    for r in plain:
+        seq = r.prompt_ids + r.output_ids
+        for pos in range(len(r.prompt_ids), len(seq)):
+            reference[(seq[pos], pos)] = seq[pos + 1:]
+    spec, executor = run(model, draft=OracleDraft(reference), k=3, num_pages=num_pages,
+                         sampled=sampled)
+    for a, b in zip(plain, spec):
+        assert b.output_ids == a.output_ids, a.rid
+    stats = executor.speculation.stats
+    assert 0 < stats.accepted_drafts < stats.proposed_drafts
+    print(f"oracle draft, {num_pages} pages: {stats.mean_accepted_drafts:.2f} drafts accepted per "
+          f"verify step")
+
+
+def test_refused_where_it_cannot_roll_back():
     model = build_model(PRESETS["tiny-hybrid"], seed=0)
     executor = ModelExecutor(model, num_pages=8, page_size=4, state_slots=2)
     with pytest.raises(ValueError, match="recurrent state"):
-        SpeculativeDecoder(executor, None, 2, range(8))
-
-
-def test_bad_arguments():
-    model, executor = setup("tiny-llama")
+        executor.speculate(None, 2)
+    llama = build_model(PRESETS["tiny-llama"], seed=0)
     with pytest.raises(ValueError, match="num_draft_tokens"):
-        SpeculativeDecoder(executor, build_draft(model), 0, range(NUM_PAGES))
-    decoder = SpeculativeDecoder(executor, build_draft(model), 2, range(2))
-    with pytest.raises(RuntimeError, match="out of KV pages"):
-        decoder.generate([list(range(20))], 4)
+        ModelExecutor(llama, num_pages=8, page_size=4).speculate(build_draft(llama), 0)
