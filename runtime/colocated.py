@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from runtime.driver import Engine
 from runtime.executor import ModelExecutor
+from runtime.model.draft import build_draft
 from runtime.model.hybrid import with_state_slots
 from runtime.model.loading import load_served_model, load_text_side, resolve_device
 from runtime.openai.protocol import Limits
@@ -35,6 +36,9 @@ def build_server(config: ServeConfig) -> OpenAIServer:
     executor = ModelExecutor(model, num_pages=config.num_pages, page_size=config.page_size,
                              seed=config.seed, vocab_limit=text.vocab_limit(mcfg.vocab_size),
                              state_slots=sched_cfg.state_slots)
+    if config.speculative.method == "mtp":
+        executor.speculate(build_draft(model, seed=config.seed),
+                           config.speculative.num_draft_tokens)
     executor.warmup()
     engine = Engine(executor, sched_cfg, max_records=config.max_records)
     limits = Limits(max_model_len=min(sched_cfg.pool_tokens, mcfg.max_position),

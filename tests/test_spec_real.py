@@ -113,3 +113,24 @@ def test_refused_where_it_cannot_roll_back():
     llama = build_model(PRESETS["tiny-llama"], seed=0)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         ModelExecutor(llama, num_pages=8, page_size=4).speculate(build_draft(llama), 0)
+
+
+SPEC = {"method": "mtp", "num_draft_tokens": 2, "acceptance": {"mean_accept_len": 1.5}}
+
+
+def test_colocated_server_speculates_and_pd_refuses():
+    from configs import colocated_config, tiny_pd_yaml
+
+    from runtime.colocated import build_server
+    from runtime.serve_config import PDServeConfig
+
+    server = build_server(colocated_config(num_pages=32, page_size=4, seed=1, device="cpu",
+                                           speculative=SPEC))
+    spec = server.engine.executor.speculation
+    assert spec is not None and spec.num_draft_tokens == 2
+    with pytest.raises(ValueError, match="real backend serves method 'mtp'"):
+        colocated_config(num_pages=32, page_size=4, speculative={**SPEC, "method": "eagle"})
+    import yaml
+    pd = yaml.safe_load(tiny_pd_yaml())
+    with pytest.raises(ValueError, match="speculates colocated only"):
+        PDServeConfig(**pd, speculative=SPEC)
