@@ -72,6 +72,8 @@ GAUGE_HELP = {
     "pdsim_request_slots_used": "Request slots in use.",
     "pdsim_metadata_slots_used": "First-token metadata slots in use.",
     "pdsim_transfers_pending": "Transfers not yet finished on every TP rank.",
+    "sglang:spec_accept_length": "Speculative decoding: tokens per verify step (accepted "
+                                 "drafts + 1), mean since the engine started.",
 }
 
 DERIVED_HELP = {

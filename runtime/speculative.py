@@ -52,10 +52,11 @@ class AcceptanceStats:
         """Accepted drafts per verify step (0..k)."""
         return self.accepted_drafts / self.verify_steps if self.verify_steps else 0.0
 
-    def as_dict(self) -> dict[str, float]:
-        return {"num_draft_tokens": self.num_draft_tokens, "verify_steps": self.verify_steps,
-                "proposed_drafts": self.proposed_drafts, "accepted_drafts": self.accepted_drafts,
-                "mean_accepted_drafts": self.mean_accepted_drafts}
+    @property
+    def mean_accept_len(self) -> float:
+        """Tokens per verify step (accepted drafts + the target's own), SGLang's
+        `spec_accept_length` and the simulator's `speculative.acceptance.mean_accept_len`."""
+        return self.mean_accepted_drafts + 1.0
 
 
 @dataclass(slots=True)

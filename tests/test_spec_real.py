@@ -2,6 +2,9 @@
 through the core scheduler, greedy output is identical with and without speculation, whether
 the drafts are accepted or rejected, and the page pool comes back full."""
 
+import json
+import urllib.request
+
 import pytest
 import torch
 from configs import scheduler_config
@@ -118,19 +121,42 @@ def test_refused_where_it_cannot_roll_back():
 SPEC = {"method": "mtp", "num_draft_tokens": 2, "acceptance": {"mean_accept_len": 1.5}}
 
 
-def test_colocated_server_speculates_and_pd_refuses():
+def complete(url, prompt_ids):
+    body = json.dumps({"model": "tiny-llama", "prompt": prompt_ids, "max_tokens": NEW_TOKENS,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.load(resp)["choices"][0]["text"]
+
+
+def test_colocated_server_speculates_the_same_text_and_reports_acceptance():
+    from configs import colocated_config
+
+    from runtime.colocated import BackgroundServer
+
+    prompts = [prompt(6 + i, 20 + i) for i in range(3)]
+    texts = {}
+    for spec in ({}, {"speculative": SPEC}):
+        cfg = colocated_config(num_pages=32, page_size=4, seed=1, device="cpu", **spec)
+        with BackgroundServer(cfg) as srv:
+            texts[bool(spec)] = [complete(srv.url, p) for p in prompts]
+            with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as resp:
+                metrics = resp.read().decode()
+            speculation = srv.engine.executor.speculation
+    assert texts[True] == texts[False]
+    assert speculation.stats.verify_steps > 0
+    line = next(x for x in metrics.splitlines() if x.startswith("sglang:spec_accept_length"))
+    assert float(line.split()[-1]) == pytest.approx(speculation.stats.mean_accept_len)
+
+
+def test_refused_outside_colocated_mtp():
+    import yaml
     from configs import colocated_config, tiny_pd_yaml
 
-    from runtime.colocated import build_server
     from runtime.serve_config import PDServeConfig
 
-    server = build_server(colocated_config(num_pages=32, page_size=4, seed=1, device="cpu",
-                                           speculative=SPEC))
-    spec = server.engine.executor.speculation
-    assert spec is not None and spec.num_draft_tokens == 2
     with pytest.raises(ValueError, match="real backend serves method 'mtp'"):
         colocated_config(num_pages=32, page_size=4, speculative={**SPEC, "method": "eagle"})
-    import yaml
-    pd = yaml.safe_load(tiny_pd_yaml())
     with pytest.raises(ValueError, match="speculates colocated only"):
-        PDServeConfig(**pd, speculative=SPEC)
+        PDServeConfig(**yaml.safe_load(tiny_pd_yaml()), speculative=SPEC)
