@@ -192,7 +192,7 @@ class ServeMetrics:
         tokens, of the requests whose prompt this forward completed)."""
         self.forwards.labels(batch.kind).inc()
         self.forward_seconds.labels(batch.kind).inc(seconds)
-        if batch.kind == "decode":  # a token per request (the real executor never speculates)
+        if batch.kind == "decode":  # a token per request (speculation too: runtime/speculative.py)
             self._decoded(batch.shape.decode_reqs, seconds)
             return
         prompt = sum(r.input_len for r in produced)
