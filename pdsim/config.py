@@ -86,7 +86,8 @@ class AcceptanceConfig(_Spec):
 
 
 class SpeculativeConfig(_Spec):
-    """Speculative decoding, simulator only: the real backend does not speculate."""
+    """Speculative decoding: simulated with the given acceptance; the real backend serves
+    method mtp colocated (runtime/speculative.py) and measures its own acceptance."""
 
     method: Literal["none", "mtp", "eagle"] = Field(
         "none", description="simulator only: mtp (the target's own MTP layers, DeepSeek-V3) or "

@@ -14,8 +14,9 @@ import signal
 import threading
 from collections.abc import Callable
 
-from runtime.driver import Engine
+from runtime.driver import Engine, merged_gauges
 from runtime.executor import ModelExecutor
+from runtime.model.draft import build_draft
 from runtime.model.hybrid import with_state_slots
 from runtime.model.loading import load_served_model, load_text_side, resolve_device
 from runtime.openai.protocol import Limits
@@ -35,8 +36,16 @@ def build_server(config: ServeConfig) -> OpenAIServer:
     executor = ModelExecutor(model, num_pages=config.num_pages, page_size=config.page_size,
                              seed=config.seed, vocab_limit=text.vocab_limit(mcfg.vocab_size),
                              state_slots=sched_cfg.state_slots)
+    gauges = merged_gauges
+    if config.speculative.method == "mtp":
+        executor.speculate(build_draft(model, seed=config.seed),
+                           config.speculative.num_draft_tokens)
+        stats = executor.speculation.stats
+
+        def gauges(scheds):
+            return {**merged_gauges(scheds), "sglang:spec_accept_length": stats.mean_accept_len}
     executor.warmup()
-    engine = Engine(executor, sched_cfg, max_records=config.max_records)
+    engine = Engine(executor, sched_cfg, gauges=gauges, max_records=config.max_records)
     limits = Limits(max_model_len=min(sched_cfg.pool_tokens, mcfg.max_position),
                     pool_tokens=sched_cfg.pool_tokens, max_position=mcfg.max_position,
                     model_vocab=mcfg.vocab_size)

@@ -26,6 +26,10 @@ so the other ranks' MLP collectives go on), and every process then gathers every
 tokens, logprobs, failures and top logprobs, so that each holds the same results per rank
 (`execute` returns one `BatchResult` per rank, None for an idle one).
 
+With `speculate(draft, k)` greedy decode steps verify MTP draft tokens (runtime/speculative.py):
+the tokens are the same, some steps run no forward, and `speculation.stats` counts the
+accepted drafts.
+
 Every forward is timed (wall clock, the device synchronised) and recorded with its `BatchShape`,
 the inputs of the simulator's cost model: `timings_frame()` / `save_timings(path)`.
 """
@@ -47,7 +51,9 @@ from pdsim.core.request import Request
 from runtime.model.hybrid import recurrent_state_for
 from runtime.model.kv_cache import PagedKVCache
 from runtime.model import AttentionMetadata, CausalLM
+from runtime.model.draft import MTPDraft
 from runtime.model.tp import run_idle
+from runtime.speculative import DecodeSpeculation
 from runtime.sampler import make_generator, sample
 from runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -103,6 +109,17 @@ class ModelExecutor:
         self._failures: dict[str, str] = {}
         self._new_top: dict[str, list[tuple[int, float]]] = {}  # the last forward's top logprobs
         self.dp = getattr(model, "dp", None)  # `DPRanks` of an attention-DP instance
+        self.tp_size = tp_size
+        self.speculation: DecodeSpeculation | None = None
+
+    def speculate(self, draft: MTPDraft, num_draft_tokens: int) -> None:
+        """Verify up to `num_draft_tokens` drafts of `draft` per greedy decode step."""
+        if self.kv.state:
+            raise ValueError(f"model {self.config.name!r} keeps a recurrent state; speculative "
+                             "decoding supports attention-only models")
+        if self.tp_size != 1 or self.dp is not None:
+            raise ValueError("speculative decoding runs on one GPU: tp_size 1, no attention DP")
+        self.speculation = DecodeSpeculation(draft, num_draft_tokens)
 
     # ---- per-request state -----------------------------------------------------------------
 
@@ -127,6 +144,8 @@ class ModelExecutor:
         self._generators.pop(rid, None)
         self._top_k.pop(rid, None)
         self._top.pop(rid, None)
+        if self.speculation is not None:
+            self.speculation.forget(rid)
 
     def _sampling(self, req: Request) -> tuple[SamplingParams, torch.Generator | None]:
         params = req.sampling if req.sampling is not None else GREEDY
@@ -185,6 +204,7 @@ class ModelExecutor:
         start = time.perf_counter()
         self._failures = {}  # this batch's rows whose sampling fails
         self._new_top = {}
+        self._ran_forward = True
         if batch.kind == "extend":
             token_ids, logprobs = self._extend(batch)
         elif batch.kind == "decode":
@@ -193,8 +213,10 @@ class ModelExecutor:
             raise ValueError(f"batch kind {batch.kind!r}; allowed: 'extend', 'decode'")
         duration = time.perf_counter() - start  # .tolist() above synchronised the device
         s = batch.shape
-        self.timings.append(ForwardTiming(batch.kind, s.prefill_tokens, s.prefill_attn_pairs,
-                                          s.decode_reqs, s.decode_context_tokens, duration))
+        if self._ran_forward:  # a speculative step may only hand out verified tokens
+            self.timings.append(ForwardTiming(batch.kind, s.prefill_tokens, s.prefill_attn_pairs,
+                                              s.decode_reqs, s.decode_context_tokens,
+                                              duration))
         return BatchResult(duration_s=duration, token_ids=token_ids, logprobs=logprobs,
                            failed=self._failures or None)
 
@@ -215,10 +237,35 @@ class ModelExecutor:
         return self._forward(ids, query_lens, cached_lens, tables, reqs, sampled)
 
     def _decode(self, batch: DecodeBatch) -> tuple[list[int], list[float]]:
+        if self.speculation is not None:
+            return self._decode_speculative(batch)
         ids = [req.output_ids[-1] for req in batch.reqs]
         tables = [req.pages for req in batch.reqs]
         n = len(batch.reqs)
         return self._forward(ids, [1] * n, batch.kv_lens(), tables, batch.reqs, [True] * n)
+
+    def _decode_speculative(self, batch: DecodeBatch) -> tuple[list[int], list[float]]:
+        """Rows holding verified tokens take them; greedy rows verify drafts in one forward;
+        the others decode plainly."""
+        spec, kv_lens = self.speculation, batch.kv_lens()
+        out: list[tuple[int, float] | None] = [spec.take(r, L)
+                                               for r, L in zip(batch.reqs, kv_lens)]
+        verify = [i for i, r in enumerate(batch.reqs)
+                  if out[i] is None and spec.can_verify(r, self._top_k)]
+        if verify:
+            got = spec.verify(self, [batch.reqs[i] for i in verify], [kv_lens[i] for i in verify])
+            for i, token in zip(verify, got):
+                out[i] = token
+        plain = [i for i, token in enumerate(out) if token is None]
+        self._ran_forward = bool(verify or plain)
+        if plain:
+            reqs = [batch.reqs[i] for i in plain]
+            tokens, logprobs = self._forward([r.output_ids[-1] for r in reqs], [1] * len(reqs),
+                                             [kv_lens[i] for i in plain], [r.pages for r in reqs],
+                                             reqs, [True] * len(reqs))
+            for i, token, logprob in zip(plain, tokens, logprobs):
+                out[i] = (token, logprob)
+        return [t for t, _ in out], [lp for _, lp in out]
 
     def _forward(self, ids: list[int], query_lens: list[int], cached_lens: list[int],
                  tables: Sequence[Sequence[int]], reqs: Sequence[Request],
@@ -227,7 +274,13 @@ class ModelExecutor:
         meta = AttentionMetadata.build(query_lens, cached_lens, tables, self.page_size,
                                        device=self.device, state_slots=state_slots)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        logits = self.model(input_ids, meta.positions(), meta, self.kv)
+        if self.speculation is None:
+            logits = self.model(input_ids, meta.positions(), meta, self.kv)
+        else:  # the draft reads the last hidden states
+            hidden = self.model.hidden_states(input_ids, meta.positions(), meta, self.kv)
+            hidden = hidden[meta.last_token_indices()]
+            self.speculation.remember(reqs, sampled, hidden)
+            logits = self.model.compute_logits(hidden)
         if self.vocab_limit is not None:
             logits = logits[:, : self.vocab_limit]
         params, gens = [], []

@@ -123,6 +123,11 @@ class ServeConfig(_ServeBase):
             raise ValueError(f"cluster.colocated.ep: {self.cluster.colocated.ep}; the colocated "
                              "server is one process: the real backend serves expert "
                              "parallelism disaggregated (prefill or decode ep)")
+        spec = self.speculative
+        if spec.method == "eagle" or (spec.method == "mtp" and spec.draft_layers != 1):
+            raise ValueError(f"speculative: method {spec.method!r} with draft_layers "
+                             f"{spec.draft_layers}; the real backend serves method 'mtp' (one "
+                             "random-weight MTP layer, draft_layers 1) or 'none'")
         return self
 
     @property
@@ -152,6 +157,9 @@ class PDServeConfig(_ServeBase):
         if self.cluster.mode != "disaggregated":
             raise ValueError("cluster.mode: a PDServeConfig is disaggregated; use ServeConfig")
         check_serving(self.faults)
+        if self.speculative.method != "none":
+            raise ValueError(f"speculative.method {self.speculative.method!r}: the real backend "
+                             "speculates colocated only (ServeConfig); PD serves 'none'")
         return self
 
     @model_validator(mode="after")

@@ -72,6 +72,8 @@ GAUGE_HELP = {
     "pdsim_request_slots_used": "Request slots in use.",
     "pdsim_metadata_slots_used": "First-token metadata slots in use.",
     "pdsim_transfers_pending": "Transfers not yet finished on every TP rank.",
+    "sglang:spec_accept_length": "Speculative decoding: tokens per verify step (accepted "
+                                 "drafts + 1), mean since the engine started.",
 }
 
 DERIVED_HELP = {
@@ -190,7 +192,7 @@ class ServeMetrics:
         tokens, of the requests whose prompt this forward completed)."""
         self.forwards.labels(batch.kind).inc()
         self.forward_seconds.labels(batch.kind).inc(seconds)
-        if batch.kind == "decode":  # a token per request (the real executor never speculates)
+        if batch.kind == "decode":  # a token per request (speculation too: runtime/speculative.py)
             self._decoded(batch.shape.decode_reqs, seconds)
             return
         prompt = sum(r.input_len for r in produced)

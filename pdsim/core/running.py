@@ -278,8 +278,8 @@ def _nones():
 
 @dataclass(frozen=True, slots=True)
 class Speculation:
-    """Speculative decoding as a running batch sees it (simulator only: the real backend does
-    not speculate).
+    """Speculative decoding as a running batch sees it (simulator only: the real backend
+    speculates inside its executor, runtime/speculative.py, and plans plain decode steps).
 
     num_draft_tokens: drafts proposed per request per step (k); the verify forward computes
         k + 1 query tokens per request.

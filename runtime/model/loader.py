@@ -31,9 +31,15 @@ def build_model(config: ModelConfig, *, seed: int = 0,
     winners; norm weights are 1 and biases N(0, 0.02^2).
     """
     model = _materialize(config, device)
+    init_random(model, seed)
+    return model
+
+
+def init_random(module: torch.nn.Module, seed: int) -> None:
+    """Fill `module`'s parameters from `seed` alone, as `build_model` does."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
+        for name, param in sorted(module.named_parameters()):
             if name.endswith(".bias"):
                 value = torch.randn(param.shape, generator=gen) * 0.02
             elif param.dim() == 1:
@@ -41,7 +47,6 @@ def build_model(config: ModelConfig, *, seed: int = 0,
             else:
                 value = torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5
             param.copy_(value)
-    return model
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu",

@@ -1,0 +1,162 @@
+"""Speculative decoding in the real executor (runtime/speculative.py, runtime/model/draft.py):
+through the core scheduler, greedy output is identical with and without speculation, whether
+the drafts are accepted or rejected, and the page pool comes back full."""
+
+import json
+import urllib.request
+
+import pytest
+import torch
+from configs import scheduler_config
+
+from pdsim.core.request import Request
+from pdsim.core.scheduler import ColocatedScheduler
+from runtime.executor import ModelExecutor
+from runtime.model import PRESETS, build_model
+from runtime.model.draft import build_draft
+from runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.real
+
+VOCAB = 300
+NEW_TOKENS = 12
+
+
+@pytest.fixture(autouse=True)
+def _torch_kernels(monkeypatch):
+    monkeypatch.setenv("PDSIM_KERNEL_BACKEND", "torch")
+
+
+def prompt(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(model, *, draft=None, k=3, num_pages=40, sampled=()):
+    """Six requests through the colocated scheduler; (requests, executor, scheduler)."""
+    cfg = scheduler_config(num_pages, page_size=4, max_running_requests=8,
+                           max_prefill_tokens=48, chunked_prefill_size=8,
+                           num_reserved_decode_tokens=2)
+    sched = ColocatedScheduler(cfg)
+    executor = ModelExecutor(model, num_pages=cfg.num_pages, page_size=cfg.page_size,
+                             vocab_limit=VOCAB)
+    if draft is not None:
+        executor.speculate(draft, k)
+    reqs = [Request(f"r{i}", 5 + 3 * i, NEW_TOKENS, arrival_s=0.0, prompt_ids=prompt(5 + 3 * i, i),
+                    sampling=SamplingParams(temperature=1.0, seed=i) if i in sampled else None)
+            for i in range(6)]
+    now, forwards = 0.0, 0
+    for r in reqs:
+        sched.add_request(r, now)
+    while not sched.is_idle:
+        batch = sched.step(now)
+        assert batch is not None, "the scheduler stalled"
+        result = executor.forward(batch)
+        now += result.duration_s + 1e-3
+        sched.on_batch_done(batch, result, now)
+    sched.check_pools_full()
+    assert not any(r.error for r in reqs)
+    return reqs, executor
+
+
+class OracleDraft:
+    """Proposes the reference continuation, wrong at every third output index, so verify
+    steps accept anything from 0 to k drafts."""
+
+    def __init__(self, reference):
+        self.reference = reference  # (pending token, position) -> what follows, per request
+
+    def propose(self, hidden, tokens, positions, k, vocab_limit=None):
+        rows = []
+        for token, pos in zip(tokens.tolist(), positions.tolist()):
+            follow = self.reference[(token, pos)]
+            rows.append([(t + 1) % VOCAB if (pos + j) % 3 == 0 else t
+                         for j, t in enumerate((follow + [0] * k)[:k])])
+        return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mla"])
+def test_mtp_speculation_keeps_greedy_output(preset):
+    model = build_model(PRESETS[preset], seed=3)
+    plain, _ = run(model)
+    spec, executor = run(model, draft=build_draft(model, seed=5), k=3)
+    for a, b in zip(plain, spec):
+        assert b.output_ids == a.output_ids, a.rid
+        assert b.output_logprobs == pytest.approx(a.output_logprobs, abs=1e-4)
+    stats = executor.speculation.stats
+    assert stats.verify_steps > 0 and 0 <= stats.accepted_drafts <= stats.proposed_drafts
+    print(f"{preset}: random MTP head, {stats.mean_accepted_drafts:.3f} drafts accepted per "
+          f"verify step ({stats.accepted_drafts}/{stats.proposed_drafts})")
+
+
+@pytest.mark.parametrize("num_pages", [40, 12])  # 12: retractions and recomputes
+def test_accepted_and_rejected_drafts_keep_output_and_pages(num_pages):
+    model = build_model(PRESETS["tiny-llama"], seed=3)
+    sampled = {2} if num_pages == 12 else set()  # a sampled request decodes plainly
+    plain, _ = run(model, num_pages=num_pages, sampled=sampled)
+    reference = {}
+    for r in plain:
+        seq = r.prompt_ids + r.output_ids
+        for pos in range(len(r.prompt_ids), len(seq)):
+            reference[(seq[pos], pos)] = seq[pos + 1:]
+    spec, executor = run(model, draft=OracleDraft(reference), k=3, num_pages=num_pages,
+                         sampled=sampled)
+    for a, b in zip(plain, spec):
+        assert b.output_ids == a.output_ids, a.rid
+    stats = executor.speculation.stats
+    assert 0 < stats.accepted_drafts < stats.proposed_drafts
+    print(f"oracle draft, {num_pages} pages: {stats.mean_accepted_drafts:.2f} drafts accepted per "
+          f"verify step")
+
+
+def test_refused_where_it_cannot_roll_back():
+    model = build_model(PRESETS["tiny-hybrid"], seed=0)
+    executor = ModelExecutor(model, num_pages=8, page_size=4, state_slots=2)
+    with pytest.raises(ValueError, match="recurrent state"):
+        executor.speculate(None, 2)
+    llama = build_model(PRESETS["tiny-llama"], seed=0)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        ModelExecutor(llama, num_pages=8, page_size=4).speculate(build_draft(llama), 0)
+
+
+SPEC = {"method": "mtp", "num_draft_tokens": 2, "acceptance": {"mean_accept_len": 1.5}}
+
+
+def complete(url, prompt_ids):
+    body = json.dumps({"model": "tiny-llama", "prompt": prompt_ids, "max_tokens": NEW_TOKENS,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.load(resp)["choices"][0]["text"]
+
+
+def test_colocated_server_speculates_the_same_text_and_reports_acceptance():
+    from configs import colocated_config
+
+    from runtime.colocated import BackgroundServer
+
+    prompts = [prompt(6 + i, 20 + i) for i in range(3)]
+    texts = {}
+    for spec in ({}, {"speculative": SPEC}):
+        cfg = colocated_config(num_pages=32, page_size=4, seed=1, device="cpu", **spec)
+        with BackgroundServer(cfg) as srv:
+            texts[bool(spec)] = [complete(srv.url, p) for p in prompts]
+            with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as resp:
+                metrics = resp.read().decode()
+            speculation = srv.engine.executor.speculation
+    assert texts[True] == texts[False]
+    assert speculation.stats.verify_steps > 0
+    line = next(x for x in metrics.splitlines() if x.startswith("sglang:spec_accept_length"))
+    assert float(line.split()[-1]) == pytest.approx(speculation.stats.mean_accept_len)
+
+
+def test_refused_outside_colocated_mtp():
+    import yaml
+    from configs import colocated_config, tiny_pd_yaml
+
+    from runtime.serve_config import PDServeConfig
+
+    with pytest.raises(ValueError, match="real backend serves method 'mtp'"):
+        colocated_config(num_pages=32, page_size=4, speculative={**SPEC, "method": "eagle"})
+    with pytest.raises(ValueError, match="speculates colocated only"):
+        PDServeConfig(**yaml.safe_load(tiny_pd_yaml()), speculative=SPEC)
