@@ -40,10 +40,7 @@ def build_server(config: ServeConfig) -> OpenAIServer:
     if config.speculative.method == "mtp":
         executor.speculate(build_draft(model, seed=config.seed),
                            config.speculative.num_draft_tokens)
-        stats = executor.speculation.stats
-
-        def gauges(scheds):
-            return {**merged_gauges(scheds), "sglang:spec_accept_length": stats.mean_accept_len}
+        gauges = _with_acceptance(executor.speculation.stats)
     executor.warmup()
     engine = Engine(executor, sched_cfg, gauges=gauges, max_records=config.max_records)
     limits = Limits(max_model_len=min(sched_cfg.pool_tokens, mcfg.max_position),
@@ -125,3 +122,12 @@ class BackgroundServer:
     @property
     def engine(self) -> Engine:
         return self.server.engine
+
+
+def _with_acceptance(stats):
+    """The engine's gauges plus the speculative acceptance (tokens per verify step)."""
+
+    def gauges(scheds):
+        return {**merged_gauges(scheds), "sglang:spec_accept_length": stats.mean_accept_len}
+
+    return gauges
