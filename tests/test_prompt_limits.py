@@ -117,7 +117,7 @@ def _post(url: str, body: bytes) -> tuple[int, dict, float]:
 
 def _stream_gaps(url: str, started: threading.Event, out: list[float]) -> None:
     """Stream one long completion, appending the time between consecutive events to `out`."""
-    body = json.dumps({"prompt": "once upon a time", "max_tokens": 300, "ignore_eos": True,
+    body = json.dumps({"prompt": "once upon a time", "max_tokens": 450, "ignore_eos": True,
                        "stream": True}).encode()
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
@@ -152,6 +152,9 @@ def test_a_huge_prompt_gets_a_quick_400_while_another_stream_flows(server):
     calm = list(gaps)  # the stream's gaps before any big body arrives
     n_calm = len(gaps)
     answers = [_post(url, huge) for _ in range(4)]
+    deadline = time.monotonic() + 10  # the gap spanning the posts ends at the next token
+    while len(gaps) == n_calm and time.monotonic() < deadline:
+        time.sleep(0.01)
     during = gaps[n_calm:]
     streamer.join(120)
 
