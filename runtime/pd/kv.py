@@ -117,17 +117,8 @@ class _Endpoint:
         return changed
 
 
-class _Refused:
-    """The stand-in for an endpoint the real manager refused to create: failed from the start."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-    def poll(self) -> KVPoll:
-        return KVPoll.Failed
-
-    def failure_reason(self) -> str:
-        return self.reason
+class _Inert:
+    """An endpoint that moves nothing: every call but `poll` and `failure_reason` does nothing."""
 
     def init(self, num_pages: int, metadata_slot: int) -> None:
         pass
@@ -145,6 +136,19 @@ class _Refused:
 
     def close(self) -> None:
         pass
+
+
+class _Refused(_Inert):
+    """The stand-in for an endpoint the real manager refused to create: failed from the start."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def poll(self) -> KVPoll:
+        return KVPoll.Failed
+
+    def failure_reason(self) -> str:
+        return self.reason
 
 
 class SnapshotSender(_Endpoint):
@@ -196,7 +200,7 @@ class SnapshotReceiver(_Endpoint):
         return changed
 
 
-class _Mirror:
+class _Mirror(_Inert):
     """The inner endpoint of a request another DP rank's processes transfer: it moves nothing
     and reports the MIN's identity."""
 
@@ -205,23 +209,6 @@ class _Mirror:
 
     def failure_reason(self) -> str:
         return ""
-
-    def init(self, num_pages: int, metadata_slot: int) -> None:
-        pass
-
-    def send(self, page_indices: Sequence[int], last: bool,
-             state_indices: Sequence[int] = ()) -> None:
-        pass
-
-    def send_metadata(self, page_indices: Sequence[int], metadata_slot: int,
-                      state_indices: Sequence[int] = ()) -> None:
-        pass
-
-    def abort(self, reason: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class MirrorKV:
