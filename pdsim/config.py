@@ -51,7 +51,9 @@ class _Spec(BaseModel):
 class CostModelConfig(_Spec):
     # "auto": silicon where the hardware has measured tables (pdsim[silicon]), else roofline.
     name: str = "auto"
-    params: dict[str, float | str] = {}  # numbers, or paths (relative to the experiment file)
+    # numbers, or paths (relative to the experiment file); or mappings of them (the
+    # profiled model's per-role `roles`)
+    params: dict[str, float | str | dict[str, float | str | dict[str, float | str]]] = {}
 
     @field_validator("name")
     @classmethod

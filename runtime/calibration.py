@@ -6,25 +6,32 @@ Three measurements, none of them an end-to-end serving figure:
 - **forwards**: the deployment's model (preset weights, dtype, a decode rank's torch threads) run
   over a grid of batch shapes -- extends of `prefill_tokens` new tokens after `context` cached
   ones, decodes of `batch` requests at `context` tokens each -- each the fastest of `repeats`
-  passes over the grid (other processes on a shared machine only add time); the rows are the executor's
-  timings table (`ForwardTiming` columns), which the `profiled` cost model fits. A decode role
-  of tp > 1 runs as its tp rank processes, sharded as served: the all-reduces and, with `ep`,
-  the expert all-to-alls are in the times.
+  passes over the grid (other processes on a shared machine only add time); the rows are the
+  executor's timings table (`ForwardTiming` columns), which the `profiled` cost model fits. A
+  role of tp > 1 runs as its tp rank processes, sharded as served: the all-reduces and, with
+  `ep`, the expert all-to-alls are in the times. A prefill role served unlike its decode peer
+  (another tp, ep or thread count) gets its own table of extends.
 - **KV transfer**: the Mooncake backend over TCP on loopback (sender `send(last=True)` to the
   receiver's `Success`, metadata slot and ZMQ status included) for messages of 1..256 pages of
   this model's KV; a least-squares line gives the per-transfer floor (s) and the bandwidth
   (GB/s); the receiver's bootstrap lookup and set-up after the first contact is the handshake.
   Then the cost of one descriptor (`profile_descriptors`): two ranks writing head slices, one
   per token slot, into one rank at once, as a TP 2 -> 1 transfer does.
-- **lone requests**: the deployment served for real (`pdsim serve`), requests of 16 prompt and
-  32 output tokens sent one at a time. The client's TTFT minus the serving engine's own TTFT
-  (its `/metrics` histogram) is the front end (HTTP, tokenizer and, disaggregated, the
-  router, both ways: `router.frontend_latency_s`). The client's gap between tokens minus the
-  fitted forward is the step overhead (scheduling, streaming the token out to the client;
-  the profiled model's `step_overhead_s`). The engine's TTFT minus what the simulator already models of it (the
-  forward, a step overhead and, disaggregated, handshake and transfer) is a per-request
-  overhead: added to `network.handshake_s` when disaggregated, the colocated instance's
-  `wakeup_s` otherwise. Queueing plays no part: nothing else is in flight.
+- **the served engine**: the deployment served for real (`pdsim serve`), requests of 16 prompt
+  and 32 output tokens sent one at a time, then rounds of 8 sent together.
+  - The client's TTFT minus the serving engine's own TTFT (its `/metrics` histogram) is the
+    front end (HTTP, tokenizer and, disaggregated, the router, both ways:
+    `router.frontend_latency_s`).
+  - The client's gap between tokens minus the fitted forward, alone and 8 at once, is a line
+    in the batch: a step overhead (scheduling; the profiled model's `step_overhead_s`) plus a
+    cost per token streamed out to the client (`token_overhead_s`: encoding, the hand-off to
+    the HTTP loop, the router and the client, all on the same cores).
+  - Disaggregated, the prefill worker's own record of a lone request's prefill step, minus
+    the fitted extend, is the prefill role's step overhead (it streams nothing).
+  - The engine's TTFT minus what the simulator already models of it (the prefill step and,
+    disaggregated, handshake and transfer) is a per-request overhead: added to
+    `network.handshake_s` when disaggregated, the colocated instance's `wakeup_s` otherwise.
+  Queueing plays no part in the lone requests: nothing else is in flight.
 
 The file is a YAML overlay of experiment fields (`cost_model`, `network`, `router`,
 `kv_dtype_bytes`, `cluster`) plus what was measured; `pdsim validate --calibration` lays it over the
@@ -73,24 +80,26 @@ class DescriptorFit:
     rows: list[tuple[int, float]]  # (descriptors of all senders, seconds), best of the repeats
 
 
-def _threads(config) -> int:
-    """torch threads of the decode ranks as the PD workers set them (runtime/pd/worker.py); a
+def _threads(config, role: str = "decode") -> int:
+    """torch threads of a role's ranks as the PD workers set them (runtime/pd/worker.py); a
     colocated server keeps torch's default, one per CPU."""
     if config.mode == "colocated":
         return max(1, os.cpu_count() or 1)
-    role = config.decode
-    return role.threads or max(1, (os.cpu_count() or 1) // role.tp)
+    spec = getattr(config, role)
+    return spec.threads or max(1, (os.cpu_count() or 1) // spec.tp)
 
 
-def profile_forwards(config, *, repeats: int = 5, prefill_tokens: Sequence[int] = PREFILL_TOKENS,
+def profile_forwards(config, *, role: str = "decode", repeats: int = 5,
+                     prefill_tokens: Sequence[int] = PREFILL_TOKENS,
                      prefill_context: Sequence[int] = PREFILL_CONTEXT,
                      decode_batch: Sequence[int] = DECODE_BATCH,
                      decode_context: Sequence[int] = DECODE_CONTEXT):
     """The executor's timings table over the grid (module docstring), as a DataFrame.
 
-    A disaggregated decode role of tp > 1 is profiled as it serves: tp rank processes, the
-    model sharded (`apply_tp`, its `ep`), each forward with its all-reduces and, under expert
-    parallelism, its all-to-alls; rank 0's times are the table."""
+    A disaggregated `role` (prefill or decode) of tp > 1 is profiled as it serves: tp rank
+    processes, the model sharded (`apply_tp`, its `ep`), each forward with its all-reduces and,
+    under expert parallelism, its all-to-alls; rank 0's times are the table. Empty decode
+    grids profile extends only (a prefill role runs nothing else)."""
     import pandas as pd
 
     from runtime.distributed import TPGroup, run_ranks
@@ -98,16 +107,23 @@ def profile_forwards(config, *, repeats: int = 5, prefill_tokens: Sequence[int] 
 
     grid = [repeats, list(prefill_tokens), list(prefill_context), list(decode_batch),
             list(decode_context)]
-    tp = 1 if config.mode == "colocated" else config.decode.tp
+    tp = 1 if config.mode == "colocated" else getattr(config, role).tp
     dumped = config.model_dump(mode="json")
     if tp == 1:
-        rows = _profile_rank(TPGroup.single(), dumped, *grid)
+        rows = _profile_rank(TPGroup.single(), dumped, role, *grid)
     else:
-        rows = run_ranks(_profile_rank, tp, dumped, *grid, timeout_s=1800)[0]
+        rows = run_ranks(_profile_rank, tp, dumped, role, *grid, timeout_s=1800)[0]
     return pd.DataFrame(rows, columns=list(TIMING_COLUMNS))
 
 
-def _profile_rank(group, dumped: dict, repeats: int, prefill_tokens: list[int],
+def served_alike(config) -> bool:
+    """Whether a disaggregated deployment's two roles run the same forwards (tp, ep, torch
+    threads), so one profile serves both."""
+    p, d = config.prefill, config.decode
+    return (p.tp, p.ep, _threads(config, "prefill")) == (d.tp, d.ep, _threads(config))
+
+
+def _profile_rank(group, dumped: dict, role: str, repeats: int, prefill_tokens: list[int],
                   prefill_context: list[int], decode_batch: list[int],
                   decode_context: list[int]) -> list[list]:
     """One rank's part of `profile_forwards`: every rank runs the same forwards in lock step."""
@@ -121,14 +137,14 @@ def _profile_rank(group, dumped: dict, repeats: int, prefill_tokens: list[int],
     from runtime.serve_config import parse_serve_config
 
     config = parse_serve_config(dumped)
-    torch.set_num_threads(_threads(config))
-    ep = 1 if config.mode == "colocated" else config.decode.ep
+    torch.set_num_threads(_threads(config, role))
+    ep = 1 if config.mode == "colocated" else getattr(config, role).ep
     model = apply_tp(load_served_model(config, "cpu"), group, ep)
     mcfg = model.config
     page = config.page_size
-    longest = max(max(prefill_tokens) + max(prefill_context), max(decode_context) + 1)
+    longest = max(max(prefill_tokens) + max(prefill_context), max(decode_context, default=0) + 1)
     pages_per_req = -(-longest // page)
-    most = max(max(decode_batch), 1)
+    most = max(decode_batch, default=1)
     kv = PagedKVCache.for_model(mcfg, num_pages=pages_per_req * most, page_size=page,
                                 tp_size=group.size,
                                 dtype=getattr(torch, config.dtype) if config.dtype else None)
@@ -343,12 +359,16 @@ def _histogram_totals(url: str, headers: dict, name: str) -> tuple[float, float]
 
 @dataclass(frozen=True)
 class EngineTimes:
-    """Medians over requests sent one at a time to an idle deployment."""
+    """Medians over requests sent one at a time to an idle deployment, then over `batch`
+    requests sent together."""
 
     client_ttft_s: float  # at the client
     engine_ttft_s: float  # the serving engine's own (colocated server or decode worker)
     engine_itl_s: float  # the engine's gap between tokens of a lone request
     client_itl_s: float  # the same gaps as the client sees them
+    batch: int = 0  # requests decoding together in the batch probe
+    batch_itl_s: float = math.nan  # their gap between tokens at the client
+    prefill_span_s: float = math.nan  # disaggregated: a lone request's prefill step, start to end
 
 
 # The engine's own histograms: SGLang's names on the colocated server, `pdsim_` on a PD worker
@@ -356,13 +376,18 @@ class EngineTimes:
 TTFT_METRIC = "time_to_first_token_seconds"
 ITL_METRIC = "inter_token_latency_seconds"
 PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS = 16, 32
+PROBE_BATCH, PROBE_BATCH_TOKENS, PROBE_BATCH_ROUNDS = 8, 64, 3
 
 
-def measure_engine(config_path: str | Path, config, *, requests: int = 20) -> EngineTimes:
+def measure_engine(config_path: str | Path, config, *, requests: int = 20,
+                   batch: int = PROBE_BATCH) -> EngineTimes:
     """Serve the deployment for real and send `requests` requests of PROBE_PROMPT_TOKENS
     prompt tokens and PROBE_OUTPUT_TOKENS output tokens one at a time (two more first, for
     warm-up); the engine's TTFT and ITL come from its `/metrics` histograms, read around
-    each request."""
+    each request, a disaggregated prefill step's span from the prefill worker's `/records`.
+    Then PROBE_BATCH_ROUNDS rounds of `batch` requests of PROBE_BATCH_TOKENS output tokens
+    sent together: their gap between tokens, while all of them decode, is a step of `batch`
+    requests as the client sees it (the streaming of every token included)."""
     from pdsim.validation.deployment import RealDeployment
     from pdsim.validation.replay import replay
     from runtime.security import ClusterKey, new_secret
@@ -375,7 +400,7 @@ def measure_engine(config_path: str | Path, config, *, requests: int = 20) -> En
         prefix = "sglang:" if config.mode == "colocated" else "pdsim_"
         names = [prefix + TTFT_METRIC, prefix + ITL_METRIC]
         replay(real.url, config.model_name, [0.0, 0.0], [n_in, n_in], [n_out, n_out])
-        rows = []
+        rows, lone = [], set()
         for i in range(requests):  # one at a time: nothing queues
             before = [_histogram_totals(engine, headers, m) for m in names]
             (rec,) = replay(real.url, config.model_name, [0.0], [n_in], [n_out], seed=i)
@@ -390,8 +415,34 @@ def measure_engine(config_path: str | Path, config, *, requests: int = 20) -> En
                                    f"request of {n_out} tokens")
             gap = (rec.token_times_s[-1] - rec.token_times_s[0]) / (n_out - 1)
             rows.append((rec.ttft_s, t_sum, i_sum / i_n, gap))
+            lone.add(rec.rid)
+        gaps = [_batch_gap_s(replay(real.url, config.model_name, [0.0] * batch, [n_in] * batch,
+                                    [PROBE_BATCH_TOKENS] * batch, seed=requests + r))
+                for r in range(PROBE_BATCH_ROUNDS)]
+        span = math.nan
+        if config.mode != "colocated":
+            spans = [row["prefill_end_s"] - row["prefill_start_s"]
+                     for rows_ in real.worker_records("prefill") for row in rows_
+                     if row["rid"] in lone and row.get("prefill_end_s") is not None]
+            span = statistics.median(spans) if spans else math.nan
     # Medians: a moment of load from other processes on a shared machine moves a mean.
-    return EngineTimes(*(float(v) for v in np.median(np.array(rows), axis=0)))
+    return EngineTimes(*(float(v) for v in np.median(np.array(rows), axis=0)), batch=batch,
+                       batch_itl_s=statistics.median(gaps), prefill_span_s=span)
+
+
+def _batch_gap_s(records) -> float:
+    """The client's gap between tokens while every request of a batch sent together decodes:
+    from the latest first token to the earliest last one, over the tokens each got then."""
+    for rec in records:
+        if not rec.ok:
+            raise RuntimeError(f"calibration request failed: {rec.error}")
+    start = max(r.token_times_s[0] for r in records)
+    end = min(r.token_times_s[-1] for r in records)
+    steps = [sum(start < t <= end for t in r.token_times_s) for r in records]
+    if end <= start or min(steps) < 2:
+        raise RuntimeError("the batch probe's requests did not decode together; the engine "
+                           "ran them one after another")
+    return (end - start) / statistics.median(steps)
 
 
 def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5,
@@ -406,12 +457,21 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     timings_path = out_path.with_name(out_path.stem + "_timings.csv")
+    prefill_path = out_path.with_name(out_path.stem + "_prefill_timings.csv")
+    own_prefill = config.mode != "colocated" and not served_alike(config)
     log(f"forwards: {config.model}, {config.dtype or 'default dtype'}, "
         f"{_threads(config)} torch threads")
     with phase("profiling forwards"):
         timings = profile_forwards(config, repeats=repeats)
     timings.to_csv(timings_path, index=False)
     log(f"  {len(timings)} forwards -> {timings_path}")
+    prefill_timings = timings
+    if own_prefill:  # the prefill role's own tp/ep: its extends as its rank processes run them
+        with phase(f"profiling the prefill role's forwards (tp {config.prefill.tp})"):
+            prefill_timings = profile_forwards(config, role="prefill", repeats=repeats,
+                                               decode_batch=(), decode_context=())
+        prefill_timings.to_csv(prefill_path, index=False)
+        log(f"  {len(prefill_timings)} prefill forwards -> {prefill_path}")
     transfer = None
     if config.mode != "colocated":
         with phase("measuring the KV transfer (Mooncake TCP loopback)"):
@@ -423,23 +483,35 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
                                          transfer.gb_per_s, repeats=max(repeats, 3))
         log(f"  head slices ({slices.senders} ranks at once): "
             f"{slices.per_descriptor_s * 1e6:.1f} us per descriptor per GPU")
-    from pdsim.core.batch import BatchShape
+    from pdsim.core.batch import BatchShape, extend_attn_pairs
     from pdsim.sim.profiled import ProfiledCostModel
 
     fit = ProfiledCostModel(None, None, None, timings=timings)
+    prefill_fit = ProfiledCostModel(None, None, None, timings=prefill_timings)
     n_in, n_out = PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS
-    extend_s = fit.step_time_s([BatchShape(prefill_tokens=n_in,
-                                           prefill_attn_pairs=n_in * (n_in + 1) / 2)])
+    extend = [BatchShape(prefill_tokens=n_in, prefill_attn_pairs=extend_attn_pairs(n_in, 0))]
+    prefill_extend_s = prefill_fit.step_time_s(extend)
     decode_s = fit.step_time_s([BatchShape(decode_reqs=1,
                                            decode_context_tokens=n_in + n_out // 2)])
-    with phase(f"serving {probe_requests} lone requests"):
+    with phase(f"serving {probe_requests} lone requests, then {PROBE_BATCH} at once"):
         engine = measure_engine(config_path, config, requests=probe_requests)
+    batch_decode_s = fit.step_time_s([BatchShape(
+        decode_reqs=engine.batch,
+        decode_context_tokens=engine.batch * (n_in + PROBE_BATCH_TOKENS // 2))])
     frontend_s = max(0.0, engine.client_ttft_s - engine.engine_ttft_s)
     # The client's pace, not the engine's: on this machine tokens reach the client slower than
-    # the engine emits them (docs/validation.md, "Where the error comes from").
-    step_overhead_s = max(0.0, engine.client_itl_s - decode_s)
+    # the engine emits them (docs/validation.md, "Where the error comes from"). What a step of
+    # one request and a step of `batch` requests take beyond their forwards is a line: a
+    # fixed part per step and a part per token streamed.
+    alone_s = engine.client_itl_s - decode_s
+    token_overhead_s = max(0.0, (engine.batch_itl_s - batch_decode_s - alone_s)
+                           / (engine.batch - 1))
+    step_overhead_s = max(0.0, alone_s - token_overhead_s)
+    # A prefill worker streams nothing: its step beyond the forward is its own (disaggregated).
+    prefill_overhead_s = (max(0.0, engine.prefill_span_s - prefill_extend_s)
+                          if transfer is not None else step_overhead_s + token_overhead_s)
     # What a lone request's engine TTFT holds beyond its modelled parts.
-    modelled = extend_s + step_overhead_s
+    modelled = prefill_extend_s + prefill_overhead_s
     if transfer is not None:
         kv_bytes = -(-n_in // config.page_size) * transfer.page_bytes
         modelled += transfer.floor_s + transfer.handshake_s + kv_bytes / (transfer.gb_per_s * 1e9)
@@ -447,9 +519,18 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
     log(f"lone requests ({n_in} -> {n_out} tokens): client TTFT {engine.client_ttft_s * 1e3:.2f} "
         f"ms, engine TTFT {engine.engine_ttft_s * 1e3:.2f} ms; ITL client "
         f"{engine.client_itl_s * 1e3:.2f} ms, engine {engine.engine_itl_s * 1e3:.2f} ms, "
-        f"forward alone {decode_s * 1e3:.2f} ms")
-    log(f"  front end {frontend_s * 1e3:.2f} ms, step overhead {step_overhead_s * 1e3:.2f} ms, "
-        f"per-request overhead {request_overhead_s * 1e3:.2f} ms")
+        f"forward alone {decode_s * 1e3:.2f} ms; {engine.batch} at once: ITL client "
+        f"{engine.batch_itl_s * 1e3:.2f} ms, forward alone {batch_decode_s * 1e3:.2f} ms")
+    log(f"  front end {frontend_s * 1e3:.2f} ms, step overhead {step_overhead_s * 1e3:.2f} ms "
+        f"+ {token_overhead_s * 1e3:.3f} ms per token streamed, prefill step overhead "
+        f"{prefill_overhead_s * 1e3:.2f} ms, per-request overhead "
+        f"{request_overhead_s * 1e3:.2f} ms")
+    params = {"timings": timings_path.name, "step_overhead_s": round(step_overhead_s, 6),
+              "token_overhead_s": round(token_overhead_s, 7)}
+    if transfer is not None:
+        params["roles"] = {"prefill": {
+            **({"timings": prefill_path.name} if own_prefill else {}),
+            "step_overhead_s": round(prefill_overhead_s, 6), "token_overhead_s": 0.0}}
     data = {
         "measured": {
             "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -461,13 +542,15 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
                       "engine_ttft_s": round(engine.engine_ttft_s, 6),
                       "engine_itl_s": round(engine.engine_itl_s, 6),
                       "client_itl_s": round(engine.client_itl_s, 6),
+                      "batch": engine.batch, "batch_itl_s": round(engine.batch_itl_s, 6),
+                      **({"prefill_span_s": round(engine.prefill_span_s, 6)}
+                         if transfer is not None else {}),
                       "modelled_ttft_s": round(modelled, 6)},
             **({"transfer_bytes_s": [list(r) for r in transfer.rows],
                 "head_slice_descriptors_s": [list(r) for r in slices.rows],
                 "head_slice_senders": slices.senders} if transfer else {}),
         },
-        "cost_model": {"name": "profiled", "params": {
-            "timings": timings_path.name, "step_overhead_s": round(step_overhead_s, 6)}},
+        "cost_model": {"name": "profiled", "params": params},
         "router": {"frontend_latency_s": round(frontend_s, 6)},
     }
     if config.dtype:

@@ -108,3 +108,46 @@ def test_an_experiment_names_its_timings_file_relative_to_itself(tmp_path):
     with pytest.raises(ConfigError, match="cluster.prefill: no timings file"):
         build_cluster(parse_experiment({**data, "cost_model": {
             "name": "profiled", "params": {"timings": "missing.csv"}}}), str(tmp_path))
+
+
+def test_overheads_per_step_and_per_token_streamed_and_per_role(tmp_path):
+    """`step_overhead_s` adds to every step, `token_overhead_s` to every decode request in it;
+    `roles` gives one role its own timings and overheads (a PD prefill worker streams nothing)."""
+    timings = synthetic_timings()
+    plain = model_for(timings)
+    over = make_cost_model("profiled", load_model_spec("tiny-llama"), load_hardware_spec("h100"),
+                           Parallelism(), timings=timings, step_overhead_s=1e-3,
+                           token_overhead_s=2e-4, role="decode")
+    for n in (1, 8, 32):
+        shape = BatchShape(decode_reqs=n, decode_context_tokens=n * 100)
+        assert over.step_time_s([shape]) == pytest.approx(
+            plain.step_time_s([shape]) + 1e-3 + n * 2e-4, rel=1e-9)
+    extend = BatchShape(prefill_tokens=64, prefill_attn_pairs=64 * 65 / 2)
+    assert over.step_time_s([extend]) == pytest.approx(plain.step_time_s([extend]) + 1e-3)
+
+    slower = timings.assign(duration_s=timings["duration_s"] * 3)
+    slower.to_csv(tmp_path / "prefill.csv", index=False)
+    timings.to_csv(tmp_path / "decode.csv", index=False)
+    data = {"name": "p", "model": "tiny-llama", "cluster": {"mode": "disaggregated"},
+            "cost_model": {"name": "profiled", "params": {
+                "timings": "decode.csv", "step_overhead_s": 1e-3, "token_overhead_s": 2e-4,
+                "roles": {"prefill": {"timings": "prefill.csv", "step_overhead_s": 5e-4,
+                                      "token_overhead_s": 0}}}},
+            "workload": {"num_requests": 5, "seed": 0,
+                         "arrival": {"process": "poisson", "rate_rps": 1},
+                         "input_len": {"dist": "fixed", "value": 10},
+                         "output_len": {"dist": "fixed", "value": 4}}}
+    cluster = build_cluster(parse_experiment(data), str(tmp_path))
+    prefill, decode = cluster.prefill.cost(), cluster.decode.cost()
+    assert prefill.step_time_s([extend]) == pytest.approx(3 * plain.step_time_s([extend]) + 5e-4,
+                                                          rel=1e-6)
+    assert decode.step_time_s([extend]) == pytest.approx(plain.step_time_s([extend]) + 1e-3,
+                                                         rel=1e-6)
+    bad = {**data["cost_model"]["params"], "roles": {"prefil": {"step_overhead_s": 0}}}
+    with pytest.raises(ConfigError, match=r"unknown role\(s\) \['prefil'\]; allowed: prefill"):
+        build_cluster(parse_experiment({**data, "cost_model": {"name": "profiled",
+                                                               "params": bad}}), str(tmp_path))
+    bad = {**data["cost_model"]["params"], "roles": {"decode": {"token_overhead": 0}}}
+    with pytest.raises(ConfigError, match=r"roles.decode: unknown parameter\(s\)"):
+        build_cluster(parse_experiment({**data, "cost_model": {"name": "profiled",
+                                                               "params": bad}}), str(tmp_path))

@@ -106,7 +106,7 @@ def test_calibration_lies_over_the_experiment(tmp_path):
 @pytest.mark.slow
 def test_profile_forwards_and_transfer_measure_real_components():
     from runtime.calibration import (page_bytes_per_buffer, profile_descriptors,
-                                     profile_forwards, profile_transfer)
+                                     profile_forwards, profile_transfer, served_alike)
     from runtime.executor import TIMING_COLUMNS
     from runtime.serve_config import load_serve_config
 
@@ -127,3 +127,26 @@ def test_profile_forwards_and_transfer_measure_real_components():
     assert slices.rows[1][1] > slices.rows[0][1] and slices.per_descriptor_s > 0
     with pytest.raises(RuntimeError, match="do not split into 3 equal slices"):
         profile_descriptors(items, config.page_size, fit.gb_per_s, senders=3)
+    # A prefill role served at tp 2 is profiled on its own two rank processes, extends only.
+    mismatch = load_serve_config(REPO / "experiments" / "validation" / "pd_tp2to1_low.yaml")
+    assert served_alike(config) and not served_alike(mismatch)
+    extends = profile_forwards(mismatch, role="prefill", repeats=1, prefill_tokens=(16,),
+                               prefill_context=(0, 64), decode_batch=(), decode_context=())
+    assert list(extends["kind"]) == ["extend", "extend"] and (extends["duration_s"] > 0).all()
+
+
+def test_the_batch_probe_reads_the_pace_while_every_request_decodes():
+    from runtime.calibration import _batch_gap_s
+
+    def rec(first_s, gap_s, n):
+        times = [first_s + k * gap_s for k in range(n)]
+        return RequestRecord(rid=str(first_s), input_tokens=16, output_tokens=n, status="ok",
+                             arrival_s=0.0, first_token_s=times[0], finish_s=times[-1],
+                             token_times_s=times)
+
+    # Joined 10 ms apart, then one step of 4 ms each: the pace while all three decode.
+    together = [rec(0.010, 0.004, 40), rec(0.020, 0.004, 40), rec(0.030, 0.004, 40)]
+    assert _batch_gap_s(together) == pytest.approx(0.004, rel=0.05)
+    one_after_another = [rec(0.0, 0.004, 10), rec(1.0, 0.004, 10)]
+    with pytest.raises(RuntimeError, match="did not decode together"):
+        _batch_gap_s(one_after_another)

@@ -127,8 +127,11 @@ def _speculation(cfg: ExperimentConfig) -> Speculation | None:
     return Speculation(spec.num_draft_tokens, spec.accept_len_probs(), cfg.seed)
 
 
-def _resolve(value: float | str, base_dir: str | None) -> float | str:
-    """A string parameter naming a file relative to the experiment's folder, made absolute."""
+def _resolve(value, base_dir: str | None):
+    """A string parameter naming a file relative to the experiment's folder, made absolute (in
+    nested mappings too: a profiled model's per-role `timings`)."""
+    if isinstance(value, dict):
+        return {k: _resolve(v, base_dir) for k, v in value.items()}
     if isinstance(value, str) and base_dir and (Path(base_dir) / value).exists():
         return str(Path(base_dir) / value)
     return value

@@ -7,11 +7,20 @@ The real executor records every forward as its `BatchShape` fields and wall time
 
 with one fixed cost per kind ("extend": a batch with prefill tokens; "decode") and the four
 slopes shared, fitted by least squares with every coefficient kept ≥ 0. With attention DP the
-step takes the slowest rank, as in the roofline model. `step_overhead_s` (default 0; `pdsim
-calibrate` measures it) is added to every step: what a real engine step spends outside the
-forward (scheduling, streaming the tokens out).
+step takes the slowest rank, as in the roofline model. Around the forward a real engine step
+spends host time the forwards table does not hold; `pdsim calibrate` measures it per role:
+
+- `step_overhead_s` per step (scheduling, the loop's own work);
+- `token_overhead_s` per request a decode step gives a token to (streaming it out: encoding
+  the event, handing it to the HTTP loop, writing it), so it grows with the batch.
+
+`roles` sets any of `timings`, `step_overhead_s` and `token_overhead_s` for one role (prefill,
+decode, colocated) over the shared values: a PD prefill rank runs at its own tp and streams
+nothing, its decode peer streams every token.
 
     cost_model: {name: profiled, params: {timings: results/real_colocated/forward_timings.csv}}
+    cost_model: {name: profiled, params: {timings: decode.csv, token_overhead_s: 0.0004,
+                 roles: {prefill: {timings: prefill_tp2.csv, token_overhead_s: 0}}}}
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ if TYPE_CHECKING:  # pandas loads when a profiled model is built, not with every
     import pandas as pd
 
 FEATURES = ("prefill_tokens", "prefill_attn_pairs", "decode_reqs", "decode_context_tokens")
+ROLE_PARAMS = ("timings", "step_overhead_s", "token_overhead_s")
 MIN_FORWARDS = 8
 
 
@@ -70,6 +80,7 @@ class ProfiledCostModel:
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism, *,
                  timings: str | Path | pd.DataFrame, kv_dtype_bytes: float = 2,
                  role: str = "colocated", step_overhead_s: float = 0.0,
+                 token_overhead_s: float = 0.0, roles: dict | None = None,
                  expert_imbalance: bool = True, seed: int = 0,
                  eplb_redundant_experts: int | None = None) -> None:
         # kv_dtype_bytes, role and (under expert parallelism) expert_imbalance and seed are
@@ -78,13 +89,20 @@ class ProfiledCostModel:
         if eplb_redundant_experts is not None:
             raise ValueError("eplb: the profiled forwards were measured without EPLB (the real "
                              "backend has none); remove eplb or use the roofline cost model")
+        own = _role_params(roles, role)
+        timings = own.get("timings", timings)
+        step_overhead_s = own.get("step_overhead_s", step_overhead_s)
+        token_overhead_s = own.get("token_overhead_s", token_overhead_s)
         frame = timings if not isinstance(timings, (str, Path)) else _read(Path(timings))
         self.extend_base_s, self.decode_base_s, slopes = fit_linear_costs(frame)
         self._a, self._b, self._c, self._d = (float(v) for v in slopes)
-        if step_overhead_s < 0:
-            raise ValueError(f"step_overhead_s={step_overhead_s}; must be >= 0")
+        for name, value in (("step_overhead_s", step_overhead_s),
+                            ("token_overhead_s", token_overhead_s)):
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name}={value!r}; must be a number of seconds >= 0")
         self.extend_base_s += step_overhead_s
         self.decode_base_s += step_overhead_s
+        self._c += token_overhead_s
 
     def step_time_s(self, shapes: Sequence[BatchShape]) -> float:
         worst = 0.0
@@ -96,6 +114,24 @@ class ProfiledCostModel:
                  + self._c * s.decode_reqs + self._d * s.decode_context_tokens)
             worst = t if t > worst else worst
         return worst
+
+
+def _role_params(roles: dict | None, role: str) -> dict:
+    """`roles[role]`, checked: a mapping of ROLE_PARAMS (empty when the role has none)."""
+    if roles is None:
+        return {}
+    if not isinstance(roles, dict):
+        raise ValueError(f"roles={roles!r}; expected a mapping of role -> parameters")
+    unknown_roles = sorted(set(roles) - {"prefill", "decode", "colocated"})
+    if unknown_roles:
+        raise ValueError(f"roles: unknown role(s) {unknown_roles}; allowed: prefill, decode, "
+                         "colocated")
+    own = roles.get(role) or {}
+    unknown = sorted(set(own) - set(ROLE_PARAMS))
+    if unknown:
+        raise ValueError(f"roles.{role}: unknown parameter(s) {unknown}; allowed: "
+                         f"{', '.join(ROLE_PARAMS)}")
+    return own
 
 
 def _read(path: Path) -> "pd.DataFrame":

@@ -68,9 +68,10 @@ def load_calibration(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: unknown calibration keys {unknown}; allowed: "
                           f"{', '.join(OVERLAY_KEYS)}, measured")
     overlay = {k: data[k] for k in OVERLAY_KEYS if k in data}
-    timings = overlay.get("cost_model", {}).get("params", {}).get("timings")
-    if timings is not None:
-        overlay["cost_model"]["params"]["timings"] = str((path.parent / timings).resolve())
+    params = overlay.get("cost_model", {}).get("params", {})
+    for where in (params, *(params.get("roles") or {}).values()):
+        if isinstance(where, dict) and where.get("timings") is not None:
+            where["timings"] = str((path.parent / where["timings"]).resolve())
     return overlay
 
 
