@@ -34,7 +34,8 @@ Three measurements, none of them an end-to-end serving figure:
   Queueing plays no part in the lone requests: nothing else is in flight.
 
 The file is a YAML overlay of experiment fields (`cost_model`, `network`, `router`,
-`kv_dtype_bytes`, `cluster`) plus what was measured; `pdsim validate --calibration` lays it over the
+`kv_dtype_bytes`, `cluster`: this machine's `host_cores`, which every served rank process
+shares) plus what was measured; `pdsim validate --calibration` lays it over the
 deployment before simulating. The timings table is written beside it.
 """
 
@@ -563,6 +564,9 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
             "per_descriptor_s": round(slices.per_descriptor_s, 9)}
     else:
         data["cluster"] = {"colocated": {"scheduler": {"wakeup_s": round(request_overhead_s, 6)}}}
+    # Every rank process served here runs on this machine's cores, as the simulator then shares
+    # them (pdsim/sim/host.py).
+    data.setdefault("cluster", {})["host_cores"] = os.cpu_count() or 1
     out_path.write_text("# pdsim calibrate: measured on this machine (runtime/calibration.py)\n"
                         + yaml.safe_dump(data, sort_keys=False))
     return out_path

@@ -82,9 +82,14 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     # Each pipeline stage sends its own layers' KV over its own NICs, all stages at once: a
     # transfer lasts as long as the stage with the most bytes takes on one stage's NICs.
     nic *= kv_page_bytes / max(stage_kv_page_bytes(kv_page_bytes, model.num_layers, role.pp))
+    # On shared host cores every rank process runs its torch threads (unset: as many as the
+    # host has cores, as a served rank does on its own).
+    host = cfg.cluster.host_cores
+    demand = role.gpus_per_instance * role.threads if role.threads else (host or 1)
     return RoleSpec(role.instances, role.dp_attention, role.gpus_per_instance, sched, cost, nic,
                     kv_page_bytes, state_bytes_per_request=state_bytes, wakeup_s=knobs.wakeup_s,
-                    pp=role.pp, weight_bytes_per_gpu=weight_bytes_per_gpu(model, par))
+                    pp=role.pp, weight_bytes_per_gpu=weight_bytes_per_gpu(model, par),
+                    host_demand=demand)
 
 
 def _expert_load_params(cfg: ExperimentConfig, role: RoleConfig) -> dict:
@@ -196,7 +201,8 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
     )
     overheads = {"frontend_latency_s": cfg.router.frontend_latency_s,
                  "dp_assignment": cfg.router.dp_assignment,
-                 "router_options": dict(cfg.router.policy_options)}
+                 "router_options": dict(cfg.router.policy_options),
+                 "host_cores": cfg.cluster.host_cores}
     if not pd:
         return ClusterSpec("colocated", cfg.router.policy, network,
                            colocated=build_role(cfg, c.colocated, "colocated", model,

@@ -27,6 +27,7 @@ from pdsim.core.token_times import TokenTimes
 from pdsim.sim.arrivals import ArrivalSource, ClosedLoopSource, OpenLoop
 from pdsim.sim.autoscaler import AutoscaleSetup, SimAutoscaler
 from pdsim.sim.faults import RETRY_SUFFIX, SimFaults
+from pdsim.sim.host import SharedHost
 from pdsim.sim.instance import SimInstance
 from pdsim.sim.network import Link, SimFabric, SimKVManager
 from pdsim.sim.pipeline import make_executor
@@ -67,8 +68,11 @@ class Simulation:
         self.stop = stop  # called with each finished request: a reason ends the run there
         self._stop_sees = getattr(stop, "sent", None)  # and, if it has one, with each one routed
         self.stopped = ""
-        self.decode_runs = decode_runs
         self.env = simpy.Environment()
+        # Forwards on shared host cores stretch while others run: no closed-form decode runs.
+        self.host = (None if cluster.host_cores is None
+                     else SharedHost(self.env, cluster.host_cores))
+        self.decode_runs = decode_runs and self.host is None
         self.fabric = SimFabric(self.env, cluster.network)
         self.router_seed = seed
         self.max_duration_s = max_duration_s
@@ -104,7 +108,7 @@ class Simulation:
             self.env, Instance(make_schedulers(), on_done, self.cluster.dp_assignment),
             make_executor(role.cost(), role.pp, lambda: self.env.now), make_schedulers,
             wakes_on_arrival=kind == "colocated", wakeup_s=role.wakeup_s,
-            decode_runs=self.decode_runs,
+            decode_runs=self.decode_runs, host=self.host, host_demand=role.host_demand,
             next_arrival_s=(lambda: self.next_arrival_s) if kind == "colocated"
             else lambda: math.inf)
         holder.append(inst)

@@ -23,6 +23,7 @@ from pdsim.core.instance import Abort, Instance, InboxOp
 from pdsim.core.scheduler import InstanceScheduler
 from pdsim.sim.cost import CostModel
 from pdsim.sim.events import At
+from pdsim.sim.host import SharedHost
 
 EMPTY = BatchShape()
 MAX_RUN_STEPS = 4096  # decode steps one event may cover (see SimInstance._decode_run)
@@ -154,7 +155,8 @@ class SimInstance:
     def __init__(self, env: simpy.Environment, instance: Instance, executor: CostExecutor,
                  make_schedulers: Callable[[], list[InstanceScheduler]], wakes_on_arrival: bool,
                  wakeup_s: float = 0.0, decode_runs: bool = True,
-                 next_arrival_s: Callable[[], float] = lambda: math.inf):
+                 next_arrival_s: Callable[[], float] = lambda: math.inf,
+                 host: SharedHost | None = None, host_demand: float = 1.0):
         self.env = env
         self.instance = instance
         self.executor = executor
@@ -163,6 +165,7 @@ class SimInstance:
         self.next_arrival_s = next_arrival_s  # a known wake-up ahead: runs plan no further
         self.wakes_on_arrival = wakes_on_arrival
         self.wakeup_s = wakeup_s
+        self.host, self.host_demand = host, host_demand  # shared host cores (pdsim/sim/host.py)
         self.busy_s = 0.0  # simulated seconds spent in forwards
         self.decode_req_s = 0.0  # ∫ requests in decode batches dt: its mean is the batch size
         self.steps = 0
@@ -271,10 +274,14 @@ class SimInstance:
                         return  # killed during the run: the step in progress is lost
                     continue
             result = execute(step)
-            duration = result.duration_s
-            yield env.timeout(duration)
+            start = env.now
+            if self.host is None:
+                yield env.timeout(result.duration_s)
+            else:  # the cost model's time is the work; it stretches while others run too
+                yield self.host.run(self.host_demand, result.duration_s)
             if gen != self.generation:
                 return  # killed during the forward: its results are lost
+            duration = env.now - start
             self.busy_s += duration
             self.decode_req_s += duration * (step[0].shape.decode_reqs if len(step) == 1 else
                                              sum(b.shape.decode_reqs for b in step if b))

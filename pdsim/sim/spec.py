@@ -28,6 +28,7 @@ class RoleSpec:
     wakeup_s: float = 0.0  # an idle scheduler of this role notices new work this late
     pp: int = 1  # pipeline stages per instance (pdsim/sim/pipeline.py)
     weight_bytes_per_gpu: float = 0.0  # what a new instance's GPUs load at a cold start
+    host_demand: float = 1.0  # host cores one forward of an instance wants (cluster host_cores)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class ClusterSpec:
     dp_assignment: str = "room"  # how an instance picks the attention-DP rank of a request
     faults: FaultsConfig = FaultsConfig()
     router_options: dict[str, float] = field(default_factory=dict)  # the policy's settings
+    host_cores: float | None = None  # forwards share these host cores (pdsim/sim/host.py)
 
     @property
     def num_gpus(self) -> int:
