@@ -261,8 +261,8 @@ class ClusterConfig(_Spec):
     decode: RoleConfig = RoleConfig()
     colocated: RoleConfig = Field(RoleConfig(instances=2), description="mode colocated: "
                                   "instances that each prefill and decode (real: one)")
-    host_cores: int | None = Field(
-        None, ge=1, description="sim only: every instance's rank processes share this many "
+    host_cores: float | None = Field(
+        None, gt=0, description="sim only: every instance's rank processes share this many "
         "host CPU cores, as the real backend served on one CPU machine does (`pdsim calibrate` "
         "sets it); unset: each instance runs on its own devices")
 

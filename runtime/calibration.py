@@ -34,8 +34,9 @@ Three measurements, none of them an end-to-end serving figure:
   Queueing plays no part in the lone requests: nothing else is in flight.
 
 The file is a YAML overlay of experiment fields (`cost_model`, `network`, `router`,
-`kv_dtype_bytes`, `cluster`: this machine's `host_cores`, which every served rank process
-shares) plus what was measured; `pdsim validate --calibration` lays it over the
+`kv_dtype_bytes`, `cluster`: `host_cores`, the cores' worth of work this machine's CPUs do
+together -- one process multiplying matrices alone, then one per CPU at once -- which every
+served rank process shares) plus what was measured; `pdsim validate --calibration` lays it over the
 deployment before simulating. The timings table is written beside it.
 """
 
@@ -358,6 +359,36 @@ def _histogram_totals(url: str, headers: dict, name: str) -> tuple[float, float]
     return got["sum"], got["count"]
 
 
+def _busy_s(seconds: float) -> float:
+    """One torch thread multiplying matrices for about `seconds`: the multiplications per
+    second it managed."""
+    import torch
+
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+    n, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        a @ a
+        n += 1
+    return n / elapsed
+
+
+def measure_host_cores(seconds: float = 1.0) -> float:
+    """How many cores' worth of work this machine's CPUs do together: one process computing
+    alone, then one per CPU at once (spawned rank processes, as the served ranks are); their
+    summed rate over the lone rate. Below the CPU count when they share physical cores (or
+    other load takes some)."""
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing as mp
+
+    cpus = os.cpu_count() or 1
+    with ProcessPoolExecutor(cpus, mp_context=mp.get_context("spawn")) as pool:
+        list(pool.map(_busy_s, [0.1] * cpus))  # start (import torch) before timing
+        alone = pool.submit(_busy_s, seconds).result()
+        together = sum(pool.map(_busy_s, [seconds] * cpus))
+    return min(float(cpus), together / alone)
+
+
 @dataclass(frozen=True)
 class EngineTimes:
     """Medians over requests sent one at a time to an idle deployment, then over `batch`
@@ -494,6 +525,9 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
     prefill_extend_s = prefill_fit.step_time_s(extend)
     decode_s = fit.step_time_s([BatchShape(decode_reqs=1,
                                            decode_context_tokens=n_in + n_out // 2)])
+    with phase("measuring how much the host's cores do together"):
+        host_cores = measure_host_cores()
+    log(f"host: {os.cpu_count()} CPUs do the work of {host_cores:.2f} together")
     with phase(f"serving {probe_requests} lone requests, then {PROBE_BATCH} at once"):
         engine = measure_engine(config_path, config, requests=probe_requests)
     batch_decode_s = fit.step_time_s([BatchShape(
@@ -566,7 +600,7 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
         data["cluster"] = {"colocated": {"scheduler": {"wakeup_s": round(request_overhead_s, 6)}}}
     # Every rank process served here runs on this machine's cores, as the simulator then shares
     # them (pdsim/sim/host.py).
-    data.setdefault("cluster", {})["host_cores"] = os.cpu_count() or 1
+    data.setdefault("cluster", {})["host_cores"] = round(host_cores, 2)
     out_path.write_text("# pdsim calibrate: measured on this machine (runtime/calibration.py)\n"
                         + yaml.safe_dump(data, sort_keys=False))
     return out_path
