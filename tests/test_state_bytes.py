@@ -35,8 +35,8 @@ def test_the_simulated_state_is_what_a_real_slot_holds(tp):
 
 
 def test_the_hybrid_deployment_prices_the_state_the_real_workers_move():
-    exp = load_experiment_for(REPO / "experiments" / "real_pd_hybrid.yaml",
-                              REPO / "experiments" / "validation" / "calibration" / "pd_hybrid.yaml")
+    calibration = REPO / "experiments" / "validation" / "calibration" / "pd_hybrid.yaml"
+    exp = load_experiment_for(REPO / "experiments" / "real_pd_hybrid.yaml", calibration)
     window = load_model_spec("tiny-hybrid").swa_window_bytes_per_request_per_rank(
         1, exp.sim_cfg.kv_dtype_bytes)
     for role in (exp.cluster.prefill, exp.cluster.decode):
