@@ -200,9 +200,10 @@ class RoleConfig(_Spec):
         None, description="SGLang's --moe-dense-tp-size: None = tp; 1 = dense MLP "
         "layers data-parallel, per GPU on its own tokens (needs dp_attention > 1)")
     dp_lm_head: bool = Field(
-        False, description="sim only: SGLang's --enable-dp-lm-head: LM head and embedding per "
-        "attention-DP rank (needs dp_attention > 1; the real backend runs them per DP rank "
-        "either way)")
+        False, description="SGLang's --enable-dp-lm-head: LM head and embedding per "
+        "attention-DP rank (needs dp_attention > 1); false: the LM head split by vocabulary over "
+        "tp on every DP rank's gathered rows (the real backend keeps the embedding whole on "
+        "each process either way)")
     eplb: EPLBConfig | None = Field(
         None, description="sim only: SGLang's --enable-eplb (needs ep > 1): experts placed by "
         "their load, redundant copies of the hottest")

@@ -174,6 +174,7 @@ class ModelExecutor:
         if len(step) != dp.dp_size:
             raise ValueError(f"a step of {len(step)} batches for {dp.dp_size} DP ranks")
         dp.token_counts = [0 if b is None else _num_tokens(b) for b in step]
+        dp.row_counts = [0 if b is None else _num_rows(b) for b in step]
         start = time.perf_counter()
         own = step[dp.dp_rank]
         if own is None:
@@ -330,6 +331,7 @@ class ModelExecutor:
         for qlens, cached, chunk in (([tokens], [0], ids), ([1], [tokens], [0])):
             if self.dp is not None:  # every DP rank warms up alike, in step
                 self.dp.token_counts = [len(chunk)] * self.dp.dp_size
+                self.dp.row_counts = [1] * self.dp.dp_size
             meta = AttentionMetadata.build(qlens, cached, [pages], self.page_size,
                                            device=self.device,
                                            state_slots=[0] if self.kv.state else ())
@@ -353,6 +355,11 @@ def _num_tokens(batch: Batch) -> int:
     if batch.kind == "extend":
         return sum(seg.end - seg.start for seg in batch.segments)
     return len(batch.reqs)
+
+
+def _num_rows(batch: Batch) -> int:
+    """The logits rows a batch's forward computes: one per segment."""
+    return len(batch.segments) if batch.kind == "extend" else len(batch.reqs)
 
 
 def save_table(frame, path: str | Path, what: str) -> Path:

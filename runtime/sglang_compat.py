@@ -192,13 +192,13 @@ def sse_line(obj: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def server_info(*, role: str, tp: int, bootstrap_port: int) -> dict:
-    """`/server_info`: what SGLang's router reads of it (tp_size, dp_size, disaggregation_mode)
-    and SGLang's name for the bootstrap port. No model_path (the router would load a tokenizer
-    from it) and no served_model_name: a worker with a model id puts sglang-router 0.3.2's PD
-    `cache_aware` policy off its prefix trees (random picks, measured), so the router lists the
-    model as "unknown"."""
-    info = {"tp_size": tp, "dp_size": 1, "disaggregation_mode": role, "version": "pdsim"}
+def server_info(*, role: str, tp: int, dp: int, bootstrap_port: int) -> dict:
+    """`/server_info`: what SGLang's router reads of it (tp_size, dp_size: the role's
+    attention-DP ranks, disaggregation_mode) and SGLang's name for the bootstrap port. No
+    model_path (the router would load a tokenizer from it) and no served_model_name: a worker
+    with a model id puts sglang-router 0.3.2's PD `cache_aware` policy off its prefix trees
+    (random picks, measured), so the router lists the model as "unknown"."""
+    info = {"tp_size": tp, "dp_size": dp, "disaggregation_mode": role, "version": "pdsim"}
     if bootstrap_port:
         info["disaggregation_bootstrap_port"] = bootstrap_port
     return info

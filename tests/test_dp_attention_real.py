@@ -7,8 +7,10 @@ comes back.
 
 Per model one cluster: prefill with dp 1 and dp 2, decode with dp 1 and dp 2 (six processes).
 The MLA cluster's DP prefill runs its dense MLP per process (`moe_dense_tp: 1`); the others
-gather the DP ranks' tokens for it. Decode DP 2 picks ranks by shortest queue, so a request's
-decode rank need not be its prefill rank.
+gather the DP ranks' tokens for it. DP prefill splits its LM head by vocabulary over the
+instance's processes (dp_lm_head false), DP decode runs it whole per DP rank (dp_lm_head true).
+Decode DP 2 picks ranks by shortest queue, so a request's decode rank need not be its prefill
+rank. Each worker's `/server_info` reports its role's dp_attention as `dp_size`.
 
 The transfer snapshot alone: two processes as two DP ranks, each moving only its own rank's
 transfers, agree on both ranks' states and first-token metadata.
@@ -17,7 +19,8 @@ transfers, agree on both ranks' states and first-token metadata.
 
 The model alone: four gloo processes as two DP ranks of two attention-TP processes each, the
 ranks' prompts and lengths differing and one rank idling while the other decodes, against the
-unsharded model.
+unsharded model, with the LM head split by vocabulary over the four processes or whole per DP
+rank (`dp_lm_head`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from pdsim.core.request import Request
 from pdsim.core.transfer import FirstTokenMetadata
 from runtime.distributed import TPGroup, free_port, run_ranks
 from runtime.model import AttentionMetadata, ModelConfig, PagedKVCache, build_model
-from runtime.model.tp import DPRanks, apply_dp_attention, run_idle
+from runtime.model.tp import DPRanks, apply_dp_attention, check_dp_attention, run_idle
 from runtime.pd.kv import OTHER_RANK, SnapshotKV
 from test_pd_snapshot import ScriptedManager
 from test_pd_serving import MAX_NEW, PROMPT_LENS, colocated_outputs, prompts
@@ -51,6 +54,8 @@ PAIRS = [(2, 1), (1, 2), (2, 2)]  # (prefill dp, decode dp)
 
 def dp_role(model: str, role: str, dp: int) -> dict:
     extra = {"moe_dense_tp": 1} if dp > 1 and role == "prefill" and model == "tiny-mla" else {}
+    if dp > 1 and role == "decode":  # prefill DP splits its LM head by vocabulary, decode not
+        extra["dp_lm_head"] = True
     return {role: {"tp": dp, "dp_attention": dp, **extra}}
 
 
@@ -94,6 +99,15 @@ def test_greedy_outputs_equal_colocated_tp1(cluster, pdp, ddp):
     assert decode.get("/load")["num_active"] == 0
 
 
+def test_server_info_reports_the_roles_dp_attention(cluster):
+    _, workers, _ = cluster
+    for (role, dp), worker in workers.items():
+        for path in ("/server_info", "/get_server_info"):
+            info = worker.get(path)
+            assert (info["tp_size"], info["dp_size"]) == (dp, dp), (role, path)
+            assert info["disaggregation_mode"] == role
+
+
 def test_prefill_dp_ranks_register_for_the_bootstrap_lookup(cluster):
     from runtime.transfer.bootstrap_server import BootstrapClient
 
@@ -128,7 +142,9 @@ def test_seeded_sampling_and_top_logprobs_on_the_second_dp_rank(cluster):
 
 # ---- the model alone: DP 2 x attention TP 2 -------------------------------------------------
 
-MODEL_CASES = [("tiny-llama", True), ("tiny-mla", True), ("tiny-mla", False)]  # dense MLP over tp?
+# (model, dense MLP over tp?, dp_lm_head)
+MODEL_CASES = [("tiny-llama", True, False), ("tiny-llama", True, True), ("tiny-mla", True, False),
+               ("tiny-mla", False, True)]
 PAGE_SIZE, NUM_PAGES = 4, 16
 RANK_PAGES = ([11, 3, 7, 14, 0], [2, 9, 5])
 RANK_PROMPTS = (9, 5)  # prompt tokens per DP rank
@@ -165,22 +181,26 @@ def dp_generate(world: TPGroup, attn_methods: list[str]) -> dict:
     attn = TPGroup.join(attn_methods[world.rank // 2], world.rank % 2, 2)
     out = {}
     try:
-        for name, dense_tp in MODEL_CASES:
+        for name, dense_tp, dp_lm_head in MODEL_CASES:
             config = ModelConfig.preset(name)
             dp = DPRanks(world, attn, 2)
-            model = apply_dp_attention(build_model(config, seed=7), dp, dense_tp=dense_tp)
+            model = apply_dp_attention(build_model(config, seed=7), dp, dense_tp=dense_tp,
+                                       dp_lm_head=dp_lm_head)
             kv = PagedKVCache.for_model(config, num_pages=NUM_PAGES, page_size=PAGE_SIZE,
                                         tp_size=attn.size)
             r = dp.dp_rank
 
             def counts(step: int) -> None:
                 dp.token_counts = [tokens_in(e, step) for e in range(2)]
+                dp.row_counts = [min(1, n) for n in dp.token_counts]  # one segment per rank
 
             tokens, logits = greedy(model, kv, r, RANK_DECODES[r], counts)
             for step in range(1 + RANK_DECODES[r], 1 + max(RANK_DECODES)):  # the idle batch
                 counts(step)
                 run_idle(model)
-            out[f"{name}-{dense_tp}"] = {"rank": r, "tokens": tokens, "logits": logits}
+            out[f"{name}-{dense_tp}-{dp_lm_head}"] = {
+                "rank": r, "tokens": tokens, "logits": logits,
+                "lm_head_rows": model.lm_head.weight.shape[0]}
     finally:
         attn.destroy()
     return out
@@ -189,17 +209,28 @@ def dp_generate(world: TPGroup, attn_methods: list[str]) -> dict:
 def test_dp_ranks_of_two_attention_tp_processes_match_the_unsharded_model():
     methods = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
     results = run_ranks(dp_generate, 4, methods, timeout_s=300)
-    for name, dense_tp in MODEL_CASES:
+    for name, dense_tp, dp_lm_head in MODEL_CASES:
         config = ModelConfig.preset(name)
         for r in range(2):
             kv = PagedKVCache.for_model(config, num_pages=NUM_PAGES, page_size=PAGE_SIZE)
             want_tokens, want_logits = greedy(build_model(config, seed=7), kv, r, RANK_DECODES[r])
             for proc in (2 * r, 2 * r + 1):
-                got = results[proc][f"{name}-{dense_tp}"]
+                got = results[proc][f"{name}-{dense_tp}-{dp_lm_head}"]
                 assert got["rank"] == r
-                assert got["tokens"] == want_tokens, (name, dense_tp, proc)
+                # dp_lm_head: the whole head on every process; else a quarter of the vocabulary
+                want_rows = config.vocab_size if dp_lm_head else config.vocab_size // 4
+                assert got["lm_head_rows"] == want_rows
+                assert got["tokens"] == want_tokens, (name, dense_tp, dp_lm_head, proc)
                 for a, b in zip(got["logits"], want_logits):
                     assert a == pytest.approx(b, abs=2e-4)
+
+
+def test_an_lm_head_split_by_vocabulary_needs_the_vocabulary_to_divide():
+    config = ModelConfig.preset("tiny-llama").with_(vocab_size=510)
+    with pytest.raises(ValueError, match=r"vocab_size=510 must divide by tp \(or set dp_lm_head"):
+        check_dp_attention(config, 4, 2)
+    check_dp_attention(config, 4, 2, dp_lm_head=True)  # whole per DP rank
+    check_dp_attention(config, 4, 1)  # without attention DP the head stays whole
 
 
 # ---- pdsim validate ------------------------------------------------------------------------

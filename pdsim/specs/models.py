@@ -63,9 +63,11 @@ class ModelSpec(BaseModel):
     `sliding_attention` layer only the last `sliding_window` tokens' (gpt-oss); a
     `linear_attention` layer (Qwen3-Next's Gated DeltaNet) no KV at all but a fixed-size
     recurrent state per request: `linear_num_value_heads` matrices of `linear_key_head_dim` x
-    `linear_value_head_dim` in `recurrent_state_dtype_bytes` (SGLang keeps them in fp32 by
-    default), plus a causal-convolution state of the last `linear_conv_kernel_dim - 1` inputs
-    of its q/k/v channels (bf16). Its projections replace the attention block's.
+    `linear_value_head_dim` in `recurrent_state_dtype_bytes` (SGLang's `--mamba-ssm-dtype`,
+    float32 by default), plus a causal-convolution state of the last
+    `linear_conv_kernel_dim - 1` inputs of its q/k/v channels in `conv_state_dtype_bytes`
+    (SGLang's SGLANG_MAMBA_CONV_DTYPE, bf16 by default; the served tiny models keep float32,
+    as the real backend does). Its projections replace the attention block's.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -102,6 +104,7 @@ class ModelSpec(BaseModel):
     linear_value_head_dim: int | None = Field(default=None, gt=0)
     linear_conv_kernel_dim: int | None = Field(default=None, gt=1)
     recurrent_state_dtype_bytes: float = Field(default=4, gt=0)
+    conv_state_dtype_bytes: float = Field(default=2, gt=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -450,7 +453,7 @@ class ModelSpec(BaseModel):
         ssm = (self.linear_num_value_heads * self.linear_key_head_dim
                * self.linear_value_head_dim * self.recurrent_state_dtype_bytes)
         conv_elems = self.linear_conv_dim * (self.linear_conv_kernel_dim - 1)
-        conv = conv_elems * DTYPES["bf16"].weight_bytes
+        conv = conv_elems * self.conv_state_dtype_bytes
         return round((ssm + conv) / tp)
 
     def recurrent_state_bytes_per_request_per_rank(self, tp: int) -> int:
@@ -655,6 +658,11 @@ def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec
 
 
 _STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# config.json keys of a linear-attention layer's state dtypes, with SGLang's defaults: the SSM
+# state's `mamba_ssm_dtype` (float32), and the convolution state's (SGLang takes it from
+# SGLANG_MAMBA_CONV_DTYPE, default bfloat16; pdsim reads it from the config under this key).
+STATE_DTYPE_KEYS = (("mamba_ssm_dtype", "float32", "recurrent_state_dtype_bytes"),
+                    ("mamba_conv_dtype", "bfloat16", "conv_state_dtype_bytes"))
 
 
 def _hybrid_fields(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
@@ -680,11 +688,11 @@ def _hybrid_fields(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]
         fields["sliding_window"] = _req(config, "sliding_window")
     if "linear_attention" in types:
         fields.update({name: _req(config, name) for name in LINEAR_FIELDS})
-        ssm_dtype = config.get("mamba_ssm_dtype", "float32")
-        if ssm_dtype not in _STATE_DTYPE_BYTES:
-            raise ValueError(f"mamba_ssm_dtype {ssm_dtype!r}; known: "
-                             f"{', '.join(_STATE_DTYPE_BYTES)}")
-        fields["recurrent_state_dtype_bytes"] = _STATE_DTYPE_BYTES[ssm_dtype]
+        for key, default, field in STATE_DTYPE_KEYS:
+            dtype = config.get(key, default)
+            if dtype not in _STATE_DTYPE_BYTES:
+                raise ValueError(f"{key} {dtype!r}; known: {', '.join(_STATE_DTYPE_BYTES)}")
+            fields[field] = _STATE_DTYPE_BYTES[dtype]
     return fields
 
 

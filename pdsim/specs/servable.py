@@ -53,6 +53,8 @@ SERVABLE_HF_CONFIGS: dict[str, dict[str, Any]] = {
                         "linear_attention"],
         "sliding_window": 16,
         "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 16,
-        "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "mamba_ssm_dtype": "float32",
+        "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+        # the real backend keeps both parts of the recurrent state in float32
+        "mamba_ssm_dtype": "float32", "mamba_conv_dtype": "float32",
     },
 }

@@ -305,7 +305,7 @@ class ModelConfig:
                           linear_key_head_dim=self.linear_key_head_dim,
                           linear_value_head_dim=self.linear_value_head_dim,
                           linear_conv_kernel_dim=self.linear_conv_kernel_dim,
-                          mamba_ssm_dtype="float32")
+                          mamba_ssm_dtype="float32", mamba_conv_dtype="float32")
             return hf
         hf.update(
             model_type="deepseek_v2", num_key_value_heads=self.num_heads,
@@ -337,8 +337,10 @@ def _hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
         if key_heads != value_heads:
             raise ValueError(f"linear_num_key_heads={key_heads} and linear_num_value_heads="
                              f"{value_heads}; the real backend needs them equal")
-        if hf.get("mamba_ssm_dtype", "float32") != "float32":
-            raise ValueError(f"mamba_ssm_dtype={hf['mamba_ssm_dtype']!r}; allowed: 'float32'")
+        for key in ("mamba_ssm_dtype", "mamba_conv_dtype"):
+            if hf.get(key, "float32") != "float32":
+                raise ValueError(f"{key}={hf[key]!r}; allowed: 'float32' (the real backend's "
+                                 "recurrent state)")
         fields.update(linear_num_heads=key_heads,
                       linear_key_head_dim=hf.get("linear_key_head_dim") or 0,
                       linear_value_head_dim=hf.get("linear_value_head_dim") or 0,

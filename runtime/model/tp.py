@@ -22,15 +22,20 @@ With tp ranks, rank r:
   experts are instead split whole over ep groups of tp/ep ranks (sliced within a group) and
   tokens reach them by all-to-all (runtime.model.moe); the same all-reduce ends the block.
 - Embeddings, norms and lm_head are replicated (the simplest choice): every rank computes the full
-  logits, identical on every rank because all-reduce hands every rank the same bits.
+  logits, identical on every rank because all-reduce hands every rank the same bits (under
+  attention DP see below for the LM head).
 
 Row-parallel projections have no bias in the supported models (it would be added tp times).
 
 Attention data parallelism (`apply_dp_attention`, SGLang's --enable-dp-attention): the tp ranks
 of an instance form `dp` DP ranks of `tp // dp` processes each (process p is in DP rank
 `p // (tp // dp)`). Each DP rank runs attention on its own batch, its heads split over its
-processes (the attention-TP group, one all-reduce after attention); the embeddings and the LM head
-run on its own rows. The dense MLP and MoE blocks gather the tokens of every DP rank over the
+processes (the attention-TP group, one all-reduce after attention); the embeddings run on its own
+rows. The LM head, as SGLang runs it: by default split by vocabulary over the whole instance on the
+gathered last-token rows of every DP rank, each process computing its vocabulary slice and an
+all-gather joining the slices before each rank keeps its own rows; with `dp_lm_head`
+(`--enable-dp-lm-head`) whole on each DP rank's own rows, no collective. The dense MLP and MoE
+blocks gather the tokens of every DP rank over the
 whole instance (an all-gather padded to the longest rank's), run split `tp` ways as above, sum
 (all-reduce) and keep this rank's rows. With `moe_dense_tp: 1` a dense MLP instead runs whole on
 each process over its own tokens, with no collective. A DP rank with no batch in a step runs the
@@ -79,12 +84,18 @@ def check_tp(config: ModelConfig, tp_size: int, ep_size: int = 1) -> None:
     check_ep(config, tp_size, ep_size)
 
 
-def check_dp_attention(config: ModelConfig, tp_size: int, dp_size: int) -> None:
+def check_dp_attention(config: ModelConfig, tp_size: int, dp_size: int, *,
+                       dp_lm_head: bool = False) -> None:
     """Raise ValueError unless `config` runs with `tp_size` processes in `dp_size` DP ranks:
-    attention splits over `tp_size // dp_size`, the MLP blocks over `tp_size`."""
+    attention splits over `tp_size // dp_size`, the MLP blocks (and without `dp_lm_head` the LM
+    head's vocabulary) over `tp_size`."""
     if dp_size < 1 or tp_size % dp_size:
         raise ValueError(f"dp_attention={dp_size} must divide tp={tp_size}")
     check_tp(config, tp_size // dp_size)
+    if dp_size > 1 and not dp_lm_head and config.vocab_size % tp_size:
+        raise ValueError(f"model {config.name!r} cannot split its LM head over tp={tp_size}: "
+                         f"vocab_size={config.vocab_size} must divide by tp (or set dp_lm_head "
+                         "to run it per DP rank)")
     for field in ("intermediate_size", "moe_intermediate_size"):
         if getattr(config, field) and getattr(config, field) % tp_size:
             raise ValueError(f"model {config.name!r} cannot run with tp={tp_size}: "
@@ -94,7 +105,8 @@ def check_dp_attention(config: ModelConfig, tp_size: int, dp_size: int) -> None:
 class DPRanks:
     """One process's place in an instance with attention DP: `world` is the instance's group
     (every process), `attn` this DP rank's attention-TP group. `token_counts` holds each DP
-    rank's tokens in the forward about to run; the executor sets it before every forward."""
+    rank's tokens in the forward about to run, `row_counts` its rows for the LM head (one per
+    segment); the executor sets both before every forward."""
 
     def __init__(self, world: TPGroup, attn: TPGroup, dp_size: int) -> None:
         if world.size != dp_size * attn.size:
@@ -105,10 +117,12 @@ class DPRanks:
         self.dp_size = dp_size
         self.dp_rank = world.rank // attn.size
         self.token_counts = [0] * dp_size
+        self.row_counts = [0] * dp_size
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every DP rank's rows of `x`, in DP-rank order."""
-        counts = self.token_counts
+    def gather(self, x: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+        """Every DP rank's rows of `x`, in DP-rank order; `counts` (default: `token_counts`)
+        holds each rank's rows."""
+        counts = self.token_counts if counts is None else counts
         if x.shape[0] != counts[self.dp_rank]:
             raise ValueError(f"DP rank {self.dp_rank}: {x.shape[0]} rows, expected "
                              f"{counts[self.dp_rank]}")
@@ -117,10 +131,11 @@ class DPRanks:
         parts = self.world.all_gather(padded)
         return torch.cat([parts[r * self.attn.size][:n] for r, n in enumerate(counts)])
 
-    def own_rows(self, y: torch.Tensor) -> torch.Tensor:
-        """This DP rank's rows of a gathered `y`."""
-        start = sum(self.token_counts[: self.dp_rank])
-        return y[start: start + self.token_counts[self.dp_rank]]
+    def own_rows(self, y: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+        """This DP rank's rows of a gathered `y` (`counts` as in `gather`)."""
+        counts = self.token_counts if counts is None else counts
+        start = sum(counts[: self.dp_rank])
+        return y[start: start + counts[self.dp_rank]]
 
 
 def head_range(config: ModelConfig, tp_size: int, rank: int) -> range:
@@ -190,12 +205,14 @@ def apply_tp(model: CausalLM, group: TPGroup, ep: int = 1) -> CausalLM:
 
 
 @torch.no_grad()
-def apply_dp_attention(model: CausalLM, dp: DPRanks, *, dense_tp: bool = True) -> CausalLM:
+def apply_dp_attention(model: CausalLM, dp: DPRanks, *, dense_tp: bool = True,
+                       dp_lm_head: bool = False) -> CausalLM:
     """Shard `model` in place for its process of an instance with attention DP (module
-    docstring); `dense_tp=False` is `moe_dense_tp: 1`. Every process must call this on an
-    identical model; the model then keeps `dp` as `model.dp`."""
+    docstring); `dense_tp=False` is `moe_dense_tp: 1`, `dp_lm_head` SGLang's
+    `--enable-dp-lm-head`. Every process must call this on an identical model; the model then
+    keeps `dp` as `model.dp`."""
     config = model.config
-    check_dp_attention(config, dp.world.size, dp.dp_size)
+    check_dp_attention(config, dp.world.size, dp.dp_size, dp_lm_head=dp_lm_head)
     attn_tp, attn_rank = dp.attn.size, dp.attn.rank
     tp, rank = dp.world.size, dp.world.rank
     for i, layer in enumerate(model.model.layers):
@@ -213,18 +230,34 @@ def apply_dp_attention(model: CausalLM, dp: DPRanks, *, dense_tp: bool = True) -
         layer.mlp.register_forward_pre_hook(lambda _m, args: (dp.gather(args[0]),))
         layer.mlp.register_forward_hook(
             lambda _m, _args, out: dp.own_rows(dp.world.all_reduce_sum(out)))
+    if not dp_lm_head:
+        _vocab_parallel_lm_head(model, dp)
     model.dp = dp
     return model
+
+
+def _vocab_parallel_lm_head(model: CausalLM, dp: DPRanks) -> None:
+    """This process's vocabulary slice of the LM head (a tied embedding keeps the whole
+    table), run on every DP rank's rows; the logits of all slices come back for its own rows."""
+    tp, rank = dp.world.size, dp.world.rank
+    width = model.config.vocab_size // tp
+    _keep(model.lm_head, 0, rank * width, width)
+    model.lm_head.register_forward_pre_hook(
+        lambda _m, args: (dp.gather(args[0], dp.row_counts),))
+    model.lm_head.register_forward_hook(
+        lambda _m, _args, out: dp.own_rows(torch.cat(dp.world.all_gather(out), dim=-1),
+                                           dp.row_counts))
 
 
 @torch.inference_mode()
 def run_idle(model: CausalLM) -> None:
     """The idle batch of a DP rank with nothing to run: no tokens through every layer's MLP
-    block, whose collectives the other DP ranks' forwards are waiting in."""
+    block and the LM head, whose collectives the other DP ranks' forwards are waiting in."""
     weight = model.model.embed_tokens.weight
     empty = weight.new_zeros((0, model.config.hidden_size))
     for layer in model.model.layers:
         layer.mlp(empty)
+    model.compute_logits(empty)
 
 
 def _shard_gqa(attn: GQAAttention, config: ModelConfig, tp: int, rank: int) -> None:

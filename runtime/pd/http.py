@@ -21,7 +21,7 @@
   way (a failed transfer, crossed metadata), the reason in the message.
 - `POST /abort` `{"rid", "reason"}`: fail the request wherever it is (the other side learns
   through the transfer layer).
-- `GET /health` (also `/info`): role, instance, tp, model, and a prefill worker's bootstrap
+- `GET /health` (also `/info`): role, instance, tp, dp, model, and a prefill worker's bootstrap
   server; 503 once the engine stopped.
 - `GET /load` `{"load", "num_active", "pending_tokens", "queues"}` (`load`: the scheduler's
   `load()`, the signal the simulator's router uses), `GET /metrics` (Prometheus),
@@ -97,6 +97,7 @@ class WorkerInfo:
     max_position: int
     bootstrap_host: str = ""  # prefill workers only
     bootstrap_port: int = 0
+    dp: int = 1  # attention-DP ranks of the instance
 
 
 class WorkerServer(AppServer):
@@ -274,7 +275,7 @@ class WorkerServer(AppServer):
 
     async def server_info(self, request: web.Request) -> web.Response:
         i = self.info
-        return web.json_response(server_info(role=i.role, tp=i.tp,
+        return web.json_response(server_info(role=i.role, tp=i.tp, dp=i.dp,
                                              bootstrap_port=i.bootstrap_port))
 
     async def model_info(self, request: web.Request) -> web.Response:

@@ -114,7 +114,8 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     else:
         attn_group = attn = join_attn_group(spec)
         dp = DPRanks(group, attn, spec.dp)
-        model = apply_dp_attention(model, dp, dense_tp=role.moe_dense_tp != 1)
+        model = apply_dp_attention(model, dp, dense_tp=role.moe_dense_tp != 1,
+                                   dp_lm_head=role.dp_lm_head)
     mcfg = model.config
     text = load_text_side(config, mcfg.vocab_size)
     sched_cfg = with_state_slots(config.scheduler_config(spec.role), mcfg)
@@ -265,7 +266,8 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
     if not 0 <= instance < spec_cfg.instances:
         raise ValueError(f"{role} instance {instance}; the config has {spec_cfg.instances}")
     # a clear error before any process starts
-    check_dp_attention(model_config_of(config), spec_cfg.tp, spec_cfg.dp_attention)
+    check_dp_attention(model_config_of(config), spec_cfg.tp, spec_cfg.dp_attention,
+                       dp_lm_head=spec_cfg.dp_lm_head)
     check_tp(model_config_of(config), spec_cfg.tp, spec_cfg.ep)
     secret = resolve_secret(config.security.cluster_secret, insecure=config.security.insecure,
                             what=f"{role} worker {instance}")
@@ -299,7 +301,8 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
         info = WorkerInfo(role=role, instance=instance, tp=spec.tp, model=config.model_name,
                           model_vocab=rank.executor.config.vocab_size,
                           max_position=rank.executor.config.max_position,
-                          bootstrap_host=spec.bootstrap_host, bootstrap_port=spec.bootstrap_port)
+                          bootstrap_host=spec.bootstrap_host, bootstrap_port=spec.bootstrap_port,
+                          dp=spec.dp)
         front = sglang_front(config, rank.engine, model_vocab=info.model_vocab,
                              max_position=info.max_position)
         server = WorkerServer(rank.engine, info, sglang=front,
