@@ -160,3 +160,41 @@ def test_refused_outside_colocated_mtp():
         colocated_config(num_pages=32, page_size=4, speculative={**SPEC, "method": "eagle"})
     with pytest.raises(ValueError, match="speculates colocated only"):
         PDServeConfig(**yaml.safe_load(tiny_pd_yaml()), speculative=SPEC)
+
+
+def test_calibration_writes_the_served_acceptance_for_the_simulator(tmp_path):
+    """`pdsim calibrate`'s acceptance: the served engine's `sglang:spec_accept_length` becomes
+    the overlay's `speculative.acceptance`, which replaces the configured one (rates here) in
+    what `pdsim validate --calibration` simulates."""
+    import yaml
+    from configs import colocated_config
+
+    from pdsim.sim.build import _speculation
+    from pdsim.validation.validate import calibrated
+    from runtime.calibration import ACCEPT_METRIC, acceptance_overlay, read_gauge
+    from runtime.colocated import BackgroundServer
+
+    spec = {**SPEC, "num_draft_tokens": 3}
+    cfg = colocated_config(num_pages=32, page_size=4, seed=1, device="cpu", speculative=spec)
+    with BackgroundServer(cfg) as srv:
+        for i in range(3):
+            complete(srv.url, prompt(6 + i, 40 + i))
+        measured = read_gauge(srv.url, {}, ACCEPT_METRIC)
+        stats = srv.engine.executor.speculation.stats
+    assert stats.verify_steps > 0
+    assert measured == pytest.approx(stats.mean_accept_len, abs=1e-9)
+    overlay = tmp_path / "calibration.yaml"
+    overlay.write_text(yaml.safe_dump({"speculative": acceptance_overlay(cfg, measured)}))
+    raw = {**cfg.model_dump(mode="json", exclude_none=True),
+           "workload": {"num_requests": 4, "seed": 0, "arrival": {"process": "poisson",
+                                                                   "rate_rps": 1.0},
+                        "input_len": {"dist": "fixed", "value": 16},
+                        "output_len": {"dist": "fixed", "value": 16}}}
+    raw["speculative"]["acceptance"] = {"rates": [0.9]}  # configured: replaced, not merged
+    sim_cfg = calibrated(raw, "deployment", overlay)
+    assert sim_cfg.speculative.acceptance.rates is None
+    assert sim_cfg.speculative.acceptance.mean_accept_len == pytest.approx(measured, abs=1e-6)
+    probs = _speculation(sim_cfg).accept_len_probs
+    assert sum((n + 1) * p for n, p in enumerate(probs)) == pytest.approx(measured, abs=1e-6)
+    with pytest.raises(RuntimeError, match="outside"):
+        acceptance_overlay(cfg, 4.5)
