@@ -216,3 +216,36 @@ def test_calibration_writes_the_served_acceptance_for_the_simulator(tmp_path):
     assert sum((n + 1) * p for n, p in enumerate(probs)) == pytest.approx(measured, abs=1e-6)
     with pytest.raises(RuntimeError, match="outside"):
         acceptance_overlay(cfg, 4.5)
+
+
+def test_transfer_registers_the_draft_and_refuses_a_decode_rank_that_does_not_speculate():
+    """A speculating rank's `KVArgs`: the draft layer's KV buffers after the target's, its
+    hidden-state rows one per state slot; a prefill rank refuses a decode rank without them."""
+    from dataclasses import fields
+
+    from runtime.protocol.transfer import RegisterDecode
+    from runtime.transfer.layout import KVArgs
+    from runtime.transfer.metadata import MetadataBuffer
+    from runtime.transfer.prefill import plan_peer
+
+    model = build_model(PRESETS["tiny-llama"], seed=0)
+    config = model.config
+
+    def args(speculating: bool) -> KVArgs:
+        executor = ModelExecutor(model, num_pages=8, page_size=4, state_slots=3)
+        if speculating:
+            executor.speculate(build_draft(model), 2)
+        return KVArgs.for_cache(executor.kv, MetadataBuffer.allocate(2),
+                                total_kv_heads=config.num_kv_heads,
+                                speculation=executor.speculation)
+
+    prefill, plain = args(True), args(False)
+    assert len(prefill.kv_data_ptrs) == len(plain.kv_data_ptrs) + 2  # the draft's K and V
+    assert prefill.hidden_slot_len == config.hidden_size * 4 and prefill.num_state_slots == 3
+    names = {f.name for f in fields(RegisterDecode)} - {"session_id", "endpoint"}
+    reg = RegisterDecode(session_id="d", endpoint="tcp://127.0.0.1:1",
+                         **{n: (list(getattr(plain, n)) if n.startswith("kv_data")
+                                or n == "kv_item_lens" else getattr(plain, n)) for n in names})
+    with pytest.raises(ValueError, match=f"draft hidden state: prefill "
+                                         f"{config.hidden_size * 4} bytes per request, decode 0"):
+        plan_peer(prefill, reg)

@@ -4,7 +4,9 @@
 
 Every rank builds the same model (same seed or checkpoint) and shards it (`apply_tp`), allocates
 its slice of the paged KV cache, a metadata buffer, and a Mooncake KV manager that registers both;
-then it runs a `PDEngine` over the role's core scheduler in lock step with the other ranks. A
+then it runs a `PDEngine` over the role's core scheduler in lock step with the other ranks.
+With `speculative.method: mtp` (tp 1) the rank also builds the MTP draft and registers its KV
+and hidden-state buffers with the rest (runtime/speculative.py). A
 prefill instance's bootstrap server runs in rank 0's process and every prefill rank registers
 with it; decode ranks look the prefill ranks up there per request, and refuse to pair with an
 instance whose page size, KV dtype or heads differ (`check_compatible`: the request fails with

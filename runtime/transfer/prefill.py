@@ -6,8 +6,7 @@ its `TransferInfo` (one, or decode_tp / prefill_tp of them), then `WaitingForInp
 queues one chunk on the room's worker (rooms are pinned to a worker, so chunks run in order);
 the worker writes the chunk to every real target and, on the last chunk, the metadata slot and
 the request's recurrent-state slot (hybrid models) or last hidden state (speculative decoding)
-too, then reports `Success` (or `Failed`) to
-every target over ZMQ.
+too, then reports `Success` (or `Failed`) to every target over ZMQ.
 
 Peer state stays bounded whatever arrives: heartbeats and aborts count only from decode ranks that
 registered (`RegisterDecode`), and a heartbeat's echo goes to the endpoint the rank registered,
