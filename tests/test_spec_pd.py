@@ -4,7 +4,8 @@ layer's KV pages travel with the target's and the request's last hidden state wi
 chunk, and the decode side drafts from its first step.
 
 Greedy outputs equal colocated serving without speculation, token for token, for prompts of 5
-to 70 tokens (chunks of 32, pages of 8). The draft is the checked oracle (tests/spec_oracle.py):
+to 70 tokens (chunks of 32, pages of 8), with GQA (the draft's K and V pages) and MLA (its
+latent pages). The draft is the checked oracle (tests/spec_oracle.py):
 it proposes the true continuation only while the hidden state and the draft KV it finds on the
 decode side are the reference's, so drafts are accepted when both travelled; with the prefill's
 hidden-state write left out, no draft is accepted at all, and the output is still the same.
@@ -23,18 +24,18 @@ from test_pd_serving import MAX_NEW, colocated_outputs, prompts
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
-MODEL = "tiny-llama"
+MODELS = ("tiny-llama", "tiny-mla")
 SPEC = {"method": "mtp", "num_draft_tokens": 3, "acceptance": {"mean_accept_len": 1.5}}
 WORKER = str(Path(__file__).with_name("spec_pd_worker.py"))
 
 
-def oracle_file(path: Path, reference: list[list[int]]) -> Path:
+def oracle_file(model_name: str, path: Path, reference: list[list[int]]) -> Path:
     """The checked oracle's references for the prompts and their greedy outputs."""
     from runtime.model.draft import build_draft
     from runtime.model.loading import load_served_model
     from spec_oracle import references
 
-    config = pd_config(MODEL, speculative=SPEC)
+    config = pd_config(model_name, speculative=SPEC)
     model = load_served_model(config, "cpu")
     sequences = [p + out for p, out in zip(prompts(), reference)]
     keys = [(t, pos) for seq in sequences for pos, t in enumerate(seq)]
@@ -43,11 +44,12 @@ def oracle_file(path: Path, reference: list[list[int]]) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    reference = colocated_outputs(MODEL)  # without speculation
-    oracle = oracle_file(tmp_path_factory.mktemp("spec") / "oracle.npz", reference)
-    config = pd_config(MODEL, speculative=SPEC)
+@pytest.fixture(scope="module", params=MODELS)
+def cluster(request, tmp_path_factory):
+    model = request.param
+    reference = colocated_outputs(model)  # without speculation
+    oracle = oracle_file(model, tmp_path_factory.mktemp("spec") / "oracle.npz", reference)
+    config = pd_config(model, speculative=SPEC)
     env = {"SPEC_ORACLE": str(oracle)}
     workers = {}
     try:
