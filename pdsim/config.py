@@ -89,7 +89,8 @@ class AcceptanceConfig(_Spec):
 
 class SpeculativeConfig(_Spec):
     """Speculative decoding: simulated with the given acceptance; the real backend serves
-    method mtp colocated (runtime/speculative.py) and measures its own acceptance."""
+    method mtp colocated and in PD at tp 1 (runtime/speculative.py) and measures its own
+    acceptance, which `pdsim calibrate` writes back here."""
 
     method: Literal["none", "mtp", "eagle"] = Field(
         "none", description="simulator only: mtp (the target's own MTP layers, DeepSeek-V3) or "

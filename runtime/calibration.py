@@ -31,12 +31,15 @@ Three measurements, none of them an end-to-end serving figure:
   - The engine's TTFT minus what the simulator already models of it (the prefill step and,
     disaggregated, handshake and transfer) is a per-request overhead: added to
     `network.handshake_s` when disaggregated, the colocated instance's `wakeup_s` otherwise.
+  - With speculative decoding (`speculative.method: mtp`) the engine's
+    `sglang:spec_accept_length` after the probes (tokens per verify step since it started: its
+    accepted drafts + 1) is the simulator's `speculative.acceptance.mean_accept_len`.
   Queueing plays no part in the lone requests: nothing else is in flight.
 
 The file is a YAML overlay of experiment fields (`cost_model`, `network`, `router`,
 `kv_dtype_bytes`, `cluster`: `host_cores`, the cores' worth of work this machine's CPUs do
 together -- one process multiplying matrices alone, then one per CPU at once -- which every
-served rank process shares) plus what was measured; `pdsim validate --calibration` lays it over the
+served rank process shares; `speculative`) plus what was measured; `pdsim validate --calibration` lays it over the
 deployment before simulating. The timings table is written beside it.
 """
 
@@ -345,11 +348,15 @@ def page_bytes_per_buffer(config) -> list[int]:
     return list(cache.item_lens())
 
 
-def _histogram_totals(url: str, headers: dict, name: str) -> tuple[float, float]:
-    """(sum, count) of one of the engine's histograms from its Prometheus `/metrics`."""
+def _metrics_text(url: str, headers: dict) -> str:
     request = urllib.request.Request(url + "/metrics", headers=headers)
     with urllib.request.urlopen(request, timeout=10) as resp:
-        text = resp.read().decode()
+        return resp.read().decode()
+
+
+def _histogram_totals(url: str, headers: dict, name: str) -> tuple[float, float]:
+    """(sum, count) of one of the engine's histograms from its Prometheus `/metrics`."""
+    text = _metrics_text(url, headers)
     got = {}
     for part in ("sum", "count"):
         m = re.search(rf"^{name}_{part}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
@@ -401,6 +408,29 @@ class EngineTimes:
     batch: int = 0  # requests decoding together in the batch probe
     batch_itl_s: float = math.nan  # their gap between tokens at the client
     prefill_span_s: float = math.nan  # disaggregated: a lone request's prefill step, start to end
+    spec_accept_len: float | None = None  # speculating: tokens per verify step, every request
+
+
+def read_gauge(url: str, headers: dict, name: str) -> float:
+    """One of the engine's gauges from its Prometheus `/metrics`."""
+    text = _metrics_text(url, headers)
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    if m is None:
+        raise RuntimeError(f"{url}/metrics has no {name}")
+    return float(m.group(1))
+
+
+ACCEPT_METRIC = "sglang:spec_accept_length"
+
+
+def acceptance_overlay(config, mean_accept_len: float) -> dict:
+    """The calibration's `speculative` section: the measured tokens per verify step as the
+    simulator's acceptance (it replaces the configured `acceptance` whole)."""
+    k = config.speculative.num_draft_tokens
+    if not 1.0 <= mean_accept_len <= k + 1:
+        raise RuntimeError(f"measured accept length {mean_accept_len}: outside [1, {k + 1}] for "
+                           f"num_draft_tokens {k}")
+    return {"acceptance": {"mean_accept_len": round(mean_accept_len, 6)}}
 
 
 # The engine's own histograms: SGLang's names on the colocated server, `pdsim_` on a PD worker
@@ -457,9 +487,12 @@ def measure_engine(config_path: str | Path, config, *, requests: int = 20,
                      for rows_ in real.worker_records("prefill") for row in rows_
                      if row["rid"] in lone and row.get("prefill_end_s") is not None]
             span = statistics.median(spans) if spans else math.nan
+        accept = (read_gauge(engine, headers, ACCEPT_METRIC)
+                  if config.speculative.method != "none" else None)
     # Medians: a moment of load from other processes on a shared machine moves a mean.
     return EngineTimes(*(float(v) for v in np.median(np.array(rows), axis=0)), batch=batch,
-                       batch_itl_s=statistics.median(gaps), prefill_span_s=span)
+                       batch_itl_s=statistics.median(gaps), prefill_span_s=span,
+                       spec_accept_len=accept)
 
 
 def _batch_gap_s(records) -> float:
@@ -588,6 +621,10 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
         "cost_model": {"name": "profiled", "params": params},
         "router": {"frontend_latency_s": round(frontend_s, 6)},
     }
+    if engine.spec_accept_len is not None:
+        data["measured"]["probe"]["spec_accept_len"] = round(engine.spec_accept_len, 6)
+        data["speculative"] = acceptance_overlay(config, engine.spec_accept_len)
+        log(f"  speculative acceptance: {engine.spec_accept_len:.3f} tokens per verify step")
     if config.dtype:
         data["kv_dtype_bytes"] = DTYPE_BYTES[config.dtype]
     if transfer is not None:

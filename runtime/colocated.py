@@ -23,6 +23,7 @@ from runtime.openai.protocol import Limits
 from runtime.openai.server import OpenAIServer
 from runtime.security import api_key
 from runtime.serve_config import ServeConfig
+from runtime.speculative import with_draft_slots
 
 
 def build_server(config: ServeConfig) -> OpenAIServer:
@@ -33,6 +34,8 @@ def build_server(config: ServeConfig) -> OpenAIServer:
     text = load_text_side(config, mcfg.vocab_size)
     tokenizer, template, eos_ids = text.tokenizer, text.chat_template, text.eos_ids
     sched_cfg = with_state_slots(config.scheduler_config(), mcfg)
+    if config.speculative.method == "mtp":
+        sched_cfg = with_draft_slots(sched_cfg)
     executor = ModelExecutor(model, num_pages=config.num_pages, page_size=config.page_size,
                              seed=config.seed, vocab_limit=text.vocab_limit(mcfg.vocab_size),
                              state_slots=sched_cfg.state_slots)

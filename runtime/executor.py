@@ -28,7 +28,9 @@ tokens, logprobs, failures and top logprobs, so that each holds the same results
 
 With `speculate(draft, k)` greedy decode steps verify MTP draft tokens (runtime/speculative.py):
 the tokens are the same, some steps run no forward, and `speculation.stats` counts the
-accepted drafts.
+accepted drafts. Every forward then extends the draft too (its KV in `speculation.kv`, on the
+same pages; each request's last hidden state at its state slot, `speculation.hidden`), so a
+prefill instance leaves both ready to travel with the request's KV.
 
 Every forward is timed (wall clock, the device synchronised) and recorded with its `BatchShape`,
 the inputs of the simulator's cost model: `timings_frame()` / `save_timings(path)`.
@@ -83,8 +85,9 @@ class ModelExecutor:
     tp_size: the tensor-parallel size `model` was sharded for (`apply_tp`): a GQA cache then
         holds this rank's `max(1, num_kv_heads // tp_size)` heads.
     max_timings: forwards whose timing is kept (the oldest are dropped beyond it).
-    state_slots: the recurrent-state slots of a hybrid model's cache (the scheduler's
-        `state_slots`; a request runs on its `state_indices[0]`); 0 for other models.
+    state_slots: the scheduler's `state_slots` (a request runs on its `state_indices[0]`): a
+        hybrid model's recurrent states, or the draft's hidden states of a speculating
+        executor (`with_draft_slots`); 0 for other models.
     """
 
     def __init__(self, model: CausalLM, *, num_pages: int, page_size: int, seed: int = 0,
@@ -96,8 +99,10 @@ class ModelExecutor:
         self.page_size = page_size
         self.kv = PagedKVCache.for_model(self.config, num_pages=num_pages, page_size=page_size,
                                          tp_size=tp_size, dtype=kv_dtype, device=self.device)
-        self.kv.state = recurrent_state_for(self.config, state_slots, tp_size=tp_size,
-                                            device=self.device)
+        self.kv.state = recurrent_state_for(self.config,
+                                            state_slots if self.config.linear_layers else 0,
+                                            tp_size=tp_size, device=self.device)
+        self.state_slots = state_slots
         if vocab_limit is not None and not 0 < vocab_limit <= self.config.vocab_size:
             raise ValueError(f"vocab_limit={vocab_limit}; must be in 1..{self.config.vocab_size}")
         self.vocab_limit = vocab_limit
@@ -113,13 +118,21 @@ class ModelExecutor:
         self.speculation: DecodeSpeculation | None = None
 
     def speculate(self, draft: MTPDraft, num_draft_tokens: int) -> None:
-        """Verify up to `num_draft_tokens` drafts of `draft` per greedy decode step."""
+        """Verify up to `num_draft_tokens` drafts of `draft` per greedy decode step. Call it
+        before the caches are registered for transfer: it allocates the draft's."""
         if self.kv.state:
             raise ValueError(f"model {self.config.name!r} keeps a recurrent state; speculative "
                              "decoding supports attention-only models")
         if self.tp_size != 1 or self.dp is not None:
             raise ValueError("speculative decoding runs on one GPU: tp_size 1, no attention DP")
-        self.speculation = DecodeSpeculation(draft, num_draft_tokens)
+        if self.state_slots < 1:
+            raise ValueError("speculative decoding keeps each request's last hidden state in a "
+                             f"state slot: state_slots={self.state_slots}; must be >= 1 (give "
+                             "the scheduler runtime.speculative.with_draft_slots)")
+        hidden = torch.zeros(self.state_slots, self.config.hidden_size, device=self.device,
+                             dtype=self.kv.dtype)
+        self.speculation = DecodeSpeculation(draft, num_draft_tokens, draft.make_cache(self.kv),
+                                             hidden)
 
     # ---- per-request state -----------------------------------------------------------------
 
@@ -235,7 +248,7 @@ class ModelExecutor:
             tables.append(req.pages)
             reqs.append(req)
             sampled.append(seg.is_last)
-        return self._forward(ids, query_lens, cached_lens, tables, reqs, sampled)
+        return self._forward(ids, query_lens, cached_lens, tables, reqs, sampled, decoding=False)
 
     def _decode(self, batch: DecodeBatch) -> tuple[list[int], list[float]]:
         if self.speculation is not None:
@@ -243,7 +256,8 @@ class ModelExecutor:
         ids = [req.output_ids[-1] for req in batch.reqs]
         tables = [req.pages for req in batch.reqs]
         n = len(batch.reqs)
-        return self._forward(ids, [1] * n, batch.kv_lens(), tables, batch.reqs, [True] * n)
+        return self._forward(ids, [1] * n, batch.kv_lens(), tables, batch.reqs, [True] * n,
+                             decoding=True)
 
     def _decode_speculative(self, batch: DecodeBatch) -> tuple[list[int], list[float]]:
         """Rows holding verified tokens take them; greedy rows verify drafts in one forward;
@@ -263,25 +277,24 @@ class ModelExecutor:
             reqs = [batch.reqs[i] for i in plain]
             tokens, logprobs = self._forward([r.output_ids[-1] for r in reqs], [1] * len(reqs),
                                              [kv_lens[i] for i in plain], [r.pages for r in reqs],
-                                             reqs, [True] * len(reqs))
+                                             reqs, [True] * len(reqs), decoding=True)
             for i, token, logprob in zip(plain, tokens, logprobs):
                 out[i] = (token, logprob)
         return [t for t, _ in out], [lp for _, lp in out]
 
     def _forward(self, ids: list[int], query_lens: list[int], cached_lens: list[int],
                  tables: Sequence[Sequence[int]], reqs: Sequence[Request],
-                 sampled: Sequence[bool]) -> tuple[list[int], list[float]]:
+                 sampled: Sequence[bool], *, decoding: bool) -> tuple[list[int], list[float]]:
         state_slots = [req.state_indices[0] for req in reqs] if self.kv.state else ()
         meta = AttentionMetadata.build(query_lens, cached_lens, tables, self.page_size,
                                        device=self.device, state_slots=state_slots)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         if self.speculation is None:
             logits = self.model(input_ids, meta.positions(), meta, self.kv)
-        else:  # the draft reads the last hidden states
+        else:  # the draft extends over every token, from the target's hidden states
             hidden = self.model.hidden_states(input_ids, meta.positions(), meta, self.kv)
-            hidden = hidden[meta.last_token_indices()]
-            self.speculation.remember(reqs, sampled, hidden)
-            logits = self.model.compute_logits(hidden)
+            self.speculation.after_forward(reqs, meta, input_ids, hidden, decoding=decoding)
+            logits = self.model.compute_logits(hidden[meta.last_token_indices()])
         if self.vocab_limit is not None:
             logits = logits[:, : self.vocab_limit]
         params, gens = [], []

@@ -109,6 +109,14 @@ class _ServeBase(ExperimentConfig):
                                     f"cluster.{role}.scheduler")
 
 
+def check_served_method(spec) -> None:
+    """The speculative methods the real backend serves (a `SpeculativeConfig`)."""
+    if spec.method == "eagle" or (spec.method == "mtp" and spec.draft_layers != 1):
+        raise ValueError(f"speculative: method {spec.method!r} with draft_layers "
+                         f"{spec.draft_layers}; the real backend serves method 'mtp' (one "
+                         "random-weight MTP layer, draft_layers 1) or 'none'")
+
+
 class ServeConfig(_ServeBase):
     """Colocated serving: one engine, one OpenAI-compatible server at router.host:router.port."""
 
@@ -123,11 +131,7 @@ class ServeConfig(_ServeBase):
             raise ValueError(f"cluster.colocated.ep: {self.cluster.colocated.ep}; the colocated "
                              "server is one process: the real backend serves expert "
                              "parallelism disaggregated (prefill or decode ep)")
-        spec = self.speculative
-        if spec.method == "eagle" or (spec.method == "mtp" and spec.draft_layers != 1):
-            raise ValueError(f"speculative: method {spec.method!r} with draft_layers "
-                             f"{spec.draft_layers}; the real backend serves method 'mtp' (one "
-                             "random-weight MTP layer, draft_layers 1) or 'none'")
+        check_served_method(self.speculative)
         return self
 
     @property
@@ -157,9 +161,17 @@ class PDServeConfig(_ServeBase):
         if self.cluster.mode != "disaggregated":
             raise ValueError("cluster.mode: a PDServeConfig is disaggregated; use ServeConfig")
         check_serving(self.faults)
-        if self.speculative.method != "none":
-            raise ValueError(f"speculative.method {self.speculative.method!r}: the real backend "
-                             "speculates colocated only (ServeConfig); PD serves 'none'")
+        spec = self.speculative
+        check_served_method(spec)
+        if spec.method == "mtp":
+            shapes = {name: (role.tp, role.dp_attention) for name, role in
+                      (("prefill", self.cluster.prefill), ("decode", self.cluster.decode))}
+            if any(shape != (1, 1) for shape in shapes.values()):
+                raise ValueError(
+                    "speculative.method 'mtp': the real backend speculates in PD at tp 1 -> tp 1 "
+                    "without attention DP; got " + ", ".join(
+                        f"{name} tp {tp}, dp_attention {dp}"
+                        for name, (tp, dp) in shapes.items()))
         return self
 
     @model_validator(mode="after")

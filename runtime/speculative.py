@@ -9,6 +9,16 @@ request's next tokens are `d_1..d_n, g_n`: the target's own greedy tokens, whate
 proposed. The KV of `t, d_1..d_n` is now in the cache; the rejected drafts' slots are stale and
 the next verify overwrites them.
 
+The draft's own state per request: its KV (slot `p` from token `p` and the target's hidden
+state at `p - 1`, in a one-layer cache on the target's pages) and, in the request's state slot
+(`Request.state_indices`, `with_draft_slots`), the target's hidden state of its last cached
+token: the draft's next input. Every target forward extends the draft over the tokens it
+cached (a verify: over the accepted drafts, whose slots the chain wrote from its own outputs),
+so a prefill leaves the prompt's draft KV and the last hidden state ready to move to a decode
+instance with the request's KV (runtime/transfer/prefill.py). A chunk that starts after a
+cached prefix has no hidden state for the token before it and feeds zeros there (as position
+0 does): the drafts may differ, never the output.
+
 The core scheduler still plans one token per request per decode step, and its page accounting
 stays exact because the executor never writes outside the pages the scheduler gave a request:
 `k` is cut to the slots those pages hold beyond `L` (and to the tokens the request has left).
@@ -25,13 +35,15 @@ refused: rolling a recurrent state back needs a snapshot per draft position.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from pdsim.core.config import SchedulerConfig
 from pdsim.core.request import Request
 from runtime.model import AttentionMetadata
 from runtime.model.draft import MTPDraft
+from runtime.model.kv_cache import PagedKVCache
 from runtime.sampler import sample
 from runtime.sampling import SamplingParams
 
@@ -69,16 +81,28 @@ class _Verified:
     logprobs: list[float]
 
 
+def with_draft_slots(sched: SchedulerConfig) -> SchedulerConfig:
+    """`sched` with a state slot per request slot (running and, on decode, preallocated): where
+    a speculating executor keeps each request's last hidden state, which PD moves with its
+    last chunk like a recurrent state."""
+    return replace(sched, state_slots=sched.max_running_requests + sched.pre_alloc_size)
+
+
 @dataclass
 class DecodeSpeculation:
-    """The executor's speculative state: the draft head, `k`, each request's last hidden state
-    (the draft's input) and the tokens verified ahead of the scheduler."""
+    """The executor's speculative state: the draft head, `k`, the draft's KV (`kv`), each
+    request's last hidden state at its state slot (`hidden`, `[slots, hidden_size]`) and the
+    tokens verified ahead of the scheduler."""
 
     draft: MTPDraft
     num_draft_tokens: int
+    kv: PagedKVCache
+    hidden: torch.Tensor
     stats: AcceptanceStats = field(init=False)
-    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
     verified: dict[str, _Verified] = field(default_factory=dict)
+    # The position whose hidden state a request's slot holds, for requests extended here (a
+    # request that came with its KV holds the prefill's, for its last prompt token).
+    carried: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -86,24 +110,35 @@ class DecodeSpeculation:
         self.stats = AcceptanceStats(self.num_draft_tokens)
 
     def forget(self, rid: str) -> None:
-        self.hidden.pop(rid, None)
+        self.carried.pop(rid, None)
         self.verified.pop(rid, None)
 
-    def remember(self, reqs: Sequence[Request], sampled: Sequence[bool],
-                 hidden: torch.Tensor) -> None:
-        """Keep the last-token hidden states of a plain forward's rows; an extend's other rows
-        (a chunk that is not the last) drop what their request held."""
-        for row, (req, last) in enumerate(zip(reqs, sampled)):
+    def _carry(self, req: Request, position: int, decoding: bool) -> torch.Tensor:
+        """The target's hidden state at `position - 1`, the draft's input for `position`."""
+        if decoding or (position > 0 and self.carried.get(req.rid) == position - 1):
+            return self.hidden[req.state_indices[0]]
+        return self.hidden.new_zeros(self.hidden.shape[1])  # position 0, or a cached prefix
+
+    @torch.inference_mode()
+    def after_forward(self, reqs: Sequence[Request], meta: AttentionMetadata,
+                      ids: torch.Tensor, hidden: torch.Tensor, *, decoding: bool) -> None:
+        """After a plain target forward (`hidden`: every token's): the draft's KV of the
+        tokens it cached, each request's new last hidden state; verified tokens dropped."""
+        prev = torch.empty_like(hidden)
+        starts = meta.token_starts
+        for s, req in enumerate(reqs):
+            a, b = starts[s], starts[s + 1]
+            prev[a] = self._carry(req, meta.cached_lens[s], decoding)
+            prev[a + 1:b] = hidden[a:b - 1]
+        self.draft.extend(ids, prev, meta, self.kv)
+        for s, req in enumerate(reqs):
+            self.hidden[req.state_indices[0]] = hidden[starts[s + 1] - 1]
+            self.carried[req.rid] = meta.context_lens[s] - 1
             self.verified.pop(req.rid, None)
-            if last:
-                self.hidden[req.rid] = hidden[row]
-            else:
-                self.hidden.pop(req.rid, None)
 
     def can_verify(self, req: Request, top_k: dict[str, int]) -> bool:
         params = req.sampling
-        return ((params is None or params.greedy) and req.rid not in top_k
-                and req.rid in self.hidden)
+        return (params is None or params.greedy) and req.rid not in top_k
 
     def take(self, req: Request, kv_len: int) -> tuple[int, float] | None:
         """The verified token of `req`'s decode step at `kv_len`, if it holds one."""
@@ -131,22 +166,22 @@ class DecodeSpeculation:
         ks = [self.drafts_for(r, L, executor.page_size, executor.config.max_position)
               for r, L in zip(reqs, kv_lens)]
         pending = [r.output_ids[-1] for r in reqs]
+        slots = [r.state_indices[0] for r in reqs]
+        tables = [r.pages for r in reqs]
         drafts = self.draft.propose(
-            torch.stack([self.hidden[r.rid] for r in reqs]),
-            torch.tensor(pending, device=device), torch.tensor(list(kv_lens), device=device),
-            max(ks), vocab_limit).tolist() if max(ks) else [[] for _ in reqs]
+            torch.tensor(pending, device=device), self.hidden[slots], kv_lens, tables, ks,
+            self.kv, vocab_limit) if max(ks) else [[] for _ in reqs]
         ids = [t for p, d, k in zip(pending, drafts, ks) for t in [p, *d[:k]]]
-        query_lens = [k + 1 for k in ks]
-        meta = AttentionMetadata.build(query_lens, kv_lens, [r.pages for r in reqs],
-                                       executor.page_size, device=device)
-        hidden = model.hidden_states(torch.tensor(ids, dtype=torch.int64, device=device),
-                                     meta.positions(), meta, executor.kv)
+        meta = AttentionMetadata.build([k + 1 for k in ks], kv_lens, tables, executor.page_size,
+                                       device=device)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+        hidden = model.hidden_states(input_ids, meta.positions(), meta, executor.kv)
         logits = model.compute_logits(hidden)
         if vocab_limit is not None:
             logits = logits[:, :vocab_limit]
         result = sample(logits, [GREEDY] * len(ids), [None] * len(ids))
         greedy, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
-        out = []
+        out, accepted = [], []
         for req, d, k, start, L in zip(reqs, drafts, ks, meta.token_starts, kv_lens):
             n = 0
             while n < k and d[n] == greedy[start + n]:
@@ -155,9 +190,39 @@ class DecodeSpeculation:
                 self.stats.verify_steps += 1
                 self.stats.proposed_drafts += k
                 self.stats.accepted_drafts += n
-            self.hidden[req.rid] = hidden[start + n]
+            accepted.append(n)
             out.append((greedy[start], logprobs[start]))
             if n:
                 self.verified[req.rid] = _Verified(L + 1, greedy[start + 1: start + n + 1],
                                                    logprobs[start + 1: start + n + 1])
+        self._settle_draft(reqs, kv_lens, ks, accepted, meta, input_ids, hidden)
         return out
+
+    @torch.inference_mode()
+    def _settle_draft(self, reqs, kv_lens, ks, accepted, verify_meta, ids, hidden) -> None:
+        """After a verify: the draft's KV of the tokens it cached that the chain did not write
+        from the target's hidden states (the accepted drafts; the pending token when no draft
+        ran), and each request's new last hidden state."""
+        starts = verify_meta.token_starts
+        rows, prev, qlens, cached, tables = [], [], [], [], []
+        for req, L, k, n, start in zip(reqs, kv_lens, ks, accepted, starts):
+            if k and n:  # slots L+1..L+n: the accepted drafts, after the target's L..L+n-1
+                rows.extend(range(start + 1, start + n + 1))
+                prev.append(hidden[start:start + n])
+                qlens.append(n)
+                cached.append(L + 1)
+            elif not k:  # slot L: the pending token, after the request's last hidden state
+                rows.append(start)
+                prev.append(self.hidden[req.state_indices[0]][None])
+                qlens.append(1)
+                cached.append(L)
+            else:
+                continue
+            tables.append(req.pages)
+        if rows:
+            meta = AttentionMetadata.build(qlens, cached, tables, verify_meta.page_size,
+                                           device=ids.device)
+            self.draft.extend(ids[rows], torch.cat(prev), meta, self.kv)
+        for req, L, n, start in zip(reqs, kv_lens, accepted, starts):
+            self.hidden[req.state_indices[0]] = hidden[start + n]
+            self.carried[req.rid] = L + n

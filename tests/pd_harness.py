@@ -88,14 +88,19 @@ class Worker:
 
 
 def start_worker(config: PDServeConfig, role: str, *, bootstrap_port: int | None = None,
-                 instance: int = 0) -> Worker:
+                 instance: int = 0, script: str | None = None,
+                 env: dict[str, str] | None = None) -> Worker:
+    """`script`: a file run instead of `python -m runtime.pd.worker` (with its arguments);
+    `env`: more environment variables."""
     port = free_port()
     bport = free_port() if role == "prefill" and bootstrap_port is None else bootstrap_port
     payload = {"parent_pid": os.getpid(), "config": config.model_dump(mode="json"), "role": role,
                "instance": instance, "port": port, "bootstrap_port": bport}
-    env = {**child_env(), "PDSIM_KERNEL_BACKEND": "torch", "GLOG_minloglevel": "2"}
-    proc = subprocess.Popen(python_command("instance", payload), env=env,
-                            stdout=subprocess.DEVNULL)
+    env = {**child_env(), "PDSIM_KERNEL_BACKEND": "torch", "GLOG_minloglevel": "2", **(env or {})}
+    command = python_command("instance", payload)
+    if script is not None:
+        command = [sys.executable, script, *command[3:]]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
     return Worker(role, config.role(role).tp, f"http://127.0.0.1:{port}", proc, bport or 0)
 
 

@@ -1,7 +1,8 @@
 """Speculative decoding (MTP, EAGLE) in the simulator: the acceptance model and the draft's cost.
 
-Simulator only: the real backend does not speculate. Each decode step of a speculating
-instance (SGLang's EAGLE worker with top-k 1, which also runs DeepSeek's MTP) is
+The real backend runs its own MTP draft (runtime/speculative.py); here its cost and its
+acceptance are modelled (`pdsim calibrate` measures the served acceptance into
+`speculative.acceptance`). Each decode step of a speculating instance (SGLang's EAGLE worker with top-k 1, which also runs DeepSeek's MTP) is
 
 1. a **verify** forward of the target model with k + 1 query tokens per request (the last
    accepted token and k drafts): the core plans it as a `BatchShape` with

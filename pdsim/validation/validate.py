@@ -31,7 +31,10 @@ from pdsim.validation import phases
 from pdsim.validation.compare import Tolerance, markdown, plot, side_by_side
 
 # Sections of a calibration file that lie over the experiment (runtime/calibration.py).
-OVERLAY_KEYS = ("cost_model", "network", "router", "kv_dtype_bytes", "cluster")
+OVERLAY_KEYS = ("cost_model", "network", "router", "kv_dtype_bytes", "cluster", "speculative")
+# Overlay sections that replace the experiment's whole, not key by key: a measured
+# `acceptance` (mean_accept_len) must not meet configured `rates`.
+REPLACED_WHOLE = ("params", "acceptance")
 
 
 @dataclass
@@ -52,7 +55,7 @@ class Validation:
 def _merge(base: dict, over: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "params":
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key not in REPLACED_WHOLE:
             out[key] = _merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)

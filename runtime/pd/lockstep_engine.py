@@ -175,6 +175,7 @@ class PDEngine:
             dp_assignment = "room"  # the decode side looks the prefill rank up by the room
         self.load: dict[str, float] = {"load": 0, "num_active": 0, "pending_tokens": 0}
         self.queues: dict[str, int] = {}
+        self._speculation = executor.speculation  # its acceptance is a decode gauge
         self.sync = LockstepSync(self.group, self.kv, self._pools_status,
                                  poll_interval_s=poll_interval_s, tick_s=tick_s)
         self.driver = Engine(executor, config, schedulers=self.scheds,
@@ -296,6 +297,8 @@ class PDEngine:
                      "pending_tokens": pending}
         gauges["pdsim_metadata_slots_used"] = sum(s.metadata_slots.num_used for s in scheds)
         gauges["pdsim_transfers_pending"] = self.kv.num_pending
+        if self.role == "decode" and self._speculation is not None:
+            gauges["sglang:spec_accept_length"] = self._speculation.stats.mean_accept_len
         return gauges
 
 

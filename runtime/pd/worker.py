@@ -4,7 +4,9 @@
 
 Every rank builds the same model (same seed or checkpoint) and shards it (`apply_tp`), allocates
 its slice of the paged KV cache, a metadata buffer, and a Mooncake KV manager that registers both;
-then it runs a `PDEngine` over the role's core scheduler in lock step with the other ranks. A
+then it runs a `PDEngine` over the role's core scheduler in lock step with the other ranks.
+With `speculative.method: mtp` (tp 1) the rank also builds the MTP draft and registers its KV
+and hidden-state buffers with the rest (runtime/speculative.py). A
 prefill instance's bootstrap server runs in rank 0's process and every prefill rank registers
 with it; decode ranks look the prefill ranks up there per request, and refuse to pair with an
 instance whose page size, KV dtype or heads differ (`check_compatible`: the request fails with
@@ -89,6 +91,7 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
 
     from runtime.executor import ModelExecutor
     from runtime.model.tp import DPRanks, apply_dp_attention, apply_tp
+    from runtime.model.draft import build_draft
     from runtime.model.hybrid import with_state_slots
     from runtime.pd.lockstep_engine import PDEngine
     from runtime.model.loading import load_served_model, load_text_side, resolve_device
@@ -96,6 +99,7 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     from runtime.transfer.metadata import MetadataBuffer
     from runtime.security import key_of, resolve_secret
     from runtime.faults import TransferFaults
+    from runtime.speculative import with_draft_slots
     from runtime.transfer.mooncake import MooncakeKVManager
 
     key = key_of(resolve_secret(config.security.cluster_secret,
@@ -119,15 +123,21 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     mcfg = model.config
     text = load_text_side(config, mcfg.vocab_size)
     sched_cfg = with_state_slots(config.scheduler_config(spec.role), mcfg)
+    speculating = config.speculative.method == "mtp"
+    if speculating:
+        sched_cfg = with_draft_slots(sched_cfg)
     executor = ModelExecutor(model, num_pages=sched_cfg.num_pages, page_size=config.page_size,
                              seed=config.seed, vocab_limit=text.vocab_limit(mcfg.vocab_size),
                              tp_size=attn_group.size, state_slots=sched_cfg.state_slots)
+    if speculating:  # both roles: prefill fills the draft's KV and hidden state, decode drafts
+        executor.speculate(build_draft(model, seed=config.seed),
+                           config.speculative.num_draft_tokens)
     executor.warmup()  # every rank: the forward's all-reduces keep them together
     metadata = MetadataBuffer.allocate(sched_cfg.metadata_slots)
     dp_rank = 0 if dp is None else dp.dp_rank
     args = KVArgs.for_cache(executor.kv, metadata, tp_rank=attn_group.rank,
                             tp_size=attn_group.size, total_kv_heads=mcfg.num_kv_heads,
-                            dp_rank=dp_rank, dp_size=spec.dp)
+                            dp_rank=dp_rank, dp_size=spec.dp, speculation=executor.speculation)
     manager = MooncakeKVManager(args, config.transfer, key=key)
     manager.prefill.faults = TransferFaults.for_instance(config.faults, spec.role, spec.instance)
     try:

@@ -30,7 +30,7 @@ from typing import Annotated, Any, ClassVar
 
 import msgpack
 
-VERSION = 3  # of every message here; bump it on any change of a message's fields or meaning
+VERSION = 4  # of every message here; bump it on any change of a message's fields or meaning
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 LogProb = Annotated[float, "may be -inf"]
 MESSAGES: dict[str, type] = {}  # every registered message type, by its `TYPE`

@@ -44,6 +44,10 @@ class RegisterDecode:
     state_slot_len: int = 0
     state_layers: int = 0
     total_state_heads: int = 0
+    # Its draft hidden-state buffer (speculative decoding; all 0 without one), see `KVArgs`.
+    hidden_ptr: int = 0
+    hidden_len: int = 0
+    hidden_slot_len: int = 0
 
 
 @message
@@ -59,7 +63,8 @@ class TransferInfo:
     page_dtype: str  # "int32" or "int64"
     metadata_slot: int
     is_dummy: bool
-    # Its state slots (hybrid models), written with the last chunk.
+    # Its state slots (a hybrid model's recurrent state, a speculating instance's hidden
+    # state), written with the last chunk.
     dst_state_slots: list[int] = field(default_factory=list)
 
     def pages(self) -> np.ndarray:

@@ -389,7 +389,9 @@ class DecodeSide:
                 kv_dtype=a.kv_dtype, is_mla=a.is_mla, total_kv_heads=a.total_kv_heads,
                 kv_heads_per_rank=a.kv_heads_per_rank, state_ptr=a.state_ptr,
                 state_len=a.state_len, state_slot_len=a.state_slot_len,
-                state_layers=a.state_layers, total_state_heads=a.total_state_heads))
+                state_layers=a.state_layers, total_state_heads=a.total_state_heads,
+                hidden_ptr=a.hidden_ptr, hidden_len=a.hidden_len,
+                hidden_slot_len=a.hidden_slot_len))
             self._registered.add(endpoint)
             with self._lock:
                 self._last_echo.setdefault(endpoint, time.monotonic())

@@ -6,6 +6,11 @@ prefill rank's `RecurrentState` slot into the decode rank's. Its heads split ove
 heads (`total_state_heads // tp` per rank, no replicas), so under a TP mismatch a prefill rank
 writes, per layer, its heads at their offset in the decode rank's slot.
 
+With speculative decoding (runtime/speculative.py) the draft layer's KV buffers follow the
+target's in the buffer list (its pages move with theirs), and each request's last hidden state,
+one row of the hidden-state buffer at its state slot, moves whole with its last chunk (every
+TP rank holds the whole row).
+
 A KV buffer is `[num_pages, page_size, heads, head_dim]` (see runtime/model/kv_cache.py): page `p` is
 `ptr + p * item_len`, token `t` of it `+ t * item_len / page_size`, and head `h` of that token
 `+ h * head_bytes`.
@@ -53,6 +58,11 @@ class KVArgs:
     state_slot_len: int = 0
     state_layers: int = 0
     total_state_heads: int = 0
+    # The draft's hidden-state buffer of a speculating rank (0 without one): `hidden_len`
+    # bytes of rows of `hidden_slot_len` bytes, one per state slot.
+    hidden_ptr: int = 0
+    hidden_len: int = 0
+    hidden_slot_len: int = 0
     # Whatever owns the memory above (tensors, arrays): held so it lives as long as these args
     # (and so the manager holding them). Mooncake writes into registered memory blindly, so
     # freeing it while registered corrupts the heap.
@@ -95,20 +105,29 @@ class KVArgs:
                 raise ValueError(f"state: {self.state_len} bytes of {self.state_slot_len}-byte "
                                  f"slots of {pieces} heads do not divide evenly")
 
+        if self.hidden_len:
+            if self.hidden_slot_len <= 0 or self.hidden_len % self.hidden_slot_len:
+                raise ValueError(f"hidden states: {self.hidden_len} bytes of "
+                                 f"{self.hidden_slot_len}-byte rows do not divide evenly")
+            if self.state_len and self.num_state_slots != self.hidden_len // self.hidden_slot_len:
+                raise ValueError("the recurrent-state and hidden-state buffers differ in slots")
+
     @property
     def state_heads_per_rank(self) -> int:
         return self.total_state_heads // self.tp_size
 
     @property
     def num_state_slots(self) -> int:
-        return self.state_len // self.state_slot_len if self.state_len else 0
+        return num_state_slots(self)
 
     @classmethod
     def for_cache(cls, cache, metadata, *, tp_rank: int = 0, tp_size: int = 1,
-                  total_kv_heads: int | None = None, dp_rank: int = 0, dp_size: int = 1) -> KVArgs:
+                  total_kv_heads: int | None = None, dp_rank: int = 0, dp_size: int = 1,
+                  speculation=None) -> KVArgs:
         """From a `runtime.model.kv_cache.PagedKVCache` (with its recurrent state, if any) and a
         `MetadataBuffer`; a GQA cache needs the model's `total_kv_heads` (a rank's own count may
-        be a replica)."""
+        be a replica). `speculation` (a `runtime.speculative.DecodeSpeculation`) adds the
+        draft's KV buffers and its hidden-state buffer."""
         if not cache.mla and total_kv_heads is None:
             raise ValueError("KVArgs.for_cache: pass total_kv_heads for a GQA cache")
         total = 1 if cache.mla else total_kv_heads
@@ -117,15 +136,30 @@ class KVArgs:
             state_ptr=state.data_ptr(), state_len=state.data_len(),
             state_slot_len=state.slot_bytes(), state_layers=state.num_layers,
             total_state_heads=state.heads * tp_size)
+        caches = [cache] if speculation is None else [cache, speculation.kv]
+        if speculation is not None:
+            hidden = speculation.hidden
+            state_fields.update(hidden_ptr=hidden.data_ptr(),
+                                hidden_len=hidden.numel() * hidden.element_size(),
+                                hidden_slot_len=hidden[0].numel() * hidden.element_size())
         return cls(
             **state_fields,
-            kv_data_ptrs=cache.data_ptrs(), kv_data_lens=cache.data_lens(),
-            kv_item_lens=cache.item_lens(), metadata_ptr=metadata.ptr,
+            kv_data_ptrs=[p for c in caches for p in c.data_ptrs()],
+            kv_data_lens=[n for c in caches for n in c.data_lens()],
+            kv_item_lens=[n for c in caches for n in c.item_lens()], metadata_ptr=metadata.ptr,
             metadata_len=metadata.nbytes, metadata_item_len=metadata.item_len,
             page_size=cache.page_size, kv_dtype=str(cache.dtype).removeprefix("torch."),
             tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total,
             kv_heads_per_rank=cache.heads, is_mla=cache.mla, dp_rank=dp_rank, dp_size=dp_size,
-            owners=(cache, metadata))
+            owners=(cache, metadata, speculation))
+
+
+def num_state_slots(args) -> int:
+    """The state slots of a rank's `KVArgs` or `RegisterDecode`: its recurrent-state or
+    hidden-state buffer's (0 without either)."""
+    if args.state_len:
+        return args.state_len // args.state_slot_len
+    return args.hidden_len // args.hidden_slot_len if args.hidden_len else 0
 
 
 def heads_per_rank(tp_size: int, total_heads: int) -> int:
@@ -247,6 +281,13 @@ def state_descriptors(src_ptr: int, src_slot_len: int, dst_ptr: int, dst_slot_le
             dsts.append(dst_ptr + dst * dst_slot_len + layer * dst_layer + piece.dst_offset)
             lens.append(piece.length)
     return srcs, dsts, lens
+
+
+def hidden_descriptors(src_ptr: int, dst_ptr: int, slot_len: int, src_slots,
+                       dst_slots) -> Descriptors:
+    """A request's last hidden state (speculative decoding): its whole row, slot to slot."""
+    return ([src_ptr + s * slot_len for s in src_slots],
+            [dst_ptr + d * slot_len for d in dst_slots], [slot_len] * len(src_slots))
 
 
 def _flat(parts: list[np.ndarray]) -> list[int]:

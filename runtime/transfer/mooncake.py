@@ -3,7 +3,8 @@ engine (P2P handshake; "tcp" here, "rdma" with a device name on clusters), ZMQ a
 bootstrap server.
 
 One `MooncakeKVManager` per rank owns the engine (with this rank's KV and metadata buffers, and
-a hybrid model's recurrent-state buffer, registered once), a ZMQ PULL socket, and a service
+a hybrid model's recurrent-state buffer or a speculating one's hidden states, registered
+once), a ZMQ PULL socket, and a service
 thread that dispatches incoming messages and sends heartbeats. A prefill rank uses its senders
 (see `prefill.py`), a decode rank its receivers (see `decode.py`); one manager can do both, so
 no role flag is needed.
@@ -80,8 +81,10 @@ class MooncakeKVManager:
         for ptr, length in zip(args.kv_data_ptrs, args.kv_data_lens):
             self.engine.register(ptr, length, owner=args.owners)
         self.engine.register(args.metadata_ptr, args.metadata_len, owner=args.owners)
-        if args.state_len:
-            self.engine.register(args.state_ptr, args.state_len, owner=args.owners)
+        for ptr, length in ((args.state_ptr, args.state_len),
+                            (args.hidden_ptr, args.hidden_len)):
+            if length:
+                self.engine.register(ptr, length, owner=args.owners)
         self.metadata = MetadataBuffer.at_address(args.metadata_ptr, args.metadata_len)
         self.channel = ZmqChannel(config.host, key)
         self._epoch = Epoch()

@@ -5,8 +5,8 @@ A room waits in `Bootstrapping` until every decode rank that will read from this
 its `TransferInfo` (one, or decode_tp / prefill_tp of them), then `WaitingForInput`. Each `send`
 queues one chunk on the room's worker (rooms are pinned to a worker, so chunks run in order);
 the worker writes the chunk to every real target and, on the last chunk, the metadata slot and
-the request's recurrent-state slot (hybrid models) too, then reports `Success` (or `Failed`) to
-every target over ZMQ.
+the request's recurrent-state slot (hybrid models) or last hidden state (speculative decoding)
+too, then reports `Success` (or `Failed`) to every target over ZMQ.
 
 Peer state stays bounded whatever arrives: heartbeats and aborts count only from decode ranks that
 registered (`RegisterDecode`), and a heartbeat's echo goes to the endpoint the rank registered,
@@ -34,7 +34,8 @@ from runtime.transfer.channel import ChannelError, ZmqChannel
 from runtime.transfer.mooncake_engine import MooncakeEngine
 from runtime.transfer.layout import (
     HeadSlice, KVArgs, decode_ranks_per_prefill_rank, head_range, head_slice,
-    head_slice_descriptors, page_descriptors, state_descriptors,
+    head_slice_descriptors, hidden_descriptors, num_state_slots, page_descriptors,
+    state_descriptors,
 )
 from runtime.protocol.transfer import Abort, Heartbeat, RegisterDecode, Status, TransferInfo
 from runtime.streams import PEER_LOST, WRITE_FAILED
@@ -79,6 +80,9 @@ def plan_peer(local: KVArgs, reg: RegisterDecode) -> PeerPlan:
         if getattr(local, name) != getattr(reg, name):
             problems.append(f"recurrent state {name}: prefill {getattr(local, name)}, decode "
                             f"{getattr(reg, name)}")
+    if local.hidden_slot_len != reg.hidden_slot_len:
+        problems.append(f"draft hidden state: prefill {local.hidden_slot_len} bytes per "
+                        f"request, decode {reg.hidden_slot_len} (0: not speculating)")
     if local.state_len and not local.is_mla and local.tp_size > local.total_kv_heads:
         problems.append(f"prefill TP {local.tp_size} above {local.total_kv_heads} KV heads "
                         "(replicated heads) with a recurrent state is not supported")
@@ -127,14 +131,10 @@ def _plan_state(local: KVArgs, reg: RegisterDecode) -> HeadSlice | None:
     return piece
 
 
-def _reg_state_slots(reg: RegisterDecode) -> int:
-    return reg.state_len // reg.state_slot_len if reg.state_len else 0
-
-
 def _state_out_of_range(slots, num_slots: int, who: str) -> str:
     bad = [s for s in slots if not 0 <= s < num_slots]
     if bad and not num_slots:
-        return f"{who} state slots {bad}, but it keeps no recurrent state"
+        return f"{who} state slots {bad}, but it keeps no per-request state"
     return f"{who} state slots {bad} outside 0..{num_slots - 1}" if bad else ""
 
 
@@ -319,7 +319,7 @@ class PrefillSide:
                     peer.reg.metadata_len, peer.reg.metadata_item_len)):
                 self._fail(r, f"decode rank {msg.decode_tp_rank}: {bad}")
             elif not msg.is_dummy and (bad := _state_out_of_range(
-                    msg.dst_state_slots, _reg_state_slots(peer.reg), "its")):
+                    msg.dst_state_slots, num_state_slots(peer.reg), "its")):
                 self._fail(r, f"decode rank {msg.decode_tp_rank}: {bad}")
             else:
                 r.expected = decode_ranks_per_prefill_rank(self.args.tp_size, peer.reg.tp_size)
@@ -503,10 +503,14 @@ class PrefillSide:
             lens.append(a.metadata_item_len)
             s_srcs, s_dsts, s_lens = state_descriptors(
                 a.state_ptr, a.state_slot_len, reg.state_ptr, reg.state_slot_len,
-                a.state_layers, chunk.src_states, info.dst_state_slots, peer.state_piece)
-            srcs += s_srcs
-            dsts += s_dsts
-            lens += s_lens
+                a.state_layers, chunk.src_states, info.dst_state_slots,
+                peer.state_piece) if a.state_len else ([], [], [])
+            h_srcs, h_dsts, h_lens = hidden_descriptors(
+                a.hidden_ptr, reg.hidden_ptr, a.hidden_slot_len, chunk.src_states,
+                info.dst_state_slots) if a.hidden_len else ([], [], [])
+            srcs += s_srcs + h_srcs
+            dsts += s_dsts + h_dsts
+            lens += s_lens + h_lens
         self._engine.write(reg.session_id, srcs, dsts, lens)
 
     def close(self) -> None:
