@@ -11,7 +11,7 @@ import pytest
 
 from pdsim.specs.models import load_model_spec, model_preset, model_spec_from_hf_config
 from pdsim.specs.servable import SERVABLE_HF_CONFIGS
-from pdsim.validation.validate import load_experiment_for
+from pdsim.validation.validate import load_experiment_for, state_check
 from runtime.model import ModelConfig
 from runtime.model.hybrid import RecurrentState
 
@@ -41,6 +41,17 @@ def test_the_hybrid_deployment_prices_the_state_the_real_workers_move():
         1, exp.sim_cfg.kv_dtype_bytes)
     for role in (exp.cluster.prefill, exp.cluster.decode):
         assert role.state_bytes_per_request - window == real_slot_bytes(HYBRID, 1)
+
+
+def test_validate_compares_the_state_each_worker_holds():
+    calibration = REPO / "experiments" / "validation" / "calibration" / "pd_hybrid.yaml"
+    exp = load_experiment_for(REPO / "experiments" / "real_pd_hybrid.yaml", calibration)
+    real = real_slot_bytes(HYBRID, 1)
+    same = state_check(exp, {"prefill 0": real, "decode 0": real})
+    assert same == (f"recurrent state per request per rank (equal): prefill 0: real {real:,} B, "
+                    f"sim {real:,} B; decode 0: real {real:,} B, sim {real:,} B")
+    assert "(they differ)" in state_check(exp, {"prefill 0": real, "decode 0": real - 4})
+    assert state_check(exp, {}) == ""  # no workers to ask (an endpoint given by URL)
 
 
 def test_public_presets_keep_sglangs_state_dtypes():

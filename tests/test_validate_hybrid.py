@@ -3,8 +3,9 @@ experiments/real_pd_hybrid.yaml (tiny-hybrid, prefill tp 1 -> decode tp 1, its r
 moved by Mooncake over TCP on loopback), with the committed calibration of this deployment. Both
 sides complete every request, the real workers' pools (recurrent-state slots too) all come back,
 and the simulated transfer of a request's last chunk carries its hybrid state: a sliding
-window's KV and the recurrent state of both linear-attention layers. A worker's `/pools` check
-counts its recurrent-state slots: one held outside any request keeps it from full.
+window's KV and the recurrent state of both linear-attention layers, as many bytes as each
+worker holds per request (validate's state line). A worker's `/pools` check counts its
+recurrent-state slots: one held outside any request keeps it from full.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def test_validate_a_hybrid_deployment(tmp_path):
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     # Every page, request, metadata and recurrent-state slot is back on both workers.
     assert "real: every worker's pages and slots came back" in proc.stdout, proc.stdout[-3000:]
+    # The simulator prices the recurrent state each worker holds per request.
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("recurrent state per")]
+    assert "(equal)" in line and "prefill 0: real" in line and "decode 0: real" in line, line
     table = pd.read_csv(tmp_path / "out" / "validation.csv").set_index("metric")
     assert table.loc["completed", "real"] == table.loc["completed", "sim"] == REQUESTS
     for side in ("real", "sim"):

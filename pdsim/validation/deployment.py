@@ -81,6 +81,12 @@ class RealDeployment:
             out[f"{role} {i}"] = "" if state["full"] else state["detail"]
         return out
 
+    def worker_state_bytes(self) -> dict[str, int]:
+        """Each worker's recurrent-state bytes per request on one rank (its `/health`), keyed
+        "prefill 0", "decode 0", ...; 0 for a model that keeps none."""
+        return {f"{role} {i}": int(self._get(url, "/health").get("state_bytes_per_slot", 0))
+                for (role, i), url in sorted(self.workers.items())}
+
     def _get(self, url: str, path: str):
         """A worker's internal endpoint's JSON (with the cluster key)."""
         from runtime.security import ClusterKey

@@ -153,6 +153,25 @@ def compare_runs(exp: Experiment, real: list[RequestRecord], sim_rids: Sequence[
     return Validation(table, phase_table, real, sim, out)
 
 
+def state_check(exp: Experiment, held: dict[str, int]) -> str:
+    """The recurrent state per request on one rank each real worker holds (`held`, keyed
+    "prefill 0", ...) against what the simulator prices for its role; "" for a model without
+    one."""
+    from pdsim.specs.models import load_model_spec
+
+    model = load_model_spec(exp.sim_cfg.model, exp.base_dir)
+    if not held or not model.num_linear_layers:
+        return ""
+    parts, same = [], True
+    for worker, real in held.items():
+        role = exp.sim_cfg.cluster.roles[worker.split()[0]]
+        sim = model.recurrent_state_bytes_per_request_per_rank(role.tp // role.dp_attention)
+        same = same and real == sim
+        parts.append(f"{worker}: real {real:,} B, sim {sim:,} B")
+    verdict = "equal" if same else "they differ"
+    return f"recurrent state per request per rank ({verdict}): " + "; ".join(parts)
+
+
 def _serve_name(path: Path) -> str:
     from runtime.serve_config import load_serve_config
 
@@ -217,9 +236,12 @@ def validate(config_path: str | Path, *, calibration: str | Path | None = None,
                                                real_dep.worker_records("prefill"),
                                                real_dep.worker_records("decode"))
             leaks = {w: d for w, d in real_dep.worker_pools().items() if d}
+            held = real_dep.worker_state_bytes()
         if real_dep.workers:
             log("real: " + ("; ".join(f"{w}: pools not full: {d}" for w, d in leaks.items())
                            or "every worker's pages and slots came back"))
+        if line := state_check(exp, held):
+            log(line)
     else:
         prompts = TextPrompts(tokenizer).prompts(work.input_tokens, cfg.seed) if tokenizer else None
         if api != "generate" and model is None:

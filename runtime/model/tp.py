@@ -35,12 +35,12 @@ rows. The LM head, as SGLang runs it: by default split by vocabulary over the wh
 gathered last-token rows of every DP rank, each process computing its vocabulary slice and an
 all-gather joining the slices before each rank keeps its own rows; with `dp_lm_head`
 (`--enable-dp-lm-head`) whole on each DP rank's own rows, no collective. The dense MLP and MoE
-blocks gather the tokens of every DP rank over the
-whole instance (an all-gather padded to the longest rank's), run split `tp` ways as above, sum
-(all-reduce) and keep this rank's rows. With `moe_dense_tp: 1` a dense MLP instead runs whole on
-each process over its own tokens, with no collective. A DP rank with no batch in a step runs the
-idle batch (`run_idle`): no tokens of its own through every MLP block's collectives, so the ranks
-with work are never left waiting.
+blocks gather the tokens of every DP rank over the whole instance (an all-gather padded to the
+longest rank's), run split `tp` ways as above, sum (all-reduce) and keep this rank's rows. With
+`moe_dense_tp: 1` a dense MLP instead runs whole on each process over its own tokens, with no
+collective. A DP rank with no batch in a step runs the idle batch (`run_idle`): no tokens of its
+own through every MLP block's and the LM head's collectives, so the ranks with work are never
+left waiting.
 """
 
 from __future__ import annotations

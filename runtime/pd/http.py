@@ -21,8 +21,8 @@
   way (a failed transfer, crossed metadata), the reason in the message.
 - `POST /abort` `{"rid", "reason"}`: fail the request wherever it is (the other side learns
   through the transfer layer).
-- `GET /health` (also `/info`): role, instance, tp, dp, model, and a prefill worker's bootstrap
-  server; 503 once the engine stopped.
+- `GET /health` (also `/info`): role, instance, tp, dp, model, a hybrid model's recurrent-state
+  bytes per slot, and a prefill worker's bootstrap server; 503 once the engine stopped.
 - `GET /load` `{"load", "num_active", "pending_tokens", "queues"}` (`load`: the scheduler's
   `load()`, the signal the simulator's router uses), `GET /metrics` (Prometheus),
   `GET /records` (the finished requests' `RequestRecord`s), `GET /pools` `{"full", "detail"}`
@@ -98,6 +98,7 @@ class WorkerInfo:
     bootstrap_host: str = ""  # prefill workers only
     bootstrap_port: int = 0
     dp: int = 1  # attention-DP ranks of the instance
+    state_bytes_per_slot: int = 0  # a hybrid model's recurrent state per request, on one rank
 
 
 class WorkerServer(AppServer):

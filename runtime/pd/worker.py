@@ -308,11 +308,13 @@ def serve_instance(config: PDServeConfig, role: str, instance: int = 0, *,
                 followers.append(subprocess.Popen(python_command("follower", payload), env=env))
         group = join_group(spec)
         rank = build_rank(config, spec, group)
+        state = rank.executor.kv.state
+        state_bytes = 0 if state is None else state.slot_bytes()
         info = WorkerInfo(role=role, instance=instance, tp=spec.tp, model=config.model_name,
                           model_vocab=rank.executor.config.vocab_size,
                           max_position=rank.executor.config.max_position,
                           bootstrap_host=spec.bootstrap_host, bootstrap_port=spec.bootstrap_port,
-                          dp=spec.dp)
+                          dp=spec.dp, state_bytes_per_slot=state_bytes)
         front = sglang_front(config, rank.engine, model_vocab=info.model_vocab,
                              max_position=info.max_position)
         server = WorkerServer(rank.engine, info, sglang=front,
