@@ -13,7 +13,9 @@
   "top_logprobs", "finished", "finish_reason", "error", "prompt_tokens", "completion_tokens",
   "cached_tokens", "status", "param"}` (a `StreamEvent`, runtime/protocol/stream.py) per engine
   event (the first carries the first token, from the prefill side's metadata), then
-  `data: [DONE]`. A request that fails before its first token gets an error status instead.
+  `data: [DONE]`; a request's events that are ready at once (those that piled up while the
+  event loop was busy) go out in one write. A request that fails before its first token gets an
+  error status instead.
   Errors are `{"error": {"message", "type", "param", "code"}}`: 400 for a malformed request or
   one the instance can never hold, 409 for a request id in use, 503 with Retry-After while
   shutting down, too busy, or when the peer worker of the transfer was lost (killed or
