@@ -19,8 +19,8 @@ Other threads talk to the engine only through its inbox (`submit`, `abort`, `cal
 entries, `Entry`), which the loop drains between forwards, so the scheduler and the executor are touched by the engine
 thread alone. A request whose sampling fails is failed alone after the forward (the executor
 lists it); the rest of its batch goes on. After every forward each affected request's new tokens
-go to its *sink*, a callable the submitter gives (the HTTP server's puts them on an asyncio queue
-with `loop.call_soon_threadsafe`); a finished request's last event carries its finish reason
+go to its *sink*, a callable the submitter gives (the HTTP servers' hand them to their event
+loop in batches: runtime/streams.py); a finished request's last event carries its finish reason
 ("stop": it generated a stop token; "length": it reached `max_new_tokens`) or its error. Sinks
 are called on the engine thread and must not block.
 

@@ -586,11 +586,10 @@ async def _sse_events(resp: aiohttp.ClientResponse):
     which `_calling` turns into a 502). An error's text reaches the client with any internal
     address in it redacted."""
     async for raw in resp.content:
-        line = raw.decode().strip()
-        if not line.startswith("data:"):
+        if not raw.startswith(b"data:"):
             continue
-        data = line[5:].strip()
-        if data == "[DONE]":
+        data = raw[5:].strip()
+        if data == b"[DONE]":
             return
         event = from_sse_data(data)
         if event.error is not None:

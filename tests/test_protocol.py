@@ -5,6 +5,7 @@ and decoding refuses another version, an unknown key and a wrongly typed (nested
 from __future__ import annotations
 
 import json
+import math
 
 import msgpack
 import pytest
@@ -173,3 +174,70 @@ def test_the_generate_body_uses_the_shared_checks_with_its_field():
         parse_generate(body, model_vocab=8, max_position=64)
     assert err.value.param == "rid"
 
+
+
+# ---- the stream event's fast path (runtime/protocol/stream.py) -----------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats() | text,
+    lambda inner: st.lists(inner, max_size=3), max_leaves=8)
+WIRE_KEYS = list(json.loads(stream.to_sse_data(stream.StreamEvent())))
+
+
+@st.composite
+def wire_maps(draw):
+    """A valid event's wire map, then (maybe) some values replaced by any JSON value (or by the
+    shapes a top logprob takes), a key dropped or a key added."""
+    body = json.loads(stream.to_sse_data(draw(events)))
+    for key in draw(st.lists(st.sampled_from(WIRE_KEYS), max_size=2, unique=True)):
+        body[key] = draw(json_values | st.lists(st.lists(st.lists(json_values, max_size=3),
+                                                         max_size=2), max_size=2))
+    if draw(st.booleans()) and draw(st.booleans()):
+        body.pop(draw(st.sampled_from(WIRE_KEYS)))
+    if draw(st.booleans()) and draw(st.booleans()):
+        body[draw(text)] = draw(json_values)
+    return body
+
+
+def _outcome(decode, data: str):
+    try:
+        event = decode(data)
+    except ProtocolError as exc:
+        return "refused", str(exc), exc.message_type, exc.field
+    # repr tells an int from the equal float, and a list from a tuple
+    return "accepted", repr(event)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(event=events)
+def test_the_fast_stream_encoder_writes_the_codecs_json(event):
+    assert stream.to_sse_data(event) == codec.to_json(event)
+
+
+@settings(max_examples=600, deadline=None, derandomize=True)
+@given(body=wire_maps())
+def test_the_fast_stream_decoder_accepts_and_refuses_exactly_what_the_codec_does(body):
+    data = json.dumps(body)
+    assert _outcome(stream.from_sse_data, data) == _outcome(
+        lambda d: codec.from_json(d, stream.StreamEvent), data)
+    assert _outcome(stream.from_sse_data, data.encode()) == _outcome(stream.from_sse_data, data)
+
+
+@pytest.mark.parametrize("change", [
+    {"token_ids": [1, True]}, {"token_ids": [2**63]}, {"logprobs": [float("nan")]},
+    {"logprobs": [float("inf")]}, {"logprobs": [-0.5, "x"]}, {"top_logprobs": [[[1]]]},
+    {"top_logprobs": [[[1, -0.1, 2]]]}, {"top_logprobs": [[(1, True)]]}, {"finished": 1},
+    {"status": 200.0}, {"prompt_tokens": False}, {"finish_reason": 3}, {"version": VERSION + 1}])
+def test_the_fast_stream_decoder_refuses_what_the_codec_refuses(change):
+    body = json.loads(stream.to_sse_data(stream.StreamEvent(token_ids=(1,), logprobs=(-0.5,))))
+    body.update(change)
+    with pytest.raises(ProtocolError) as err:
+        stream.from_sse_data(json.dumps(body))
+    assert err.value.field == next(iter(change))
+
+
+def test_the_fast_stream_decoder_keeps_minus_infinity_and_integer_logprobs():
+    event = stream.StreamEvent(token_ids=(5, 6), logprobs=(float("-inf"), -1),
+                               top_logprobs=(((5, float("-inf")),), ((6, 0),)))
+    back = stream.from_sse_data(stream.to_sse_data(event))
+    assert back == event and type(back.logprobs[1]) is int and back.logprobs[0] == -math.inf

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -105,6 +105,21 @@ class _Stream:
         return token_times(self.chunk_times, n)[0]
 
 
+async def _sse_chunks(content: aiohttp.StreamReader
+                      ) -> AsyncIterator[tuple[float, list[bytes]]]:
+    """The `data:` payloads of an SSE body but `[DONE]`, per read from the socket with the
+    read's time: the client shares the machine with the server, so it takes whatever arrived
+    at once in one go rather than awaiting it line by line."""
+    partial = b""
+    async for block in content.iter_any():
+        now = time.perf_counter()
+        *lines, partial = (partial + block).split(b"\n")
+        chunks = [data for line in lines if line.startswith(b"data:")
+                  and (data := line[5:].strip()) != b"[DONE]"]
+        if chunks:
+            yield now, chunks
+
+
 async def _one(session: aiohttp.ClientSession, url: str, api: str, model: str, rid: str,
                prompt: list[int] | str, n_prompt: int, max_tokens: int, send_at: float,
                t0: float) -> Reply:
@@ -117,11 +132,11 @@ async def _one(session: aiohttp.ClientSession, url: str, api: str, model: str, r
             if resp.status != 200:
                 stream.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
             else:
-                async for raw in resp.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:") or line == "data: [DONE]":
-                        continue
-                    stream.chunk(api, json.loads(line[5:]), time.perf_counter() - t0)
+                async for now, chunks in _sse_chunks(resp.content):
+                    for data in chunks:
+                        stream.chunk(api, json.loads(data), now - t0)
+                        if stream.error:
+                            break
                     if stream.error:
                         break
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:

@@ -40,10 +40,11 @@ from runtime.openai.protocol import (
 from runtime.protocol.stream import StreamEvent
 from runtime.sampling import SamplingParams
 from runtime.serve_metrics import CONTENT_TYPE, ServeMetrics
-from runtime.streams import EngineStopped
+from runtime.streams import EngineStopped, EventQueue, for_running_loop
 from runtime.tokenizer import ByteTokenizer, StreamDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
+_JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps would build one per chunk
 
 
 # ---- the server -----------------------------------------------------------------------------
@@ -179,18 +180,14 @@ class OpenAIServer(AppServer):
 
     async def _generate(self, request: web.Request, params: GenParams, chat: bool,
                         options: dict[str, Any] | None = None) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
-
-        def sink(event: StreamEvent) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
-
+        queue = EventQueue()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if self._inflight >= self.max_inflight_requests:
             return busy_response(f"{self._inflight} requests in flight, the most this server "
                                  "takes at once; retry later")
         try:
-            self.engine.submit(params.prompt_ids, params.max_tokens, sink,
+            self.engine.submit(params.prompt_ids, params.max_tokens,
+                               for_running_loop().sink(queue),
                                sampling=params.sampling,
                                stop_token_ids=params.stop_token_ids, rid=rid,
                                top_logprobs=params.top_logprobs, **(options or {}))
@@ -265,7 +262,7 @@ class OpenAIServer(AppServer):
         return list(self.tokenizer.decode([token_id]).encode())
 
     async def _collect(self, params: GenParams, rid: str, chat: bool,
-                       queue: asyncio.Queue[StreamEvent]) -> web.Response:
+                       queue: EventQueue) -> web.Response:
         decoder = StreamDecoder(self.tokenizer)
         text, merged, ids = [], None, []
         length = 0
@@ -303,11 +300,11 @@ class OpenAIServer(AppServer):
             "usage": usage(event)})
 
     async def _stream(self, request: web.Request, params: GenParams, rid: str, chat: bool,
-                      queue: asyncio.Queue[StreamEvent]) -> web.StreamResponse:
+                      queue: EventQueue) -> web.StreamResponse:
         # An error before the first token still gets its own status, not a 200 stream.
-        first = await queue.get()
-        if first.error:
-            return error_response(first)
+        events = await queue.get_ready()
+        if events[0].error:
+            return error_response(events[0])
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -315,9 +312,11 @@ class OpenAIServer(AppServer):
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": created, "model": self.model_name}
 
-        async def send(obj: dict | str) -> None:
-            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-            await response.write(f"data: {data}\n\n".encode())
+        def line(obj: dict | str) -> str:
+            return f"data: {obj if isinstance(obj, str) else _JSON.encode(obj)}\n\n"
+
+        async def send(*lines: str) -> None:
+            await response.write("".join(lines).encode())
 
         def chunk(text: str | None, logprobs: dict | None, finish: str | None,
                   role: bool = False, ids: Sequence[int] = ()) -> dict:
@@ -339,32 +338,36 @@ class OpenAIServer(AppServer):
                 body["usage"] = None
             return body
 
-        try:
-            if chat:
-                await send(chunk("", None, None, role=True))
-            decoder = StreamDecoder(self.tokenizer)
-            length = 0
-            event: StreamEvent | None = first
-            while True:
-                event = event if event is not None else await queue.get()
-                if event.error:
-                    await send(error_body(event.error, "server_error"))
-                    break
-                text, entries = self._pieces(decoder, event, params, length)
-                if entries:
-                    length += sum(len(self.tokenizer.decode([t])) for t in entries["ids"])
-                logprobs = self._format_logprobs(entries, chat)
-                if event.finished:
-                    if text or logprobs or (params.return_token_ids and event.token_ids):
-                        await send(chunk(text, logprobs, None, ids=event.token_ids))
-                    await send(chunk(None if chat else "", None, event.finish_reason))
-                    if params.include_usage:
-                        await send({**head, "choices": [], "usage": usage(event)})
-                    break
-                if text or logprobs or (params.return_token_ids and event.token_ids):
-                    await send(chunk(text, logprobs, None, ids=event.token_ids))
-                event = None
-            await send("[DONE]")
+        decoder = StreamDecoder(self.tokenizer)
+        length = 0
+
+        def add_lines(event: StreamEvent, out: list[str]) -> bool:
+            """Append the chunks `event` makes to `out`; True when it ends the stream."""
+            nonlocal length
+            if event.error:
+                out.append(line(error_body(event.error, "server_error")))
+                return True
+            text, entries = self._pieces(decoder, event, params, length)
+            if entries:
+                length += sum(len(self.tokenizer.decode([t])) for t in entries["ids"])
+            logprobs = self._format_logprobs(entries, chat)
+            if text or logprobs or (params.return_token_ids and event.token_ids):
+                out.append(line(chunk(text, logprobs, None, ids=event.token_ids)))
+            if not event.finished:
+                return False
+            out.append(line(chunk(None if chat else "", None, event.finish_reason)))
+            if params.include_usage:
+                out.append(line({**head, "choices": [], "usage": usage(event)}))
+            return True
+
+        try:  # the chunks of the events ready at once go in one write
+            out = [line(chunk("", None, None, role=True))] if chat else []
+            while not any(add_lines(event, out) for event in events):
+                if out:  # (a token may add no text yet: part of a character)
+                    await send(*out)
+                    out = []
+                events = await queue.get_ready()
+            await send(*out, line("[DONE]"))
             await response.write_eof()
         except ConnectionResetError:  # the client went away mid-stream: one line, no traceback
             log.info("%s: the client disconnected mid-stream", rid)
@@ -373,7 +376,7 @@ class OpenAIServer(AppServer):
             log.exception("%s: the stream failed", rid)
             self.engine.abort(rid, f"server error: {exc!r}")
             with contextlib.suppress(ConnectionResetError):
-                await send(error_body(f"server error: {exc!r}", "server_error"))
-                await send("[DONE]")
+                await send(line(error_body(f"server error: {exc!r}", "server_error")),
+                           line("[DONE]"))
                 await response.write_eof()
         return response

@@ -13,7 +13,9 @@
   "top_logprobs", "finished", "finish_reason", "error", "prompt_tokens", "completion_tokens",
   "cached_tokens", "status", "param"}` (a `StreamEvent`, runtime/protocol/stream.py) per engine
   event (the first carries the first token, from the prefill side's metadata), then
-  `data: [DONE]`. A request that fails before its first token gets an error status instead.
+  `data: [DONE]`; a request's events that are ready at once (those that piled up while the
+  event loop was busy) go out in one write. A request that fails before its first token gets an
+  error status instead.
   Errors are `{"error": {"message", "type", "param", "code"}}`: 400 for a malformed request or
   one the instance can never hold, 409 for a request id in use, 503 with Retry-After while
   shutting down, too busy, or when the peer worker of the transfer was lost (killed or
@@ -60,7 +62,9 @@ from runtime.sglang_compat import (
     GenerateOutput, SGLangFront, load_rows, parse_sglang_generate, server_info, sse_line,
     worker_guard,
 )
-from runtime.streams import RETRY_AFTER_S, EngineStopped, failure_status
+from runtime.streams import (
+    RETRY_AFTER_S, EngineStopped, EventQueue, failure_status, for_running_loop,
+)
 
 log = logging.getLogger(__name__)
 
@@ -170,15 +174,11 @@ class WorkerServer(AppServer):
         if self._inflight >= self.max_inflight_requests:
             return _error(f"{self._inflight} requests in flight, the most this worker takes at "
                           "once; retry later", 503)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
-
-        def sink(event: StreamEvent) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
-
+        queue = EventQueue()
         try:
-            self.engine.submit(g.input_ids, g.max_new_tokens, sink, sampling=g.sampling,
-                               stop_token_ids=g.stop_token_ids, top_logprobs=g.top_logprobs,
+            self.engine.submit(g.input_ids, g.max_new_tokens, for_running_loop().sink(queue),
+                               sampling=g.sampling, stop_token_ids=g.stop_token_ids,
+                               top_logprobs=g.top_logprobs,
                                rid=g.rid, bootstrap_host=g.bootstrap_host,
                                bootstrap_port=g.bootstrap_port, bootstrap_room=g.bootstrap_room)
         except EngineStopped:
@@ -202,7 +202,7 @@ class WorkerServer(AppServer):
                 self.engine.abort(g.rid, "client disconnected")
 
     async def _prefill_reply(self, g: GenerateParams,
-                             queue: asyncio.Queue[StreamEvent]) -> web.Response:
+                             queue: EventQueue) -> web.Response:
         ids, logprobs, tops = [], [], []
         while True:
             event = await queue.get()
@@ -217,20 +217,21 @@ class WorkerServer(AppServer):
                                   "logprobs": _finite(logprobs), "top_logprobs": tops})
 
     async def _decode_stream(self, request: web.Request, rid: str,
-                             queue: asyncio.Queue[StreamEvent]) -> web.StreamResponse:
-        event = await queue.get()
-        if event.finished and event.error and not event.token_ids:
-            return _failed(event)
+                             queue: EventQueue) -> web.StreamResponse:
+        events = await queue.get_ready()
+        if events[0].finished and events[0].error and not events[0].token_ids:
+            return _failed(events[0])
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
         try:
-            while True:
-                await response.write(f"data: {to_sse_data(event)}\n\n".encode())
-                if event.finished:
+            while True:  # the events ready at once go in one write; the last one ends it
+                data = "".join([f"data: {to_sse_data(e)}\n\n" for e in events])
+                if events[-1].finished:
+                    await response.write(f"{data}data: [DONE]\n\n".encode())
                     break
-                event = await queue.get()
-            await response.write(b"data: [DONE]\n\n")
+                await response.write(data.encode())
+                events = await queue.get_ready()
             await response.write_eof()
         except ConnectionResetError:  # the router went away mid-stream: one line, no traceback
             log.info("%s: the client disconnected mid-stream", rid)
@@ -245,7 +246,7 @@ class WorkerServer(AppServer):
         return response
 
     async def _sglang_reply(self, request: web.Request, g: GenerateParams, stream: bool,
-                            queue: asyncio.Queue[StreamEvent]) -> web.StreamResponse:
+                            queue: EventQueue) -> web.StreamResponse:
         """SGLang's answer (runtime/sglang_compat.py) on either side: one JSON body, or a
         stream of the output so far. A failure before the first token gets its status."""
         output = GenerateOutput(self.sglang.tokenizer, g.rid)
@@ -262,12 +263,14 @@ class WorkerServer(AppServer):
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
         try:
+            events = [event]
             while True:
-                await response.write(sse_line(output.push(event)))
-                if event.finished:
+                data = b"".join([sse_line(output.push(e)) for e in events])
+                if events[-1].finished:
+                    await response.write(data + sse_line("[DONE]"))
                     break
-                event = await queue.get()
-            await response.write(sse_line("[DONE]"))
+                await response.write(data)
+                events = await queue.get_ready()
             await response.write_eof()
         except ConnectionResetError:
             log.info("%s: the client disconnected mid-stream", g.rid)
