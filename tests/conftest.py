@@ -1,7 +1,11 @@
-"""Test-wide settings, the public traces fixture, and a -m that skips whole files unimported."""
+"""Test-wide settings, the public traces fixture, the one real `pdsim validate` run two files
+check, and a -m that skips whole files unimported."""
 
 import ast
 import os
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,6 +32,40 @@ def traces() -> Path:
         pytest.fail("public traces missing (the tests read them from shared/traces beside the "
                     "checkout): " + ", ".join(missing), pytrace=False)
     return TRACES_DIR
+
+
+REPO = Path(__file__).resolve().parents[1]
+PD_1P1D = REPO / "experiments" / "validation" / "pd_1p1d_low.yaml"
+PD_CALIBRATION = REPO / "experiments" / "validation" / "calibration" / "pd.yaml"
+
+
+@dataclass(frozen=True)
+class Validation:
+    proc: subprocess.CompletedProcess
+    out: Path  # the folder `--out` named
+    num_requests: int
+
+
+@pytest.fixture(scope="session")
+def pd_validation(tmp_path_factory) -> Validation:
+    """`pdsim validate` of experiments/validation/pd_1p1d_low.yaml cut to 12 requests (the
+    committed profile and calibration, tolerance 0.6, p90 0.8): a 1 prefill : 1 decode tiny-llama
+    deployment served for real, once a session. tests/test_validate.py checks its comparison
+    table, tests/test_phases.py its phase table."""
+    import yaml
+
+    work = tmp_path_factory.mktemp("pd_validation")
+    raw = yaml.safe_load(PD_1P1D.read_text())
+    raw["workload"]["num_requests"] = 12
+    raw["cost_model"]["params"]["timings"] = str(
+        REPO / "experiments" / "calibration" / "tiny_llama_cpu_timings.csv")
+    (work / "tiny.yaml").write_text(yaml.safe_dump(raw))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdsim.cli", "validate", "tiny.yaml", "--calibration",
+         str(PD_CALIBRATION), "--tolerance", "0.6", "--tolerance-p90", "0.8", "--out", "out"],
+        cwd=work, env={**os.environ, "GLOG_minloglevel": "2"}, capture_output=True, text=True,
+        timeout=300)
+    return Validation(proc, work / "out", 12)
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

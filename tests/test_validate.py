@@ -2,7 +2,8 @@
 
 The end-to-end test serves a 1 prefill : 1 decode tiny-llama deployment for real (Mooncake over
 TCP on loopback), replays 12 requests, simulates them with the committed calibration of this
-kind of machine and checks the exit code against the table written. Its latency tolerance is
+kind of machine and checks the exit code against the table written (the run is conftest.py's
+`pd_validation`, shared with tests/test_phases.py). Its latency tolerance is
 wide on purpose: docs/validation.md shows what TTFT and ITL errors a shared CPU gives today.
 """
 
@@ -36,28 +37,22 @@ def pdsim(*args, cwd, timeout=240):
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_validate_a_pd_deployment_end_to_end(tmp_path):
-    raw = yaml.safe_load(PD_1P1D.read_text())
-    raw["workload"]["num_requests"] = 12
-    raw["cost_model"]["params"]["timings"] = str(
-        REPO / "experiments" / "calibration" / "tiny_llama_cpu_timings.csv")
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(raw))
-    proc = pdsim("validate", "tiny.yaml", "--calibration", str(CALIBRATION), "--tolerance", "0.6",
-                 "--tolerance-p90", "0.8", "--out", "out", cwd=tmp_path)
+def test_validate_a_pd_deployment_end_to_end(pd_validation):
+    proc, out, n = pd_validation.proc, pd_validation.out, pd_validation.num_requests
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
-    table = pd.read_csv(tmp_path / "out" / "validation.csv").set_index("metric")
+    table = pd.read_csv(out / "validation.csv").set_index("metric")
     assert list(table.index) == [label for label, _ in METRICS]
     # The exit code is the table's verdict.
     assert proc.returncode == (0 if table["within"].all() else 1)
-    assert table.loc["completed", "real"] == table.loc["completed", "sim"] == 12
+    assert table.loc["completed", "real"] == table.loc["completed", "sim"] == n
     # Open loop below saturation: both serve what arrives.
     assert abs(table.loc["throughput (output tok/s)", "error"]) <= 0.15
     for label in ("TTFT mean", "ITL mean", "E2E mean"):
         assert table.loc[label, "real"] > 0 and table.loc[label, "sim"] > 0
-    real = pd.read_csv(tmp_path / "out" / "real_requests.csv")
-    assert len(real) == 12 and (real["status"] == "ok").all()
-    assert (tmp_path / "out" / "validation.png").stat().st_size > 10_000
-    assert "| TTFT P90 |" in (tmp_path / "out" / "validation.md").read_text()
+    real = pd.read_csv(out / "real_requests.csv")
+    assert len(real) == n and (real["status"] == "ok").all()
+    assert (out / "validation.png").stat().st_size > 10_000
+    assert "| TTFT P90 |" in (out / "validation.md").read_text()
 
 
 def _records(ttft_s: float, gap_s: float, n: int = 10) -> list[RequestRecord]:
