@@ -1,7 +1,11 @@
-"""Test-wide settings, the public traces fixture, and a -m that skips whole files unimported."""
+"""Test-wide settings, the public traces fixture, the one real `pdsim validate` run two files
+check, and a -m that skips whole files unimported."""
 
 import ast
 import os
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,6 +32,49 @@ def traces() -> Path:
         pytest.fail("public traces missing (the tests read them from shared/traces beside the "
                     "checkout): " + ", ".join(missing), pytrace=False)
     return TRACES_DIR
+
+
+REPO = Path(__file__).resolve().parents[1]
+PD_1P1D = REPO / "experiments" / "validation" / "pd_1p1d_low.yaml"
+# The validation matrix's goals (docs/validation.md) plus the real-vs-real noise of a 12-request
+# run (benchmarks/validation_noise.py; its figures are in docs/validation.md, "In CI").
+NOISE = {"mean": 0.0, "p90": 0.0}
+TOLERANCE = {"mean": 0.15 + NOISE["mean"], "p90": 0.25 + NOISE["p90"]}
+
+
+@dataclass(frozen=True)
+class Validation:
+    proc: subprocess.CompletedProcess
+    out: Path  # the folder `--out` named
+    num_requests: int
+    calibration: Path  # what `pdsim calibrate` wrote just before
+
+
+@pytest.fixture(scope="session")
+def pd_validation(tmp_path_factory) -> Validation:
+    """`pdsim calibrate` of this machine now (two runs per shape), then `pdsim validate` of
+    experiments/validation/pd_1p1d_low.yaml cut to 12 requests with that calibration and
+    TOLERANCE: a 1 prefill : 1 decode tiny-llama deployment served for real, once a session.
+    tests/test_validate.py checks its comparison table, tests/test_phases.py its phase table."""
+    import yaml
+
+    work = tmp_path_factory.mktemp("pd_validation")
+    raw = yaml.safe_load(PD_1P1D.read_text())
+    raw["workload"]["num_requests"] = 12
+    raw["cost_model"]["params"]["timings"] = str(
+        REPO / "experiments" / "calibration" / "tiny_llama_cpu_timings.csv")
+    (work / "tiny.yaml").write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "GLOG_minloglevel": "2"}
+    calib = subprocess.run(
+        [sys.executable, "-m", "pdsim.cli", "calibrate", "tiny.yaml", "-o", "calib/pd.yaml",
+         "--repeats", "2"], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert calib.returncode == 0, calib.stdout[-3000:] + calib.stderr[-3000:]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdsim.cli", "validate", "tiny.yaml", "--calibration",
+         "calib/pd.yaml", "--tolerance", str(TOLERANCE["mean"]), "--tolerance-p90",
+         str(TOLERANCE["p90"]), "--out", "out"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    return Validation(proc, work / "out", 12, work / "calib" / "pd.yaml")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

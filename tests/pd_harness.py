@@ -1,6 +1,7 @@
-"""Real PD workers for tests: instances as subprocesses (`python -m runtime.pd.worker`), and a
-client that talks to them exactly as the router does (the same request to both sides, the decode
-side's SSE stream read to its end)."""
+"""Real PD workers for tests: instances as subprocesses (`python -m runtime.pd.worker`), a
+module's cluster of them (`worker_cluster`), a client that talks to them exactly as the router
+does (the same request to both sides, the decode side's SSE stream read to its end), and the
+check that greedy PD outputs equal colocated serving's (`check_greedy_equals_colocated`)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 
@@ -76,15 +80,23 @@ class Worker:
         return self.get("/pools")
 
     def wait_pools_full(self, timeout_s: float = 15.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            state = self.pools()
-            if state["full"] or time.monotonic() > deadline:
-                return state
-            time.sleep(0.05)
+        return wait_pools_full(self.url, timeout_s=timeout_s)
 
     def stop(self) -> None:
         stop_processes([self.proc], timeout_s=20)
+
+
+def wait_pools_full(url: str, headers: dict | None = None, timeout_s: float = 20.0) -> dict:
+    """The `/pools` answer of the worker at `url` once it says full, or the last one after
+    `timeout_s` (what is held a moment after a request ends is given back soon after)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        req = urllib.request.Request(url + "/pools", headers=headers or {})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            state = json.loads(resp.read())
+        if state["full"] or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)
 
 
 def start_worker(config: PDServeConfig, role: str, *, bootstrap_port: int | None = None,
@@ -121,6 +133,29 @@ def wait_healthy(workers: list[Worker], timeout_s: float = 120.0) -> None:
                 pass
             assert time.monotonic() < deadline, f"{w.role} worker not healthy in time"
             time.sleep(0.1)
+
+
+T = TypeVar("T")
+
+
+@contextmanager
+def worker_cluster(configs: dict[tuple[str, int], PDServeConfig], *,
+                   while_starting: Callable[[], T] = lambda: None,
+                   timeout_s: float = 120.0) -> Iterator[tuple[dict[tuple[str, int], Worker], T]]:
+    """One worker per entry of `configs` (keyed (role, n): the role it serves), all started at
+    once; `while_starting()` runs while they start. Yields the workers, all healthy, and what
+    `while_starting` returned. On exit every worker is stopped and must have exited with 0."""
+    workers: dict[tuple[str, int], Worker] = {}
+    try:
+        for key, config in configs.items():
+            workers[key] = start_worker(config, key[0])
+        started = while_starting()
+        wait_healthy(list(workers.values()), timeout_s=timeout_s)
+        yield workers, started
+    finally:
+        stop_workers(list(workers.values()))
+        codes = {key: w.proc.returncode for key, w in workers.items()}
+        assert all(code == 0 for code in codes.values()), codes
 
 
 @dataclass
@@ -194,6 +229,75 @@ async def generate_many(prefill: Worker, decode: Worker, bodies: list[dict]) -> 
 
 def generate(prefill: Worker, decode: Worker, bodies: list[dict]) -> list[Outcome]:
     return asyncio.run(generate_many(prefill, decode, bodies))
+
+
+# ---- greedy PD outputs against colocated serving -------------------------------------------
+
+# Page 8, chunks of 32 (`pd_config`): the 70-token prompt is prefilled (and sent) in three chunks.
+PROMPT_LENS = (5, 17, 40, 70, 9)
+MAX_NEW = (12, 12, 12, 12, 1)
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 259) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def colocated_outputs(model: str) -> list[list[int]]:
+    """The reference: the colocated engine (the same scheduler knobs as `pd_config`'s decode
+    side) on `prompts()`, greedy."""
+    from runtime.driver import Engine
+    from runtime.executor import ModelExecutor
+    from runtime.model.hybrid import with_state_slots
+    from runtime.model.loading import load_served_model, load_text_side
+    from runtime.serve_config import ServeConfig
+
+    cfg = pd_config(model)
+    colo = ServeConfig(model=model, seed=cfg.seed, cluster={
+        "mode": "colocated", "colocated": {"instances": 1, "scheduler": cfg.decode.scheduler}})
+    net = load_served_model(colo, "cpu")
+    text = load_text_side(colo, net.config.vocab_size)
+    sched = with_state_slots(colo.scheduler_config(), net.config)
+    executor = ModelExecutor(net, num_pages=colo.num_pages, page_size=colo.page_size,
+                             seed=colo.seed, vocab_limit=text.vocab_limit(net.config.vocab_size),
+                             state_slots=sched.state_slots)
+    engine = Engine(executor, sched).start()
+    events: queue.Queue = queue.Queue()
+    try:
+        for i, (ids, n) in enumerate(zip(prompts(), MAX_NEW)):
+            engine.submit(ids, n, lambda e, i=i: events.put((i, e)), rid=f"ref{i}")
+        out: dict[int, list[int]] = {i: [] for i in range(len(PROMPT_LENS))}
+        finished = 0
+        while finished < len(PROMPT_LENS):
+            i, e = events.get(timeout=60)
+            assert e.error is None, e.error
+            out[i].extend(e.token_ids)
+            finished += e.finished
+        engine.check_pools_full()
+    finally:
+        engine.stop()
+    return [out[i] for i in range(len(PROMPT_LENS))]
+
+
+def check_greedy_equals_colocated(prefill: Worker, decode: Worker, reference: list[list[int]],
+                                  tag: str, *, rooms: bool = False) -> None:
+    """`prompts()` through `prefill` and `decode` all at once, greedy (`rooms`: bootstrap rooms
+    0, 1, ..., so that room % dp spreads them over the DP ranks). Each answer is `reference`'s
+    (`colocated_outputs`) token for token, its first event the one token prefill computed, its
+    end `length` with the counts; then both workers have every page and slot back."""
+    bodies = [body(f"{tag}-{i}", ids, n, prefill, room=i if rooms else None)
+              for i, (ids, n) in enumerate(zip(prompts(), MAX_NEW))]
+    outcomes = generate(prefill, decode, bodies)
+    for i, (o, want) in enumerate(zip(outcomes, reference, strict=True)):
+        assert o.prefill_status == 200 and o.prefill_body["status"] == "ok", o.prefill_body
+        assert o.decode_status == 200, o.decode_body
+        assert o.token_ids == want, f"prompt {i}"
+        assert o.events[0]["token_ids"] == [o.prefill_body["token_ids"][0]] == want[:1]
+        assert o.last["finished"] and o.last["finish_reason"] == "length"
+        assert o.last["completion_tokens"] == len(want) and o.last["error"] is None
+        assert o.last["prompt_tokens"] == PROMPT_LENS[i]
+    for w in (prefill, decode):
+        assert w.wait_pools_full() == {"full": True, "detail": ""}
 
 
 def post_json(url: str, payload: dict, timeout: float = 60.0) -> tuple[int, dict]:

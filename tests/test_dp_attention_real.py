@@ -35,7 +35,10 @@ import pytest
 import torch
 import yaml
 
-from pd_harness import body, generate, pd_config, start_worker, stop_workers, wait_healthy
+from pd_harness import (
+    body, check_greedy_equals_colocated, colocated_outputs, generate, pd_config, prompts,
+    worker_cluster,
+)
 from pdsim.core.kvpoll import KVPoll
 from pdsim.core.request import Request
 from pdsim.core.transfer import FirstTokenMetadata
@@ -44,7 +47,6 @@ from runtime.model import AttentionMetadata, ModelConfig, PagedKVCache, build_mo
 from runtime.model.tp import DPRanks, apply_dp_attention, check_dp_attention, run_idle
 from runtime.pd.kv import OTHER_RANK, SnapshotKV
 from test_pd_snapshot import ScriptedManager
-from test_pd_serving import MAX_NEW, PROMPT_LENS, colocated_outputs, prompts
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -62,21 +64,14 @@ def dp_role(model: str, role: str, dp: int) -> dict:
 @pytest.fixture(scope="module", params=MODELS)
 def cluster(request):
     model = request.param
-    workers = {}
-    try:
-        for dp in (1, 2):
-            workers["prefill", dp] = start_worker(
-                pd_config(model, **dp_role(model, "prefill", dp)), "prefill")
-            router = {"dp_assignment": "shortest_queue"} if dp > 1 else {}
-            workers["decode", dp] = start_worker(
-                pd_config(model, router=router, **dp_role(model, "decode", dp)), "decode")
-        reference = colocated_outputs(model)  # while the workers start
-        wait_healthy(list(workers.values()), timeout_s=300)  # six processes on a shared CPU
-        yield model, workers, reference
-    finally:
-        stop_workers(list(workers.values()))
-        assert all(w.proc.returncode == 0 for w in workers.values()), \
-            {k: w.proc.returncode for k, w in workers.items()}
+    configs = {}
+    for dp in (1, 2):
+        configs["prefill", dp] = pd_config(model, **dp_role(model, "prefill", dp))
+        router = {"dp_assignment": "shortest_queue"} if dp > 1 else {}
+        configs["decode", dp] = pd_config(model, router=router, **dp_role(model, "decode", dp))
+    with worker_cluster(configs, while_starting=lambda: colocated_outputs(model),
+                        timeout_s=300) as started:  # six processes on a shared CPU
+        yield model, *started
 
 
 @pytest.mark.parametrize("pdp, ddp", PAIRS, ids=[f"dp{p}to{d}" for p, d in PAIRS])
@@ -84,18 +79,8 @@ def test_greedy_outputs_equal_colocated_tp1(cluster, pdp, ddp):
     model, workers, reference = cluster
     prefill, decode = workers["prefill", pdp], workers["decode", ddp]
     # Rooms 0..4: the prefill DP rank is room % dp, so both ranks get requests.
-    bodies = [body(f"{model}-dp{pdp}{ddp}-{i}", ids, n, prefill, room=i)
-              for i, (ids, n) in enumerate(zip(prompts(), MAX_NEW))]
-    outcomes = generate(prefill, decode, bodies)
-    for i, (o, want) in enumerate(zip(outcomes, reference)):
-        assert o.prefill_status == 200 and o.prefill_body["status"] == "ok", o.prefill_body
-        assert o.decode_status == 200, o.decode_body
-        assert o.token_ids == want, f"prompt {i}"
-        assert o.events[0]["token_ids"] == [o.prefill_body["token_ids"][0]] == want[:1]
-        assert o.last["finish_reason"] == "length" and o.last["error"] is None
-        assert o.last["prompt_tokens"] == PROMPT_LENS[i]
-    for w in (prefill, decode):
-        assert w.wait_pools_full() == {"full": True, "detail": ""}
+    check_greedy_equals_colocated(prefill, decode, reference, f"{model}-dp{pdp}{ddp}",
+                                  rooms=True)
     assert decode.get("/load")["num_active"] == 0
 
 

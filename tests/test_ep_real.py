@@ -229,20 +229,12 @@ PD_PROMPT_LENS, PD_MAX_NEW = (5, 17, 40, 70), 10  # 40 and 70: prefilled in chun
 def pd_workers():
     """Prefill and decode workers of tiny-moe, each at tp 1 and at tp 2 with ep 2; KV over
     Mooncake TCP on loopback."""
-    from pd_harness import pd_config, start_worker, stop_workers, wait_healthy
+    from pd_harness import pd_config, worker_cluster
 
-    workers = {}
-    try:
-        for role in ("prefill", "decode"):
-            for ep in (1, 2):
-                config = pd_config("tiny-moe", **{role: {"tp": ep, "ep": ep}})
-                workers[role, ep] = start_worker(config, role)
-        wait_healthy(list(workers.values()), timeout_s=300)
+    configs = {(role, ep): pd_config("tiny-moe", **{role: {"tp": ep, "ep": ep}})
+               for role in ("prefill", "decode") for ep in (1, 2)}
+    with worker_cluster(configs, timeout_s=300) as (workers, _):
         yield workers
-    finally:
-        stop_workers(list(workers.values()))
-        assert all(w.proc.returncode == 0 for w in workers.values()), \
-            {k: w.proc.returncode for k, w in workers.items()}
 
 
 @pytest.mark.slow

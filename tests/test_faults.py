@@ -4,7 +4,6 @@ faults, and the same faults in the real PD deployment compared with the simulato
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 
@@ -295,23 +294,10 @@ async def _kill_scenario(url: str) -> tuple[list[dict], list[dict], dict]:
     return inflight, down, after
 
 
-def _pools_full(url: str, headers: dict, timeout_s: float = 20.0) -> dict:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with urllib.request.urlopen(urllib.request.Request(url + "/pools", headers=headers),
-                                    timeout=30) as resp:
-            state = json.loads(resp.read())
-        if state["full"] or time.monotonic() > deadline:
-            return state
-        time.sleep(0.1)
-
-
 @pytest.mark.real
 @pytest.mark.slow
 def test_killed_decode_worker_fails_its_requests_in_both_backends(tmp_path, monkeypatch):
-    from pd_harness import Proc
+    from pd_harness import Proc, wait_pools_full
     from runtime.security import SECRET_ENV, key_of, new_secret
 
     # The simulator: three long requests in flight, then arrivals while it is down and after.
@@ -334,7 +320,7 @@ def test_killed_decode_worker_fails_its_requests_in_both_backends(tmp_path, monk
         assert launcher.proc.poll() is None  # the launcher took the kill for a fault, not a crash
         for role in ("prefill", "decode"):  # the prefill side freed what the dead one asked for
             worker = launcher.wait_for(rf"{role} worker 0 .* at (http://[^\s,]+)").group(1)
-            state = _pools_full(worker, key_of(secret).headers())
+            state = wait_pools_full(worker, key_of(secret).headers())
             assert state["full"], (role, state)
     finally:
         assert launcher.stop() == 0

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pd_harness import body, generate, pd_config, start_worker, stop_workers, wait_healthy
-from test_pd_serving import MAX_NEW, colocated_outputs, prompts
+from pd_harness import check_greedy_equals_colocated, colocated_outputs, pd_config, worker_cluster
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -20,18 +19,12 @@ MODEL = "tiny-hybrid"
 
 @pytest.fixture(scope="module")
 def cluster():
-    workers = {}
-    try:
-        for tp in (1, 2):
-            workers["prefill", tp] = start_worker(pd_config(MODEL, prefill={"tp": tp}), "prefill")
-            workers["decode", tp] = start_worker(pd_config(MODEL, decode={"tp": tp}), "decode")
-        reference = colocated_outputs(MODEL)  # while the workers start
-        wait_healthy(list(workers.values()))
-        yield workers, reference
-    finally:
-        stop_workers(list(workers.values()))
-        assert all(w.proc.returncode == 0 for w in workers.values()), \
-            {k: w.proc.returncode for k, w in workers.items()}
+    configs = {}
+    for tp in (1, 2):
+        configs["prefill", tp] = pd_config(MODEL, prefill={"tp": tp})
+        configs["decode", tp] = pd_config(MODEL, decode={"tp": tp})
+    with worker_cluster(configs, while_starting=lambda: colocated_outputs(MODEL)) as started:
+        yield started
 
 
 PAIRS = [(1, 1), (2, 1), (1, 2)]  # (prefill tp, decode tp)
@@ -40,14 +33,5 @@ PAIRS = [(1, 1), (2, 1), (1, 2)]  # (prefill tp, decode tp)
 @pytest.mark.parametrize("ptp, dtp", PAIRS, ids=[f"tp{p}to{d}" for p, d in PAIRS])
 def test_greedy_outputs_equal_colocated(cluster, ptp, dtp):
     workers, reference = cluster
-    prefill, decode = workers["prefill", ptp], workers["decode", dtp]
-    bodies = [body(f"{MODEL}-{ptp}{dtp}-{i}", ids, n, prefill)
-              for i, (ids, n) in enumerate(zip(prompts(), MAX_NEW))]
-    outcomes = generate(prefill, decode, bodies)
-    for i, (o, want) in enumerate(zip(outcomes, reference)):
-        assert o.prefill_status == 200 and o.prefill_body["status"] == "ok", o.prefill_body
-        assert o.decode_status == 200, o.decode_body
-        assert o.token_ids == want, f"prompt {i}"
-        assert o.last["finished"] and o.last["error"] is None
-    for w in (prefill, decode):
-        assert w.wait_pools_full() == {"full": True, "detail": ""}
+    check_greedy_equals_colocated(workers["prefill", ptp], workers["decode", dtp], reference,
+                                  f"{MODEL}-{ptp}{dtp}")

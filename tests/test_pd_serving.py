@@ -9,13 +9,11 @@ tp 1 and tp 2 -- six rank processes -- paired every way.
 
 from __future__ import annotations
 
-import queue
-import random
-
 import pytest
 
 from pd_harness import (
-    body, generate, pd_config, post_json, start_worker, stop_workers, wait_healthy,
+    body, check_greedy_equals_colocated, colocated_outputs, generate, pd_config, post_json,
+    prompts, worker_cluster,
 )
 from prom import Scrape
 
@@ -23,86 +21,24 @@ pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 MODELS = ("tiny-llama", "tiny-mla")
 PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (prefill tp, decode tp)
-# Page 8, chunks of 32: the 70-token prompt is prefilled (and sent) in three chunks.
-PROMPT_LENS = (5, 17, 40, 70, 9)
-MAX_NEW = (12, 12, 12, 12, 1)
-
-
-def prompts(seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 259) for _ in range(n)] for n in PROMPT_LENS]
-
-
-def colocated_outputs(model: str) -> list[list[int]]:
-    """The reference: the colocated engine (the same scheduler knobs) on the same prompts."""
-    from runtime.driver import Engine
-    from runtime.executor import ModelExecutor
-    from runtime.model.hybrid import with_state_slots
-    from runtime.model.loading import load_served_model, load_text_side
-    from runtime.serve_config import ServeConfig
-
-    cfg = pd_config(model)
-    colo = ServeConfig(model=model, seed=cfg.seed, cluster={
-        "mode": "colocated", "colocated": {"instances": 1, "scheduler": cfg.decode.scheduler}})
-    net = load_served_model(colo, "cpu")
-    text = load_text_side(colo, net.config.vocab_size)
-    sched = with_state_slots(colo.scheduler_config(), net.config)
-    executor = ModelExecutor(net, num_pages=colo.num_pages, page_size=colo.page_size,
-                             seed=colo.seed, vocab_limit=text.vocab_limit(net.config.vocab_size),
-                             state_slots=sched.state_slots)
-    engine = Engine(executor, sched).start()
-    events: queue.Queue = queue.Queue()
-    try:
-        for i, (ids, n) in enumerate(zip(prompts(), MAX_NEW)):
-            engine.submit(ids, n, lambda e, i=i: events.put((i, e)), rid=f"ref{i}")
-        out: dict[int, list[int]] = {i: [] for i in range(len(PROMPT_LENS))}
-        finished = 0
-        while finished < len(PROMPT_LENS):
-            i, e = events.get(timeout=60)
-            assert e.error is None, e.error
-            out[i].extend(e.token_ids)
-            finished += e.finished
-        engine.check_pools_full()
-    finally:
-        engine.stop()
-    return [out[i] for i in range(len(PROMPT_LENS))]
 
 
 @pytest.fixture(scope="module", params=MODELS)
 def cluster(request):
     model = request.param
-    workers = {}
-    try:
-        for tp in (1, 2):
-            workers["prefill", tp] = start_worker(pd_config(model, prefill={"tp": tp}), "prefill")
-            workers["decode", tp] = start_worker(pd_config(model, decode={"tp": tp}), "decode")
-        reference = colocated_outputs(model)  # while the workers start
-        wait_healthy(list(workers.values()))
-        yield model, workers, reference
-    finally:
-        stop_workers(list(workers.values()))
-        assert all(w.proc.returncode == 0 for w in workers.values()), \
-            {k: w.proc.returncode for k, w in workers.items()}
+    configs = {}
+    for tp in (1, 2):
+        configs["prefill", tp] = pd_config(model, prefill={"tp": tp})
+        configs["decode", tp] = pd_config(model, decode={"tp": tp})
+    with worker_cluster(configs, while_starting=lambda: colocated_outputs(model)) as started:
+        yield model, *started
 
 
 @pytest.mark.parametrize("ptp, dtp", PAIRS, ids=[f"tp{p}to{d}" for p, d in PAIRS])
 def test_greedy_outputs_equal_colocated(cluster, ptp, dtp):
     model, workers, reference = cluster
-    prefill, decode = workers["prefill", ptp], workers["decode", dtp]
-    bodies = [body(f"{model}-{ptp}{dtp}-{i}", ids, n, prefill)
-              for i, (ids, n) in enumerate(zip(prompts(), MAX_NEW))]
-    outcomes = generate(prefill, decode, bodies)
-    for i, (o, want) in enumerate(zip(outcomes, reference)):
-        assert o.prefill_status == 200 and o.prefill_body["status"] == "ok", o.prefill_body
-        assert o.decode_status == 200, o.decode_body
-        assert o.token_ids == want, f"prompt {i}"
-        # The first event carries the first token alone: the one prefill computed.
-        assert o.events[0]["token_ids"] == [o.prefill_body["token_ids"][0]] == want[:1]
-        assert o.last["finished"] and o.last["finish_reason"] == "length"
-        assert o.last["completion_tokens"] == len(want) and o.last["error"] is None
-        assert o.last["prompt_tokens"] == PROMPT_LENS[i]
-    for w in (prefill, decode):
-        assert w.wait_pools_full() == {"full": True, "detail": ""}
+    check_greedy_equals_colocated(workers["prefill", ptp], workers["decode", dtp], reference,
+                                  f"{model}-{ptp}{dtp}")
 
 
 def test_seeded_sampling_and_top_logprobs_agree_across_tp(cluster):

@@ -5,9 +5,6 @@ onto the client's, and the phase that carries the TTFT error is named."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -117,16 +114,10 @@ def test_worker_clocks_are_moved_onto_the_clients():
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_validate_writes_the_phase_table_of_a_real_pd_deployment(tmp_path):
-    raw = _pd_raw(10, chunk_tokens=512)
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(raw))
-    env = {**os.environ, "GLOG_minloglevel": "2"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pdsim.cli", "validate", "tiny.yaml", "--calibration",
-         str(CALIBRATION), "--tolerance", "0.6", "--tolerance-p90", "0.8", "--out", "out"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+def test_validate_writes_the_phase_table_of_a_real_pd_deployment(pd_validation):
+    proc, out = pd_validation.proc, pd_validation.out  # conftest.py: chunks of 512 tokens
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
-    table = pd.read_csv(tmp_path / "out" / "phases.csv").set_index("phase")
+    table = pd.read_csv(out / "phases.csv").set_index("phase")
     labels = [label for label, _, _ in PHASES]
     assert list(table.index) == labels + ["TTFT", "decode ITL"]
     assert table[["real_s", "sim_s"]].notna().all().all(), table
@@ -139,8 +130,8 @@ def test_validate_writes_the_phase_table_of_a_real_pd_deployment(tmp_path):
     assert f"Sim and real part most in **{largest}**" in proc.stdout
     # The workers' stamps, on the client's clock, come in the order the request passed them
     # (a cross-process step may look early by the fastest delivery: a few ms).
-    real = pd.read_csv(tmp_path / "out" / "real_requests.csv")
-    assert len(real) == 10 and (real["status"] == "ok").all()
+    real = pd.read_csv(out / "real_requests.csv")
+    assert len(real) == pd_validation.num_requests and (real["status"] == "ok").all()
     assert real["rid"].str.startswith("cmpl-").all()
     for a, b in zip(ORDER, ORDER[1:]):
         assert (real[b] - real[a] >= -0.005).all(), (a, b, (real[b] - real[a]).min())

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.real, pytest.mark.slow]
 # Longer than a restart takes (30-40 s for tiny-llama on 2 busy cores): waiting it out would show.
 HEARTBEAT_TIMEOUT_S = 120.0
 RECOVERY_S = 10.0  # from the worker's /health answering again to a request's success, at most
-KILL_S, BACK_S = 20.0, 1.0  # the kill comes after the two sides have served together a while
+KILL_S, BACK_S = 10.0, 1.0  # the kill comes after the two sides have served together a while
 CONCURRENCY = 4
 SUCCESSES_AFTER = 8  # requests that succeed after the worker is back before the load stops
 SETTLE_S = 1.0  # from then on every request succeeds
@@ -92,17 +92,6 @@ async def drive_through_restart(url: str, worker_url: str, *, deadline_s: float 
     return results, seen["down"], seen["back"]
 
 
-def pools_full(url: str, headers: dict, timeout_s: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        req = urllib.request.Request(url + "/pools", headers=headers)
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            state = json.loads(resp.read())
-        if state["full"] or time.monotonic() > deadline:
-            return state
-        time.sleep(0.1)
-
-
 def recovery_s(results: list[dict], back_s: float) -> float:
     """From the worker's return to the end of the first request sent after it that succeeded."""
     return min(r["end"] for r in results if ok(r) and r["sent"] >= back_s) - back_s
@@ -111,7 +100,7 @@ def recovery_s(results: list[dict], back_s: float) -> float:
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_a_restarted_worker_costs_503s_never_500s_and_serves_again_at_once(role, tmp_path,
                                                                            monkeypatch):
-    from pd_harness import Proc
+    from pd_harness import Proc, wait_pools_full
     from runtime.security import SECRET_ENV, key_of, new_secret
 
     cfg = tmp_path / "pd.yaml"
@@ -127,7 +116,7 @@ def test_a_restarted_worker_costs_503s_never_500s_and_serves_again_at_once(role,
         launcher.wait_for(rf"fault injection: restart {role} worker 0", timeout_s=5)
         assert launcher.proc.poll() is None
         for r, worker in workers.items():  # nothing held for the dead one's requests
-            state = pools_full(worker, key_of(secret).headers())
+            state = wait_pools_full(worker, key_of(secret).headers())
             assert state["full"], (r, state)
     finally:
         assert launcher.stop() == 0
@@ -150,22 +139,44 @@ def test_a_restarted_worker_costs_503s_never_500s_and_serves_again_at_once(role,
     assert later and all(ok(r) for r in later), [r for r in later if not ok(r)]
 
 
-def test_a_router_whose_secret_the_workers_reject_is_unhealthy(tmp_path, monkeypatch):
-    from pd_harness import Proc, pd_config, start_worker, stop_workers, wait_healthy
+ROUTER_PAGES = 512  # the decode side's: four 1500-token streams run a while before the kill
+
+
+@pytest.fixture(scope="module")
+def secured_workers():
+    """A prefill and a decode worker that need the cluster secret, shared by the router tests
+    (each leaves them as it found them: nothing held, checked); yields them and the secret."""
+    from pd_harness import pd_config, worker_cluster
     from runtime.security import SECRET_ENV, new_secret
 
-    right, wrong = new_secret(), new_secret()
-    monkeypatch.setenv(SECRET_ENV, right)
-    cfg = pd_config("tiny-llama", security={"insecure": False})
-    workers = [start_worker(cfg, "prefill"), start_worker(cfg, "decode")]
-    cfg_path = tmp_path / "pd.yaml"
-    cfg_path.write_text(tiny_pd_yaml())
+    secret = new_secret()
+    cfg = pd_config("tiny-llama", security={"insecure": False},
+                    decode={"scheduler": {"num_pages": ROUTER_PAGES}})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SECRET_ENV, secret)  # the workers read it from their environment
+        with worker_cluster({("prefill", 0): cfg, ("decode", 0): cfg}) as (workers, _):
+            yield [workers["prefill", 0], workers["decode", 0]], secret
+
+
+def router_yaml(tmp_path) -> str:
+    path = tmp_path / "pd.yaml"
+    path.write_text(tiny_pd_yaml(decode_pages=ROUTER_PAGES))
+    return str(path)
+
+
+def test_a_router_whose_secret_the_workers_reject_is_unhealthy(secured_workers, tmp_path,
+                                                               monkeypatch):
+    from pd_harness import Proc
+    from runtime.security import SECRET_ENV, new_secret
+
+    workers, right = secured_workers
+    wrong = new_secret()
+    cfg_path = router_yaml(tmp_path)
     routers = []
     try:
-        wait_healthy(workers)
         for secret in (wrong, right):
             monkeypatch.setenv(SECRET_ENV, secret)
-            routers.append(Proc(str(cfg_path), "--role", "router", "--prefill-url",
+            routers.append(Proc(cfg_path, "--role", "router", "--prefill-url",
                                 workers[0].url, "--decode-url", workers[1].url))
         bad, good = (p.wait_for(r"at (http://\S+/v1)").group(1) for p in routers)
         status, body, headers = get(bad.removesuffix("/v1") + "/health")
@@ -179,7 +190,6 @@ def test_a_router_whose_secret_the_workers_reject_is_unhealthy(tmp_path, monkeyp
     finally:
         for p in routers:
             p.stop()
-        stop_workers(workers)
 
 
 def get(url: str) -> tuple[int, dict, dict]:
@@ -190,25 +200,19 @@ def get(url: str) -> tuple[int, dict, dict]:
         return exc.code, json.loads(exc.read()), dict(exc.headers)
 
 
-def test_a_restarted_router_leaves_nothing_held_and_serves_at_once(tmp_path, monkeypatch):
+def test_a_restarted_router_leaves_nothing_held_and_serves_at_once(secured_workers, tmp_path):
     """The router killed (-9) with streams in flight: the workers see its connections close and
     abort those requests (every page and slot back); a router started again serves at once."""
     import signal
 
     import aiohttp
 
-    from pd_harness import Proc, pd_config, start_worker, stop_workers, wait_healthy
-    from runtime.security import SECRET_ENV, key_of, new_secret
+    from pd_harness import Proc, wait_pools_full
+    from runtime.security import key_of
 
-    secret = new_secret()
-    monkeypatch.setenv(SECRET_ENV, secret)
-    cfg = pd_config("tiny-llama", security={"insecure": False},
-                    decode={"scheduler": {"num_pages": 512}})
-    workers = [start_worker(cfg, "prefill"), start_worker(cfg, "decode")]
-    cfg_path = tmp_path / "pd.yaml"
-    cfg_path.write_text(tiny_pd_yaml(decode_pages=512))
-    args = (str(cfg_path), "--role", "router", "--prefill-url", workers[0].url, "--decode-url",
-            workers[1].url)
+    workers, secret = secured_workers
+    args = (router_yaml(tmp_path), "--role", "router", "--prefill-url", workers[0].url,
+            "--decode-url", workers[1].url)
 
     async def streams(url: str, n: int, max_tokens: int) -> list[dict]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
@@ -234,7 +238,6 @@ def test_a_restarted_router_leaves_nothing_held_and_serves_at_once(tmp_path, mon
 
     first = second = None
     try:
-        wait_healthy(workers)
         first = Proc(*args)
         url = first.wait_for(r"at (http://\S+/v1)").group(1)
         loop = asyncio.new_event_loop()
@@ -245,7 +248,7 @@ def test_a_restarted_router_leaves_nothing_held_and_serves_at_once(tmp_path, mon
         loop.close()
         assert all(r["status"] == 200 and r["chunks"] > 0 and not r["done"] for r in cut), cut
         for w in workers:  # the workers aborted what the dead router had asked for
-            state = pools_full(w.url, key_of(secret).headers())
+            state = wait_pools_full(w.url, key_of(secret).headers())
             assert state["full"], (w.role, state)
         start = time.monotonic()
         second = Proc(*args)
@@ -257,7 +260,6 @@ def test_a_restarted_router_leaves_nothing_held_and_serves_at_once(tmp_path, mon
         for p in (first, second):
             if p is not None and p.proc.poll() is None:
                 p.stop()
-        stop_workers(workers)
 
 
 def test_the_decode_side_switches_to_a_restarted_prefill_at_its_first_failed_send():

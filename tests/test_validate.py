@@ -3,7 +3,8 @@
 The end-to-end test calibrates this machine (`pdsim calibrate`), serves a 1 prefill : 1 decode
 tiny-llama deployment for real (Mooncake over TCP on loopback), replays 12 requests, simulates
 them with that calibration and requires every checked metric within the matrix's goals plus the
-real-vs-real noise of a run this size (docs/validation.md, "In CI").
+real-vs-real noise of a run this size (the run is conftest.py's `pd_validation`, shared with
+tests/test_phases.py; docs/validation.md, "In CI").
 """
 
 from __future__ import annotations
@@ -34,40 +35,26 @@ def pdsim(*args, cwd, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
-# The matrix's goals (docs/validation.md) plus the real-vs-real noise of this test's 12 requests
-# (benchmarks/validation_noise.py; its figures are in docs/validation.md, "In CI").
-NOISE = {"mean": 0.0, "p90": 0.0}
-TOLERANCE = {"mean": 0.15 + NOISE["mean"], "p90": 0.25 + NOISE["p90"]}
-
-
 @pytest.mark.real
 @pytest.mark.slow
-def test_calibrate_then_validate_a_pd_deployment_end_to_end(tmp_path):
-    """Calibrate this machine now (`pdsim calibrate`, two runs per shape), then validate 12
-    requests against it: the simulation must be within the goals plus the real-vs-real noise."""
-    raw = yaml.safe_load(PD_1P1D.read_text())
-    raw["workload"]["num_requests"] = 12
-    raw["cost_model"]["params"]["timings"] = str(
-        REPO / "experiments" / "calibration" / "tiny_llama_cpu_timings.csv")
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(raw))
-    calib = pdsim("calibrate", "tiny.yaml", "-o", "calib/pd.yaml", "--repeats", "2",
-                  cwd=tmp_path, timeout=600)
-    assert calib.returncode == 0, calib.stdout[-3000:] + calib.stderr[-3000:]
-    written = yaml.safe_load((tmp_path / "calib" / "pd.yaml").read_text())
+def test_calibrate_then_validate_a_pd_deployment_end_to_end(pd_validation):
+    """This machine calibrated now, then 12 requests served and simulated: the simulation is
+    within the goals plus the real-vs-real noise (conftest.py's TOLERANCE)."""
+    proc, out, n = pd_validation.proc, pd_validation.out, pd_validation.num_requests
+    written = yaml.safe_load(pd_validation.calibration.read_text())
     params = written["cost_model"]["params"]
     assert params["step_overhead_s"] >= 0 and params["token_overhead_s"] >= 0
     assert set(params["roles"]) == {"prefill"} and written["cluster"]["host_cores"] > 0
-    proc = pdsim("validate", "tiny.yaml", "--calibration", "calib/pd.yaml",
-                 "--tolerance", str(TOLERANCE["mean"]), "--tolerance-p90", str(TOLERANCE["p90"]),
-                 "--out", "out", cwd=tmp_path)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
-    table = pd.read_csv(tmp_path / "out" / "validation.csv").set_index("metric")
+    table = pd.read_csv(out / "validation.csv").set_index("metric")
     assert list(table.index) == [label for label, _ in METRICS]
-    assert table.loc["completed", "real"] == table.loc["completed", "sim"] == 12
-    real = pd.read_csv(tmp_path / "out" / "real_requests.csv")
-    assert len(real) == 12 and (real["status"] == "ok").all()
-    assert (tmp_path / "out" / "validation.png").stat().st_size > 10_000
-    assert "| TTFT P90 |" in (tmp_path / "out" / "validation.md").read_text()
+    assert table.loc["completed", "real"] == table.loc["completed", "sim"] == n
+    for label in ("TTFT mean", "ITL mean", "E2E mean"):
+        assert table.loc[label, "real"] > 0 and table.loc[label, "sim"] > 0
+    real = pd.read_csv(out / "real_requests.csv")
+    assert len(real) == n and (real["status"] == "ok").all()
+    assert (out / "validation.png").stat().st_size > 10_000
+    assert "| TTFT P90 |" in (out / "validation.md").read_text()
     # The verdict: every checked metric within the goal plus the noise.
     assert proc.returncode == 0, table[~table["within"]].to_string()
 
