@@ -134,6 +134,7 @@ def test_profile_forwards_and_transfer_measure_real_components():
     assert list(extends["kind"]) == ["extend", "extend"] and (extends["duration_s"] > 0).all()
 
 
+@pytest.mark.real  # runtime.calibration: the real extra
 def test_the_batch_probe_reads_the_pace_while_every_request_decodes():
     from runtime.calibration import _batch_gap_s
 
