@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from runtime.model.config import ModelConfig
 from runtime.model.model import CausalLM
@@ -13,9 +14,22 @@ from runtime.model.model import CausalLM
 WEIGHTS_FILE = "model.safetensors"
 
 
+class _SkipInit(TorchFunctionMode):
+    """Modules built under this mode skip their default initialisation (`torch.nn.init`): the
+    parameters are filled next anyway (`init_random`, a checkpoint). On the meta device that
+    initialisation runs Python decompositions that import torch._dynamo: seconds of CPU in
+    every process that builds a model."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 def _materialize(config: ModelConfig, device: str | torch.device) -> CausalLM:
     """Allocate the model's parameters on `device` in the config's dtype, uninitialised."""
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInit():
         model = CausalLM(config)
     model = model.to(dtype=getattr(torch, config.dtype)).to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives each module its own new tensor
