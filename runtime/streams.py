@@ -4,9 +4,9 @@ status of a failure. Shared by the engines, the OpenAI front, the PD workers and
 An HTTP handler takes its request's events from an `EventQueue`, whose sink (`Mailbox.sink`)
 the engine thread calls. Every generated token crosses here, so the crossing is batched: the
 engine thread appends to its loop's `Mailbox` and wakes the loop only when no wake-up is pending
-already (one `call_soon_threadsafe` for all the events of a step, not one per event), and a
-handler takes every event that is ready at once (`EventQueue.get_ready`) to answer them in one
-write.
+already (about one `call_soon_threadsafe` per engine step, whatever its batch: 1.3 for 16
+requests a step, where one per event made 16), and a handler takes every event that is ready
+at once (`EventQueue.get_ready`) to answer them in one write.
 """
 
 from __future__ import annotations

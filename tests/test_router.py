@@ -37,7 +37,7 @@ class ScriptedWorker:
     def __init__(self, role: str, *, prefill_status: int = 200, decode_status: int = 200,
                  token_delay_s: float = 0.0, die_after: int | None = None,
                  hold_s: float = 0.0, junk_token_at: int | None = None,
-                 stream_version: int = VERSION):
+                 stream_version: int = VERSION, mistyped: dict | None = None):
         self.role = role
         self.prefill_status = prefill_status
         self.decode_status = decode_status
@@ -46,6 +46,7 @@ class ScriptedWorker:
         self.hold_s = hold_s  # decode: no answer at all this long (a real one waits for the KV)
         self.junk_token_at = junk_token_at  # decode: this event carries an id no tokenizer has
         self.stream_version = stream_version  # decode: the protocol version its events carry
+        self.mistyped = mistyped or {}  # decode: fields every event carries with a wrong type
         self.generated: list[dict] = []
         self.aborted: list[dict] = []
         self.runner: web.AppRunner | None = None
@@ -102,6 +103,7 @@ class ScriptedWorker:
                 finish_reason="length" if last else None, prompt_tokens=len(body["input_ids"]),
                 completion_tokens=i + 1), typed=False)
             event["version"] = self.stream_version
+            event.update(self.mistyped)
             await resp.write(f"data: {json.dumps(event)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -245,6 +247,18 @@ def test_a_decode_stream_of_another_protocol_version_is_a_502_naming_it(cluster)
     assert (f"stream_event: protocol version {VERSION - 1} is not supported; allowed: {VERSION}"
             in str(e.value))
     cluster.wait_for(lambda: cluster.prefill[0].aborted)  # prefill told to drop it
+    cluster.wait_for(lambda: len(cluster.router.records) == 1)
+    assert not cluster.router.records[0].ok
+
+
+@pytest.mark.parametrize("cluster", [{"decode": {"mistyped": {"logprobs": ["-0.5"]}}}],
+                         indirect=True)
+def test_a_decode_stream_event_with_a_mistyped_field_is_a_502_naming_it(cluster):
+    with pytest.raises(openai.APIStatusError) as e:
+        cluster.client().completions.create(model="tiny", prompt="hello", max_tokens=5)
+    assert e.value.status_code == 502
+    assert ("stream_event.logprobs must be a list of (a finite number or -inf), got ['-0.5']"
+            in str(e.value))
     cluster.wait_for(lambda: len(cluster.router.records) == 1)
     assert not cluster.router.records[0].ok
 
