@@ -22,6 +22,8 @@ from runtime.serve_metrics import ServeMetrics
 from runtime.streams import EventQueue, Mailbox, deliver, for_running_loop
 from runtime.tokenizer import ByteTokenizer
 
+pytestmark = pytest.mark.real  # HTTP servers on loopback
+
 
 def _post_from_thread(posts) -> None:
     """Run `posts` on another thread and wait for it: the loop (this thread) is busy meanwhile,
