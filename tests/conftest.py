@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 PD_1P1D = REPO / "experiments" / "validation" / "pd_1p1d_low.yaml"
 # The validation matrix's goals (docs/validation.md) plus the real-vs-real noise of a 12-request
 # run (benchmarks/validation_noise.py; its figures are in docs/validation.md, "In CI").
-NOISE = {"mean": 0.0, "p90": 0.0}
+NOISE = {"mean": 0.35, "p90": 0.30}
 TOLERANCE = {"mean": 0.15 + NOISE["mean"], "p90": 0.25 + NOISE["p90"]}
 
 
