@@ -47,7 +47,7 @@ def run(model, *, draft=None, k=3, num_pages=40, sampled=()):
     reqs = [Request(f"r{i}", 5 + 3 * i, NEW_TOKENS, arrival_s=0.0, prompt_ids=prompt(5 + 3 * i, i),
                     sampling=SamplingParams(temperature=1.0, seed=i) if i in sampled else None)
             for i in range(6)]
-    now, forwards = 0.0, 0
+    now = 0.0
     for r in reqs:
         sched.add_request(r, now)
     while not sched.is_idle:
