@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pd_harness import body, generate, pd_config, start_worker, stop_workers, wait_healthy
-from test_pd_serving import MAX_NEW, colocated_outputs, prompts
+from pd_harness import (MAX_NEW, body, colocated_outputs, generate, pd_config, prompts,
+                        start_worker, stop_workers, wait_healthy)
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
