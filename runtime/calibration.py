@@ -18,7 +18,8 @@ Three measurements, none of them an end-to-end serving figure:
   Then the cost of one descriptor (`profile_descriptors`): two ranks writing head slices, one
   per token slot, into one rank at once, as a TP 2 -> 1 transfer does.
 - **the served engine**: the deployment served for real (`pdsim serve`), requests of 16 prompt
-  and 32 output tokens sent one at a time, then rounds of 8 sent together.
+  and 32 output tokens sent one at a time, then rounds of 8 sent together (64 output tokens
+  each, 4x more while their decodes do not overlap).
   - The client's TTFT minus the serving engine's own TTFT (its `/metrics` histogram) is the
     front end (HTTP, tokenizer and, disaggregated, the router, both ways:
     `router.frontend_latency_s`).
@@ -396,6 +397,11 @@ def measure_host_cores(seconds: float = 1.0) -> float:
     return min(float(cpus), together / alone)
 
 
+PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS = 16, 32
+PROBE_BATCH, PROBE_BATCH_TOKENS, PROBE_BATCH_ROUNDS = 8, 64, 3
+MAX_BATCH_TOKENS = 1024  # outputs of the batch probe, grown while its requests do not overlap
+
+
 @dataclass(frozen=True)
 class EngineTimes:
     """Medians over requests sent one at a time to an idle deployment, then over `batch`
@@ -407,6 +413,7 @@ class EngineTimes:
     client_itl_s: float  # the same gaps as the client sees them
     batch: int = 0  # requests decoding together in the batch probe
     batch_itl_s: float = math.nan  # their gap between tokens at the client
+    batch_tokens: int = PROBE_BATCH_TOKENS  # the output tokens each of them asked for
     prefill_span_s: float = math.nan  # disaggregated: a lone request's prefill step, start to end
     spec_accept_len: float | None = None  # speculating: tokens per verify step, every request
 
@@ -437,8 +444,6 @@ def acceptance_overlay(config, mean_accept_len: float) -> dict:
 # (runtime/serve_metrics.py).
 TTFT_METRIC = "time_to_first_token_seconds"
 ITL_METRIC = "inter_token_latency_seconds"
-PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS = 16, 32
-PROBE_BATCH, PROBE_BATCH_TOKENS, PROBE_BATCH_ROUNDS = 8, 64, 3
 
 
 def measure_engine(config_path: str | Path, config, *, requests: int = 20,
@@ -478,9 +483,8 @@ def measure_engine(config_path: str | Path, config, *, requests: int = 20,
             gap = (rec.token_times_s[-1] - rec.token_times_s[0]) / (n_out - 1)
             rows.append((rec.ttft_s, t_sum, i_sum / i_n, gap))
             lone.add(rec.rid)
-        gaps = [_batch_gap_s(replay(real.url, config.model_name, [0.0] * batch, [n_in] * batch,
-                                    [PROBE_BATCH_TOKENS] * batch, seed=requests + r))
-                for r in range(PROBE_BATCH_ROUNDS)]
+        batch_itl_s, batch_tokens = _batch_probe(real.url, config.model_name, batch, n_in,
+                                                 seed=requests)
         span = math.nan
         if config.mode != "colocated":
             spans = [row["prefill_end_s"] - row["prefill_start_s"]
@@ -491,8 +495,32 @@ def measure_engine(config_path: str | Path, config, *, requests: int = 20,
                   if config.speculative.method != "none" else None)
     # Medians: a moment of load from other processes on a shared machine moves a mean.
     return EngineTimes(*(float(v) for v in np.median(np.array(rows), axis=0)), batch=batch,
-                       batch_itl_s=statistics.median(gaps), prefill_span_s=span,
+                       batch_itl_s=batch_itl_s, batch_tokens=batch_tokens, prefill_span_s=span,
                        spec_accept_len=accept)
+
+
+class NotTogether(RuntimeError):
+    """The batch probe's requests did not decode at the same time."""
+
+
+def _batch_probe(url: str, model: str, batch: int, n_in: int, *, seed: int) -> tuple[float, int]:
+    """PROBE_BATCH_ROUNDS rounds of `batch` requests sent together: the median of their pace
+    while all decode, and the output tokens each asked for. A slow prefill or transfer (a tp-2
+    prefill on a small machine) spreads their joins past the first one's last token: then
+    every round runs again with 4x the outputs, up to MAX_BATCH_TOKENS."""
+    from pdsim.validation.replay import replay
+
+    tokens = PROBE_BATCH_TOKENS
+    while True:
+        try:
+            gaps = [_batch_gap_s(replay(url, model, [0.0] * batch, [n_in] * batch,
+                                        [tokens] * batch, seed=seed + r))
+                    for r in range(PROBE_BATCH_ROUNDS)]
+            return statistics.median(gaps), tokens
+        except NotTogether as e:
+            if tokens * 4 > MAX_BATCH_TOKENS:
+                raise NotTogether(f"{e} (with up to {tokens} output tokens each)") from None
+            tokens *= 4
 
 
 def _batch_gap_s(records) -> float:
@@ -505,7 +533,7 @@ def _batch_gap_s(records) -> float:
     end = min(r.token_times_s[-1] for r in records)
     steps = [sum(start < t <= end for t in r.token_times_s) for r in records]
     if end <= start or min(steps) < 2:
-        raise RuntimeError("the batch probe's requests did not decode together; the engine "
+        raise NotTogether("the batch probe's requests did not decode together; the engine "
                            "ran them one after another")
     return (end - start) / statistics.median(steps)
 
@@ -565,7 +593,7 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
         engine = measure_engine(config_path, config, requests=probe_requests)
     batch_decode_s = fit.step_time_s([BatchShape(
         decode_reqs=engine.batch,
-        decode_context_tokens=engine.batch * (n_in + PROBE_BATCH_TOKENS // 2))])
+        decode_context_tokens=engine.batch * (n_in + engine.batch_tokens // 2))])
     frontend_s = max(0.0, engine.client_ttft_s - engine.engine_ttft_s)
     # The client's pace, not the engine's: on this machine tokens reach the client slower than
     # the engine emits them (docs/validation.md, "Where the error comes from"). What a step of
@@ -610,7 +638,8 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
                       "engine_ttft_s": round(engine.engine_ttft_s, 6),
                       "engine_itl_s": round(engine.engine_itl_s, 6),
                       "client_itl_s": round(engine.client_itl_s, 6),
-                      "batch": engine.batch, "batch_itl_s": round(engine.batch_itl_s, 6),
+                      "batch": engine.batch, "batch_output_tokens": engine.batch_tokens,
+                      "batch_itl_s": round(engine.batch_itl_s, 6),
                       **({"prefill_span_s": round(engine.prefill_span_s, 6)}
                          if transfer is not None else {}),
                       "modelled_ttft_s": round(modelled, 6)},

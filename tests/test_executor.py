@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 import torch
 from configs import scheduler_config
+from core_loop import drive
 
 from pdsim.core.batch import BatchResult
 from pdsim.core.request import Request
@@ -67,22 +68,6 @@ def sched_config(**kw):
 def executor_for(model, cfg, **kw):
     return ModelExecutor(model, num_pages=cfg.num_pages, page_size=cfg.page_size,
                          vocab_limit=VOCAB, **kw)
-
-
-def drive(sched, executor, reqs):
-    """Run the core loop on a clock that advances by each forward's measured time."""
-    now = 0.0
-    for r in reqs:
-        sched.add_request(r, now)
-    batches = []
-    while not sched.is_idle:
-        batch = sched.step(now)
-        assert batch is not None, "the scheduler stalled"
-        result = executor.forward(batch)
-        now += result.duration_s
-        sched.on_batch_done(batch, result, now)
-        batches.append(batch)
-    return batches
 
 
 def test_greedy_through_the_scheduler_equals_direct_generation(model):

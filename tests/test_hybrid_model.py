@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from configs import scheduler_config
+from core_loop import drive
 
 from pdsim.core.request import Request
 from pdsim.core.scheduler import ColocatedScheduler
@@ -74,15 +75,7 @@ def test_greedy_through_the_scheduler_equals_full_recompute(model):
     executor.warmup()
     reqs = [Request(f"r{i}", 6 + 7 * i, 14, arrival_s=0.0, prompt_ids=prompt(6 + 7 * i, i))
             for i in range(5)]
-    now = 0.0
-    for r in reqs:
-        sched.add_request(r, now)
-    while not sched.is_idle:
-        batch = sched.step(now)
-        assert batch is not None, "the scheduler stalled"
-        result = executor.forward(batch)
-        now += result.duration_s
-        sched.on_batch_done(batch, result, now)
+    drive(sched, executor, reqs)
     sched.check_pools_full()
     assert retractions, "the pool was meant to be too small for all five at once"
     for r in reqs:

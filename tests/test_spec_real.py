@@ -8,6 +8,7 @@ import urllib.request
 import pytest
 import torch
 from configs import scheduler_config
+from core_loop import drive
 
 from pdsim.core.request import Request
 from pdsim.core.scheduler import ColocatedScheduler
@@ -47,15 +48,7 @@ def run(model, *, draft=None, k=3, num_pages=40, sampled=()):
     reqs = [Request(f"r{i}", 5 + 3 * i, NEW_TOKENS, arrival_s=0.0, prompt_ids=prompt(5 + 3 * i, i),
                     sampling=SamplingParams(temperature=1.0, seed=i) if i in sampled else None)
             for i in range(6)]
-    now = 0.0
-    for r in reqs:
-        sched.add_request(r, now)
-    while not sched.is_idle:
-        batch = sched.step(now)
-        assert batch is not None, "the scheduler stalled"
-        result = executor.forward(batch)
-        now += result.duration_s + 1e-3
-        sched.on_batch_done(batch, result, now)
+    drive(sched, executor, reqs, gap_s=1e-3)
     sched.check_pools_full()
     assert not any(r.error for r in reqs)
     return reqs, executor

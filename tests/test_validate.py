@@ -155,3 +155,31 @@ def test_the_batch_probe_reads_the_pace_while_every_request_decodes():
     one_after_another = [rec(0.0, 0.004, 10), rec(1.0, 0.004, 10)]
     with pytest.raises(RuntimeError, match="did not decode together"):
         _batch_gap_s(one_after_another)
+
+
+@pytest.mark.real  # runtime.calibration: the real extra
+def test_the_batch_probe_asks_for_longer_outputs_until_the_requests_overlap(monkeypatch):
+    """A slow prefill spreads the batch's joins 0.5 s apart: 64 tokens at 4 ms each end before
+    the next request starts, 256 do not; every round then runs at 256."""
+    import pdsim.validation.replay as replay_module
+    from runtime.calibration import NotTogether, _batch_probe
+
+    asked = []
+
+    def fake_replay(url, model, arrival_s, input_tokens, output_tokens, *, seed=0):
+        asked.append(output_tokens[0])
+        n = output_tokens[0]
+        return [RequestRecord(rid=f"{seed}-{i}", input_tokens=16, output_tokens=n, status="ok",
+                              arrival_s=0.0, first_token_s=0.5 * i, finish_s=0.5 * i + 0.004 * n,
+                              token_times_s=[0.5 * i + 0.004 * k for k in range(n)])
+                for i in range(len(arrival_s))]
+
+    monkeypatch.setattr(replay_module, "replay", fake_replay)
+    gap, tokens = _batch_probe("http://unused", "m", 3, 16, seed=0)
+    assert tokens == 256 and gap == pytest.approx(0.004, rel=0.05)
+    assert asked == [64, 256, 256, 256]
+    # 30 requests joining over 14.5 s: even 1024 tokens each (4.1 s) do not overlap them all.
+    asked.clear()
+    with pytest.raises(NotTogether, match="up to 1024 output tokens"):
+        _batch_probe("http://unused", "m", 30, 16, seed=0)
+    assert asked == [64, 256, 1024]

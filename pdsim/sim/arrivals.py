@@ -1,6 +1,7 @@
 """When each request of a run is sent: `OpenLoop` at the workload's times, `ClosedLoopSource`
 when a client's previous request ends. A request sent at t reaches the router and its instances
-at t + `frontend_latency_s` (tokenizer, HTTP, router); its record's `arrival_s` is the send
+at t + `frontend_latency_s` (tokenizer, HTTP, router; on shared host cores the simulation
+charges it as host work instead and gives the sources 0); its record's `arrival_s` is the send
 time. A source calls `sim.submit(i, sent_s)` and `sim.give_up_at(t)`; the simulation calls its
 `finished()` whenever a request ends."""
 

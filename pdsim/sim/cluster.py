@@ -74,9 +74,13 @@ class Simulation:
                      else SharedHost(self.env, cluster.host_cores))
         self.decode_runs = decode_runs and self.host is None
         self.fabric = SimFabric(self.env, cluster.network)
+        self.fabric.host = self.host
         self.router_seed = seed
         self.max_duration_s = max_duration_s
-        self.frontend_latency_s = cluster.frontend_latency_s
+        # The sources delay each request by the front end; on shared host cores it is CPU work
+        # among the forwards instead, run when the request comes in (`submit`).
+        self.frontend_latency_s = 0.0 if self.host else cluster.frontend_latency_s
+        self._frontend_work_s = cluster.frontend_latency_s if self.host else 0.0
         self.next_arrival_s = math.inf  # when the open-loop source sends next (inf: unknown)
         self.final: dict[str, Request] = {}
         self.prefill_side: dict[str, Request] = {}
@@ -162,7 +166,7 @@ class Simulation:
             # of its own (the instance that failed it is still settling its step).
             i = int(req.rid)
             self.env.timeout(0).callbacks.append(
-                lambda _ev: self.submit(i, self._sent_s[i], retry=True))
+                lambda _ev: self._route(i, self._sent_s[i], retry=True))
             return
         self.final[req.rid.removesuffix(RETRY_SUFFIX)] = req
         self._source.finished()
@@ -177,7 +181,15 @@ class Simulation:
             if not self._give_up.triggered:
                 self._give_up.succeed()
 
-    def submit(self, i: int, sent_s: float, retry: bool = False) -> None:
+    def submit(self, i: int, sent_s: float) -> None:
+        """Request `i`, sent by its client at `sent_s`, is past the sources' front-end delay:
+        route it now, or once the front end's work is done on shared host cores."""
+        if self._frontend_work_s:
+            self.host.after_work(self._frontend_work_s, lambda: self._route(i, sent_s))
+        else:
+            self._route(i, sent_s)
+
+    def _route(self, i: int, sent_s: float, retry: bool = False) -> None:
         """Route request `i`, sent by its client at `sent_s`, to its instances (now); `retry`:
         the router's second try after a failed first one (rid `i.retry`)."""
         now = self.env.now

@@ -1,4 +1,5 @@
-"""Host cores shared by every instance's forwards: the real backend on one CPU machine.
+"""Host cores shared by every instance's forwards and host work: the real backend on one CPU
+machine.
 
 A GPU deployment gives each instance its own devices, and the cost model's step time is what
 the step takes. The real backend on a CPU runs every rank process of every instance on the same
@@ -9,10 +10,16 @@ instances on 2 cores each run at 2/3 speed.
 
 Each job asks for `demand` cores (its instance's rank processes times their torch threads) and
 gets `demand × min(1, cores / Σ demand)`; its work (seconds at full speed) runs down at that
-rate, and every start or end of a job re-shares the cores.
+rate, and every start or end of a job re-shares the cores. The fixed costs a request pays on
+the way that are CPU work on such a machine -- the front end (client, router, HTTP), the PD
+handshake, each KV transfer's floor -- run here too, on one core each (`after_work`): with
+spare cores they take their calibrated time, and while the forwards hold every core they
+stretch as the real ones do.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import simpy
 
@@ -52,6 +59,12 @@ class SharedHost:
         self._jobs.append(_Job(demand, work_s, done))
         self._reshare()
         return done
+
+    def after_work(self, work_s: float, fn: Callable[[], None]) -> None:
+        """Call `fn()` once `work_s` seconds of one core's work are done: host work outside the
+        forwards (the front end's HTTP and routing, a handshake, a transfer's posting and
+        completion), which stretches while forwards hold the cores as theirs does."""
+        self.run(1.0, work_s).callbacks.append(lambda _ev: fn())
 
     def _advance(self) -> None:
         elapsed = (self.env.now - self._since) * self._speed

@@ -32,6 +32,7 @@ import simpy
 from pdsim.core.kvpoll import KVPoll, advance
 from pdsim.core.transfer import DictMetadataStore, state_mismatch
 from pdsim.sim.events import Call, call_fn, push_after
+from pdsim.sim.host import SharedHost
 from pdsim.specs.pipeline import stage_layer_ranges
 
 
@@ -220,6 +221,7 @@ class SimFabric:
         self._flows_at_s = 0.0  # when `remaining` was last brought up to date
         self._next_end = None  # the pending timeout that ends the next flow
         self.faults = None  # a pdsim.sim.faults.SimFaults when faults are injected
+        self.host: SharedHost | None = None  # shared host cores, where the cluster has them
 
     def join(self, room_id: int, *, sender: "SimKVManager | None" = None,
              receiver: "SimKVManager | None" = None) -> _Room:
@@ -239,6 +241,14 @@ class SimFabric:
         """Call `fn()` `delay` seconds from now (ordered as a SimPy timeout made now)."""
         push_after(self.env, delay, Call(call_fn, fn))
 
+    def host_later(self, delay: float, fn: Callable[[], None]) -> None:
+        """`later` for a delay that is host CPU work (a handshake's set-up, a transfer's floor):
+        on shared host cores it is work among the forwards (pdsim/sim/host.py)."""
+        if self.host is None:
+            self.later(delay, fn)
+        else:
+            self.host.after_work(delay, fn)
+
     def handshake_delay(self, decode_id: int, prefill_id: int) -> float:
         key = (decode_id, prefill_id)
         if key in self._contacted:
@@ -252,7 +262,7 @@ class SimFabric:
         the last byte has landed and the transfer's floor has passed."""
         self.kv_bytes += nbytes
         floor = self.model.transfer_floor_s
-        done = lambda: self.later(floor, on_landed)  # noqa: E731
+        done = lambda: self.host_later(floor, on_landed)  # noqa: E731
         if not self.model.enabled:
             done()
             return
@@ -345,7 +355,7 @@ class SimKVManager:
     def create_receiver(self, req) -> "SimKVReceiver":
         receiver = SimKVReceiver(self, self.fabric.join(req.bootstrap_room, receiver=self))
         delay = self.fabric.handshake_delay(self.instance_key, req.prefill_instance)
-        self.fabric.later(delay, receiver._handshake_done)
+        self.fabric.host_later(delay, receiver._handshake_done)
         return receiver
 
 
