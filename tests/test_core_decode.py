@@ -355,3 +355,53 @@ def test_retracted_requests_keep_their_places_in_the_running_batch():
     assert retracted and waited
     assert [r.num_output for r in reqs] == [12] * 5
     s.check_pools_full()
+
+
+class SteadyKV(StubKV):
+    """Endpoints that change only when the test says so (`bump`), as a real manager's epoch."""
+
+    def __init__(self, initial: KVPoll = KVPoll.WaitingForInput):
+        super().__init__(initial)
+        self.epoch = 0
+
+    def poll_epoch(self) -> int:
+        return self.epoch
+
+
+def test_a_blocked_prealloc_queue_is_read_again_only_when_room_grows():
+    kv = SteadyKV()
+    # 8 pages of 4 tokens, 4 reserved per decoding request: r1 does not fit beside r0.
+    s = DecodeScheduler(cfg(num_pages=8, num_reserved_decode_tokens=4), kv)
+    scans = []
+    pop = s._pop_preallocated
+    s._pop_preallocated = lambda now: scans.append(now) or pop(now)
+    r0, r1, r2 = req("r0", 4, 12), req("r1", 24, 2), req("r2", 4, 2)
+    for r in (r0, r1, r2):
+        s.add_request(r, 0.0)
+    s.step(0.0)
+    assert s.transfer == [r0] and s.prealloc == [r1, r2] and scans == [0.0]
+    kv.deliver(r0)
+    kv.epoch += 1  # r0's KV landed: the queue is read once more, r1 still does not fit
+    t = 1.0
+    while not r0.finished:
+        batch = s.step(t)
+        t += 1.0
+        s.on_batch_done(batch, BatchResult(1.0), t)
+    # Read again at 2.0 only: r0's metadata slot came back when its first token was read
+    # (step 1.0). Then r0 took a page every 4 tokens: room only shrank, no step read it again.
+    assert scans == [0.0, 1.0, 2.0] and t > 10.0 and s.prealloc == [r1, r2]
+    s.step(t)  # r0 finished: its pages and its reserve came back
+    assert scans[-1] == t and s.transfer == [r1] and s.prealloc == [r2]
+
+
+def test_aborting_the_blocked_head_lets_the_next_request_in():
+    kv = SteadyKV()
+    s = DecodeScheduler(cfg(num_pages=8, num_reserved_decode_tokens=8), kv)
+    r0, r1, r2 = req("r0", 8, 2), req("r1", 12, 2), req("r2", 4, 2)
+    for r in (r0, r1, r2):
+        s.add_request(r, 0.0)
+    s.step(0.0)
+    assert s.transfer == [r0] and s.prealloc == [r1, r2]
+    assert s.abort("r1", "client went away", 1.0)
+    s.step(1.0)  # nothing grew and no endpoint changed, but the head is gone
+    assert s.transfer == [r0, r2] and s.prealloc == []

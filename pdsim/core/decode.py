@@ -44,12 +44,9 @@ class DecodeScheduler(InstanceScheduler):
         self.prealloc: list[Request] = []
         self.transfer: list[Request] = []
         self.prebuilt: deque[Request] = deque()
-        # What the last scan of each queue saw; an unchanged key means a rescan would find
-        # nothing new (see KVManager.poll_epoch).
-        # Free resources count only while a request waits for them (`_preallocate` refused):
-        # otherwise every request left in prealloc is bootstrapping, and only the epoch can
-        # change that.
-        self._prealloc_seen: tuple | int | None = None
+        # What the last scan of each queue saw (`_prealloc_due`); an unchanged epoch means a
+        # rescan would find no endpoint changed (see KVManager.poll_epoch).
+        self._prealloc_seen: tuple[int, tuple[int, ...]] | None = None
         self._prealloc_blocked = False
         self._transfer_seen = -1
 
@@ -67,14 +64,9 @@ class DecodeScheduler(InstanceScheduler):
     def step(self, now: float):
         self.emitted.clear()  # the outbox holds the first tokens of this step only
         epoch = self.kv.poll_epoch()
-        if self.prealloc:
-            seen = ((epoch, self.pool.num_free, self.req_slots.num_free,
-                     self.metadata_slots.num_free, self._state_slots_free(),
-                     self._num_decoding())
-                    if self._prealloc_blocked else epoch)
-            if seen != self._prealloc_seen:
-                self._prealloc_seen = seen
-                self._pop_preallocated(now)
+        if self.prealloc and self._prealloc_due(epoch):
+            self._pop_preallocated(now)
+            self._prealloc_seen = (epoch, self._room())
         if self.transfer:
             overdue = now - self.transfer[0].queued_s >= self.config.waiting_timeout_s
             if epoch != self._transfer_seen or overdue:
@@ -105,6 +97,7 @@ class DecodeScheduler(InstanceScheduler):
             for req in queue:
                 if req.rid == rid:
                     queue.remove(req)
+                    self._prealloc_seen = None  # the head may have gone: scan again
                     if queue is not self.prebuilt:
                         req.receiver.abort(reason)
                     self._fail(req, reason, now)
@@ -112,6 +105,23 @@ class DecodeScheduler(InstanceScheduler):
         return super().abort(rid, reason, now)
 
     # ----- prealloc --------------------------------------------------------------------------
+
+    def _room(self) -> tuple[int, ...]:
+        """What a request blocked in prealloc waits for, each entry larger when there is more
+        room: free pages and slots, and fewer decoding requests to reserve tokens for."""
+        return (self.pool.num_free, self.req_slots.num_free, self.metadata_slots.num_free,
+                self._state_slots_free(), -self._num_decoding())
+
+    def _prealloc_due(self, epoch: int) -> bool:
+        """Whether scanning the prealloc queue could move it. Only a changed epoch can turn a
+        bootstrapping request ready (or failed); a request blocked for room stays blocked while
+        no entry of `_room()` grew past what the last scan left, since `_preallocate` refuses
+        monotonically. So the long queue of an overloaded instance, whose decoding requests
+        take pages step by step, is not re-read every step."""
+        seen = self._prealloc_seen
+        if seen is None or epoch != seen[0]:
+            return True
+        return self._prealloc_blocked and any(a > b for a, b in zip(self._room(), seen[1]))
 
     def _pop_preallocated(self, now: float) -> None:
         still = []
