@@ -68,8 +68,10 @@ def test_a_decode_heavy_load_decodes_faster_on_the_faster_decode_gpu():
     fast = run(experiment(decode={"hardware": "h200"}))  # 4,800 GB/s
     assert slow["completed"] == fast["completed"] == 60
     assert fast["itl_p50_s"] < slow["itl_p50_s"] / 3
-    # The prefill side is the same H100 in both: the first token takes about as long.
-    assert fast["ttft_p50_s"] == pytest.approx(slow["ttft_p50_s"], rel=0.5)
+    # The prefill side is the same H100 in both, but a PD request waits for the decode side's
+    # step boundaries before its first token (its receiver is made, its pages taken, its KV
+    # noticed between decode steps): the slower decode GPU adds a step or two, no more.
+    assert fast["ttft_p50_s"] < slow["ttft_p50_s"] < fast["ttft_p50_s"] + 2 * slow["itl_p50_s"]
 
 
 def test_a_mixed_deployment_is_priced_per_role():

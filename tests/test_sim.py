@@ -214,3 +214,19 @@ def test_utilisation_and_kv_bytes_are_reported():
     assert result.decode_mean_batch == pytest.approx(in_decode, rel=0.05)
     colo = simulate_cfg(experiment(cluster__mode="colocated"))[2]
     assert colo.kv_transfer_gb == 0 and np.isnan(colo.prefill_busy_frac)
+
+
+def test_a_busy_decode_instance_takes_a_new_request_in_at_its_step_boundary():
+    """As a real worker (and SGLang's scheduler loop) reads new requests between forwards, a
+    decode instance in the middle of a step creates the request's receiver, and so starts the
+    handshake that lets the prefill side begin, only when that step ends."""
+    from pdsim.sim.cluster import simulate
+
+    cluster = build_cluster(parse_experiment(experiment()))
+    first, second = simulate(cluster, np.array([0.0, 0.5]), np.array([64, 64]),
+                             np.array([400, 4]), seed=0).records
+    reaches = second.arrival_s + cluster.frontend_latency_s
+    # The first request is decoding when the second comes: each of its tokens ends a step.
+    boundary = min(t for t in first.token_times_s if t >= reaches)
+    assert boundary > reaches and first.finish_s > boundary
+    assert second.bootstrap_done_s >= boundary + cluster.network.handshake_s

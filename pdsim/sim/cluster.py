@@ -111,7 +111,7 @@ class Simulation:
         inst = SimInstance(
             self.env, Instance(make_schedulers(), on_done, self.cluster.dp_assignment),
             make_executor(role.cost(), role.pp, lambda: self.env.now), make_schedulers,
-            wakes_on_arrival=kind == "colocated", wakeup_s=role.wakeup_s,
+            adds_during_runs=kind == "decode", wakeup_s=role.wakeup_s,
             decode_runs=self.decode_runs, host=self.host, host_demand=role.host_demand,
             next_arrival_s=(lambda: self.next_arrival_s) if kind == "colocated"
             else lambda: math.inf)
@@ -190,9 +190,8 @@ class Simulation:
             self._route(i, sent_s)
 
     def _route(self, i: int, sent_s: float, retry: bool = False) -> None:
-        """Route request `i`, sent by its client at `sent_s`, to its instances (now); `retry`:
-        the router's second try after a failed first one (rid `i.retry`)."""
-        now = self.env.now
+        """Route request `i`, sent by its client at `sent_s`, to its instances' inboxes (now);
+        `retry`: the router's second try after a failed first one (rid `i.retry`)."""
         self._sent_s[i] = sent_s
         rid = str(i) + (RETRY_SUFFIX if retry else "")
         n_in, n_out = self._inputs[i], self._outputs[i]
@@ -215,15 +214,16 @@ class Simulation:
         if self.prefills:
             pre = self.prefills[p]
             preq = Request(rid, n_in, n_out, arrival_s=sent_s, bootstrap_room=room,
-                           prefix_keys=self._page_keys(self.cluster.prefill, i, n_in))
-            pre.instance.add_request(preq, now)
-            pre.admitted()
+                           prefill_instance=p, prefix_keys=self._page_keys(self.cluster.prefill, i, n_in))
+            pre.post_add(preq)
         dec = self.serving[d]
+        # Both instances take it in at their next step boundary; the fault model may need to
+        # know where it went before then.
         dreq = Request(rid, n_in, n_out, arrival_s=sent_s, bootstrap_room=room, prefill_instance=p,
+                       decode_instance=d,
                        prefix_keys=None if self.prefills else self._page_keys(self.cluster.colocated, i, n_in),
                        token_times_s=TokenTimes())  # compact: views of the step times
-        dec.instance.add_request(dreq, now)
-        dec.admitted()
+        dec.post_add(dreq)
         if self._stop_sees is not None and not self.stopped:
             self._stop_if(self._stop_sees(dreq))
         if self.faults is not None:
