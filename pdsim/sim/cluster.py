@@ -111,10 +111,9 @@ class Simulation:
         inst = SimInstance(
             self.env, Instance(make_schedulers(), on_done, self.cluster.dp_assignment),
             make_executor(role.cost(), role.pp, lambda: self.env.now), make_schedulers,
-            adds_during_runs=kind == "decode", wakeup_s=role.wakeup_s,
+            wakeup_s=role.wakeup_s,
             decode_runs=self.decode_runs, host=self.host, host_demand=role.host_demand,
-            next_arrival_s=(lambda: self.next_arrival_s) if kind == "colocated"
-            else lambda: math.inf)
+            next_arrival_s=lambda: self.next_arrival_s)
         holder.append(inst)
         return inst
 

@@ -23,7 +23,7 @@ from pdsim.core.instance import Abort, Add, Instance, InboxOp
 from pdsim.core.request import Request
 from pdsim.core.scheduler import InstanceScheduler
 from pdsim.sim.cost import CostModel
-from pdsim.sim.events import At, Call, call_fn, push
+from pdsim.sim.events import At
 from pdsim.sim.host import SharedHost
 
 EMPTY = BatchShape()
@@ -154,8 +154,7 @@ class SimInstance:
     process of this instance starts with (fault injection's restarts)."""
 
     def __init__(self, env: simpy.Environment, instance: Instance, executor: CostExecutor,
-                 make_schedulers: Callable[[], list[InstanceScheduler]],
-                 adds_during_runs: bool = False, wakeup_s: float = 0.0, decode_runs: bool = True,
+                 make_schedulers: Callable[[], list[InstanceScheduler]], wakeup_s: float = 0.0, decode_runs: bool = True,
                  next_arrival_s: Callable[[], float] = lambda: math.inf,
                  host: SharedHost | None = None, host_demand: float = 1.0):
         self.env = env
@@ -165,7 +164,6 @@ class SimInstance:
         self.decode_runs = decode_runs
         self.next_arrival_s = next_arrival_s  # a known wake-up ahead: runs plan no further
         self.wakeup_s = wakeup_s
-        self.adds_during_runs = adds_during_runs  # a new request changes no batch of a run
         self.host, self.host_demand = host, host_demand  # shared host cores (pdsim/sim/host.py)
         self.busy_s = 0.0  # simulated seconds spent in forwards
         self.decode_req_s = 0.0  # ∫ requests in decode batches dt: its mean is the batch size
@@ -218,21 +216,10 @@ class SimInstance:
     def post_add(self, req: Request) -> None:
         """Take `req` in at the next step boundary, as a real worker applies a new request from
         its inbox between forwards (SGLang's scheduler receives requests once per loop
-        iteration): a decode instance busy with a step creates the request's receiver, and so
-        starts its handshake, only when that step ends."""
-        if self._in_run and self.adds_during_runs:
-            # A run of decode steps goes on: the request waits in prealloc, which no step of
-            # the run reads, so it joins at the end of the step in progress without a cut.
-            at = self._run_ends[bisect_left(self._run_ends, self.env.now)]
-            gen = self.generation
-            push(self.env, at, Call(call_fn, lambda: self._add_at(req, at, gen)))
-            return
+        iteration): a decode instance busy with a step creates the request's receiver, and
+        takes its pages, only when that step ends."""
         self.inbox.append(Add(req))
         self.notify()
-
-    def _add_at(self, req: Request, at: float, gen: int) -> None:
-        if self.generation == gen:  # not killed meanwhile (its requests ended with it)
-            self.instance.add_request(req, at)
 
     def notify(self) -> None:
         if self._wake is not None and not self._wake.triggered:

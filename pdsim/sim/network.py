@@ -249,12 +249,13 @@ class SimFabric:
         else:
             self.host.after_work(delay, fn)
 
-    def handshake_delay(self, decode_id: int, prefill_id: int) -> float:
+    def first_contact(self, decode_id: int, prefill_id: int) -> bool:
+        """Whether this (decode, prefill) pair meets for the first time; marks it met."""
         key = (decode_id, prefill_id)
         if key in self._contacted:
-            return self.model.handshake_s
+            return False
         self._contacted.add(key)
-        return self.model.first_contact_s
+        return True
 
     def transfer(self, src: Link, dst: Link, nbytes: float, descriptors: float,
                  on_landed: Callable[[], None]) -> None:
@@ -354,8 +355,16 @@ class SimKVManager:
 
     def create_receiver(self, req) -> "SimKVReceiver":
         receiver = SimKVReceiver(self, self.fabric.join(req.bootstrap_room, receiver=self))
-        delay = self.fabric.handshake_delay(self.instance_key, req.prefill_instance)
-        self.fabric.host_later(delay, receiver._handshake_done)
+        fabric = self.fabric
+        if fabric.first_contact(self.instance_key, req.prefill_instance):
+            # An HTTP lookup of the prefill instance and a registration: bootstrapping meanwhile.
+            fabric.host_later(fabric.model.first_contact_s, receiver._handshake_done)
+        else:
+            # SGLang's receiver finds a known prefill instance in its cache and is ready within
+            # the scheduler iteration that took the request in, so the pages can be taken at
+            # once; the set-up time delays the TransferInfo instead.
+            receiver.setup_s = fabric.model.handshake_s
+            receiver._handshake_done()
         return receiver
 
 
@@ -435,6 +444,8 @@ class SimKVSender(_Endpoint):
 
 
 class SimKVReceiver(_Endpoint):
+    setup_s = 0.0  # receiver set-up left when it sends its TransferInfo (a known prefill)
+
     def poll(self) -> KVPoll:
         return self.room.receiver_state
 
@@ -451,7 +462,12 @@ class SimKVReceiver(_Endpoint):
         room.dst_states = state_indices
         room.receiver_state = advance(room.receiver_state, KVPoll.Transferring)
         self.manager.epoch += 1
-        self.fabric.later(self.fabric.model.message_latency_s, self._metadata_arrived)
+        fabric = self.fabric
+        if self.setup_s and fabric.host is not None:  # host work, then the message
+            fabric.host.after_work(self.setup_s, lambda: fabric.later(
+                fabric.model.message_latency_s, self._metadata_arrived))
+        else:
+            fabric.later(self.setup_s + fabric.model.message_latency_s, self._metadata_arrived)
 
     def _metadata_arrived(self) -> None:
         room = self.room
