@@ -341,7 +341,7 @@ def render(measured: dict, frame: pd.DataFrame, repeat: pd.DataFrame, took_s: fl
         *overlap_section(REPO / "results" / "validation", names),
         "",
         "- **With others in flight the real side slows far more than the simulator says.**",
-        "  In every tp 1 → 1 PD deployment of the three matrix runs of 2026-12-02, a request",
+        "  In every tp 1 → 1 PD deployment of the four matrix runs of 2026-12-02, a request",
         "  that met others was further below its real TTFT than one that met an empty",
         "  deployment, whose TTFT is what the calibration measures part by part. The phase",
         "  table's stamps of such requests (pd_1p1d_low) put it in the hops around",

@@ -217,6 +217,7 @@ class SimFabric:
         self.rooms: dict[int, _Room] = {}
         self.kv_bytes = 0.0  # KV bytes sent over the fabric so far
         self._contacted: set[tuple[int, int]] = set()
+        self._contacting: dict[tuple[int, int], list] = {}  # first contacts under way
         self._flows: list[_Flow] = []  # fair sharing: transfers whose bytes are on the wire
         self._flows_at_s = 0.0  # when `remaining` was last brought up to date
         self._next_end = None  # the pending timeout that ends the next flow
@@ -249,13 +250,26 @@ class SimFabric:
         else:
             self.host.after_work(delay, fn)
 
-    def first_contact(self, decode_id: int, prefill_id: int) -> bool:
-        """Whether this (decode, prefill) pair meets for the first time; marks it met."""
+    def handshake(self, decode_id: int, prefill_id: int, receiver: "SimKVReceiver") -> None:
+        """Make `receiver` ready as SGLang's receiver gets ready: at once for a prefill
+        instance this decode instance has met (`handshake_s` then delays its TransferInfo);
+        after `first_contact_s` (HTTP lookup and registration) for the first request of a
+        pair, and for every request of that pair behind it until then, in their order."""
         key = (decode_id, prefill_id)
-        if key in self._contacted:
-            return False
-        self._contacted.add(key)
-        return True
+        waiting = self._contacting.get(key)
+        if waiting is not None:
+            waiting.append(receiver)
+        elif key in self._contacted:
+            receiver.setup_s = self.model.handshake_s
+            receiver._handshake_done()
+        else:
+            self._contacted.add(key)
+            self._contacting[key] = [receiver]
+            self.host_later(self.model.first_contact_s, lambda: self._contact_done(key))
+
+    def _contact_done(self, key: tuple[int, int]) -> None:
+        for receiver in self._contacting.pop(key):
+            receiver._handshake_done()
 
     def transfer(self, src: Link, dst: Link, nbytes: float, descriptors: float,
                  on_landed: Callable[[], None]) -> None:
@@ -355,16 +369,9 @@ class SimKVManager:
 
     def create_receiver(self, req) -> "SimKVReceiver":
         receiver = SimKVReceiver(self, self.fabric.join(req.bootstrap_room, receiver=self))
-        fabric = self.fabric
-        if fabric.first_contact(self.instance_key, req.prefill_instance):
-            # An HTTP lookup of the prefill instance and a registration: bootstrapping meanwhile.
-            fabric.host_later(fabric.model.first_contact_s, receiver._handshake_done)
-        else:
-            # SGLang's receiver finds a known prefill instance in its cache and is ready within
-            # the scheduler iteration that took the request in, so the pages can be taken at
-            # once; the set-up time delays the TransferInfo instead.
-            receiver.setup_s = fabric.model.handshake_s
-            receiver._handshake_done()
+        # SGLang's receiver is ready within the scheduler iteration that took the request in,
+        # so its pages can be taken at once (`SimFabric.handshake`).
+        self.fabric.handshake(self.instance_key, req.prefill_instance, receiver)
         return receiver
 
 
