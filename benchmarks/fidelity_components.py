@@ -20,6 +20,10 @@
    and the median of the source curve taken as it is.
 3. Against Vidur's measured A100 profile (CodeLlama-34B shapes; ../shared/anchors/vidur-data):
    the silicon model's a100_sxm lookups for the same ops, side by side with Vidur's medians.
+4. DeepEP's low-latency kernels against DeepEP's own published timings (its README: H800s with
+   one 400 Gb/s CX7 NIC each, 128 tokens per rank, hidden 7168, top-8, FP8 dispatch, BF16
+   combine, EP 16-256), priced by the roofline cost model's DeepEP term
+   (`RooflineCostModel.deepep_calls_s`, its default constants: fitted on other GPUs' tables).
 """
 
 from __future__ import annotations
@@ -313,6 +317,21 @@ def vidur_rows(root: Path) -> list[tuple[str, float, float]]:
     return out
 
 
+# DeepEP README, "Low-latency kernels with pure RDMA": EP -> (dispatch us, combine us).
+DEEPEP_LL_README_US = {16: (118, 195), 32: (155, 273), 64: (173, 314), 128: (192, 369),
+                       256: (194, 360)}
+
+
+def deepep_rows() -> Iterator[tuple[int, float, float, float, float]]:
+    """(EP, DeepEP dispatch us, pdsim dispatch us, DeepEP combine us, pdsim combine us) for
+    DeepSeek-V3's routing (hidden 7168, top-8) on H800 at 128 tokens per rank."""
+    model, hw = model_preset("deepseek-v3"), load_hardware_spec("h800")
+    for ep, (dispatch, combine) in DEEPEP_LL_README_US.items():
+        par = Parallelism(tp=ep, dp_attention=ep, ep=ep, moe_a2a="deepep")
+        d, c = RooflineCostModel(model, hw, par).deepep_calls_s("low_latency", 128)
+        yield ep, dispatch, d * 1e6, combine, c * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--system", default="h100_sxm", choices=sorted(HARDWARE))
@@ -339,6 +358,13 @@ def main() -> None:
     for kind, (moved, unmoved) in transfers(ops).items():
         print(f"{kind:28s} {len(moved):6d} {np.median(moved):9.1%} "
               f"{np.percentile(moved, 90):6.1%} {np.median(unmoved):11.1%}")
+    print("\nDeepEP low-latency kernels (H800, 128 tokens per rank): DeepEP's README vs pdsim, us")
+    print(f"{'EP':>4s} {'dispatch':>9s} {'pdsim':>6s} {'combine':>8s} {'pdsim':>6s}")
+    errors = []
+    for ep, dispatch, d, combine, c in deepep_rows():
+        errors += [abs(d / dispatch - 1), abs(c / combine - 1)]
+        print(f"{ep:4d} {dispatch:9.0f} {d:6.0f} {combine:8.0f} {c:6.0f}")
+    print(f"median |error| {np.median(errors):.1%}, largest {max(errors):.1%}")
     root = Path(args.vidur)
     if not (root / "data").is_dir():
         print(f"(no Vidur data at {root}; skipping the A100 comparison)")

@@ -513,27 +513,29 @@ class RooflineCostModel:
         self._step_overhead_s = p.step_overhead_s
         self._extend_overhead_s = p.extend_overhead_s
 
-    def _deepep_cost(self, mode: A2AMode) -> tuple[float, float]:
-        """(fixed seconds, seconds per token of one GPU) of one dispatch plus one combine.
-
-        Each call pays its mode's latency (plus the RDMA one when the EP group spans nodes)
-        and moves its bytes over NVLink and RDMA at once, so the slower link sets its time."""
+    def deepep_calls_s(self, mode: A2AMode, tokens: float) -> tuple[float, float]:
+        """Seconds of one dispatch and of one combine of `tokens` tokens of one GPU (uniform
+        routing). Each call pays its mode's latency (plus the RDMA one when the EP group spans
+        nodes) and moves its bytes over NVLink and RDMA at once: the slower link sets it."""
         p, hw, m = self.params, self.hardware, self.model
-        one = deepep_traffic(1.0, m.hidden_size, m.experts_per_token, self.parallel.ep,
-                             hw.gpus_per_node, mode)
+        traffic = deepep_traffic(tokens, m.hidden_size, m.experts_per_token, self.parallel.ep,
+                                 hw.gpus_per_node, mode)
         ll = mode == "low_latency"
         nvlink = hw.nvlink_gb_per_s * 1e9 * (
             p.deepep_ll_nvlink_efficiency if ll else p.deepep_normal_nvlink_efficiency
         )
         rdma = hw.rdma_gb_per_s * 1e9 * p.deepep_rdma_efficiency
         latency = p.deepep_ll_latency_s if ll else p.deepep_normal_latency_s
-        if one.dispatch.rdma_bytes > 0:
+        if hw.gpus_per_node < self.parallel.ep:
             latency += p.deepep_rdma_latency_s
-        per_token = sum(
-            max(call.nvlink_bytes / nvlink, call.rdma_bytes / rdma)
-            for call in (one.dispatch, one.combine)
-        )
-        return 2 * latency, per_token
+        dispatch, combine = (latency + max(call.nvlink_bytes / nvlink, call.rdma_bytes / rdma)
+                             for call in (traffic.dispatch, traffic.combine))
+        return dispatch, combine
+
+    def _deepep_cost(self, mode: A2AMode) -> tuple[float, float]:
+        """(fixed seconds, seconds per token of one GPU) of one dispatch plus one combine."""
+        fixed = sum(self.deepep_calls_s(mode, 0.0))
+        return fixed, sum(self.deepep_calls_s(mode, 1.0)) - fixed
 
     def _attention_s(self, shapes: Sequence[BatchShape], scale: float) -> float:
         """One layer's attention block on the slowest DP rank, every count times `scale`
