@@ -84,16 +84,21 @@ def test_prealloc_waits_while_the_receiver_is_bootstrapping():
     assert used(s) == (3, 1, 1)
 
 
-def test_admission_by_token_budget_is_first_come_first_served():
-    # 8 pages of 4 = 32 tokens; 8 tokens reserved per request that decodes or holds KV.
-    kv = StubKV(initial=KVPoll.WaitingForInput)
+def r1_blocked_behind_r0(kv) -> tuple[DecodeScheduler, Request, Request, Request]:
+    """8 pages of 4 = 32 tokens, 8 reserved per request that decodes or holds KV. r0 took 8
+    tokens; budget = 24 free - 8 reserved = 16 < r1's 12 + 8; r2 would fit but waits."""
     s = DecodeScheduler(cfg(num_pages=8, num_reserved_decode_tokens=8), kv)
     r0, r1, r2 = req("r0", 8, 2), req("r1", 12, 2), req("r2", 4, 2)
     for r in (r0, r1, r2):
         s.add_request(r, 0.0)
     s.step(0.0)
-    # r0 took 8 tokens; budget = 24 free - 8 reserved = 16 < r1's 12 + 8; r2 would fit but waits.
     assert s.transfer == [r0] and s.prealloc == [r1, r2]
+    return s, r0, r1, r2
+
+
+def test_admission_by_token_budget_is_first_come_first_served():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s, r0, r1, r2 = r1_blocked_behind_r0(kv)
     kv.deliver(r0)
     batch = s.step(1.0)
     assert s.running.reqs.keys() == {r0} and s.prealloc == [r1, r2]  # r0 still reserves its 8
@@ -395,13 +400,7 @@ def test_a_blocked_prealloc_queue_is_read_again_only_when_room_grows():
 
 
 def test_aborting_the_blocked_head_lets_the_next_request_in():
-    kv = SteadyKV()
-    s = DecodeScheduler(cfg(num_pages=8, num_reserved_decode_tokens=8), kv)
-    r0, r1, r2 = req("r0", 8, 2), req("r1", 12, 2), req("r2", 4, 2)
-    for r in (r0, r1, r2):
-        s.add_request(r, 0.0)
-    s.step(0.0)
-    assert s.transfer == [r0] and s.prealloc == [r1, r2]
+    s, r0, r1, r2 = r1_blocked_behind_r0(SteadyKV())
     assert s.abort("r1", "client went away", 1.0)
     s.step(1.0)  # nothing grew and no endpoint changed, but the head is gone
     assert s.transfer == [r0, r2] and s.prealloc == []
