@@ -213,7 +213,8 @@ class Simulation:
         if self.prefills:
             pre = self.prefills[p]
             preq = Request(rid, n_in, n_out, arrival_s=sent_s, bootstrap_room=room,
-                           prefill_instance=p, prefix_keys=self._page_keys(self.cluster.prefill, i, n_in))
+                           prefill_instance=p,
+                           prefix_keys=self._page_keys(self.cluster.prefill, i, n_in))
             pre.post_add(preq)
         dec = self.serving[d]
         # Both instances take it in at their next step boundary; the fault model may need to

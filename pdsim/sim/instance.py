@@ -154,7 +154,8 @@ class SimInstance:
     process of this instance starts with (fault injection's restarts)."""
 
     def __init__(self, env: simpy.Environment, instance: Instance, executor: CostExecutor,
-                 make_schedulers: Callable[[], list[InstanceScheduler]], wakeup_s: float = 0.0, decode_runs: bool = True,
+                 make_schedulers: Callable[[], list[InstanceScheduler]], wakeup_s: float = 0.0,
+                 decode_runs: bool = True,
                  next_arrival_s: Callable[[], float] = lambda: math.inf,
                  host: SharedHost | None = None, host_demand: float = 1.0):
         self.env = env
