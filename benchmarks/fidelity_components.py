@@ -104,7 +104,7 @@ class Rooflines:
                          num_experts=experts, experts_per_token=topk, moe_intermediate_size=inter,
                          precision=Precision(moe_experts=_TABLE_TO_PDSIM[dtype]))
         cost = self._cost(spec, Parallelism(tp=mtp * mep, ep=mep))
-        return lambda tokens: cost._moe_s(tokens, tokens)
+        return lambda tokens: cost._moe_s(tokens, tokens, tokens)
 
     def all_reduce(self, gpus: int) -> Callable[[float], float]:
         """An all-reduce of `size` bytes: the model's attention-TP all-reduce at tp=gpus."""

@@ -350,6 +350,30 @@ def test_states_move_forward_through_the_protocol(one_to_one):
     wait_for(lambda: rcv.poll() is KVPoll.Success and snd.poll() is KVPoll.Success)
 
 
+def test_a_known_prefill_instance_needs_no_lookup():
+    """The first receiver for a prefill instance looks it up on a thread; once every rank it
+    reads from is cached and registered with, the next receiver is ready as it is created
+    (SGLang's receiver ends its __init__ in WaitingForInput), so the scheduler can send its
+    pages in the same iteration."""
+    c = Cluster.start(2, 1)  # the decode rank reads from both prefill ranks
+    try:
+        (_, d), = c.decode
+        first = d.create_receiver(request(c.server.port, 201))
+        assert first.poll() is KVPoll.Bootstrapping
+        wait_for(lambda: first.poll() is KVPoll.WaitingForInput)
+        second = d.create_receiver(request(c.server.port, 202))
+        assert second.poll() is KVPoll.WaitingForInput
+        senders = [p.create_sender(request(c.server.port, 202)) for _, p in c.prefill]
+        second.send_metadata([1, 2], metadata_slot=0)
+        for snd in senders:
+            wait_for(lambda: snd.poll() is KVPoll.WaitingForInput, what="transfer info")
+            snd.init(2, metadata_slot=0)
+            snd.send([3, 4], last=True)
+        wait_for(lambda: second.poll() is KVPoll.Success, what="the transfer")
+    finally:
+        c.close()
+
+
 def test_page_count_mismatch_fails_both_sides(one_to_one):
     c, room = one_to_one, 103
     (_, p), (_, d) = c.prefill[0], c.decode[0]

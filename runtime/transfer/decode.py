@@ -4,6 +4,7 @@ once, tell them where to write, and collect their status reports.
 A room starts in `Bootstrapping` while a background thread asks the prefill instance's bootstrap
 server for its parallel info and rank addresses (cached per server), checks the KV layouts match
 and sends this rank's one-time `RegisterDecode` to each new prefill rank; then `WaitingForInput`.
+A room whose prefill ranks are all cached and registered with starts in `WaitingForInput`.
 `send_metadata` sends a `TransferInfo` to every target (`Transferring`); the room is `Success`
 once every target prefill rank has reported success.
 
@@ -96,11 +97,22 @@ class DecodeSide:
     # ---- the receiver's view ---------------------------------------------------------------
 
     def start(self, room: int, host: str, port: int) -> None:
+        """A receiver for a prefill instance this rank has met and registered with is ready at
+        once, as SGLang's (`MooncakeKVReceiver.__init__` finds it in its cache and ends in
+        `WaitingForInput`), so the scheduler can take its pages in the same iteration; any
+        other is looked up on a thread."""
         with self._lock:
             if room in self._rooms:
                 raise ValueError(f"room {room} already has a receiver on this rank")
-            self._rooms[room] = _Room(host=host, port=port)
-        self._pool.submit(self._bootstrap, room, host, port)
+            r = self._rooms[room] = _Room(host=host, port=port)
+        peers = self._known_peers(room, host, port)
+        if peers is None:
+            self._pool.submit(self._bootstrap, room, host, port)
+            return
+        with self._lock:
+            r.peers = peers
+            self._update(r, KVPoll.WaitingForInput)
+            self._resolved(room, r)
 
     def poll(self, room: int) -> KVPoll:
         with self._lock:
@@ -329,18 +341,37 @@ class DecodeSide:
                 return r is None or r.forgotten or r.state is KVPoll.Failed
         return cancelled
 
+    def _targets(self, info: ParallelInfo) -> list[Target]:
+        if info.pp_size != 1:
+            raise NotImplementedError(f"prefill pipeline parallelism (pp_size={info.pp_size}) is "
+                                      "not supported by the Mooncake backend yet")
+        return plan_targets(self.args.tp_rank, self.args.tp_size, info.tp_size,
+                            is_mla=self.args.is_mla, total_heads=self.args.total_kv_heads)
+
+    def _known_peers(self, room: int, host: str, port: int) -> list[_Peer] | None:
+        """The room's peers from the cache alone, or None if anything would need the network:
+        the instance not looked up yet, a rank not asked for, or one not registered with."""
+        with self._server_lock:
+            server = self._servers.get((host, port))
+            if server is None or server.info is None or server.info.pp_size != 1:
+                return None
+            dp_rank = room % server.info.dp_size
+            targets = self._targets(server.info)
+            regs = [server.ranks.get((dp_rank, t.prefill_tp_rank)) for t in targets]
+        if None in regs:
+            return None
+        peers = [_Peer(t, _endpoint(reg)) for t, reg in zip(targets, regs)]
+        with self._register_lock:  # a lost rank is dropped from it (`_lose`)
+            known = all(p.endpoint in self._registered for p in peers)
+        return peers if known else None
+
     def _resolve(self, room: int, host: str, port: int) -> list[_Peer]:
         cancelled = self._cancelled(room)
         server = self._server(host, port, cancelled)
         info = server.info
         dp_rank = room % info.dp_size
-        if info.pp_size != 1:
-            raise NotImplementedError(f"prefill pipeline parallelism (pp_size={info.pp_size}) is "
-                                      "not supported by the Mooncake backend yet")
-        targets = plan_targets(self.args.tp_rank, self.args.tp_size, info.tp_size,
-                               is_mla=self.args.is_mla, total_heads=self.args.total_kv_heads)
         peers = []
-        for t in targets:
+        for t in self._targets(info):
             key = (dp_rank, t.prefill_tp_rank)
             reg = server.ranks.get(key)
             if reg is None:
