@@ -595,7 +595,8 @@ def import_sglang(
         "file)"),
 ) -> None:
     """Read SGLang's launch commands (a server per role instance and the router, as `pdsim plan`
-    writes them in launch.sh) into an experiment YAML that `pdsim run` simulates."""
+    writes them in launch.sh) into an experiment YAML that `pdsim run` simulates; warn of the
+    flags read past that may change performance but are not modelled."""
     import sys
 
     import yaml
@@ -605,9 +606,11 @@ def import_sglang(
 
     with _exits_on(ConfigError, OSError):
         text = sys.stdin.read() if commands == "-" else Path(commands).read_text()
-        data = read_commands(text, read_config_file(base, "experiment") or {}, name=name,
-                             model=model)
+        data, notes = read_commands(text, read_config_file(base, "experiment") or {},
+                                    name=name, model=model)
         parse_experiment(data, f"{commands} over {base}")  # what `pdsim run` will check
+        for note in notes:  # on standard error: standard output may be the YAML
+            typer.echo(f"warning: {note}", err=True)
         doc = yaml.safe_dump(data, sort_keys=False)
         if out is None:
             print(doc, end="")

@@ -1,8 +1,10 @@
 """`pdsim import-sglang`: SGLang launch commands back into the deployment they start. The round
 trip plan -> launch.sh -> import gives the planned deployment (its experiment, as `pdsim plan`
 writes it, parsed the way `pdsim run` parses it), for a disaggregated deployment of multi-node
-MoE instances and for a colocated one; commands that do not describe one deployment are refused
-naming the line or the flag."""
+MoE instances and for a colocated one; a large-EP deployment written as such deployments are
+published (DeepEP, two-batch overlap, EPLB, environment variables, SGLang's mini_lb, servers on
+0.0.0.0) comes back with every option the simulator models and a note naming the rest;
+commands that do not describe one deployment are refused naming the line or the flag."""
 
 from __future__ import annotations
 
@@ -45,8 +47,9 @@ def test_plan_launch_import_round_trip(plan, dep, tmp_path):
     cfg = parse_plan(plan)
     script = sglang_commands(dep, cfg, gpus_per_node=8).script()
     planned = yaml.safe_load(experiment_yaml(dep, cfg))
-    imported = import_sglang(script, planned)
+    imported, notes = import_sglang(script, planned)
     assert normalized(imported) == normalized(planned)
+    assert notes == []  # every flag a plan writes is read or changes nothing simulated
     # the same through the command line, the commands on standard input
     base = tmp_path / "recommended.yaml"
     base.write_text(experiment_yaml(dep, cfg))
@@ -72,9 +75,108 @@ def test_commands_that_are_not_one_deployment_are_refused():
         import_sglang("\n".join(missing), base)
     with pytest.raises(ConfigError, match=r"line 1: 'echo hi' is neither"):
         import_sglang("echo hi\n" + script, base)
-    with pytest.raises(ConfigError, match="0 `python -m sglang_router.launch_router` commands"):
+    with pytest.raises(ConfigError, match="0 router commands"):
         import_sglang("\n".join(line for line in lines if "launch_router" not in line), base)
     odd = script.replace("--disaggregation-mode decode", "--disaggregation-mode both")
     with pytest.raises(ConfigError, match="--disaggregation-mode 'both'; allowed: prefill, "
                                           "decode, null"):
         import_sglang(odd, base)
+
+
+BASE = {"name": "large_ep", "hardware": "h100", "workload": SMALL["workload"]}
+
+
+def large_ep_commands(decode_extra: str = "") -> str:
+    """Two prefill instances of 4 nodes and one decode instance of 9 (DeepSeek-V3, DeepEP,
+    two-batch overlap, EPLB), each node's command as multi-node launch scripts write it."""
+    common = ("--model-path deepseek-ai/DeepSeek-V3-0324 --trust-remote-code --host 0.0.0.0 "
+              "--port 30000 --enable-dp-attention --enable-deepep-moe --moe-dense-tp-size 1 "
+              "--enable-dp-lm-head --disable-radix-cache --enable-two-batch-overlap "
+              "--page-size 1 --watchdog-timeout 1000000 --decode-log-interval 1 "
+              "--disaggregation-ib-device mlx5_1 --init-expert-location /data/stats.json "
+              "--ep-num-redundant-experts 32 --ep-dispatch-algorithm dynamic")
+    lines = ["export MC_TE_METRIC=true"]
+    for instance in range(2):
+        for rank in range(4):
+            lines.append(
+                f"SGLANG_TBO_DEBUG=1 python3 -m sglang.launch_server {common} "
+                f"--disaggregation-mode prefill --dist-init-addr 10.0.{instance}.1:5757 "
+                f"--nnodes 4 --node-rank {rank} --tp-size 32 --dp-size 32 --deepep-mode normal "
+                "--mem-fraction-static 0.85 --chunked-prefill-size 524288 "
+                "--max-running-requests 8192 --max-total-tokens 131072 --context-length 8192 "
+                "--deepep-config /data/deepep.json")
+    for rank in range(9):
+        lines.append(
+            "SGLANG_NUM_RESERVED_DECODE_TOKENS=102 \\\n"
+            f"  SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=256 python3 -m sglang.launch_server "
+            f"{common} --disaggregation-mode decode --dist-init-addr 10.0.9.1:5757 --nnodes 9 "
+            f"--node-rank {rank} --tp-size 72 --dp-size 72 --deepep-mode low_latency "
+            f"--mem-fraction-static 0.835 --max-running-requests 18432 --context-length 4500 "
+            f"--cuda-graph-bs 256 {decode_extra}")
+    lines.append("python3 -m sglang.srt.disaggregation.mini_lb --prefill http://10.0.0.1:30000 "
+                 "--prefill http://10.0.1.1:30000 --decode http://10.0.9.1:30000 "
+                 "--host 0.0.0.0 --port 8000")
+    return "\n".join(lines)
+
+
+def test_a_published_style_large_ep_deployment_keeps_what_is_modelled(tmp_path):
+    imported, notes = import_sglang(large_ep_commands(), BASE, model="deepseek-v3")
+    large_ep = {"dp_attention": 32, "moe_a2a": "deepep", "two_batch_overlap": True,
+                "moe_dense_tp": 1, "dp_lm_head": True, "eplb": {"redundant_experts": 32}}
+    assert imported["cluster"] == {
+        "mode": "disaggregated",
+        "prefill": {"instances": 2, "tp": 32, "ep": 32, **large_ep, "scheduler": {
+            "chunked_prefill_size": 524288, "disable_radix_cache": True,
+            "max_running_requests": 8192, "mem_fraction_static": 0.85, "page_size": 1}},
+        "decode": {"instances": 1, "tp": 72, "ep": 72, **large_ep, "dp_attention": 72,
+                   "num_max_dispatch_tokens_per_rank": 256, "scheduler": {
+                       "disable_radix_cache": True, "max_running_requests": 18432,
+                       "mem_fraction_static": 0.835, "num_reserved_decode_tokens": 102,
+                       "page_size": 1}}}
+    assert imported["router"] == {"policy": "random"}  # what mini_lb does
+    assert imported["cost_model"] == {"params": {"cuda_graph_max_bs": 256}}
+    cfg = parse_experiment(imported)
+    assert cfg.cluster.decode.eplb.redundant_experts == 32
+    # every prefill node says the same; the note names its first node's line
+    assert notes == [
+        "line 2 (prefill server): read past, not modelled: --max-total-tokens, "
+        "--context-length, --deepep-config",
+        "line 6 (prefill server): read past, not modelled: --max-total-tokens, "
+        "--context-length, --deepep-config",
+        "line 10 (decode server): read past, not modelled: --context-length"]
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump(BASE))
+    result = CliRunner().invoke(app, ["import-sglang", "-", "--base", str(base), "--model",
+                                      "deepseek-v3", "-o", str(tmp_path / "x.yaml")],
+                                input=large_ep_commands())
+    assert result.exit_code == 0, result.output
+    assert "warning: line 10 (decode server): read past, not modelled: --context-length" in \
+        result.output
+    assert yaml.safe_load((tmp_path / "x.yaml").read_text()) == imported
+
+
+def test_speculative_decoding_takes_its_acceptance_from_the_base():
+    flags = ("--speculative-algorithm EAGLE --speculative-num-steps 2 "
+             "--speculative-eagle-topk 1 --speculative-num-draft-tokens 3")
+    with pytest.raises(ConfigError, match="gives no speculative.acceptance"):
+        import_sglang(large_ep_commands(flags), BASE, model="deepseek-v3")
+    base = dict(BASE, speculative={"acceptance": {"mean_accept_len": 2.1}})
+    imported, _ = import_sglang(large_ep_commands(flags), base, model="deepseek-v3")
+    assert imported["speculative"] == {"acceptance": {"mean_accept_len": 2.1},
+                                       "method": "mtp", "num_draft_tokens": 2}
+    parse_experiment(imported)
+
+
+def test_deepep_sets_ep_and_unchunked_prefill_reads_as_zero():
+    script = "\n".join([
+        "python -m sglang.launch_server --model-path deepseek-v3 --tp-size 8 "
+        "--moe-a2a-backend deepep --chunked-prefill-size -1 --disable-cuda-graph "
+        "--attention-backend fa3",
+        "python -m sglang_router.launch_router --worker-urls http://127.0.0.1:30000"])
+    imported, notes = import_sglang(script, BASE)
+    role = imported["cluster"]["colocated"]
+    assert (role["ep"], role["moe_a2a"], role["scheduler"]) == (8, "deepep",
+                                                              {"chunked_prefill_size": 0})
+    assert imported["cost_model"]["params"] == {"cuda_graph_max_bs": 0}
+    assert notes == ["line 1 (colocated server): read past, not modelled: --attention-backend"]
+    parse_experiment(imported)

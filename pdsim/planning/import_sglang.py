@@ -1,18 +1,33 @@
 """SGLang launch commands -> pdsim's experiment: `pdsim import-sglang launch.sh --base EXP`.
 
 The reverse of pdsim/planning/launch.py: a set of `python -m sglang.launch_server ...` commands
-(one per server, or per node of a server that spans `--nnodes` nodes) and one `python -m
-sglang_router.launch_router ...`, as `pdsim plan` writes them in launch.sh, become the deployment
-they start: the roles (`--disaggregation-mode`; none: colocated) with their instances (servers
-whose `--node-rank` is 0), parallelism (`--tp-size`, `--pp-size`, `--dp-size` with
-`--enable-dp-attention`, `--ep-size`, `--moe-a2a-backend`), scheduler knobs
-(`--mem-fraction-static`, `--max-running-requests`, `--chunked-prefill-size`,
-`--max-prefill-tokens`, `--page-size`, `--num-reserved-decode-tokens`), `--kv-cache-dtype`,
-the model (`--model-path`) and the router's policy (as SGLang names it: a plan's
-`least_loaded`, written as `power_of_two`, comes back as that) and cache_aware settings.
-Every instance of a role must have the same shape (the simulator has one per role), and every
-URL the router names must be a server's `http://HOST:PORT`. Flags that do not change the simulation (ports,
-devices, the transfer backend...) are read past.
+(one per server, or per node of a server that spans `--nnodes` nodes) and one router (`python -m
+sglang_router.launch_router ...`, or SGLang's older `python -m sglang.srt.disaggregation.mini_lb`)
+become the deployment they start: the roles (`--disaggregation-mode`; none: colocated) with
+their instances (servers whose `--node-rank` is 0), parallelism (`--tp-size`, `--pp-size`,
+`--dp-size` with `--enable-dp-attention`, `--ep-size`, `--moe-a2a-backend` or the older
+`--enable-deepep-moe`: DeepEP sets ep = tp, as SGLang does), the large-EP options
+(`--enable-two-batch-overlap`, `--moe-dense-tp-size`, `--enable-dp-lm-head`, EPLB:
+`--enable-eplb` or `--init-expert-location` with `--ep-num-redundant-experts`,
+SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK), scheduler knobs (`--mem-fraction-static`,
+`--max-running-requests`, `--chunked-prefill-size` (-1: unchunked), `--max-prefill-tokens`,
+`--page-size`, `--num-reserved-decode-tokens` or SGLANG_NUM_RESERVED_DECODE_TOKENS,
+`--disable-radix-cache`), `--kv-cache-dtype`, the decode servers' CUDA graphs
+(`--cuda-graph-max-bs`, `--cuda-graph-bs`, `--disable-cuda-graph`: the cost model's
+`cuda_graph_max_bs`) and speculative decoding (`--speculative-algorithm` NEXTN/EAGLE/EAGLE3
+with `--speculative-num-steps`: MTP without `--speculative-draft-model-path`, EAGLE with one;
+its acceptance comes from the base experiment), the model (`--model-path`) and the router's
+policy (as SGLang names it: a plan's `least_loaded`, written as `power_of_two`, comes back as
+that) and cache_aware settings. Environment variables count when set before a command
+(`VAR=value python -m ...`) or by an `export` line. Every instance of a role must have the
+same shape (the simulator has one per role), and every URL the router names must be a server's
+`http://HOST:PORT`.
+
+Flags that do not change the simulation (addresses, ports, devices, logging, the transfer
+backend...) are read past. Flags that may change performance but that pdsim does not model
+(`--deepep-config`, `--attention-backend`, `--quantization`...) are read past too, and named in
+the notes the import returns (`pdsim import-sglang` prints them), so nothing is dropped
+silently.
 
 What the commands do not say -- the workload, the hardware, SLOs, the cost model -- comes from a
 base experiment (`pdsim plan` writes one beside launch.sh), whose model, kv_dtype_bytes,
@@ -30,12 +45,35 @@ from pdsim.config import ConfigError
 from pdsim.deployment import SGLANG_OPTION_FLAGS
 
 SERVER = "sglang.launch_server"
-ROUTER = "sglang_router.launch_router"
+ROUTERS = ("sglang_router.launch_router", "sglang.srt.disaggregation.mini_lb")
 KNOB_FLAGS = {"mem_fraction_static": "--mem-fraction-static",
               "max_running_requests": "--max-running-requests",
               "chunked_prefill_size": "--chunked-prefill-size",
               "max_prefill_tokens": "--max-prefill-tokens", "page_size": "--page-size",
               "num_reserved_decode_tokens": "--num-reserved-decode-tokens"}
+# Flags that change nothing the simulator models: where a server listens, what it logs, how its
+# processes find each other, names and paths, and EPLB's own bookkeeping.
+INERT_FLAGS = frozenset("""
+    --host --port --trust-remote-code --log-level --log-level-http --log-requests
+    --log-requests-level --dist-init-addr --nnodes --node-rank --base-gpu-id --gpu-id-step
+    --disaggregation-transfer-backend --disaggregation-ib-device --disaggregation-bootstrap-port
+    --disaggregation-decode-tp --disaggregation-decode-dp --disaggregation-prefill-pp
+    --watchdog-timeout --dist-timeout --served-model-name --api-key --tokenizer-path
+    --tokenizer-mode --chat-template --tool-call-parser --reasoning-parser --decode-log-interval
+    --random-seed --device --show-time-cost --enable-metrics --enable-cache-report
+    --crash-dump-folder --download-dir --revision --load-format --model-loader-extra-config
+    --skip-server-warmup --enable-request-time-stats-logging --collect-tokens-histogram
+    --ep-dispatch-algorithm --eplb-algorithm --expert-distribution-recorder-mode
+    --expert-distribution-recorder-buffer-size --enable-expert-distribution-metrics
+    --eplb-rebalance-num-iterations --speculative-draft-model-path
+    """.split())
+ENV_KNOBS = {"SGLANG_NUM_RESERVED_DECODE_TOKENS": "num_reserved_decode_tokens"}
+LL_TOKENS_ENV = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
+WILDCARD_HOSTS = ("0.0.0.0", "::")
+# SGLang's --deepep-mode per role that prices as pdsim does (auto: normal for prefill batches,
+# low latency for decode batches)
+DEEPEP_MODES = {"prefill": ("auto", "normal"), "decode": ("auto", "low_latency"),
+                "colocated": ("auto",)}
 
 
 def _commands(text: str) -> list[tuple[int, list[str]]]:
@@ -60,10 +98,18 @@ def _commands(text: str) -> list[tuple[int, list[str]]]:
     return out
 
 
-def _module(argv: list[str]) -> str | None:
-    """The module a `python -m MODULE` command runs (after any VAR=value prefixes)."""
+def _split_env(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """A command's leading VAR=value settings, and the rest."""
+    env = {}
     while argv and "=" in argv[0] and not argv[0].startswith("-"):
+        name, _, value = argv[0].partition("=")
+        env[name] = value
         argv = argv[1:]
+    return env, argv
+
+
+def _module(argv: list[str]) -> str | None:
+    """The module a `python -m MODULE` command runs."""
     if len(argv) >= 3 and argv[0].startswith("python") and argv[1] == "-m":
         return argv[2]
     return None
@@ -78,6 +124,14 @@ def _server_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-dp-attention", action="store_true")
     p.add_argument("--ep-size", type=int, default=1)
     p.add_argument("--moe-a2a-backend", default="none")
+    p.add_argument("--enable-deepep-moe", action="store_true")  # SGLang <= 0.4.9's spelling
+    p.add_argument("--deepep-mode", default="auto")
+    p.add_argument("--enable-two-batch-overlap", action="store_true")
+    p.add_argument("--moe-dense-tp-size", type=int)
+    p.add_argument("--enable-dp-lm-head", action="store_true")
+    p.add_argument("--enable-eplb", action="store_true")
+    p.add_argument("--init-expert-location", default="trivial")
+    p.add_argument("--ep-num-redundant-experts", type=int, default=0)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--disaggregation-mode", default="null")
     p.add_argument("--host", default="127.0.0.1")
@@ -90,6 +144,14 @@ def _server_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=int)
     p.add_argument("--page-size", type=int)
     p.add_argument("--num-reserved-decode-tokens", type=int)
+    p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--cuda-graph-max-bs", type=int)
+    p.add_argument("--cuda-graph-bs", type=int, nargs="+")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--speculative-algorithm")
+    p.add_argument("--speculative-num-steps", type=int)
+    p.add_argument("--speculative-eagle-topk", type=int, default=1)
+    p.add_argument("--speculative-draft-model-path")
     return p
 
 
@@ -105,12 +167,14 @@ def _router_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _parse(parser: argparse.ArgumentParser, argv: list[str], line: int) -> argparse.Namespace:
+def _parse(parser: argparse.ArgumentParser, argv: list[str], line: int
+           ) -> tuple[argparse.Namespace, list[str]]:
+    """The flags `parser` knows, and the others' names."""
     try:
-        args, _ignored = parser.parse_known_args(argv)
+        args, rest = parser.parse_known_args(argv)
     except (argparse.ArgumentError, ValueError) as exc:
         raise ConfigError(f"line {line}: {exc}") from None
-    return args
+    return args, [a.partition("=")[0] for a in rest if a.startswith("--")]
 
 
 @dataclass(frozen=True)
@@ -122,11 +186,14 @@ class _Server:
     knobs: dict[str, Any]
     model: str
     kv_dtype_bytes: float
+    graph_bs: int | None  # the largest decode batch replayed as a CUDA graph, if given
+    speculative: dict[str, Any] | None  # the speculative section's method and drafts
+    unmodelled: list[str]  # flags read past that may change performance
 
 
-def _server(argv: list[str], line: int) -> _Server | None:
+def _server(argv: list[str], env: dict[str, str], line: int) -> _Server | None:
     """The server a command starts, or None for a node other than an instance's first."""
-    a = _parse(_server_parser(), argv, line)
+    a, rest = _parse(_server_parser(), argv, line)
     if a.node_rank:
         return None
     role = {"prefill": "prefill", "decode": "decode", "null": "colocated"}.get(
@@ -134,18 +201,82 @@ def _server(argv: list[str], line: int) -> _Server | None:
     if role is None:
         raise ConfigError(f"line {line}: --disaggregation-mode {a.disaggregation_mode!r}; "
                           "allowed: prefill, decode, null")
+    unmodelled = [flag for flag in rest if flag not in INERT_FLAGS]
+    if _deepep(a) and a.deepep_mode not in DEEPEP_MODES[role]:
+        unmodelled.append(f"--deepep-mode {a.deepep_mode} (priced as SGLang's auto: normal for "
+                          "prefill batches, low latency for decode batches)")
+    return _Server(line, role, f"http://{a.host}:{a.port}", _shape(a, env, line, unmodelled),
+                   _knobs(a, env, role), a.model_path,
+                   1 if a.kv_cache_dtype.startswith("fp8") else 2, _graph_bs(a),
+                   _speculative(a, line, unmodelled), unmodelled)
+
+
+def _deepep(a: argparse.Namespace) -> bool:
+    return a.enable_deepep_moe or a.moe_a2a_backend == "deepep"
+
+
+def _shape(a: argparse.Namespace, env: dict[str, str], line: int,
+           unmodelled: list[str]) -> dict[str, Any]:
+    """The role fields of a server's parallelism and large-EP options."""
+    deepep = _deepep(a)
     shape: dict[str, Any] = {"tp": a.tp_size}
-    for key, value, default in (("pp", a.pp_size, 1), ("ep", a.ep_size, 1),
-                                ("dp_attention", a.dp_size if a.enable_dp_attention else 1, 1),
-                                ("moe_a2a", a.moe_a2a_backend, "none")):
+    # SGLang sets ep_size = tp_size for DeepEP (server_args.py)
+    ep = a.tp_size if deepep and a.ep_size == 1 else a.ep_size
+    eplb = a.enable_eplb or a.init_expert_location != "trivial"
+    if a.moe_dense_tp_size not in (None, 1, a.tp_size):
+        raise ConfigError(f"line {line}: --moe-dense-tp-size {a.moe_dense_tp_size}; allowed: 1 "
+                          f"or the tp size ({a.tp_size})")
+    for key, value, default in (
+            ("pp", a.pp_size, 1), ("ep", ep, 1),
+            ("dp_attention", a.dp_size if a.enable_dp_attention else 1, 1),
+            ("moe_a2a", "deepep" if deepep else a.moe_a2a_backend, "none"),
+            ("two_batch_overlap", a.enable_two_batch_overlap, False),
+            ("moe_dense_tp", 1 if a.moe_dense_tp_size == 1 else None, None),
+            ("dp_lm_head", a.enable_dp_lm_head, False),
+            ("eplb", a.ep_num_redundant_experts if eplb else None, None),
+            ("num_max_dispatch_tokens_per_rank", int(env.get(LL_TOKENS_ENV, 128)), 128)):
         if value != default:
             shape[key] = value
-    knobs = {k: getattr(a, k) for k in KNOB_FLAGS if getattr(a, k) is not None}
+    if a.ep_num_redundant_experts and not eplb:
+        unmodelled.append("--ep-num-redundant-experts (without --enable-eplb or "
+                          "--init-expert-location)")
+    return shape
+
+
+def _knobs(a: argparse.Namespace, env: dict[str, str], role: str) -> dict[str, Any]:
+    knobs = {k: int(env[v]) for v, k in ENV_KNOBS.items() if v in env}
+    knobs |= {k: getattr(a, k) for k in KNOB_FLAGS if getattr(a, k) is not None}
+    if knobs.get("chunked_prefill_size", 0) < 0:
+        knobs["chunked_prefill_size"] = 0  # SGLang's -1: no chunking
+    if a.disable_radix_cache:
+        knobs["disable_radix_cache"] = True
     if role != "decode":
         knobs.pop("num_reserved_decode_tokens", None)  # a decode server's flag
-    kv_bytes = 1 if a.kv_cache_dtype.startswith("fp8") else 2
-    return _Server(line, role, f"http://{a.host}:{a.port}", shape, knobs, a.model_path,
-                   kv_bytes)
+    return knobs
+
+
+def _graph_bs(a: argparse.Namespace) -> int | None:
+    if a.disable_cuda_graph:
+        return 0
+    if a.cuda_graph_max_bs is not None:
+        return a.cuda_graph_max_bs
+    return max(a.cuda_graph_bs) if a.cuda_graph_bs else None
+
+
+def _speculative(a: argparse.Namespace, line: int, unmodelled: list[str]
+                 ) -> dict[str, Any] | None:
+    if a.speculative_algorithm is None:
+        return None
+    algorithm = a.speculative_algorithm.upper()
+    if algorithm not in ("NEXTN", "EAGLE", "EAGLE3"):
+        raise ConfigError(f"line {line}: --speculative-algorithm {a.speculative_algorithm}; "
+                          "allowed: NEXTN, EAGLE, EAGLE3")
+    if a.speculative_eagle_topk != 1:
+        unmodelled.append(f"--speculative-eagle-topk {a.speculative_eagle_topk} (pdsim "
+                          "drafts a chain: top-k 1)")
+    # Without a draft model SGLang's EAGLE runs the target's own MTP (NextN) layers.
+    method = "eagle" if a.speculative_draft_model_path else "mtp"
+    return {"method": method, "num_draft_tokens": a.speculative_num_steps or 1}
 
 
 def _one(values: set, what: str) -> Any:
@@ -156,66 +287,126 @@ def _one(values: set, what: str) -> Any:
 
 
 def import_sglang(text: str, base: dict[str, Any], *, name: str | None = None,
-                  model: str | None = None) -> dict[str, Any]:
+                  model: str | None = None) -> tuple[dict[str, Any], list[str]]:
     """The experiment mapping `text`'s commands deploy, over `base` (an experiment mapping:
-    its workload, hardware, SLO, ...). `model` names the simulator's model when the servers'
-    `--model-path` is not one it knows (a Hugging Face id, a local path)."""
+    its workload, hardware, SLO, ...), and notes naming the flags read past that may change
+    performance. `model` names the simulator's model when the servers' `--model-path` is not
+    one it knows (a Hugging Face id, a local path)."""
     servers: list[_Server] = []
-    routers: list[tuple[int, list[str]]] = []
+    routers: list[tuple[int, str, list[str]]] = []
+    exported: dict[str, str] = {}
     for line, argv in _commands(text):
+        if argv[0] == "export":
+            exported |= _split_env(argv[1:])[0]
+            continue
+        env, argv = _split_env(argv)
         module = _module(argv)
         if module == SERVER:
-            server = _server(argv[argv.index(module) + 1:], line)
+            server = _server(argv[3:], exported | env, line)
             if server is not None:
                 servers.append(server)
-        elif module == ROUTER:
-            routers.append((line, argv[argv.index(module) + 1:]))
+        elif module in ROUTERS:
+            routers.append((line, module, argv[3:]))
         else:
             raise ConfigError(f"line {line}: {shlex.join(argv)[:80]!r} is neither `python -m "
-                              f"{SERVER}` nor `python -m {ROUTER}`")
+                              f"{SERVER}` nor a router (`python -m {ROUTERS[0]}`)")
     if not servers:
         raise ConfigError(f"no `python -m {SERVER}` command")
     if len(routers) != 1:
-        raise ConfigError(f"{len(routers)} `python -m {ROUTER}` commands; allowed: one")
+        raise ConfigError(f"{len(routers)} router commands (`python -m {ROUTERS[0]}`); "
+                          "allowed: one")
     roles = sorted({s.role for s in servers}, key=("prefill", "decode", "colocated").index)
     if roles not in (["prefill", "decode"], ["colocated"]):
         raise ConfigError(f"servers of roles {roles}; allowed: prefill and decode servers, or "
                           "servers without --disaggregation-mode")
     cluster: dict[str, Any] = {"mode": "colocated" if roles == ["colocated"] else
                                "disaggregated"}
+    notes = []
     for role in roles:
         mine = [s for s in servers if s.role == role]
-        shape = _one({tuple(sorted(s.shape.items())) for s in mine}, f"the {role} parallelism")
+        shape = dict(_one({tuple(sorted(s.shape.items())) for s in mine},
+                          f"the {role} parallelism"))
         knobs = _one({tuple(sorted(s.knobs.items())) for s in mine},
                      f"the {role} scheduler flags")
-        cluster[role] = {"instances": len(mine), **dict(shape)}
+        if "eplb" in shape:
+            shape["eplb"] = {"redundant_experts": shape["eplb"]}
+        cluster[role] = {"instances": len(mine), **shape}
         if knobs:
             cluster[role]["scheduler"] = dict(knobs)
+        notes += [f"line {s.line} ({role} server): read past, not modelled: "
+                  f"{', '.join(dict.fromkeys(s.unmodelled))}" for s in mine if s.unmodelled]
+    generating = [s for s in servers if s.role != "prefill"]
     router = _router(routers[0], servers, cluster["mode"])
     data = {k: v for k, v in base.items() if k not in ("model", "kv_dtype_bytes", "cluster",
                                                         "router", "name", "description")}
+    graph_bs = _one({s.graph_bs for s in generating}, "CUDA graph batch sizes")
+    if graph_bs is not None:
+        cost = dict(data.get("cost_model") or {})
+        cost["params"] = {**(cost.get("params") or {}), "cuda_graph_max_bs": graph_bs}
+        data["cost_model"] = cost
+    spec = _one({None if s.speculative is None else tuple(sorted(s.speculative.items()))
+                 for s in generating}, "speculative decoding")
+    if spec is not None:
+        data["speculative"] = _with_acceptance(dict(spec), base.get("speculative") or {})
     return {"name": name or base.get("name", "imported"),
             "description": "imported from SGLang launch commands (pdsim import-sglang)",
             **data, "model": model or _one({s.model for s in servers}, "--model-path"),
             "kv_dtype_bytes": _one({s.kv_dtype_bytes for s in servers}, "--kv-cache-dtype"),
-            "cluster": cluster, "router": router}
+            "cluster": cluster, "router": router}, notes
 
 
-def _router(command: tuple[int, list[str]], servers: list[_Server], mode: str) -> dict[str, Any]:
-    line, argv = command
-    a = _parse(_router_parser(), argv, line)
+def _with_acceptance(spec: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """The commands' speculative method and drafts, with the base experiment's acceptance
+    (launch commands cannot say how often drafts are accepted)."""
+    if not (base.get("acceptance") or {}):
+        raise ConfigError(
+            f"the servers decode speculatively ({spec['method']}, {spec['num_draft_tokens']} "
+            "draft tokens) but the base experiment gives no speculative.acceptance (rates or "
+            "mean_accept_len) to simulate them with; add one, e.g. from `pdsim calibrate` or "
+            "the server's accept-length metric")
+    return {**base, **spec}
+
+
+def _router(command: tuple[int, str, list[str]], servers: list[_Server], mode: str
+            ) -> dict[str, Any]:
+    line, module, argv = command
+    a, _ = _parse(_router_parser(), argv, line)
+    mini_lb = module == ROUTERS[1]  # SGLang's PD-only load balancer: picks at random
     named = {"prefill": [p[0] for p in a.prefill], "decode": a.decode,
              "colocated": a.worker_urls}
-    if a.pd_disaggregation != (mode == "disaggregated"):
-        raise ConfigError(f"line {line}: the router {'has' if a.pd_disaggregation else 'lacks'} "
+    pd = a.pd_disaggregation or mini_lb
+    if pd != (mode == "disaggregated"):
+        raise ConfigError(f"line {line}: the router {'has' if pd else 'lacks'} "
                           f"--pd-disaggregation, but the servers are {mode}")
     for role, urls in named.items():
         served = sorted(s.url for s in servers if s.role == role)
-        if sorted(urls) != served:
+        if not _same_servers(urls, served):
             raise ConfigError(f"line {line}: the router's {role} URLs {sorted(urls)} are not "
                               f"the {role} servers' {served}")
-    router: dict[str, Any] = {"policy": a.policy}
+    router: dict[str, Any] = {"policy": "random" if mini_lb else a.policy}
     options = {k: getattr(a, k) for k in SGLANG_OPTION_FLAGS if getattr(a, k) is not None}
     if options:
         router["policy_options"] = options
     return router
+
+
+def _same_servers(urls: list[str], served: list[str]) -> bool:
+    """Whether the router's URLs name the servers one to one; a server listening on every
+    address (`--host 0.0.0.0`, as multi-node launch scripts have it) answers at any host with
+    its port."""
+    left = sorted(served, key=lambda u: _host_port(u)[0] in WILDCARD_HOSTS)  # exact ones first
+    if len(urls) != len(left):
+        return False
+    for url in sorted(urls):
+        host, port = _host_port(url)
+        match = next((s for s in left if s == url or (
+            _host_port(s)[0] in WILDCARD_HOSTS and _host_port(s)[1] == port)), None)
+        if match is None:
+            return False
+        left.remove(match)
+    return True
+
+
+def _host_port(url: str) -> tuple[str, str]:
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    return host.strip("[]"), port
