@@ -19,6 +19,7 @@ from pdsim.sim.cost import (
     gemm_time_s,
     kv_capacity_tokens,
     make_cost_model,
+    micro_batches,
     register_cost_model,
     weight_bytes_per_gpu,
 )
@@ -374,6 +375,27 @@ def test_two_batch_overlap_hides_communication_but_never_beats_its_parts() -> No
     # than it hides (SGLang enables it for large EP).
     shapes = [decode(4, 2048)] * 8
     assert deepep(8, tbo=True).step_time_s(shapes) > deepep(8).step_time_s(shapes)
+
+
+def test_micro_batches_cut_each_rank_as_sglang_does() -> None:
+    first, second = micro_batches([decode(1, 100), decode(3, 100), prefill(5), BatchShape()])
+    assert [s.decode_reqs for s in first] == [0, 1, 0, 0]
+    assert [s.decode_reqs for s in second] == [1, 2, 0, 0]
+    assert [s.decode_context_tokens for s in first + second] == [0, 100, 0, 0, 100, 200, 0, 0]
+    assert (first[2].prefill_tokens, second[2].prefill_tokens) == (2, 3)
+    assert first[2].prefill_attn_pairs + second[2].prefill_attn_pairs == prefill(5).prefill_attn_pairs
+
+
+def test_two_batch_overlap_with_one_request_per_rank_leaves_a_micro_batch_empty() -> None:
+    """SGLang cuts a rank's decode batch at n // 2 requests: with one request per rank the
+    first micro-batch is empty (only its dispatch and combine run), so overlap changes the
+    step little; with two per rank each micro-batch reads the rank's weights."""
+    for ep in (8, 32, 72):
+        one = [decode(1, 2048)] * ep
+        plain, tbo = deepep(ep).step_time_s(one), deepep(ep, tbo=True).step_time_s(one)
+        assert plain <= tbo < 1.05 * plain, ep
+        two = [decode(2, 2048)] * ep
+        assert deepep(ep, tbo=True).step_time_s(two) > 1.3 * deepep(ep).step_time_s(two), ep
 
 
 def test_deepep_and_two_batch_overlap_rules() -> None:

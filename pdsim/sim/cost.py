@@ -176,6 +176,34 @@ def step_totals(shapes: Sequence[BatchShape]) -> tuple[int, int, int, int, bool]
     return tokens, max_rank_tokens, lm_rows, max_rank_rows, has_prefill
 
 
+def micro_batches(shapes: Sequence[BatchShape]) -> tuple[list[BatchShape], list[BatchShape]]:
+    """Two-batch overlap's two micro-batches, per DP rank, as SGLang cuts each rank's batch
+    (two_batch_overlap.py, `compute_split_seq_index`): its first n // 2 decode requests and the
+    rest, so a rank with one request leaves the first micro-batch empty (its kernels have no
+    rows; its dispatch and combine still run); an extend batch in halves of its tokens (SGLang
+    balances the two by tokens, cutting a sequence in two when it must)."""
+    first, second = [], []
+    for s in shapes:
+        n, pf = s.decode_reqs, s.prefill_tokens
+        reqs = n // 2
+        ctx = s.decode_context_tokens * reqs // n if n else 0
+        pairs = s.prefill_attn_pairs / 2
+        first.append(BatchShape(pf // 2, pairs, reqs, ctx, s.decode_query_len))
+        second.append(BatchShape(pf - pf // 2, pairs, n - reqs, s.decode_context_tokens - ctx,
+                                 s.decode_query_len))
+    return first, second
+
+
+def overlapped_layers_s(layers: int, first: tuple[float, float], second: tuple[float, float]
+                        ) -> float:
+    """MoE layers under two-batch overlap, each micro-batch's (compute, communication) per
+    layer: one micro-batch computes while the other communicates, so a layer takes
+    max(c1, x2) + max(c2, x1), and the step pays one half-batch min(c, x) to fill the
+    pipeline (both cost models)."""
+    (c1, x1), (c2, x2) = first, second
+    return layers * (max(c1, x2) + max(c2, x1)) + min(c1 + c2, x1 + x2) / 2
+
+
 def layers_attention_s(attn: float, dense_layers: int, moe_layers: int) -> float:
     """Every layer's attention block, one layer's being `attn`: the dense layers' then the MoE
     layers' (both cost models add them in this order; their step times are tested bit for bit
@@ -537,15 +565,14 @@ class RooflineCostModel:
         fixed = sum(self.deepep_calls_s(mode, 0.0))
         return fixed, sum(self.deepep_calls_s(mode, 1.0)) - fixed
 
-    def _attention_s(self, shapes: Sequence[BatchShape], scale: float) -> float:
-        """One layer's attention block on the slowest DP rank, every count times `scale`
-        (0.5 prices one micro-batch of two-batch overlap)."""
+    def _attention_s(self, shapes: Sequence[BatchShape]) -> float:
+        """One layer's attention block on the slowest DP rank."""
         slowest = 0.0
         for shape in shapes:
-            n = (shape.prefill_tokens + shape.decode_reqs * shape.decode_query_len) * scale
+            n = shape.num_tokens
             if n == 0:
                 continue
-            attn = self._attention_block_s(self._attn_proj_s(n), shape, scale, n)
+            attn = self._attention_block_s(self._attn_proj_s(n), shape, n)
             if attn > slowest:
                 slowest = attn
         return slowest
@@ -556,26 +583,26 @@ class RooflineCostModel:
             n * self._attn_proj_s_tok,
             (self._attn_w_bytes + n * self._attn_act_tok) / self._mem_rate)
 
-    def _attention_block_s(self, proj: float, shape: BatchShape, scale: float, n: float) -> float:
+    def _attention_block_s(self, proj: float, shape: BatchShape, n: float) -> float:
         """One rank's attention block: projections `proj`, kernels, norms, all-reduce."""
-        return (proj + self.attention_kernels_s(shape, scale) + n * self._attn_elem_s_tok
+        return (proj + self.attention_kernels_s(shape) + n * self._attn_elem_s_tok
                 + self._attn_ar_fixed_s + n * self._attn_ar_s_tok)
 
-    def attention_kernels_s(self, shape: BatchShape, scale: float = 1.0) -> float:
+    def attention_kernels_s(self, shape: BatchShape) -> float:
         """One layer's attention kernels (prefill and decode parts) on one GPU of a rank."""
         q = shape.decode_query_len
-        pf = shape.prefill_tokens * scale
+        pf = shape.prefill_tokens
         prefill = 0.0
         if pf:
-            pairs = shape.prefill_attn_pairs * scale + pf * self._pf_extra_pairs_tok
+            pairs = shape.prefill_attn_pairs + pf * self._pf_extra_pairs_tok
             prefill = self._attn_floor_s + max(pairs * self._pf_attn_s_pair,
                                                pf * self._kv_mem_s_tok)
         # Each of a request's q query tokens attends over its whole context; the KV is read
         # once for all of them, and their own q entries are written.
-        reqs = shape.decode_reqs * scale
+        reqs = shape.decode_reqs
         decode = 0.0
         if reqs:
-            ctx = shape.decode_context_tokens * scale
+            ctx = shape.decode_context_tokens
             decode = self._attn_floor_s + reqs * self._decode_req_s + max(
                 ctx * q * self._dec_attn_s_ctx, (ctx + reqs * q) * self._kv_mem_s_tok)
         return prefill + decode
@@ -614,7 +641,7 @@ class RooflineCostModel:
             rest = self._parts_but_attention((shape,), step_totals((shape,)), math.nan)
             fixed = self._decode_fixed[key] = (self._attn_proj_s(n), n, rest)
         proj, n, rest = fixed
-        attn = self._attention_block_s(proj, shape, 1.0, n)
+        attn = self._attention_block_s(proj, shape, n)
         attn = (attn if attn > 0.0 else 0.0) + self._layer_overhead_s
         return sum(with_eager_overhead((self._layers_attention_s(attn), *rest), self._host,
                                        False, shape.decode_reqs))
@@ -634,7 +661,7 @@ class RooflineCostModel:
         totals = step_totals(shapes)
         if totals[0] == 0:
             return (0.0,) * len(BREAKDOWN_PARTS)
-        attn = self._attention_s(shapes, 1.0) + self._layer_overhead_s
+        attn = self._attention_s(shapes) + self._layer_overhead_s
         parts = (self._layers_attention_s(attn), *self._parts_but_attention(shapes, totals, attn))
         return with_eager_overhead(parts, self._host, totals[4], max_rank_decode_reqs(shapes))
 
@@ -669,37 +696,45 @@ class RooflineCostModel:
                       tokens: int, max_rank_tokens: int, has_prefill: bool
                       ) -> tuple[float, float, float]:
         """The MoE layers' (experts, communication, two-batch-overlap change), attention
-        apart.
-
-        With two-batch overlap each micro-batch (half of every rank's batch) computes while
-        the other communicates: a layer takes max(2 c, 2 x) for a micro-batch's compute c and
-        communication x, and the step pays one unoverlapped min(c, x) to fill the pipeline;
-        the change is that against attention + experts + communication unsplit."""
+        apart; with two-batch overlap (`overlapped_layers_s`) the change is against attention
+        + experts + communication unsplit."""
         layers = self._moe_layers
-        imbalance = self._imbalance(tokens)
         if not self._deepep:
+            imbalance = self._imbalance(tokens)
             return (layers * self._moe_s(tokens, tokens * imbalance, tokens), layers * mlp_comm,
                     0.0)
-        # Each GPU sends the copies of its share of its rank's tokens; the busiest GPU
-        # receives `imbalance` times the mean share and sends as many outputs back.
-        attn_tp, tp = self.parallel.attn_tp, self.parallel.tp
-        gpu_tokens = max(max_rank_tokens / attn_tp, tokens / tp)
-        busiest = max(max_rank_tokens / attn_tp, tokens / tp * imbalance)
         role = self.params.role
         normal = role == "prefill" or (role == "colocated" and has_prefill)
-        fixed_s, per_token_s = self._a2a["normal" if normal else "low_latency"]
-        experts = self._moe_s(tokens, tokens * imbalance, gpu_tokens)
-        comm = fixed_s + busiest * per_token_s
+        a2a = self._a2a["normal" if normal else "low_latency"]
+        experts, comm = self._deepep_layer_s(tokens, max_rank_tokens, a2a)
         tbo = 0.0
         if self._tbo:
-            half = self._imbalance(tokens / 2)
-            half_compute = (self._attention_s(shapes, 0.5) + self._layer_overhead_s
-                            + self._moe_s(tokens / 2, tokens / 2 * half, gpu_tokens / 2))
-            half_comm = fixed_s + max(max_rank_tokens / attn_tp, tokens / tp * half) / 2 \
-                * per_token_s
-            overlapped = layers * 2 * max(half_compute, half_comm) + min(half_compute, half_comm)
-            tbo = overlapped - layers * (attn + experts + comm)
+            halves = [self._micro_batch_s(half, a2a) for half in micro_batches(shapes)]
+            tbo = overlapped_layers_s(layers, *halves) - layers * (attn + experts + comm)
         return layers * experts, layers * comm, tbo
+
+    def _deepep_layer_s(self, tokens: float, max_rank_tokens: float,
+                        a2a: tuple[float, float]) -> tuple[float, float]:
+        """One MoE layer's experts and DeepEP dispatch + combine on the busiest GPU. Each GPU
+        sends the copies of its share of its rank's tokens; the busiest receives `imbalance`
+        times the mean share and sends as many outputs back."""
+        attn_tp, tp = self.parallel.attn_tp, self.parallel.tp
+        imbalance = self._imbalance(tokens)
+        gpu_tokens = max(max_rank_tokens / attn_tp, tokens / tp)
+        busiest = max(max_rank_tokens / attn_tp, tokens / tp * imbalance)
+        fixed_s, per_token_s = a2a
+        return (self._moe_s(tokens, tokens * imbalance, gpu_tokens),
+                fixed_s + busiest * per_token_s)
+
+    def _micro_batch_s(self, shapes: Sequence[BatchShape], a2a: tuple[float, float]
+                       ) -> tuple[float, float]:
+        """One micro-batch's compute (attention block and experts) and DeepEP time per MoE
+        layer; an empty one computes nothing but still joins the dispatch and combine."""
+        tokens, max_rank_tokens, *_ = step_totals(shapes)
+        if not tokens:
+            return 0.0, a2a[0]
+        experts, comm = self._deepep_layer_s(tokens, max_rank_tokens, a2a)
+        return self._attention_s(shapes) + self._layer_overhead_s + experts, comm
 
 
 class PoolSizes(NamedTuple):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from pdsim.core.batch import BatchShape
 from pdsim.sim.cost import (
@@ -39,6 +39,8 @@ from pdsim.sim.cost import (
     StepParams,
     layers_attention_s,
     max_rank_decode_reqs,
+    micro_batches,
+    overlapped_layers_s,
     pp_send_terms,
     step_extras,
     step_totals,
@@ -184,26 +186,23 @@ class SiliconCostModel:
 
     # ----- per step ----------------------------------------------------------------------------
 
-    def _attention_s(self, shapes: Sequence[BatchShape], scale: float) -> float:
-        """One layer's attention block on the slowest rank; counts times `scale` (0.5: one
-        micro-batch of two-batch overlap)."""
+    def _attention_s(self, shapes: Sequence[BatchShape], part: str = "attention") -> float:
+        """One layer's attention block on the slowest rank; `part` is what the trace counts it
+        in (tbo_overlap: a micro-batch of two-batch overlap)."""
         slowest = 0.0
         lookups = moved = extra = 0
         for shape in shapes:
-            reqs = shape.decode_reqs if scale == 1.0 else -(-shape.decode_reqs // 2)
-            prefill = round(shape.prefill_tokens * scale)
-            if prefill + reqs * shape.decode_query_len == 0:
+            if shape.num_tokens == 0:
                 continue
-            t, n_lookups, n_moved, n_extra = self._rank_attention_but_generation(
-                shape, reqs, prefill, scale)
+            t, n_lookups, n_moved, n_extra = self._rank_attention_but_generation(shape, part)
             lookups += n_lookups
             moved += n_moved
             extra += n_extra
-            if reqs:
-                s, m, e = self._generation_attention(shape, reqs)
+            if shape.decode_reqs:
+                s, m, e = self._generation_attention(shape, shape.decode_reqs)
                 t += s
                 if self.trace is not None:
-                    self.trace.append(TracedOp(_traced_part(scale), "decode attention",
+                    self.trace.append(TracedOp(part, "decode attention",
                                                self._plan.generation_table, s, _how(m, e)))
                 moved += m
                 extra += e
@@ -214,15 +213,15 @@ class SiliconCostModel:
         self.extrapolated_lookups += extra
         return slowest
 
-    def _rank_attention_but_generation(self, shape: BatchShape, reqs: int, prefill: int,
-                                       scale: float) -> tuple[float, int, int, int]:
+    def _rank_attention_but_generation(self, shape: BatchShape, part: str = "attention"
+                                       ) -> tuple[float, int, int, int]:
         """One rank's attention block without its generation (decode) attention kernel, the
         one part that depends on the decode context: (seconds, lookups, transferred ones,
         extrapolated ones)."""
         plan = self._plan
         q = shape.decode_query_len
+        reqs, prefill = shape.decode_reqs, shape.prefill_tokens
         if self.trace is not None:
-            part = _traced_part(scale)
             self._trace_stage(part, plan.proj, prefill + reqs * q)
             self._trace_stage(part, plan.prefill_proj, prefill)
             self._trace_stage(part, plan.decode_proj, reqs * q)
@@ -234,14 +233,13 @@ class SiliconCostModel:
             lookups += plan.prefill_proj.size + 1
             moved += m
             extra += e
-            s, m, e = _prefill_attention(plan.context_attn, prefill,
-                                         shape.prefill_attn_pairs * scale)
+            s, m, e = _prefill_attention(plan.context_attn, prefill, shape.prefill_attn_pairs)
             t += s
             moved += m
             extra += e
             if self.trace is not None:
-                self.trace.append(TracedOp(_traced_part(scale), "prefill attention",
-                                           plan.context_table, s, _how(m, e)))
+                self.trace.append(TracedOp(part, "prefill attention", plan.context_table, s,
+                                           _how(m, e)))
         if reqs:
             s, m, e = plan.decode_proj.at(reqs * q)
             t += s
@@ -299,8 +297,7 @@ class SiliconCostModel:
         fixed = self._decode_fixed.get(key)
         if fixed is None:
             before = self.lookups, self.transferred_lookups, self.extrapolated_lookups
-            t, n_lookups, n_moved, n_extra = self._rank_attention_but_generation(
-                shape, shape.decode_reqs, 0, 1.0)
+            t, n_lookups, n_moved, n_extra = self._rank_attention_but_generation(shape)
             totals = step_totals((shape,))
             rest = self._parts_but_attention((shape,), totals, math.nan)
             fixed = self._decode_fixed[key] = (
@@ -329,7 +326,7 @@ class SiliconCostModel:
         totals = step_totals(shapes)
         if totals[0] == 0:
             return (0.0,) * len(BREAKDOWN_PARTS)
-        attn = self._attention_s(shapes, 1.0)
+        attn = self._attention_s(shapes)
         elementwise = self._elementwise_s(totals[1])
         attn += elementwise
         if self.trace is not None:
@@ -376,43 +373,54 @@ class SiliconCostModel:
     def _moe_layers_s(self, shapes: Sequence[BatchShape], attn: float, tokens: int,
                       max_rank_tokens: int, has_prefill: bool) -> tuple[float, float, float]:
         """The MoE layers' (experts, communication, two-batch-overlap change), attention
-        apart. Two-batch overlap follows the roofline's rule (pdsim.sim.cost): max(2 c, 2 x)
-        per layer for a micro-batch's compute c and DeepEP time x, plus one unoverlapped
-        min(c, x) per step, against attention + experts + DeepEP unsplit."""
+        apart. Two-batch overlap follows the roofline's rule (pdsim.sim.cost,
+        `overlapped_layers_s`) against attention + experts + DeepEP unsplit."""
         plan, par = self._plan, self.parallel
         layers = plan.moe_layers
-        # The routed experts are looked up at the busiest EP rank's load (the instance's
-        # tokens times the imbalance); shared experts and router at the tokens they run on.
-        routed = self._busiest_rank_tokens(tokens)
         if par.moe_a2a != "deepep":
+            # The routed experts are looked up at the busiest EP rank's load (the instance's
+            # tokens times the imbalance); shared experts and router at the tokens they run on.
+            routed = self._busiest_rank_tokens(tokens)
             return (layers * (self._stage(plan.moe_global, routed, "moe_experts")
                               + self._stage(plan.moe_local, tokens, "moe_experts")),
                     layers * self._stage(plan.mlp_comm, tokens, "moe_comm"), 0.0)
+        role = self.params.role
+        normal = role == "prefill" or (role == "colocated" and has_prefill)
+        compute, comm = self._deepep_layer_s(tokens, max_rank_tokens, normal, "moe_experts",
+                                             "moe_comm")
+        tbo = 0.0
+        if par.two_batch_overlap:
+            halves = [self._micro_batch_s(half, normal) for half in micro_batches(shapes)]
+            tbo = overlapped_layers_s(layers, *halves) - layers * (attn + compute + comm)
+        return layers * compute, layers * comm, tbo
+
+    def _deepep_layer_s(self, tokens: int, max_rank_tokens: int, normal: bool,
+                        compute_part: str, comm_part: str) -> tuple[float, float]:
+        """One MoE layer's experts (routed at the busiest EP rank's load, shared on each GPU's
+        tokens) and DeepEP dispatch + combine on the busiest GPU, normal or low-latency."""
+        plan, par = self._plan, self.parallel
+        routed = self._busiest_rank_tokens(tokens)
         rank_gpu = -(-max_rank_tokens // par.attn_tp)
         gpu_tokens = max(rank_gpu, -(-tokens // par.tp))
         busiest_gpu = max(rank_gpu, -(-routed // par.tp))
-        role = self.params.role
-        normal = role == "prefill" or (role == "colocated" and has_prefill)
-        a2a = plan.a2a_normal if normal else plan.a2a_low_latency
         experts = plan.moe_global if normal else plan.moe_global_ll
-        compute = (self._stage(experts, routed, "moe_experts")
-                   + self._stage(plan.moe_local, gpu_tokens, "moe_experts"))
-        comm = self._stage(a2a, busiest_gpu, "moe_comm")
-        tbo = 0.0
-        if par.two_batch_overlap:
-            half_tokens, half_gpu = -(-tokens // 2), -(-gpu_tokens // 2)
-            half_routed = self._busiest_rank_tokens(half_tokens)
-            half_compute = (self._attention_s(shapes, 0.5)
-                            + max(plan.elementwise_floor_s,
-                                  max_rank_tokens / 2 * plan.elementwise_s_tok)
-                            + self._stage(experts, half_routed, "tbo_overlap")
-                            + self._stage(plan.moe_local, half_gpu, "tbo_overlap"))
-            half_comm = self._stage(a2a, max(-(-rank_gpu // 2), -(-half_routed // par.tp)),
-                                    "tbo_overlap")
-            overlapped = layers * 2 * max(half_compute, half_comm) + min(half_compute, half_comm)
-            tbo = overlapped - layers * (attn + compute + comm)
-        return layers * compute, layers * comm, tbo
+        compute = (self._stage(experts, routed, compute_part)
+                   + self._stage(plan.moe_local, gpu_tokens, compute_part))
+        a2a = plan.a2a_normal if normal else plan.a2a_low_latency
+        return compute, self._stage(a2a, busiest_gpu, comm_part)
 
+    def _micro_batch_s(self, shapes: Sequence[BatchShape], normal: bool) -> tuple[float, float]:
+        """One micro-batch's compute (attention block, elementwise kernels, experts) and
+        DeepEP time per MoE layer; an empty one computes nothing but still joins the dispatch
+        and combine (priced at one token)."""
+        tokens, max_rank_tokens, *_ = step_totals(shapes)
+        if not tokens:
+            a2a = self._plan.a2a_normal if normal else self._plan.a2a_low_latency
+            return 0.0, self._stage(a2a, 1, "tbo_overlap")
+        compute, comm = self._deepep_layer_s(tokens, max_rank_tokens, normal, "tbo_overlap",
+                                             "tbo_overlap")
+        return (self._attention_s(shapes, "tbo_overlap") + self._elementwise_s(max_rank_tokens)
+                + compute, comm)
 
     def _busiest_rank_tokens(self, tokens: int) -> int:
         """The instance tokens at which the routed-expert and DeepEP tables price the busiest
@@ -420,12 +428,6 @@ class SiliconCostModel:
         if self._load is None:
             return tokens
         return math.ceil(tokens * self._load.imbalance(tokens))
-
-
-def _traced_part(scale: float) -> str:
-    """The part an attention lookup counts in: its own, or (one micro-batch, scale 0.5) what
-    two-batch overlap changes."""
-    return "attention" if scale == 1.0 else "tbo_overlap"
 
 
 def _prefill_attention(grid: Grid2, tokens: int, pairs: float) -> tuple[float, bool, bool]:
