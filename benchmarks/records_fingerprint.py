@@ -6,8 +6,9 @@ meant to keep behaviour (a refactor, a speed-up) must leave every line unchanged
     ... change ...
     python benchmarks/records_fingerprint.py [--requests N] > after.txt; diff before.txt after.txt
 
-Each point runs at most --requests requests (default 300) so the whole set takes about a
-minute; experiments that need the real backend or a trace missing here are skipped, and say so.
+Each point runs at most --requests requests (default 300); most points take seconds, the large-EP
+ones (ep_scaling, ep_eplb) minutes each, so `--only` the experiments a change touches. Experiments
+that need the real backend or a trace missing here are skipped, and say so.
 """
 
 from __future__ import annotations

@@ -86,7 +86,12 @@ def test_commands_that_are_not_one_deployment_are_refused():
 BASE = {"name": "large_ep", "hardware": "h100", "workload": SMALL["workload"]}
 
 
-def large_ep_commands(decode_extra: str = "") -> str:
+MINI_LB = ("python3 -m sglang.srt.disaggregation.mini_lb --prefill http://10.0.0.1:30000 "
+           "--prefill http://10.0.1.1:30000 --decode http://10.0.9.1:30000 --host 0.0.0.0 "
+           "--port 8000")
+
+
+def large_ep_commands(decode_extra: str = "", router: str = MINI_LB) -> str:
     """Two prefill instances of 4 nodes and one decode instance of 9 (DeepSeek-V3, DeepEP,
     two-batch overlap, EPLB), each node's command as multi-node launch scripts write it."""
     common = ("--model-path deepseek-ai/DeepSeek-V3-0324 --trust-remote-code --host 0.0.0.0 "
@@ -113,9 +118,7 @@ def large_ep_commands(decode_extra: str = "") -> str:
             f"--node-rank {rank} --tp-size 72 --dp-size 72 --deepep-mode low_latency "
             f"--mem-fraction-static 0.835 --max-running-requests 18432 --context-length 4500 "
             f"--cuda-graph-bs 256 {decode_extra}")
-    lines.append("python3 -m sglang.srt.disaggregation.mini_lb --prefill http://10.0.0.1:30000 "
-                 "--prefill http://10.0.1.1:30000 --decode http://10.0.9.1:30000 "
-                 "--host 0.0.0.0 --port 8000")
+    lines.append(router)
     return "\n".join(lines)
 
 
@@ -180,3 +183,17 @@ def test_deepep_sets_ep_and_unchunked_prefill_reads_as_zero():
     assert imported["cost_model"]["params"] == {"cuda_graph_max_bs": 0}
     assert notes == ["line 1 (colocated server): read past, not modelled: --attention-backend"]
     parse_experiment(imported)
+
+
+def test_the_pd_load_balancer_takes_several_urls_per_flag():
+    """SGLang's launch_lb (and mini_lb) take `--prefill URL URL ...`; its policies are random
+    and, with the Rust balancer, po2."""
+    by_mini_lb, _ = import_sglang(large_ep_commands(), BASE, model="deepseek-v3")
+    lb = ("python3 -m sglang.srt.disaggregation.launch_lb --rust-lb --policy po2 --prefill "
+          "http://10.0.0.1:30000 http://10.0.1.1:30000 --prefill-bootstrap-ports 8998 "
+          "--decode http://10.0.9.1:30000")
+    by_lb, _ = import_sglang(large_ep_commands(router=lb), BASE, model="deepseek-v3")
+    assert by_lb == {**by_mini_lb, "router": {"policy": "power_of_two"}}
+    one_short = lb.replace(" http://10.0.1.1:30000", "")
+    with pytest.raises(ConfigError, match="the router's prefill URLs"):
+        import_sglang(large_ep_commands(router=one_short), BASE, model="deepseek-v3")

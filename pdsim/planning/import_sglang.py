@@ -2,7 +2,8 @@
 
 The reverse of pdsim/planning/launch.py: a set of `python -m sglang.launch_server ...` commands
 (one per server, or per node of a server that spans `--nnodes` nodes) and one router (`python -m
-sglang_router.launch_router ...`, or SGLang's older `python -m sglang.srt.disaggregation.mini_lb`)
+sglang_router.launch_router ...`, or SGLang's PD load balancer, `python -m
+sglang.srt.disaggregation.launch_lb` or `... .mini_lb`)
 become the deployment they start: the roles (`--disaggregation-mode`; none: colocated) with
 their instances (servers whose `--node-rank` is 0), parallelism (`--tp-size`, `--pp-size`,
 `--dp-size` with `--enable-dp-attention`, `--ep-size`, `--moe-a2a-backend` or the older
@@ -45,7 +46,9 @@ from pdsim.config import ConfigError
 from pdsim.deployment import SGLANG_OPTION_FLAGS
 
 SERVER = "sglang.launch_server"
-ROUTERS = ("sglang_router.launch_router", "sglang.srt.disaggregation.mini_lb")
+ROUTERS = ("sglang_router.launch_router", "sglang.srt.disaggregation.launch_lb",
+           "sglang.srt.disaggregation.mini_lb")
+LB_POLICIES = {"random": "random", "po2": "power_of_two"}  # SGLang's PD load balancer's
 KNOB_FLAGS = {"mem_fraction_static": "--mem-fraction-static",
               "max_running_requests": "--max-running-requests",
               "chunked_prefill_size": "--chunked-prefill-size",
@@ -164,6 +167,15 @@ def _router_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="cache_aware")  # sglang_router's default
     for flag in SGLANG_OPTION_FLAGS.values():
         p.add_argument(flag, type=float)
+    return p
+
+
+def _lb_parser() -> argparse.ArgumentParser:
+    """SGLang's PD load balancer: each of --prefill and --decode takes one or more URLs."""
+    p = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
+    p.add_argument("--prefill", nargs="+", action="append", default=[])
+    p.add_argument("--decode", nargs="+", action="append", default=[])
+    p.add_argument("--policy", default="random", choices=sorted(LB_POLICIES))
     return p
 
 
@@ -370,11 +382,16 @@ def _with_acceptance(spec: dict[str, Any], base: dict[str, Any]) -> dict[str, An
 def _router(command: tuple[int, str, list[str]], servers: list[_Server], mode: str
             ) -> dict[str, Any]:
     line, module, argv = command
-    a, _ = _parse(_router_parser(), argv, line)
-    mini_lb = module == ROUTERS[1]  # SGLang's PD-only load balancer: picks at random
-    named = {"prefill": [p[0] for p in a.prefill], "decode": a.decode,
-             "colocated": a.worker_urls}
-    pd = a.pd_disaggregation or mini_lb
+    if module == ROUTERS[0]:
+        a, _ = _parse(_router_parser(), argv, line)
+        named = {"prefill": [p[0] for p in a.prefill], "decode": a.decode,
+                 "colocated": a.worker_urls}
+        pd, policy = a.pd_disaggregation, a.policy
+    else:  # SGLang's PD-only load balancer
+        a, _ = _parse(_lb_parser(), argv, line)
+        named = {"prefill": [u for group in a.prefill for u in group],
+                 "decode": [u for group in a.decode for u in group], "colocated": []}
+        pd, policy = True, LB_POLICIES[a.policy]
     if pd != (mode == "disaggregated"):
         raise ConfigError(f"line {line}: the router {'has' if pd else 'lacks'} "
                           f"--pd-disaggregation, but the servers are {mode}")
@@ -383,10 +400,11 @@ def _router(command: tuple[int, str, list[str]], servers: list[_Server], mode: s
         if not _same_servers(urls, served):
             raise ConfigError(f"line {line}: the router's {role} URLs {sorted(urls)} are not "
                               f"the {role} servers' {served}")
-    router: dict[str, Any] = {"policy": "random" if mini_lb else a.policy}
-    options = {k: getattr(a, k) for k in SGLANG_OPTION_FLAGS if getattr(a, k) is not None}
-    if options:
-        router["policy_options"] = options
+    router: dict[str, Any] = {"policy": policy}
+    if module == ROUTERS[0]:
+        options = {k: getattr(a, k) for k in SGLANG_OPTION_FLAGS if getattr(a, k) is not None}
+        if options:
+            router["policy_options"] = options
     return router
 
 
