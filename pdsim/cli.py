@@ -607,7 +607,7 @@ def import_sglang(
     with _exits_on(ConfigError, OSError):
         text = sys.stdin.read() if commands == "-" else Path(commands).read_text()
         data, notes = read_commands(text, read_config_file(base, "experiment") or {},
-                                    name=name, model=model)
+                                    name=name, model=model, base_dir=base.parent)
         parse_experiment(data, f"{commands} over {base}")  # what `pdsim run` will check
         for note in notes:  # on standard error: standard output may be the YAML
             typer.echo(f"warning: {note}", err=True)

@@ -8,6 +8,8 @@ commands that do not describe one deployment are refused naming the line or the 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -18,6 +20,7 @@ from pdsim.planning.candidates import Candidate, RoleShape
 from pdsim.planning.config import parse_plan
 from pdsim.planning.import_sglang import import_sglang
 from pdsim.planning.launch import experiment_yaml, sglang_commands
+from pdsim.specs.servable import SERVABLE_HF_CONFIGS
 
 SMALL = {
     "name": "small_plan", "model": "llama-3.1-8b", "hardware": "h100",
@@ -197,3 +200,15 @@ def test_the_pd_load_balancer_takes_several_urls_per_flag():
     one_short = lb.replace(" http://10.0.1.1:30000", "")
     with pytest.raises(ConfigError, match="the router's prefill URLs"):
         import_sglang(large_ep_commands(router=one_short), BASE, model="deepseek-v3")
+
+
+def test_a_model_path_the_simulator_cannot_read_asks_for_a_preset(tmp_path):
+    with pytest.raises(ConfigError, match=r"--model-path 'deepseek-ai/DeepSeek-V3-0324' is "
+                                          r"neither .*\(its name suggests --model deepseek-v3\)"):
+        import_sglang(large_ep_commands(), BASE)
+    # a checkpoint whose config.json is here is read as it is
+    checkpoint = tmp_path / "deepseek-ai" / "DeepSeek-V3-0324"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.json").write_text(json.dumps(SERVABLE_HF_CONFIGS["tiny-mla"]))
+    imported, _ = import_sglang(large_ep_commands(), BASE, base_dir=tmp_path)
+    assert imported["model"] == "deepseek-ai/DeepSeek-V3-0324"

@@ -40,10 +40,12 @@ from __future__ import annotations
 import argparse
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pdsim.config import ConfigError
 from pdsim.deployment import SGLANG_OPTION_FLAGS
+from pdsim.specs.models import load_model_spec, model_preset_names
 
 SERVER = "sglang.launch_server"
 ROUTERS = ("sglang_router.launch_router", "sglang.srt.disaggregation.launch_lb",
@@ -291,6 +293,22 @@ def _speculative(a: argparse.Namespace, line: int, unmodelled: list[str]
     return {"method": method, "num_draft_tokens": a.speculative_num_steps or 1}
 
 
+def _known_model(path: str, base_dir: str | Path | None) -> str:
+    """`--model-path` if the simulator can read it (a preset, or a checkpoint's config.json
+    on this machine); else an error that suggests the preset its name contains."""
+    try:
+        load_model_spec(path, base_dir)
+    except ValueError:
+        name = Path(path).name.lower()
+        guesses = sorted((p for p in model_preset_names() if p in name), key=len)
+        hint = f" (its name suggests --model {guesses[-1]})" if guesses else ""
+        raise ConfigError(
+            f"--model-path {path!r} is neither a model preset nor a checkpoint whose "
+            f"config.json is on this machine; pass --model with a preset{hint} or the "
+            f"checkpoint's config.json; presets: {', '.join(model_preset_names())}") from None
+    return path
+
+
 def _one(values: set, what: str) -> Any:
     if len(values) != 1:
         raise ConfigError(f"the servers disagree on {what}: {sorted(map(str, values))}; a "
@@ -299,11 +317,13 @@ def _one(values: set, what: str) -> Any:
 
 
 def import_sglang(text: str, base: dict[str, Any], *, name: str | None = None,
-                  model: str | None = None) -> tuple[dict[str, Any], list[str]]:
+                  model: str | None = None, base_dir: str | Path | None = None
+                  ) -> tuple[dict[str, Any], list[str]]:
     """The experiment mapping `text`'s commands deploy, over `base` (an experiment mapping:
     its workload, hardware, SLO, ...), and notes naming the flags read past that may change
     performance. `model` names the simulator's model when the servers' `--model-path` is not
-    one it knows (a Hugging Face id, a local path)."""
+    one it knows (a Hugging Face id, a checkpoint not on this machine); a relative path is
+    looked for under `base_dir`, then here."""
     servers: list[_Server] = []
     routers: list[tuple[int, str, list[str]]] = []
     exported: dict[str, str] = {}
@@ -362,7 +382,8 @@ def import_sglang(text: str, base: dict[str, Any], *, name: str | None = None,
         data["speculative"] = _with_acceptance(dict(spec), base.get("speculative") or {})
     return {"name": name or base.get("name", "imported"),
             "description": "imported from SGLang launch commands (pdsim import-sglang)",
-            **data, "model": model or _one({s.model for s in servers}, "--model-path"),
+            **data, "model": model or _known_model(_one({s.model for s in servers},
+                                                        "--model-path"), base_dir),
             "kv_dtype_bytes": _one({s.kv_dtype_bytes for s in servers}, "--kv-cache-dtype"),
             "cluster": cluster, "router": router}, notes
 
