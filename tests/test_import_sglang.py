@@ -80,6 +80,14 @@ def test_commands_that_are_not_one_deployment_are_refused():
         import_sglang("echo hi\n" + script, base)
     with pytest.raises(ConfigError, match="0 router commands"):
         import_sglang("\n".join(line for line in lines if "launch_router" not in line), base)
+    with pytest.raises(ConfigError, match="SGLANG_NUM_RESERVED_DECODE_TOKENS='many'; allowed: "
+                                          "an integer"):
+        import_sglang(script.replace("python -m sglang.launch_server",
+                                     "SGLANG_NUM_RESERVED_DECODE_TOKENS=many python -m "
+                                     "sglang.launch_server", 1), base)
+    mooncake_ep = script.replace("--tp-size 2", "--tp-size 2 --moe-a2a-backend mooncake")
+    with pytest.raises(ConfigError, match="--moe-a2a-backend mooncake; allowed: none, deepep"):
+        import_sglang(mooncake_ep, base)
     odd = script.replace("--disaggregation-mode decode", "--disaggregation-mode both")
     with pytest.raises(ConfigError, match="--disaggregation-mode 'both'; allowed: prefill, "
                                           "decode, null"):
@@ -103,7 +111,7 @@ def large_ep_commands(decode_extra: str = "", router: str = MINI_LB) -> str:
               "--page-size 1 --watchdog-timeout 1000000 --decode-log-interval 1 "
               "--disaggregation-ib-device mlx5_1 --init-expert-location /data/stats.json "
               "--ep-num-redundant-experts 32 --ep-dispatch-algorithm dynamic")
-    lines = ["export MC_TE_METRIC=true"]
+    lines = ["export MC_TE_METRIC=true", "STATS=/data/stats.json  # not exported"]
     for instance in range(2):
         for rank in range(4):
             lines.append(
@@ -145,18 +153,18 @@ def test_a_published_style_large_ep_deployment_keeps_what_is_modelled(tmp_path):
     assert cfg.cluster.decode.eplb.redundant_experts == 32
     # every prefill node says the same; the note names its first node's line
     assert notes == [
-        "line 2 (prefill server): read past, not modelled: --max-total-tokens, "
+        "line 3 (prefill server): read past, not modelled: --max-total-tokens, "
         "--context-length, --deepep-config",
-        "line 6 (prefill server): read past, not modelled: --max-total-tokens, "
+        "line 7 (prefill server): read past, not modelled: --max-total-tokens, "
         "--context-length, --deepep-config",
-        "line 10 (decode server): read past, not modelled: --context-length"]
+        "line 11 (decode server): read past, not modelled: --context-length"]
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump(BASE))
     result = CliRunner().invoke(app, ["import-sglang", "-", "--base", str(base), "--model",
                                       "deepseek-v3", "-o", str(tmp_path / "x.yaml")],
                                 input=large_ep_commands())
     assert result.exit_code == 0, result.output
-    assert "warning: line 10 (decode server): read past, not modelled: --context-length" in \
+    assert "warning: line 11 (decode server): read past, not modelled: --context-length" in \
         result.output
     assert yaml.safe_load((tmp_path / "x.yaml").read_text()) == imported
 

@@ -220,7 +220,7 @@ def _server(argv: list[str], env: dict[str, str], line: int) -> _Server | None:
         unmodelled.append(f"--deepep-mode {a.deepep_mode} (priced as SGLang's auto: normal for "
                           "prefill batches, low latency for decode batches)")
     return _Server(line, role, f"http://{a.host}:{a.port}", _shape(a, env, line, unmodelled),
-                   _knobs(a, env, role), a.model_path,
+                   _knobs(a, env, role, line), a.model_path,
                    1 if a.kv_cache_dtype.startswith("fp8") else 2, _graph_bs(a),
                    _speculative(a, line, unmodelled), unmodelled)
 
@@ -237,6 +237,9 @@ def _shape(a: argparse.Namespace, env: dict[str, str], line: int,
     # SGLang sets ep_size = tp_size for DeepEP (server_args.py)
     ep = a.tp_size if deepep and a.ep_size == 1 else a.ep_size
     eplb = a.enable_eplb or a.init_expert_location != "trivial"
+    if a.moe_a2a_backend not in ("none", "deepep"):
+        raise ConfigError(f"line {line}: --moe-a2a-backend {a.moe_a2a_backend}; allowed: none, "
+                          "deepep (the all-to-all backends the simulator prices)")
     if a.moe_dense_tp_size not in (None, 1, a.tp_size):
         raise ConfigError(f"line {line}: --moe-dense-tp-size {a.moe_dense_tp_size}; allowed: 1 "
                           f"or the tp size ({a.tp_size})")
@@ -248,7 +251,8 @@ def _shape(a: argparse.Namespace, env: dict[str, str], line: int,
             ("moe_dense_tp", 1 if a.moe_dense_tp_size == 1 else None, None),
             ("dp_lm_head", a.enable_dp_lm_head, False),
             ("eplb", a.ep_num_redundant_experts if eplb else None, None),
-            ("num_max_dispatch_tokens_per_rank", int(env.get(LL_TOKENS_ENV, 128)), 128)):
+            ("num_max_dispatch_tokens_per_rank", _env_int(env, LL_TOKENS_ENV, line, 128),
+             128)):
         if value != default:
             shape[key] = value
     if a.ep_num_redundant_experts and not eplb:
@@ -257,8 +261,19 @@ def _shape(a: argparse.Namespace, env: dict[str, str], line: int,
     return shape
 
 
-def _knobs(a: argparse.Namespace, env: dict[str, str], role: str) -> dict[str, Any]:
-    knobs = {k: int(env[v]) for v, k in ENV_KNOBS.items() if v in env}
+def _env_int(env: dict[str, str], name: str, line: int, default: int | None = None
+             ) -> int | None:
+    if name not in env:
+        return default
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ConfigError(f"line {line}: {name}={env[name]!r}; allowed: an integer") from None
+
+
+def _knobs(a: argparse.Namespace, env: dict[str, str], role: str, line: int
+           ) -> dict[str, Any]:
+    knobs = {k: _env_int(env, v, line) for v, k in ENV_KNOBS.items() if v in env}
     knobs |= {k: getattr(a, k) for k in KNOB_FLAGS if getattr(a, k) is not None}
     if knobs.get("chunked_prefill_size", 0) < 0:
         knobs["chunked_prefill_size"] = 0  # SGLang's -1: no chunking
@@ -332,6 +347,8 @@ def import_sglang(text: str, base: dict[str, Any], *, name: str | None = None,
             exported |= _split_env(argv[1:])[0]
             continue
         env, argv = _split_env(argv)
+        if not argv:  # a shell variable, not exported: the servers never see it
+            continue
         module = _module(argv)
         if module == SERVER:
             server = _server(argv[3:], exported | env, line)
