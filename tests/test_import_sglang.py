@@ -183,7 +183,7 @@ def test_speculative_decoding_takes_its_acceptance_from_the_base():
 
 def test_deepep_sets_ep_and_unchunked_prefill_reads_as_zero():
     script = "\n".join([
-        "python -m sglang.launch_server --model-path deepseek-v3 --tp-size 8 "
+        "python -m sglang.launch_server --model-path deepseek-v3 --tensor-parallel-size 8 "
         "--moe-a2a-backend deepep --chunked-prefill-size -1 --disable-cuda-graph "
         "--attention-backend fa3",
         "python -m sglang_router.launch_router --worker-urls http://127.0.0.1:30000"])

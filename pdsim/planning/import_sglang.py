@@ -123,11 +123,12 @@ def _module(argv: list[str]) -> str | None:
 def _server_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
     p.add_argument("--model-path", "--model", required=True)
-    p.add_argument("--tp-size", "--tp", type=int, default=1)
-    p.add_argument("--pp-size", type=int, default=1)
-    p.add_argument("--dp-size", type=int, default=1)
+    # SGLang's long spellings too (server_args.py)
+    p.add_argument("--tp-size", "--tp", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--pp-size", "--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--dp-size", "--data-parallel-size", type=int, default=1)
     p.add_argument("--enable-dp-attention", action="store_true")
-    p.add_argument("--ep-size", type=int, default=1)
+    p.add_argument("--ep-size", "--ep", "--expert-parallel-size", type=int, default=1)
     p.add_argument("--moe-a2a-backend", default="none")
     p.add_argument("--enable-deepep-moe", action="store_true")  # SGLang <= 0.4.9's spelling
     p.add_argument("--deepep-mode", default="auto")
