@@ -1,5 +1,5 @@
-"""The figures README.md and docs/planning.md quote from a plan are the plan's answer today
-(scripts/doc_figures.py writes them)."""
+"""The figures README.md and docs/planning.md quote from a plan are the plan's answer today, and
+docs/cost_model.md's step-time tables the cost models' (scripts/doc_figures.py writes them)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,15 @@ def test_every_marked_block_has_a_source_and_a_stale_one_is_found(tmp_path):
     with pytest.raises(SystemExit, match="no source writes the block"):
         docs.stale({}, docs=(doc,))
     names = {m["name"] for d in docs.DOCS for m in docs.BLOCK.finditer(d.read_text())}
-    assert names == {"plan-counts", "plan-picks", "plan-launch", "plan-frontier"}
+    assert names == {"plan-counts", "plan-picks", "plan-launch", "plan-frontier",
+                     "cost-roofline", "cost-silicon"}
+
+
+def test_the_cost_model_tables_are_todays():
+    docs = _script()
+    changed = docs.stale(docs.cost_blocks(), docs=(ROOT / "docs" / "cost_model.md",))
+    assert not changed, ("docs/cost_model.md quotes other step times than the cost models give "
+                         "today: run python scripts/doc_figures.py")
 
 
 @pytest.mark.slow
