@@ -138,7 +138,32 @@ def cost_blocks() -> dict[str, str]:
         looked = sum(m.lookups for m in models)
         silicon.append(f"| {name} | {gpu} | {label} | " + " | ".join(
             f"{a:.1f} / {b:.1f}" for a, b in zip(sil, roof)) + f" | {moved} + {outside}/{looked} |")
-    return {"cost-roofline": "\n".join(roofline) + "\n", "cost-silicon": "\n".join(silicon) + "\n"}
+    return {"cost-roofline": "\n".join(roofline) + "\n", "cost-silicon": "\n".join(silicon) + "\n",
+            "cost-eager": eager_block()}
+
+
+EAGER_CASES = (("Llama-3.1-8B, H100, TP 1", "llama-3.1-8b", "h100", dict(tp=1)),
+               ("DeepSeek-V3, H200, EP 8", "deepseek-v3", "h200",
+                dict(tp=8, dp_attention=8, ep=8, moe_a2a="deepep")))
+
+
+def eager_block() -> str:
+    """One prefill step (one sequence on one rank, the other DP ranks idle, uniform routing),
+    without and with the eager launches, per cost model."""
+    lines = ["| prompt tokens | 16 | 1,024 | 8,192 |", "| --- | --- | --- | --- |"]
+    for label, name, gpu, kw in EAGER_CASES:
+        model, hw, par = load_model_spec(name), load_hardware_spec(gpu), Parallelism(**kw)
+        for cost_model, row in (("roofline", f"{label}, roofline"),
+                                ("silicon", f"{label.split(',')[0]}, silicon")):
+            cells = []
+            for n in (16, 1024, 8192):
+                shape = [BatchShape(prefill_tokens=n, prefill_attn_pairs=extend_attn_pairs(n, 0))]
+                ms = [make_cost_model(cost_model, model, hw, par, role="prefill",
+                                      eager_overhead=eager, expert_imbalance=False
+                                      ).step_time_s(shape) * 1e3 for eager in (False, True)]
+                cells.append(f"{ms[0]:,.1f} → {ms[1]:,.1f}")
+            lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def run_sources(jobs: int | None = None) -> dict[str, str]:
