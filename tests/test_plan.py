@@ -307,6 +307,20 @@ def test_candidates_cover_modes_counts_and_tp_mismatch():
             for _, _, s in d.roles} == {RoleShape(2)}
 
 
+def test_two_batch_overlap_is_searched_on_deepep_shapes_only():
+    moe = parse_plan({**SMALL, "model": "deepseek-v3", "hardware": "h200", "max_gpus": 16,
+                      "search": {"tp": [8], "dp_attention": [8], "ep": [1, 8],
+                                 "moe_a2a": ["none", "deepep"],
+                                 "two_batch_overlap": [False, True]}})
+    shapes = {s for d in enumerate_deployments(moe, load_model_spec("deepseek-v3"), 16)
+              for _, _, s in d.roles}
+    assert shapes == {RoleShape(8, 8), RoleShape(8, 8, 8), RoleShape(8, 8, 8, "deepep"),
+                      RoleShape(8, 8, 8, "deepep", two_batch_overlap=True)}
+    tbo = RoleShape(8, 8, 8, "deepep", two_batch_overlap=True)
+    assert tbo.label == "TP8 DP8 EP8 deepep TBO"
+    assert tbo.role_data(2, moe)["two_batch_overlap"] is True
+
+
 def test_price_columns():
     summary = {"num_gpus": 4, "output_tok_s": 2000.0, "goodput_req_s": 10.0}
     cols = price_columns(summary, 3.0)

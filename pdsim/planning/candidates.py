@@ -21,13 +21,15 @@ LONG_PROMPT_PP = (1, 2, 4)
 @dataclass(frozen=True, order=True)
 class RoleShape:
     """How one instance of a role spreads over its GPUs (SGLang's --tp/--dp/--ep/--pp flags;
-    pp > 1 for prefill only)."""
+    pp > 1 for prefill only), and whether it overlaps two micro-batches
+    (--enable-two-batch-overlap, DeepEP only)."""
 
     tp: int
     dp_attention: int = 1
     ep: int = 1
     moe_a2a: str = "none"
     pp: int = 1
+    two_batch_overlap: bool = False
 
     @property
     def gpus(self) -> int:
@@ -44,6 +46,8 @@ class RoleShape:
             parts.append(f"EP{self.ep}")
         if self.moe_a2a != "none":
             parts.append(self.moe_a2a)
+        if self.two_batch_overlap:
+            parts.append("TBO")
         return " ".join(parts)
 
     def role_data(self, instances: int, plan: PlanConfig) -> dict[str, Any]:
@@ -56,6 +60,8 @@ class RoleShape:
             data["ep"] = self.ep
         if self.moe_a2a != "none":
             data["moe_a2a"] = self.moe_a2a
+        if self.two_batch_overlap:
+            data["two_batch_overlap"] = True
         knobs = plan.scheduler.model_dump(exclude_defaults=True)
         if knobs:
             data["scheduler"] = knobs
@@ -129,9 +135,10 @@ def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
                         continue
                     if a2a == "deepep" and not (model.is_moe and ep == tp > 1):
                         continue
+                    overlaps = s.two_batch_overlap if a2a == "deepep" else (False,)
                     for pp in pp_sizes:
                         if tp * pp <= gpu_limit and pp <= model.num_layers:
-                            shapes.add(RoleShape(tp, dp, ep, a2a, pp))
+                            shapes.update(RoleShape(tp, dp, ep, a2a, pp, tbo) for tbo in overlaps)
     return sorted(shapes)
 
 

@@ -84,13 +84,17 @@ class PlanSLO(_Spec):
 class SearchSpace(_Spec):
     """The deployments the plan considers. Per role, every combination of `tp`, `dp_attention`,
     `ep`, `moe_a2a` (and for prefill `pp`) that SGLang accepts (dp_attention and ep divide tp;
-    ep > 1 and DeepEP only for MoE models; DeepEP needs ep = tp > 1)."""
+    ep > 1 and DeepEP only for MoE models; DeepEP needs ep = tp > 1), each DeepEP shape with
+    every `two_batch_overlap` setting."""
 
     modes: list[Mode] = Field(["disaggregated", "colocated"], min_length=1)
     tp: list[int] = Field([1, 2, 4, 8], min_length=1)
     dp_attention: list[int] = Field([1], min_length=1)
     ep: list[int] = Field([1], min_length=1)
     moe_a2a: list[Literal["none", "deepep"]] = Field(["none"], min_length=1)
+    two_batch_overlap: list[bool] = Field([False], min_length=1, description="with DeepEP: "
+                                          "SGLang's --enable-two-batch-overlap; [false, true] "
+                                          "tries each DeepEP shape both ways")
     pp: list[int] | None = Field(None, min_length=1, description="prefill pipeline stages "
                                  "(SGLang's --pp-size); default: 1, 2 and 4 when the "
                                  "workload's p90 prompt is at least 32768 tokens, else 1")

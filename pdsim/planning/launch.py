@@ -63,6 +63,8 @@ def _instance(plan: PlanConfig, role: str, index: int, shape: RoleShape,
         argv += ["--ep-size", str(shape.ep)]
     if shape.moe_a2a != "none":
         argv += ["--moe-a2a-backend", shape.moe_a2a]
+    if shape.two_batch_overlap:
+        argv.append("--enable-two-batch-overlap")
     argv += ["--mem-fraction-static", f"{knobs.mem_fraction_static:g}"]
     if knobs.max_running_requests is not None:
         argv += ["--max-running-requests", str(knobs.max_running_requests)]
