@@ -321,6 +321,25 @@ def test_two_batch_overlap_is_searched_on_deepep_shapes_only():
     assert tbo.role_data(2, moe)["two_batch_overlap"] is True
 
 
+def test_eplb_is_searched_where_the_experts_and_copies_split_evenly():
+    def shapes(tp: int, eps: list[int]) -> set[RoleShape]:
+        moe = parse_plan({**SMALL, "model": "deepseek-v3", "hardware": "h200", "max_gpus": 24,
+                          "search": {"tp": [tp], "dp_attention": [8], "ep": eps,
+                                     "eplb_redundant_experts": [None, 0, 32]}})
+        return {s for d in enumerate_deployments(moe, load_model_spec("deepseek-v3"), 24)
+                for _, _, s in d.roles}
+
+    # 256 experts: EP 8 takes 0 or 32 copies; EP 24 takes 32 (288 = 12 x 24) but not 0
+    assert shapes(8, [1, 8]) == {RoleShape(8, 8), RoleShape(8, 8, 8),
+                                 RoleShape(8, 8, 8, eplb=True),
+                                 RoleShape(8, 8, 8, eplb=True, redundant_experts=32)}
+    assert shapes(24, [24]) == {RoleShape(24, 8, 24),
+                                RoleShape(24, 8, 24, eplb=True, redundant_experts=32)}
+    assert RoleShape(24, 8, 24, eplb=True, redundant_experts=32).label == "TP24 DP8 EP24 EPLB+32"
+    with pytest.raises(ConfigError, match="eplb_redundant_experts: null or integers >= 0"):
+        parse_plan({**SMALL, "search": {"eplb_redundant_experts": [-1]}})
+
+
 def test_price_columns():
     summary = {"num_gpus": 4, "output_tok_s": 2000.0, "goodput_req_s": 10.0}
     cols = price_columns(summary, 3.0)

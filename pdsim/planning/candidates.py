@@ -21,8 +21,9 @@ LONG_PROMPT_PP = (1, 2, 4)
 @dataclass(frozen=True, order=True)
 class RoleShape:
     """How one instance of a role spreads over its GPUs (SGLang's --tp/--dp/--ep/--pp flags;
-    pp > 1 for prefill only), and whether it overlaps two micro-batches
-    (--enable-two-batch-overlap, DeepEP only)."""
+    pp > 1 for prefill only), whether it overlaps two micro-batches
+    (--enable-two-batch-overlap, DeepEP only) and balances experts (--enable-eplb with
+    `redundant_experts` copies, EP only)."""
 
     tp: int
     dp_attention: int = 1
@@ -30,6 +31,8 @@ class RoleShape:
     moe_a2a: str = "none"
     pp: int = 1
     two_batch_overlap: bool = False
+    eplb: bool = False
+    redundant_experts: int = 0
 
     @property
     def gpus(self) -> int:
@@ -48,6 +51,8 @@ class RoleShape:
             parts.append(self.moe_a2a)
         if self.two_batch_overlap:
             parts.append("TBO")
+        if self.eplb:
+            parts.append(f"EPLB+{self.redundant_experts}")
         return " ".join(parts)
 
     def role_data(self, instances: int, plan: PlanConfig) -> dict[str, Any]:
@@ -62,6 +67,8 @@ class RoleShape:
             data["moe_a2a"] = self.moe_a2a
         if self.two_batch_overlap:
             data["two_batch_overlap"] = True
+        if self.eplb:
+            data["eplb"] = {"redundant_experts": self.redundant_experts}
         knobs = plan.scheduler.model_dump(exclude_defaults=True)
         if knobs:
             data["scheduler"] = knobs
@@ -121,6 +128,17 @@ def prefill_pp_sizes(plan: PlanConfig, input_tokens: np.ndarray) -> tuple[int, .
     return LONG_PROMPT_PP if long else (1,)
 
 
+def _eplb_options(redundant: Sequence[int | None], model: ModelSpec, ep: int
+                  ) -> list[tuple[bool, int]]:
+    """(eplb, redundant experts) settings for an instance of `ep` expert-parallel ranks: without
+    EP none; with it each of the search's settings whose experts and copies split evenly over
+    the ranks (SGLang's rule; None: no EPLB)."""
+    if ep == 1:
+        return [(False, 0)]
+    return [(False, 0) if n is None else (True, n) for n in redundant
+            if n is None or (model.num_experts + n) % ep == 0]
+
+
 def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
                 pp_sizes: Sequence[int] = (1,)) -> list[RoleShape]:
     """Every parallelism of one instance the search space allows and SGLang accepts, with
@@ -136,9 +154,11 @@ def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
                     if a2a == "deepep" and not (model.is_moe and ep == tp > 1):
                         continue
                     overlaps = s.two_batch_overlap if a2a == "deepep" else (False,)
+                    balancing = _eplb_options(s.eplb_redundant_experts, model, ep)
                     for pp in pp_sizes:
                         if tp * pp <= gpu_limit and pp <= model.num_layers:
-                            shapes.update(RoleShape(tp, dp, ep, a2a, pp, tbo) for tbo in overlaps)
+                            shapes.update(RoleShape(tp, dp, ep, a2a, pp, tbo, *eplb)
+                                          for tbo in overlaps for eplb in balancing)
     return sorted(shapes)
 
 

@@ -85,7 +85,8 @@ class SearchSpace(_Spec):
     """The deployments the plan considers. Per role, every combination of `tp`, `dp_attention`,
     `ep`, `moe_a2a` (and for prefill `pp`) that SGLang accepts (dp_attention and ep divide tp;
     ep > 1 and DeepEP only for MoE models; DeepEP needs ep = tp > 1), each DeepEP shape with
-    every `two_batch_overlap` setting."""
+    every `two_batch_overlap` setting and each EP shape with every `eplb_redundant_experts`
+    one."""
 
     modes: list[Mode] = Field(["disaggregated", "colocated"], min_length=1)
     tp: list[int] = Field([1, 2, 4, 8], min_length=1)
@@ -95,6 +96,10 @@ class SearchSpace(_Spec):
     two_batch_overlap: list[bool] = Field([False], min_length=1, description="with DeepEP: "
                                           "SGLang's --enable-two-batch-overlap; [false, true] "
                                           "tries each DeepEP shape both ways")
+    eplb_redundant_experts: list[int | None] = Field(
+        [None], min_length=1, description="with ep > 1: null (no EPLB) or N (SGLang's "
+        "--enable-eplb with N --ep-num-redundant-experts); an EP size the experts and N copies "
+        "do not split evenly over is left out for that N")
     pp: list[int] | None = Field(None, min_length=1, description="prefill pipeline stages "
                                  "(SGLang's --pp-size); default: 1, 2 and 4 when the "
                                  "workload's p90 prompt is at least 32768 tokens, else 1")
@@ -117,6 +122,9 @@ class SearchSpace(_Spec):
             bad = [v for v in getattr(self, name) or () if not isinstance(v, int) or v < 1]
             if bad:
                 raise ValueError(f"{name}: sizes must be integers >= 1, got {bad}")
+        bad = [v for v in self.eplb_redundant_experts if v is not None and v < 0]
+        if bad:
+            raise ValueError(f"eplb_redundant_experts: null or integers >= 0, got {bad}")
         return self
 
 

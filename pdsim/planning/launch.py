@@ -65,6 +65,8 @@ def _instance(plan: PlanConfig, role: str, index: int, shape: RoleShape,
         argv += ["--moe-a2a-backend", shape.moe_a2a]
     if shape.two_batch_overlap:
         argv.append("--enable-two-batch-overlap")
+    if shape.eplb:
+        argv += ["--enable-eplb", "--ep-num-redundant-experts", str(shape.redundant_experts)]
     argv += ["--mem-fraction-static", f"{knobs.mem_fraction_static:g}"]
     if knobs.max_running_requests is not None:
         argv += ["--max-running-requests", str(knobs.max_running_requests)]
