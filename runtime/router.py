@@ -128,8 +128,10 @@ async def _calling(worker: WorkerAddress):
     except aiohttp.ClientConnectorError as exc:
         log.warning("%s (%s) is unreachable: %s", worker.name, worker.url, exc)
         raise WorkerError(503, f"{worker.name} is unreachable") from None
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-        # its process went away under the request (killed, restarting): try again later
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+            aiohttp.ClientPayloadError) as exc:
+        # its process went away under the request (killed, restarting; a stream cut mid-body
+        # is a payload error): try again later
         log.warning("%s (%s) dropped the connection: %s", worker.name, worker.url, exc)
         raise WorkerError(503, f"{worker.name} dropped the connection (restarting or "
                                "gone)") from None

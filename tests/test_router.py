@@ -333,6 +333,19 @@ def sse(url: str, body: dict, timeout_s: float = 10.0) -> tuple[int, list]:
         return exc.code, [json.loads(exc.read())]
 
 
+@pytest.mark.parametrize("cluster", [{"decode": {"die_after": 0}}], indirect=True)
+def test_a_decode_stream_cut_before_its_first_token_is_a_503_tried_once_more(cluster):
+    """A decode worker killed after it began its answer but before a token: the router's read
+    fails mid-body, which is the worker going away (a 503 before any token, tried once more
+    as a fresh pair), not a worker error (502)."""
+    with pytest.raises(openai.APIStatusError) as e:
+        cluster.client().with_options(max_retries=0).completions.create(
+            model="tiny", prompt="hello", max_tokens=5)
+    assert e.value.status_code == 503 and "dropped the connection" in str(e.value)
+    assert e.value.response.headers["Retry-After"] == "1"
+    assert sum(len(w.generated) for w in cluster.decode) == 2  # the try and the one retry
+
+
 @pytest.mark.parametrize("cluster", [{"decode": {"die_after": 2, "token_delay_s": 0.02}}],
                          indirect=True)
 def test_a_decode_worker_dying_mid_stream_ends_every_stream_with_an_error_and_done(
@@ -344,7 +357,7 @@ def test_a_decode_worker_dying_mid_stream_ends_every_stream_with_an_error_and_do
     for status, data in outs:
         assert status == 200 and data[-1] == "[DONE]", data
         error = json.loads(data[-2])["error"]
-        assert "failed" in error["message"] and error["type"] == "server_error", error
+        assert "decode worker" in error["message"] and error["type"] == "server_error", error
     cluster.wait_for(lambda: len(cluster.router.records) == 8)
     assert not any(r.ok for r in cluster.router.records)
     assert "never retrieved" not in caplog.text and "Traceback" not in caplog.text
