@@ -38,6 +38,7 @@ cluster and router are replaced.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +75,6 @@ INERT_FLAGS = frozenset("""
     """.split())
 ENV_KNOBS = {"SGLANG_NUM_RESERVED_DECODE_TOKENS": "num_reserved_decode_tokens"}
 LL_TOKENS_ENV = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
-WILDCARD_HOSTS = ("0.0.0.0", "::")
 # SGLang's --deepep-mode per role that prices as pdsim does (auto: normal for prefill batches,
 # low latency for decode batches)
 DEEPEP_MODES = {"prefill": ("auto", "normal"), "decode": ("auto", "low_latency"),
@@ -453,22 +453,26 @@ def _router(command: tuple[int, str, list[str]], servers: list[_Server], mode: s
 
 
 def _same_servers(urls: list[str], served: list[str]) -> bool:
-    """Whether the router's URLs name the servers one to one; a server listening on every
+    """Whether the router's URLs name the servers one to one; a server given the unspecified
     address (`--host 0.0.0.0`, as multi-node launch scripts have it) answers at any host with
     its port."""
-    left = sorted(served, key=lambda u: _host_port(u)[0] in WILDCARD_HOSTS)  # exact ones first
-    if len(urls) != len(left):
-        return False
-    for url in sorted(urls):
-        host, port = _host_port(url)
-        match = next((s for s in left if s == url or (
-            _host_port(s)[0] in WILDCARD_HOSTS and _host_port(s)[1] == port)), None)
-        if match is None:
+    exact = [u for u in served if not _any_host(u)]
+    any_host = sorted(_port(u) for u in served if _any_host(u))
+    rest = list(urls)
+    for url in exact:
+        if url not in rest:
             return False
-        left.remove(match)
-    return True
+        rest.remove(url)
+    return sorted(_port(u) for u in rest) == any_host
 
 
-def _host_port(url: str) -> tuple[str, str]:
-    host, _, port = url.removeprefix("http://").rpartition(":")
-    return host.strip("[]"), port
+def _any_host(url: str) -> bool:
+    host = url.removeprefix("http://").rpartition(":")[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:  # a name
+        return False
+
+
+def _port(url: str) -> str:
+    return url.rpartition(":")[2]
