@@ -46,34 +46,55 @@ def test_sglang_graph_sizes_and_kernel_counts() -> None:
     assert moe > dense > 10  # MLA + FP8 quantisation; DeepEP's dispatch and grouped GEMMs
 
 
+def kernels_and_host(cost_model, shapes) -> tuple[float, float]:
+    """A step's kernels (every part but the host's) and its host work, without launches."""
+    parts = cost_model.step_breakdown_s(shapes)
+    return sum(parts.values()) - parts["overhead"], parts["overhead"]
+
+
 @pytest.mark.parametrize("name", MODELS)
-def test_a_prefill_step_pays_its_launches(name: str) -> None:
+def test_an_eager_step_takes_the_longer_of_its_kernels_and_launches(name: str) -> None:
     on, off = cost(name), cost(name, eager_overhead=False)
-    host = on._host.eager_host_s
-    assert host == pytest.approx(32 * 10 * EAGER_LAUNCH_S)
-    for tokens in (16, 8192):
+    launches = on._host.eager_host_s
+    assert launches == pytest.approx(32 * 10 * EAGER_LAUNCH_S)
+    for tokens in (16, 1024, 8192):
+        kernels, host = kernels_and_host(off, [prefill(tokens)])
         assert on.step_time_s([prefill(tokens)]) == pytest.approx(
-            off.step_time_s([prefill(tokens)]) + host, rel=1e-12)
-    parts = on.step_breakdown_s([prefill(16)])
-    assert parts["overhead"] == pytest.approx(
-        off.step_breakdown_s([prefill(16)])["overhead"] + host, rel=1e-12)
-    assert sum(parts.values()) == pytest.approx(on.step_time_s([prefill(16)]), rel=1e-12)
+            host + max(kernels, launches), rel=1e-12)
+        parts = on.step_breakdown_s([prefill(tokens)])
+        assert parts["overhead"] == pytest.approx(host + max(0.0, launches - kernels), rel=1e-12)
+        assert sum(parts.values()) == pytest.approx(on.step_time_s([prefill(tokens)]), rel=1e-12)
+    # A 16-token prefill of an 8B model is host-bound; 8,192 tokens hide every launch.
+    assert kernels_and_host(off, [prefill(16)])[0] < launches
+    assert on.step_time_s([prefill(8192)]) == off.step_time_s([prefill(8192)])
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_graphed_decode_pays_no_launches_and_larger_batches_do(name: str) -> None:
-    on = cost(name, cuda_graph_max_bs=8, eager_launch_s=20e-6)
+    on = cost(name, cuda_graph_max_bs=8, eager_launch_s=40e-6)
     off = cost(name, cuda_graph_max_bs=8, eager_overhead=False)
     assert on.step_time_s([decode(8)]) == off.step_time_s([decode(8)])
-    assert on.step_time_s([decode(9)]) == pytest.approx(
-        off.step_time_s([decode(9)]) + 32 * 10 * 20e-6, rel=1e-12)
+    kernels, host = kernels_and_host(off, [decode(9)])
+    assert kernels < 32 * 10 * 40e-6
+    assert on.step_time_s([decode(9)]) == pytest.approx(host + 32 * 10 * 40e-6, rel=1e-12)
     # SGLang's default on an H100 at TP 1: 256 requests a rank run as a graph, 257 do not.
+    # Kernels that long hide the launches: 257 eager requests cost what their kernels do.
     default = cost(name)
     assert default._host.cuda_graph_max_bs == 256
-    assert default.step_breakdown_s([decode(256)])["overhead"] == default.params.step_overhead_s
-    assert default.step_breakdown_s([decode(257)])["overhead"] > default.params.step_overhead_s
+    assert default._host.eager(False, 257) and not default._host.eager(False, 256)
+    assert default.step_breakdown_s([decode(257)])["overhead"] == default.params.step_overhead_s
     assert sum(on.step_breakdown_s([decode(9)]).values()) == pytest.approx(
         on.step_time_s([decode(9)]), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_eager_decode_of_one_request_is_as_slow_as_sglang_measured(name: str) -> None:
+    """SGLang's bench_latency of Llama-3-8B on an H100 at batch 1 (sglang PR #1401): eager
+    decode took 1.12x (FlashInfer) to 1.31x (Triton attention) the CUDA-graph step
+    (docs/cost_model.md, "Host overheads"). A launch-bound forward lands inside that range."""
+    graphed = cost(name).step_time_s([decode(1)])
+    eager = cost(name, cuda_graph_max_bs=0).step_time_s([decode(1)])
+    assert 1.10 <= eager / graphed <= 1.35
 
 
 @pytest.mark.parametrize("name", MODELS)

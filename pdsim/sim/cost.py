@@ -222,7 +222,8 @@ class StepParams(BaseModel):
     prices the mean rank. eplb_redundant_experts: None without EPLB, else SGLang's
     --enable-eplb with that many --ep-num-redundant-experts. seed: the expert popularity draw.
     eager_overhead: charge eager forwards (extend, decode above cuda_graph_max_bs requests per
-    rank; None: SGLang's default for the GPU) their kernel launches, eager_launch_s each.
+    rank; None: SGLang's default for the GPU) the time their kernel launches, eager_launch_s
+    each, outlast their kernels.
     scheduler_overhead: charge step_overhead_s per step and extend_overhead_s per extend step
     (the scheduler loop's host work)."""
 
@@ -254,8 +255,10 @@ def step_extras(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
 
 def with_eager_overhead(parts: tuple[float, ...], host: HostOverheads | None,
                         has_prefill: bool, max_rank_decode_reqs: int) -> tuple[float, ...]:
-    """`parts` (BREAKDOWN_PARTS order) with the eager overhead added to the last, "overhead"."""
-    extra = 0.0 if host is None else host.overhead_s(has_prefill, max_rank_decode_reqs)
+    """`parts` (BREAKDOWN_PARTS order) with the eager overhead added to the last, "overhead"
+    (host work); the parts before it are the kernels the launches run beside."""
+    extra = 0.0 if host is None else host.overhead_s(has_prefill, max_rank_decode_reqs,
+                                                     sum(parts[:-1]))
     return (*parts[:-1], parts[-1] + extra) if extra else parts
 
 

@@ -2,10 +2,11 @@
 
 SGLang replays decode batches of up to `--cuda-graph-max-bs` requests per rank as CUDA graphs:
 one launch for the whole forward. Every other forward (prefill/extend, and decode batches
-above that size) runs eagerly: the host launches each kernel of each layer from Python, and
-the step takes its kernels plus those launches (the one published eager-vs-graph measurement
-of a whole step fits that sum at torch's per-op host cost; docs/cost_model.md, "Host
-overheads", gives it and the per-layer kernel counts below).
+above that size) runs eagerly: the host launches each kernel of each layer from Python while
+the GPU runs the ones already launched, so the forward takes the longer of its kernels and
+its launches. Short forwards are host-bound; long ones hide their launches. docs/cost_model.md,
+"Host overheads", gives the measured eager-vs-graph forwards behind the per-launch cost and
+the per-layer kernel counts below.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
 from pdsim.specs.precision import DTYPES
 
-EAGER_LAUNCH_S = 10e-6  # host time of one eager kernel launch from SGLang's Python layers
+EAGER_LAUNCH_S = 25e-6  # host time of one eager kernel launch from SGLang's Python layers
 
 
 def sglang_cuda_graph_max_bs(hardware: HardwareSpec, tp: int) -> int:
@@ -75,9 +76,13 @@ class HostOverheads:
         """Whether SGLang runs this step eagerly (extend, or a decode batch above the graphs)."""
         return has_prefill or max_rank_decode_reqs > self.cuda_graph_max_bs
 
-    def overhead_s(self, has_prefill: bool, max_rank_decode_reqs: int) -> float:
-        """Seconds the host's launches add to a step."""
-        return self.eager_host_s if self.eager(has_prefill, max_rank_decode_reqs) else 0.0
+    def overhead_s(self, has_prefill: bool, max_rank_decode_reqs: int, kernels_s: float
+                   ) -> float:
+        """Seconds the host's launches add to a step whose kernels take `kernels_s`: what they
+        outlast the kernels by, when the step runs eagerly."""
+        if not self.eager(has_prefill, max_rank_decode_reqs):
+            return 0.0
+        return max(0.0, self.eager_host_s - kernels_s)
 
 
 def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel,
