@@ -75,6 +75,13 @@ def test_same_seed_gives_identical_arrays_and_different_seed_differs():
     assert not np.array_equal(a.input_tokens, c.input_tokens)
 
 
+def test_a_workload_without_a_seed_draws_from_seed_zero():
+    config = synthetic()
+    del config["seed"]
+    assert generate(config) == generate({**config, "seed": 0})
+    assert generate(config) != generate(synthetic())  # seed 7
+
+
 def test_each_component_has_its_own_stream():
     """Changing the output distribution leaves arrivals and inputs exactly as they were."""
     a = generate(synthetic())

@@ -215,7 +215,7 @@ class SyntheticWorkload(Spec):
     """
 
     num_requests: int = Field(ge=1)
-    seed: int = Field(ge=0)
+    seed: int = Field(default=0, ge=0)
     arrival: ArrivalSpec
     input_len: LengthSpec
     output_len: LengthSpec
