@@ -220,6 +220,9 @@ def test_a_model_path_the_simulator_cannot_read_asks_for_a_preset(tmp_path):
     with pytest.raises(ConfigError, match=r"--model-path 'deepseek-ai/DeepSeek-V3-0324' is "
                                           r"neither .*\(its name suggests --model deepseek-v3\)"):
         import_sglang(large_ep_commands(), BASE)
+    r1 = large_ep_commands().replace("deepseek-ai/DeepSeek-V3-0324", "deepseek-ai/DeepSeek-R1-0528")
+    with pytest.raises(ConfigError, match=r"\(its name suggests --model deepseek-r1\)"):
+        import_sglang(r1, BASE)
     # a checkpoint whose config.json is here is read as it is
     checkpoint = tmp_path / "deepseek-ai" / "DeepSeek-V3-0324"
     checkpoint.mkdir(parents=True)

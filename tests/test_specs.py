@@ -112,6 +112,15 @@ def test_deepseek_v3_activates_about_37b_per_token() -> None:
     assert spec.weight_bytes == pytest.approx(671e9, rel=0.02)
 
 
+@pytest.mark.parametrize("alias, base", [("deepseek-r1", "deepseek-v3"),
+                                         ("deepseek-v3.1", "deepseek-v3"),
+                                         ("llama-3.3-70b", "llama-3.1-70b")])
+def test_a_checkpoint_of_a_presets_architecture_is_that_preset_renamed(alias, base) -> None:
+    spec = load_model_spec(alias)
+    assert spec.name == alias and alias in model_preset_names()
+    assert spec.model_copy(update={"name": base}) == model_preset(base)
+
+
 def test_dense_model_activates_everything_but_the_embedding() -> None:
     spec = model_preset("llama-3.1-8b")
     assert spec.num_params - spec.active_params_per_token == spec.embedding_params

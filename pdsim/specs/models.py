@@ -570,8 +570,17 @@ _PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Checkpoints whose config.json gives another preset's architecture, shapes and weight format
+# (they differ in training, not in what a forward costs): the alias is that preset, renamed.
+_ALIASES: dict[str, str] = {
+    "deepseek-r1": "deepseek-v3",  # deepseek-ai/DeepSeek-R1 (and -0528): DeepSeek-V3's config
+    "deepseek-v3.1": "deepseek-v3",  # deepseek-ai/DeepSeek-V3.1: the same
+    "llama-3.3-70b": "llama-3.1-70b",  # meta-llama/Llama-3.3-70B-Instruct: Llama-3.1-70B's
+}
+
+
 def model_preset_names() -> list[str]:
-    return sorted({*_PRESETS, *SERVABLE_HF_CONFIGS})
+    return sorted({*_PRESETS, *_ALIASES, *SERVABLE_HF_CONFIGS})
 
 
 def model_preset(name: str) -> ModelSpec:
@@ -579,7 +588,7 @@ def model_preset(name: str) -> ModelSpec:
     if name in SERVABLE_HF_CONFIGS:
         return model_spec_from_hf_config(SERVABLE_HF_CONFIGS[name], name)
     try:
-        fields = _PRESETS[name]
+        fields = _PRESETS[_ALIASES.get(name, name)]
     except KeyError:
         raise ValueError(
             f"unknown model preset {name!r}; presets: {', '.join(model_preset_names())}"
