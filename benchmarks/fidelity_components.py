@@ -39,7 +39,9 @@ from pdsim.core.batch import BatchShape
 from pdsim.sim.cost import Parallelism, RooflineCostModel, RooflineParams, gemm_time_s
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Reference, best_reference
-from pdsim.sim.silicon.ops import _TABLE_TO_PDSIM, DEEPEP_NUM_SMS, TABLE_GPUS_PER_NODE, OpTables
+from pdsim.sim.silicon.ops import (
+    _TABLE_TO_PDSIM, DEEPEP_NUM_SMS, TABLE_GPUS_PER_NODE, OpTables, moved_expert_curve,
+)
 from pdsim.specs import ModelSpec, load_hardware_spec, model_preset
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.precision import Precision
@@ -212,13 +214,17 @@ def leave_one_out(all_series: list[Series], samples: int, rng: np.random.Generat
 
 def _moved_errors(ops: OpTables, src: pd.Series, dst: pd.Series, src_cfg: tuple,
                   dst_cfg: tuple) -> tuple[np.ndarray, np.ndarray]:
-    """Relative errors at the shared token counts of `src` moved to `dst_cfg` by the MoE
-    roofline ratio, and of `src` as it is; configs are `moe_roofline`'s arguments."""
-    xs = np.intersect1d(src.index.to_numpy(float), dst.index.to_numpy(float))
-    moved = src.loc[xs].to_numpy(float) * (ops.moe_roofline(*dst_cfg)(xs)
-                                           / ops.moe_roofline(*src_cfg)(xs))
-    measured = dst.loc[xs].to_numpy(float)
-    return np.abs(moved / measured - 1), np.abs(src.loc[xs].to_numpy(float) / measured - 1)
+    """Relative errors at `dst`'s token counts of `src` (milliseconds by tokens) moved to
+    `dst_cfg` as the silicon model moves it (`moved_expert_curve`), and at the token counts
+    both measured, of `src` as it is; configs are `moe_roofline`'s arguments."""
+    moved = moved_expert_curve(src, src_cfg, ops.moe_roofline(*src_cfg), dst_cfg,
+                               ops.moe_roofline(*dst_cfg))
+    xs = dst.index.to_numpy(float)
+    inside = xs[(xs >= moved.lo) & (xs <= moved.hi)]
+    errors = np.abs(moved.values(inside) * 1e3 / dst.loc[inside].to_numpy(float) - 1)
+    shared = np.intersect1d(src.index.to_numpy(float), xs)
+    unmoved = np.abs(src.loc[shared].to_numpy(float) / dst.loc[shared].to_numpy(float) - 1)
+    return errors, unmoved
 
 
 def transfers(ops: OpTables) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -353,7 +359,7 @@ def main() -> None:
         print(f"{kind:20s} {len(sil):6d} {np.median(sil):11.1%} {np.percentile(sil, 90):6.1%} "
               f"{np.median(roo):12.1%} {np.percentile(roo, 90):6.1%} {off:>28s}")
     print(f"\nTransfers on {args.system}: a measured MoE curve moved to another measured "
-          f"configuration by the MoE roofline ratio")
+          f"configuration as the silicon model moves it")
     print(f"{'transfer':28s} {'points':>6s} {'moved p50':>9s} {'p90':>6s} {'unmoved p50':>11s}")
     for kind, (moved, unmoved) in transfers(ops).items():
         print(f"{kind:28s} {len(moved):6d} {np.median(moved):9.1%} "

@@ -83,6 +83,23 @@ def test_nvfp4_wide_ep_decode_experts_are_near_the_roofline_and_fall_with_ep():
 
 
 @needs_tables
+def test_a_transferred_expert_curve_grows_with_tokens_where_the_measured_one_is_flat():
+    """The wide-EP tables route each token's top-k to distinct experts spread over all of
+    them, so DeepSeek-V3's 256 experts are all busy from 32 tokens on and its curve is flat
+    beyond (EP 16, H100: 159 µs at 16 tokens, 275-279 µs from 32 to 2,048). Qwen3-235B's 128
+    experts are all busy from 16 tokens on. Moved at equal tokens by a roofline that routed
+    tokens at random, its curve fell from 160 µs at 16 tokens to 118 µs at 128."""
+    ops = OpTables("h100_sxm", "sglang", "current", load_hardware_spec("h100"))
+    qwen = load_model_spec("qwen3-235b-a22b")
+    curve = ops.wideep_moe("generation", qwen.hidden_size, qwen.moe_intermediate_size,
+                           qwen.experts_per_token, qwen.num_experts, 16,
+                           qwen.precision.moe_experts, "balanced")
+    seconds = [curve(tokens) for tokens in (16, 32, 64, 128, 256, 512)]
+    # every expert busy at each of them: weight-bound, flat within the tables' own noise
+    assert max(seconds) < 1.02 * min(seconds), seconds
+
+
+@needs_tables
 def test_expert_curves_moved_from_the_measured_shape_count_as_transferred():
     h200 = load_hardware_spec("h200")
     ranks = [BatchShape(decode_reqs=32, decode_context_tokens=32 * 2048)] * 8

@@ -366,13 +366,18 @@ class OpTables:
 
     def moe_roofline(self, hidden: int, inter: int, topk: int, experts: int, moe_tp: int,
                      moe_ep: int, dtype: str) -> Callable:
+        """One MoE layer's routed experts on one rank over the layer's tokens, routed as the
+        tables' collectors route them: balanced, each token's top-k on distinct experts spread
+        over all of them, so min(experts, tokens * topk) experts hold tokens (random routing
+        would leave some idle at a few tokens; a transfer must price both shapes the way the
+        measured one was routed)."""
         wbytes = DTYPES[dtype].weight_bytes
         peak, mem = self.peak_flops(dtype), self.mem_rate
         slice_ = inter / moe_tp
 
         def roofline(tokens):
             pairs = tokens * topk / moe_ep
-            hit = experts / moe_ep * (1.0 - (1.0 - topk / experts) ** tokens)
+            hit = np.minimum(experts, tokens * topk) / moe_ep
             return np.maximum(6.0 * hidden * slice_ * pairs / peak,
                               (hit * 3 * hidden * slice_ * wbytes
                                + pairs * (2 * hidden + 3 * slice_) * ACT_BYTES) / mem)
@@ -403,11 +408,9 @@ class OpTables:
         sel = t[(t[key] == pd.Series(have, index=key)).all(axis=1)]
         g = sel.groupby("num_tokens")["latency"].min()
         have_roof = self.moe_roofline(*have, _TABLE_TO_PDSIM[used])
-        curve = Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
-        if have != want or used not in wanted:
-            want_roof = self.moe_roofline(*want, dtype)
-            curve = curve.scaled(lambda x: want_roof(x) / have_roof(x))
-        return curve
+        if have == want and used in wanted:
+            return Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
+        return moved_expert_curve(g, have, have_roof, want, self.moe_roofline(*want, dtype))
 
     def wideep_moe(self, phase: str, hidden: int, inter: int, topk: int, experts: int, ep: int,
                    dtype: str, distribution: str) -> Curve | None:
@@ -442,11 +445,10 @@ class OpTables:
         sel = t[(t[key] == pd.Series(have, index=key)).all(axis=1)]
         g = sel.groupby("num_tokens")["latency"].min()
         have_roof = self.moe_roofline(*shape, 1, have_ep, _TABLE_TO_PDSIM[used])
-        curve = Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
-        if have != want or used not in MOE_DTYPES[dtype]:
-            want_roof = self.moe_roofline(hidden, inter, topk, experts, 1, ep, dtype)
-            curve = curve.scaled(lambda x: want_roof(x) / have_roof(x))
-        return curve
+        if have == want and used in MOE_DTYPES[dtype]:
+            return Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
+        return moved_expert_curve(g, have, have_roof, want,
+                              self.moe_roofline(hidden, inter, topk, experts, 1, ep, dtype))
 
     # ----- communication -----------------------------------------------------------------------
 
@@ -561,6 +563,21 @@ def op_tables(system: str, framework: str, version: str, hardware: HardwareSpec,
               table_hardware: HardwareSpec | None = None) -> OpTables:
     """A shared `OpTables` (its indexed tables serve every plan on that system)."""
     return OpTables(system, framework, version, hardware, table_hardware)
+
+
+def moved_expert_curve(measured: pd.Series, have: tuple, have_roof: Callable, want: tuple,
+                   want_roof: Callable) -> Curve:
+    """A routed-expert curve for an expert shape, dtype or EP size the tables lack, from the
+    measured one (`measured`: milliseconds by the layer's tokens; `have` and `want`: (hidden,
+    inter, topk, experts, ...)). Each measured point stands for the want-shape's tokens that
+    give each expert as many tokens (x * topk / experts), so as many experts are busy (the
+    tables route balanced), scaled by the two shapes' rooflines there; counted as transferred.
+    Moved at equal tokens instead, a point where half the measured experts idle would price a
+    shape whose experts are all busy."""
+    xs = measured.index.to_numpy(float)
+    want_xs = xs * (want[3] * have[2]) / (have[3] * want[2])
+    ys = measured.to_numpy(float) * 1e-3 * want_roof(want_xs) / have_roof(xs)
+    return Curve(want_xs, ys, want_roof, transferred=True)
 
 
 def _bracket(grid: list[int], x: float) -> tuple[int, int]:
