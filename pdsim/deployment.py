@@ -7,8 +7,8 @@ Every field says whether a backend ignores it ("sim only", "real only"); docs/ex
 
 Scheduler knobs are SGLang's flags with SGLang's defaults and its per-instance meaning, as in
 sglang/python/sglang/srt/server_args.py (v0.4.9-v0.5): `--max-prefill-tokens 16384`,
-`--chunked-prefill-size 8192` (its default on 80-140 GB GPUs), `--num-reserved-decode-tokens 512`,
-`--mem-fraction-static` ~0.88 (derived from the GPU memory there), and
+`--num-reserved-decode-tokens 512`, `--chunked-prefill-size` and `--mem-fraction-static` derived
+from the GPU as SGLang derives them (pdsim.sglang_defaults; `SchedulerKnobs.for_gpu`), and
 sglang/srt/disaggregation/mooncake/conn.py: SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT and
 SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s each. Where pdsim's default differs, the field says so.
 `SchedulerKnobs.build` is the one place a core `SchedulerConfig` is made from them.
@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pdsim import sglang_defaults
 from pdsim.autoscaling_config import AutoscalingConfig
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.router import POLICIES, make_policy
@@ -80,8 +81,10 @@ class SchedulerKnobs(_Spec):
         "request pool being pool tokens * 512 / context length clamped to 2048..4096")
     max_prefill_tokens: int = Field(16384, ge=1, description="new tokens of one extend batch, "
                                     "per DP rank")
-    chunked_prefill_size: int = Field(8192, ge=0, description="prefill chunk, per instance; 0 "
-                                      "disables chunking (SGLang: -1)")
+    chunked_prefill_size: int | None = Field(
+        None, ge=0, description="prefill chunk, per instance; 0 disables chunking (SGLang: -1). "
+        "None: SGLang's default for the GPU's memory (2048 under 35 GiB, 4096 under 60, 8192 "
+        "under 160, else 16384); the real backend, which does not know its device: 8192")
     num_reserved_decode_tokens: int = Field(
         512, ge=0, description="KV tokens set aside per running or queued request when "
         "admitting new ones")
@@ -96,9 +99,10 @@ class SchedulerKnobs(_Spec):
     waiting_timeout_s: float = Field(
         300.0, gt=0, description="decode: a request whose KV does not arrive fails after this "
         "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
-    mem_fraction_static: float = Field(
-        0.88, gt=0, le=1, description="sim only: share of GPU memory for weights and KV pool "
-        "when num_pages is not given")
+    mem_fraction_static: float | None = Field(
+        None, gt=0, le=1, description="sim only: share of GPU memory for weights and KV pool "
+        "when num_pages is not given. None: SGLang's derivation from the GPU's memory, the "
+        "prefill chunk, the CUDA graphs, tp, pp and DP attention (pdsim.sglang_defaults)")
     num_pages: int | None = Field(
         None, ge=1, description="KV pool pages per DP rank, in both backends. None: the "
         "simulator sizes it from mem_fraction_static of the hardware's memory after the "
@@ -119,6 +123,23 @@ class SchedulerKnobs(_Spec):
         False, description="SGLang's --disable-radix-cache: the prefill and colocated "
         "schedulers keep a radix prefix cache unless true (decode has none)")
 
+    def for_gpu(self, hbm_gib: float, tp: int, pp: int, dp_attention: int, graph_bs: int,
+                speculative: bool) -> SchedulerKnobs:
+        """These knobs with the prefill chunk and memory fraction, where not given, as SGLang
+        derives them for an instance of tp x pp GPUs of `hbm_gib` each, replaying decode
+        batches of up to `graph_bs` as CUDA graphs."""
+        chunk = self.chunked_prefill_size
+        if chunk is None:
+            chunk = sglang_defaults.chunked_prefill_size(hbm_gib)
+        fraction = self.mem_fraction_static
+        if fraction is None:
+            fraction = sglang_defaults.mem_fraction_static(
+                hbm_gib, chunk=chunk, max_prefill_tokens=self.max_prefill_tokens,
+                graph_bs=graph_bs, tp=tp, pp=pp, dp_attention=dp_attention,
+                speculative=speculative)
+        return self.model_copy(update={"chunked_prefill_size": chunk,
+                                       "mem_fraction_static": fraction})
+
     def build(self, num_pages: int, dp_attention: int = 1, where: str = "scheduler",
               speculation: Speculation | None = None, state_slots: int = 0) -> SchedulerConfig:
         """The core config of one DP rank of an instance with `num_pages` pages and
@@ -128,7 +149,8 @@ class SchedulerKnobs(_Spec):
             num_pages=num_pages, page_size=self.page_size,
             max_running_requests=self._running_per_rank(num_pages, dp_attention, where),
             max_prefill_tokens=self.max_prefill_tokens,
-            chunked_prefill_size=self._per_dp_rank("chunked_prefill_size", dp_attention, where),
+            chunked_prefill_size=self._per_dp_rank("chunked_prefill_size", dp_attention, where,
+                                                   default=REAL_CHUNKED_PREFILL_SIZE),
             num_reserved_decode_tokens=self.num_reserved_decode_tokens,
             pre_alloc_size=self.pre_alloc_size, metadata_slots=self.metadata_slots,
             bootstrap_timeout_s=self.bootstrap_timeout_s,
@@ -145,8 +167,10 @@ class SchedulerKnobs(_Spec):
         req_pool = min(max(pool_tokens * 512 // SGLANG_CONTEXT_LEN, 2048), 4096)
         return max(1, min(pool_tokens // 2, req_pool))
 
-    def _per_dp_rank(self, knob: str, dp: int, where: str) -> int:
+    def _per_dp_rank(self, knob: str, dp: int, where: str, default: int | None = None) -> int:
         value = getattr(self, knob)
+        if value is None:
+            value = default
         if dp == 1 or value == 0:
             return value
         if value < dp:
@@ -155,6 +179,7 @@ class SchedulerKnobs(_Spec):
         return value // dp
 
 
+REAL_CHUNKED_PREFILL_SIZE = 8192  # a chunk left unset on the real backend (its device unknown)
 SGLANG_CONTEXT_LEN = 131072  # context length assumed when deriving the request pool (Llama-3.1, Qwen3, DeepSeek-V3 ~128k)
 
 

@@ -13,6 +13,7 @@ from core_harness import Driver, FixedExecutor
 from test_core_pd import submit
 from test_transfer_contract import BACKENDS, Watch
 
+from pdsim import sglang_defaults
 from pdsim.config import ConfigError, parse_experiment
 from pdsim.core.decode import DecodeScheduler
 from pdsim.core.fake_transfer import FakeKVManager, FakeWire
@@ -185,7 +186,10 @@ def test_cluster_sizes_state_slots_and_prices_the_state_on_the_wire():
     cluster = build_cluster(parse_experiment(_experiment("qwen3-next-80b-a3b", tp=4)))
     decode = cluster.decode
     model, hw = model_preset("qwen3-next-80b-a3b"), load_hardware_spec("h200")
-    sizes = pool_sizes(model, hw, Parallelism(tp=4))
+    # the share of memory SGLang derives for tp 4 on an H200 (pdsim.sglang_defaults)
+    fraction = sglang_defaults.mem_fraction_static(141, chunk=8192, max_prefill_tokens=16384,
+                                                   graph_bs=512, tp=4)
+    sizes = pool_sizes(model, hw, Parallelism(tp=4), fraction)
     assert decode.scheduler.state_slots == sizes.state_slots > 0
     assert decode.scheduler.num_pages == sizes.kv_tokens // 16
     assert decode.kv_bytes_per_page == 16 * 12 * 2 * 256 * 2 * 4  # each of 4 ranks its own copy

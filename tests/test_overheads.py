@@ -6,12 +6,8 @@ import pytest
 
 from pdsim.core.batch import BatchShape, extend_attn_pairs
 from pdsim.sim.cost import Parallelism, make_cost_model
-from pdsim.sim.overheads import (
-    EAGER_LAUNCH_S,
-    host_overheads,
-    kernels_per_layer,
-    sglang_cuda_graph_max_bs,
-)
+from pdsim import sglang_defaults
+from pdsim.sim.overheads import EAGER_LAUNCH_S, host_overheads, kernels_per_layer
 from pdsim.sim.silicon import tables
 from pdsim.specs import load_hardware_spec, model_preset
 
@@ -35,8 +31,9 @@ def cost(name: str, model=LLAMA_8B, hardware=H100, parallel=Parallelism(), **par
 
 
 def test_sglang_graph_sizes_and_kernel_counts() -> None:
-    assert sglang_cuda_graph_max_bs(H100, 1) == 256 and sglang_cuda_graph_max_bs(H100, 8) == 512
-    assert sglang_cuda_graph_max_bs(B200, 1) == 512
+    graph_bs = sglang_defaults.cuda_graph_max_bs
+    assert graph_bs(H100.hbm_gib, 1) == 256 and graph_bs(H100.hbm_gib, 8) == 512
+    assert graph_bs(B200.hbm_gib, 1) == 512
     # Llama: 6 attention kernels + 4 MLP kernels at TP 1; TP 2 adds the two all-reduces.
     assert kernels_per_layer(LLAMA_8B, 1, 1, 1, False, False) == (10, 0)
     assert kernels_per_layer(LLAMA_8B, 2, 2, 1, False, False) == (12, 0)

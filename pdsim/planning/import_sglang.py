@@ -385,11 +385,6 @@ def import_sglang(text: str, base: dict[str, Any], *, name: str | None = None,
             cluster[role]["scheduler"] = dict(knobs)
         notes += [f"line {s.line} ({role} server): read past, not modelled: "
                   f"{', '.join(dict.fromkeys(s.unmodelled))}" for s in mine if s.unmodelled]
-        if "mem_fraction_static" not in dict(knobs):
-            notes.append(
-                f"{role} servers: no --mem-fraction-static, so SGLang derives one from the "
-                "GPU's memory, tp and DP attention; the simulator takes 0.88: set "
-                f"cluster.{role}.scheduler.mem_fraction_static to the value the server logs")
     generating = [s for s in servers if s.role != "prefill"]
     router = _router(routers[0], servers, cluster["mode"])
     data = {k: v for k, v in base.items() if k not in ("model", "kv_dtype_bytes", "cluster",

@@ -67,11 +67,14 @@ def _instance(plan: PlanConfig, role: str, index: int, shape: RoleShape,
         argv.append("--enable-two-batch-overlap")
     if shape.eplb:
         argv += ["--enable-eplb", "--ep-num-redundant-experts", str(shape.redundant_experts)]
-    argv += ["--mem-fraction-static", f"{knobs.mem_fraction_static:g}"]
+    # A knob the plan leaves to SGLang's derivation is left to it here too.
+    if knobs.mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", f"{knobs.mem_fraction_static:g}"]
     if knobs.max_running_requests is not None:
         argv += ["--max-running-requests", str(knobs.max_running_requests)]
-    argv += ["--chunked-prefill-size", str(knobs.chunked_prefill_size),
-             "--max-prefill-tokens", str(knobs.max_prefill_tokens),
+    if knobs.chunked_prefill_size is not None:
+        argv += ["--chunked-prefill-size", str(knobs.chunked_prefill_size)]
+    argv += ["--max-prefill-tokens", str(knobs.max_prefill_tokens),
              "--page-size", str(knobs.page_size)]
     if plan.kv_dtype_bytes == 1:
         argv += ["--kv-cache-dtype", "fp8_e4m3"]

@@ -6,9 +6,11 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
+from pdsim import sglang_defaults
 from pdsim.config import ConfigError, ExperimentConfig, RoleConfig
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.running import Speculation
+from pdsim.deployment import SchedulerKnobs
 from pdsim.sim.spec import ClusterSpec, RoleSpec
 from pdsim.sim.cost import Parallelism, make_cost_model, pool_sizes, weight_bytes_per_gpu
 from pdsim.sim.network import PROTOCOLS, NetworkModel, descriptor_counts, stage_kv_page_bytes
@@ -27,13 +29,14 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     par = Parallelism(tp=role.tp, dp_attention=role.dp_attention, ep=role.ep,
                       moe_a2a=role.moe_a2a, two_batch_overlap=role.two_batch_overlap,
                       moe_dense_tp=role.moe_dense_tp, dp_lm_head=role.dp_lm_head, pp=role.pp)
-    knobs = role.scheduler
     kv_bytes = role.kv_bytes(cfg.kv_dtype_bytes)
     # Every cost model prices KV reads in the role's KV dtype unless told otherwise, and
     # learns the role it serves (prefill, decode or colocated).
     params = {"kv_dtype_bytes": kv_bytes, "role": name, **_expert_load_params(cfg, role),
               **{k: _resolve(v, base_dir) for k, v in cfg.cost_model.params.items()}}
     spec = cfg.speculative
+    knobs = _knobs_for_gpu(role, name, hw, params.get("cuda_graph_max_bs"),
+                           spec.method != "none")
     if role.pp > 1 and spec.method != "none":
         raise ConfigError(f"cluster.{name}.pp={role.pp}: pipeline stages are not modelled "
                           f"with speculative decoding (speculative.method {spec.method!r}); "
@@ -51,7 +54,12 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
         cost = _cost_factory(cfg, model, hw, par, params, draft)
         cost()
     except ValueError as exc:
-        raise ConfigError(f"cluster.{name}: {exc}") from None
+        derived = "" if role.scheduler.mem_fraction_static is not None else (
+            f" ({knobs.mem_fraction_static:g} is the mem_fraction_static SGLang derives here, "
+            f"keeping memory for a {knobs.chunked_prefill_size}-token prefill chunk and the "
+            f"CUDA graphs; set cluster.{name}.scheduler.mem_fraction_static, as large-EP "
+            "launches set --mem-fraction-static)")
+        raise ConfigError(f"cluster.{name}: {exc}{derived}") from None
     if num_pages < 1:
         raise ConfigError(f"cluster.{name}: no room for a single KV page after the weights")
     try:
@@ -90,6 +98,25 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
                     kv_page_bytes, state_bytes_per_request=state_bytes, wakeup_s=knobs.wakeup_s,
                     pp=role.pp, weight_bytes_per_gpu=weight_bytes_per_gpu(model, par),
                     host_demand=demand)
+
+
+def _knobs_for_gpu(role: RoleConfig, name: str, hw: HardwareSpec, graph_bs: int | None,
+                   speculative: bool) -> SchedulerKnobs:
+    """The role's scheduler knobs with the prefill chunk and memory fraction SGLang derives
+    on `hw` where the config leaves them out."""
+    if graph_bs is None:
+        graph_bs = sglang_defaults.cuda_graph_max_bs(hw.hbm_gib, role.tp)
+    knobs = role.scheduler.for_gpu(hw.hbm_gib, role.tp, role.pp, role.dp_attention, graph_bs,
+                                   speculative)
+    if knobs.mem_fraction_static < 0.05:
+        raise ConfigError(
+            f"cluster.{name}: SGLang's derived --mem-fraction-static is "
+            f"{knobs.mem_fraction_static:g} on {hw.name} (it keeps memory for CUDA graphs of "
+            f"{graph_bs} requests on each of {role.dp_attention} DP ranks, and for a "
+            f"{knobs.chunked_prefill_size}-token chunk), so SGLang would not start; set "
+            f"cluster.{name}.scheduler.mem_fraction_static as such launches do, or a smaller "
+            "cost_model.params.cuda_graph_max_bs")
+    return knobs
 
 
 def _expert_load_params(cfg: ExperimentConfig, role: RoleConfig) -> dict:

@@ -11,22 +11,12 @@ the per-layer kernel counts below.
 
 from __future__ import annotations
 
+from pdsim import sglang_defaults
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
 from pdsim.specs.precision import DTYPES
 
 EAGER_LAUNCH_S = 25e-6  # host time of one eager kernel launch from SGLang's Python layers
-
-
-def sglang_cuda_graph_max_bs(hardware: HardwareSpec, tp: int) -> int:
-    """SGLang's default `--cuda-graph-max-bs` (server_args.py, v0.5): by the GPU's memory and
-    the instance's tp."""
-    gib = hardware.hbm_gib
-    if gib < 60:
-        return 32 if tp < 4 else 160
-    if gib < 160:
-        return 256 if tp < 4 else 512
-    return 512
 
 
 def kernels_per_layer(model: ModelSpec, tp: int, attn_tp: int, dp_attention: int, deepep: bool,
@@ -92,6 +82,6 @@ def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel,
     SGLang's default for the GPU."""
     dense, moe = kernels_per_layer(model, parallel.tp, parallel.attn_tp, parallel.dp_attention,
                                    parallel.moe_a2a == "deepep", parallel.moe_dense_tp == 1)
-    graph_bs = (sglang_cuda_graph_max_bs(hardware, parallel.tp) if cuda_graph_max_bs is None
-                else cuda_graph_max_bs)
+    graph_bs = (sglang_defaults.cuda_graph_max_bs(hardware.hbm_gib, parallel.tp)
+                if cuda_graph_max_bs is None else cuda_graph_max_bs)
     return HostOverheads(model, dense, moe, launch_s, graph_bs)

@@ -1,0 +1,54 @@
+"""The server defaults SGLang derives from the GPU when a flag is not given.
+
+From sglang/python/sglang/srt/server_args.py (`_handle_gpu_memory_settings`, v0.5): the GPU's
+memory picks `--chunked-prefill-size` and `--cuda-graph-max-bs`, and those two, the parallelism
+and speculation pick `--mem-fraction-static`, the share of the GPU's memory for weights and KV
+pool; the rest is kept for activations and CUDA-graph buffers. Memory is in GiB here (SGLang
+compares MiB against the same bounds).
+"""
+
+from __future__ import annotations
+
+
+def chunked_prefill_size(hbm_gib: float) -> int:
+    """`--chunked-prefill-size`: 2,048 under 35 GiB (A10, L4), 4,096 under 60 (A100-40G, L40S),
+    8,192 under 160 (A100-80G, H100, H20, H200), else 16,384 (B200, GB200)."""
+    if hbm_gib < 35:
+        return 2048
+    if hbm_gib < 60:
+        return 4096
+    return 8192 if hbm_gib < 160 else 16384
+
+
+def cuda_graph_max_bs(hbm_gib: float, tp: int) -> int:
+    """`--cuda-graph-max-bs`, the largest decode batch per rank replayed as a CUDA graph."""
+    if hbm_gib < 20:
+        return 8
+    if hbm_gib < 35:
+        return 24 if tp < 4 else 80
+    if hbm_gib < 60:
+        return 32 if tp < 4 else 160
+    if hbm_gib < 160:
+        return 256 if tp < 4 else 512
+    return 512
+
+
+def mem_fraction_static(hbm_gib: float, *, chunk: int, max_prefill_tokens: int, graph_bs: int,
+                        tp: int, pp: int = 1, dp_attention: int = 1,
+                        speculative: bool = False) -> float:
+    """`--mem-fraction-static`: (memory - reserved) / memory, reserved (MiB) = 512 + 1.5 per
+    token of the largest prefill chunk (at least 2,048) + 2 per graph batch slot + 1,024 per
+    8 GPUs of tp * pp; with DP attention 3 per graph slot per DP rank (4.5 above 300 slots);
+    at least 10 GiB on GPUs over 60 GiB; 2 GiB more for a speculative draft. H100 at tp 1:
+    0.836; H200 at tp 8: 0.897, with DP attention 8: 0.770; at DP attention 32 the graphs'
+    share leaves 0.365, which is why large-EP launches set the flag (or small graphs)."""
+    reserved = 512 + max(chunk if chunk > 0 else max_prefill_tokens, 2048) * 1.5
+    reserved += graph_bs * 2 + tp * pp / 8 * 1024
+    if dp_attention > 1:
+        reserved += graph_bs * dp_attention * (4.5 if graph_bs > 300 else 3)
+    mib = hbm_gib * 1024
+    if hbm_gib > 60:
+        reserved = max(reserved, 10 * 1024)
+    if speculative:
+        reserved += 2 * 1024
+    return round((mib - reserved) / mib, 3)
