@@ -43,6 +43,21 @@ def test_sglang_graph_sizes_and_kernel_counts() -> None:
     assert moe > dense > 10  # MLA + FP8 quantisation; DeepEP's dispatch and grouped GEMMs
 
 
+def test_two_batch_overlap_launches_every_kernel_once_per_micro_batch() -> None:
+    par = dict(tp=8, dp_attention=8, ep=8, moe_a2a="deepep", moe_dense_tp=1, dp_lm_head=True)
+    one = host_overheads(DSV3, H200, Parallelism(**par), EAGER_LAUNCH_S, None)
+    two = host_overheads(DSV3, H200, Parallelism(**par, two_batch_overlap=True),
+                         EAGER_LAUNCH_S, None)
+    assert two.launches == 2 * one.launches
+    # a short prompt is launch-bound: its step is twice the launches and the host work
+    cost = make_cost_model("roofline", DSV3, H200, Parallelism(**par, two_batch_overlap=True),
+                           role="prefill")
+    ranks = [prefill(16)] + [BatchShape()] * 7
+    assert kernels_and_host(cost, ranks)[0] < two.eager_host_s
+    assert cost.step_time_s(ranks) == pytest.approx(
+        two.eager_host_s + cost.params.step_overhead_s + cost.params.extend_overhead_s)
+
+
 def kernels_and_host(cost_model, shapes) -> tuple[float, float]:
     """A step's kernels (every part but the host's) and its host work, without launches."""
     parts = cost_model.step_breakdown_s(shapes)

@@ -78,10 +78,13 @@ class HostOverheads:
 def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel,
                    launch_s: float, cuda_graph_max_bs: int | None) -> HostOverheads:
     """The eager overhead of an instance of `model` on `parallel` (a cost model's
-    `Parallelism`: tp, attn_tp, dp_attention, moe_a2a, moe_dense_tp); cuda_graph_max_bs None is
-    SGLang's default for the GPU."""
+    `Parallelism`: tp, attn_tp, dp_attention, moe_a2a, moe_dense_tp, two_batch_overlap);
+    cuda_graph_max_bs None is SGLang's default for the GPU. Two-batch overlap runs every
+    layer's ops once per micro-batch (SGLang's `execute_overlapped_operations`; a lone
+    prompt is cut in two token halves), so an eager step launches each kernel twice."""
     dense, moe = kernels_per_layer(model, parallel.tp, parallel.attn_tp, parallel.dp_attention,
                                    parallel.moe_a2a == "deepep", parallel.moe_dense_tp == 1)
+    micro_batches = 2 if parallel.two_batch_overlap else 1
     graph_bs = (sglang_defaults.cuda_graph_max_bs(hardware.hbm_gib, parallel.tp)
                 if cuda_graph_max_bs is None else cuda_graph_max_bs)
-    return HostOverheads(model, dense, moe, launch_s, graph_bs)
+    return HostOverheads(model, dense * micro_batches, moe * micro_batches, launch_s, graph_bs)
