@@ -338,6 +338,50 @@ def deepep_rows() -> Iterator[tuple[int, float, float, float, float]]:
         yield ep, dispatch, d * 1e6, combine, c * 1e6
 
 
+# Shapes of Llama-3.1-8B/70B, Qwen3-32B and DeepSeek-V3 (per GPU at tp 1-8) to move between GPUs.
+GEMM_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (10240, 8192),
+               (8192, 8192), (57344, 8192), (8192, 28672), (1280, 5120), (5120, 3200)]
+ATTENTION_SHAPES = [(32, 8, 128), (64, 8, 128), (8, 1, 128), (16, 2, 128)]
+BATCHES, LENGTHS = (1, 4, 16, 64), (512, 2048, 8192)
+MOE_SHAPES = [(4096, 1536, 8, 128, 1, 1), (2048, 768, 8, 128, 1, 1), (7168, 2048, 8, 256, 1, 8)]
+
+
+def gpu_moves(src: str, dst: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Op kind -> (errors of `src`'s tables moved to `dst` as silicon moves a `silicon_base`
+    GPU's, errors of `src`'s tables read as they are), against `dst`'s own tables, over the
+    model shapes above (GEMM and MoE at `dst`'s measured token counts, attention on a
+    batch x length grid)."""
+    src_hw, dst_hw = load_hardware_spec(HARDWARE[src]), load_hardware_spec(HARDWARE[dst])
+    moved = OpTables(src, "sglang", "current", dst_hw, src_hw)
+    as_is = OpTables(src, "sglang", "current", src_hw)
+    truth = OpTables(dst, "sglang", "current", dst_hw)
+    out: dict[str, tuple[list, list]] = {}
+
+    def add(kind: str, want: float, got: float, unmoved: float) -> None:
+        errors = out.setdefault(kind, ([], []))
+        errors[0].append(abs(got / want - 1))
+        errors[1].append(abs(unmoved / want - 1))
+
+    for dtype in ("bf16", "fp8"):
+        for n, k in GEMM_SHAPES:
+            want = truth.gemm(n, k, dtype)
+            for m in want.grid:
+                add(f"GEMM {dtype}", want(m), moved.gemm(n, k, dtype)(m),
+                    as_is.gemm(n, k, dtype)(m))
+    for kind, extra in (("context_attention", (2, False)), ("generation_attention", (2,))):
+        for shape in ATTENTION_SHAPES:
+            grids = [getattr(t, kind)(*shape, *extra) for t in (truth, moved, as_is)]
+            for b in BATCHES:
+                for length in LENGTHS:
+                    add(kind.replace("_", " "), *(g.at(b, length)[0] for g in grids))
+    for shape in MOE_SHAPES:
+        want = truth.moe(*shape, "bf16", "balanced")
+        for x in want.grid:
+            add("fused MoE bf16", want(x), moved.moe(*shape, "bf16", "balanced")(x),
+                as_is.moe(*shape, "bf16", "balanced")(x))
+    return {kind: (np.array(a), np.array(b)) for kind, (a, b) in out.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--system", default="h100_sxm", choices=sorted(HARDWARE))
@@ -364,6 +408,13 @@ def main() -> None:
     for kind, (moved, unmoved) in transfers(ops).items():
         print(f"{kind:28s} {len(moved):6d} {np.median(moved):9.1%} "
               f"{np.percentile(moved, 90):6.1%} {np.median(unmoved):11.1%}")
+    for src, dst in (("h100_sxm", "h200_sxm"), ("h200_sxm", "h100_sxm"), ("h100_sxm", "b200_sxm")):
+        print(f"\nGPU moves: {src}'s tables priced as a silicon_base of {dst} (each op by the "
+              f"ratio of its rooflines on the two GPUs), against {dst}'s own tables")
+        print(f"{'op kind':24s} {'points':>6s} {'moved p50':>9s} {'p90':>6s} {'as is p50':>9s}")
+        for kind, (got, unmoved) in gpu_moves(src, dst).items():
+            print(f"{kind:24s} {len(got):6d} {np.median(got):9.1%} "
+                  f"{np.percentile(got, 90):6.1%} {np.median(unmoved):9.1%}")
     print("\nDeepEP low-latency kernels (H800, 128 tokens per rank): DeepEP's README vs pdsim, us")
     print(f"{'EP':>4s} {'dispatch':>9s} {'pdsim':>6s} {'combine':>8s} {'pdsim':>6s}")
     errors = []

@@ -56,11 +56,13 @@ def test_each_role_builds_its_cost_model_and_pool_on_its_own_hardware():
                     "are not installed")
 @pytest.mark.parametrize("prefill", ["h100", "h200", "b200", "gb200"])
 def test_auto_prices_each_role_with_its_gpus_tables_or_the_roofline(prefill):
-    cfg = parse_experiment(experiment(prefill={"hardware": prefill}, decode={"hardware": "h20"},
+    unmeasured = {"base": "h100", "name": "unmeasured"}  # no tables, no silicon_base
+    cfg = parse_experiment(experiment(prefill={"hardware": prefill},
+                                      decode={"hardware": unmeasured},
                                       cost_model={"name": "auto"}), "test")
     cluster = build_cluster(cfg)
     assert type(cluster.prefill.cost()).__name__ == "SiliconCostModel"
-    assert type(cluster.decode.cost()).__name__ == "RooflineCostModel"  # H20: no tables
+    assert type(cluster.decode.cost()).__name__ == "RooflineCostModel"
 
 
 def test_a_decode_heavy_load_decodes_faster_on_the_faster_decode_gpu():

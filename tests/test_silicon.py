@@ -219,9 +219,10 @@ def test_a_decode_step_from_its_kept_fixed_parts_is_the_full_computation_and_its
 
 @needs_tables
 def test_auto_is_silicon_where_tables_exist_and_roofline_elsewhere():
-    h100, h20 = load_hardware_spec("h100"), load_hardware_spec("h20")
+    h100, a10 = load_hardware_spec("h100"), load_hardware_spec("a10")
     assert resolve_cost_model("auto", h100) == "silicon"
-    assert resolve_cost_model("auto", h20) == "roofline"
+    assert resolve_cost_model("auto", a10) == "roofline"
+    assert resolve_cost_model("auto", load_hardware_spec("h20")) == "silicon"  # H100's die
     inline = load_hardware_spec({"name": "my-gpu", "bf16_tflops": 100, "hbm_gib": 24,
                                  "hbm_gb_per_s": 900, "nvlink_gb_per_s": 32, "rdma_gb_per_s": 12.5})
     assert resolve_cost_model("auto", inline) == "roofline"
@@ -253,7 +254,7 @@ workload:
 
 @needs_tables
 @pytest.mark.parametrize("hardware,cost_model,resolved", [
-    ("h100", "silicon", "silicon"), ("h20", "auto", "roofline")])
+    ("h100", "silicon", "silicon"), ("{base: h100, name: unmeasured}", "auto", "roofline")])
 @pytest.mark.slow
 def test_pdsim_run_end_to_end(tmp_path, hardware, cost_model, resolved):
     path = tmp_path / "exp.yaml"

@@ -156,6 +156,28 @@ def test_h800_prices_compute_from_h100_tables_and_collectives_at_its_own_links()
         load_hardware_spec({"base": "h100", "name": "h900-ish", "silicon_base": "h900"})
 
 
+@needs_tables
+def test_h20_moves_h100_tables_by_the_roofline_ratio_of_the_two_gpus():
+    """The H20 is the H100's die at 148 of its 989 BF16 TFLOPS, with 4.0 TB/s of HBM to its
+    3.35: a weight-bound GEMM runs at the memory ratio, a compute-bound one at the FLOP ratio."""
+    h100, h20 = load_hardware_spec("h100"), load_hardware_spec("h20")
+    assert h20.silicon_base == "h100" and resolve_cost_model("auto", h20) == "silicon"
+    measured = OpTables("h100_sxm", "sglang", "current", h100)
+    moved = OpTables("h100_sxm", "sglang", "current", h20, h100)
+    gemm, on_h20 = measured.gemm(8192, 8192, "bf16"), moved.gemm(8192, 8192, "bf16")
+    assert on_h20.transferred and not gemm.transferred
+    assert on_h20(1) / gemm(1) == pytest.approx(3350 / 4000, rel=0.01)
+    assert on_h20(8192) / gemm(8192) == pytest.approx(989 / 148, rel=0.01)
+    attention = moved.context_attention(32, 8, 128, 2, False)
+    seconds, _ = attention.at(1, 8192)
+    assert attention.transferred
+    assert seconds / measured.context_attention(32, 8, 128, 2, False).at(1, 8192)[0] == \
+        pytest.approx(989 / 148, rel=0.01)
+    # a same-peak base (H800 <- H100) reads the tables as they are
+    assert OpTables("h100_sxm", "sglang", "current", load_hardware_spec("h800"),
+                    h100).gemm(8192, 8192, "bf16")(1) == gemm(1)
+
+
 def test_the_run_warning_names_points_that_rest_mostly_on_roofline_ratios():
     rows = [{"point": 0, "label": "ep=8", "cost_transferred_frac": 0.3,
              "cost_extrapolated_frac": 0.1},

@@ -10,6 +10,7 @@ import pytest
 
 from configs import scheduler_config
 from core_harness import Driver, FixedExecutor
+from pdsim import sglang_defaults
 from pdsim.config import ConfigError, SpeculativeConfig, parse_experiment
 from pdsim.core.batch import BatchResult, BatchShape
 from pdsim.core.pool import PagePool
@@ -294,7 +295,10 @@ def test_the_draft_takes_its_weights_and_kv_from_the_pool():
     data["cluster"]["decode"]["tp"] = data["cluster"]["prefill"]["tp"] = 8
     pages = build_cluster(parse_experiment(data)).decode.scheduler.num_pages
     v3, par = load_model_spec("deepseek-v3"), Parallelism(tp=8)
-    tokens = kv_capacity_tokens(v3, load_hardware_spec("h200"), par)
+    # the memory share SGLang derives for a speculating tp 8 instance on an H200
+    fraction = sglang_defaults.mem_fraction_static(141, chunk=8192, max_prefill_tokens=16384,
+                                                   graph_bs=512, tp=8, speculative=True)
+    tokens = kv_capacity_tokens(v3, load_hardware_spec("h200"), par, fraction)
     # The MTP module is one more MoE layer (sharing embedding and LM head) with its own KV.
     plus_one = v3.model_copy(update={"num_layers": v3.num_layers + 1})
     layer_bytes = plus_one.weight_bytes_per_rank(8) - v3.weight_bytes_per_rank(8)

@@ -33,9 +33,10 @@ class HardwareSpec(BaseModel):
         traffic between GPUs of one domain takes NVLink, beyond it RDMA.
     usd_per_gpu_hour: a rental price for one GPU-hour, None where no public list price was
         found; `price_source` says whose price and when. Prices move: override it.
-    silicon_base: the preset of the same die whose measured kernel tables price this GPU's
-        compute ops in the silicon cost model (H800 <- H100); its communication is priced at
-        its own link rates. None: its own tables, if any.
+    silicon_base: the preset of the same die whose measured kernel tables price this GPU in
+        the silicon cost model: each compute op moved by the ratio of its roofline on the two
+        GPUs' peaks (H800 <- H100, the same peaks; H20 <- H100, 15 % of its FLOPs), the
+        communication at this GPU's own link rates. None: its own tables, if any.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -154,7 +155,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
     ),
     "h20": dict(
         bf16_tflops=148, fp8_tflops=296, hbm_gib=96, hbm_gb_per_s=4000, nvlink_gb_per_s=450,
-        rdma_gb_per_s=50,
+        rdma_gb_per_s=50, silicon_base="h100",  # the GH100 die with fewer SMs at lower clocks
         source=(
             "NVIDIA HGX H20 product brief (China market, as widely republished): BF16 148 "
             "TFLOPS and FP8 296 TFLOPS dense, 96GB HBM3, 4.0 TB/s, NVLink 900 GB/s (both "
@@ -164,7 +165,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
     ),
     "h20-141g": dict(
         bf16_tflops=148, fp8_tflops=296, hbm_gib=141, hbm_gb_per_s=4800, nvlink_gb_per_s=450,
-        rdma_gb_per_s=50,
+        rdma_gb_per_s=50, silicon_base="h200",  # the H200's die and memory, the H20's SMs
         source=(
             "NVIDIA H20 141GB (the 2024 HBM3e refresh of the HGX H20 product brief, as widely "
             "republished): the H20's BF16 148 / FP8 296 TFLOPS dense, 141GB HBM3e at 4.8 "

@@ -289,6 +289,14 @@ class Grid2:
         self._lo2, self._hi2 = float(xs2[0]), float(xs2[-1])
         self.transferred = transferred
 
+    @property
+    def roofline(self) -> Callable[[float, float], float]:
+        return self._roofline
+
+    def scaled(self, factor: Callable[[float, float], float]) -> ScaledGrid:
+        """This grid times `factor(x1, x2)` at every lookup, as a transferred grid."""
+        return ScaledGrid(self, factor)
+
     def at(self, x1: float, x2: float) -> tuple[float, bool]:
         """(seconds, whether the answer is extrapolated: off the grid, or weighted on a filled
         cell) at (x1, x2)."""
@@ -317,6 +325,26 @@ class Grid2:
             seconds *= self._roofline(x1, x2) / self._roofline(c1, c2)
             extra = True
         return seconds, bool(extra)
+
+
+class ScaledGrid:
+    """A `Grid2` times `factor(x1, x2)` at each lookup (how a grid measured on one GPU prices
+    another: factor is the ratio of the two GPUs' rooflines); its lookups count as
+    transferred."""
+
+    __slots__ = ("_grid", "_factor")
+    transferred = True
+
+    def __init__(self, grid: Grid2, factor: Callable[[float, float], float]) -> None:
+        self._grid, self._factor = grid, factor
+
+    @property
+    def roofline(self) -> Callable[[float, float], float]:
+        return lambda x1, x2: self._grid.roofline(x1, x2) * self._factor(x1, x2)
+
+    def at(self, x1: float, x2: float) -> tuple[float, bool]:
+        seconds, extra = self._grid.at(x1, x2)
+        return seconds * self._factor(x1, x2), extra
 
 
 def _refine(l: np.ndarray, lz: np.ndarray, filled: np.ndarray

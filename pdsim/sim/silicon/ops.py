@@ -8,15 +8,17 @@ the ratio of the two shapes' rooflines, and the curve is marked as transferred.
 
 Rooflines here are max(FLOPs / peak, bytes / HBM bandwidth) at the GPU's published peaks; they
 only ever enter as ratios, so no efficiency constant is involved. A GPU priced from another's
-tables (`HardwareSpec.silicon_base`: the same die) reads them for compute as they are, and moves
-communication to its own links by the ratio of the two link rooflines.
+tables (`HardwareSpec.silicon_base`: the same die) moves each measured compute op by the ratio
+of its roofline to the table GPU's (the identity where the peaks agree: an H800 is an H100 in
+compute; an H20 is the same die at 15 % of its FLOPs), and communication to its own links by
+the ratio of the two link rooflines.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import cached_property, lru_cache
+from functools import cached_property, lru_cache, wraps
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -68,6 +70,26 @@ def _fallbacks(dtype: str) -> tuple[str, ...]:
     return ("fp8_block", "fp8", "bfloat16")
 
 
+def _compute_peaks(hw: HardwareSpec) -> tuple:
+    return hw.bf16_tflops, hw.fp8_tflops, hw.fp4_tflops, hw.hbm_gb_per_s
+
+
+def _on_this_gpu(op: Callable) -> Callable:
+    """An `OpTables` compute op (a Curve or Grid2 of measured seconds) moved from the tables'
+    GPU to this one by the ratio of the op's roofline on each, where their peaks differ."""
+
+    @wraps(op)
+    def moved(self: OpTables, *args, **kwargs):
+        here = op(self, *args, **kwargs)
+        if self._table_gpu is None or here is None:
+            return here
+        measured = op(self._table_gpu, *args, **kwargs)
+        there, roof = measured.roofline, here.roofline
+        return measured.scaled(lambda *x: roof(*x) / there(*x))
+
+    return moved
+
+
 class MissingTable(ValueError):
     """The system has no measured table for an op the model needs."""
 
@@ -91,6 +113,10 @@ class OpTables:
                         if version == "current" else version)
         self.mem_rate = hardware.hbm_gb_per_s * 1e9
         self._gemm_refs: dict[tuple[str, int, int], Reference | None] = {}
+        # the same tables with the table GPU's rooflines, where its compute peaks differ
+        self._table_gpu = (OpTables(system, framework, version, self.table_hw)
+                           if _compute_peaks(self.table_hw) != _compute_peaks(hardware)
+                           else None)
 
     # ----- files -------------------------------------------------------------------------------
 
@@ -165,6 +191,7 @@ class OpTables:
             self._gemm_refs[key] = best_reference(ms, ys, self.tile_references(n, k, table_dtype))
         return self._gemm_refs[key]
 
+    @_on_this_gpu
     def gemm(self, n: int, k: int, dtype: str) -> Curve:
         """Seconds of an (m x k) @ (k x n) GEMM with `dtype` weights, over m (tokens)."""
         series = self._gemm_series
@@ -244,6 +271,7 @@ class OpTables:
             zs = zs * np.array([[roof(b, s) / have_roof(b, s) for s in ss] for b in bs])
         return Grid2(bs, ss, zs, roof, transferred=have != want)
 
+    @_on_this_gpu
     def context_attention(self, heads: int, kv_heads: int, head_dim: int, kv_bytes: float,
                           fp8_compute: bool) -> Grid2:
         """Causal prefill attention over (batch, sequence length), no cached prefix."""
@@ -259,6 +287,7 @@ class OpTables:
             "context_attention_perf.parquet", "isl", heads, kv_heads, head_dim,
             _kv_name(kv_bytes), "fp8" if fp8_compute else "bfloat16", roofline)
 
+    @_on_this_gpu
     def generation_attention(self, heads: int, kv_heads: int, head_dim: int,
                              kv_bytes: float) -> Grid2:
         """One decode query per request over (batch, context length)."""
@@ -296,6 +325,7 @@ class OpTables:
             zs = zs * np.array([[roof(b, s) / have_roof(b, s) for s in ss] for b in bs])
         return Grid2(bs, ss, zs, roof, transferred=not exact)
 
+    @_on_this_gpu
     def mla_context(self, heads: int, dims: tuple[int, int, int, int], kv_bytes: float) -> Grid2:
         """MLA prefill attention per GPU heads, as SGLang runs it on a prefill: MHA over K/V
         up-projected from the latent (q·k over qk_nope + rope dims, v_head_dim values), for
@@ -326,6 +356,7 @@ class OpTables:
         return self._mla_grid(t, "isl", heads, kv_bytes, mha(nope + rope, v), measured,
                               not absorbed and dims == MLA_TABLE_DIMS)
 
+    @_on_this_gpu
     def mla_generation(self, heads: int, dims: tuple[int, int, int, int],
                        kv_bytes: float) -> Grid2:
         """MLA decode attention over the compressed latent, per GPU heads."""
@@ -340,6 +371,7 @@ class OpTables:
         return self._mla_grid(t, "step", heads, kv_bytes, roofline(dims[0], dims[1]),
                               roofline(*MLA_TABLE_DIMS[:2]), dims == MLA_TABLE_DIMS)
 
+    @_on_this_gpu
     def mla_bmm(self, kind: str, heads: int, dim_in: int, dim_out: int,
                 table_dims: tuple[int, int]) -> Curve:
         """The absorbed per-head BMMs of MLA decode (kind "pre": q_nope x W_UK, "post":
@@ -384,6 +416,7 @@ class OpTables:
 
         return roofline
 
+    @_on_this_gpu
     def moe(self, hidden: int, inter: int, topk: int, experts: int, moe_tp: int, moe_ep: int,
             dtype: str, distribution: str) -> Curve:
         """Routed experts of one MoE layer (fused MoE kernel) over the layer's total tokens."""
@@ -412,6 +445,7 @@ class OpTables:
             return Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
         return moved_expert_curve(g, have, have_roof, want, self.moe_roofline(*want, dtype))
 
+    @_on_this_gpu
     def wideep_moe(self, phase: str, hidden: int, inter: int, topk: int, experts: int, ep: int,
                    dtype: str, distribution: str) -> Curve | None:
         """Routed experts under DeepEP (DeepGEMM grouped GEMMs; phase "context" for normal
