@@ -108,7 +108,7 @@ def _knobs_for_gpu(role: RoleConfig, name: str, hw: HardwareSpec, graph_bs: int 
         graph_bs = sglang_defaults.cuda_graph_max_bs(hw.hbm_gib, role.tp)
     knobs = role.scheduler.for_gpu(hw.hbm_gib, role.tp, role.pp, role.dp_attention, graph_bs,
                                    speculative)
-    if knobs.mem_fraction_static < 0.05:
+    if knobs.mem_fraction_static <= 0:
         raise ConfigError(
             f"cluster.{name}: SGLang's derived --mem-fraction-static is "
             f"{knobs.mem_fraction_static:g} on {hw.name} (it keeps memory for CUDA graphs of "
