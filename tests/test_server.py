@@ -285,6 +285,11 @@ def test_a_client_that_disconnects_is_aborted(server, client, caplog):
                                        extra_body={"ignore_eos": True})
     next(iter(stream))
     stream.close()
+    # Its abort first: a request still running would pass for the next one decoding.
+    deadline = time.monotonic() + 10
+    while len(engine.records) == before:
+        assert time.monotonic() < deadline, "the abandoned stream was never aborted"
+        time.sleep(0.002)
     # A non-streaming client that hangs up once its request is decoding.
     body = json.dumps({"model": name, "prompt": "hang up", "max_tokens": 480,
                        "ignore_eos": True}).encode()
