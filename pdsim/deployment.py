@@ -106,7 +106,12 @@ class SchedulerKnobs(_Spec):
     num_pages: int | None = Field(
         None, ge=1, description="KV pool pages per DP rank, in both backends. None: the "
         "simulator sizes it from mem_fraction_static of the hardware's memory after the "
-        "weights; the real backend does not measure its device and needs it given")
+        "weights; the real backend does not measure its device and needs it (or "
+        "max_total_tokens) given")
+    max_total_tokens: int | None = Field(
+        None, ge=1, description="SGLang's --max-total-tokens: KV pool tokens per DP rank at "
+        "most, whole pages; the simulator takes the smaller of this and what memory leaves, "
+        "the real backend this. Give it or num_pages, not both")
     wakeup_s: float = Field(0.0, ge=0, description="sim only: an idle scheduler notices new "
                             "work (a request, a finished transfer) this late")
     max_mamba_cache_size: int | None = Field(
@@ -122,6 +127,25 @@ class SchedulerKnobs(_Spec):
     disable_radix_cache: bool = Field(
         False, description="SGLang's --disable-radix-cache: the prefill and colocated "
         "schedulers keep a radix prefix cache unless true (decode has none)")
+
+    @model_validator(mode="after")
+    def _one_pool_size(self) -> SchedulerKnobs:
+        if self.num_pages is not None and self.max_total_tokens is not None:
+            raise ValueError(f"num_pages {self.num_pages} and max_total_tokens "
+                             f"{self.max_total_tokens} both size the KV pool; give one")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"max_total_tokens {self.max_total_tokens} is less than one page "
+                             f"(page_size {self.page_size}); give at least {self.page_size}")
+        return self
+
+    def pool_pages(self, memory_tokens: int | None = None) -> int | None:
+        """KV pool pages of one DP rank: num_pages, else max_total_tokens and the
+        `memory_tokens` the GPU's memory leaves (SGLang keeps the smaller), in whole pages;
+        None when neither bounds it."""
+        if self.num_pages is not None:
+            return self.num_pages
+        bounds = [t for t in (self.max_total_tokens, memory_tokens) if t is not None]
+        return min(bounds) // self.page_size if bounds else None
 
     def for_gpu(self, hbm_gib: float, tp: int, pp: int, dp_attention: int, graph_bs: int,
                 speculative: bool) -> SchedulerKnobs:

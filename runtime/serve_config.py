@@ -78,12 +78,12 @@ class _ServeBase(ExperimentConfig):
         """num_pages means the same in both backends; only the simulator can size it from
         memory (its `hardware`), so serving needs it given."""
         for name, role in self.cluster.roles.items():
-            if role.scheduler.num_pages is None:
+            if role.scheduler.pool_pages() is None:
                 raise ValueError(
                     f"cluster.{name}.scheduler.num_pages: not given; the simulator sizes the KV "
                     "pool from the hardware's memory, the real backend does not measure its "
                     "device: give the pages per rank (the pool holds num_pages * page_size "
-                    "tokens)")
+                    "tokens) or max_total_tokens (SGLang's --max-total-tokens)")
         return self
 
     @property
@@ -105,7 +105,7 @@ class _ServeBase(ExperimentConfig):
     def scheduler_config(self, role: str) -> SchedulerConfig:
         """The core config of one rank of `role` (the one builder: SchedulerKnobs.build)."""
         spec = self.role(role)
-        return spec.scheduler.build(spec.scheduler.num_pages, spec.dp_attention,
+        return spec.scheduler.build(spec.scheduler.pool_pages(), spec.dp_attention,
                                     f"cluster.{role}.scheduler")
 
 
@@ -144,7 +144,7 @@ class ServeConfig(_ServeBase):
 
     @property
     def num_pages(self) -> int:
-        return self.cluster.colocated.scheduler.num_pages
+        return self.cluster.colocated.scheduler.pool_pages()
 
     def scheduler_config(self, role: str = "colocated") -> SchedulerConfig:
         return super().scheduler_config(role)

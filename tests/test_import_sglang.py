@@ -143,7 +143,8 @@ def test_a_published_style_large_ep_deployment_keeps_what_is_modelled(tmp_path):
         "mode": "disaggregated",
         "prefill": {"instances": 2, "tp": 32, "ep": 32, **large_ep, "scheduler": {
             "chunked_prefill_size": 524288, "disable_radix_cache": True,
-            "max_running_requests": 8192, "mem_fraction_static": 0.85, "page_size": 1}},
+            "max_running_requests": 8192, "max_total_tokens": 131072,
+            "mem_fraction_static": 0.85, "page_size": 1}},
         "decode": {"instances": 1, "tp": 72, "ep": 72, **large_ep, "dp_attention": 72,
                    "num_max_dispatch_tokens_per_rank": 256, "scheduler": {
                        "disable_radix_cache": True, "max_running_requests": 18432,
@@ -155,10 +156,8 @@ def test_a_published_style_large_ep_deployment_keeps_what_is_modelled(tmp_path):
     assert cfg.cluster.decode.eplb.redundant_experts == 32
     # every prefill node says the same; the note names its first node's line
     assert notes == [
-        "line 3 (prefill server): read past, not modelled: --max-total-tokens, "
-        "--context-length, --deepep-config",
-        "line 7 (prefill server): read past, not modelled: --max-total-tokens, "
-        "--context-length, --deepep-config",
+        "line 3 (prefill server): read past, not modelled: --context-length, --deepep-config",
+        "line 7 (prefill server): read past, not modelled: --context-length, --deepep-config",
         "line 11 (decode server): read past, not modelled: --context-length"]
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump(BASE))
@@ -226,3 +225,36 @@ def test_a_model_path_the_simulator_cannot_read_asks_for_a_preset(tmp_path):
     (checkpoint / "config.json").write_text(json.dumps(SERVABLE_HF_CONFIGS["tiny-mla"]))
     imported, _ = import_sglang(large_ep_commands(), BASE, base_dir=tmp_path)
     assert imported["model"] == "deepseek-ai/DeepSeek-V3-0324"
+
+
+def test_the_first_published_instructions_spellings_and_a_sweeping_base():
+    """SGLang's first large-EP instructions named the decode reserve
+    SGLANG_HACK_PD_DECODE_NUM_RESERVED_DECODE_TOKENS and fronted the servers with
+    `launch_router --mini-lb` (random pairs whatever --policy says); a chain's
+    --speculative-num-draft-tokens (steps + 1) is what --speculative-num-steps already says; a
+    base experiment's sweep over the deployment the commands fix is dropped, with a note."""
+    router = ("python3 -m sglang_router.launch_router --pd-disaggregation --mini-lb "
+              "--policy cache_aware --prefill http://10.0.0.1:30000 --prefill "
+              "http://10.0.1.1:30000 --decode http://10.0.9.1:30000 --port 8000")
+    script = large_ep_commands(router=router).replace(
+        "SGLANG_NUM_RESERVED_DECODE_TOKENS=102", "SGLANG_HACK_PD_DECODE_NUM_RESERVED_DECODE_TOKENS=77")
+    base = dict(BASE, speculative={"acceptance": {"mean_accept_len": 2.1}},
+                sweep={"cluster.decode.ep,workload.num_requests": [[8, 10], [16, 20]],
+                       "workload.seed": [0, 1]})
+    chain = ("--speculative-algorithm EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1 "
+             "--speculative-num-draft-tokens 4")
+    imported, notes = import_sglang(script.replace("--cuda-graph-bs 256", f"--cuda-graph-bs 256 "
+                                                   f"{chain}"), base, model="deepseek-v3")
+    assert imported["router"] == {"policy": "random"}
+    assert imported["cluster"]["decode"]["scheduler"]["num_reserved_decode_tokens"] == 77
+    assert imported["speculative"]["num_draft_tokens"] == 3
+    assert imported["sweep"] == {"workload.seed": [0, 1]}
+    assert notes[-1] == ("the base's sweep over cluster.decode.ep,workload.num_requests is "
+                         "dropped: the commands fix the deployment it would vary")
+    assert not any("--speculative-num-draft-tokens" in n for n in notes)
+    parse_experiment(imported)
+    tree = chain.replace("--speculative-num-draft-tokens 4", "--speculative-num-draft-tokens 8")
+    _, notes = import_sglang(script.replace("--cuda-graph-bs 256", f"--cuda-graph-bs 256 {tree}"),
+                             base, model="deepseek-v3")
+    assert any("--speculative-num-draft-tokens 8 (a chain of 3 steps verifies 4)" in n
+               for n in notes)

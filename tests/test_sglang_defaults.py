@@ -76,3 +76,38 @@ def test_a_derived_fraction_too_small_says_which_flag_to_set() -> None:
                                           r".*512 requests on each of 32 DP ranks.*would not "
                                           r"start; set cluster.prefill.scheduler"):
         build_cluster(parse_experiment(wide))
+
+
+def test_max_total_tokens_caps_the_pool_as_sglang_does() -> None:
+    """--max-total-tokens keeps the smaller of itself and what memory leaves, in whole pages,
+    per DP rank; the real backend, which cannot measure memory, takes it as the pool."""
+    free = build_cluster(parse_experiment(_experiment("h100", page_size=64))).prefill.scheduler
+    capped = build_cluster(parse_experiment(_experiment(
+        "h100", page_size=64, max_total_tokens=100_000))).prefill.scheduler
+    assert capped.num_pages == 100_000 // 64 < free.num_pages
+    above = build_cluster(parse_experiment(_experiment(
+        "h100", page_size=64, max_total_tokens=10**9))).prefill.scheduler
+    assert above.num_pages == free.num_pages
+    # DeepSeek-V3's published large-EP prefill: 131,072 tokens on each of 8 DP ranks
+    ranks = build_cluster(parse_experiment(_experiment(
+        "h200", tp=8, dp=8, model="deepseek-v3", page_size=1, mem_fraction_static=0.85,
+        max_total_tokens=131072))).prefill.scheduler
+    assert ranks.num_pages == 131072
+    for bad, match in (({"num_pages": 10, "max_total_tokens": 640}, "both size the KV pool; "
+                        "give one"),
+                       ({"page_size": 64, "max_total_tokens": 32}, "less than one page")):
+        with pytest.raises(ConfigError, match=match):
+            parse_experiment(_experiment("h100", **bad))
+
+
+def test_the_real_backend_takes_max_total_tokens_as_its_pool() -> None:
+    from runtime.serve_config import PDServeConfig
+
+    data = _experiment("h100", page_size=16, max_total_tokens=4096)
+    data["model"] = "tiny-llama"
+    cfg = PDServeConfig.model_validate(data)
+    assert cfg.scheduler_config("prefill").num_pages == 256
+    data["cluster"]["decode"]["scheduler"] = {"page_size": 16}
+    with pytest.raises(ValueError, match="cluster.decode.scheduler.num_pages: not given.*or "
+                                         "max_total_tokens"):
+        PDServeConfig.model_validate(data)

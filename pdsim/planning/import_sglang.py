@@ -12,15 +12,16 @@ their instances (servers whose `--node-rank` is 0), parallelism (`--tp-size`, `-
 `--enable-eplb` or `--init-expert-location` with `--ep-num-redundant-experts`,
 SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK), scheduler knobs (`--mem-fraction-static`,
 `--max-running-requests`, `--chunked-prefill-size` (-1: unchunked), `--max-prefill-tokens`,
-`--page-size`, `--num-reserved-decode-tokens` or SGLANG_NUM_RESERVED_DECODE_TOKENS,
+`--page-size`, `--max-total-tokens`, `--num-reserved-decode-tokens` or
+SGLANG_NUM_RESERVED_DECODE_TOKENS (SGLANG_HACK_PD_DECODE_NUM_RESERVED_DECODE_TOKENS before),
 `--disable-radix-cache`), `--kv-cache-dtype`, the decode servers' CUDA graphs
 (`--cuda-graph-max-bs`, `--cuda-graph-bs`, `--disable-cuda-graph`: the cost model's
 `cuda_graph_max_bs`) and speculative decoding (`--speculative-algorithm` NEXTN/EAGLE/EAGLE3
 with `--speculative-num-steps`: MTP without `--speculative-draft-model-path`, EAGLE with one;
 its acceptance comes from the base experiment), the model (`--model-path`) and the router's
 policy (as SGLang names it: a plan's `least_loaded`, written as `power_of_two`, comes back as
-that) and cache_aware settings. Environment variables count when set before a command
-(`VAR=value python -m ...`) or by an `export` line. Every instance of a role must have the
+that; `--mini-lb` pairs servers at random) and cache_aware settings. Environment variables
+count when set before a command (`VAR=value python -m ...`) or by an `export` line. Every instance of a role must have the
 same shape (the simulator has one per role), and every URL the router names must be a server's
 `http://HOST:PORT`.
 
@@ -32,7 +33,7 @@ silently.
 
 What the commands do not say -- the workload, the hardware, SLOs, the cost model -- comes from a
 base experiment (`pdsim plan` writes one beside launch.sh), whose model, kv_dtype_bytes,
-cluster and router are replaced.
+cluster and router are replaced, and its sweep axes over them dropped (with a note).
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ KNOB_FLAGS = {"mem_fraction_static": "--mem-fraction-static",
               "max_running_requests": "--max-running-requests",
               "chunked_prefill_size": "--chunked-prefill-size",
               "max_prefill_tokens": "--max-prefill-tokens", "page_size": "--page-size",
+              "max_total_tokens": "--max-total-tokens",
               "num_reserved_decode_tokens": "--num-reserved-decode-tokens"}
+# The base experiment's sections the commands replace.
+REPLACED = ("model", "kv_dtype_bytes", "cluster", "router")
 # Flags that change nothing the simulator models: where a server listens, what it logs, how its
 # processes find each other, names and paths, and EPLB's own bookkeeping.
 INERT_FLAGS = frozenset("""
@@ -73,7 +77,9 @@ INERT_FLAGS = frozenset("""
     --expert-distribution-recorder-buffer-size --enable-expert-distribution-metrics
     --eplb-rebalance-num-iterations --speculative-draft-model-path
     """.split())
-ENV_KNOBS = {"SGLANG_NUM_RESERVED_DECODE_TOKENS": "num_reserved_decode_tokens"}
+# the reserve's variable, and the name SGLang's first large-EP instructions gave it
+ENV_KNOBS = {"SGLANG_NUM_RESERVED_DECODE_TOKENS": "num_reserved_decode_tokens",
+             "SGLANG_HACK_PD_DECODE_NUM_RESERVED_DECODE_TOKENS": "num_reserved_decode_tokens"}
 LL_TOKENS_ENV = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
 # SGLang's --deepep-mode per role that prices as pdsim does (auto: normal for prefill batches,
 # low latency for decode batches)
@@ -149,6 +155,7 @@ def _server_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int)
     p.add_argument("--max-prefill-tokens", type=int)
     p.add_argument("--page-size", type=int)
+    p.add_argument("--max-total-tokens", type=int)
     p.add_argument("--num-reserved-decode-tokens", type=int)
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int)
@@ -157,6 +164,7 @@ def _server_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-algorithm")
     p.add_argument("--speculative-num-steps", type=int)
     p.add_argument("--speculative-eagle-topk", type=int, default=1)
+    p.add_argument("--speculative-num-draft-tokens", type=int)
     p.add_argument("--speculative-draft-model-path")
     return p
 
@@ -168,6 +176,7 @@ def _router_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", action="append", default=[])
     p.add_argument("--worker-urls", nargs="*", default=[])
     p.add_argument("--policy", default="cache_aware")  # sglang_router's default
+    p.add_argument("--mini-lb", action="store_true")  # its Python balancer: random pairs
     for flag in SGLANG_OPTION_FLAGS.values():
         p.add_argument(flag, type=float)
     return p
@@ -304,9 +313,14 @@ def _speculative(a: argparse.Namespace, line: int, unmodelled: list[str]
     if a.speculative_eagle_topk != 1:
         unmodelled.append(f"--speculative-eagle-topk {a.speculative_eagle_topk} (pdsim "
                           "drafts a chain: top-k 1)")
+    steps = a.speculative_num_steps or 1
+    if a.speculative_num_draft_tokens not in (None, steps + 1):
+        # a chain of `steps` drafts verifies steps + 1 tokens; more come from a tree (top-k > 1)
+        unmodelled.append(f"--speculative-num-draft-tokens {a.speculative_num_draft_tokens} "
+                          f"(a chain of {steps} steps verifies {steps + 1})")
     # Without a draft model SGLang's EAGLE runs the target's own MTP (NextN) layers.
     method = "eagle" if a.speculative_draft_model_path else "mtp"
-    return {"method": method, "num_draft_tokens": a.speculative_num_steps or 1}
+    return {"method": method, "num_draft_tokens": steps}
 
 
 def _known_model(path: str, base_dir: str | Path | None) -> str:
@@ -387,8 +401,15 @@ def import_sglang(text: str, base: dict[str, Any], *, name: str | None = None,
                   f"{', '.join(dict.fromkeys(s.unmodelled))}" for s in mine if s.unmodelled]
     generating = [s for s in servers if s.role != "prefill"]
     router = _router(routers[0], servers, cluster["mode"])
-    data = {k: v for k, v in base.items() if k not in ("model", "kv_dtype_bytes", "cluster",
-                                                        "router", "name", "description")}
+    data = {k: v for k, v in base.items() if k not in (*REPLACED, "name", "description")}
+    sweep, dropped = _sweep_kept(base.get("sweep") or {})
+    if sweep:
+        data["sweep"] = sweep
+    else:
+        data.pop("sweep", None)
+    if dropped:
+        notes.append(f"the base's sweep over {', '.join(dropped)} is dropped: the commands fix "
+                     "the deployment it would vary")
     graph_bs = _one({s.graph_bs for s in generating}, "CUDA graph batch sizes")
     if graph_bs is not None:
         cost = dict(data.get("cost_model") or {})
@@ -404,6 +425,19 @@ def import_sglang(text: str, base: dict[str, Any], *, name: str | None = None,
                                                         "--model-path"), base_dir),
             "kv_dtype_bytes": _one({s.kv_dtype_bytes for s in servers}, "--kv-cache-dtype"),
             "cluster": cluster, "router": router}, notes
+
+
+def _sweep_kept(sweep: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The base's sweep axes that vary none of the sections the commands replace, and the
+    keys of the others (an axis of several fields goes whole)."""
+    kept, dropped = {}, []
+    for key, values in sweep.items():
+        fields = [f.strip().split(".")[0] for f in key.split(",")]
+        if any(f in REPLACED for f in fields):
+            dropped.append(key)
+        else:
+            kept[key] = values
+    return kept, dropped
 
 
 def _with_acceptance(spec: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
@@ -425,7 +459,7 @@ def _router(command: tuple[int, str, list[str]], servers: list[_Server], mode: s
         a, _ = _parse(_router_parser(), argv, line)
         named = {"prefill": [p[0] for p in a.prefill], "decode": a.decode,
                  "colocated": a.worker_urls}
-        pd, policy = a.pd_disaggregation, a.policy
+        pd, policy = a.pd_disaggregation, "random" if a.mini_lb else a.policy
     else:  # SGLang's PD-only load balancer
         a, _ = _parse(_lb_parser(), argv, line)
         named = {"prefill": [u for group in a.prefill for u in group],

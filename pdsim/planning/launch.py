@@ -76,6 +76,8 @@ def _instance(plan: PlanConfig, role: str, index: int, shape: RoleShape,
         argv += ["--chunked-prefill-size", str(knobs.chunked_prefill_size)]
     argv += ["--max-prefill-tokens", str(knobs.max_prefill_tokens),
              "--page-size", str(knobs.page_size)]
+    if knobs.max_total_tokens is not None:
+        argv += ["--max-total-tokens", str(knobs.max_total_tokens)]
     if plan.kv_dtype_bytes == 1:
         argv += ["--kv-cache-dtype", "fp8_e4m3"]
     if role in ("prefill", "decode"):

@@ -50,7 +50,7 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
                            swa_full_tokens_ratio=knobs.swa_full_tokens_ratio)
         tokens = sizes.kv_tokens if draft is None else kv_capacity_with_draft(
             sizes.kv_tokens, model, draft, par, kv_bytes)
-        num_pages = knobs.num_pages or tokens // knobs.page_size
+        num_pages = knobs.pool_pages(tokens)
         cost = _cost_factory(cfg, model, hw, par, params, draft)
         cost()
     except ValueError as exc:
