@@ -40,7 +40,8 @@ from pdsim.sim.cost import Parallelism, RooflineCostModel, RooflineParams, gemm_
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Reference, best_reference
 from pdsim.sim.silicon.ops import (
-    _TABLE_TO_PDSIM, DEEPEP_NUM_SMS, TABLE_GPUS_PER_NODE, OpTables, moved_expert_curve,
+    _TABLE_TO_PDSIM, DEEPEP_NUM_SMS, MLA_TABLE_DIMS, TABLE_GPUS_PER_NODE, OpTables,
+    moved_expert_curve,
 )
 from pdsim.specs import ModelSpec, load_hardware_spec, model_preset
 from pdsim.specs.hardware import HardwareSpec
@@ -382,6 +383,29 @@ def gpu_moves(src: str, dst: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return {kind: (np.array(a), np.array(b)) for kind, (a, b) in out.items()}
 
 
+# Kernels timed on an H20 and published (flash-attention issue #1310: FlashAttention-3 forward,
+# causal, 2 x 2,048 tokens; FlashMLA issue #30: decode, 128 requests, one query each where
+# the row says so), against the H100's tables moved as silicon moves them.
+H20_KERNELS = [
+    ("FA3 causal, 16 heads x 128, 2 x 2048", "context_attention", (16, 16, 128, 2, False),
+     (2, 2048), 0.319),
+    ("FA3 causal, 32 heads x 64, 2 x 2048", "context_attention", (32, 32, 64, 2, False),
+     (2, 2048), 0.342),
+    ("FlashMLA, 16 heads, 128 x 4096 keys", "mla_generation", (16, MLA_TABLE_DIMS, 2),
+     (128, 4096), 0.601),
+]
+
+
+def h20_kernel_rows() -> Iterator[tuple[str, float, float, float]]:
+    """(kernel, measured ms, pdsim ms, ms by the roofline ratio alone) for each H20 kernel."""
+    h100, h20 = load_hardware_spec("h100"), load_hardware_spec("h20")
+    bare = h20.model_copy(update={"hbm_share": 1.0, "roofline_share": None})
+    ops = {hw: OpTables("h100_sxm", "sglang", "current", hw, h100) for hw in (h20, bare)}
+    for label, op, args, at, measured_ms in H20_KERNELS:
+        moved, ratio = (getattr(ops[hw], op)(*args).at(*at)[0] * 1e3 for hw in (h20, bare))
+        yield label, measured_ms, moved, ratio
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--system", default="h100_sxm", choices=sorted(HARDWARE))
@@ -415,6 +439,11 @@ def main() -> None:
         for kind, (got, unmoved) in gpu_moves(src, dst).items():
             print(f"{kind:24s} {len(got):6d} {np.median(got):9.1%} "
                   f"{np.percentile(got, 90):6.1%} {np.median(unmoved):9.1%}")
+    print("\nH20 kernels as published against the H100's tables moved to the H20, ms "
+          "(ratio only: at the datasheet's HBM rate, without the roofline share)")
+    print(f"{'kernel':40s} {'measured':>8s} {'pdsim':>6s} {'ratio only':>10s}")
+    for label, measured_ms, moved, ratio in h20_kernel_rows():
+        print(f"{label:40s} {measured_ms:8.3f} {moved:6.3f} {ratio:10.3f}")
     print("\nDeepEP low-latency kernels (H800, 128 tokens per rank): DeepEP's README vs pdsim, us")
     print(f"{'EP':>4s} {'dispatch':>9s} {'pdsim':>6s} {'combine':>8s} {'pdsim':>6s}")
     errors = []

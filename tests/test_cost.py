@@ -212,14 +212,38 @@ def test_speculative_query_tokens_are_gemm_rows_and_attention_queries() -> None:
     assert t3 == pytest.approx(3 * t1, rel=1e-9)
 
 
-def test_h20_trades_compute_for_bandwidth() -> None:
+def test_mla_decode_computes_whole_64_row_query_blocks() -> None:
+    """FlashMLA on an H20 takes as long for 16 heads as for 64, and for 1 to 4 queries a request
+    at 16 heads (its 64-row query block); where the H20 computes rather than reads, so does the
+    roofline."""
     h20 = load_hardware_spec("h20")
+    shape = dict(decode_reqs=128, decode_context_tokens=128 * 4096)
+    tp8 = roofline(DSV3, h20, tp=8, **NO_OVERHEADS)  # 16 heads a GPU
+    one = tp8.attention_kernels_s(BatchShape(**shape))
+    assert tp8.attention_kernels_s(BatchShape(**shape, decode_query_len=4)) == \
+        pytest.approx(one, rel=1e-9)
+    assert tp8.attention_kernels_s(BatchShape(**shape, decode_query_len=5)) == \
+        pytest.approx(2 * one, rel=1e-9)
+    tp2 = roofline(DSV3, h20, tp=2, **NO_OVERHEADS)  # 64 heads
+    assert tp2.attention_kernels_s(BatchShape(**shape)) == pytest.approx(one, rel=1e-9)
+
+
+def test_the_h20_computes_at_15_percent_and_streams_at_its_sms_rate() -> None:
+    """The H20's 78 SMs stream at ~2.8 TB/s (measured kernels), not its HBM's 4.0: a decode
+    step reads at that rate; a prefill computes at 148 of the H100's 989 TFLOPS."""
+    h20 = load_hardware_spec("h20")
+    assert h20.stream_gb_per_s == pytest.approx(2800)
     assert roofline(hardware=h20).step_time_s([prefill(4096)]) > 4 * roofline().step_time_s(
         [prefill(4096)]
     )
-    assert roofline(hardware=h20).step_time_s([decode(8, 2048)]) < roofline().step_time_s(
-        [decode(8, 2048)]
-    )
+    no_overheads = dict(scheduler_overhead=False, eager_overhead=False)
+    ratio = (roofline(hardware=h20, **no_overheads).step_time_s([decode(8, 2048)])
+             / roofline(**no_overheads).step_time_s([decode(8, 2048)]))
+    assert 1.0 < ratio <= 3350 / 2800 * 1.001, ratio
+    # at the datasheet's 4.0 TB/s it would decode faster than the H100
+    datasheet = h20.model_copy(update={"hbm_share": 1.0})
+    assert roofline(hardware=datasheet, **no_overheads).step_time_s([decode(8, 2048)]) < \
+        roofline(**no_overheads).step_time_s([decode(8, 2048)])
 
 
 def test_fp8_weights_use_fp8_peak_and_half_the_bytes() -> None:

@@ -27,6 +27,26 @@ from pdsim.specs.pipeline import stage_model
 from pdsim.specs.precision import DTYPES, gemm_peak_tflops
 
 ACT_BYTES = 2  # activations are bf16
+# MLA decode kernels (FlashMLA, FlashAttention-3's MLA path) compute a 64-row block of query
+# rows (heads x queries of one request) at a time, Hopper's warp-group MMA height: fewer rows
+# compute as 64. Memory-bound on an H100 it costs nothing; on an H20 it is the time: FlashMLA
+# there takes 0.60 ms for 128 requests of 4,096 keys at 16 heads and 1 to 4 queries a request
+# alike, 1.17 ms at 5 (FlashMLA issue #30).
+MLA_DECODE_ROWS = 64
+
+
+def mla_decode_rows(rows: float) -> int:
+    """The query rows (heads x queries of a request) an MLA decode kernel computes."""
+    return math.ceil(rows / MLA_DECODE_ROWS) * MLA_DECODE_ROWS
+
+
+def decode_query_scale(model: ModelSpec, heads: float) -> Callable[[int], float]:
+    """A decode attention kernel's FLOPs at q queries a request over its FLOPs at one, for
+    `heads` query heads on a GPU: q, or for MLA its padded rows' ratio."""
+    if not model.is_mla:
+        return float
+    one = mla_decode_rows(heads)
+    return lambda q: mla_decode_rows(heads * q) / one
 # The parts `step_breakdown_s` reports, in step order (both cost models).
 BREAKDOWN_PARTS = ("attention", "dense_mlp", "dense_comm", "moe_experts", "moe_comm",
                    "tbo_overlap", "lm_head", "overhead")
@@ -362,7 +382,7 @@ def gemm_terms(n: float, k: int, dtype: str, hardware: HardwareSpec, p: Roofline
     its floor + max(FLOPs / achieved rate, (weights + activations) / memory rate)."""
     return GemmTerms(p.gemm_floor_s, 2.0 * n * k / _block_rate(block, dtype, hardware, p),
                      n * k * DTYPES[dtype].weight_bytes, (n + k) * ACT_BYTES,
-                     hardware.hbm_gb_per_s * 1e9 * p.bw_efficiency)
+                     hardware.stream_gb_per_s * 1e9 * p.bw_efficiency)
 
 
 def gemm_time_s(rows: float, n: float, k: int, dtype: str, hardware: HardwareSpec,
@@ -411,7 +431,7 @@ class RooflineCostModel:
         h, nh = model.hidden_size, model.num_attention_heads
         prec = model.precision
         heads = nh / attn_tp  # query heads on one GPU
-        mem_rate = hardware.hbm_gb_per_s * 1e9 * p.bw_efficiency
+        mem_rate = hardware.stream_gb_per_s * 1e9 * p.bw_efficiency
         self._mem_rate = mem_rate
         self._layers = model.num_layers
 
@@ -429,7 +449,8 @@ class RooflineCostModel:
             # Prefill runs attention as MHA over the up-projected K/V; decode absorbs kv_b into
             # q and o and attends over the latent (score: kv_lora+rope, value: kv_lora).
             pf_flops_pair = 2 * heads * (model.head_dim + model.v_head_dim)
-            dec_flops_ctx = 2 * heads * (2 * model.kv_lora_rank + model.qk_rope_head_dim)
+            dec_flops_ctx = (2 * mla_decode_rows(heads)
+                             * (2 * model.kv_lora_rank + model.qk_rope_head_dim))
             rope_elems = heads * model.qk_rope_head_dim + model.qk_rope_head_dim
         else:
             kv_heads = model.kv_heads_per_rank(attn_tp)
@@ -456,6 +477,7 @@ class RooflineCostModel:
         full_share = model.num_full_attention_layers / model.num_layers
         self._pf_attn_s_pair = pf_flops_pair / kernel_rate * full_share
         self._dec_attn_s_ctx = dec_flops_ctx / kernel_rate * full_share
+        self._dec_query_scale = decode_query_scale(model, heads)
         kv_bytes = model.kv_bytes_per_token_per_rank(attn_tp, p.kv_dtype_bytes)
         self._kv_mem_s_tok = kv_bytes / model.num_layers / mem_rate  # write or read, per layer
         # Two fused add+RMSNorms (read x and residual, write both) and RoPE (read+write q, k).
@@ -607,7 +629,8 @@ class RooflineCostModel:
         if reqs:
             ctx = shape.decode_context_tokens
             decode = self._attn_floor_s + reqs * self._decode_req_s + max(
-                ctx * q * self._dec_attn_s_ctx, (ctx + reqs * q) * self._kv_mem_s_tok)
+                ctx * self._dec_query_scale(q) * self._dec_attn_s_ctx,
+                (ctx + reqs * q) * self._kv_mem_s_tok)
         return prefill + decode
 
     def _imbalance(self, tokens: float) -> float:

@@ -37,6 +37,14 @@ class HardwareSpec(BaseModel):
         the silicon cost model: each compute op moved by the ratio of its roofline on the two
         GPUs' peaks (H800 <- H100, the same peaks; H20 <- H100, 15 % of its FLOPs), the
         communication at this GPU's own link rates. None: its own tables, if any.
+    hbm_share: the share of `hbm_gb_per_s` this GPU's kernels stream at, beside what other
+        GPUs' kernels reach of theirs (the tables and efficiency constants come from full
+        dies): 1, but for a die whose SMs cannot fill its HBM (the H20: 78 of the GH100's 132);
+        `stream_gb_per_s` is the rate every time estimate reads.
+    roofline_share: with a silicon_base, the share of its roofline this GPU's kernels are
+        measured to reach; a moved op runs at least that well here (never faster than on the
+        base): the base's inefficiency at a compute-bound shape is not carried to a GPU of a
+        fraction of its FLOPs. None: moved by the roofline ratio alone.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -52,6 +60,8 @@ class HardwareSpec(BaseModel):
     gpus_per_node: int = Field(default=8, ge=1)
     usd_per_gpu_hour: float | None = Field(default=None, gt=0)
     silicon_base: str | None = None
+    hbm_share: float = Field(default=1.0, gt=0, le=1)
+    roofline_share: float | None = Field(default=None, gt=0, le=1)
     source: str = ""
     price_source: str = ""
 
@@ -69,10 +79,18 @@ class HardwareSpec(BaseModel):
         if self.silicon_base is not None and self.silicon_base not in _PRESETS:
             raise ValueError(f"silicon_base {self.silicon_base!r} is not a hardware preset; "
                              f"presets: {', '.join(hardware_preset_names())}")
+        if self.roofline_share is not None and self.silicon_base is None:
+            raise ValueError("roofline_share applies to ops moved from a silicon_base; give "
+                             "one, or leave roofline_share out")
         if self.silicon_base is not None and _PRESETS[self.silicon_base].get("silicon_base"):
             raise ValueError(f"silicon_base {self.silicon_base!r} has a silicon_base itself; "
                              f"name a GPU with its own tables")
         return self
+
+    @property
+    def stream_gb_per_s(self) -> float:
+        """The memory rate kernels read and write at, as a datasheet rate (GB/s)."""
+        return self.hbm_gb_per_s * self.hbm_share
 
     @property
     def hbm_bytes(self) -> int:
@@ -80,6 +98,18 @@ class HardwareSpec(BaseModel):
 
 
 _NO_PRICE = "no public on-demand list price in USD found; set usd_per_gpu_hour"
+# Compute-bound kernels measured on an H20, share of its 148 TFLOPS BF16 peak:
+# FlashAttention-3 forward at 2,048 tokens (flash-attention issue #1310) 0.68-0.73 causal,
+# 0.81-0.85 not; FlashMLA decode, 64 heads, 8,192 keys, 3-8 queries a request (FlashMLA
+# issue #30) 0.81-0.88. Between the causal kernel prefill runs and the rest; the H100's own
+# tables reach 0.35 (the same causal shape) to 0.75 (large GEMMs) of its peak.
+H20_ROOFLINE_SHARE = 0.75
+# Memory-bound kernels on an H20 stream at about an H100's rate, not 4.0 / 3.35 faster: its 78
+# SMs cannot issue loads fast enough to fill its HBM. DeepGEMM's FP8 grouped GEMM (masked, 16-32
+# rows a group, n 4,096, k 7,168; DeepGEMM PR #116) 1.67 TB/s at 2 groups, 1.88 at 9, where
+# the H100 streams 1.63 TB/s (SGLang's DeepGEMM MoE at 2 experts a GPU, the H100 tables) to
+# 2.3 TB/s (DeepGEMM issue #136, a 117 MB weight): 0.8-1.0 of the H100's rate, 2.8 TB/s here.
+H20_STREAM_GB_PER_S = 2800
 
 _PRESETS: dict[str, dict[str, Any]] = {
     "a100": dict(
@@ -156,6 +186,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "h20": dict(
         bf16_tflops=148, fp8_tflops=296, hbm_gib=96, hbm_gb_per_s=4000, nvlink_gb_per_s=450,
         rdma_gb_per_s=50, silicon_base="h100",  # the GH100 die with fewer SMs at lower clocks
+        hbm_share=H20_STREAM_GB_PER_S / 4000, roofline_share=H20_ROOFLINE_SHARE,
         source=(
             "NVIDIA HGX H20 product brief (China market, as widely republished): BF16 148 "
             "TFLOPS and FP8 296 TFLOPS dense, 96GB HBM3, 4.0 TB/s, NVLink 900 GB/s (both "
@@ -166,6 +197,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "h20-141g": dict(
         bf16_tflops=148, fp8_tflops=296, hbm_gib=141, hbm_gb_per_s=4800, nvlink_gb_per_s=450,
         rdma_gb_per_s=50, silicon_base="h200",  # the H200's die and memory, the H20's SMs
+        hbm_share=H20_STREAM_GB_PER_S / 4800, roofline_share=H20_ROOFLINE_SHARE,
         source=(
             "NVIDIA H20 141GB (the 2024 HBM3e refresh of the HGX H20 product brief, as widely "
             "republished): the H20's BF16 148 / FP8 296 TFLOPS dense, 141GB HBM3e at 4.8 "

@@ -176,10 +176,15 @@ class Curve:
         """This curve times `factor(x)` at each grid point, as a transferred curve (how a
         measured op stands in for one the table lacks: factor is the ratio of the two ops'
         rooflines)."""
-        ys = np.exp(self._lys) * factor(self._xs)
         roofline = self._roofline
-        return Curve(self._xs, ys, lambda x: roofline(x) * factor(x), transferred=True,
-                     reference=self._reference)
+        return self.moved(lambda t, x: t * factor(x), lambda x: roofline(x) * factor(x))
+
+    def moved(self, move: Callable[[np.ndarray, np.ndarray], np.ndarray],
+              roofline: Callable[[float], float]) -> Curve:
+        """A transferred curve whose grid points are `move(seconds, x)` of this one's, with
+        `roofline` beyond them (both vectorised)."""
+        ys = move(np.exp(self._lys), self._xs)
+        return Curve(self._xs, ys, roofline, transferred=True, reference=self._reference)
 
 
 def best_reference(xs: np.ndarray, ys_s: np.ndarray,
@@ -295,7 +300,15 @@ class Grid2:
 
     def scaled(self, factor: Callable[[float, float], float]) -> ScaledGrid:
         """This grid times `factor(x1, x2)` at every lookup, as a transferred grid."""
-        return ScaledGrid(self, factor)
+        roofline = self._roofline
+        return ScaledGrid(self, lambda t, x1, x2: t * factor(x1, x2),
+                          lambda x1, x2: roofline(x1, x2) * factor(x1, x2))
+
+    def moved(self, move: Callable[[float, float, float], float],
+              roofline: Callable[[float, float], float]) -> ScaledGrid:
+        """This grid's lookups passed through `move(seconds, x1, x2)`, as a transferred grid
+        of that `roofline`."""
+        return ScaledGrid(self, move, roofline)
 
     def at(self, x1: float, x2: float) -> tuple[float, bool]:
         """(seconds, whether the answer is extrapolated: off the grid, or weighted on a filled
@@ -328,23 +341,20 @@ class Grid2:
 
 
 class ScaledGrid:
-    """A `Grid2` times `factor(x1, x2)` at each lookup (how a grid measured on one GPU prices
-    another: factor is the ratio of the two GPUs' rooflines); its lookups count as
-    transferred."""
+    """A `Grid2` whose lookups pass through `move(seconds, x1, x2)` (how a grid measured on one
+    GPU prices another: its seconds times the ratio of the two GPUs' rooflines); its lookups
+    count as transferred."""
 
-    __slots__ = ("_grid", "_factor")
+    __slots__ = ("_grid", "_move", "roofline")
     transferred = True
 
-    def __init__(self, grid: Grid2, factor: Callable[[float, float], float]) -> None:
-        self._grid, self._factor = grid, factor
-
-    @property
-    def roofline(self) -> Callable[[float, float], float]:
-        return lambda x1, x2: self._grid.roofline(x1, x2) * self._factor(x1, x2)
+    def __init__(self, grid: Grid2, move: Callable[[float, float, float], float],
+                 roofline: Callable[[float, float], float]) -> None:
+        self._grid, self._move, self.roofline = grid, move, roofline
 
     def at(self, x1: float, x2: float) -> tuple[float, bool]:
         seconds, extra = self._grid.at(x1, x2)
-        return seconds * self._factor(x1, x2), extra
+        return float(self._move(seconds, x1, x2)), extra
 
 
 def _refine(l: np.ndarray, lz: np.ndarray, filled: np.ndarray

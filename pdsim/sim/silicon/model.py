@@ -24,7 +24,7 @@ transferred to this shape, dtype or GPU by a roofline ratio, or extrapolation be
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -37,9 +37,11 @@ from pdsim.sim.cost import (
     Parallelism,
     Role,
     StepParams,
+    decode_query_scale,
     layers_attention_s,
     max_rank_decode_reqs,
     micro_batches,
+    mla_decode_rows,
     overlapped_layers_s,
     pp_send_terms,
     step_extras,
@@ -113,6 +115,7 @@ class _Plan:
     generation_table: str
     gen_flops_rel: float  # generation attention at q = 1: FLOP time / max(FLOP, byte time)
     gen_bytes_rel: float  # ... and byte time / max(FLOP, byte time)
+    gen_query_scale: Callable[[int], float]  # its FLOPs at q queries a request over at one
     dense_dp: bool  # moe_dense_tp=1: dense MLP whole on each GPU, over its own tokens
     dense: Stage  # over the instance's tokens (or one GPU's, dense_dp): dense MLP GEMMs
     mlp_comm: Stage  # over the instance's tokens: the MLP collective (dense, MoE without DeepEP)
@@ -266,7 +269,7 @@ class SiliconCostModel:
         s, e = plan.generation_attn.at(reqs, avg_ctx)
         moved = plan.generation_attn.transferred and not e
         if q > 1:  # q queries share one KV read: only the FLOP part grows
-            s *= max(q * plan.gen_flops_rel, plan.gen_bytes_rel)
+            s *= max(plan.gen_query_scale(q) * plan.gen_flops_rel, plan.gen_bytes_rel)
             moved = not e
         return s, moved, e
 
@@ -483,7 +486,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         context = ops.mla_context(heads, dims, kv_bytes)
         generation = ops.mla_generation(heads, dims, kv_bytes)
         context_table, generation_table = "context_mla", "generation_mla"
-        gen_flops = 2.0 * heads * (2 * lora + rope) / ops.peak_flops("bf16")
+        gen_flops = 2.0 * mla_decode_rows(heads) * (2 * lora + rope) / ops.peak_flops("bf16")
         gen_bytes = (lora + rope) * kv_bytes / ops.mem_rate
         rope_elems = heads * rope + rope
     else:
@@ -555,7 +558,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
 
     lm = [("lm_head", gemm,
            ops.gemm(model.vocab_size // (attn_tp if par.dp_lm_head else tp), h, prec.lm_head))]
-    mem = hw.hbm_gb_per_s * 1e9 * p.bw_efficiency
+    mem = hw.stream_gb_per_s * 1e9 * p.bw_efficiency
     return _Plan(
         layers=model.num_layers,
         dense_layers=model.num_dense_layers,
@@ -569,6 +572,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         generation_table=generation_table,
         gen_flops_rel=gen_flops / max(gen_flops, gen_bytes),
         gen_bytes_rel=gen_bytes / max(gen_flops, gen_bytes),
+        gen_query_scale=decode_query_scale(model, heads),
         dense_dp=par.moe_dense_tp == 1,
         dense=_labelled(dense),
         mlp_comm=_labelled(mlp_comm),

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pdsim.sim.cost import mla_decode_rows
 from pdsim.sim.moe_comm import deepep_traffic
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Grid2, Reference, best_reference
@@ -71,12 +72,16 @@ def _fallbacks(dtype: str) -> tuple[str, ...]:
 
 
 def _compute_peaks(hw: HardwareSpec) -> tuple:
-    return hw.bf16_tflops, hw.fp8_tflops, hw.fp4_tflops, hw.hbm_gb_per_s
+    return hw.bf16_tflops, hw.fp8_tflops, hw.fp4_tflops, hw.stream_gb_per_s
 
 
 def _on_this_gpu(op: Callable) -> Callable:
     """An `OpTables` compute op (a Curve or Grid2 of measured seconds) moved from the tables'
-    GPU to this one by the ratio of the op's roofline on each, where their peaks differ."""
+    GPU to this one by the ratio of the op's roofline on each, where their peaks differ. A GPU
+    that states the share of its roofline its kernels reach (`HardwareSpec.roofline_share`)
+    runs a moved op at least that well, though no faster than the tables' GPU at this GPU's
+    memory rate: the tables' GPU's own inefficiency at a compute-bound shape is not carried
+    to a GPU of a fraction of its FLOPs."""
 
     @wraps(op)
     def moved(self: OpTables, *args, **kwargs):
@@ -85,7 +90,12 @@ def _on_this_gpu(op: Callable) -> Callable:
             return here
         measured = op(self._table_gpu, *args, **kwargs)
         there, roof = measured.roofline, here.roofline
-        return measured.scaled(lambda *x: roof(*x) / there(*x))
+        share = self.hw.roofline_share
+        if share is None:
+            return measured.scaled(lambda *x: roof(*x) / there(*x))
+        memory = self._table_gpu.mem_rate / self.mem_rate
+        return measured.moved(lambda t, *x: np.minimum(
+            t * roof(*x) / there(*x), np.maximum(t * memory, roof(*x) / share)), roof)
 
     return moved
 
@@ -111,7 +121,7 @@ class OpTables:
         self.table_hw = table_hardware or hardware  # the GPU the tables were measured on
         self.version = (tables.current_version(system, framework)
                         if version == "current" else version)
-        self.mem_rate = hardware.hbm_gb_per_s * 1e9
+        self.mem_rate = hardware.stream_gb_per_s * 1e9
         self._gemm_refs: dict[tuple[str, int, int], Reference | None] = {}
         # the same tables with the table GPU's rooflines, where its compute peaks differ
         self._table_gpu = (OpTables(system, framework, version, self.table_hw)
@@ -364,7 +374,7 @@ class OpTables:
 
         def roofline(latent_dim: int, rope_dim: int) -> Callable[[int], Callable]:
             return lambda h: lambda b, c: max(
-                2.0 * h * (2 * latent_dim + rope_dim) * b * c / peak,
+                2.0 * mla_decode_rows(h) * (2 * latent_dim + rope_dim) * b * c / peak,
                 b * c * (latent_dim + rope_dim) * kv_bytes / mem)
 
         t = self._need("mla", "generation_mla_perf.parquet")
