@@ -30,8 +30,7 @@ from pdsim.sim.moe_comm import (
     dispatch_bytes_per_copy,
 )
 from pdsim.specs import load_hardware_spec, model_preset
-from pdsim.specs.precision import DTYPES, Precision
-from pdsim.specs.precision import Precision
+from pdsim.specs.precision import DTYPES, Precision, compute_on, gemm_peak_tflops
 
 H100 = load_hardware_spec("h100")
 LLAMA_8B = model_preset("llama-3.1-8b")
@@ -485,6 +484,26 @@ def test_nvfp4_gemms_run_at_the_fp4_peak() -> None:
     assert saved == pytest.approx(bf16_gemm_s - fp4_gemm_s, rel=1e-6)
     with pytest.raises(ValueError, match="precision.attention: nvfp4 weights need FP4"):
         roofline(fp4_model)  # H100 has no FP4 tensor cores
+
+
+def test_mxfp4_experts_run_weight_only_in_bf16_where_there_are_no_fp4_tensor_cores() -> None:
+    """gpt-oss on an H100, as SGLang serves it: MXFP4's bytes, BF16's arithmetic (its MoE
+    kernels upcast the weights); on a B200 the FP4 peak."""
+    oss = model_preset("gpt-oss-120b")
+    assert oss.precision.moe_experts == "mxfp4"
+    assert compute_on("mxfp4", H100) == "bf16" and compute_on("nvfp4", H100) == "fp4"
+    assert compute_on("mxfp4", load_hardware_spec("b200")) == "fp4"
+    assert gemm_peak_tflops("mxfp4", H100) == H100.bf16_tflops
+    w4a16 = oss.model_copy(update={"precision": oss.precision.model_copy(
+        update={"moe_experts": "w4a16"})})
+    shapes = ([decode(1, 1024)], [prefill(8192)])
+    # weight-bound decode reads 0.53 B a weight (w4a16: 0.52); a long prefill computes as BF16
+    for shape in shapes:
+        got = roofline(oss, **NO_OVERHEADS).step_time_s(shape)
+        assert got == pytest.approx(roofline(w4a16, **NO_OVERHEADS).step_time_s(shape), rel=0.02)
+    with pytest.raises(ValueError, match="nvfp4 weights need FP4 tensor cores, which h100 "
+                                         "lacks; use a format it supports .*mxfp4"):
+        gemm_peak_tflops("nvfp4", H100)
 
 
 def test_w4a16_reads_half_a_byte_and_computes_in_bf16() -> None:

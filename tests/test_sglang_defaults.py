@@ -78,6 +78,15 @@ def test_a_derived_fraction_too_small_says_which_flag_to_set() -> None:
         build_cluster(parse_experiment(wide))
 
 
+def test_a_format_the_gpu_cannot_run_is_not_blamed_on_the_memory_fraction() -> None:
+    data = _experiment("h100")
+    data["model"] = {"base": "llama-3.1-8b", "precision": {"dense_mlp": "nvfp4"}}
+    data["cost_model"] = {"name": "roofline"}
+    with pytest.raises(ConfigError, match="nvfp4 weights need FP4 tensor cores") as err:
+        build_cluster(parse_experiment(data))
+    assert "mem_fraction_static" not in str(err.value)
+
+
 def test_max_total_tokens_caps_the_pool_as_sglang_does() -> None:
     """--max-total-tokens keeps the smaller of itself and what memory leaves, in whole pages,
     per DP rank; the real backend, which cannot measure memory, takes it as the pool."""

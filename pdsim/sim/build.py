@@ -51,15 +51,18 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
         tokens = sizes.kv_tokens if draft is None else kv_capacity_with_draft(
             sizes.kv_tokens, model, draft, par, kv_bytes)
         num_pages = knobs.pool_pages(tokens)
-        cost = _cost_factory(cfg, model, hw, par, params, draft)
-        cost()
-    except ValueError as exc:
+    except ValueError as exc:  # the weights, KV or state do not fit
         derived = "" if role.scheduler.mem_fraction_static is not None else (
             f" ({knobs.mem_fraction_static:g} is the mem_fraction_static SGLang derives here, "
             f"keeping memory for a {knobs.chunked_prefill_size}-token prefill chunk and the "
             f"CUDA graphs; set cluster.{name}.scheduler.mem_fraction_static, as large-EP "
             "launches set --mem-fraction-static)")
         raise ConfigError(f"cluster.{name}: {exc}{derived}") from None
+    try:
+        cost = _cost_factory(cfg, model, hw, par, params, draft)
+        cost()
+    except ValueError as exc:
+        raise ConfigError(f"cluster.{name}: {exc}") from None
     if num_pages < 1:
         raise ConfigError(f"cluster.{name}: no room for a single KV page after the weights")
     try:

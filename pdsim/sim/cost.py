@@ -24,7 +24,7 @@ from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
 from pdsim.specs.parallel import check_dp_options, check_moe_a2a
 from pdsim.specs.pipeline import stage_model
-from pdsim.specs.precision import DTYPES, gemm_peak_tflops
+from pdsim.specs.precision import DTYPES, compute_on, gemm_peak_tflops
 
 ACT_BYTES = 2  # activations are bf16
 # MLA decode kernels (FlashMLA, FlashAttention-3's MLA path) compute a 64-row block of query
@@ -358,7 +358,7 @@ def _block_rate(block: str, dtype: str, hardware: HardwareSpec, p: RooflineParam
     """Achieved FLOP/s of one block's GEMMs: its format's peak times that format's measured
     GEMM efficiency (docs/cost_model.md)."""
     mfu = {"bf16": p.gemm_mfu, "fp8": p.fp8_gemm_mfu, "fp4": p.fp4_gemm_mfu}
-    return _peak_flops(block, dtype, hardware) * mfu[DTYPES[dtype].compute]
+    return _peak_flops(block, dtype, hardware) * mfu[compute_on(dtype, hardware)]
 
 
 class GemmTerms(NamedTuple):

@@ -77,19 +77,34 @@ class Precision(BaseModel):
         return cls(attention=dtype, dense_mlp=dtype, moe_experts=dtype)
 
 
+# Formats SGLang also runs weight-only where the GPU lacks their tensor cores: MXFP4 experts
+# (gpt-oss) upcast to BF16 inside its Hopper/Ampere MoE kernels, measured as `w4a16_mxfp4` in
+# the H100/H200 kernel tables.
+WEIGHT_ONLY_ON = {"mxfp4": "bf16"}
+
+
+def compute_on(dtype: str, hardware: HardwareSpec) -> str:
+    """The arithmetic ("bf16", "fp8", "fp4") a GEMM with `dtype` weights runs in on
+    `hardware`: the format's own, or BF16 where SGLang runs it weight-only (WEIGHT_ONLY_ON)."""
+    compute = DTYPES[dtype].compute
+    if compute == "fp4" and hardware.fp4_tflops is None and dtype in WEIGHT_ONLY_ON:
+        return WEIGHT_ONLY_ON[dtype]
+    return compute
+
+
 def gemm_peak_tflops(dtype: str, hardware: HardwareSpec) -> float:
     """The dense tensor-core peak a GEMM with `dtype` weights runs at on `hardware`.
 
-    A format the GPU has no tensor cores for is an error, never a silent fallback: FP8 on A100,
-    FP4 before Blackwell."""
-    compute = DTYPES[dtype].compute
+    A format the GPU has no tensor cores for, and SGLang does not run weight-only, is an error,
+    never a silent fallback: FP8 on A100, NVFP4 before Blackwell."""
+    compute = compute_on(dtype, hardware)
     if compute == "bf16":
         return hardware.bf16_tflops
     peak = hardware.fp8_tflops if compute == "fp8" else hardware.fp4_tflops
     if peak is None:
         raise ValueError(
             f"{dtype} weights need {compute.upper()} tensor cores, which {hardware.name} lacks; "
-            f"use a format it supports (bf16, fp16, w4a16"
+            f"use a format it supports (bf16, fp16, w4a16, mxfp4"
             + (", fp8, int8" if hardware.fp8_tflops else "")
             + ")"
         )

@@ -28,7 +28,7 @@ from pdsim.sim.moe_comm import deepep_traffic
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Grid2, Reference, best_reference
 from pdsim.specs.hardware import HardwareSpec
-from pdsim.specs.precision import DTYPES, gemm_peak_tflops
+from pdsim.specs.precision import DTYPES, compute_on, gemm_peak_tflops
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -63,10 +63,11 @@ _TABLE_TO_PDSIM = {"bfloat16": "bf16", "fp8": "fp8", "fp8_block": "fp8", "int8_w
                    "w4a8_mxfp4_mxfp8": "mxfp4"}
 
 
-def _fallbacks(dtype: str) -> tuple[str, ...]:
+def _fallbacks(dtype: str, hw: HardwareSpec) -> tuple[str, ...]:
     """Measured dtypes that stand in for a missing one, best first: the same tensor-core path
-    if possible (W4A16 computes in BF16); the roofline ratio covers the weight-size gap."""
-    if DTYPES[dtype].compute == "bf16":
+    if possible (W4A16, and MXFP4 without FP4 tensor cores, compute in BF16); the roofline
+    ratio covers the weight-size gap."""
+    if compute_on(dtype, hw) == "bf16":
         return ("bfloat16",)
     return ("fp8_block", "fp8", "bfloat16")
 
@@ -208,7 +209,7 @@ class OpTables:
         wanted = GEMM_DTYPES[dtype]
         used = next((d for d in wanted if d in series), None)
         if used is None:
-            used = next(d for d in _fallbacks(dtype) if d in series)
+            used = next(d for d in _fallbacks(dtype, self.hw) if d in series)
         grid = series[used]
         ns = sorted({nk[0] for nk in grid})
         ks = sorted({nk[1] for nk in grid})
@@ -436,7 +437,7 @@ class OpTables:
         present = set(t["moe_dtype"].unique())
         used = next((d for d in wanted if d in present), None)
         if used is None:
-            used = next(d for d in _fallbacks(dtype) if d in present)
+            used = next(d for d in _fallbacks(dtype, self.hw) if d in present)
         t = t[t["moe_dtype"] == used]
         if (t["distribution"] == distribution).any():
             t = t[t["distribution"] == distribution]
@@ -475,7 +476,7 @@ class OpTables:
                 f"allowed: balanced, {', '.join(sorted(set(t['distribution']) - {'uniform'}))}")
         t = t[t["distribution"] == wanted]
         present = set(t["moe_dtype"].unique())
-        used = next((d for d in (*MOE_DTYPES[dtype], *_fallbacks(dtype)) if d in present),
+        used = next((d for d in (*MOE_DTYPES[dtype], *_fallbacks(dtype, self.hw)) if d in present),
                     sorted(present)[0])
         t = t[t["moe_dtype"] == used]
         key = ["hidden_size", "inter_size", "topk", "num_experts", "moe_ep_size"]
