@@ -188,7 +188,7 @@ def _silicon_rows(cost: SiliconCostModel, shapes: list[BatchShape]) -> list[OpRo
         if op.part == "tbo_overlap" or (op.part, op.name) in seen:
             continue  # a micro-batch's lookups; or another rank's copy of the same op
         seen.add((op.part, op.name))
-        n = _layers(cost, op.part)
+        n = round(_layers(cost, op.part) * op.layers)
         rows.append(_row(cost, op.part, op.name, n, n * op.seconds, op.table, op.how))
     for part, how in (("tbo_overlap", "derived"), ("overhead", "constant")):
         if parts[part]:

@@ -15,6 +15,7 @@ from test_transfer_contract import BACKENDS, Watch
 
 from pdsim import sglang_defaults
 from pdsim.config import ConfigError, parse_experiment
+from pdsim.core.batch import BatchShape
 from pdsim.core.decode import DecodeScheduler
 from pdsim.core.fake_transfer import FakeKVManager, FakeWire
 from pdsim.core.kvpoll import KVPoll
@@ -24,6 +25,7 @@ from pdsim.core.scheduler import ColocatedScheduler
 from pdsim.runner import run_point
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cost import Parallelism, pool_sizes, weight_bytes_per_gpu
+from pdsim.sim.silicon import tables
 from pdsim.specs.hardware import load_hardware_spec
 from pdsim.specs.models import ModelSpec, model_preset, model_spec_from_hf_config
 from pdsim.specs.pipeline import stage_model
@@ -320,13 +322,42 @@ def test_only_full_attention_layers_attend_over_the_whole_context():
     assert kernels[0] < 0.6 * kernels[1]
 
 
-def test_silicon_tables_refuse_hybrid_models_and_auto_takes_the_roofline():
+def test_silicon_tables_refuse_linear_attention_and_auto_takes_the_roofline():
     from pdsim.sim.cost import RooflineCostModel, make_cost_model
 
     args = (model_preset("qwen3-next-80b-a3b"), load_hardware_spec("h200"), Parallelism(tp=4))
-    with pytest.raises(ValueError, match="use the roofline cost model"):
+    with pytest.raises(ValueError, match="linear-attention .* use the roofline cost model"):
         make_cost_model("silicon", *args)
     assert isinstance(make_cost_model("auto", *args), RooflineCostModel)
+
+
+@pytest.mark.skipif(tables.systems_dir() is None, reason="aiconfigurator-core not installed")
+def test_silicon_prices_sliding_window_layers_from_the_window_tables():
+    """gpt-oss's 128-token window layers read the tables' window-128 rows (SGLang's kernels
+    with the window, measured for its head shapes); full layers the full-attention rows."""
+    from pdsim.sim.cost import make_cost_model
+    from pdsim.sim.silicon import SiliconCostModel
+    from pdsim.sim.silicon.ops import OpTables
+
+    oss, h100 = model_preset("gpt-oss-120b"), load_hardware_spec("h100")
+    cost = make_cost_model("auto", oss, h100, Parallelism())
+    assert isinstance(cost, SiliconCostModel)
+    ops = OpTables("h100_sxm", "sglang", "current", h100)
+    full = ops.generation_attention(64, 8, 64, 2)
+    window = ops.generation_attention(64, 8, 64, 2, window=128)
+    assert not window.transferred
+    # a window reads 128 keys whatever the context: its time barely grows with the context
+    assert window.at(64, 16384)[0] < 1.5 * window.at(64, 512)[0]
+    assert full.at(64, 16384)[0] > 10 * window.at(64, 16384)[0]
+    shape = BatchShape(decode_reqs=64, decode_context_tokens=64 * 16384)
+    without = cost.step_time_s([shape]) - cost.step_time_s(
+        [BatchShape(decode_reqs=64, decode_context_tokens=64)])
+    # the context's cost: the 18 full layers' read of it; the 18 window layers add ~nothing
+    per_layer = full.at(64, 16384)[0] - full.at(64, 1)[0]
+    assert without == pytest.approx(18 * per_layer, rel=0.1)
+    assert cost.transferred_frac == 0.0
+    with pytest.raises(ValueError, match="no rows for a 100-token sliding window"):
+        ops.context_attention(64, 8, 64, 2, False, window=100)
 
 
 # ----- the transfer contract: state_indices ----------------------------------------------------

@@ -62,13 +62,16 @@ class TracedOp(NamedTuple):
     """One op of a traced step (`SiliconCostModel.trace`): seconds of one call (one layer's,
     one rank's), the BREAKDOWN_PARTS part it counts in, the table it came from and how the
     answer was found: "interpolated" in a measured grid, "transferred" from another measured
-    shape, dtype or GPU by a roofline ratio, "extrapolated" beyond the grid, or "roofline"."""
+    shape, dtype or GPU by a roofline ratio, "extrapolated" beyond the grid, or "roofline";
+    `layers`: the share of its part's layers that run it (a sliding-window model's two kinds
+    of attention layer)."""
 
     part: str
     name: str
     table: str
     seconds: float
     how: str
+    layers: float = 1.0
 
 
 def _how(transferred: bool, extrapolated: bool) -> str:
@@ -113,6 +116,10 @@ class _Plan:
     generation_attn: Grid2
     context_table: str  # the tables the two grids were read from
     generation_table: str
+    # A sliding-window model's window kernels, and the share of its layers that run them
+    context_attn_swa: Grid2 | None
+    generation_attn_swa: Grid2 | None
+    swa_share: float
     gen_flops_rel: float  # generation attention at q = 1: FLOP time / max(FLOP, byte time)
     gen_bytes_rel: float  # ... and byte time / max(FLOP, byte time)
     gen_query_scale: Callable[[int], float]  # its FLOPs at q queries a request over at one
@@ -154,10 +161,10 @@ class SiliconCostModel:
             raise ValueError(f"silicon params: {problems}; allowed params: {allowed}") from None
         if parallel.ep > 1 and not model.is_moe:
             raise ValueError(f"ep={parallel.ep} needs a MoE model; {model.name} is dense")
-        if model.is_hybrid:  # "auto" then falls back on the roofline
-            raise MissingTable(
-                f"silicon: {model.name} has sliding-window or linear-attention layers, which "
-                "the measured attention tables do not cover; use the roofline cost model")
+        if model.num_linear_layers or (model.num_sliding_layers and model.is_mla):
+            raise MissingTable(  # "auto" then falls back on the roofline
+                f"silicon: {model.name} has linear-attention (or sliding-window MLA) layers, "
+                "which the measured attention tables do not cover; use the roofline cost model")
         tables.require_systems_dir()
         system = p.system or tables.system_for(hardware)
         if system is None:
@@ -202,13 +209,16 @@ class SiliconCostModel:
             moved += n_moved
             extra += n_extra
             if shape.decode_reqs:
-                s, m, e = self._generation_attention(shape, shape.decode_reqs)
-                t += s
-                if self.trace is not None:
-                    self.trace.append(TracedOp(part, "decode attention",
-                                               self._plan.generation_table, s, _how(m, e)))
-                moved += m
-                extra += e
+                for name, s, m, e, share in self._generation_attention(shape,
+                                                                       shape.decode_reqs):
+                    t += s * share
+                    if self.trace is not None:
+                        self.trace.append(TracedOp(part, name, self._plan.generation_table, s,
+                                                   _how(m, e), share))
+                    lookups += 1
+                    moved += m
+                    extra += e
+                lookups -= 1  # the generation lookup is counted with the rank's others
             if t > slowest:
                 slowest = t
         self.lookups += lookups
@@ -236,13 +246,16 @@ class SiliconCostModel:
             lookups += plan.prefill_proj.size + 1
             moved += m
             extra += e
-            s, m, e = _prefill_attention(plan.context_attn, prefill, shape.prefill_attn_pairs)
-            t += s
-            moved += m
-            extra += e
-            if self.trace is not None:
-                self.trace.append(TracedOp(part, "prefill attention", plan.context_table, s,
-                                           _how(m, e)))
+            for name, grid, share in _attention_kinds(plan, plan.context_attn,
+                                                      plan.context_attn_swa, "prefill"):
+                s, m, e = _prefill_attention(grid, prefill, shape.prefill_attn_pairs)
+                t += s * share
+                lookups += grid is plan.context_attn_swa
+                moved += m
+                extra += e
+                if self.trace is not None:
+                    self.trace.append(TracedOp(part, name, plan.context_table, s,
+                                               _how(m, e), share))
         if reqs:
             s, m, e = plan.decode_proj.at(reqs * q)
             t += s
@@ -260,18 +273,24 @@ class SiliconCostModel:
             self.trace.append(TracedOp(part, name, table, curve(x),
                                        _how(curve.transferred and not outside, outside)))
 
-    def _generation_attention(self, shape: BatchShape, reqs: int) -> tuple[float, bool, bool]:
-        """The decode attention kernel of `reqs` requests at the shape's mean context:
-        (seconds, transferred, extrapolated)."""
+    def _generation_attention(self, shape: BatchShape, reqs: int
+                              ) -> list[tuple[str, float, bool, bool, float]]:
+        """The decode attention kernels of `reqs` requests at the shape's mean context, one
+        entry per kind of layer: (name, seconds of one layer, transferred, extrapolated, the
+        kind's share of the layers)."""
         plan = self._plan
         q = shape.decode_query_len
         avg_ctx = max(shape.decode_context_tokens / shape.decode_reqs, 1.0)
-        s, e = plan.generation_attn.at(reqs, avg_ctx)
-        moved = plan.generation_attn.transferred and not e
-        if q > 1:  # q queries share one KV read: only the FLOP part grows
-            s *= max(plan.gen_query_scale(q) * plan.gen_flops_rel, plan.gen_bytes_rel)
-            moved = not e
-        return s, moved, e
+        out = []
+        for name, grid, share in _attention_kinds(plan, plan.generation_attn,
+                                                  plan.generation_attn_swa, "decode"):
+            s, e = grid.at(reqs, avg_ctx)
+            moved = grid.transferred and not e
+            if q > 1:  # q queries share one KV read: only the FLOP part grows
+                s *= max(plan.gen_query_scale(q) * plan.gen_flops_rel, plan.gen_bytes_rel)
+                moved = not e
+            out.append((name, s, moved, e, share))
+        return out
 
     def _stage(self, stage: Stage, x: int, part: str) -> float:
         if x <= 0 or not stage.size:
@@ -310,11 +329,14 @@ class SiliconCostModel:
                 n_extra + self.extrapolated_lookups - before[2])
             self.lookups, self.transferred_lookups, self.extrapolated_lookups = before
         t, elementwise, rest, n_lookups, n_moved, n_extra = fixed
-        s, m, e = self._generation_attention(shape, shape.decode_reqs)
-        t += s
-        self.lookups += n_lookups
-        self.transferred_lookups += n_moved + m
-        self.extrapolated_lookups += n_extra + e
+        kinds = self._generation_attention(shape, shape.decode_reqs)
+        for _, s, m, e, share in kinds:
+            t += s * share
+            n_moved += m
+            n_extra += e
+        self.lookups += n_lookups + len(kinds) - 1
+        self.transferred_lookups += n_moved
+        self.extrapolated_lookups += n_extra
         attn = (t if t > 0.0 else 0.0) + elementwise
         return sum(with_eager_overhead((self._layers_attention_s(attn), *rest), self._host,
                                        False, shape.decode_reqs))
@@ -446,6 +468,16 @@ def _prefill_attention(grid: Grid2, tokens: int, pairs: float) -> tuple[float, b
     return seconds * min(b, 1.0), grid.transferred and not extra, extra
 
 
+def _attention_kinds(plan: _Plan, full: Grid2, window: Grid2 | None, phase: str
+                     ) -> list[tuple[str, Grid2, float]]:
+    """(trace name, grid, share of the layers) for each kind of attention layer a step runs:
+    full attention alone, or with a sliding-window model both, each at its share."""
+    if window is None:
+        return [(f"{phase} attention", full, 1.0)]
+    return [(f"{phase} attention", full, 1.0 - plan.swa_share),
+            (f"{phase} swa attention", window, plan.swa_share)]
+
+
 @lru_cache(maxsize=16)  # ~6 MB a plan; a run needs one per role, a plan one per (role, shape)
 def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: SiliconParams,
                 system: str) -> _Plan:
@@ -465,6 +497,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
     # Each stage's ops as (name, table, curve).
     gemm, bmm = "gemm", "mla_bmm"
     proj, prefill_proj, decode_proj = [], [], []
+    context_swa = generation_swa = None
     if model.is_mla:
         dims = (model.kv_lora_rank, model.qk_rope_head_dim, model.qk_nope_head_dim,
                 model.v_head_dim)
@@ -498,6 +531,10 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         generation = ops.generation_attention(heads, kvh, hd, kv_bytes)
         context_table, generation_table = ("context_attention",
                                            "generation_attention")
+        if model.num_sliding_layers:
+            window = model.sliding_window
+            context_swa = ops.context_attention(heads, kvh, hd, kv_bytes, fp8_attn, window)
+            generation_swa = ops.generation_attention(heads, kvh, hd, kv_bytes, window)
         gen_flops = 4.0 * heads * hd / ops.peak_flops("bf16")
         gen_bytes = 2 * kvh * hd * kv_bytes / ops.mem_rate
         rope_elems = (heads + kvh) * hd
@@ -570,6 +607,9 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         generation_attn=generation,
         context_table=context_table,
         generation_table=generation_table,
+        context_attn_swa=context_swa,
+        generation_attn_swa=generation_swa,
+        swa_share=model.num_sliding_layers / model.num_layers,
         gen_flops_rel=gen_flops / max(gen_flops, gen_bytes),
         gen_bytes_rel=gen_bytes / max(gen_flops, gen_bytes),
         gen_query_scale=decode_query_scale(model, heads),

@@ -257,10 +257,16 @@ class OpTables:
 
     def _attention_grid(self, file: str, seq_col: str, heads: int, kv_heads: int, head_dim: int,
                         kv_dtype: str, attn_dtype: str | None,
-                        roofline: Callable[[int, int, int], Callable]) -> Grid2:
+                        roofline: Callable[[int, int, int], Callable], window: int = 0) -> Grid2:
         t = self._need("attention", file)
-        if "window_size" in t:  # sliding-window rows (absent from older tables) are not ours
-            t = t[t["window_size"] == 0]
+        # sliding-window rows (absent from older tables) time a window of `window_size` tokens
+        if "window_size" in t:
+            t = t[t["window_size"] == window]
+        elif window:
+            t = t.iloc[:0]
+        if window and t.empty:
+            raise MissingTable(f"silicon: {self.system} {file} has no rows for a {window}-token "
+                               "sliding window")
         t = t[t["kv_cache_dtype"] == kv_dtype]
         if attn_dtype is not None and (t["attn_dtype"] == attn_dtype).any():
             t = t[t["attn_dtype"] == attn_dtype]
@@ -284,33 +290,42 @@ class OpTables:
 
     @_on_this_gpu
     def context_attention(self, heads: int, kv_heads: int, head_dim: int, kv_bytes: float,
-                          fp8_compute: bool) -> Grid2:
-        """Causal prefill attention over (batch, sequence length), no cached prefix."""
+                          fp8_compute: bool, window: int = 0) -> Grid2:
+        """Causal prefill attention over (batch, sequence length), no cached prefix; with a
+        `window`, each query attends to at most that many keys."""
         peak = self.peak_flops("fp8" if fp8_compute else "bf16")
         mem = self.mem_rate
 
+        def pairs(s: float) -> float:  # query-key pairs of one causal sequence
+            w = min(s, window) if window else s
+            return w * (w + 1) / 2 + (s - w) * w
+
         def roofline(h: int, kvh: int, d: int) -> Callable:
             return lambda b, s: max(
-                4.0 * h * d * b * s * (s + 1) / 2 / peak,
+                4.0 * h * d * b * pairs(s) / peak,
                 b * s * (2 * h * d * ACT_BYTES + 2 * kvh * d * kv_bytes) / mem)
 
         return self._attention_grid(
             "context_attention_perf.parquet", "isl", heads, kv_heads, head_dim,
-            _kv_name(kv_bytes), "fp8" if fp8_compute else "bfloat16", roofline)
+            _kv_name(kv_bytes), "fp8" if fp8_compute else "bfloat16", roofline, window)
 
     @_on_this_gpu
     def generation_attention(self, heads: int, kv_heads: int, head_dim: int,
-                             kv_bytes: float) -> Grid2:
-        """One decode query per request over (batch, context length)."""
+                             kv_bytes: float, window: int = 0) -> Grid2:
+        """One decode query per request over (batch, context length); with a `window`, over
+        at most that many keys."""
         peak = self.peak_flops("bf16")
         mem = self.mem_rate
 
         def roofline(h: int, kvh: int, d: int) -> Callable:
-            return lambda b, c: max(4.0 * h * d * b * c / peak,
-                                    b * (c * 2 * kvh * d * kv_bytes + 2 * h * d * ACT_BYTES) / mem)
+            def seconds(b: float, c: float) -> float:
+                keys = min(c, window) if window else c
+                return max(4.0 * h * d * b * keys / peak,
+                           b * (keys * 2 * kvh * d * kv_bytes + 2 * h * d * ACT_BYTES) / mem)
+            return seconds
 
         return self._attention_grid("generation_attention_perf.parquet", "step", heads, kv_heads,
-                                    head_dim, _kv_name(kv_bytes), None, roofline)
+                                    head_dim, _kv_name(kv_bytes), None, roofline, window)
 
     # ----- MLA ---------------------------------------------------------------------------------
 
