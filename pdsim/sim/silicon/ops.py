@@ -260,11 +260,10 @@ class OpTables:
                         roofline: Callable[[int, int, int], Callable], window: int = 0) -> Grid2:
         t = self._need("attention", file)
         # sliding-window rows (absent from older tables) time a window of `window_size` tokens
-        if "window_size" in t:
+        windowed = "window_size" in t
+        if windowed:
             t = t[t["window_size"] == window]
-        elif window:
-            t = t.iloc[:0]
-        if window and t.empty:
+        if window and (not windowed or t.empty):
             raise MissingTable(f"silicon: {self.system} {file} has no rows for a {window}-token "
                                "sliding window")
         t = t[t["kv_cache_dtype"] == kv_dtype]
