@@ -334,7 +334,7 @@ _FRONTIER = {"label": ("deployment", 0), "num_gpus": ("GPUs", 1),
 
 def _print_frontier(result, wide: bool) -> None:
     """The plan's Pareto frontier; deployments named d0, d1... with a legend when long."""
-    from pdsim.planning.report import summary_frame
+    from pdsim.planning.report import stopped_frame, summary_frame
     from pdsim.tables import Column, print_table, short_labels
 
     frame = summary_frame(result)
@@ -350,6 +350,14 @@ def _print_frontier(result, wide: bool) -> None:
                       for c, v in row.items() if c != "label"]
             for name, (_, row) in zip(names, frame.iterrows())]
     simulated = int(result.candidates["simulated"].sum())
+    stopped = stopped_frame(result)
+    if frame.empty and not stopped.empty:  # every run stopped early: say where and why
+        print_table(console, [Column("deployment", 0, justify="left"), Column("GPUs", 0),
+                              Column("stopped once out of reach", 0, justify="left", wrap=True)],
+                    [[r.label, str(r.num_gpus), r.stopped] for r in stopped.itertuples()],
+                    wide=wide, title=f"{result.plan.name}: all {simulated} simulated of "
+                    f"{len(result.candidates)} candidates stopped early")
+        return
     print_table(console, columns, rows, wide=wide, legend=legend, caption="latencies in ms",
                 title=f"{result.plan.name}: Pareto frontier of {simulated} simulated of "
                 f"{len(result.candidates)} candidates")

@@ -371,6 +371,23 @@ def test_cli_plan_end_to_end(tmp_path):
     assert bad.returncode == 2 and "no such plan file" in bad.stdout
 
 
+def test_a_plan_whose_every_run_stops_early_says_where_and_why(tmp_path):
+    """Nothing can meet a 1 ms TTFT: every simulated run stops early, and the CLI and
+    report.md list them with the reason instead of an empty frontier."""
+    hopeless = {**SMALL, "name": "hopeless", "max_gpus": 2, "search": {"tp": [1],
+                "modes": ["colocated"]}, "slo": {"ttft_p90_s": 0.001}}
+    (tmp_path / "hopeless.yaml").write_text(yaml.safe_dump(hopeless))
+    run = subprocess.run([sys.executable, "-m", "pdsim.cli", "plan", "hopeless.yaml", "--jobs",
+                          "1", "--no-prefilter", "--wide"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 1, run.stderr + run.stdout
+    assert "stopped early" in run.stdout and "over the TTFT p90 target of 1 ms" in run.stdout
+    assert "no simulated deployment meets the SLO" in run.stdout
+    report = (tmp_path / "results" / "hopeless" / "report.md").read_text()
+    section = report.split("## Stopped early")[1]
+    assert "| 2x colocated TP1 | 2 | " in section and "| 1x colocated TP1 | 1 | " in section
+
+
 def test_tpot_percentiles_are_over_requests_mean_itl():
     frame = pd.DataFrame({"status": ["ok", "ok", "ok", "failed"], "in_window": [True] * 4,
                           "itl_mean_s": [0.01, 0.02, 0.03, 9.0]})

@@ -179,6 +179,13 @@ def report_text(result: PlanResult, plots: list[str]) -> str:
         lines.append("| " + " | ".join(_fmt(row[c], "ms" if c in lat else "") for c in cols)
                      + " |")
     lines.append("")
+    stopped = stopped_frame(result)
+    if result.frontier.empty and not stopped.empty:
+        lines += ["## Stopped early", "", "Simulated candidates whose run stopped once their SLO "
+                  "was out of reach, with why (`stopped` in `candidates.csv`):", "",
+                  "| label | num gpus | stopped |", "|---|---|---|"]
+        lines += [f"| {r.label} | {r.num_gpus} | {r.stopped} |" for r in stopped.itertuples()]
+        lines.append("")
     for p in plots:
         lines += [f"![{p}]({p})", ""]
     reasons = table.loc[~table["prefilter_keep"], "prefilter_reason"].str.split(":").str[0]
@@ -186,6 +193,17 @@ def report_text(result: PlanResult, plots: list[str]) -> str:
         lines += ["## Pre-filter", "", "Discarded without simulation, by reason: " + ", ".join(
             f"{k} {v}" for k, v in reasons.value_counts().items()) + ".", ""]
     return "\n".join(lines)
+
+
+def stopped_frame(result: PlanResult) -> pd.DataFrame:
+    """The simulated candidates whose run stopped early (their SLO out of reach): label,
+    GPUs and why, most GPUs first (the nearest misses)."""
+    table = result.candidates
+    if "stopped" not in table:
+        return pd.DataFrame(columns=["label", "num_gpus", "stopped"])
+    rows = table[table["simulated"] & (table["stopped"].fillna("") != "")]
+    return rows.sort_values(["num_gpus", "candidate"], ascending=[False, True])[
+        ["label", "num_gpus", "stopped"]]
 
 
 def summary_frame(result: PlanResult) -> pd.DataFrame:
