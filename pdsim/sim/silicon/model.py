@@ -209,16 +209,15 @@ class SiliconCostModel:
             moved += n_moved
             extra += n_extra
             if shape.decode_reqs:
-                for name, s, m, e, share in self._generation_attention(shape,
-                                                                       shape.decode_reqs):
+                kinds = self._generation_attention(shape, shape.decode_reqs)
+                lookups += len(kinds) - 1  # the first is counted with the rank's others
+                for name, s, m, e, share in kinds:
                     t += s * share
                     if self.trace is not None:
                         self.trace.append(TracedOp(part, name, self._plan.generation_table, s,
                                                    _how(m, e), share))
-                    lookups += 1
                     moved += m
                     extra += e
-                lookups -= 1  # the generation lookup is counted with the rank's others
             if t > slowest:
                 slowest = t
         self.lookups += lookups
