@@ -36,7 +36,9 @@ import numpy as np
 import pandas as pd
 
 from pdsim.core.batch import BatchShape
-from pdsim.sim.cost import Parallelism, RooflineCostModel, RooflineParams, gemm_time_s
+from pdsim.sim.cost import (
+    Parallelism, RooflineCostModel, RooflineParams, gdn_kernel_work, gemm_time_s,
+)
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Reference, best_reference
 from pdsim.sim.silicon.ops import (
@@ -117,6 +119,24 @@ class Rooflines:
         tok_bytes = spec.hidden_size * 2
         return lambda size: cost._attn_ar_fixed_s + size / tok_bytes * cost._attn_ar_s_tok
 
+    def gdn(self, kernel: str, heads: tuple[int, int, int, int], b: int = 1
+            ) -> Callable[[float], float]:
+        """One Gated DeltaNet kernel as the roofline cost model prices it (`gdn_kernel_work`
+        at its attention and memory rates, FP32 states, 4 taps, plus the floor of a layer's
+        prefill or decode kernels less the convolution's ~2 us), over the sequence length of
+        b prompts (prefill kernels) or over the requests (decode)."""
+        rate = self.hw.bf16_tflops * 1e12 * RP.attn_mfu
+        mem = self.hw.stream_gb_per_s * 1e9 * RP.bw_efficiency
+        prefill = kernel in ("causal_conv1d_fn", "chunk_gated_delta_rule")
+        floor = (RP.gdn_prefill_floor_s if prefill else RP.gdn_decode_floor_s) - 2e-6
+
+        def seconds(x: float) -> float:
+            flops, nbytes = gdn_kernel_work(kernel, b if prefill else x, x if prefill else 1,
+                                            *heads, 4, 4)
+            return floor + max(flops / rate, nbytes / mem)
+
+        return seconds
+
     def deepep(self, hidden: int, topk: int, experts: int, ep: int, mode: str
                ) -> Callable[[float], float]:
         model = ModelSpec(name="moe", num_layers=1, hidden_size=hidden, num_attention_heads=8,
@@ -182,6 +202,19 @@ def series(ops: OpTables, roof: Rooflines) -> dict[str, list[Series]]:
         for (h, k, e, nodes), xs, ys in _grouped(t, keys, "num_token", "seconds", 1e-6):
             r = roof.deepep(h, k, e, TABLE_GPUS_PER_NODE * nodes, mode)
             out.setdefault(f"DeepEP {mode}", []).append((xs, ys, r, PLAIN))
+    t = ops._table("linear_attention", "gdn_perf.parquet")
+    if t is not None:
+        heads = ["num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"]
+        scan = t[t.kernel_source == "chunk_gated_delta_rule"]
+        for (*shape, b), xs, ys in _grouped(scan, [*heads, "batch_size"], "seq_len", "latency",
+                                            1e-3):
+            out.setdefault("GDN scan", []).append(
+                (xs, ys, roof.gdn("chunk_gated_delta_rule", tuple(shape), b), PLAIN))
+        step = t[t.kernel_source == "fused_recurrent_gated_delta_rule_packed_decode"]
+        for shape, xs, ys in _grouped(step, heads, "batch_size", "latency", 1e-3):
+            out.setdefault("GDN decode", []).append(
+                (xs, ys, roof.gdn("fused_recurrent_gated_delta_rule_packed_decode",
+                                  tuple(shape)), PLAIN))
     t = ops._table("comm", "custom_allreduce_perf.parquet")
     if t is not None:
         t = t[t.backend == "sglang_graph"] if "backend" in t else t

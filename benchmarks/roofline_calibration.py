@@ -14,6 +14,8 @@ per GPU, the figure each `RooflineParams` default is taken from (docs/cost_model
   (keys = mean keys a query attends to); the FP8 kernel's share of the FP8 peak;
 - decode attention: the kernel floor and the per-request cost beyond reading the KV;
 - fused MoE: the floor beyond reading the hit experts' weights (DeepEP MoE tables);
+- Gated DeltaNet: the floor of a layer's prefill kernels (causal convolution + chunked scan)
+  at a one-token prompt and of its decode kernels at one request;
 - DeepEP: per-call latency and achieved share of NVLink / NIC bandwidth, low-latency and
   normal mode, with the byte counts of pdsim.sim.moe_comm.
 """
@@ -171,6 +173,22 @@ def deepep(root: Path) -> None:
                           f"{1 / slope / 1e9 / link_gb_per_s:.2f}")
 
 
+def gdn(root: Path) -> None:
+    print("Gated DeltaNet: one layer's kernels at one token (prefill) and one request (decode)")
+    for system in SYSTEMS:
+        d = table(root, system, "linear_attention/sglang/*/gdn_perf.parquet")
+        if d is None:
+            continue
+        one = d[(d.batch_size == 1) & (d.seq_len == 1)]
+        us = one.groupby("kernel_source")["latency"].median() * 1e3
+        if not {"chunk_gated_delta_rule", "causal_conv1d_update"} <= set(us.index):
+            continue  # a table without the prefill scan's rows
+        prefill = us["causal_conv1d_fn"] + us["chunk_gated_delta_rule"]
+        decode = us["causal_conv1d_update"] + us[
+            "fused_recurrent_gated_delta_rule_packed_decode"]
+        print(f"  {system:9s} prefill floor {prefill:4.1f} us  decode floor {decode:4.1f} us")
+
+
 def main() -> None:
     root = data_root()
     gemm(root)
@@ -178,6 +196,7 @@ def main() -> None:
     decode_attention(root)
     moe(root)
     deepep(root)
+    gdn(root)
 
 
 if __name__ == "__main__":

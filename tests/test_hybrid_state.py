@@ -322,13 +322,86 @@ def test_only_full_attention_layers_attend_over_the_whole_context():
     assert kernels[0] < 0.6 * kernels[1]
 
 
-def test_silicon_tables_refuse_linear_attention_and_auto_takes_the_roofline():
-    from pdsim.sim.cost import RooflineCostModel, make_cost_model
+def _gdn_table(kernel: str, k_heads: int, v_heads: int):
+    """The H200 SGLang GDN table's fastest latency (s) per (batch, sequence) of `kernel`."""
+    import pandas as pd
+    from pdsim.sim.silicon.tables import current_version, table_path
 
-    args = (model_preset("qwen3-next-80b-a3b"), load_hardware_spec("h200"), Parallelism(tp=4))
-    with pytest.raises(ValueError, match="linear-attention .* use the roofline cost model"):
-        make_cost_model("silicon", *args)
-    assert isinstance(make_cost_model("auto", *args), RooflineCostModel)
+    path = table_path("h200_sxm", "linear_attention", "sglang",
+                      current_version("h200_sxm", "sglang"), "gdn_perf.parquet")
+    t = pd.read_parquet(path)
+    t = t[(t["kernel_source"] == kernel) & (t["num_k_heads"] == k_heads)
+          & (t["num_v_heads"] == v_heads) & (t["head_k_dim"] == 128)]
+    return t.groupby(["batch_size", "seq_len"])["latency"].min() * 1e-3
+
+
+@pytest.mark.skipif(tables.systems_dir() is None, reason="aiconfigurator-core not installed")
+def test_silicon_prices_gated_deltanet_layers_from_the_gdn_tables():
+    """Qwen3-Next at tp 2 on an H200 (8 key and 16 value heads a GPU, a shape the tables
+    measured): its 36 Gated DeltaNet layers decode and prefill at the tables' kernel times,
+    its 12 full-attention layers at the attention tables'; a decode step's GDN cost does not
+    grow with the context."""
+    from pdsim.explain import _silicon_rows
+    from pdsim.sim.cost import make_cost_model
+    from pdsim.sim.silicon import SiliconCostModel
+
+    qn, h200 = model_preset("qwen3-next-80b-a3b"), load_hardware_spec("h200")
+    cost = make_cost_model("auto", qn, h200, Parallelism(tp=2))
+    assert isinstance(cost, SiliconCostModel)  # no longer the roofline for the whole model
+    decode = _gdn_table("fused_recurrent_gated_delta_rule_packed_decode", 8, 16)
+    conv = _gdn_table("causal_conv1d_update", 8, 16)
+    shape = BatchShape(decode_reqs=256, decode_context_tokens=256 * 4096)
+    rows = {r.name: r for r in _silicon_rows(cost, [shape])}
+    gdn = rows["gdn recurrent step"]
+    assert gdn.count == 36 and rows["decode attention"].count == 12
+    assert gdn.how == "interpolated"
+    assert gdn.total_s == pytest.approx(36 * decode[(256, 1)], rel=1e-6)
+    assert rows["gdn conv1d update"].total_s == pytest.approx(36 * conv[(256, 1)], rel=1e-6)
+    # only the 12 full layers read a longer context
+    near = cost.step_time_s([BatchShape(decode_reqs=256, decode_context_tokens=256 * 512)])
+    far = cost.step_time_s([BatchShape(decode_reqs=256, decode_context_tokens=256 * 8192)])
+    attn = cost._plan.generation_attn
+    full_growth = 12 * (attn.at(256, 8192)[0] - attn.at(256, 512)[0])
+    assert far - near == pytest.approx(full_growth, rel=1e-6)
+
+    scan = _gdn_table("chunk_gated_delta_rule", 8, 16)
+    prompt = BatchShape(prefill_tokens=8192, prefill_attn_pairs=8192 * 8193 // 2)
+    prefill = {r.name: r for r in _silicon_rows(cost, [prompt])}
+    assert prefill["prefill gdn scan"].total_s == pytest.approx(36 * scan[(1, 8192)], rel=1e-6)
+    assert prefill["in_proj_qkvz"].count == 36 and prefill["qkv_proj"].count == 12
+
+
+def test_roofline_decode_reads_and_writes_each_recurrent_state():
+    """The roofline's Gated DeltaNet decode is bound by each request's state, read and written
+    once a step: halving the state's element (SGLang's --mamba-ssm-dtype bfloat16) saves
+    exactly that traffic, 36 of 48 layers' worth."""
+    from pdsim.sim.cost import make_cost_model
+
+    fp32 = model_preset("qwen3-next-80b-a3b")
+    bf16 = fp32.model_copy(update={"recurrent_state_dtype_bytes": 2})
+    hw = load_hardware_spec("h200")
+    shape = BatchShape(decode_reqs=256, decode_context_tokens=256 * 4096)
+    costs = [make_cost_model("roofline", m, hw, Parallelism(tp=2)) for m in (fp32, bf16)]
+    saved = costs[0].attention_kernels_s(shape) - costs[1].attention_kernels_s(shape)
+    state = 16 * 128 * 128 * 2  # a GPU's 16 value heads, 2 bytes saved an element
+    mem_rate = hw.stream_gb_per_s * 1e9 * 0.8  # the roofline's default bw_efficiency
+    assert saved == pytest.approx(36 / 48 * 256 * 2 * state / mem_rate, rel=1e-9)
+
+
+def test_eager_launches_count_gated_deltanet_blocks():
+    """SGLang's Gated DeltaNet block launches 17 kernels (docs/cost_model.md, "Host
+    overheads"), a GQA block 6: Qwen3-Next's 36 linear and 12 full layers at tp 1 launch
+    (36 * 17 + 12 * 6) / 48 attention kernels a layer."""
+    from pdsim.sim.overheads import kernels_per_layer
+
+    qn = model_preset("qwen3-next-80b-a3b")
+    full = ModelSpec(**{**qn.model_dump(), "layer_pattern": ("full_attention",),
+                        **{f: None for f in ("linear_num_key_heads", "linear_num_value_heads",
+                                             "linear_key_head_dim", "linear_value_head_dim",
+                                             "linear_conv_kernel_dim")}})
+    hybrid_moe = kernels_per_layer(qn, 1, 1, 1, False, False)[1]
+    full_moe = kernels_per_layer(full, 1, 1, 1, False, False)[1]
+    assert hybrid_moe - full_moe == pytest.approx(36 / 48 * (17 - 6))
 
 
 @pytest.mark.skipif(tables.systems_dir() is None, reason="aiconfigurator-core not installed")

@@ -47,6 +47,41 @@ def decode_query_scale(model: ModelSpec, heads: float) -> Callable[[int], float]
         return float
     one = mla_decode_rows(heads)
     return lambda q: mla_decode_rows(heads * q) / one
+
+
+# Gated DeltaNet (a hybrid model's linear-attention layers) as SGLang runs it: its Triton
+# kernels scan a prompt in chunks of this many tokens.
+GDN_CHUNK = 64
+GDN_KERNELS = ("causal_conv1d_fn", "chunk_gated_delta_rule",  # prefill
+               "causal_conv1d_update", "fused_recurrent_gated_delta_rule_packed_decode")
+
+
+def gdn_kernel_work(kernel: str, b: float, s: float, k_heads: int, v_heads: int, dk: int,
+                    dv: int, state_bytes: float, taps: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of one Gated DeltaNet kernel (`GDN_KERNELS`) of one layer over b
+    sequences of s new tokens (decode kernels: b requests, s = 1), for the heads of one GPU.
+    The causal convolution (`taps` wide) streams the q/k/v channels and, decoding, reads and
+    writes each request's last inputs; the chunked scan does per token and value head the
+    state's read-out and update (2 dk dv FLOPs each) and attention inside its chunk, and
+    writes and reads back one state per chunk; a decode step reads and writes each request's
+    state (`state_bytes` an element)."""
+    conv = 2 * k_heads * dk + v_heads * dv
+    qkvo = (2 * k_heads * dk + 2 * v_heads * dv) * ACT_BYTES
+    state = v_heads * dk * dv * state_bytes
+    if kernel == "causal_conv1d_fn":
+        return 2 * taps * b * s * conv, 2 * b * s * conv * ACT_BYTES
+    if kernel == "chunk_gated_delta_rule":
+        chunks = b * -(-s // GDN_CHUNK)
+        return (b * s * v_heads * (4 * dk * dv + 2 * GDN_CHUNK * (dk + dv)),
+                b * s * qkvo + 2 * chunks * state)
+    if kernel == "causal_conv1d_update":
+        return 2 * taps * b * conv, 2 * taps * b * conv * ACT_BYTES
+    if kernel == "fused_recurrent_gated_delta_rule_packed_decode":
+        return 6 * b * v_heads * dk * dv, b * (2 * state + qkvo)
+    raise ValueError(f"unknown Gated DeltaNet kernel {kernel!r}; allowed: "
+                     f"{', '.join(GDN_KERNELS)}")
+
+
 # The parts `step_breakdown_s` reports, in step order (both cost models).
 BREAKDOWN_PARTS = ("attention", "dense_mlp", "dense_comm", "moe_experts", "moe_comm",
                    "tbo_overlap", "lm_head", "overhead")
@@ -332,6 +367,8 @@ class RooflineParams(StepParams):
     attn_floor_s: float = Field(default=10e-6, ge=0)
     decode_attn_req_s: float = Field(default=0.05e-6, ge=0)
     moe_floor_s: float = Field(default=23e-6, ge=0)
+    gdn_prefill_floor_s: float = Field(default=24e-6, ge=0)
+    gdn_decode_floor_s: float = Field(default=6e-6, ge=0)
     layer_overhead_s: float = Field(default=15e-6, ge=0)
     step_overhead_s: float = Field(default=0.5e-3, ge=0)
     extend_overhead_s: float = Field(default=2e-3, ge=0)
@@ -477,6 +514,25 @@ class RooflineCostModel:
         full_share = model.num_full_attention_layers / model.num_layers
         self._pf_attn_s_pair = pf_flops_pair / kernel_rate * full_share
         self._dec_attn_s_ctx = dec_flops_ctx / kernel_rate * full_share
+        # A Gated DeltaNet layer's kernels instead, as their rooflines (a long prompt's
+        # measured scan runs ~3x above its roofline: docs/cost_model.md).
+        self._gdn_pf_s_tok = self._gdn_dec_s_req = 0.0
+        if model.num_linear_layers:
+            share = model.num_linear_layers / model.num_layers
+            gdn = (model.linear_num_key_heads // attn_tp, model.linear_num_value_heads // attn_tp,
+                   model.linear_key_head_dim, model.linear_value_head_dim,
+                   model.recurrent_state_dtype_bytes, model.linear_conv_kernel_dim)
+
+            def seconds(kernel: str, s: int) -> float:  # per token (s > 1) or request
+                flops, nbytes = gdn_kernel_work(kernel, 1, s, *gdn)
+                return share * max(flops / kernel_rate, nbytes / mem_rate) / s
+
+            self._gdn_pf_s_tok = (seconds("causal_conv1d_fn", GDN_CHUNK)
+                                  + seconds("chunk_gated_delta_rule", GDN_CHUNK))
+            self._gdn_dec_s_req = (seconds("causal_conv1d_update", 1)
+                                   + seconds("fused_recurrent_gated_delta_rule_packed_decode", 1))
+            self._gdn_pf_floor_s = share * p.gdn_prefill_floor_s
+            self._gdn_dec_floor_s = share * p.gdn_decode_floor_s
         self._dec_query_scale = decode_query_scale(model, heads)
         kv_bytes = model.kv_bytes_per_token_per_rank(attn_tp, p.kv_dtype_bytes)
         self._kv_mem_s_tok = kv_bytes / model.num_layers / mem_rate  # write or read, per layer
@@ -622,6 +678,8 @@ class RooflineCostModel:
             pairs = shape.prefill_attn_pairs + pf * self._pf_extra_pairs_tok
             prefill = self._attn_floor_s + max(pairs * self._pf_attn_s_pair,
                                                pf * self._kv_mem_s_tok)
+            if self._gdn_pf_s_tok:
+                prefill += self._gdn_pf_floor_s + pf * self._gdn_pf_s_tok
         # Each of a request's q query tokens attends over its whole context; the KV is read
         # once for all of them, and their own q entries are written.
         reqs = shape.decode_reqs
@@ -631,6 +689,8 @@ class RooflineCostModel:
             decode = self._attn_floor_s + reqs * self._decode_req_s + max(
                 ctx * self._dec_query_scale(q) * self._dec_attn_s_ctx,
                 (ctx + reqs * q) * self._kv_mem_s_tok)
+            if self._gdn_dec_s_req:  # each draft token's state is kept (for rollback)
+                decode += self._gdn_dec_floor_s + reqs * q * self._gdn_dec_s_req
         return prefill + decode
 
     def _imbalance(self, tokens: float) -> float:

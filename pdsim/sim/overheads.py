@@ -20,10 +20,11 @@ EAGER_LAUNCH_S = 25e-6  # host time of one eager kernel launch from SGLang's Pyt
 
 
 def kernels_per_layer(model: ModelSpec, tp: int, attn_tp: int, dp_attention: int, deepep: bool,
-                      dense_dp: bool) -> tuple[int, int]:
+                      dense_dp: bool) -> tuple[float, float]:
     """Kernels one eager forward launches per (dense layer, MoE layer), counted from the ops
     SGLang's layers run (docs/cost_model.md, "Host overheads"): FP8 GEMMs add one activation-
-    quantisation kernel each; a collective is one launch."""
+    quantisation kernel each; a collective is one launch. A hybrid model's attention block is
+    the mean over its layers of their two kinds."""
     prec = model.precision
     fp8_attn = DTYPES[prec.attention].compute == "fp8"
     if model.is_mla:
@@ -33,7 +34,16 @@ def kernels_per_layer(model: ModelSpec, tp: int, attn_tp: int, dp_attention: int
     else:
         # add+RMSNorm, QKV GEMM, RoPE, KV-cache store, attention, o GEMM
         attn, gemms = 6, 2
-    attn += gemms * fp8_attn + (attn_tp > 1)
+    attn += gemms * fp8_attn
+    if model.num_linear_layers:
+        # Gated DeltaNet: add+RMSNorm, in_proj_qkvz and in_proj_ba GEMMs, their fused split,
+        # the gates, the causal convolution, the chunked scan's eight (q and k L2 norms, gate
+        # cumsum, chunk k·k^T, triangular solve, w/u, chunk states, output), gated RMSNorm,
+        # out_proj GEMM
+        linear = 17 + 3 * fp8_attn
+        share = model.num_linear_layers / model.num_layers
+        attn = (1 - share) * attn + share * linear
+    attn += attn_tp > 1
     mlp_collectives = 0 if tp == 1 else (1 if dp_attention == 1 else 2)
     fp8_dense = DTYPES[prec.dense_mlp].compute == "fp8"
     # add+RMSNorm, gate_up GEMM, SiLU-and-mul, down GEMM
@@ -56,8 +66,8 @@ class HostOverheads:
     launch_s: host seconds per kernel launch;
     cuda_graph_max_bs: the largest per-rank decode batch replayed as a graph."""
 
-    def __init__(self, model: ModelSpec, dense_kernels: int, moe_kernels: int, launch_s: float,
-                 cuda_graph_max_bs: int) -> None:
+    def __init__(self, model: ModelSpec, dense_kernels: float, moe_kernels: float,
+                 launch_s: float, cuda_graph_max_bs: int) -> None:
         self.launches = model.num_dense_layers * dense_kernels + model.num_moe_layers * moe_kernels
         self.eager_host_s = self.launches * launch_s
         self.cuda_graph_max_bs = cuda_graph_max_bs

@@ -213,22 +213,27 @@ class Stage:
     curves looked up inside their grid, and how many are looked up outside it, at x) are
     precomputed for x <= DENSE_MAX; beyond, the parts are evaluated one by one. `labels`:
     each part's (op name, table it was read from), for `pdsim explain`; ("op", "-") unnamed.
+    `shares`: the weight of each part in the sum, 1 by default (a hybrid model's op that only
+    some of its layers run counts at their share of the layers).
     """
 
-    __slots__ = ("parts", "labels", "size", "seconds", "transferred", "extrapolated", "_n")
+    __slots__ = ("parts", "labels", "shares", "size", "seconds", "transferred", "extrapolated",
+                 "_n")
 
     def __init__(self, parts: Sequence[Curve],
-                 labels: Sequence[tuple[str, str]] | None = None) -> None:
+                 labels: Sequence[tuple[str, str]] | None = None,
+                 shares: Sequence[float] | None = None) -> None:
         self.parts = tuple(parts)
         self.labels = tuple(labels) if labels is not None else (("op", "-"),) * len(self.parts)
+        self.shares = tuple(shares) if shares is not None else (1.0,) * len(self.parts)
         self.size = len(self.parts)  # lookups one evaluation makes
         self._n = DENSE_MAX if self.parts else 0
         xs = np.arange(1, self._n + 1, dtype=float)
         total = np.zeros(self._n + 1)
         ext = np.zeros(self._n + 1, dtype=np.int64)
         moved = np.zeros(self._n + 1, dtype=np.int64)
-        for c in self.parts:
-            total[1:] += c.values(xs)
+        for c, share in zip(self.parts, self.shares):
+            total[1:] += share * c.values(xs)
             outside = (xs < c.lo) | (xs > c.hi)
             ext[1:] += outside
             moved[1:] += c.transferred & ~outside
@@ -244,7 +249,7 @@ class Stage:
         if x <= self._n:
             return self.seconds[x], self.transferred[x], self.extrapolated[x]
         outside = [c.extrapolated(x) for c in self.parts]
-        return (sum(c(x) for c in self.parts),
+        return (sum(share * c(x) for c, share in zip(self.parts, self.shares)),
                 sum(c.transferred and not o for c, o in zip(self.parts, outside)), sum(outside))
 
 

@@ -120,6 +120,9 @@ class _Plan:
     context_attn_swa: Grid2 | None
     generation_attn_swa: Grid2 | None
     swa_share: float
+    full_share: float  # of the layers: full attention
+    linear_share: float  # ... and Gated DeltaNet layers, whose prefill kernels these are:
+    context_gdn: tuple[tuple[str, Grid2], ...]
     gen_flops_rel: float  # generation attention at q = 1: FLOP time / max(FLOP, byte time)
     gen_bytes_rel: float  # ... and byte time / max(FLOP, byte time)
     gen_query_scale: Callable[[int], float]  # its FLOPs at q queries a request over at one
@@ -161,10 +164,6 @@ class SiliconCostModel:
             raise ValueError(f"silicon params: {problems}; allowed params: {allowed}") from None
         if parallel.ep > 1 and not model.is_moe:
             raise ValueError(f"ep={parallel.ep} needs a MoE model; {model.name} is dense")
-        if model.num_linear_layers or (model.num_sliding_layers and model.is_mla):
-            raise MissingTable(  # "auto" then falls back on the roofline
-                f"silicon: {model.name} has linear-attention (or sliding-window MLA) layers, "
-                "which the measured attention tables do not cover; use the roofline cost model")
         tables.require_systems_dir()
         system = p.system or tables.system_for(hardware)
         if system is None:
@@ -211,11 +210,10 @@ class SiliconCostModel:
             if shape.decode_reqs:
                 kinds = self._generation_attention(shape, shape.decode_reqs)
                 lookups += len(kinds) - 1  # the first is counted with the rank's others
-                for name, s, m, e, share in kinds:
+                for name, table, s, m, e, share in kinds:
                     t += s * share
                     if self.trace is not None:
-                        self.trace.append(TracedOp(part, name, self._plan.generation_table, s,
-                                                   _how(m, e), share))
+                        self.trace.append(TracedOp(part, name, table, s, _how(m, e), share))
                     moved += m
                     extra += e
             if t > slowest:
@@ -245,16 +243,15 @@ class SiliconCostModel:
             lookups += plan.prefill_proj.size + 1
             moved += m
             extra += e
-            for name, grid, share in _attention_kinds(plan, plan.context_attn,
-                                                      plan.context_attn_swa, "prefill"):
+            kinds = _attention_kinds(plan, "prefill")
+            lookups += len(kinds) - 1  # the first is counted with prefill_proj's
+            for name, table, grid, share in kinds:
                 s, m, e = _prefill_attention(grid, prefill, shape.prefill_attn_pairs)
                 t += s * share
-                lookups += grid is plan.context_attn_swa
                 moved += m
                 extra += e
                 if self.trace is not None:
-                    self.trace.append(TracedOp(part, name, plan.context_table, s,
-                                               _how(m, e), share))
+                    self.trace.append(TracedOp(part, name, table, s, _how(m, e), share))
         if reqs:
             s, m, e = plan.decode_proj.at(reqs * q)
             t += s
@@ -267,28 +264,27 @@ class SiliconCostModel:
         """Append each op of `stage` at size x to the trace."""
         if x <= 0:
             return
-        for (name, table), curve in zip(stage.labels, stage.parts):
+        for (name, table), curve, share in zip(stage.labels, stage.parts, stage.shares):
             outside = curve.extrapolated(x)
             self.trace.append(TracedOp(part, name, table, curve(x),
-                                       _how(curve.transferred and not outside, outside)))
+                                       _how(curve.transferred and not outside, outside), share))
 
     def _generation_attention(self, shape: BatchShape, reqs: int
-                              ) -> list[tuple[str, float, bool, bool, float]]:
+                              ) -> list[tuple[str, str, float, bool, bool, float]]:
         """The decode attention kernels of `reqs` requests at the shape's mean context, one
-        entry per kind of layer: (name, seconds of one layer, transferred, extrapolated, the
-        kind's share of the layers)."""
+        entry per kind of layer: (name, table, seconds of one layer, transferred,
+        extrapolated, the kind's share of the layers)."""
         plan = self._plan
         q = shape.decode_query_len
         avg_ctx = max(shape.decode_context_tokens / shape.decode_reqs, 1.0)
         out = []
-        for name, grid, share in _attention_kinds(plan, plan.generation_attn,
-                                                  plan.generation_attn_swa, "decode"):
+        for name, table, grid, share in _attention_kinds(plan, "decode"):
             s, e = grid.at(reqs, avg_ctx)
             moved = grid.transferred and not e
             if q > 1:  # q queries share one KV read: only the FLOP part grows
                 s *= max(plan.gen_query_scale(q) * plan.gen_flops_rel, plan.gen_bytes_rel)
                 moved = not e
-            out.append((name, s, moved, e, share))
+            out.append((name, table, s, moved, e, share))
         return out
 
     def _stage(self, stage: Stage, x: int, part: str) -> float:
@@ -329,7 +325,7 @@ class SiliconCostModel:
             self.lookups, self.transferred_lookups, self.extrapolated_lookups = before
         t, elementwise, rest, n_lookups, n_moved, n_extra = fixed
         kinds = self._generation_attention(shape, shape.decode_reqs)
-        for _, s, m, e, share in kinds:
+        for _, _, s, m, e, share in kinds:
             t += s * share
             n_moved += m
             n_extra += e
@@ -467,14 +463,22 @@ def _prefill_attention(grid: Grid2, tokens: int, pairs: float) -> tuple[float, b
     return seconds * min(b, 1.0), grid.transferred and not extra, extra
 
 
-def _attention_kinds(plan: _Plan, full: Grid2, window: Grid2 | None, phase: str
-                     ) -> list[tuple[str, Grid2, float]]:
-    """(trace name, grid, share of the layers) for each kind of attention layer a step runs:
-    full attention alone, or with a sliding-window model both, each at its share."""
-    if window is None:
-        return [(f"{phase} attention", full, 1.0)]
-    return [(f"{phase} attention", full, 1.0 - plan.swa_share),
-            (f"{phase} swa attention", window, plan.swa_share)]
+def _attention_kinds(plan: _Plan, phase: str) -> list[tuple[str, str, Grid2, float]]:
+    """(trace name, table, grid, share of the layers) for each attention kernel over (batch,
+    sequence) a step of `phase` ("prefill" or "decode") runs: full attention, and in a hybrid
+    model the sliding-window kernel and, prefilling, the Gated DeltaNet ones, each at its
+    share of the layers (a Gated DeltaNet layer decodes at a cost its context does not
+    change: `decode_proj` holds it)."""
+    prefill = phase == "prefill"
+    table = plan.context_table if prefill else plan.generation_table
+    kinds = [(f"{phase} attention", table,
+              plan.context_attn if prefill else plan.generation_attn, plan.full_share)]
+    window = plan.context_attn_swa if prefill else plan.generation_attn_swa
+    if window is not None:
+        kinds.append((f"{phase} swa attention", table, window, plan.swa_share))
+    if prefill:
+        kinds += [(name, "gdn", grid, plan.linear_share) for name, grid in plan.context_gdn]
+    return kinds
 
 
 @lru_cache(maxsize=16)  # ~6 MB a plan; a run needs one per role, a plan one per (role, shape)
@@ -537,6 +541,30 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         gen_flops = 4.0 * heads * hd / ops.peak_flops("bf16")
         gen_bytes = 2 * kvh * hd * kv_bytes / ops.mem_rate
         rope_elems = (heads + kvh) * hd
+    # A hybrid model's Gated DeltaNet layers (`linear_share` of them) project in and out
+    # with their own GEMMs and run their own kernels; the attention projections above are
+    # the other layers'.
+    linear_share = model.num_linear_layers / model.num_layers
+    proj = [(*op, 1.0 - linear_share) for op in proj]
+    context_gdn = []
+    if linear_share:
+        hk = model.linear_num_key_heads // attn_tp
+        hv = model.linear_num_value_heads // attn_tp
+        heads_dims = (hk, hv, model.linear_key_head_dim, model.linear_value_head_dim,
+                      model.recurrent_state_dtype_bytes)
+        value = hv * model.linear_value_head_dim
+        conv = model.linear_conv_dim // attn_tp
+        proj += [("in_proj_qkvz", gemm, ops.gemm(conv + value, h, ad), linear_share),
+                 ("in_proj_ba", gemm, ops.gemm(2 * hv, h, ad), linear_share),
+                 ("out_proj", gemm, ops.gemm(h, value, ad), linear_share)]
+        context_gdn = [(f"prefill gdn {name}", ops.gdn_context(kernel, *heads_dims))
+                       for name, kernel in (("conv1d", "causal_conv1d_fn"),
+                                            ("scan", "chunk_gated_delta_rule"))]
+        decode_proj += [(f"gdn {name}", "gdn", ops.gdn_generation(kernel, *heads_dims),
+                         linear_share)
+                        for name, kernel in (("conv1d update", "causal_conv1d_update"),
+                                             ("recurrent step",
+                                              "fused_recurrent_gated_delta_rule_packed_decode"))]
     if attn_tp > 1:
         proj.append(("attn all_reduce", "allreduce", ops.all_reduce(attn_tp, h)))
 
@@ -609,6 +637,9 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         context_attn_swa=context_swa,
         generation_attn_swa=generation_swa,
         swa_share=model.num_sliding_layers / model.num_layers,
+        full_share=model.num_full_attention_layers / model.num_layers,
+        linear_share=linear_share,
+        context_gdn=tuple(context_gdn),
         gen_flops_rel=gen_flops / max(gen_flops, gen_bytes),
         gen_bytes_rel=gen_bytes / max(gen_flops, gen_bytes),
         gen_query_scale=decode_query_scale(model, heads),
@@ -629,6 +660,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
     )
 
 
-def _labelled(entries: list[tuple[str, str, object]]) -> Stage:
-    """A stage of (name, table, curve) ops."""
-    return Stage([curve for _, _, curve in entries], [(name, table) for name, table, _ in entries])
+def _labelled(entries: list[tuple]) -> Stage:
+    """A stage of (name, table, curve) ops, or (name, table, curve, share of the layers)."""
+    return Stage([e[2] for e in entries], [e[:2] for e in entries],
+                 [e[3] if len(e) > 3 else 1.0 for e in entries])

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pdsim.sim.cost import mla_decode_rows
+from pdsim.sim.cost import gdn_kernel_work, mla_decode_rows
 from pdsim.sim.moe_comm import deepep_traffic
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Grid2, Reference, best_reference
@@ -47,6 +47,9 @@ ABSORBED_CONTEXT_KERNELS = frozenset({"flash_attention"})
 # Row (M) tile sizes of CUTLASS/cuBLAS/DeepGEMM GEMM kernels on Ampere to Blackwell: one to
 # four 64-row warp-group MMAs (Hopper's wgmma is 64 rows; 128 and 256 are the usual CTA tiles).
 GEMM_TILE_ROWS = (64, 128, 256)
+# The Gated DeltaNet tables' recurrent-state element (FP32) and convolution width (d_conv).
+GDN_TABLE_STATE_BYTES = 4
+GDN_TABLE_TAPS = 4
 
 # pdsim weight format → the table's dtype names, best first. FP8 checkpoints served by SGLang
 # (DeepSeek-V3/R1, Qwen3-FP8, Kimi-K2) are block-quantised (128x128 scales): "fp8_block".
@@ -417,6 +420,69 @@ class OpTables:
         if (have, *table_dims) != (heads, dim_in, dim_out):
             want = roofline(heads, dim_in, dim_out)
             curve = curve.scaled(lambda m: want(m) / got(m))
+        return curve
+
+    # ----- linear attention (Gated DeltaNet) ---------------------------------------------------
+
+    def _gdn_roofline(self, kernel: str, k_heads: int, v_heads: int, dk: int, dv: int,
+                      state_bytes: float) -> Callable[[float, float], float]:
+        """Seconds of one Gated DeltaNet kernel of one layer over (batch, sequence) at this
+        GPU's peaks (`gdn_kernel_work`, with the tables' 4-tap convolution), for moving a
+        measured shape or state dtype to another and past the grid."""
+        peak, mem = self.peak_flops("bf16"), self.mem_rate
+
+        def seconds(b, s):
+            flops, nbytes = gdn_kernel_work(kernel, b, s, k_heads, v_heads, dk, dv,
+                                            state_bytes, GDN_TABLE_TAPS)
+            return np.maximum(flops / peak, nbytes / mem)
+
+        return seconds
+
+    def _gdn_rows(self, phase: str, kernel: str, want: tuple) -> tuple[pd.DataFrame, tuple]:
+        """The GDN table's rows of `kernel` at the measured (k heads, v heads, dk, dv, state
+        bytes) nearest `want`, and that shape."""
+        t = self._need("linear_attention", "gdn_perf.parquet")
+        t = t[(t["phase"] == phase) & (t["kernel_source"] == kernel)]
+        if t.empty:
+            raise MissingTable(f"silicon: {self.system} gdn_perf has no {kernel} rows")
+        cols = ["num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"]
+        shapes = [tuple(int(v) for v in r) for r in t[cols].drop_duplicates().itertuples(False)]
+        have = min(shapes, key=lambda s: (_log_distance(s, want[:4]), s))
+        return t[(t[cols] == list(have)).all(axis=1)], (*have, GDN_TABLE_STATE_BYTES)
+
+    @_on_this_gpu
+    def gdn_context(self, kernel: str, k_heads: int, v_heads: int, dk: int, dv: int,
+                    state_bytes: float) -> Grid2:
+        """A prefill kernel of one Gated DeltaNet layer ("causal_conv1d_fn" or
+        "chunk_gated_delta_rule") over (batch, sequence length), per attention-TP rank's
+        heads, with `state_bytes` an element of the recurrent state, as SGLang's hybrid
+        linear-attention backend runs it."""
+        want = (k_heads, v_heads, dk, dv, state_bytes)
+        sel, have = self._gdn_rows("context", kernel, want)
+        pivot = sel.pivot_table(index="batch_size", columns="seq_len", values="latency",
+                                aggfunc="min").sort_index().sort_index(axis=1)
+        bs, ss = pivot.index.to_numpy(float), pivot.columns.to_numpy(float)
+        zs = pivot.to_numpy(float) * 1e-3
+        roof = self._gdn_roofline(kernel, *want)
+        if have != want:
+            have_roof = self._gdn_roofline(kernel, *have)
+            zs = zs * np.array([[roof(b, s) / have_roof(b, s) for s in ss] for b in bs])
+        return Grid2(bs, ss, zs, roof, transferred=have != want)
+
+    @_on_this_gpu
+    def gdn_generation(self, kernel: str, k_heads: int, v_heads: int, dk: int, dv: int,
+                       state_bytes: float) -> Curve:
+        """A decode kernel of one Gated DeltaNet layer ("causal_conv1d_update" or
+        "fused_recurrent_gated_delta_rule_packed_decode") over the batch: one token per
+        request, whatever its context (the state is of fixed size)."""
+        want = (k_heads, v_heads, dk, dv, state_bytes)
+        sel, have = self._gdn_rows("generation", kernel, want)
+        g = sel.groupby("batch_size")["latency"].min()
+        roof, have_roof = self._gdn_roofline(kernel, *want), self._gdn_roofline(kernel, *have)
+        curve = Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3,
+                      lambda b: have_roof(b, 1))
+        if have != want:
+            curve = curve.scaled(lambda b: roof(b, 1) / have_roof(b, 1))
         return curve
 
     # ----- MoE ---------------------------------------------------------------------------------
