@@ -6,7 +6,10 @@ chunks the role's scheduler cuts it into, every attention-DP rank running the sa
 one op: how many times the step runs it (its layers), seconds per call and in all, its share of
 the step and how it was priced. The silicon model traces its table lookups
 (`SiliconCostModel.trace`), so its rows are kernels with the table each came from; the
-roofline's rows are its step-breakdown parts, all "roofline".
+roofline's rows are its step-breakdown parts, all "roofline". A speculating role's step is
+its target's verify forward (k + 1 query tokens a request) op by op, then the draft's
+forwards part by part: its extend over the same shape and, decoding, its k - 1 one-token
+forwards (pdsim.sim.speculative).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pdsim.core.batch import BatchShape, extend_attn_pairs
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cost import BREAKDOWN_PARTS, SHARE_GROUPS, share_group
 from pdsim.sim.silicon import SiliconCostModel
+from pdsim.sim.speculative import SpeculativeCostModel
 
 # What a breakdown part is called where it is one row (the roofline's parts, and the parts
 # the silicon model prices without a table).
@@ -102,12 +106,11 @@ def explain_step(cfg: ExperimentConfig, role: str | None = None, batch: int = 64
         if value < 1:
             raise ValueError(f"--{name} must be at least 1, got {value}")
     spec = roles[role]
-    cost = spec.cost()
+    whole = spec.cost()
+    cost, draft, k = whole, None, 0
+    if isinstance(whole, SpeculativeCostModel):
+        cost, draft, k = whole.target, whole.draft, whole.num_draft_tokens
     if not hasattr(cost, "step_breakdown_s"):
-        if cfg.speculative.method != "none":
-            raise ValueError(f"a speculative step (speculative.method "
-                             f"{cfg.speculative.method!r}) has no step breakdown; set "
-                             f"speculative.method to none to explain the target's step")
         raise ValueError(f"the {cfg.cost_model.name!r} cost model has no step breakdown; "
                          f"explain prices roofline and silicon steps")
     dp = spec.dp_attention
@@ -121,20 +124,49 @@ def explain_step(cfg: ExperimentConfig, role: str | None = None, batch: int = 64
             done += n
         words = f"prefill of a {prompt}-token prompt in {len(steps)} chunk(s) of <= {chunk}"
     else:
-        steps = [[BatchShape(decode_reqs=batch, decode_context_tokens=batch * context)] * dp]
+        steps = [[BatchShape(decode_reqs=batch, decode_context_tokens=batch * context,
+                             decode_query_len=k + 1)] * dp]
         words = f"decode of {batch} requests at {context} tokens of context"
     if dp > 1:
         words += f", on each of {dp} attention-DP ranks"
-    silicon = isinstance(cost, SiliconCostModel)
+    if draft is not None:
+        words += (f"; {cfg.speculative.method} verifies {k} draft tokens a request: the "
+                  f"target's forward, then the draft's extend (\"draft\")"
+                  + ("" if role == "prefill" else f" and {k - 1} one-token steps "
+                     f"(\"draft step\")"))
+    order = {part: i for i, part in enumerate(BREAKDOWN_PARTS)}
     rows: dict[tuple[str, str], OpRow] = {}
     for shapes in steps:
-        for row in (_silicon_rows(cost, shapes) if silicon else _roofline_rows(cost, shapes)):
+        for row in _rows(cost, shapes):
             _merge(rows, row)
-    order = {part: i for i, part in enumerate(BREAKDOWN_PARTS)}
     ordered = sorted(rows.values(), key=lambda r: order[r.part])  # stable: trace order kept
+    if draft is not None:
+        passes = [("draft", steps, 1)]
+        if role != "prefill" and k > 1:
+            one_each = [[s._replace(decode_query_len=1) for s in shapes] for shapes in steps]
+            passes.append(("draft step", one_each, k - 1))
+        for title, pass_steps, calls in passes:
+            parts: dict[str, OpRow] = {}  # the draft's ops summed by part
+            for shapes in pass_steps:
+                for row in _rows(draft, shapes):
+                    part = parts.setdefault(row.part, _row(
+                        draft, row.part, f"{title}: {PART_NAMES[row.part]}",
+                        calls * _layers(draft, row.part), 0.0, "-", row.how))
+                    part.total_s += calls * row.total_s
+                    if row.part == "overhead":  # one graph replay for all the steps
+                        part.total_s -= (calls - 1) * whole.graph_fixed_s
+                    part.how = min(part.how, row.how, key=_HOW_ORDER.index)
+            ordered += sorted(parts.values(), key=lambda r: order[r.part])
+    silicon = isinstance(cost, SiliconCostModel)
     return Explanation(role, "silicon" if silicon else "roofline", cost.model.name,
                        cost.hardware.name, words, steps,
-                       sum(cost.step_time_s(shapes) for shapes in steps), ordered)
+                       sum(whole.step_time_s(shapes) for shapes in steps), ordered)
+
+
+def _rows(cost, shapes: list[BatchShape]) -> list[OpRow]:
+    if isinstance(cost, SiliconCostModel):
+        return _silicon_rows(cost, shapes)
+    return _roofline_rows(cost, shapes)
 
 
 def _merge(rows: dict[tuple[str, str], OpRow], row: OpRow) -> None:

@@ -156,10 +156,29 @@ def test_explain_rejects_a_role_the_cluster_lacks(tmp_path):
     assert "role 'colocated'" in out and "prefill, decode" in out
     code, out = explain(tmp_path, config(cost="roofline"), "--batch", "0")
     assert code == 2 and "--batch must be at least 1" in out
-    spec = config(cost="roofline", speculative={
-        "method": "eagle", "num_draft_tokens": 3, "acceptance": {"mean_accept_len": 2.5}})
-    code, out = explain(tmp_path, spec)
-    assert code == 2 and "speculative.method 'eagle'" in out
+
+
+@pytest.mark.parametrize("cost", ["roofline", pytest.param("silicon", marks=needs_tables)])
+def test_explain_speculative_step_adds_the_drafts_forwards(tmp_path, cost):
+    """A speculating decode step is the target's verify forward (k + 1 query tokens a
+    request), the draft's extend and its k - 1 one-token steps: the rows add up to the
+    speculative cost model's step, the target's at the verify shape."""
+    cfg = config("deepseek-v3", "h200", cost=cost, role={"tp": 8}, speculative={
+        "method": "mtp", "num_draft_tokens": 3, "acceptance": {"mean_accept_len": 2.5}})
+    got = explain_json(tmp_path, cfg, "--batch", "32", "--context", "2048")
+    verify = BatchShape(decode_reqs=32, decode_context_tokens=32 * 2048, decode_query_len=4)
+    check_sums(got, step_time_s(cfg, "decode", [verify]))  # as the core plans the step
+    assert got["shapes"][0]["decode_query_len"] == 4
+    ops = got["ops"]
+    drafts = [op for op in ops if op["name"].startswith("draft")]
+    assert {op["name"] for op in drafts} >= {"draft: MoE experts", "draft step: MoE experts"}
+    step = {op["name"]: op for op in drafts}["draft step: MoE experts"]
+    assert step["count"] == 2  # k - 1 one-token forwards of the one-layer MTP module
+    target = sum(op["total_s"] for op in ops if not op["name"].startswith("draft"))
+    spec = build_cluster(parse_experiment(cfg)).decode.cost()
+    assert target == pytest.approx(spec.target.step_time_s([verify]), rel=1e-9)
+    code, out = explain(tmp_path, cfg)
+    assert code == 0 and "mtp verifies 3 draft tokens" in out
 
 
 def share_sums(row: pd.Series, role: str) -> float:

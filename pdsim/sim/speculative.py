@@ -11,9 +11,12 @@ acceptance are modelled (`pdsim calibrate` measures the served acceptance into
    for the accepted tokens and proposes the first draft of the next step);
 3. k - 1 **draft decode** forwards with one query token per request (the remaining drafts).
 
-So a step costs `target(verify) + draft(verify shape) + (k - 1) * draft(one token each)`. An
-extend (a prompt's prefill) also runs the draft extend over the prompt: the draft needs its
-KV. The draft is a `ModelSpec` priced by the same registered cost model as the target:
+So a step costs `target(verify) + draft(verify shape) + (k - 1) * draft(one token each)`,
+except that SGLang replays the k - 1 one-token forwards as one CUDA graph
+(`EAGLEDraftCudaGraphRunner` captures its whole `draft_forward` loop): the per-step fixed
+cost they carry (`step_overhead_s` of the roofline and silicon models) is paid once for
+them. An extend (a prompt's prefill) also runs the draft extend over the prompt: the draft
+needs its KV. The draft is a `ModelSpec` priced by the same registered cost model as the target:
 
 - `mtp`: DeepSeek-V3's multi-token-prediction module, one decoder layer of the target's kind
   (`draft_layers` of them) with the target's LM head, run once per draft token;
@@ -30,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from pdsim.core.batch import BatchShape
-from pdsim.sim.cost import ACT_BYTES, CostModel, Parallelism, make_cost_model
+from pdsim.sim.cost import ACT_BYTES, CostModel, Parallelism, StepParams, make_cost_model
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import LINEAR_FIELDS, ModelSpec, load_model_spec
 
@@ -118,19 +121,27 @@ def rate_for_mean_accept_len(mean: float, num_draft_tokens: int) -> float:
 
 
 class SpeculativeCostModel:
-    """A base cost model's target and draft, composed into one speculative step (see above)."""
+    """A base cost model's target and draft, composed into one speculative step (see above).
+
+    `graph_fixed_s`: the fixed cost of one draft forward that its one-token forwards share,
+    replayed as one graph (a profiled model's measured forwards keep theirs: the real
+    backend runs each draft forward on its own)."""
 
     def __init__(self, target: CostModel, draft: CostModel, num_draft_tokens: int):
         self.target = target
         self.draft = draft
         self.num_draft_tokens = num_draft_tokens
+        params = getattr(draft, "params", None)
+        self.graph_fixed_s = (params.step_overhead_s if isinstance(params, StepParams)
+                              and params.scheduler_overhead else 0.0)
 
     def step_time_s(self, shapes: Sequence[BatchShape]) -> float:
         total = self.target.step_time_s(shapes) + self.draft.step_time_s(shapes)
         if self.num_draft_tokens > 1 and any(s.decode_reqs for s in shapes):
             one_each = [BatchShape(decode_reqs=s.decode_reqs,
                                    decode_context_tokens=s.decode_context_tokens) for s in shapes]
-            total += (self.num_draft_tokens - 1) * self.draft.step_time_s(one_each)
+            steps = self.num_draft_tokens - 1
+            total += steps * self.draft.step_time_s(one_each) - (steps - 1) * self.graph_fixed_s
         return total
 
 
