@@ -386,6 +386,12 @@ def test_roofline_decode_reads_and_writes_each_recurrent_state():
     state = 16 * 128 * 128 * 2  # a GPU's 16 value heads, 2 bytes saved an element
     mem_rate = hw.stream_gb_per_s * 1e9 * 0.8  # the roofline's default bw_efficiency
     assert saved == pytest.approx(36 / 48 * 256 * 2 * state / mem_rate, rel=1e-9)
+    # A lone one-token request is kernel floors, the softmax attention kernel's in the 12
+    # full layers and the Gated DeltaNet kernels' in the other 36, and its FP32 state.
+    p = costs[0].params
+    lone = costs[0].attention_kernels_s(BatchShape(decode_reqs=1, decode_context_tokens=1))
+    floors = 12 / 48 * p.attn_floor_s + 36 / 48 * p.gdn_decode_floor_s
+    assert lone == pytest.approx(floors + 36 / 48 * 2 * (2 * state) / mem_rate, rel=0.02)
 
 
 def test_eager_launches_count_gated_deltanet_blocks():

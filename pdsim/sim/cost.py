@@ -502,11 +502,15 @@ class RooflineCostModel:
         kernel_rate = _peak_flops("attention_compute", prec.attention_compute, hardware) * (
             p.fp8_attn_mfu if fp8_kernel else p.attn_mfu)
         self._pf_extra_pairs_tok = p.prefill_attn_extra_keys
-        self._decode_req_s = p.decode_attn_req_s
-        self._attn_floor_s = p.attn_floor_s
+        # Per layer on average: a hybrid model's Gated DeltaNet layers run no softmax attention
+        # kernel (their own are below) and three projection GEMMs.
+        linear_share = model.num_linear_layers / model.num_layers
+        self._decode_req_s = p.decode_attn_req_s * (1 - linear_share)
+        self._attn_floor_s = p.attn_floor_s * (1 - linear_share)
         # Kernel floors of the projections: GQA's QKV and O GEMMs; MLA's fused q_a/kv_a, q_b,
         # kv_b (or its two absorbed batched GEMMs in decode) and o.
-        self._attn_gemm_floor_s = (5 if model.is_mla else 2) * p.gemm_floor_s
+        self._attn_gemm_floor_s = ((5 if model.is_mla else 2) * (1 - linear_share)
+                                   + 3 * linear_share) * p.gemm_floor_s
         self._attn_act_tok = proj_io * ACT_BYTES
         # Per layer on average: in a hybrid model only full-attention layers attend over the
         # whole context (a sliding window's and a recurrent state's per-token work is not
@@ -518,7 +522,7 @@ class RooflineCostModel:
         # measured scan runs ~3x above its roofline: docs/cost_model.md).
         self._gdn_pf_s_tok = self._gdn_dec_s_req = 0.0
         if model.num_linear_layers:
-            share = model.num_linear_layers / model.num_layers
+            share = linear_share
             gdn = (model.linear_num_key_heads // attn_tp, model.linear_num_value_heads // attn_tp,
                    model.linear_key_head_dim, model.linear_value_head_dim,
                    model.recurrent_state_dtype_bytes, model.linear_conv_kernel_dim)
