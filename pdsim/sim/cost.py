@@ -504,7 +504,7 @@ class RooflineCostModel:
         self._pf_extra_pairs_tok = p.prefill_attn_extra_keys
         # Per layer on average: a hybrid model's Gated DeltaNet layers run no softmax attention
         # kernel (their own are below) and three projection GEMMs.
-        linear_share = model.num_linear_layers / model.num_layers
+        linear_share = model.linear_share
         self._decode_req_s = p.decode_attn_req_s * (1 - linear_share)
         self._attn_floor_s = p.attn_floor_s * (1 - linear_share)
         # Kernel floors of the projections: GQA's QKV and O GEMMs; MLA's fused q_a/kv_a, q_b,
@@ -521,22 +521,20 @@ class RooflineCostModel:
         # A Gated DeltaNet layer's kernels instead, as their rooflines (a long prompt's
         # measured scan runs ~3x above its roofline: docs/cost_model.md).
         self._gdn_pf_s_tok = self._gdn_dec_s_req = 0.0
-        if model.num_linear_layers:
-            share = linear_share
-            gdn = (model.linear_num_key_heads // attn_tp, model.linear_num_value_heads // attn_tp,
-                   model.linear_key_head_dim, model.linear_value_head_dim,
-                   model.recurrent_state_dtype_bytes, model.linear_conv_kernel_dim)
+        if linear_share:
+            gdn = (*model.linear_heads_per_rank(attn_tp), model.recurrent_state_dtype_bytes,
+                   model.linear_conv_kernel_dim)
 
             def seconds(kernel: str, s: int) -> float:  # per token (s > 1) or request
                 flops, nbytes = gdn_kernel_work(kernel, 1, s, *gdn)
-                return share * max(flops / kernel_rate, nbytes / mem_rate) / s
+                return linear_share * max(flops / kernel_rate, nbytes / mem_rate) / s
 
             self._gdn_pf_s_tok = (seconds("causal_conv1d_fn", GDN_CHUNK)
                                   + seconds("chunk_gated_delta_rule", GDN_CHUNK))
             self._gdn_dec_s_req = (seconds("causal_conv1d_update", 1)
                                    + seconds("fused_recurrent_gated_delta_rule_packed_decode", 1))
-            self._gdn_pf_floor_s = share * p.gdn_prefill_floor_s
-            self._gdn_dec_floor_s = share * p.gdn_decode_floor_s
+            self._gdn_pf_floor_s = linear_share * p.gdn_prefill_floor_s
+            self._gdn_dec_floor_s = linear_share * p.gdn_decode_floor_s
         self._dec_query_scale = decode_query_scale(model, heads)
         kv_bytes = model.kv_bytes_per_token_per_rank(attn_tp, p.kv_dtype_bytes)
         self._kv_mem_s_tok = kv_bytes / model.num_layers / mem_rate  # write or read, per layer

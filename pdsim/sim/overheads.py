@@ -41,8 +41,7 @@ def kernels_per_layer(model: ModelSpec, tp: int, attn_tp: int, dp_attention: int
         # cumsum, chunk k·k^T, triangular solve, w/u, chunk states, output), gated RMSNorm,
         # out_proj GEMM
         linear = 17 + 3 * fp8_attn
-        share = model.num_linear_layers / model.num_layers
-        attn = (1 - share) * attn + share * linear
+        attn = (1 - model.linear_share) * attn + model.linear_share * linear
     attn += attn_tp > 1
     mlp_collectives = 0 if tp == 1 else (1 if dp_attention == 1 else 2)
     fp8_dense = DTYPES[prec.dense_mlp].compute == "fp8"

@@ -440,16 +440,28 @@ class ModelSpec(BaseModel):
         per_layer = self._kv_bytes_per_token_per_layer_per_rank(tp, kv_dtype_bytes)
         return round(self.num_sliding_layers * per_layer)
 
-    def recurrent_state_bytes_per_layer_per_rank(self, tp: int) -> int:
-        """One request's recurrent state in one linear-attention layer on one attention-TP
-        rank: its value heads (with their key heads' convolution channels) split over tp."""
-        if not self.num_linear_layers:
-            return 0
+    @property
+    def linear_share(self) -> float:
+        """The share of the layers that are linear-attention (Gated DeltaNet) layers."""
+        return self.num_linear_layers / self.num_layers
+
+    def linear_heads_per_rank(self, tp: int) -> tuple[int, int, int, int]:
+        """A linear-attention layer's (key heads, value heads, key head dim, value head dim)
+        on one attention-TP rank: its heads split over tp, and its state with them."""
         for label, heads in (("linear_num_key_heads", self.linear_num_key_heads),
                              ("linear_num_value_heads", self.linear_num_value_heads)):
             if tp < 1 or heads % tp:
                 raise ValueError(f"attention tp={tp} must divide {label} ({heads}): the "
                                  "recurrent state splits by heads")
+        return (self.linear_num_key_heads // tp, self.linear_num_value_heads // tp,
+                self.linear_key_head_dim, self.linear_value_head_dim)
+
+    def recurrent_state_bytes_per_layer_per_rank(self, tp: int) -> int:
+        """One request's recurrent state in one linear-attention layer on one attention-TP
+        rank: its value heads (with their key heads' convolution channels) split over tp."""
+        if not self.num_linear_layers:
+            return 0
+        self.linear_heads_per_rank(tp)  # heads that do not split are an error
         ssm = (self.linear_num_value_heads * self.linear_key_head_dim
                * self.linear_value_head_dim * self.recurrent_state_dtype_bytes)
         conv_elems = self.linear_conv_dim * (self.linear_conv_kernel_dim - 1)

@@ -544,15 +544,13 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
     # A hybrid model's Gated DeltaNet layers (`linear_share` of them) project in and out
     # with their own GEMMs and run their own kernels; the attention projections above are
     # the other layers'.
-    linear_share = model.num_linear_layers / model.num_layers
+    linear_share = model.linear_share
     proj = [(*op, 1.0 - linear_share) for op in proj]
     context_gdn = []
     if linear_share:
-        hk = model.linear_num_key_heads // attn_tp
-        hv = model.linear_num_value_heads // attn_tp
-        heads_dims = (hk, hv, model.linear_key_head_dim, model.linear_value_head_dim,
-                      model.recurrent_state_dtype_bytes)
-        value = hv * model.linear_value_head_dim
+        hk, hv, dk, dv = model.linear_heads_per_rank(attn_tp)
+        heads_dims = (hk, hv, dk, dv, model.recurrent_state_dtype_bytes)
+        value = hv * dv
         conv = model.linear_conv_dim // attn_tp
         proj += [("in_proj_qkvz", gemm, ops.gemm(conv + value, h, ad), linear_share),
                  ("in_proj_ba", gemm, ops.gemm(2 * hv, h, ad), linear_share),
