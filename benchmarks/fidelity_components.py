@@ -112,12 +112,12 @@ class Rooflines:
         return lambda tokens: cost._moe_s(tokens, tokens, tokens)
 
     def all_reduce(self, gpus: int) -> Callable[[float], float]:
-        """An all-reduce of `size` bytes: the model's attention-TP all-reduce at tp=gpus."""
+        """An all-reduce of `size` BF16 elements (the tables' unit): the model's attention-TP
+        all-reduce at tp=gpus."""
         spec = ModelSpec(name="ar", num_layers=1, hidden_size=4096, num_attention_heads=32,
                          num_kv_heads=8, head_dim=128, intermediate_size=1024, vocab_size=8)
         cost = self._cost(spec, Parallelism(tp=gpus))
-        tok_bytes = spec.hidden_size * 2
-        return lambda size: cost._attn_ar_fixed_s + size / tok_bytes * cost._attn_ar_s_tok
+        return lambda size: cost._attn_ar_fixed_s + size / spec.hidden_size * cost._attn_ar_s_tok
 
     def gdn(self, kernel: str, heads: tuple[int, int, int, int], b: int = 1
             ) -> Callable[[float], float]:

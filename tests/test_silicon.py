@@ -134,6 +134,31 @@ def test_gemm_matches_the_table_at_a_measured_point():
 
 
 @needs_tables
+def test_collective_tables_count_elements_not_bytes():
+    """aiconfigurator's collectors log a collective's size in elements (nccl-tests' bytes
+    over the dtype's width; the all-reduced tensor's numel): a table row of m elements is
+    m / hidden tokens. Read as bytes, every collective cost twice its measured time."""
+    h200 = load_hardware_spec("h200")
+    ops = OpTables("h200_sxm", "sglang", "current", h200)
+    t = tables.read_table(tables.nccl_path("h200_sxm"))
+    rows = t[(t.op_name == "all_gather") & (t.nccl_dtype == "half") & (t.num_gpus == 8)]
+    measured = rows.groupby("message_size").latency.min() * 1e-3
+    hidden, elements = 8192, 2**26  # 8192 tokens of Llama-70B's hidden size
+    curve = ops.nccl("all_gather", 8, hidden)
+    assert curve(elements / hidden) == pytest.approx(measured[elements], rel=1e-9)
+    # the ring's bus bandwidth that implies: 7/8 of the 128 MiB in 0.38 ms, near NVLink's
+    # 450 GB/s as NCCL reaches it, not half of it
+    busbw = 7 / 8 * elements * 2 / measured[elements]
+    assert 0.6 * h200.nvlink_gb_per_s * 1e9 < busbw <= h200.nvlink_gb_per_s * 1e9
+    custom = tables.read_table(tables.table_path("h200_sxm", "comm", "sglang", ops.version,
+                                                 "custom_allreduce_perf.parquet"))
+    graph = custom[(custom.num_gpus == 8) & (custom.backend == "sglang_graph")]
+    small = graph.message_size.min() * 64  # a custom all-reduce size: the custom kernel wins
+    ar = ops.all_reduce(8, hidden)(small / hidden)
+    assert ar <= graph.groupby("message_size").latency.min()[small] * 1e-3 * (1 + 1e-9)
+
+
+@needs_tables
 def test_gemm_tile_reference_predicts_a_held_out_point_past_a_tile_boundary():
     ops = OpTables("h100_sxm", "sglang", "current", load_hardware_spec("h100"))
     ms, ys = ops._gemm_series["fp8"][(16384, 4096)]

@@ -582,9 +582,12 @@ class OpTables:
         return hw.nvlink_gb_per_s if gpus <= hw.gpus_per_node else hw.rdma_gb_per_s
 
     def _collective(self, t: pd.DataFrame, gpus: int, hidden: int) -> Curve:
-        """A collective's curve over tokens (message = tokens x hidden x 2 bytes) on `gpus`,
-        moved from the nearest measured GPU count, and from the tables' GPU's links to this
-        GPU's, by the ratio of the two ring rooflines."""
+        """A collective's curve over tokens of `hidden` BF16 elements on `gpus`, moved from the
+        nearest measured GPU count, and from the tables' GPU's links to this GPU's, by the
+        ratio of the two ring rooflines. The tables' `message_size` counts elements, not
+        bytes: aiconfigurator's collectors log nccl-tests' byte size over the dtype's width
+        (`collect_nccl.py`) and the element count of the all-reduced tensor
+        (`collect_all_reduce.py`)."""
         have = min(sorted(int(g) for g in t["num_gpus"].unique()),
                    key=lambda g: (abs(math.log(g / gpus)), -g))
         g = t[t["num_gpus"] == have].groupby("message_size")["latency"].min()
@@ -595,7 +598,7 @@ class OpTables:
         def ring(n: int, gbps: float) -> Callable:
             return lambda tokens: 10e-6 + 2 * (n - 1) / n * tokens * tok_bytes / gbps
 
-        curve = Curve(g.index.to_numpy(float) / tok_bytes, g.to_numpy(float) * 1e-3,
+        curve = Curve(g.index.to_numpy(float) / hidden, g.to_numpy(float) * 1e-3,
                       ring(have, link))
         if have != gpus or want_link != link:
             want, got = ring(gpus, want_link), ring(have, link)
