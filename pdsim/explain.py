@@ -28,7 +28,7 @@ from pdsim.sim.speculative import SpeculativeCostModel
 PART_NAMES = {
     "attention": "attention block", "dense_mlp": "dense MLP", "dense_comm": "MLP all-reduce",
     "moe_experts": "MoE experts", "moe_comm": "MoE communication",
-    "tbo_overlap": "two-batch overlap", "lm_head": "LM head",
+    "tbo_overlap": "two-batch overlap", "lm_head": "LM head", "vocab_comm": "vocab collectives",
     "overhead": "host overhead",
 }
 # Worst first: a row merged from several lookups reports the least direct of them.

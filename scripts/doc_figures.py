@@ -32,6 +32,7 @@ from pdsim.core.batch import BatchShape, extend_attn_pairs  # noqa: E402
 from pdsim.planning import load_plan, plan  # noqa: E402
 from pdsim.planning.result import PlanResult, choice_line  # noqa: E402
 from pdsim.sim.cost import Parallelism, kv_capacity_tokens, make_cost_model  # noqa: E402
+from pdsim.sim.speculative import draft_spec, make_speculative_cost_model  # noqa: E402
 from pdsim.specs.hardware import load_hardware_spec  # noqa: E402
 from pdsim.specs.models import load_model_spec  # noqa: E402
 
@@ -139,7 +140,7 @@ def cost_blocks() -> dict[str, str]:
         silicon.append(f"| {name} | {gpu} | {label} | " + " | ".join(
             f"{a:.1f} / {b:.1f}" for a, b in zip(sil, roof)) + f" | {moved} + {outside}/{looked} |")
     return {"cost-roofline": "\n".join(roofline) + "\n", "cost-silicon": "\n".join(silicon) + "\n",
-            "cost-eager": eager_block()}
+            "cost-eager": eager_block(), "cost-speculative": speculative_block()}
 
 
 EAGER_CASES = (("Llama-3.1-8B, H100, TP 1", "llama-3.1-8b", "h100", dict(tp=1)),
@@ -163,6 +164,24 @@ def eager_block() -> str:
                                       ).step_time_s(shape) * 1e3 for eager in (False, True)]
                 cells.append(f"{ms[0]:,.1f} → {ms[1]:,.1f}")
             lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def speculative_block() -> str:
+    """DeepSeek-V3 decode steps on 8 H200s (TP 8, silicon) at 2,560 tokens of context, plain
+    and with MTP drafting k tokens."""
+    model, hw, par = load_model_spec("deepseek-v3"), load_hardware_spec("h200"), Parallelism(tp=8)
+    draft = draft_spec("mtp", model)
+    plain = make_cost_model("silicon", model, hw, par, role="decode")
+    spec = {k: make_speculative_cost_model("silicon", model, hw, par, draft, k, role="decode")
+            for k in (1, 2, 3)}
+    lines = ["| requests | plain step | k = 1 | k = 2 | k = 3 |", "| --- | --- | --- | --- | --- |"]
+    for reqs in (1, 8, 32):
+        def step(cost, q: int) -> float:
+            return cost.step_time_s([BatchShape(decode_reqs=reqs, decode_context_tokens=reqs * 2560,
+                                                decode_query_len=q)]) * 1e3
+        cells = [step(plain, 1)] + [step(spec[k], k + 1) for k in (1, 2, 3)]
+        lines.append(f"| {reqs} | " + " | ".join(f"{ms:.1f} ms" for ms in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -301,10 +301,10 @@ def test_kv_capacity_error_when_weights_do_not_fit() -> None:
 
 
 def deepep(ep=8, hardware=H200, tbo=False, role="decode", model=DSV3, dense_tp=None,
-           **params):
+           dp_lm_head=False, **params):
     """A large-EP roofline; routing uniform (no expert imbalance) unless params say so."""
     parallel = Parallelism(tp=ep, dp_attention=ep, ep=ep, moe_a2a="deepep",
-                           two_batch_overlap=tbo, moe_dense_tp=dense_tp)
+                           two_batch_overlap=tbo, moe_dense_tp=dense_tp, dp_lm_head=dp_lm_head)
     params.setdefault("expert_imbalance", False)
     return make_cost_model("roofline", model, hardware, parallel, role=role, **params)
 
@@ -339,15 +339,15 @@ def test_deepep_switches_from_nvlink_to_rdma_beyond_one_node() -> None:
     # NVLink domain and when they sit in two 8-GPU nodes. Per token and call, in one domain
     # 8 * 15/16 = 7.5 copies cross NVLink at half of 450 GB/s; in two nodes 3.5 cross
     # NVLink and 4 cross the 50 GB/s NIC at 90 %, which then sets the time, and each call pays
-    # the RDMA latency too. The dense layers run data-parallel (moe_dense_tp=1), so DeepEP is
-    # the only collective.
+    # the RDMA latency too. The dense layers and the LM head run data-parallel
+    # (moe_dense_tp=1, dp_lm_head), so DeepEP is the only collective.
     p, shapes = RooflineParams(), [decode(128, 2048)] * 16
     nvlink, nic = 450e9 * p.deepep_ll_nvlink_efficiency, 50e9 * p.deepep_rdma_efficiency
     one_domain_s = 128 * 7.5 * (7392 + 14336) / nvlink
     two_nodes_s = 128 * 4 * (7392 + 14336) / nic + 2 * p.deepep_rdma_latency_s
     one_domain = H200.model_copy(update={"gpus_per_node": 16})
-    grown = (deepep(16, dense_tp=1).step_time_s(shapes)
-             - deepep(16, one_domain, dense_tp=1).step_time_s(shapes))
+    grown = (deepep(16, dense_tp=1, dp_lm_head=True).step_time_s(shapes)
+             - deepep(16, one_domain, dense_tp=1, dp_lm_head=True).step_time_s(shapes))
     assert grown == pytest.approx(DSV3.num_moe_layers * (two_nodes_s - one_domain_s), rel=1e-9)
 
 
@@ -390,9 +390,11 @@ def test_two_batch_overlap_hides_communication_but_never_beats_its_parts() -> No
     fast = H200.model_copy(update={"nvlink_gb_per_s": 1e9, "rdma_gb_per_s": 1e9})
     for ep, batch in ((8, 4), (16, 128), (32, 256), (72, 256)):
         shapes = [decode(batch, 2048)] * ep
-        plain = deepep(ep).step_time_s(shapes)
-        tbo = deepep(ep, tbo=True).step_time_s(shapes)
-        compute = deepep(ep, hardware=fast, **free_links).step_time_s(shapes)
+        # (the LM head per DP rank, as large-EP deployments run it: no logits gather over
+        # the nodes, which overlap could not hide)
+        plain = deepep(ep, dp_lm_head=True).step_time_s(shapes)
+        tbo = deepep(ep, tbo=True, dp_lm_head=True).step_time_s(shapes)
+        compute = deepep(ep, hardware=fast, dp_lm_head=True, **free_links).step_time_s(shapes)
         comm = plain - compute
         assert tbo >= max(compute, comm), (ep, batch)
         if ep >= 32:
@@ -665,3 +667,62 @@ def test_a_decode_step_priced_from_its_kept_fixed_parts_is_the_full_computation_
                                decode_query_len=rng.choice((1, 1, 4)))
             full = sum(warm.step_breakdown_s([shape]).values())
             assert warm.step_time_s([shape]) == full == make().step_time_s([shape])
+
+
+# ----- the embedding's and LM head's collectives ------------------------------------------------
+
+
+def test_vocab_collectives_follow_sglang_logits_processor() -> None:
+    """Plain TP all-reduces the embedding of every token and all-gathers each LM-head row's
+    logits from the vocabulary shards; DP attention without dp_lm_head gathers every rank's
+    rows and their logits over all tp GPUs; dp_lm_head keeps them on the rank."""
+    p = RooflineParams()
+    nvlink = H200.nvlink_gb_per_s * 1e9 * p.comm_efficiency
+    rdma = H200.rdma_gb_per_s * 1e9 * p.comm_efficiency
+    h, vocab = DSV3.hidden_size, DSV3.vocab_size
+
+    def vocab_comm(parallel: Parallelism, shapes: list[BatchShape]) -> float:
+        cost = make_cost_model("roofline", DSV3, H200, parallel, role="decode")
+        return cost.step_breakdown_s(shapes)["vocab_comm"]
+
+    # TP 8, 64 requests: the embedding's all-reduce (64 rows of hidden) and the logits'
+    # all-gather (64 rows of the vocabulary), each a ring with one latency.
+    tp8 = vocab_comm(Parallelism(tp=8), [decode(64, 2048)])
+    assert tp8 == pytest.approx(2 * p.allreduce_latency_s
+                                + 2 * 7 / 8 * 64 * h * 2 / nvlink + 7 / 8 * 64 * vocab * 2 / nvlink,
+                                rel=1e-12)
+    # DP attention over 8 GPUs, 128 requests each: all 1,024 rows gathered to every GPU, then
+    # their logits (265 MB) all-gathered: a sixth of a millisecond per 128 rows.
+    dp8 = vocab_comm(Parallelism(tp=8, dp_attention=8, ep=8), [decode(128, 2048)] * 8)
+    assert dp8 == pytest.approx(2 * p.allreduce_latency_s
+                                + 7 / 8 * 1024 * (h + vocab) * 2 / nvlink, rel=1e-12)
+    # over 32 GPUs (four nodes) the same gather crosses the NICs: 4,096 rows, ~24 ms a step
+    dp32 = vocab_comm(Parallelism(tp=32, dp_attention=32, ep=32), [decode(128, 2048)] * 32)
+    assert dp32 == pytest.approx(2 * p.allreduce_latency_s
+                                 + 31 / 32 * 4096 * (h + vocab) * 2 / rdma, rel=1e-12)
+    assert dp32 > 0.02
+    # dp_lm_head: each GPU's rank computes its own rows' logits whole
+    assert vocab_comm(Parallelism(tp=32, dp_attention=32, ep=32, moe_dense_tp=1,
+                                  dp_lm_head=True), [decode(128, 2048)] * 32) == 0.0
+    # ... and a rank of two GPUs gathers its own rows' logits over those two
+    two = vocab_comm(Parallelism(tp=8, dp_attention=4, ep=8, dp_lm_head=True),
+                     [decode(128, 2048)] * 4)
+    assert two == pytest.approx(p.allreduce_latency_s + 1 / 2 * 128 * vocab * 2 / nvlink,
+                                rel=1e-12)
+    assert vocab_comm(Parallelism(tp=1), [decode(64, 2048)]) == 0.0
+
+
+def test_silicon_prices_the_vocab_collectives_from_the_nccl_tables() -> None:
+    parallel = Parallelism(tp=8, dp_attention=8, ep=8)
+    shapes = [decode(128, 2048)] * 8
+    silicon = make_cost_model("silicon", DSV3, H200, parallel, role="decode")
+    parts = silicon.step_breakdown_s(shapes)
+    roof = make_cost_model("roofline", DSV3, H200, parallel, role="decode")
+    # the measured all-gathers of these sizes (NCCL, 8 H200s) move 0.69 of NVLink's rate,
+    # as the roofline's comm_efficiency (0.7) has it
+    ratio = parts["vocab_comm"] / roof.step_breakdown_s(shapes)["vocab_comm"]
+    assert 0.85 < ratio < 1.15
+    assert sum(parts.values()) == pytest.approx(silicon.step_time_s(shapes), rel=1e-12)
+    lead = make_cost_model("silicon", DSV3, H200, Parallelism(tp=8, dp_attention=8, ep=8,
+                                                              dp_lm_head=True), role="decode")
+    assert lead.step_breakdown_s(shapes)["vocab_comm"] == 0.0

@@ -178,6 +178,7 @@ def _server_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, required=True)
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--enable-dp-attention", action="store_true")
+    p.add_argument("--enable-dp-lm-head", action="store_true")
     p.add_argument("--ep-size", type=int, default=1)
     p.add_argument("--moe-a2a-backend", choices=["none", "deepep", "mooncake"])
     p.add_argument("--mem-fraction-static", type=float)
@@ -232,6 +233,9 @@ def test_generated_sglang_commands_parse_and_match_the_deployment():
     dec = [a for a in servers if a.disaggregation_mode == "decode"]
     assert all(a.tp_size == 16 and a.dp_size == 8 and a.enable_dp_attention and a.ep_size == 16
                and a.moe_a2a_backend == "deepep" and a.nnodes == 2 for a in pre)
+    # DP attention with each rank's LM head on its own rows, as the simulated deployment has it
+    assert all(a.enable_dp_lm_head for a in pre + dec)
+    assert dep.experiment_data(cfg)["cluster"]["decode"]["dp_lm_head"] is True
     assert sorted(a.node_rank for a in pre) == [0, 0, 1, 1]
     assert all(a.tp_size == 8 and a.nnodes == 1 and a.kv_cache_dtype == "fp8_e4m3" for a in dec)
     assert {a.model_path for a in servers} == {"deepseek-ai/DeepSeek-V3"}

@@ -21,7 +21,8 @@ LONG_PROMPT_PP = (1, 2, 4)
 @dataclass(frozen=True, order=True)
 class RoleShape:
     """How one instance of a role spreads over its GPUs (SGLang's --tp/--dp/--ep/--pp flags;
-    pp > 1 for prefill only), whether it overlaps two micro-batches
+    pp > 1 for prefill only; DP attention comes with --enable-dp-lm-head), whether it
+    overlaps two micro-batches
     (--enable-two-batch-overlap, DeepEP only) and balances experts (--enable-eplb with
     `redundant_experts` copies, EP only)."""
 
@@ -60,7 +61,10 @@ class RoleShape:
         if self.pp > 1:
             data["pp"] = self.pp
         if self.dp_attention > 1:
+            # each DP rank's LM head on its own rows, as DP-attention deployments run it
+            # (without it every step all-gathers all ranks' logits over tp)
             data["dp_attention"] = self.dp_attention
+            data["dp_lm_head"] = True
         if self.ep > 1:
             data["ep"] = self.ep
         if self.moe_a2a != "none":

@@ -58,7 +58,8 @@ def _instance(plan: PlanConfig, role: str, index: int, shape: RoleShape,
     if shape.pp > 1:
         argv += ["--pp-size", str(shape.pp)]
     if shape.dp_attention > 1:
-        argv += ["--dp-size", str(shape.dp_attention), "--enable-dp-attention"]
+        argv += ["--dp-size", str(shape.dp_attention), "--enable-dp-attention",
+                 "--enable-dp-lm-head"]
     if shape.ep > 1:
         argv += ["--ep-size", str(shape.ep)]
     if shape.moe_a2a != "none":

@@ -84,12 +84,12 @@ def gdn_kernel_work(kernel: str, b: float, s: float, k_heads: int, v_heads: int,
 
 # The parts `step_breakdown_s` reports, in step order (both cost models).
 BREAKDOWN_PARTS = ("attention", "dense_mlp", "dense_comm", "moe_experts", "moe_comm",
-                   "tbo_overlap", "lm_head", "overhead")
+                   "tbo_overlap", "lm_head", "vocab_comm", "overhead")
 # The groups summary.csv reports each role's shares of forward time in (docs/experiments.md).
 SHARE_GROUPS = ("attention", "gemm", "moe", "communication", "overhead")
 _PART_GROUPS = {"attention": "attention", "dense_mlp": "gemm", "dense_comm": "communication",
                 "moe_experts": "moe", "tbo_overlap": "moe", "lm_head": "gemm",
-                "overhead": "overhead"}
+                "vocab_comm": "communication", "overhead": "overhead"}
 
 
 def share_group(part: str, moe_a2a: str) -> str:
@@ -97,7 +97,8 @@ def share_group(part: str, moe_a2a: str) -> str:
     (projections, kernels, attention-TP all-reduce, norms); gemm: dense MLP and LM head; moe:
     experts, DeepEP's dispatch/combine and what two-batch overlap changes; communication: the
     MLP's tensor-parallel collectives (a MoE layer's too, without DeepEP); overhead: scheduler
-    and eager launches."""
+    and eager launches; vocab_comm, the embedding's and LM head's collectives, counts as
+    communication."""
     if part == "moe_comm":
         return "moe" if moe_a2a == "deepep" else "communication"
     return _PART_GROUPS[part]
@@ -229,6 +230,49 @@ def step_totals(shapes: Sequence[BatchShape]) -> tuple[int, int, int, int, bool]
         lm_rows += rows
         max_rank_rows = max(max_rank_rows, rows)
     return tokens, max_rank_tokens, lm_rows, max_rank_rows, has_prefill
+
+
+class VocabCollective(NamedTuple):
+    """One collective SGLang runs around its vocabulary-parallel embedding or LM head: `op`
+    over `gpus` GPUs on rows of `width` BF16 elements, as many rows as `rows` names in a
+    step: "tokens" (all of the instance's), "lm_rows" (its LM-head rows), "rank_rows" (the
+    busiest DP rank's LM-head rows)."""
+
+    name: str
+    op: Literal["all_reduce", "all_gather"]
+    gpus: int
+    width: int
+    rows: Literal["tokens", "lm_rows", "rank_rows"]
+
+    def count(self, totals: tuple) -> int:
+        """Its rows in a step of `step_totals`."""
+        tokens, _, lm_rows, max_rank_rows, _ = totals
+        return {"tokens": tokens, "lm_rows": lm_rows, "rank_rows": max_rank_rows}[self.rows]
+
+
+def vocab_collectives(model: ModelSpec, parallel: Parallelism) -> tuple[VocabCollective, ...]:
+    """The collectives of SGLang's `VocabParallelEmbedding` and `LogitsProcessor` (both cost
+    models price them in the `vocab_comm` part). Over tp without DP attention: the
+    embedding's all-reduce of every token, and the all-gather of each LM-head row's logits
+    from the vocabulary shards. With DP attention the embedding is replicated
+    (`enable_tp=not is_dp_attention_enabled()`); without `dp_lm_head` the LM head still
+    splits the vocabulary over tp, so every DP rank's LM-head rows are gathered to all GPUs
+    (`dp_gather_replicate`) and their logits all-gathered over tp, then each rank keeps its
+    own; with `dp_lm_head` a rank's logits are gathered over its attention-TP group only."""
+    tp, attn_tp = parallel.tp, parallel.attn_tp
+    h, vocab = model.hidden_size, model.vocab_size
+    if parallel.dp_attention == 1:
+        if tp == 1:
+            return ()
+        return (VocabCollective("embedding all_reduce", "all_reduce", tp, h, "tokens"),
+                VocabCollective("logits all_gather", "all_gather", tp, vocab, "lm_rows"))
+    if parallel.dp_lm_head:
+        if attn_tp == 1:
+            return ()
+        return (VocabCollective("logits all_gather", "all_gather", attn_tp, vocab,
+                                "rank_rows"),)
+    return (VocabCollective("LM-head rows all_gather", "all_gather", tp, h, "lm_rows"),
+            VocabCollective("logits all_gather", "all_gather", tp, vocab, "lm_rows"))
 
 
 def micro_batches(shapes: Sequence[BatchShape]) -> tuple[list[BatchShape], list[BatchShape]]:
@@ -618,6 +662,12 @@ class RooflineCostModel:
         self._attn_ar_fixed_s = p.allreduce_latency_s if attn_tp > 1 else 0.0
         self._mlp_ar_s_tok = 2 * (tp - 1) / tp * h * ACT_BYTES / link(tp)
         self._mlp_ar_fixed_s = p.allreduce_latency_s if tp > 1 else 0.0
+        # The embedding's and LM head's collectives (`vocab_collectives`), as rings: (the
+        # collective, fixed seconds, seconds per row); an all-gather moves half an all-reduce.
+        self._vocab_comm = [(c, p.allreduce_latency_s,
+                             (2 if c.op == "all_reduce" else 1) * (c.gpus - 1) / c.gpus
+                             * c.width * ACT_BYTES / link(c.gpus))
+                            for c in vocab_collectives(model, parallel)]
         if self._deepep:
             self._a2a = {mode: self._deepep_cost(mode) for mode in ("low_latency", "normal")}
         self._layer_overhead_s = p.layer_overhead_s
@@ -775,10 +825,14 @@ class RooflineCostModel:
             experts, comm, tbo = self._moe_layers_s(shapes, attn, mlp_comm, tokens,
                                                     max_rank_tokens, has_prefill)
         lm_head = self._lm_gemm.at(max_rank_rows if self._dp_lm_head else lm_rows)
+        vocab_comm = 0.0
+        for collective, fixed, s_row in self._vocab_comm:
+            if rows := collective.count(totals):
+                vocab_comm += fixed + rows * s_row
         overhead = self._pp_send.at(max_rank_tokens)
         if self.params.scheduler_overhead:
             overhead += self._step_overhead_s + (self._extend_overhead_s if has_prefill else 0.0)
-        return dense_mlp, dense_comm, experts, comm, tbo, lm_head, overhead
+        return dense_mlp, dense_comm, experts, comm, tbo, lm_head, vocab_comm, overhead
 
     def _moe_layers_s(self, shapes: Sequence[BatchShape], attn: float, mlp_comm: float,
                       tokens: int, max_rank_tokens: int, has_prefill: bool

@@ -15,7 +15,8 @@ Per layer, as SGLang runs it:
 - memory-bound elementwise kernels (norms, RoPE, activation), priced by bandwidth;
 
 and once per step the LM head (over tp on all rows, or with `dp_lm_head` over a rank's GPUs on
-its rows), a fixed overhead and, for steps with prefill tokens, the extend overhead.
+its rows), the embedding's and LM head's collectives (`vocab_collectives`), a fixed overhead
+and, for steps with prefill tokens, the extend overhead.
 `step_breakdown_s` returns these parts by name. Op times come from `OpTables`; lookups are
 counted by what their answer rests on: interpolation in a measured table, a measured curve
 transferred to this shape, dtype or GPU by a roofline ratio, or extrapolation beyond the grid.
@@ -37,6 +38,7 @@ from pdsim.sim.cost import (
     Parallelism,
     Role,
     StepParams,
+    VocabCollective,
     decode_query_scale,
     layers_attention_s,
     max_rank_decode_reqs,
@@ -46,6 +48,7 @@ from pdsim.sim.cost import (
     pp_send_terms,
     step_extras,
     step_totals,
+    vocab_collectives,
     with_eager_overhead,
 )
 from pdsim.sim.silicon import tables
@@ -136,6 +139,7 @@ class _Plan:
     a2a_normal: Stage | None
     lm_head: Stage  # over the instance's rows, or the slowest rank's with dp_lm_head
     dp_lm_head: bool
+    vocab_comm: tuple[tuple[VocabCollective, Stage], ...]  # each over its own rows
     elementwise_s_tok: float  # per layer, per token of a rank
     elementwise_floor_s: float  # per layer
 
@@ -384,11 +388,13 @@ class SiliconCostModel:
                                                     has_prefill)
         lm_head = self._stage(plan.lm_head, max_rank_rows if plan.dp_lm_head else lm_rows,
                               "lm_head")
+        vocab_comm = sum(self._stage(stage, collective.count(totals), "vocab_comm")
+                         for collective, stage in plan.vocab_comm)
         overhead = self._pp_send.at(max_rank_tokens)
         if self.params.scheduler_overhead:
             overhead += self.params.step_overhead_s + (
                 self.params.extend_overhead_s if has_prefill else 0.0)
-        return dense_mlp, dense_comm, experts, comm, tbo, lm_head, overhead
+        return dense_mlp, dense_comm, experts, comm, tbo, lm_head, vocab_comm, overhead
 
     def _moe_layers_s(self, shapes: Sequence[BatchShape], attn: float, tokens: int,
                       max_rank_tokens: int, has_prefill: bool) -> tuple[float, float, float]:
@@ -620,6 +626,11 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
 
     lm = [("lm_head", gemm,
            ops.gemm(model.vocab_size // (attn_tp if par.dp_lm_head else tp), h, prec.lm_head))]
+    vocab_comm = tuple(
+        (c, _labelled([(c.name, "allreduce" if c.op == "all_reduce" else "nccl",
+                        ops.all_reduce(c.gpus, c.width) if c.op == "all_reduce"
+                        else ops.nccl(c.op, c.gpus, c.width))]))
+        for c in vocab_collectives(model, par))
     mem = hw.stream_gb_per_s * 1e9 * p.bw_efficiency
     return _Plan(
         layers=model.num_layers,
@@ -653,6 +664,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
                                a2a_normal)]) if a2a_normal else None,
         lm_head=_labelled(lm),
         dp_lm_head=par.dp_lm_head,
+        vocab_comm=vocab_comm,
         elementwise_s_tok=(8 * h + 2 * rope_elems + mlp_act) * ACT_BYTES / mem,
         elementwise_floor_s=ELEMENTWISE_KERNELS * p.kernel_floor_s,
     )
