@@ -16,7 +16,7 @@ from pdsim.sim.silicon import resolve_cost_model, tables
 from pdsim.sim.silicon.interp import (
     Curve, Grid2, Stage, best_reference, leave_one_out, pchip, pchip_slopes,
 )
-from pdsim.sim.silicon.ops import OpTables
+from pdsim.sim.silicon.ops import OpTables, excess_row_ms, idle_rows
 from pdsim.specs import load_hardware_spec, load_model_spec
 
 needs_tables = pytest.mark.skipif(tables.systems_dir() is None,
@@ -156,6 +156,40 @@ def test_collective_tables_count_elements_not_bytes():
     small = graph.message_size.min() * 64  # a custom all-reduce size: the custom kernel wins
     ar = ops.all_reduce(8, hidden)(small / hidden)
     assert ar <= graph.groupby("message_size").latency.min()[small] * 1e-3 * (1 + 1e-9)
+
+
+@needs_tables
+def test_wide_ep_context_experts_drop_the_rows_a_dispatch_never_delivers():
+    """aiconfigurator's wide-EP prefill collector feeds each rank all tokens of the EP group,
+    so at equal work per rank its times grow with EP (3.5x from EP 8 to EP 256 on H200);
+    without the rows no local expert takes they are flat, as the grouped GEMM's work is."""
+    ops = OpTables("h200_sxm", "sglang", "current", load_hardware_spec("h200"))
+    t = tables.read_table(tables.table_path("h200_sxm", "moe", "sglang", ops.version,
+                                            "wideep_context_moe_perf.parquet"))
+    t = t[(t.moe_tp_size == 1) & (t.moe_dtype == "fp8_block") & (t.distribution == "uniform")]
+    assert 5e-6 < excess_row_ms(t) < 9e-6  # ms a row: 5-9 ns
+
+    def raw_ms(ep: int, tokens: int) -> float:
+        return t[(t.moe_ep_size == ep) & (t.num_tokens == tokens)].latency.min()
+
+    pairs = 16384  # per rank: 2,048 tokens a rank, top 8
+    assert raw_ms(256, pairs // 8 * 256) > 3 * raw_ms(8, pairs // 8 * 8)
+    at = {ep: ops.wideep_moe("context", 7168, 2048, 8, 256, ep, "fp8", "balanced")(
+        pairs / 8 * ep) for ep in (8, 32, 256)}
+    assert 0.9 < at[32] / at[8] < 1.1 and 0.9 < at[256] / at[8] < 1.2
+    assert at[8] == pytest.approx(raw_ms(8, pairs) * 1e-3 - excess_row_ms(t) * 1e-3
+                                  * idle_rows(np.array([pairs]), 8, 8)[0], rel=1e-9)
+    for ep in (8, 64, 256):  # every point keeps a positive time
+        curve = ops.wideep_moe("context", 7168, 2048, 8, 256, ep, "fp8", "balanced")
+        assert curve.values(curve.grid).min() > 0
+    # the decode table is measured on the rows a low-latency dispatch delivers: read as is
+    decode = ops.wideep_moe("generation", 7168, 2048, 8, 256, 32, "fp8", "balanced")
+    gen = tables.read_table(tables.table_path("h200_sxm", "moe", "sglang", ops.version,
+                                              "wideep_generation_moe_perf.parquet"))
+    gen = gen[(gen.moe_ep_size == 32) & (gen.moe_dtype == "fp8_block")
+              & (gen.distribution == "uniform") & (gen.moe_tp_size == 1)]
+    x = float(gen.num_tokens.iloc[len(gen) // 2])
+    assert decode(x) == pytest.approx(gen[gen.num_tokens == x].latency.min() * 1e-3, rel=1e-9)
 
 
 @needs_tables

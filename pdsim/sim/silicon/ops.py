@@ -543,7 +543,9 @@ class OpTables:
         mode, "generation" for low-latency mode) over the layer's total tokens; None when the
         system has no such table. The tables measure DeepSeek-V3's expert shape in FP8 blocks:
         another expert shape, dtype or EP size is moved from the nearest measured one by the
-        ratio of the two MoE rooflines (`moe_roofline`), and counted as transferred."""
+        ratio of the two MoE rooflines (`moe_roofline`), and counted as transferred. The context
+        table's rows carry the time of rows a real dispatch never delivers (`idle_rows`); it
+        is taken out first."""
         import pandas as pd
         t = self._table("moe", f"wideep_{phase}_moe_perf.parquet")
         if t is None:
@@ -569,6 +571,10 @@ class OpTables:
         have = (*shape, have_ep)
         sel = t[(t[key] == pd.Series(have, index=key)).all(axis=1)]
         g = sel.groupby("num_tokens")["latency"].min()
+        if phase == "context":
+            same_shape = t[(t[key[:4]] == pd.Series(shape, index=key[:4])).all(axis=1)]
+            g = g - excess_row_ms(same_shape) * idle_rows(g.index.to_numpy(float), have_ep,
+                                                          shape[2])
         have_roof = self.moe_roofline(*shape, 1, have_ep, _TABLE_TO_PDSIM[used])
         if have == want and used in MOE_DTYPES[dtype]:
             return Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
@@ -691,6 +697,38 @@ def op_tables(system: str, framework: str, version: str, hardware: HardwareSpec,
               table_hardware: HardwareSpec | None = None) -> OpTables:
     """A shared `OpTables` (its indexed tables serve every plan on that system)."""
     return OpTables(system, framework, version, hardware, table_hardware)
+
+
+def idle_rows(tokens: np.ndarray, ep: int, topk: int) -> np.ndarray:
+    """Rows of a wide-EP context-table point that no local expert takes. aiconfigurator's
+    collector (`collect_wideep_deepep_moe.py`) hands each rank all `tokens` of the EP group
+    (`num_token * num_rank` rows, each with its share of the rank's routed pairs), where
+    DeepEP's normal dispatch delivers a rank only the tokens routed to one of its experts:
+    `tokens * (1 - (1 - 1/ep)^topk)` of them (uniform routing). The rest are scattered and
+    gathered all the same (`ep_scatter`, `ep_gather`): a cost that grows with EP at equal work
+    per rank, up to ~1.9x the measured time at EP 256, which SGLang does not pay."""
+    return tokens * (1.0 - 1.0 / ep) ** topk
+
+
+def excess_row_ms(t: pd.DataFrame) -> float:
+    """Milliseconds per idle row (`idle_rows`) in a wide-EP context table of one expert shape:
+    at each per-rank pair count (`tokens * topk / ep`) measured at three or more EP sizes the
+    latency grows linearly with the idle rows; the slope, fitted over all such pair counts
+    with one intercept each (5-8.5 ns a row on Hopper and Blackwell, uniform routing)."""
+    u = t[t["distribution"] == "uniform"]
+    dx, dy = [], []
+    for _, level in u.groupby(u["num_tokens"] * u["topk"] / u["moe_ep_size"]):
+        best = level.groupby(["moe_ep_size", "num_tokens"], as_index=False)["latency"].min()
+        if len(best) < 3:
+            continue
+        x = idle_rows(best["num_tokens"].to_numpy(float), best["moe_ep_size"].to_numpy(float),
+                      int(u["topk"].iloc[0]))
+        dx.append(x - x.mean())
+        dy.append(best["latency"].to_numpy(float) - best["latency"].mean())
+    if not dx:
+        return 0.0
+    dx, dy = np.concatenate(dx), np.concatenate(dy)
+    return max(0.0, float(dx @ dy / (dx @ dx)))
 
 
 def moved_expert_curve(measured: pd.Series, have: tuple, have_roof: Callable, want: tuple,
