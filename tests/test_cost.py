@@ -20,6 +20,7 @@ from pdsim.sim.cost import (
     kv_capacity_tokens,
     make_cost_model,
     micro_batches,
+    overlapped_layers_s,
     register_cost_model,
     weight_bytes_per_gpu,
 )
@@ -726,3 +727,38 @@ def test_silicon_prices_the_vocab_collectives_from_the_nccl_tables() -> None:
     lead = make_cost_model("silicon", DSV3, H200, Parallelism(tp=8, dp_attention=8, ep=8,
                                                               dp_lm_head=True), role="decode")
     assert lead.step_breakdown_s(shapes)["vocab_comm"] == 0.0
+
+
+# ----- two-batch overlap beside DeepEP's normal-mode SMs --------------------------------------
+
+
+def test_overlapped_compute_slows_by_the_sms_normal_mode_communication_holds() -> None:
+    # compute-bound pair: 10 ms of compute beside 4 ms of communication holding 15 % of the
+    # SMs finishes 0.15 * 4 ms later; a communication-bound pair is as long as its transfer
+    assert overlapped_layers_s(1, (10, 4), (10, 4), 0.15) == pytest.approx(2 * 10.6 + 4)
+    assert overlapped_layers_s(1, (10, 4), (10, 4)) == pytest.approx(2 * 10 + 4)
+    assert overlapped_layers_s(1, (2, 10), (2, 10), 0.15) == pytest.approx(2 * 10 + 2)
+
+
+def test_prefill_overlap_prices_deepep_normal_sms_and_decode_does_not() -> None:
+    shapes_pf = [prefill(4096)] * 32
+    shapes_dec = [decode(128, 2048)] * 32
+    unknown = H200.model_copy(update={"sms": None})
+    prefill_with = deepep(32, tbo=True, role="prefill").step_time_s(shapes_pf)
+    prefill_without = deepep(32, unknown, tbo=True, role="prefill").step_time_s(shapes_pf)
+    assert prefill_with > 1.05 * prefill_without  # 20 of 132 SMs communicate
+    assert deepep(32, tbo=True, role="prefill", deepep_normal_sms=0).step_time_s(
+        shapes_pf) == pytest.approx(prefill_without, rel=1e-12)
+    # without overlap the communication runs alone; low-latency kernels hold no SMs
+    assert deepep(32, role="prefill").step_time_s(shapes_pf) == pytest.approx(
+        deepep(32, unknown, role="prefill").step_time_s(shapes_pf), rel=1e-12)
+    assert deepep(32, tbo=True).step_time_s(shapes_dec) == pytest.approx(
+        deepep(32, unknown, tbo=True).step_time_s(shapes_dec), rel=1e-12)
+    with pytest.raises(ValueError, match="leaves none of the h200's 132 SMs.*allowed: 0 to 131"):
+        deepep(32, tbo=True, role="prefill", deepep_normal_sms=132)
+    # the silicon model overlaps its measured kernels the same way
+    par = Parallelism(tp=32, dp_attention=32, ep=32, moe_a2a="deepep", two_batch_overlap=True)
+    silicon = {hw.sms: make_cost_model("silicon", DSV3, hw, par, role="prefill",
+                                       expert_imbalance=False).step_time_s(shapes_pf)
+               for hw in (H200, unknown)}
+    assert silicon[132] > 1.05 * silicon[None]

@@ -293,14 +293,33 @@ def micro_batches(shapes: Sequence[BatchShape]) -> tuple[list[BatchShape], list[
     return first, second
 
 
-def overlapped_layers_s(layers: int, first: tuple[float, float], second: tuple[float, float]
-                        ) -> float:
+def overlapped_layers_s(layers: int, first: tuple[float, float], second: tuple[float, float],
+                        sm_share: float = 0.0) -> float:
     """MoE layers under two-batch overlap, each micro-batch's (compute, communication) per
     layer: one micro-batch computes while the other communicates, so a layer takes
     max(c1, x2) + max(c2, x1), and the step pays one half-batch min(c, x) to fill the
-    pipeline (both cost models)."""
+    pipeline (both cost models). Communication kernels that hold `sm_share` of the GPU's SMs
+    (DeepEP's normal mode, `tbo_sm_share`) slow the compute beside them to 1 - sm_share of its
+    pace: a compute c beside a communication x ends at max(x, c + sm_share * x)."""
     (c1, x1), (c2, x2) = first, second
-    return layers * (max(c1, x2) + max(c2, x1)) + min(c1 + c2, x1 + x2) / 2
+    r = sm_share
+    return (layers * (max(c1 + r * x2, x2) + max(c2 + r * x1, x1))
+            + min(c1 + c2, x1 + x2) / 2)
+
+
+def tbo_sm_share(hardware: HardwareSpec, p: StepParams, normal: bool) -> float:
+    """The share of the GPU's SMs two-batch overlap's communication holds while the other
+    micro-batch computes: DeepEP's normal-mode kernels run on `deepep_normal_sms` SMs (DeepSeek's
+    prefill profile: 24 of an H800's 132 communicate, 108 compute); its low-latency kernels
+    hold none while they wait (their RDMA proceeds without SMs). 0 where the GPU's SM count
+    is unknown."""
+    if not normal or hardware.sms is None:
+        return 0.0
+    if p.deepep_normal_sms >= hardware.sms:
+        raise ValueError(f"deepep_normal_sms={p.deepep_normal_sms} leaves none of the "
+                         f"{hardware.name}'s {hardware.sms} SMs to compute; allowed: 0 to "
+                         f"{hardware.sms - 1}")
+    return p.deepep_normal_sms / hardware.sms
 
 
 def layers_attention_s(attn: float, dense_layers: int, moe_layers: int) -> float:
@@ -324,7 +343,10 @@ class StepParams(BaseModel):
     rank; None: SGLang's default for the GPU) the time their kernel launches, eager_launch_s
     each, outlast their kernels.
     scheduler_overhead: charge step_overhead_s per step and extend_overhead_s per extend step
-    (the scheduler loop's host work)."""
+    (the scheduler loop's host work).
+    deepep_normal_sms: the SMs DeepEP's normal-mode kernels run on (DeepEP's `Buffer.num_sms`,
+    20 unless SGLang's --deepep-config sets it); under two-batch overlap the other micro-batch
+    computes on the rest (`tbo_sm_share`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -335,6 +357,7 @@ class StepParams(BaseModel):
     eager_launch_s: float = Field(default=EAGER_LAUNCH_S, ge=0)
     cuda_graph_max_bs: int | None = Field(default=None, ge=0)
     scheduler_overhead: bool = True
+    deepep_normal_sms: int = Field(default=20, ge=0)
 
 
 def step_extras(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism, p: StepParams
@@ -670,6 +693,8 @@ class RooflineCostModel:
                             for c in vocab_collectives(model, parallel)]
         if self._deepep:
             self._a2a = {mode: self._deepep_cost(mode) for mode in ("low_latency", "normal")}
+            self._tbo_sm_share = {normal: tbo_sm_share(hardware, p, normal)
+                                  for normal in (False, True)}
         self._layer_overhead_s = p.layer_overhead_s
         self._step_overhead_s = p.step_overhead_s
         self._extend_overhead_s = p.extend_overhead_s
@@ -852,7 +877,8 @@ class RooflineCostModel:
         tbo = 0.0
         if self._tbo:
             halves = [self._micro_batch_s(half, a2a) for half in micro_batches(shapes)]
-            tbo = overlapped_layers_s(layers, *halves) - layers * (attn + experts + comm)
+            tbo = (overlapped_layers_s(layers, *halves, self._tbo_sm_share[normal])
+                   - layers * (attn + experts + comm))
         return layers * experts, layers * comm, tbo
 
     def _deepep_layer_s(self, tokens: float, max_rank_tokens: float,

@@ -31,6 +31,8 @@ class HardwareSpec(BaseModel):
     rdma_gb_per_s: per-GPU NIC bandwidth typical of the platform (400 Gb/s = 50 GB/s).
     gpus_per_node: GPUs in one NVLink domain (8 in an HGX board, 72 in a GB200 NVL72 rack);
         traffic between GPUs of one domain takes NVLink, beyond it RDMA.
+    sms: streaming multiprocessors (the CUDA device's multiProcessorCount); two-batch overlap's
+        compute shares them with DeepEP's normal-mode kernels. None: the sharing is not priced.
     usd_per_gpu_hour: a rental price for one GPU-hour, None where no public list price was
         found; `price_source` says whose price and when. Prices move: override it.
     silicon_base: the preset of the same die whose measured kernel tables price this GPU in
@@ -58,6 +60,7 @@ class HardwareSpec(BaseModel):
     nvlink_gb_per_s: float = Field(gt=0)
     rdma_gb_per_s: float = Field(gt=0)
     gpus_per_node: int = Field(default=8, ge=1)
+    sms: int | None = Field(default=None, ge=1)
     usd_per_gpu_hour: float | None = Field(default=None, gt=0)
     silicon_base: str | None = None
     hbm_share: float = Field(default=1.0, gt=0, le=1)
@@ -111,8 +114,13 @@ H20_ROOFLINE_SHARE = 0.75
 # 2.3 TB/s (DeepGEMM issue #136, a 117 MB weight): 0.8-1.0 of the H100's rate, 2.8 TB/s here.
 H20_STREAM_GB_PER_S = 2800
 
+# SM counts: NVIDIA's architecture whitepapers (A100 108; GA102 in the A10 72; AD102 in the
+# L40S 142; H100 SXM5 132, as in the H800 and H200); the H20 78 (as republished); B200 and
+# GB200 148 (their CUDA device properties, as DeepGEMM and FlashMLA report them); B300 and
+# GB300 160 (NVIDIA's "Inside NVIDIA Blackwell Ultra" technical blog).
 _PRESETS: dict[str, dict[str, Any]] = {
     "a100": dict(
+        sms=108,
         bf16_tflops=312, fp8_tflops=None, hbm_gib=80, hbm_gb_per_s=2039, nvlink_gb_per_s=300,
         rdma_gb_per_s=25, usd_per_gpu_hour=1.30,
         source=(
@@ -126,6 +134,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         ),
     ),
     "a10": dict(
+        sms=72,
         bf16_tflops=125, fp8_tflops=None, hbm_gib=24, hbm_gb_per_s=600, nvlink_gb_per_s=32,
         rdma_gb_per_s=3.125, usd_per_gpu_hour=0.86,
         source=(
@@ -136,6 +145,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source="Lambda on-demand 1x A10 instance, $0.86/h (list price seen 2026-05-07)",
     ),
     "l40s": dict(
+        sms=142,
         bf16_tflops=362, fp8_tflops=733, hbm_gib=48, hbm_gb_per_s=864, nvlink_gb_per_s=32,
         rdma_gb_per_s=50, usd_per_gpu_hour=1.95,
         source=(
@@ -147,6 +157,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source="Modal on-demand L40S, $1.9512/h (list price seen 2026-05-07)",
     ),
     "h100": dict(
+        sms=132,
         bf16_tflops=989, fp8_tflops=1979, hbm_gib=80, hbm_gb_per_s=3350, nvlink_gb_per_s=450,
         rdma_gb_per_s=50, usd_per_gpu_hour=2.95,
         source=(
@@ -160,6 +171,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         ),
     ),
     "h800": dict(
+        sms=132,
         bf16_tflops=989, fp8_tflops=1979, hbm_gib=80, hbm_gb_per_s=3350, nvlink_gb_per_s=200,
         rdma_gb_per_s=50, silicon_base="h100",
         source=(
@@ -171,6 +183,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source=_NO_PRICE + " (China-market part)",
     ),
     "h200": dict(
+        sms=132,
         bf16_tflops=989, fp8_tflops=1979, hbm_gib=141, hbm_gb_per_s=4800, nvlink_gb_per_s=450,
         rdma_gb_per_s=50, usd_per_gpu_hour=3.50,
         source=(
@@ -184,6 +197,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         ),
     ),
     "h20": dict(
+        sms=78,
         bf16_tflops=148, fp8_tflops=296, hbm_gib=96, hbm_gb_per_s=4000, nvlink_gb_per_s=450,
         rdma_gb_per_s=50, silicon_base="h100",  # the GH100 die with fewer SMs at lower clocks
         hbm_share=H20_STREAM_GB_PER_S / 4000, roofline_share=H20_ROOFLINE_SHARE,
@@ -195,6 +209,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source=_NO_PRICE + " (China-market part)",
     ),
     "h20-141g": dict(
+        sms=78,
         bf16_tflops=148, fp8_tflops=296, hbm_gib=141, hbm_gb_per_s=4800, nvlink_gb_per_s=450,
         rdma_gb_per_s=50, silicon_base="h200",  # the H200's die and memory, the H20's SMs
         hbm_share=H20_STREAM_GB_PER_S / 4800, roofline_share=H20_ROOFLINE_SHARE,
@@ -206,6 +221,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source=_NO_PRICE + " (China-market part)",
     ),
     "b200": dict(
+        sms=148,
         bf16_tflops=2250, fp8_tflops=4500, fp4_tflops=9000, hbm_gib=180, hbm_gb_per_s=8000,
         nvlink_gb_per_s=900, rdma_gb_per_s=50, usd_per_gpu_hour=6.03,
         source=(
@@ -217,6 +233,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source="Spheron on-demand B200 SXM, $6.03/h (published 2026-03-17)",
     ),
     "b300": dict(
+        sms=160,
         bf16_tflops=2250, fp8_tflops=4500, fp4_tflops=13500, hbm_gib=288, hbm_gb_per_s=8000,
         nvlink_gb_per_s=900, rdma_gb_per_s=100,
         source=(
@@ -228,6 +245,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source=_NO_PRICE,
     ),
     "gb200": dict(
+        sms=148,
         bf16_tflops=2500, fp8_tflops=5000, fp4_tflops=10000, hbm_gib=186, hbm_gb_per_s=8000,
         nvlink_gb_per_s=900, rdma_gb_per_s=50, gpus_per_node=72, usd_per_gpu_hour=4.54,
         source=(
@@ -241,6 +259,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         ),
     ),
     "gb300": dict(
+        sms=160,
         bf16_tflops=2500, fp8_tflops=5000, fp4_tflops=15000, hbm_gib=288, hbm_gb_per_s=8000,
         nvlink_gb_per_s=900, rdma_gb_per_s=100, gpus_per_node=72,
         source=(

@@ -48,6 +48,7 @@ from pdsim.sim.cost import (
     pp_send_terms,
     step_extras,
     step_totals,
+    tbo_sm_share,
     vocab_collectives,
     with_eager_overhead,
 )
@@ -417,7 +418,9 @@ class SiliconCostModel:
         tbo = 0.0
         if par.two_batch_overlap:
             halves = [self._micro_batch_s(half, normal) for half in micro_batches(shapes)]
-            tbo = overlapped_layers_s(layers, *halves) - layers * (attn + compute + comm)
+            tbo = (overlapped_layers_s(layers, *halves,
+                                       tbo_sm_share(self.hardware, self.params, normal))
+                   - layers * (attn + compute + comm))
         return layers * compute, layers * comm, tbo
 
     def _deepep_layer_s(self, tokens: int, max_rank_tokens: int, normal: bool,
