@@ -43,7 +43,7 @@ from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Reference, best_reference
 from pdsim.sim.silicon.ops import (
     _TABLE_TO_PDSIM, DEEPEP_NUM_SMS, MLA_TABLE_DIMS, TABLE_GPUS_PER_NODE, OpTables,
-    excess_row_ms, idle_rows, moved_expert_curve,
+    moved_expert_curve, without_idle_rows,
 )
 from pdsim.specs import ModelSpec, load_hardware_spec, model_preset
 from pdsim.specs.hardware import HardwareSpec
@@ -279,10 +279,8 @@ def transfers(ops: OpTables) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         for (dt, *cfg), g in t.groupby(["moe_dtype", *shape]):
             curves = {int(e): c.groupby("num_tokens")["latency"].min()
                       for e, c in g.groupby("moe_ep_size")}
-            if phase == "context":  # as the silicon model reads them (`idle_rows`)
-                slope = excess_row_ms(g)
-                curves = {e: c - slope * idle_rows(c.index.to_numpy(float), e, int(cfg[2]))
-                          for e, c in curves.items()}
+            if phase == "context":  # as the silicon model reads them
+                curves = {e: without_idle_rows(c, g, e, int(cfg[2])) for e, c in curves.items()}
             eps = sorted(curves)
             for a, b in zip(eps, eps[1:]):
                 for src, dst in ((a, b), (b, a)):

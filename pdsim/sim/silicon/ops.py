@@ -572,9 +572,8 @@ class OpTables:
         sel = t[(t[key] == pd.Series(have, index=key)).all(axis=1)]
         g = sel.groupby("num_tokens")["latency"].min()
         if phase == "context":
-            same_shape = t[(t[key[:4]] == pd.Series(shape, index=key[:4])).all(axis=1)]
-            g = g - excess_row_ms(same_shape) * idle_rows(g.index.to_numpy(float), have_ep,
-                                                          shape[2])
+            g = without_idle_rows(g, t[(t[key[:4]] == pd.Series(shape, index=key[:4])).all(
+                axis=1)], have_ep, shape[2])
         have_roof = self.moe_roofline(*shape, 1, have_ep, _TABLE_TO_PDSIM[used])
         if have == want and used in MOE_DTYPES[dtype]:
             return Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
@@ -730,6 +729,14 @@ def excess_row_ms(t: pd.DataFrame) -> float:
         return 0.0
     dx, dy = np.concatenate(dx), np.concatenate(dy)
     return max(0.0, float(dx @ dy / (dx @ dx)))
+
+
+def without_idle_rows(measured: pd.Series, same_shape: pd.DataFrame, ep: int,
+                      topk: int) -> pd.Series:
+    """A wide-EP context curve (ms by tokens, at `ep`) less the time of its idle rows, at
+    the slope its table (`same_shape`: one expert shape, every EP size) gives them."""
+    return measured - excess_row_ms(same_shape) * idle_rows(measured.index.to_numpy(float), ep,
+                                                            topk)
 
 
 def moved_expert_curve(measured: pd.Series, have: tuple, have_roof: Callable, want: tuple,
