@@ -42,7 +42,7 @@ from pdsim.sim.cost import (
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Reference, best_reference
 from pdsim.sim.silicon.ops import (
-    _TABLE_TO_PDSIM, DEEPEP_NUM_SMS, MLA_TABLE_DIMS, TABLE_GPUS_PER_NODE, OpTables,
+    _TABLE_TO_PDSIM, DEEPEP_NUM_SMS, MLA_TABLE_DIMS, OpTables, deepep_link_roofline,
     moved_expert_curve, without_idle_rows,
 )
 from pdsim.specs import ModelSpec, load_hardware_spec, model_preset
@@ -200,7 +200,7 @@ def series(ops: OpTables, roof: Rooflines) -> dict[str, list[Series]]:
         t = t.assign(seconds=t[cols[0]] + t[cols[1]])
         keys = ["hidden_size", "num_topk", "num_experts", "node_num"]
         for (h, k, e, nodes), xs, ys in _grouped(t, keys, "num_token", "seconds", 1e-6):
-            r = roof.deepep(h, k, e, TABLE_GPUS_PER_NODE * nodes, mode)
+            r = roof.deepep(h, k, e, tables.gpus_per_node(ops.system) * nodes, mode)
             out.setdefault(f"DeepEP {mode}", []).append((xs, ys, r, PLAIN))
     t = ops._table("linear_attention", "gdn_perf.parquet")
     if t is not None:
@@ -418,6 +418,33 @@ def gpu_moves(src: str, dst: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return {kind: (np.array(a), np.array(b)) for kind, (a, b) in out.items()}
 
 
+def deepep_group_moves() -> dict[str, tuple[np.ndarray, ...]]:
+    """DeepEP mode -> |errors| of (pdsim, the tables as measured, the link roofline's move)
+    against B200's tables, measured on 8 GPUs, for GB200's measured on one 4-GPU tray (the
+    same NVLink rate) and priced at 8 GPUs in one NVLink domain; every shape both hold, from
+    256 tokens a GPU up (below, the two systems' fixed latencies differ: 35 against 44 us)."""
+    gb200, b200 = load_hardware_spec("gb200"), load_hardware_spec("b200")
+    source = OpTables("gb200", "sglang", "current", gb200)
+    truth = OpTables("b200_sxm", "sglang", "current", b200)
+    out: dict[str, tuple[list, list, list]] = {}
+    for mode, file in (("low_latency", "wideep_deepep_ll_perf.parquet"),
+                       ("normal", "wideep_deepep_normal_perf.parquet")):
+        shapes = [set(map(tuple, ops._need("comm", file).query("node_num == 1")[
+            ["hidden_size", "num_topk", "num_experts"]].to_numpy().tolist()))
+            for ops in (source, truth)]
+        errors = out.setdefault(mode, ([], [], []))
+        for h, k, e in sorted(shapes[0] & shapes[1]):
+            want = truth.deepep(mode, h, k, e, 8)
+            got, as_measured = source.deepep(mode, h, k, e, 8), source.deepep(mode, h, k, e, 4)
+            moved = deepep_link_roofline(mode, h, k, 8, 8, b200)
+            measured = deepep_link_roofline(mode, h, k, 4, 4, gb200)
+            for x in want.grid[want.grid >= 256]:
+                for errs, y in zip(errors, (got(x), as_measured(x),
+                                            as_measured(x) * moved(x) / measured(x))):
+                    errs.append(abs(y / want(x) - 1))
+    return {mode: tuple(np.array(e) for e in errs) for mode, errs in out.items()}
+
+
 # Kernels timed on an H20 and published (flash-attention issue #1310: FlashAttention-3 forward,
 # causal, 2 x 2,048 tokens; FlashMLA issue #30: decode, 128 requests, one query each where
 # the row says so), against the H100's tables moved as silicon moves them.
@@ -474,6 +501,13 @@ def main() -> None:
         for kind, (got, unmoved) in gpu_moves(src, dst).items():
             print(f"{kind:24s} {len(got):6d} {np.median(got):9.1%} "
                   f"{np.percentile(got, 90):6.1%} {np.median(unmoved):9.1%}")
+    print("\nDeepEP from 4 GPUs to 8 in one NVLink domain: gb200's tables (one 4-GPU tray) "
+          "priced at 8 GPUs, against b200_sxm's (8 GPUs, the same NVLink rate), 256+ tokens")
+    print(f"{'mode':12s} {'points':>6s} {'pdsim p50':>9s} {'p90':>6s} {'as measured p50':>15s} "
+          f"{'link roofline p50':>17s}")
+    for mode, (got, as_measured, roofline) in deepep_group_moves().items():
+        print(f"{mode:12s} {len(got):6d} {np.median(got):9.1%} {np.percentile(got, 90):6.1%} "
+              f"{np.median(as_measured):15.1%} {np.median(roofline):17.1%}")
     print("\nH20 kernels as published against the H100's tables moved to the H20, ms "
           "(ratio only: at the datasheet's HBM rate, without the roofline share)")
     print(f"{'kernel':40s} {'measured':>8s} {'pdsim':>6s} {'ratio only':>10s}")

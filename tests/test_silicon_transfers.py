@@ -301,3 +301,45 @@ def test_modelopt_nvfp4_hf_quant_config_beside_config_json_is_read_as_nvfp4(tmp_
     (tmp_path / "config.json").write_text(json.dumps(_deepseek_config()))
     with pytest.raises(ValueError, match="hf_quant_config.json"):
         load_model_spec(tmp_path)
+
+
+@needs_tables
+def test_deepep_tables_count_the_measured_machines_nodes():
+    """aiconfigurator's DeepEP collectors run on every GPU of one node: 4 on a GB200 tray, 8
+    on an HGX board (their system files' node.num_gpus_per_node)."""
+    assert tables.gpus_per_node("gb200") == tables.gpus_per_node("gb300") == 4
+    assert tables.gpus_per_node("h200_sxm") == tables.gpus_per_node("b200_sxm") == 8
+
+
+@needs_tables
+def test_gb200_low_latency_dispatch_grows_with_ep_inside_the_nvl72_domain():
+    """GB200's low-latency table ran on 4 GPUs; inside the 72-GPU NVLink domain every EP size
+    read it unchanged (128 tokens a GPU: 63 us at EP 8 and at EP 72). Priced at 8 GPUs it
+    lands on B200's measured 8-GPU table (the same NVLink rate) within a few percent where
+    the links carry the time, and more GPUs send more of each token off the GPU."""
+    gb200, b200 = load_hardware_spec("gb200"), load_hardware_spec("b200")
+    source = OpTables("gb200", "sglang", "current", gb200)
+    truth = OpTables("b200_sxm", "sglang", "current", b200)
+    want, got = truth.deepep("low_latency", 7168, 8, 256, 8), source.deepep(
+        "low_latency", 7168, 8, 256, 8)
+    for tokens in (256, 512, 1024):
+        assert got(tokens) == pytest.approx(want(tokens), rel=0.06), tokens
+    by_ep = [source.deepep("low_latency", 7168, 8, 256, ep)(128) for ep in (4, 8, 16, 48, 72)]
+    assert all(b > a for a, b in zip(by_ep, by_ep[1:])), by_ep
+    assert got.transferred and not source.deepep("low_latency", 7168, 8, 256, 4).transferred
+
+
+@needs_tables
+def test_normal_mode_keeps_its_measured_group_inside_one_nvlink_domain():
+    """Normal-mode kernels are held by their 20 SMs, not the links: B200's 8-GPU table is within
+    a quarter of GB200's 4-GPU one where the link roofline would put 8 GPUs 1.6x above. Inside
+    one domain the measured curve stands; across nodes the measured node counts and the link
+    roofline move it."""
+    gb200, h200 = load_hardware_spec("gb200"), load_hardware_spec("h200")
+    source = OpTables("gb200", "sglang", "current", gb200)
+    four = source.deepep("normal", 7168, 8, 256, 4)
+    for ep in (8, 48, 72):
+        assert source.deepep("normal", 7168, 8, 256, ep)(4096) == four(4096)
+    hopper = OpTables("h200_sxm", "sglang", "current", h200)
+    assert hopper.deepep("normal", 7168, 8, 256, 32)(4096) > 3 * hopper.deepep(
+        "normal", 7168, 8, 256, 8)(4096)  # RDMA between four nodes

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
 ACT_BYTES = 2
 DEEPEP_NUM_SMS = 20  # DeepEP's default SM count for normal-mode kernels (Buffer.num_sms)
-TABLE_GPUS_PER_NODE = 8  # DeepEP's node_num counts 8-GPU nodes
 # DeepSeek-V3's MLA dimensions, the ones the MLA tables were measured at.
 MLA_TABLE_DIMS = (512, 64, 128, 128)  # kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
 # MLA context tables whose rows time the absorbed form (one latent KV head: q·k over
@@ -642,17 +641,20 @@ class OpTables:
         """DeepEP dispatch + combine (mode "low_latency" or "normal") over tokens per GPU;
         None when the system has no DeepEP table.
 
-        The tables count 8-GPU nodes (`node_num`) and have no EP-size column: an EP group inside
-        one NVLink domain reads node_num 1, a larger one `ceil(ep / 8)` nodes, taken from the
-        newest version that measured that many (older releases measured multi-node runs). A
-        shape or node count the tables lack is scaled from the nearest measured one by the
-        ratio of DeepEP's link-time roofline (pdsim.sim.moe_comm) and counted."""
+        The tables count the measured machines' nodes (`node_num`; `tables.gpus_per_node`: 8
+        GPUs on HGX boards, 4 on a GB200 tray) and have no EP-size column: an EP group inside
+        one NVLink domain reads node_num 1, a larger one `ceil(ep / node size)` nodes, taken
+        from the newest version that measured that many (older releases measured multi-node
+        runs). A shape, group size or node count the tables lack is scaled from the nearest
+        measured one by the ratio of DeepEP's link-time roofline (pdsim.sim.moe_comm) and
+        counted; but normal mode keeps its measured group size inside one NVLink domain."""
         import pandas as pd
         file = f"wideep_deepep_{'ll' if mode == 'low_latency' else 'normal'}_perf.parquet"
         paths = tables.table_paths(self.system, "comm", self.framework, self.version, file)
         if not paths:
             return None
-        nodes = 1 if ep <= self.hw.gpus_per_node else math.ceil(ep / TABLE_GPUS_PER_NODE)
+        node_gpus = tables.gpus_per_node(self.system)
+        nodes = 1 if ep <= self.hw.gpus_per_node else math.ceil(ep / node_gpus)
         frames, seen = [], set()
         for path in paths:  # newest first: each node count from the newest table holding it
             t = tables.read_table(path)
@@ -674,21 +676,32 @@ class OpTables:
         sel = t[(t[key] == pd.Series(have, index=key)).all(axis=1)]
         g = sel.groupby("num_token")["seconds"].min()
 
-        def roofline(h: int, k: int, group: int, domain: int, hw: HardwareSpec) -> Callable:
-            one = deepep_traffic(1.0, h, k, group, domain, mode)
-            nvlink, rdma = hw.nvlink_gb_per_s * 1e9, hw.rdma_gb_per_s * 1e9
-            per_token = sum(max(c.nvlink_bytes / nvlink, c.rdma_bytes / rdma)
-                            for c in (one.dispatch, one.combine))
-            return lambda tokens: 20e-6 + np.asarray(tokens, float) * per_token
-
-        # The tables' runs: node_num nodes of 8 GPUs, one NVLink domain each.
-        have_roof = roofline(have[0], have[1], TABLE_GPUS_PER_NODE * have[3], TABLE_GPUS_PER_NODE,
-                             self.table_hw)
+        # The tables' runs: node_num nodes of node_gpus GPUs, one NVLink domain each.
+        have_group = node_gpus * have[3]
+        have_roof = deepep_link_roofline(mode, have[0], have[1], have_group, node_gpus,
+                                         self.table_hw)
         curve = Curve(g.index.to_numpy(float), g.to_numpy(float), have_roof)
-        if have != want or _links(self.table_hw) != _links(self.hw):
-            want_roof = roofline(hidden, topk, ep, min(ep, self.hw.gpus_per_node), self.hw)
+        # Normal-mode kernels inside one NVLink domain are held by their SMs, not the links:
+        # B200's 8-GPU tables sit 10 % (median) from GB200's 4-GPU ones where the link
+        # roofline moves the latter 28 % off (benchmarks/fidelity_components.py). There the
+        # group keeps its measured size; low-latency kernels follow the link roofline (3 %).
+        group = have_group if mode == "normal" and nodes == have[3] == 1 else ep
+        if have != want or group != have_group or _links(self.table_hw) != _links(self.hw):
+            want_roof = deepep_link_roofline(mode, hidden, topk, group,
+                                             min(group, self.hw.gpus_per_node), self.hw)
             curve = curve.scaled(lambda x: want_roof(x) / have_roof(x))
         return curve
+
+
+def deepep_link_roofline(mode: str, hidden: int, topk: int, group: int, domain: int,
+                         hw: HardwareSpec) -> Callable:
+    """DeepEP dispatch + combine over `group` GPUs in NVLink domains of `domain`, at `hw`'s
+    link rates (seconds over tokens per GPU): the ratio that moves a measured curve."""
+    one = deepep_traffic(1.0, hidden, topk, group, domain, mode)
+    nvlink, rdma = hw.nvlink_gb_per_s * 1e9, hw.rdma_gb_per_s * 1e9
+    per_token = sum(max(c.nvlink_bytes / nvlink, c.rdma_bytes / rdma)
+                    for c in (one.dispatch, one.combine))
+    return lambda tokens: 20e-6 + np.asarray(tokens, float) * per_token
 
 
 @lru_cache(maxsize=16)

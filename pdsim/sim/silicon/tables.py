@@ -123,6 +123,19 @@ def table_path(system: str, op: str, framework: str, version: str, file: str) ->
 
 
 @lru_cache(maxsize=None)
+def gpus_per_node(system: str) -> int:
+    """GPUs in one node of the machines `system` was measured on (its system file's
+    `node.num_gpus_per_node`): 8 on HGX boards, 4 on a GB200/GB300 compute tray. The DeepEP
+    tables' `node_num` counts these nodes; their single-node rows ran on every GPU of one."""
+    path = require_systems_dir() / f"{system}.yaml"
+    node = (yaml.safe_load(path.read_text()) or {}).get("node") or {}
+    if "num_gpus_per_node" not in node:
+        raise ValueError(f"silicon: {path} names no node.num_gpus_per_node; the DeepEP tables' "
+                         f"node counts cannot be read without it")
+    return int(node["num_gpus_per_node"])
+
+
+@lru_cache(maxsize=None)
 def nccl_path(system: str) -> Path | None:
     root = require_systems_dir() / "data" / system / "comm" / "nccl"
     if not root.is_dir():
