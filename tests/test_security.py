@@ -201,6 +201,7 @@ def test_heartbeats_from_unregistered_endpoints_open_no_sockets(secured):
 def test_unknown_room_aborts_stay_bounded(secured):
     (_, p), (_, d) = secured.prefill[0], secured.decode[0]
     side = p.prefill
+    secured.transfer(204, [5], [11], chunks=1)  # the decode rank registers (run alone too)
     rooms = side.num_rooms
     for room in range(10**6, 10**6 + 100_000):
         side.on_abort(m.Abort(room=room, reason="flood", session_id=d.session_id))
