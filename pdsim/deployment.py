@@ -245,6 +245,10 @@ class RoleConfig(_Spec):
         "ep = tp > 1 and a MoE model)")
     two_batch_overlap: bool = Field(
         False, description="sim only: SGLang's --enable-two-batch-overlap (needs moe_a2a: deepep)")
+    single_batch_overlap: bool = Field(
+        False, description="sim only: SGLang's --enable-single-batch-overlap: a decode step's "
+        "DeepEP calls beside its own shared and routed experts (needs moe_a2a: deepep; not with "
+        "two_batch_overlap)")
     moe_dense_tp: Literal[1] | None = Field(
         None, description="SGLang's --moe-dense-tp-size: None = tp; 1 = dense MLP "
         "layers data-parallel, per GPU on its own tokens (needs dp_attention > 1)")
@@ -285,7 +289,8 @@ class RoleConfig(_Spec):
         for name in ("dp_attention", "ep"):
             if self.tp % getattr(self, name):
                 raise ValueError(f"{name}={getattr(self, name)} must divide tp={self.tp}")
-        check_moe_a2a(self.moe_a2a, self.two_batch_overlap, self.tp, self.ep)
+        check_moe_a2a(self.moe_a2a, self.two_batch_overlap, self.tp, self.ep,
+                      self.single_batch_overlap)
         check_dp_options(self.moe_dense_tp, self.dp_lm_head, self.dp_attention)
         if self.eplb is not None and self.ep < 2:
             raise ValueError(f"eplb balances experts over expert-parallel ranks: it needs "

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from pdsim.config import ExperimentConfig
-from pdsim.core.batch import BatchShape, extend_attn_pairs
+from pdsim.core.batch import BatchShape, extend_shape
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cost import BREAKDOWN_PARTS, SHARE_GROUPS, share_group
 from pdsim.sim.silicon import SiliconCostModel
@@ -119,8 +119,7 @@ def explain_step(cfg: ExperimentConfig, role: str | None = None, batch: int = 64
         steps, done = [], 0
         while done < prompt:
             n = min(chunk, prompt - done)
-            steps.append([BatchShape(prefill_tokens=n,
-                                     prefill_attn_pairs=extend_attn_pairs(n, done))] * dp)
+            steps.append([extend_shape(n, done)] * dp)
             done += n
         words = f"prefill of a {prompt}-token prompt in {len(steps)} chunk(s) of <= {chunk}"
     else:

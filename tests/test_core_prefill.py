@@ -135,8 +135,9 @@ def test_chunked_prefill_sends_complete_pages_after_each_chunk():
     assert (meta.first_token_id, meta.first_logprob, meta.cached_tokens) == (42, -0.25, 0)
     assert s.inflight == [r] and s.pending_tokens == 0
     assert (r.prefill_start_s, r.prefill_end_s, r.num_output, r.token_times_s) == (0.0, 3.0, 1, [3.0])
-    # Chunk attention pairs: each chunk attends over everything before it.
+    # Chunk attention pairs: each chunk attends over everything before it, its prefix.
     assert b2.shape.prefill_attn_pairs == 16 * 16 + 16 * 17 / 2
+    assert [b.shape.prefill_prefix_tokens for b in (b1, b2, b3)] == [0, 16, 32]
 
 
 def test_inflight_success_frees_pages_and_slots():

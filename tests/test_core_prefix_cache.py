@@ -52,6 +52,7 @@ def test_a_later_request_computes_only_the_suffix_after_the_cached_prefix():
     d.submit(5.0, "C", r1)  # after r0 finished and cached its whole pages
     d.run()
     assert extends(ex) == [("r0", 0, 19), ("r1", 16, 21)]
+    assert [b.shape.prefill_prefix_tokens for b in ex.batches if b.kind == "extend"] == [0, 16]
     assert (r0.cached_tokens, r1.cached_tokens) == (0, 16)
     assert r1.to_record("ok").cached_tokens == 16  # into the per-request records
     assert r1.num_output == 3 and not r1.error

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from pdsim.cli import app
 from pdsim.config import parse_experiment
-from pdsim.core.batch import BatchShape, extend_attn_pairs
+from pdsim.core.batch import BatchShape, extend_shape
 from pdsim.runner import run_experiment
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cluster import Simulation
@@ -100,8 +100,7 @@ def test_dense_roofline_prefill_chunks_the_prompt_as_the_scheduler_does(tmp_path
     assert {op["how"] for op in got["ops"]} == {"roofline"}
     assert [s["prefill_tokens"] for s in got["shapes"]] == [4096, 4096, 1808]
     assert got["ops"][0]["count"] == 3 * 32  # every chunk's 32 layers
-    chunks = [BatchShape(n, extend_attn_pairs(n, done))
-              for n, done in ((4096, 0), (4096, 4096), (1808, 8192))]
+    chunks = [extend_shape(n, done) for n, done in ((4096, 0), (4096, 4096), (1808, 8192))]
     check_sums(got, step_time_s(cfg, "prefill", chunks))
 
 
@@ -125,13 +124,29 @@ def test_deepseek_deepep_decode_and_prefill_name_the_moe_ops(tmp_path):
     got = explain_json(tmp_path, cfg, "--role", "prefill", "--prompt", "3000")
     assert [s["prefill_tokens"] for s in got["shapes"]] == [1024, 1024, 952]
     names = {op["name"] for op in got["ops"]}
-    assert {"kv_b_proj", "prefill attention", "routed experts"} <= names
-    assert "decode attention" not in names
+    # the first chunk in the MHA form, the two after it over fewer than 8,192 cached tokens
+    # in the absorbed one, as SGLang's fa3 backend dispatches them
+    assert {"kv_b_proj", "prefill attention", "prefill attention (absorbed)",
+            "routed experts"} <= names
+    assert "decode attention" not in names and "kv_b_proj (prefix)" not in names
     assert {op["table"] for op in got["ops"] if op["name"] == "dispatch+combine"} == {
         "wideep_deepep_normal"}
-    chunks = [BatchShape(n, extend_attn_pairs(n, done))
-              for n, done in ((1024, 0), (1024, 1024), (952, 2048))]
+    chunks = [extend_shape(n, done) for n, done in ((1024, 0), (1024, 1024), (952, 2048))]
     check_sums(got, step_time_s(cfg, "prefill", chunks))
+
+
+@pytest.mark.slow
+@needs_tables
+def test_single_batch_overlap_shows_what_it_hides(tmp_path):
+    """The overlap's change is a row of each part it touches, so the rows still add up."""
+    cfg = config("deepseek-v3", "h200", role={**DEEPEP, "single_batch_overlap": True})
+    got = explain_json(tmp_path, cfg)
+    by_name = {op["name"]: op for op in got["ops"]}
+    assert {"dispatch", "combine", "routed experts"} <= set(by_name)
+    hidden = by_name["single-batch overlap: hidden"]
+    assert hidden["total_s"] < 0 and hidden["how"] == "derived"
+    assert by_name["single-batch overlap: SMs the combine holds"]["total_s"] > 0
+    check_sums(got, step_time_s(cfg, "decode", [decode(64, 2048)]))
 
 
 @pytest.mark.slow

@@ -25,6 +25,9 @@ class BatchShape(NamedTuple):
     decode_context_tokens: KV tokens read by those decode requests (sum of their context lengths).
     decode_query_len: query tokens each decode request computes in the step: 1 normally,
         1 + draft tokens when a speculative step verifies them.
+    prefill_prefix_tokens: tokens computed before those segments that they attend over (a
+        cached prefix, earlier chunks), summed over requests: MLA picks its prefill form by
+        them and re-projects them (pdsim.sim.cost.mla_extend_form).
     """
 
     prefill_tokens: int = 0
@@ -32,6 +35,7 @@ class BatchShape(NamedTuple):
     decode_reqs: int = 0
     decode_context_tokens: int = 0
     decode_query_len: int = 1
+    prefill_prefix_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -42,6 +46,13 @@ class BatchShape(NamedTuple):
 def extend_attn_pairs(new_tokens: int, cached_tokens: int) -> float:
     """Causal attention pairs of an extend segment of `new_tokens` after `cached_tokens`."""
     return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2
+
+
+def extend_shape(new_tokens: int, cached_tokens: int = 0) -> BatchShape:
+    """A rank's step that extends one request by `new_tokens` after `cached_tokens`."""
+    return BatchShape(prefill_tokens=new_tokens,
+                      prefill_attn_pairs=extend_attn_pairs(new_tokens, cached_tokens),
+                      prefill_prefix_tokens=cached_tokens)
 
 
 @dataclass(slots=True)

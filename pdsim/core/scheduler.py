@@ -145,7 +145,7 @@ class InstanceScheduler:
         cfg = self.config
         budget = cfg.max_prefill_tokens
         segments: list[ExtendSegment] = []
-        tokens = 0
+        tokens = prefix = 0
         pairs = 0.0
         while self.waiting and budget > 0:
             req = self.waiting[0]
@@ -171,10 +171,12 @@ class InstanceScheduler:
             segments.append(ExtendSegment(req, req.computed_tokens, req.computed_tokens + take))
             tokens += take
             pairs += extend_attn_pairs(take, req.computed_tokens)
+            prefix += req.computed_tokens
             budget -= take
         if not segments:
             return None
-        shape = BatchShape(prefill_tokens=tokens, prefill_attn_pairs=pairs)
+        shape = BatchShape(prefill_tokens=tokens, prefill_attn_pairs=pairs,
+                           prefill_prefix_tokens=prefix)
         return ExtendBatch(shape, now, segments)
 
     def _plan_decode(self, now: float) -> Batch | None:

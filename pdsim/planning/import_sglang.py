@@ -8,8 +8,8 @@ become the deployment they start: the roles (`--disaggregation-mode`; none: colo
 their instances (servers whose `--node-rank` is 0), parallelism (`--tp-size`, `--pp-size`,
 `--dp-size` with `--enable-dp-attention`, `--ep-size`, `--moe-a2a-backend` or the older
 `--enable-deepep-moe`: DeepEP sets ep = tp, as SGLang does), the large-EP options
-(`--enable-two-batch-overlap`, `--moe-dense-tp-size`, `--enable-dp-lm-head`, EPLB:
-`--enable-eplb` or `--init-expert-location` with `--ep-num-redundant-experts`,
+(`--enable-two-batch-overlap`, `--enable-single-batch-overlap`, `--moe-dense-tp-size`,
+`--enable-dp-lm-head`, EPLB: `--enable-eplb` or `--init-expert-location` with `--ep-num-redundant-experts`,
 SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK), scheduler knobs (`--mem-fraction-static`,
 `--max-running-requests`, `--chunked-prefill-size` (-1: unchunked), `--max-prefill-tokens`,
 `--page-size`, `--max-total-tokens`, `--num-reserved-decode-tokens` or
@@ -139,6 +139,7 @@ def _server_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-deepep-moe", action="store_true")  # SGLang <= 0.4.9's spelling
     p.add_argument("--deepep-mode", default="auto")
     p.add_argument("--enable-two-batch-overlap", action="store_true")
+    p.add_argument("--enable-single-batch-overlap", action="store_true")
     p.add_argument("--moe-dense-tp-size", type=int)
     p.add_argument("--enable-dp-lm-head", action="store_true")
     p.add_argument("--enable-eplb", action="store_true")
@@ -258,6 +259,7 @@ def _shape(a: argparse.Namespace, env: dict[str, str], line: int,
             ("dp_attention", a.dp_size if a.enable_dp_attention else 1, 1),
             ("moe_a2a", "deepep" if deepep else a.moe_a2a_backend, "none"),
             ("two_batch_overlap", a.enable_two_batch_overlap, False),
+            ("single_batch_overlap", a.enable_single_batch_overlap, False),
             ("moe_dense_tp", 1 if a.moe_dense_tp_size == 1 else None, None),
             ("dp_lm_head", a.enable_dp_lm_head, False),
             ("eplb", a.ep_num_redundant_experts if eplb else None, None),

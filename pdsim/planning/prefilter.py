@@ -36,7 +36,7 @@ from functools import cached_property
 import numpy as np
 
 from pdsim.config import ConfigError, parse_experiment
-from pdsim.core.batch import BatchShape, extend_attn_pairs
+from pdsim.core.batch import BatchShape, extend_shape
 from pdsim.planning.candidates import Candidate, RoleShape
 from pdsim.planning.config import PlanConfig
 from pdsim.sim.build import build_role
@@ -150,9 +150,8 @@ class Prefilter:
         for n in np.unique(self.workload.input_tokens):
             n = int(n)
             steps = _chunks(n, chunk) if chunk else [(0, n)]
-            alone[n] = pipelined_s([cost.step_time_s(
-                [BatchShape(prefill_tokens=k, prefill_attn_pairs=extend_attn_pairs(k, c))] + idle)
-                for c, k in steps], shape.pp)
+            alone[n] = pipelined_s([cost.step_time_s([extend_shape(k, c)] + idle)
+                                    for c, k in steps], shape.pp)
         return RoleCapacity(shape, kv_tokens, sched.max_running_requests, prefill, decode, floor,
                             alone)
 

@@ -28,6 +28,7 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
                hw: HardwareSpec, base_dir: str | None = None) -> RoleSpec:
     par = Parallelism(tp=role.tp, dp_attention=role.dp_attention, ep=role.ep,
                       moe_a2a=role.moe_a2a, two_batch_overlap=role.two_batch_overlap,
+                      single_batch_overlap=role.single_batch_overlap,
                       moe_dense_tp=role.moe_dense_tp, dp_lm_head=role.dp_lm_head, pp=role.pp)
     kv_bytes = role.kv_bytes(cfg.kv_dtype_bytes)
     # Every cost model prices KV reads in the role's KV dtype unless told otherwise, and

@@ -118,6 +118,8 @@ class Parallelism(BaseModel):
         tokens (pdsim.sim.moe_comm); needs ep = tp > 1, as SGLang sets it.
     two_batch_overlap: split each step into two micro-batches and overlap one's DeepEP
         communication with the other's compute (SGLang's `--enable-two-batch-overlap`).
+    single_batch_overlap: overlap a decode step's DeepEP low-latency calls with its own
+        expert compute (SGLang's `--enable-single-batch-overlap`; `single_batch_overlap_s`).
     moe_dense_tp: GPUs the dense MLP layers split over (SGLang's `--moe-dense-tp-size`):
         None (SGLang's default) = tp, on the gathered tokens of all DP ranks with the MLP's
         collective; 1 = each GPU runs the whole dense MLP on its own tokens, no collective.
@@ -136,6 +138,7 @@ class Parallelism(BaseModel):
     ep: int = Field(default=1, ge=1)
     moe_a2a: Literal["none", "deepep"] = "none"
     two_batch_overlap: bool = False
+    single_batch_overlap: bool = False
     moe_dense_tp: Literal[1] | None = None
     dp_lm_head: bool = False
     pp: int = Field(default=1, ge=1)
@@ -145,7 +148,8 @@ class Parallelism(BaseModel):
         for label in ("dp_attention", "ep"):
             if self.tp % getattr(self, label):
                 raise ValueError(f"{label}={getattr(self, label)} must divide tp={self.tp}")
-        check_moe_a2a(self.moe_a2a, self.two_batch_overlap, self.tp, self.ep)
+        check_moe_a2a(self.moe_a2a, self.two_batch_overlap, self.tp, self.ep,
+                      self.single_batch_overlap)
         check_dp_options(self.moe_dense_tp, self.dp_lm_head, self.dp_attention)
         return self
 
@@ -307,6 +311,49 @@ def overlapped_layers_s(layers: int, first: tuple[float, float], second: tuple[f
             + min(c1 + c2, x1 + x2) / 2)
 
 
+# SGLang's single-batch overlap (batch_overlap/single_batch_overlap.py): DeepEP's low-latency
+# combine sends from SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS SMs (by default 32 on Blackwell, 3
+# elsewhere) while the rest compute beside it.
+SBO_COMBINE_SMS_BLACKWELL = 32
+SBO_COMBINE_SMS_OTHER = 3
+# A SwiGLU expert's down projection holds a third of its weights and FLOPs (d x i of 3 d x i).
+EXPERT_DOWN_SHARE = 1 / 3
+
+
+def single_batch_overlap_s(dispatch: float, combine: float, shared: float, routed: float,
+                           hardware: HardwareSpec, expert_dtype: str) -> tuple[float, float]:
+    """One decode MoE layer under SGLang's single-batch overlap (`SboFlags`), as (compute,
+    communication left exposed); they add up to the layer's time. With `x'` the time of x on
+    the SMs the combine leaves (`hardware.sms`; unknown: all):
+
+    - before Blackwell (DeepGEMM): the shared experts run while the dispatch is in flight and
+      the routed experts' down projection while the combine sends (3 SMs):
+      max(dispatch, shared) + gate_up + max(combine, down');
+    - Blackwell, FP4 experts (flashinfer's CuTe DSL kernels): the down projection and then the
+      shared experts beside the combine (32 SMs): dispatch + gate_up + max(combine, down' +
+      shared');
+    - Blackwell, other experts (DeepGEMM): the shared experts beside the combine:
+      dispatch + routed + max(combine, shared').
+
+    `routed` is the routed experts' gate_up, activation and down, `EXPERT_DOWN_SHARE` of it
+    the down projection."""
+    blackwell = hardware.fp4_tflops is not None
+    comm_sms = SBO_COMBINE_SMS_BLACKWELL if blackwell else SBO_COMBINE_SMS_OTHER
+    pace = hardware.sms / (hardware.sms - comm_sms) if hardware.sms else 1.0
+    down = routed * EXPERT_DOWN_SHARE
+    if not blackwell:
+        beside_dispatch, beside_combine = shared, down * pace
+    elif expert_dtype in ("nvfp4", "mxfp4"):
+        beside_dispatch, beside_combine = 0.0, (down + shared) * pace
+    else:
+        beside_dispatch, beside_combine = 0.0, shared * pace
+    # the compute, at the pace it runs: what runs beside the combine slowed by the SMs it holds
+    compute = routed + shared + beside_combine * (1 - 1 / pace)
+    layer = (compute - beside_dispatch - beside_combine + max(dispatch, beside_dispatch)
+             + max(combine, beside_combine))
+    return compute, layer - compute
+
+
 def tbo_sm_share(hardware: HardwareSpec, p: StepParams, normal: bool) -> float:
     """The share of the GPU's SMs two-batch overlap's communication holds while the other
     micro-batch computes: DeepEP's normal-mode kernels run on `deepep_normal_sms` SMs (DeepSeek's
@@ -320,6 +367,30 @@ def tbo_sm_share(hardware: HardwareSpec, p: StepParams, normal: bool) -> float:
                          f"{hardware.name}'s {hardware.sms} SMs to compute; allowed: 0 to "
                          f"{hardware.sms - 1}")
     return p.deepep_normal_sms / hardware.sms
+
+
+# SGLang's SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD: the fa3 and flashinfer MLA backends (Hopper,
+# Ampere) run an extend batch whose prefixes sum to fewer cached tokens in the absorbed form.
+MLA_CHUNKED_PREFIX_THRESHOLD = 8192
+
+
+def mla_prefix_threshold(hardware: HardwareSpec, p: StepParams) -> int:
+    """The cached prefix tokens from which an MLA extend batch runs MHA: the given
+    `chunked_prefix_cache_threshold`, else SGLang's default for the GPU's MLA backend:
+    Blackwell (the GPUs with FP4 tensor cores) runs trtllm_mla, which re-projects any prefix
+    (1); the fa3 and flashinfer backends elsewhere 8,192."""
+    if p.chunked_prefix_cache_threshold is not None:
+        return p.chunked_prefix_cache_threshold
+    return 1 if hardware.fp4_tflops is not None else MLA_CHUNKED_PREFIX_THRESHOLD
+
+
+def mla_extend_form(prefix_tokens: int, threshold: int) -> str:
+    """How SGLang runs an MLA extend batch over `prefix_tokens` cached tokens (summed over its
+    requests; `attention_backend_handler.py`): "mha" without a prefix or from `threshold`
+    prefix tokens on (the prefix's latent KV re-projected by kv_b into K/V for it), else
+    "absorbed" (decode's form: kv_b folded into q and o, attention over the latent, 3.4x the
+    FLOPs a pair for DeepSeek's dimensions)."""
+    return "mha" if prefix_tokens == 0 or prefix_tokens >= threshold else "absorbed"
 
 
 def layers_attention_s(attn: float, dense_layers: int, moe_layers: int) -> float:
@@ -346,7 +417,10 @@ class StepParams(BaseModel):
     (the scheduler loop's host work).
     deepep_normal_sms: the SMs DeepEP's normal-mode kernels run on (DeepEP's `Buffer.num_sms`,
     20 unless SGLang's --deepep-config sets it); under two-batch overlap the other micro-batch
-    computes on the rest (`tbo_sm_share`)."""
+    computes on the rest (`tbo_sm_share`).
+    chunked_prefix_cache_threshold: an MLA extend batch after at least this many cached
+    prefix tokens runs MHA over the prefix re-projected by kv_b, after fewer the absorbed
+    form (`mla_extend_form`); None: SGLang's default for the GPU's MLA backend."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -358,6 +432,7 @@ class StepParams(BaseModel):
     cuda_graph_max_bs: int | None = Field(default=None, ge=0)
     scheduler_overhead: bool = True
     deepep_normal_sms: int = Field(default=20, ge=0)
+    chunked_prefix_cache_threshold: int | None = Field(default=None, ge=1)
 
 
 def step_extras(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism, p: StepParams
@@ -585,6 +660,15 @@ class RooflineCostModel:
         full_share = model.num_full_attention_layers / model.num_layers
         self._pf_attn_s_pair = pf_flops_pair / kernel_rate * full_share
         self._dec_attn_s_ctx = dec_flops_ctx / kernel_rate * full_share
+        # MLA extends after a cached prefix (`mla_extend_form`): the absorbed form's kernel
+        # per pair, or kv_b re-projecting the prefix's latent KV for MHA.
+        self._mla_threshold = mla_prefix_threshold(hardware, p) if model.is_mla else 0
+        if model.is_mla:
+            self._absorbed_s_pair = (2 * heads * (2 * model.kv_lora_rank + model.qk_rope_head_dim)
+                                     / kernel_rate * full_share)
+            self._reproject = gemm_terms(heads * (model.qk_nope_head_dim + model.v_head_dim),
+                                         model.kv_lora_rank, prec.attention, hardware, p,
+                                         "attention")
         # A Gated DeltaNet layer's kernels instead, as their rooflines (a long prompt's
         # measured scan runs ~3x above its roofline: docs/cost_model.md).
         self._gdn_pf_s_tok = self._gdn_dec_s_req = 0.0
@@ -640,6 +724,7 @@ class RooflineCostModel:
             # The fused routed-expert kernel's floor, the router GEMM's and the shared experts'.
             shared_gemms = 2 if model.num_shared_experts else 0
             self._moe_floor_s = p.moe_floor_s + (1 + shared_gemms) * p.gemm_floor_s
+            self._moe_part_floors_s = (p.moe_floor_s, (1 + shared_gemms) * p.gemm_floor_s)
             wb = DTYPES[prec.moe_experts].weight_bytes
             moe_inter = model.moe_intermediate_size / (tp // ep)
             shared = model.num_shared_experts * model.expert_params
@@ -753,8 +838,14 @@ class RooflineCostModel:
         prefill = 0.0
         if pf:
             pairs = shape.prefill_attn_pairs + pf * self._pf_extra_pairs_tok
-            prefill = self._attn_floor_s + max(pairs * self._pf_attn_s_pair,
-                                               pf * self._kv_mem_s_tok)
+            per_pair = self._pf_attn_s_pair
+            prefix = shape.prefill_prefix_tokens
+            if prefix and self._mla_threshold:
+                if mla_extend_form(prefix, self._mla_threshold) == "absorbed":
+                    per_pair = self._absorbed_s_pair
+                else:
+                    prefill += self._reproject.at(prefix)
+            prefill += self._attn_floor_s + max(pairs * per_pair, pf * self._kv_mem_s_tok)
             if self._gdn_pf_s_tok:
                 prefill += self._gdn_pf_floor_s + pf * self._gdn_pf_s_tok
         # Each of a request's q query tokens attends over its whole context; the KV is read
@@ -777,13 +868,16 @@ class RooflineCostModel:
     def _moe_s(self, tokens: float, routed_tokens: float, shared_tokens: float) -> float:
         """One MoE layer's expert compute on the busiest GPU: `tokens` of the instance, routed
         as if `routed_tokens` (tokens times the imbalance), shared experts and router on
-        `shared_tokens`."""
-        hit = self._num_experts * (1.0 - self._miss_prob**tokens)  # expected experts used
+        `shared_tokens`; one of them 0 prices the other's kernels alone (as single-batch
+        overlap runs them, on two streams)."""
+        hit = self._num_experts * (1.0 - self._miss_prob**tokens) if routed_tokens else 0.0
         flops_s = routed_tokens * self._routed_s_tok + shared_tokens * self._shared_s_tok
-        w_bytes = self._moe_w_bytes + hit * self._expert_w_bytes
+        w_bytes = (self._moe_w_bytes if shared_tokens else 0.0) + hit * self._expert_w_bytes
         act = routed_tokens * self._routed_act_tok + shared_tokens * self._shared_act_tok
         elem = routed_tokens * self._routed_elem_s_tok + shared_tokens * self._shared_elem_s_tok
-        return self._moe_floor_s + max(flops_s, (w_bytes + act) / self._mem_rate) + elem
+        floor = (self._moe_floor_s if routed_tokens and shared_tokens
+                 else self._moe_part_floors_s[0 if routed_tokens else 1])
+        return floor + max(flops_s, (w_bytes + act) / self._mem_rate) + elem
 
     def step_time_s(self, shapes: Sequence[BatchShape]) -> float:
         if len(shapes) == 1 and not self._tbo:
@@ -873,6 +967,9 @@ class RooflineCostModel:
         role = self.params.role
         normal = role == "prefill" or (role == "colocated" and has_prefill)
         a2a = self._a2a["normal" if normal else "low_latency"]
+        if self.parallel.single_batch_overlap and not normal:
+            experts, comm = self._single_batch_overlap_layer_s(tokens, max_rank_tokens)
+            return layers * experts, layers * comm, 0.0
         experts, comm = self._deepep_layer_s(tokens, max_rank_tokens, a2a)
         tbo = 0.0
         if self._tbo:
@@ -886,13 +983,30 @@ class RooflineCostModel:
         """One MoE layer's experts and DeepEP dispatch + combine on the busiest GPU. Each GPU
         sends the copies of its share of its rank's tokens; the busiest receives `imbalance`
         times the mean share and sends as many outputs back."""
-        attn_tp, tp = self.parallel.attn_tp, self.parallel.tp
-        imbalance = self._imbalance(tokens)
-        gpu_tokens = max(max_rank_tokens / attn_tp, tokens / tp)
-        busiest = max(max_rank_tokens / attn_tp, tokens / tp * imbalance)
+        imbalance, gpu_tokens, busiest = self._deepep_loads(tokens, max_rank_tokens)
         fixed_s, per_token_s = a2a
         return (self._moe_s(tokens, tokens * imbalance, gpu_tokens),
                 fixed_s + busiest * per_token_s)
+
+    def _deepep_loads(self, tokens: float, max_rank_tokens: float
+                      ) -> tuple[float, float, float]:
+        """(the routed load's imbalance, tokens of one GPU, tokens the busiest GPU sends and
+        receives) of a MoE layer under DeepEP."""
+        attn_tp, tp = self.parallel.attn_tp, self.parallel.tp
+        imbalance = self._imbalance(tokens)
+        return (imbalance, max(max_rank_tokens / attn_tp, tokens / tp),
+                max(max_rank_tokens / attn_tp, tokens / tp * imbalance))
+
+    def _single_batch_overlap_layer_s(self, tokens: float, max_rank_tokens: float
+                                      ) -> tuple[float, float]:
+        """`_deepep_layer_s` of a decode step under single-batch overlap: the shared experts
+        (and router) and the routed experts priced apart, the dispatch and the combine apart,
+        overlapped as `single_batch_overlap_s` says."""
+        imbalance, gpu_tokens, busiest = self._deepep_loads(tokens, max_rank_tokens)
+        dispatch, combine = self.deepep_calls_s("low_latency", busiest)
+        return single_batch_overlap_s(dispatch, combine, self._moe_s(tokens, 0.0, gpu_tokens),
+                                      self._moe_s(tokens, tokens * imbalance, 0.0),
+                                      self.hardware, self.model.precision.moe_experts)
 
     def _micro_batch_s(self, shapes: Sequence[BatchShape], a2a: tuple[float, float]
                        ) -> tuple[float, float]:

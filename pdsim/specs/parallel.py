@@ -5,18 +5,24 @@ one copy below both."""
 from __future__ import annotations
 
 
-def check_moe_a2a(moe_a2a: str, two_batch_overlap: bool, tp: int, ep: int) -> None:
-    """The rules SGLang puts on DeepEP and two-batch overlap."""
+def check_moe_a2a(moe_a2a: str, two_batch_overlap: bool, tp: int, ep: int,
+                  single_batch_overlap: bool = False) -> None:
+    """The rules SGLang puts on DeepEP and the batch overlaps (and pdsim's: one overlap)."""
     if moe_a2a == "deepep" and not ep == tp > 1:
         raise ValueError(
             f"moe_a2a='deepep' runs expert parallelism over every GPU of the instance: it "
             f"needs ep = tp > 1, got ep={ep}, tp={tp}"
         )
-    if two_batch_overlap and moe_a2a != "deepep":
-        raise ValueError(
-            f"two_batch_overlap overlaps DeepEP's dispatch/combine with compute: it needs "
-            f"moe_a2a='deepep', got {moe_a2a!r}"
-        )
+    for label, on in (("two_batch_overlap", two_batch_overlap),
+                      ("single_batch_overlap", single_batch_overlap)):
+        if on and moe_a2a != "deepep":
+            raise ValueError(
+                f"{label} overlaps DeepEP's dispatch/combine with compute: it needs "
+                f"moe_a2a='deepep', got {moe_a2a!r}"
+            )
+    if two_batch_overlap and single_batch_overlap:
+        raise ValueError("two_batch_overlap and single_batch_overlap: pdsim prices one overlap "
+                         "of DeepEP with compute per role; choose one")
 
 
 def check_dp_options(moe_dense_tp: int | None, dp_lm_head: bool, dp_attention: int) -> None:

@@ -44,8 +44,11 @@ from pdsim.sim.cost import (
     max_rank_decode_reqs,
     micro_batches,
     mla_decode_rows,
+    mla_extend_form,
+    mla_prefix_threshold,
     overlapped_layers_s,
     pp_send_terms,
+    single_batch_overlap_s,
     step_extras,
     step_totals,
     tbo_sm_share,
@@ -118,6 +121,11 @@ class _Plan:
     decode_proj: Stage  # per rank, over its decode tokens (MLA's absorbed BMMs)
     context_attn: Grid2
     generation_attn: Grid2
+    # MLA extends after a cached prefix (pdsim.sim.cost.mla_extend_form): from
+    # `mla_threshold` prefix tokens on kv_b re-projects them, below it the absorbed form
+    mla_threshold: int  # 0: not MLA
+    prefix_reproject: Stage | None  # over the prefix tokens: kv_b
+    context_attn_absorbed: Grid2 | None
     context_table: str  # the tables the two grids were read from
     generation_table: str
     # A sliding-window model's window kernels, and the share of its layers that run them
@@ -137,6 +145,7 @@ class _Plan:
     moe_global_ll: Stage  # the same under DeepEP's low-latency mode (decode kernels)
     moe_local: Stage  # shared experts, router: over one GPU's tokens (DeepEP), else over tp
     a2a_low_latency: Stage | None  # over one GPU's tokens
+    a2a_ll_calls: tuple[Stage, Stage] | None  # its dispatch and combine apart (single-batch overlap)
     a2a_normal: Stage | None
     lm_head: Stage  # over the instance's rows, or the slowest rank's with dp_lm_head
     dp_lm_head: bool
@@ -249,6 +258,19 @@ class SiliconCostModel:
             moved += m
             extra += e
             kinds = _attention_kinds(plan, "prefill")
+            prefix = shape.prefill_prefix_tokens
+            if prefix and plan.mla_threshold:
+                if mla_extend_form(prefix, plan.mla_threshold) == "absorbed":
+                    kinds = [("prefill attention (absorbed)", plan.context_table,
+                              plan.context_attn_absorbed, 1.0)]
+                else:
+                    if self.trace is not None:
+                        self._trace_stage(part, plan.prefix_reproject, prefix)
+                    s, m, e = plan.prefix_reproject.at(prefix)
+                    t += s
+                    lookups += plan.prefix_reproject.size
+                    moved += m
+                    extra += e
             lookups += len(kinds) - 1  # the first is counted with prefill_proj's
             for name, table, grid, share in kinds:
                 s, m, e = _prefill_attention(grid, prefill, shape.prefill_attn_pairs)
@@ -413,6 +435,9 @@ class SiliconCostModel:
                     layers * self._stage(plan.mlp_comm, tokens, "moe_comm"), 0.0)
         role = self.params.role
         normal = role == "prefill" or (role == "colocated" and has_prefill)
+        if par.single_batch_overlap and not normal:
+            compute, comm = self._single_batch_overlap_layer_s(tokens, max_rank_tokens)
+            return layers * compute, layers * comm, 0.0
         compute, comm = self._deepep_layer_s(tokens, max_rank_tokens, normal, "moe_experts",
                                              "moe_comm")
         tbo = 0.0
@@ -427,16 +452,42 @@ class SiliconCostModel:
                         compute_part: str, comm_part: str) -> tuple[float, float]:
         """One MoE layer's experts (routed at the busiest EP rank's load, shared on each GPU's
         tokens) and DeepEP dispatch + combine on the busiest GPU, normal or low-latency."""
-        plan, par = self._plan, self.parallel
-        routed = self._busiest_rank_tokens(tokens)
-        rank_gpu = -(-max_rank_tokens // par.attn_tp)
-        gpu_tokens = max(rank_gpu, -(-tokens // par.tp))
-        busiest_gpu = max(rank_gpu, -(-routed // par.tp))
+        plan = self._plan
+        routed, gpu_tokens, busiest_gpu = self._deepep_loads(tokens, max_rank_tokens)
         experts = plan.moe_global if normal else plan.moe_global_ll
         compute = (self._stage(experts, routed, compute_part)
                    + self._stage(plan.moe_local, gpu_tokens, compute_part))
         a2a = plan.a2a_normal if normal else plan.a2a_low_latency
         return compute, self._stage(a2a, busiest_gpu, comm_part)
+
+    def _deepep_loads(self, tokens: int, max_rank_tokens: int) -> tuple[int, int, int]:
+        """(the busiest EP rank's routed tokens, tokens of one GPU, tokens the busiest GPU
+        sends and receives) of a MoE layer under DeepEP."""
+        par = self.parallel
+        routed = self._busiest_rank_tokens(tokens)
+        rank_gpu = -(-max_rank_tokens // par.attn_tp)
+        return routed, max(rank_gpu, -(-tokens // par.tp)), max(rank_gpu, -(-routed // par.tp))
+
+    def _single_batch_overlap_layer_s(self, tokens: int, max_rank_tokens: int
+                                      ) -> tuple[float, float]:
+        """`_deepep_layer_s` of a decode step under single-batch overlap: the routed experts,
+        the shared ones (and router), the dispatch and the combine looked up apart and
+        overlapped as `single_batch_overlap_s` says."""
+        plan = self._plan
+        routed, gpu_tokens, busiest_gpu = self._deepep_loads(tokens, max_rank_tokens)
+        dispatch, combine = (self._stage(call, busiest_gpu, "moe_comm")
+                             for call in plan.a2a_ll_calls)
+        shared = self._stage(plan.moe_local, gpu_tokens, "moe_experts")
+        experts = self._stage(plan.moe_global_ll, routed, "moe_experts")
+        compute, comm = single_batch_overlap_s(dispatch, combine, shared, experts,
+                                               self.hardware, self.model.precision.moe_experts)
+        if self.trace is not None:  # what the overlap changes, so the ops add up to the parts
+            self.trace += [
+                TracedOp("moe_experts", "single-batch overlap: SMs the combine holds", "-",
+                         compute - shared - experts, "derived"),
+                TracedOp("moe_comm", "single-batch overlap: hidden", "-",
+                         comm - dispatch - combine, "derived")]
+        return compute, comm
 
     def _micro_batch_s(self, shapes: Sequence[BatchShape], normal: bool) -> tuple[float, float]:
         """One micro-batch's compute (attention block, elementwise kernels, experts) and
@@ -529,6 +580,8 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
                          ops.mla_bmm("pre", heads, nope, lora, (nope0, lora0))),
                         ("mla_bmm_post", bmm, ops.mla_bmm("post", heads, lora, v, (lora0, v0)))]
         context = ops.mla_context(heads, dims, kv_bytes)
+        context_absorbed = ops.mla_context(heads, dims, kv_bytes, absorbed=True)
+        reproject = [("kv_b_proj (prefix)", gemm, prefill_proj[-1][2])]
         generation = ops.mla_generation(heads, dims, kv_bytes)
         context_table, generation_table = "context_mla", "generation_mla"
         gen_flops = 2.0 * mla_decode_rows(heads) * (2 * lora + rope) / ops.peak_flops("bf16")
@@ -543,6 +596,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         generation = ops.generation_attention(heads, kvh, hd, kv_bytes)
         context_table, generation_table = ("context_attention",
                                            "generation_attention")
+        context_absorbed, reproject = None, []
         if model.num_sliding_layers:
             window = model.sliding_window
             context_swa = ops.context_attention(heads, kvh, hd, kv_bytes, fp8_attn, window)
@@ -592,6 +646,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
              ] if model.num_dense_layers else []
 
     moe_global, moe_global_ll, moe_local, a2a_ll, a2a_normal = [], [], [], None, None
+    a2a_ll_calls = None
     mlp_act = 3 * (model.intermediate_size // tp)
     if model.is_moe:
         md = prec.moe_experts
@@ -621,6 +676,11 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
             if a2a_ll is None or a2a_normal is None:
                 raise MissingTable(f"silicon: {system} has no DeepEP tables; use moe_a2a 'none' "
                                  f"or the roofline cost model")
+            if par.single_batch_overlap:
+                a2a_ll_calls = tuple(
+                    _labelled([(call, "wideep_deepep_ll", ops.deepep(
+                        "low_latency", h, model.experts_per_token, model.num_experts, ep,
+                        (call,)))]) for call in ("dispatch", "combine"))
         else:
             moe_local = local  # over tp, on the instance's tokens
             moe_global_ll = moe_global
@@ -644,6 +704,9 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         decode_proj=_labelled(decode_proj),
         context_attn=context,
         generation_attn=generation,
+        mla_threshold=mla_prefix_threshold(hw, p) if model.is_mla else 0,
+        prefix_reproject=_labelled(reproject) if reproject else None,
+        context_attn_absorbed=context_absorbed,
         context_table=context_table,
         generation_table=generation_table,
         context_attn_swa=context_swa,
@@ -663,6 +726,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         moe_local=_labelled(moe_local),
         a2a_low_latency=_labelled([("dispatch+combine", "wideep_deepep_ll",
                                     a2a_ll)]) if a2a_ll else None,
+        a2a_ll_calls=a2a_ll_calls,
         a2a_normal=_labelled([("dispatch+combine", "wideep_deepep_normal",
                                a2a_normal)]) if a2a_normal else None,
         lm_head=_labelled(lm),

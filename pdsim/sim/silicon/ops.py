@@ -353,35 +353,37 @@ class OpTables:
         return Grid2(bs, ss, zs, roof, transferred=not exact)
 
     @_on_this_gpu
-    def mla_context(self, heads: int, dims: tuple[int, int, int, int], kv_bytes: float) -> Grid2:
-        """MLA prefill attention per GPU heads, as SGLang runs it on a prefill: MHA over K/V
-        up-projected from the latent (q·k over qk_nope + rope dims, v_head_dim values), for
-        the model's MLA `dims` (kv_lora_rank, qk_rope, qk_nope, v_head_dim). A table that
-        timed the absorbed form (ABSORBED_CONTEXT_KERNELS) is moved to it by the roofline
-        ratio of the two forms."""
+    def mla_context(self, heads: int, dims: tuple[int, int, int, int], kv_bytes: float,
+                    absorbed: bool = False) -> Grid2:
+        """MLA prefill attention per GPU heads, in the form SGLang runs it for the model's MLA
+        `dims` (kv_lora_rank, qk_rope, qk_nope, v_head_dim): MHA over K/V up-projected from
+        the latent (q·k over qk_nope + rope dims, v_head_dim values), or with `absorbed`
+        decode's form (q·k over kv_lora + rope dims, kv_lora values, the latent cache read;
+        pdsim.sim.cost.mla_extend_form). A table that timed the other form
+        (ABSORBED_CONTEXT_KERNELS time the absorbed one) is moved by the ratio of the two
+        forms' rooflines."""
         peak, mem = self.peak_flops("bf16"), self.mem_rate
         t = self._need("mla", "context_mla_perf.parquet")
         lora0, rope0, nope0, v0 = MLA_TABLE_DIMS
-        _, rope, nope, v = dims
-        absorbed = bool(t["kernel_source"].isin(ABSORBED_CONTEXT_KERNELS).all())
+        lora, rope, nope, v = dims
+        table_absorbed = bool(t["kernel_source"].isin(ABSORBED_CONTEXT_KERNELS).all())
+        if table_absorbed and not absorbed:  # the MHA form attends over freshly up-projected
+            kv_bytes = ACT_BYTES  # BF16 K/V, whatever the cache holds: the closer rows
 
         def mha(qk: int, vd: int) -> Callable[[int], Callable]:
             return lambda h: lambda b, s: max(
                 2.0 * h * (qk + vd) * b * s * (s + 1) / 2 / peak,
                 b * s * h * (2 * qk + 2 * vd) * ACT_BYTES / mem)
 
-        def latent(h: int) -> Callable:  # the absorbed form at the tables' dims
-            return lambda b, s: max(
-                2.0 * h * (2 * lora0 + rope0) * b * s * (s + 1) / 2 / peak,
-                b * s * (h * (2 * lora0 + rope0) * ACT_BYTES + (lora0 + rope0) * kv_bytes) / mem)
+        def latent(lat: int, rd: int) -> Callable[[int], Callable]:
+            return lambda h: lambda b, s: max(
+                2.0 * h * (2 * lat + rd) * b * s * (s + 1) / 2 / peak,
+                b * s * (h * (2 * lat + rd) * ACT_BYTES + (lat + rd) * kv_bytes) / mem)
 
-        if absorbed:  # the MHA form attends over freshly up-projected BF16 K/V, whatever
-            kv_bytes = ACT_BYTES  # the cache holds: the BF16-cache rows are the closer ones
-            measured = latent
-        else:
-            measured = mha(nope0 + rope0, v0)
-        return self._mla_grid(t, "isl", heads, kv_bytes, mha(nope + rope, v), measured,
-                              not absorbed and dims == MLA_TABLE_DIMS)
+        want = latent(lora, rope) if absorbed else mha(nope + rope, v)
+        measured = latent(lora0, rope0) if table_absorbed else mha(nope0 + rope0, v0)
+        return self._mla_grid(t, "isl", heads, kv_bytes, want, measured,
+                              absorbed == table_absorbed and dims == MLA_TABLE_DIMS)
 
     @_on_this_gpu
     def mla_generation(self, heads: int, dims: tuple[int, int, int, int],
@@ -637,9 +639,10 @@ class OpTables:
         t = t[(t["op_name"] == op) & (t["nccl_dtype"] == "half")]
         return self._collective(t, gpus, hidden)
 
-    def deepep(self, mode: str, hidden: int, topk: int, experts: int, ep: int) -> Curve | None:
-        """DeepEP dispatch + combine (mode "low_latency" or "normal") over tokens per GPU;
-        None when the system has no DeepEP table.
+    def deepep(self, mode: str, hidden: int, topk: int, experts: int, ep: int,
+               calls: tuple[str, ...] = ("dispatch", "combine")) -> Curve | None:
+        """DeepEP's `calls` (dispatch and combine, or one of them; mode "low_latency" or
+        "normal") over tokens per GPU; None when the system has no DeepEP table.
 
         The tables count the measured machines' nodes (`node_num`; `tables.gpus_per_node`: 8
         GPUs on HGX boards, 4 on a GB200 tray) and have no EP-size column: an EP group inside
@@ -664,10 +667,10 @@ class OpTables:
         t = pd.concat(frames)
         if mode == "normal":
             t = t[t["dispatch_sms"] == DEEPEP_NUM_SMS]
-            seconds = (t["dispatch_transmit_us"] + t["dispatch_notify_us"]
-                       + t["combine_transmit_us"] + t["combine_notify_us"]) * 1e-6
+            columns = [f"{call}_{kind}_us" for call in calls for kind in ("transmit", "notify")]
         else:
-            seconds = (t["dispatch_avg_t_us"] + t["combine_avg_t_us"]) * 1e-6
+            columns = [f"{call}_avg_t_us" for call in calls]
+        seconds = t[columns].sum(axis=1) * 1e-6
         t = t.assign(seconds=seconds)
         key = ["hidden_size", "num_topk", "num_experts", "node_num"]
         configs = [tuple(int(v) for v in r) for r in t[key].drop_duplicates().itertuples(False)]
