@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from pdsim.config import ConfigError, load_experiment
+from pdsim.config import ConfigError, load_experiment, parse_experiment
 from pdsim.metrics import price_columns
 from pdsim.planning import load_plan, meets, parse_plan, plan
 from pdsim.planning.candidates import Candidate, RoleShape, enumerate_deployments
@@ -323,6 +323,27 @@ def test_two_batch_overlap_is_searched_on_deepep_shapes_only():
     tbo = RoleShape(8, 8, 8, "deepep", two_batch_overlap=True)
     assert tbo.label == "TP8 DP8 EP8 deepep TBO"
     assert tbo.role_data(2, moe)["two_batch_overlap"] is True
+
+
+def test_single_batch_overlap_is_searched_on_decode_deepep_shapes_without_tbo():
+    moe = parse_plan({**SMALL, "model": "deepseek-v3", "hardware": "h200", "max_gpus": 16,
+                      "search": {"modes": ["disaggregated"], "tp": [8], "dp_attention": [8],
+                                 "ep": [8], "moe_a2a": ["deepep"],
+                                 "two_batch_overlap": [False, True],
+                                 "single_batch_overlap": [False, True]}})
+    deps = enumerate_deployments(moe, load_model_spec("deepseek-v3"), 16)
+    prefill = {s for d in deps for role, _, s in d.roles if role == "prefill"}
+    decode = {s for d in deps for role, _, s in d.roles if role == "decode"}
+    plain = RoleShape(8, 8, 8, "deepep")
+    tbo = RoleShape(8, 8, 8, "deepep", two_batch_overlap=True)
+    sbo = RoleShape(8, 8, 8, "deepep", single_batch_overlap=True)
+    assert prefill == {plain, tbo} and decode == {plain, tbo, sbo}
+    assert sbo.label == "TP8 DP8 EP8 deepep SBO"
+    assert sbo.role_data(1, moe)["single_batch_overlap"] is True
+    dep = Candidate("disaggregated", (("prefill", 1, plain), ("decode", 1, sbo)))
+    parse_experiment(dep.experiment_data(moe))
+    lines = [line for _, line in sglang_commands(dep, moe, gpus_per_node=8).servers]
+    assert ["--enable-single-batch-overlap" in line for line in lines] == [False, True]
 
 
 def test_eplb_is_searched_where_the_experts_and_copies_split_evenly():

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from pdsim.planning.config import PlanConfig
+from pdsim.planning.config import PlanConfig, SearchSpace
 from pdsim.specs.models import ModelSpec
 
 # Prompts this long at p90 make pipeline-parallel prefill worth searching: SGLang's PP serves
@@ -22,8 +22,9 @@ LONG_PROMPT_PP = (1, 2, 4)
 class RoleShape:
     """How one instance of a role spreads over its GPUs (SGLang's --tp/--dp/--ep/--pp flags;
     pp > 1 for prefill only; DP attention comes with --enable-dp-lm-head), whether it
-    overlaps two micro-batches
-    (--enable-two-batch-overlap, DeepEP only) and balances experts (--enable-eplb with
+    overlaps two micro-batches (--enable-two-batch-overlap, DeepEP only) or a decode batch's
+    DeepEP calls with its own experts (--enable-single-batch-overlap, DeepEP only, not on
+    prefill, where it changes nothing) and balances experts (--enable-eplb with
     `redundant_experts` copies, EP only)."""
 
     tp: int
@@ -34,6 +35,7 @@ class RoleShape:
     two_batch_overlap: bool = False
     eplb: bool = False
     redundant_experts: int = 0
+    single_batch_overlap: bool = False
 
     @property
     def gpus(self) -> int:
@@ -52,6 +54,8 @@ class RoleShape:
             parts.append(self.moe_a2a)
         if self.two_batch_overlap:
             parts.append("TBO")
+        if self.single_batch_overlap:
+            parts.append("SBO")
         if self.eplb:
             parts.append(f"EPLB+{self.redundant_experts}")
         return " ".join(parts)
@@ -71,6 +75,8 @@ class RoleShape:
             data["moe_a2a"] = self.moe_a2a
         if self.two_batch_overlap:
             data["two_batch_overlap"] = True
+        if self.single_batch_overlap:
+            data["single_batch_overlap"] = True
         if self.eplb:
             data["eplb"] = {"redundant_experts": self.redundant_experts}
         knobs = plan.scheduler.model_dump(exclude_defaults=True)
@@ -143,10 +149,19 @@ def _eplb_options(redundant: Sequence[int | None], model: ModelSpec, ep: int
             if n is None or (model.num_experts + n) % ep == 0]
 
 
+def _overlaps(s: SearchSpace, prefill: bool) -> list[tuple[bool, bool]]:
+    """(two-batch, single-batch overlap) settings of a DeepEP shape: the search's, one overlap
+    at a time."""
+    singles = (False,) if prefill else s.single_batch_overlap
+    return sorted({(tbo, sbo) for tbo in s.two_batch_overlap for sbo in singles
+                   if not (tbo and sbo)})
+
+
 def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
-                pp_sizes: Sequence[int] = (1,)) -> list[RoleShape]:
+                pp_sizes: Sequence[int] = (1,), prefill: bool = False) -> list[RoleShape]:
     """Every parallelism of one instance the search space allows and SGLang accepts, with
-    each of `pp_sizes` pipeline stages (a stage needs a layer)."""
+    each of `pp_sizes` pipeline stages (a stage needs a layer); a `prefill` role's without
+    single-batch overlap (a decode-step overlap)."""
     s = plan.search
     shapes = set()
     for tp in s.tp:
@@ -157,12 +172,12 @@ def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
                         continue
                     if a2a == "deepep" and not (model.is_moe and ep == tp > 1):
                         continue
-                    overlaps = s.two_batch_overlap if a2a == "deepep" else (False,)
+                    overlaps = _overlaps(s, prefill) if a2a == "deepep" else [(False, False)]
                     balancing = _eplb_options(s.eplb_redundant_experts, model, ep)
                     for pp in pp_sizes:
                         if tp * pp <= gpu_limit and pp <= model.num_layers:
-                            shapes.update(RoleShape(tp, dp, ep, a2a, pp, tbo, *eplb)
-                                          for tbo in overlaps for eplb in balancing)
+                            shapes.update(RoleShape(tp, dp, ep, a2a, pp, tbo, *eplb, sbo)
+                                          for tbo, sbo in overlaps for eplb in balancing)
     return sorted(shapes)
 
 
@@ -177,7 +192,7 @@ def enumerate_deployments(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
             for n in range(1, gpu_limit // shape.gpus + 1):
                 out.append(Candidate("colocated", (("colocated", n, shape),)))
     if "disaggregated" in plan.search.modes:
-        for ps in role_shapes(plan, model, gpu_limit, prefill_pp):
+        for ps in role_shapes(plan, model, gpu_limit, prefill_pp, prefill=True):
             for ds in shapes:
                 if ps.tp != ds.tp and not plan.search.allow_tp_mismatch:
                     continue

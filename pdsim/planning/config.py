@@ -85,7 +85,8 @@ class SearchSpace(_Spec):
     """The deployments the plan considers. Per role, every combination of `tp`, `dp_attention`,
     `ep`, `moe_a2a` (and for prefill `pp`) that SGLang accepts (dp_attention and ep divide tp;
     ep > 1 and DeepEP only for MoE models; DeepEP needs ep = tp > 1), each DeepEP shape with
-    every `two_batch_overlap` setting and each EP shape with every `eplb_redundant_experts`
+    every `two_batch_overlap` setting (and, not on prefill, every `single_batch_overlap` one
+    where two-batch overlap is off) and each EP shape with every `eplb_redundant_experts`
     one."""
 
     modes: list[Mode] = Field(["disaggregated", "colocated"], min_length=1)
@@ -96,6 +97,9 @@ class SearchSpace(_Spec):
     two_batch_overlap: list[bool] = Field([False], min_length=1, description="with DeepEP: "
                                           "SGLang's --enable-two-batch-overlap; [false, true] "
                                           "tries each DeepEP shape both ways")
+    single_batch_overlap: list[bool] = Field(
+        [False], min_length=1, description="with DeepEP, decode and colocated roles: SGLang's "
+        "--enable-single-batch-overlap; tried where two_batch_overlap is false")
     eplb_redundant_experts: list[int | None] = Field(
         [None], min_length=1, description="with ep > 1: null (no EPLB) or N (SGLang's "
         "--enable-eplb with N --ep-num-redundant-experts); an EP size the experts and N copies "

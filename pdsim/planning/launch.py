@@ -66,6 +66,8 @@ def _instance(plan: PlanConfig, role: str, index: int, shape: RoleShape,
         argv += ["--moe-a2a-backend", shape.moe_a2a]
     if shape.two_batch_overlap:
         argv.append("--enable-two-batch-overlap")
+    if shape.single_batch_overlap:
+        argv.append("--enable-single-batch-overlap")
     if shape.eplb:
         argv += ["--enable-eplb", "--ep-num-redundant-experts", str(shape.redundant_experts)]
     # A knob the plan leaves to SGLang's derivation is left to it here too.
