@@ -337,13 +337,12 @@ def single_batch_overlap_s(dispatch: float, combine: float, shared: float, route
 
     `routed` is the routed experts' gate_up, activation and down, `EXPERT_DOWN_SHARE` of it
     the down projection."""
-    blackwell = hardware.fp4_tflops is not None
-    comm_sms = SBO_COMBINE_SMS_BLACKWELL if blackwell else SBO_COMBINE_SMS_OTHER
+    comm_sms = SBO_COMBINE_SMS_BLACKWELL if hardware.blackwell else SBO_COMBINE_SMS_OTHER
     pace = hardware.sms / (hardware.sms - comm_sms) if hardware.sms else 1.0
     down = routed * EXPERT_DOWN_SHARE
-    if not blackwell:
+    if not hardware.blackwell:
         beside_dispatch, beside_combine = shared, down * pace
-    elif expert_dtype in ("nvfp4", "mxfp4"):
+    elif DTYPES[expert_dtype].compute == "fp4":
         beside_dispatch, beside_combine = 0.0, (down + shared) * pace
     else:
         beside_dispatch, beside_combine = 0.0, shared * pace
@@ -381,7 +380,7 @@ def mla_prefix_threshold(hardware: HardwareSpec, p: StepParams) -> int:
     (1); the fa3 and flashinfer backends elsewhere 8,192."""
     if p.chunked_prefix_cache_threshold is not None:
         return p.chunked_prefix_cache_threshold
-    return 1 if hardware.fp4_tflops is not None else MLA_CHUNKED_PREFIX_THRESHOLD
+    return 1 if hardware.blackwell else MLA_CHUNKED_PREFIX_THRESHOLD
 
 
 def mla_extend_form(prefix_tokens: int, threshold: int) -> str:

@@ -96,6 +96,11 @@ class HardwareSpec(BaseModel):
         return self.hbm_gb_per_s * self.hbm_share
 
     @property
+    def blackwell(self) -> bool:
+        """Blackwell or later: the GPUs with FP4 tensor cores (SGLang picks some kernels by it)."""
+        return self.fp4_tflops is not None
+
+    @property
     def hbm_bytes(self) -> int:
         return int(self.hbm_gib * 2**30)
 
