@@ -179,7 +179,7 @@ class SchedulerKnobs(_Spec):
             pre_alloc_size=self.pre_alloc_size, metadata_slots=self.metadata_slots,
             bootstrap_timeout_s=self.bootstrap_timeout_s,
             waiting_timeout_s=self.waiting_timeout_s, speculation=speculation,
-            prefix_cache=not self.disable_radix_cache)
+            prefix_cache=not self.disable_radix_cache, dynamic_chunking=None)
 
     def _running_per_rank(self, num_pages: int, dp: int, where: str) -> int:
         if self.max_running_requests is not None:
@@ -216,6 +216,16 @@ class EPLBConfig(_Spec):
     redundant_experts: int = Field(0, ge=0, description="SGLang's --ep-num-redundant-experts: "
                                    "extra copies of the hottest experts; experts + copies must "
                                    "split evenly over the ep ranks")
+
+
+class DynamicChunkingConfig(_Spec):
+    """Sim only: SGLang's --enable-dynamic-chunking for pipeline stages (pdsim.core.chunking);
+    `dynamic_chunking: true` takes the defaults."""
+
+    smooth_factor: float = Field(
+        0.75, ge=0, le=1, description="SGLANG_DYNAMIC_CHUNKING_SMOOTH_FACTOR: how far a later "
+        "chunk moves from --chunked-prefill-size towards the size that makes it cost what the "
+        "first chunk does (0: not at all, 1: all the way)")
 
 
 class RoleConfig(_Spec):
@@ -267,6 +277,10 @@ class RoleConfig(_Spec):
         128, ge=1, description="sim only: DeepEP low-latency's tokens per rank per dispatch "
         "(SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK); with moe_a2a deepep it caps a "
         "decode batch per DP rank")
+    dynamic_chunking: DynamicChunkingConfig | None = Field(
+        None, description="sim only, prefill with pp > 1: SGLang's --enable-dynamic-chunking, "
+        "a request's later chunks sized to cost what its first one does (scheduler."
+        "chunked_prefill_size); true takes SGLang's smooth factor, 0.75")
     scheduler: SchedulerKnobs = SchedulerKnobs()
     host: str = Field("127.0.0.1", description="real only: the workers' HTTP bind address")
     port: int = Field(0, ge=0, le=65535, description="real only: HTTP port of instance 0 "
@@ -279,6 +293,8 @@ class RoleConfig(_Spec):
     @model_validator(mode="before")
     @classmethod
     def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("dynamic_chunking"), bool):
+            data = {**data, "dynamic_chunking": {} if data["dynamic_chunking"] else None}
         return _renamed(data, {k: f"scheduler.{k}" for k in
                                ("num_pages", "metadata_slots", "pre_alloc_size")})
 
@@ -295,6 +311,15 @@ class RoleConfig(_Spec):
         if self.eplb is not None and self.ep < 2:
             raise ValueError(f"eplb balances experts over expert-parallel ranks: it needs "
                              f"ep > 1, got ep={self.ep}")
+        if self.dynamic_chunking is not None:
+            if self.pp < 2:
+                raise ValueError(f"dynamic_chunking sizes chunks for pipeline stages (SGLang "
+                                 f"installs it only with --pp-size > 1): it needs pp > 1, got "
+                                 f"pp={self.pp}")
+            if self.scheduler.chunked_prefill_size == 0:
+                raise ValueError("dynamic_chunking starts from scheduler.chunked_prefill_size, "
+                                 "which is 0 (chunking off); give a chunk size or leave it "
+                                 "unset for SGLang's default")
         return self
 
     @property

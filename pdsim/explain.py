@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from pdsim.config import ExperimentConfig
 from pdsim.core.batch import BatchShape, extend_shape
+from pdsim.core.chunking import prompt_chunks
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cost import BREAKDOWN_PARTS, SHARE_GROUPS, share_group
 from pdsim.sim.silicon import SiliconCostModel
@@ -115,13 +116,14 @@ def explain_step(cfg: ExperimentConfig, role: str | None = None, batch: int = 64
                          f"explain prices roofline and silicon steps")
     dp = spec.dp_attention
     if role == "prefill":
-        chunk = spec.scheduler.chunked_prefill_size or prompt
-        steps, done = [], 0
-        while done < prompt:
-            n = min(chunk, prompt - done)
-            steps.append([extend_shape(n, done)] * dp)
-            done += n
-        words = f"prefill of a {prompt}-token prompt in {len(steps)} chunk(s) of <= {chunk}"
+        sched = spec.scheduler
+        chunks = prompt_chunks(prompt, sched.chunked_prefill_size, sched.max_prefill_tokens,
+                               sched.dynamic_chunking)
+        steps = [[extend_shape(n, done)] * dp for done, n in chunks]
+        words = f"prefill of a {prompt}-token prompt in {len(steps)} chunk(s) of <= " \
+                f"{max(n for _, n in chunks)}"
+        if sched.dynamic_chunking is not None and len(chunks) > 1:
+            words += f" (dynamic chunking: {' → '.join(str(n) for _, n in chunks)})"
     else:
         steps = [[BatchShape(decode_reqs=batch, decode_context_tokens=batch * context,
                              decode_query_len=k + 1)] * dp]

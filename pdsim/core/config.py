@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdsim.core.chunking import DynamicChunking
 from pdsim.core.running import Speculation
 
 
@@ -38,6 +39,7 @@ class SchedulerConfig:
     waiting_timeout_s: float
     speculation: Speculation | None
     prefix_cache: bool
+    dynamic_chunking: DynamicChunking | None
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_running_requests", "max_prefill_tokens",

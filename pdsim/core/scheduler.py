@@ -17,6 +17,7 @@ from collections import deque
 from pdsim.core.batch import (
     Batch, BatchResult, BatchShape, ExtendBatch, ExtendSegment, extend_attn_pairs,
 )
+from pdsim.core.chunking import chunk_cap
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.pages import num_pages
 from pdsim.core.pool import IndexPool, PagePool
@@ -144,6 +145,10 @@ class InstanceScheduler:
             return None
         cfg = self.config
         budget = cfg.max_prefill_tokens
+        head = self.waiting[0]  # a request part-way through its chunks comes first
+        started = head.prefill_start_s == head.prefill_start_s
+        chunk = chunk_cap(cfg.chunked_prefill_size, cfg.dynamic_chunking,
+                          head.computed_tokens if started else 0)
         segments: list[ExtendSegment] = []
         tokens = prefix = 0
         pairs = 0.0
@@ -152,8 +157,8 @@ class InstanceScheduler:
             if self.cache is not None and req.cache_node is None and req.prefix_keys and not req.pages:
                 self._match_prefix(req, now)
             take = req.fill_len - req.computed_tokens
-            if cfg.chunked_prefill_size:
-                take = min(take, cfg.chunked_prefill_size, budget)
+            if chunk:
+                take = min(take, chunk, budget)
             elif take > budget and segments:
                 break  # without chunking a long prompt runs alone
             if not self._admit_extend(req, take):

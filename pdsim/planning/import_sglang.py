@@ -10,7 +10,8 @@ their instances (servers whose `--node-rank` is 0), parallelism (`--tp-size`, `-
 `--enable-deepep-moe`: DeepEP sets ep = tp, as SGLang does), the large-EP options
 (`--enable-two-batch-overlap`, `--enable-single-batch-overlap`, `--moe-dense-tp-size`,
 `--enable-dp-lm-head`, EPLB: `--enable-eplb` or `--init-expert-location` with `--ep-num-redundant-experts`,
-SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK), scheduler knobs (`--mem-fraction-static`,
+SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK), a pipelined prefill's
+`--enable-dynamic-chunking` (with SGLANG_DYNAMIC_CHUNKING_SMOOTH_FACTOR), scheduler knobs (`--mem-fraction-static`,
 `--max-running-requests`, `--chunked-prefill-size` (-1: unchunked), `--max-prefill-tokens`,
 `--page-size`, `--max-total-tokens`, `--num-reserved-decode-tokens` or
 SGLANG_NUM_RESERVED_DECODE_TOKENS (SGLANG_HACK_PD_DECODE_NUM_RESERVED_DECODE_TOKENS before),
@@ -81,6 +82,7 @@ INERT_FLAGS = frozenset("""
 ENV_KNOBS = {"SGLANG_NUM_RESERVED_DECODE_TOKENS": "num_reserved_decode_tokens",
              "SGLANG_HACK_PD_DECODE_NUM_RESERVED_DECODE_TOKENS": "num_reserved_decode_tokens"}
 LL_TOKENS_ENV = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
+SMOOTH_FACTOR_ENV = "SGLANG_DYNAMIC_CHUNKING_SMOOTH_FACTOR"
 # SGLang's --deepep-mode per role that prices as pdsim does (auto: normal for prefill batches,
 # low latency for decode batches)
 DEEPEP_MODES = {"prefill": ("auto", "normal"), "decode": ("auto", "low_latency"),
@@ -139,6 +141,7 @@ def _server_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-deepep-moe", action="store_true")  # SGLang <= 0.4.9's spelling
     p.add_argument("--deepep-mode", default="auto")
     p.add_argument("--enable-two-batch-overlap", action="store_true")
+    p.add_argument("--enable-dynamic-chunking", action="store_true")
     p.add_argument("--enable-single-batch-overlap", action="store_true")
     p.add_argument("--moe-dense-tp-size", type=int)
     p.add_argument("--enable-dp-lm-head", action="store_true")
@@ -263,29 +266,36 @@ def _shape(a: argparse.Namespace, env: dict[str, str], line: int,
             ("moe_dense_tp", 1 if a.moe_dense_tp_size == 1 else None, None),
             ("dp_lm_head", a.enable_dp_lm_head, False),
             ("eplb", a.ep_num_redundant_experts if eplb else None, None),
-            ("num_max_dispatch_tokens_per_rank", _env_int(env, LL_TOKENS_ENV, line, 128),
+            ("num_max_dispatch_tokens_per_rank", _env_number(env, LL_TOKENS_ENV, line, 128),
              128)):
         if value != default:
             shape[key] = value
+    if a.enable_dynamic_chunking and a.pp_size > 1:  # SGLang's sizer needs pipeline stages
+        shape["dynamic_chunking"] = _env_number(env, SMOOTH_FACTOR_ENV, line, 0.75, float)
+    elif a.enable_dynamic_chunking:
+        unmodelled.append("--enable-dynamic-chunking (SGLang sizes chunks dynamically only with "
+                          "--pp-size > 1; it changes nothing here)")
     if a.ep_num_redundant_experts and not eplb:
         unmodelled.append("--ep-num-redundant-experts (without --enable-eplb or "
                           "--init-expert-location)")
     return shape
 
 
-def _env_int(env: dict[str, str], name: str, line: int, default: int | None = None
-             ) -> int | None:
+def _env_number(env: dict[str, str], name: str, line: int, default: float | None = None,
+                kind: type = int) -> float | None:
+    """The variable `name` read as a number of `kind` (int or float), else `default`."""
     if name not in env:
         return default
     try:
-        return int(env[name])
+        return kind(env[name])
     except ValueError:
-        raise ConfigError(f"line {line}: {name}={env[name]!r}; allowed: an integer") from None
+        allowed = "an integer" if kind is int else "a number"
+        raise ConfigError(f"line {line}: {name}={env[name]!r}; allowed: {allowed}") from None
 
 
 def _knobs(a: argparse.Namespace, env: dict[str, str], role: str, line: int
            ) -> dict[str, Any]:
-    knobs = {k: _env_int(env, v, line) for v, k in ENV_KNOBS.items() if v in env}
+    knobs = {k: _env_number(env, v, line) for v, k in ENV_KNOBS.items() if v in env}
     knobs |= {k: getattr(a, k) for k in KNOB_FLAGS if getattr(a, k) is not None}
     if knobs.get("chunked_prefill_size", 0) < 0:
         knobs["chunked_prefill_size"] = 0  # SGLang's -1: no chunking
@@ -396,6 +406,8 @@ def import_sglang(text: str, base: dict[str, Any], *, name: str | None = None,
                      f"the {role} scheduler flags")
         if "eplb" in shape:
             shape["eplb"] = {"redundant_experts": shape["eplb"]}
+        if "dynamic_chunking" in shape:
+            shape["dynamic_chunking"] = {"smooth_factor": shape["dynamic_chunking"]}
         cluster[role] = {"instances": len(mine), **shape}
         if knobs:
             cluster[role]["scheduler"] = dict(knobs)

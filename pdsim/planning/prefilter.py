@@ -37,6 +37,7 @@ import numpy as np
 
 from pdsim.config import ConfigError, parse_experiment
 from pdsim.core.batch import BatchShape, extend_shape
+from pdsim.core.chunking import prompt_chunks
 from pdsim.planning.candidates import Candidate, RoleShape
 from pdsim.planning.config import PlanConfig
 from pdsim.sim.build import build_role
@@ -145,11 +146,11 @@ class Prefilter:
                   for b in _geometric(limit)}
         idle = [BatchShape()] * (dp - 1)
         floor = cost.step_time_s([BatchShape(decode_reqs=1, decode_context_tokens=ctx)] + idle)
-        chunk = sched.chunked_prefill_size
         alone = {}
         for n in np.unique(self.workload.input_tokens):
             n = int(n)
-            steps = _chunks(n, chunk) if chunk else [(0, n)]
+            steps = prompt_chunks(n, sched.chunked_prefill_size, sched.max_prefill_tokens,
+                                  sched.dynamic_chunking)
             alone[n] = pipelined_s([cost.step_time_s([extend_shape(k, c)] + idle)
                                     for c, k in steps], shape.pp)
         return RoleCapacity(shape, kv_tokens, sched.max_running_requests, prefill, decode, floor,
@@ -244,8 +245,3 @@ def _geometric(limit: int) -> list[int]:
         out.append(b)
         b = max(b + 1, int(b * 1.25))
     return out + [limit]
-
-
-def _chunks(n: int, chunk: int) -> list[tuple[int, int]]:
-    """(cached, new) tokens of each chunk of an n-token prompt."""
-    return [(c, min(chunk, n - c)) for c in range(0, n, chunk)]

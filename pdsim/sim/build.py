@@ -13,6 +13,7 @@ from pdsim.core.running import Speculation
 from pdsim.deployment import SchedulerKnobs
 from pdsim.sim.spec import ClusterSpec, RoleSpec
 from pdsim.sim.cost import Parallelism, make_cost_model, pool_sizes, weight_bytes_per_gpu
+from pdsim.sim.pipeline import fit_dynamic_chunking
 from pdsim.sim.network import PROTOCOLS, NetworkModel, descriptor_counts, stage_kv_page_bytes
 from pdsim.sim.speculative import (
     draft_spec,
@@ -72,6 +73,9 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     sched = _low_latency_cap(sched, role, name, cfg)
+    if role.dynamic_chunking is not None:
+        sched = replace(sched, dynamic_chunking=fit_dynamic_chunking(
+            cost(), sched, role.dp_attention, role.dynamic_chunking.smooth_factor))
     attn_tp = role.tp // role.dp_attention
     # What a page weighs on the wire: every attention-TP rank of the receiving side needs its
     # own slice (GQA) or its own replica (MLA). A speculating draft's KV and last hidden state

@@ -22,9 +22,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from pdsim.core.batch import Batch, BatchResult
+import numpy as np
+
+from pdsim.core.batch import Batch, BatchResult, BatchShape, extend_shape
+from pdsim.core.chunking import DynamicChunking
+from pdsim.core.config import SchedulerConfig
 from pdsim.sim.cost import CostModel
 from pdsim.sim.instance import CostExecutor
+
+# SGLang's profile for dynamic chunking: 128 lone prompts from 1.25 chunks down in equal
+# steps, the first (its warm-up) dropped before the fit.
+PROFILE_SAMPLES = 128
+PROFILE_SPAN = 1.25
 
 
 def next_chunk(stage0_free_s: float, done_s: float, now: float, stage_s: float, pp: int
@@ -70,3 +79,27 @@ class PipelineExecutor(CostExecutor):
 def make_executor(cost: CostModel, pp: int, clock: Callable[[], float]) -> CostExecutor:
     """The executor of one simulated instance: pipelined with stages, plain without."""
     return CostExecutor(cost) if pp == 1 else PipelineExecutor(cost, pp, clock)
+
+
+def profile_lengths(base: int) -> list[int]:
+    """The prompt lengths SGLang times to fit its dynamic chunking (warm-up sample dropped)."""
+    top = base * PROFILE_SPAN
+    step = top // PROFILE_SAMPLES
+    lengths = [int(top - i * step) for i in range(PROFILE_SAMPLES)]
+    return [n for n in lengths if n > 0][1:]
+
+
+def fit_dynamic_chunking(cost: CostModel, sched: SchedulerConfig, dp_attention: int,
+                         smooth: float) -> DynamicChunking | None:
+    """SGLang's dynamic chunking for one DP rank of a pipelined prefill instance: one stage's
+    step (`cost`) timed on the profile's lone prompts, the other DP ranks idle, fitted with
+    a quadratic by least squares; None where the fit's quadratic term is not positive (SGLang
+    then keeps the fixed chunk)."""
+    lengths = profile_lengths(sched.chunked_prefill_size)
+    idle = [BatchShape()] * (dp_attention - 1)
+    times = [cost.step_time_s([extend_shape(n)] + idle) for n in lengths]
+    a, b, _ = np.polyfit(np.array(lengths, dtype=float), np.array(times), 2)
+    if not a > 0:
+        return None
+    return DynamicChunking(float(a), float(b), sched.chunked_prefill_size, smooth,
+                           sched.page_size, sched.max_prefill_tokens)
