@@ -1,7 +1,7 @@
 """SGLang's dynamic chunking for pipeline stages (`cluster.prefill.dynamic_chunking`,
 --enable-dynamic-chunking): SGLang's chunk rule against an independent solve, the scheduler
 cutting a request's later chunks by it (and only those), the simulator's fit to one stage's
-step making the chunks' stage times even, the config's limits, and import-sglang."""
+step making the chunks' stage times even, the config's limits, import-sglang and the planner."""
 
 from __future__ import annotations
 
@@ -16,10 +16,14 @@ from pdsim.core.chunking import DynamicChunking, prompt_chunks
 from pdsim.core.request import Request
 from pdsim.core.scheduler import ColocatedScheduler
 from pdsim.explain import explain_step
+from pdsim.planning import parse_plan
+from pdsim.planning.candidates import Candidate, RoleShape, enumerate_deployments
 from pdsim.planning.import_sglang import import_sglang
+from pdsim.planning.launch import sglang_commands
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cluster import Simulation
 from pdsim.sim.pipeline import pipelined_s, profile_lengths
+from pdsim.specs.models import load_model_spec
 from pdsim.workload import generate
 
 A, B = 6e-11, 1e-5  # a forward of l tokens: a·l² + b·l seconds (plus a constant)
@@ -185,3 +189,27 @@ def test_import_sglang_reads_the_flag_and_the_smooth_factor():
     imported, notes = import_sglang(flat, base)
     assert "dynamic_chunking" not in imported["cluster"]["prefill"]
     assert any("--enable-dynamic-chunking" in note for note in notes)
+
+
+def test_the_planner_tries_dynamic_chunking_on_pipelined_prefills_and_launches_it():
+    plan = parse_plan({
+        "name": "long", "model": "llama-3.1-70b", "hardware": "h100",
+        "workload": {"num_requests": 20, "seed": 0,
+                     "arrival": {"process": "poisson", "rate_rps": 0.05},
+                     "input_len": {"dist": "fixed", "value": 100_000},
+                     "output_len": {"dist": "fixed", "value": 32}},
+        "slo": {"ttft_p90_s": 20.0}, "max_gpus": 24,
+        "search": {"tp": [8], "modes": ["disaggregated"], "pp": [1, 2],
+                   "dynamic_chunking": [False, True]}})
+    model = load_model_spec("llama-3.1-70b")
+    prefills = {shape for dep in enumerate_deployments(plan, model, 24, (1, 2))
+                for role, _, shape in dep.roles if role == "prefill"}
+    assert prefills == {RoleShape(8), RoleShape(8, pp=2), RoleShape(8, pp=2, dynamic_chunking=True)}
+    dep = Candidate("disaggregated", (("prefill", 1, RoleShape(8, pp=2, dynamic_chunking=True)),
+                                      ("decode", 1, RoleShape(8))))
+    assert dep.label == "1P TP8 PP2 DCK + 1D TP8"
+    servers = sglang_commands(dep, plan, gpus_per_node=8).servers
+    assert all(("--enable-dynamic-chunking" in command) == what.startswith("prefill")
+               for what, command in servers)
+    exp = parse_experiment(dep.experiment_data(plan))
+    assert exp.cluster.prefill.dynamic_chunking.smooth_factor == 0.75

@@ -47,7 +47,9 @@ def normalized(data: dict) -> dict:
      Candidate("colocated", (("colocated", 6, RoleShape(2)),))),
     (SMALL, Candidate("disaggregated", (("prefill", 1, RoleShape(1, pp=2)),
                                         ("decode", 2, RoleShape(2))))),
-], ids=["pd-moe-multinode", "colocated-shared-nodes", "pd-pipeline"])
+    (SMALL, Candidate("disaggregated", (("prefill", 1, RoleShape(1, pp=4, dynamic_chunking=True)),
+                                        ("decode", 2, RoleShape(2))))),
+], ids=["pd-moe-multinode", "colocated-shared-nodes", "pd-pipeline", "pd-dynamic-chunking"])
 def test_plan_launch_import_round_trip(plan, dep, tmp_path):
     cfg = parse_plan(plan)
     script = sglang_commands(dep, cfg, gpus_per_node=8).script()

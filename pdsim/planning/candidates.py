@@ -24,8 +24,9 @@ class RoleShape:
     pp > 1 for prefill only; DP attention comes with --enable-dp-lm-head), whether it
     overlaps two micro-batches (--enable-two-batch-overlap, DeepEP only) or a decode batch's
     DeepEP calls with its own experts (--enable-single-batch-overlap, DeepEP only, not on
-    prefill, where it changes nothing) and balances experts (--enable-eplb with
-    `redundant_experts` copies, EP only)."""
+    prefill, where it changes nothing), balances experts (--enable-eplb with
+    `redundant_experts` copies, EP only) and sizes a pipelined prefill's chunks dynamically
+    (--enable-dynamic-chunking, pp > 1 only)."""
 
     tp: int
     dp_attention: int = 1
@@ -36,6 +37,7 @@ class RoleShape:
     eplb: bool = False
     redundant_experts: int = 0
     single_batch_overlap: bool = False
+    dynamic_chunking: bool = False
 
     @property
     def gpus(self) -> int:
@@ -46,6 +48,8 @@ class RoleShape:
         parts = [f"TP{self.tp}"]
         if self.pp > 1:
             parts.append(f"PP{self.pp}")
+        if self.dynamic_chunking:
+            parts.append("DCK")
         if self.dp_attention > 1:
             parts.append(f"DP{self.dp_attention}")
         if self.ep > 1:
@@ -64,6 +68,8 @@ class RoleShape:
         data: dict[str, Any] = {"instances": instances, "tp": self.tp}
         if self.pp > 1:
             data["pp"] = self.pp
+        if self.dynamic_chunking:
+            data["dynamic_chunking"] = True
         if self.dp_attention > 1:
             # each DP rank's LM head on its own rows, as DP-attention deployments run it
             # (without it every step all-gathers all ranks' logits over tp)
@@ -160,8 +166,9 @@ def _overlaps(s: SearchSpace, prefill: bool) -> list[tuple[bool, bool]]:
 def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
                 pp_sizes: Sequence[int] = (1,), prefill: bool = False) -> list[RoleShape]:
     """Every parallelism of one instance the search space allows and SGLang accepts, with
-    each of `pp_sizes` pipeline stages (a stage needs a layer); a `prefill` role's without
-    single-batch overlap (a decode-step overlap)."""
+    each of `pp_sizes` pipeline stages (a stage needs a layer; more than one: with each
+    dynamic-chunking setting); a `prefill` role's without single-batch overlap (a decode-step
+    overlap)."""
     s = plan.search
     shapes = set()
     for tp in s.tp:
@@ -176,8 +183,10 @@ def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
                     balancing = _eplb_options(s.eplb_redundant_experts, model, ep)
                     for pp in pp_sizes:
                         if tp * pp <= gpu_limit and pp <= model.num_layers:
-                            shapes.update(RoleShape(tp, dp, ep, a2a, pp, tbo, *eplb, sbo)
-                                          for tbo, sbo in overlaps for eplb in balancing)
+                            chunking = s.dynamic_chunking if pp > 1 else (False,)
+                            shapes.update(RoleShape(tp, dp, ep, a2a, pp, tbo, *eplb, sbo, dck)
+                                          for tbo, sbo in overlaps for eplb in balancing
+                                          for dck in chunking)
     return sorted(shapes)
 
 

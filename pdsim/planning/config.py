@@ -86,8 +86,8 @@ class SearchSpace(_Spec):
     `ep`, `moe_a2a` (and for prefill `pp`) that SGLang accepts (dp_attention and ep divide tp;
     ep > 1 and DeepEP only for MoE models; DeepEP needs ep = tp > 1), each DeepEP shape with
     every `two_batch_overlap` setting (and, not on prefill, every `single_batch_overlap` one
-    where two-batch overlap is off) and each EP shape with every `eplb_redundant_experts`
-    one."""
+    where two-batch overlap is off), each EP shape with every `eplb_redundant_experts` one and
+    each pipelined prefill with every `dynamic_chunking` one."""
 
     modes: list[Mode] = Field(["disaggregated", "colocated"], min_length=1)
     tp: list[int] = Field([1, 2, 4, 8], min_length=1)
@@ -107,6 +107,10 @@ class SearchSpace(_Spec):
     pp: list[int] | None = Field(None, min_length=1, description="prefill pipeline stages "
                                  "(SGLang's --pp-size); default: 1, 2 and 4 when the "
                                  "workload's p90 prompt is at least 32768 tokens, else 1")
+    dynamic_chunking: list[bool] = Field(
+        [False], min_length=1, description="prefill shapes with pp > 1: SGLang's "
+        "--enable-dynamic-chunking (its default smooth factor, the first chunk the scheduler's "
+        "chunked_prefill_size); [false, true] tries each pipelined prefill both ways")
     allow_tp_mismatch: bool = Field(True, description="prefill and decode TP may differ")
     max_simulations: int = Field(200, ge=1, description="at most this many candidates are "
                                  "simulated, cheapest first")

@@ -57,6 +57,8 @@ def _instance(plan: PlanConfig, role: str, index: int, shape: RoleShape,
             lc.model_path or _model_name(plan), "--port", str(port), "--tp-size", str(shape.tp)]
     if shape.pp > 1:
         argv += ["--pp-size", str(shape.pp)]
+    if shape.dynamic_chunking:
+        argv.append("--enable-dynamic-chunking")
     if shape.dp_attention > 1:
         argv += ["--dp-size", str(shape.dp_attention), "--enable-dp-attention",
                  "--enable-dp-lm-head"]
