@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -445,6 +446,44 @@ def deepep_group_moves() -> dict[str, tuple[np.ndarray, ...]]:
     return {mode: tuple(np.array(e) for e in errs) for mode, errs in out.items()}
 
 
+def deepep_node_moves() -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """DeepEP mode -> |errors| of (the one-node curve, the nearest other multi-node curve)
+    moved by DeepEP's link roofline to 2, 4 and 8 nodes, against that node count's own
+    measurement, on h200_sxm's tables (the only ones measured over several nodes), every
+    shape and token count they hold. The first is how a GPU measured on one node only would
+    be priced across nodes; the second how pdsim prices it (another GPU's multi-node curve)."""
+    h200 = load_hardware_spec("h200")
+    out: dict[str, tuple[list, list]] = {}
+    for mode, file in (("low_latency", "wideep_deepep_ll_perf.parquet"),
+                       ("normal", "wideep_deepep_normal_perf.parquet")):
+        path = next(p for p in tables.table_paths("h200_sxm", "comm", "sglang", "current", file)
+                    if (tables.read_table(p)["node_num"] > 1).any())
+        t = tables.read_table(path)
+        if mode == "normal":
+            t = t[t["dispatch_sms"] == DEEPEP_NUM_SMS]
+            columns = [f"{c}_{k}_us" for c in ("dispatch", "combine")
+                       for k in ("transmit", "notify")]
+        else:
+            columns = ["dispatch_avg_t_us", "combine_avg_t_us"]
+        t = t.assign(seconds=t[columns].sum(axis=1) * 1e-6)
+        errors = out.setdefault(mode, ([], []))
+        for (h, k, _), shape in t.groupby(["hidden_size", "num_topk", "num_experts"]):
+            curves = {int(n): g.groupby("num_token")["seconds"].min()
+                      for n, g in shape.groupby("node_num")}
+            for n in (2, 4, 8):
+                others = [m for m in curves if m > 1 and m != n]
+                if n not in curves or 1 not in curves or not others:
+                    continue
+                near = min(others, key=lambda m: (abs(math.log(m / n)), m))
+                want = deepep_link_roofline(mode, h, k, 8 * n, 8, h200)
+                for errs, src in zip(errors, (1, near)):
+                    have = deepep_link_roofline(mode, h, k, 8 * src, 8, h200)
+                    both = curves[src].index.intersection(curves[n].index).to_numpy(float)
+                    moved = curves[src][both].to_numpy() * want(both) / have(both)
+                    errs.extend(np.abs(moved / curves[n][both].to_numpy() - 1))
+    return {mode: (np.array(a), np.array(b)) for mode, (a, b) in out.items()}
+
+
 # Kernels timed on an H20 and published (flash-attention issue #1310: FlashAttention-3 forward,
 # causal, 2 x 2,048 tokens; FlashMLA issue #30: decode, 128 requests, one query each where
 # the row says so), against the H100's tables moved as silicon moves them.
@@ -508,6 +547,13 @@ def main() -> None:
     for mode, (got, as_measured, roofline) in deepep_group_moves().items():
         print(f"{mode:12s} {len(got):6d} {np.median(got):9.1%} {np.percentile(got, 90):6.1%} "
               f"{np.median(as_measured):15.1%} {np.median(roofline):17.1%}")
+    print("\nDeepEP across nodes: h200_sxm's curves moved to 2, 4 and 8 nodes by the link "
+          "roofline, against that node count's measurement")
+    print(f"{'mode':12s} {'points':>6s} {'from 1 node p50':>15s} {'p90':>6s} "
+          f"{'from nearest multi-node p50':>27s} {'p90':>6s}")
+    for mode, (one, near) in deepep_node_moves().items():
+        print(f"{mode:12s} {len(one):6d} {np.median(one):15.1%} {np.percentile(one, 90):6.1%} "
+              f"{np.median(near):27.1%} {np.percentile(near, 90):6.1%}")
     print("\nH20 kernels as published against the H100's tables moved to the H20, ms "
           "(ratio only: at the datasheet's HBM rate, without the roofline share)")
     print(f"{'kernel':40s} {'measured':>8s} {'pdsim':>6s} {'ratio only':>10s}")

@@ -27,10 +27,12 @@ from pdsim.sim.cost import gdn_kernel_work, mla_decode_rows
 from pdsim.sim.moe_comm import deepep_traffic
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Grid2, Reference, best_reference
-from pdsim.specs.hardware import HardwareSpec
+from pdsim.specs.hardware import HardwareSpec, load_hardware_spec
 from pdsim.specs.precision import DTYPES, compute_on, gemm_peak_tflops
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import pandas as pd
 
 ACT_BYTES = 2
@@ -656,7 +658,17 @@ class OpTables:
         paths = tables.table_paths(self.system, "comm", self.framework, self.version, file)
         if not paths:
             return None
-        node_gpus = tables.gpus_per_node(self.system)
+        system, table_hw = self.system, self.table_hw
+        if ep > self.hw.gpus_per_node and not _multi_node(paths):
+            # Beyond one NVLink domain the NICs carry the traffic: a curve measured over
+            # several nodes (another GPU's, on the same kind of NIC) moves there far better
+            # than a one-node curve, whose pace is NVLink's (docs/cost_model.md, "Known
+            # limits (silicon)").
+            donor = multi_node_donor(self.framework, file)
+            if donor is not None:
+                system, paths = donor
+                table_hw = load_hardware_spec(tables.preset_for(system))
+        node_gpus = tables.gpus_per_node(system)
         nodes = 1 if ep <= self.hw.gpus_per_node else math.ceil(ep / node_gpus)
         frames, seen = [], set()
         for path in paths:  # newest first: each node count from the newest table holding it
@@ -682,18 +694,35 @@ class OpTables:
         # The tables' runs: node_num nodes of node_gpus GPUs, one NVLink domain each.
         have_group = node_gpus * have[3]
         have_roof = deepep_link_roofline(mode, have[0], have[1], have_group, node_gpus,
-                                         self.table_hw)
+                                         table_hw)
         curve = Curve(g.index.to_numpy(float), g.to_numpy(float), have_roof)
         # Normal-mode kernels inside one NVLink domain are held by their SMs, not the links:
         # B200's 8-GPU tables sit 10 % (median) from GB200's 4-GPU ones where the link
         # roofline moves the latter 28 % off (benchmarks/fidelity_components.py). There the
         # group keeps its measured size; low-latency kernels follow the link roofline (3 %).
         group = have_group if mode == "normal" and nodes == have[3] == 1 else ep
-        if have != want or group != have_group or _links(self.table_hw) != _links(self.hw):
+        if have != want or group != have_group or _links(table_hw) != _links(self.hw):
             want_roof = deepep_link_roofline(mode, hidden, topk, group,
                                              min(group, self.hw.gpus_per_node), self.hw)
             curve = curve.scaled(lambda x: want_roof(x) / have_roof(x))
         return curve
+
+
+def _multi_node(paths: tuple[Path, ...]) -> bool:
+    """Whether any of these DeepEP tables measured a run over more than one node."""
+    return any((tables.read_table(path)["node_num"] > 1).any() for path in paths)
+
+
+@lru_cache(maxsize=None)
+def multi_node_donor(framework: str, file: str) -> tuple[str, tuple[Path, ...]] | None:
+    """(system, its tables newest first) of the first system whose DeepEP `file` measured runs
+    over several nodes (the HGX H100/H200 tables: 1-8 nodes), or None."""
+    for system in tables.SYSTEMS.values():
+        paths = tables.table_paths(system, "comm", framework,
+                                   tables.current_version(system, framework), file)
+        if paths and _multi_node(paths):
+            return system, paths
+    return None
 
 
 def deepep_link_roofline(mode: str, hidden: int, topk: int, group: int, domain: int,
