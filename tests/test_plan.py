@@ -346,6 +346,26 @@ def test_single_batch_overlap_is_searched_on_decode_deepep_shapes_without_tbo():
     assert ["--enable-single-batch-overlap" in line for line in lines] == [False, True]
 
 
+def test_dense_layers_per_gpu_are_searched_on_dp_attention_shapes_of_moe_models_with_them():
+    def shapes(model: str) -> set[RoleShape]:
+        plan = parse_plan({**SMALL, "model": model, "hardware": "h200", "max_gpus": 16,
+                           "search": {"modes": ["colocated"], "tp": [8], "dp_attention": [1, 8],
+                                      "ep": [8], "moe_dense_tp": [None, 1]}})
+        return {s for d in enumerate_deployments(plan, load_model_spec(model), 16)
+                for _, _, s in d.roles}
+
+    dense = RoleShape(8, 8, 8, dense_dp=True)
+    assert shapes("deepseek-v3") == {RoleShape(8, 1, 8), RoleShape(8, 8, 8), dense}
+    assert shapes("qwen3-235b-a22b") == {RoleShape(8, 1, 8), RoleShape(8, 8, 8)}  # no dense layer
+    moe = parse_plan({**SMALL, "model": "deepseek-v3", "hardware": "h200"})
+    assert dense.label == "TP8 DP8 EP8 dense-TP1"
+    assert parse_experiment(Candidate("colocated", (("colocated", 1, dense),)).experiment_data(
+        moe)).cluster.colocated.moe_dense_tp == 1
+    (_, line), = sglang_commands(Candidate("colocated", (("colocated", 1, dense),)), moe,
+                                 gpus_per_node=8).servers
+    assert "--moe-dense-tp-size 1" in line
+
+
 def test_eplb_is_searched_where_the_experts_and_copies_split_evenly():
     def shapes(tp: int, eps: list[int]) -> set[RoleShape]:
         moe = parse_plan({**SMALL, "model": "deepseek-v3", "hardware": "h200", "max_gpus": 24,

@@ -25,8 +25,9 @@ class RoleShape:
     overlaps two micro-batches (--enable-two-batch-overlap, DeepEP only) or a decode batch's
     DeepEP calls with its own experts (--enable-single-batch-overlap, DeepEP only, not on
     prefill, where it changes nothing), balances experts (--enable-eplb with
-    `redundant_experts` copies, EP only) and sizes a pipelined prefill's chunks dynamically
-    (--enable-dynamic-chunking, pp > 1 only)."""
+    `redundant_experts` copies, EP only), sizes a pipelined prefill's chunks dynamically
+    (--enable-dynamic-chunking, pp > 1 only) and runs a MoE model's dense layers per GPU
+    (--moe-dense-tp-size 1, DP attention only)."""
 
     tp: int
     dp_attention: int = 1
@@ -38,6 +39,7 @@ class RoleShape:
     redundant_experts: int = 0
     single_batch_overlap: bool = False
     dynamic_chunking: bool = False
+    dense_dp: bool = False
 
     @property
     def gpus(self) -> int:
@@ -62,6 +64,8 @@ class RoleShape:
             parts.append("SBO")
         if self.eplb:
             parts.append(f"EPLB+{self.redundant_experts}")
+        if self.dense_dp:
+            parts.append("dense-TP1")
         return " ".join(parts)
 
     def role_data(self, instances: int, plan: PlanConfig) -> dict[str, Any]:
@@ -85,6 +89,8 @@ class RoleShape:
             data["single_batch_overlap"] = True
         if self.eplb:
             data["eplb"] = {"redundant_experts": self.redundant_experts}
+        if self.dense_dp:
+            data["moe_dense_tp"] = 1
         knobs = plan.scheduler.model_dump(exclude_defaults=True)
         if knobs:
             data["scheduler"] = knobs
@@ -167,7 +173,8 @@ def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
                 pp_sizes: Sequence[int] = (1,), prefill: bool = False) -> list[RoleShape]:
     """Every parallelism of one instance the search space allows and SGLang accepts, with
     each of `pp_sizes` pipeline stages (a stage needs a layer; more than one: with each
-    dynamic-chunking setting); a `prefill` role's without single-batch overlap (a decode-step
+    dynamic-chunking setting) and, with DP attention on a MoE model with dense layers, each
+    `moe_dense_tp` setting; a `prefill` role's without single-batch overlap (a decode-step
     overlap)."""
     s = plan.search
     shapes = set()
@@ -181,12 +188,16 @@ def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
                         continue
                     overlaps = _overlaps(s, prefill) if a2a == "deepep" else [(False, False)]
                     balancing = _eplb_options(s.eplb_redundant_experts, model, ep)
+                    dense_dp = ({m == 1 for m in s.moe_dense_tp}
+                                if dp > 1 and model.is_moe and model.num_dense_layers
+                                else {False})
                     for pp in pp_sizes:
                         if tp * pp <= gpu_limit and pp <= model.num_layers:
                             chunking = s.dynamic_chunking if pp > 1 else (False,)
-                            shapes.update(RoleShape(tp, dp, ep, a2a, pp, tbo, *eplb, sbo, dck)
+                            shapes.update(RoleShape(tp, dp, ep, a2a, pp, tbo, *eplb, sbo, dck,
+                                                    dense)
                                           for tbo, sbo in overlaps for eplb in balancing
-                                          for dck in chunking)
+                                          for dck in chunking for dense in dense_dp)
     return sorted(shapes)
 
 

@@ -86,7 +86,8 @@ class SearchSpace(_Spec):
     `ep`, `moe_a2a` (and for prefill `pp`) that SGLang accepts (dp_attention and ep divide tp;
     ep > 1 and DeepEP only for MoE models; DeepEP needs ep = tp > 1), each DeepEP shape with
     every `two_batch_overlap` setting (and, not on prefill, every `single_batch_overlap` one
-    where two-batch overlap is off), each EP shape with every `eplb_redundant_experts` one and
+    where two-batch overlap is off), each EP shape with every `eplb_redundant_experts` one,
+    each DP-attention shape of a MoE model with dense layers with every `moe_dense_tp` one and
     each pipelined prefill with every `dynamic_chunking` one."""
 
     modes: list[Mode] = Field(["disaggregated", "colocated"], min_length=1)
@@ -107,6 +108,11 @@ class SearchSpace(_Spec):
     pp: list[int] | None = Field(None, min_length=1, description="prefill pipeline stages "
                                  "(SGLang's --pp-size); default: 1, 2 and 4 when the "
                                  "workload's p90 prompt is at least 32768 tokens, else 1")
+    moe_dense_tp: list[Literal[1] | None] = Field(
+        [None], min_length=1, description="with dp_attention > 1 on a MoE model with dense "
+        "layers: null (dense layers over tp) or 1 (SGLang's --moe-dense-tp-size 1: each GPU "
+        "runs them on its own tokens, as large-EP deployments do); [null, 1] tries each "
+        "DP-attention shape both ways")
     dynamic_chunking: list[bool] = Field(
         [False], min_length=1, description="prefill shapes with pp > 1: SGLang's "
         "--enable-dynamic-chunking (its default smooth factor, the first chunk the scheduler's "

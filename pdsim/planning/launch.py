@@ -72,6 +72,8 @@ def _instance(plan: PlanConfig, role: str, index: int, shape: RoleShape,
         argv.append("--enable-single-batch-overlap")
     if shape.eplb:
         argv += ["--enable-eplb", "--ep-num-redundant-experts", str(shape.redundant_experts)]
+    if shape.dense_dp:
+        argv += ["--moe-dense-tp-size", "1"]
     # A knob the plan leaves to SGLang's derivation is left to it here too.
     if knobs.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", f"{knobs.mem_fraction_static:g}"]
