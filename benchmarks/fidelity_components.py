@@ -44,7 +44,7 @@ from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Reference, best_reference
 from pdsim.sim.silicon.ops import (
     _TABLE_TO_PDSIM, DEEPEP_NUM_SMS, MLA_TABLE_DIMS, OpTables, deepep_link_roofline,
-    moved_expert_curve, without_idle_rows,
+    deepep_seconds, moved_expert_curve, without_idle_rows,
 )
 from pdsim.specs import ModelSpec, load_hardware_spec, model_preset
 from pdsim.specs.hardware import HardwareSpec
@@ -458,14 +458,7 @@ def deepep_node_moves() -> dict[str, tuple[np.ndarray, np.ndarray]]:
                        ("normal", "wideep_deepep_normal_perf.parquet")):
         path = next(p for p in tables.table_paths("h200_sxm", "comm", "sglang", "current", file)
                     if (tables.read_table(p)["node_num"] > 1).any())
-        t = tables.read_table(path)
-        if mode == "normal":
-            t = t[t["dispatch_sms"] == DEEPEP_NUM_SMS]
-            columns = [f"{c}_{k}_us" for c in ("dispatch", "combine")
-                       for k in ("transmit", "notify")]
-        else:
-            columns = ["dispatch_avg_t_us", "combine_avg_t_us"]
-        t = t.assign(seconds=t[columns].sum(axis=1) * 1e-6)
+        t = deepep_seconds(tables.read_table(path), mode)
         errors = out.setdefault(mode, ([], []))
         for (h, k, _), shape in t.groupby(["hidden_size", "num_topk", "num_experts"]):
             curves = {int(n): g.groupby("num_token")["seconds"].min()

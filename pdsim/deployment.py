@@ -293,10 +293,14 @@ class RoleConfig(_Spec):
     @model_validator(mode="before")
     @classmethod
     def _moved(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("dynamic_chunking"), bool):
-            data = {**data, "dynamic_chunking": {} if data["dynamic_chunking"] else None}
         return _renamed(data, {k: f"scheduler.{k}" for k in
                                ("num_pages", "metadata_slots", "pre_alloc_size")})
+
+    @field_validator("dynamic_chunking", mode="before")
+    @classmethod
+    def _switch(cls, value: Any) -> Any:
+        """`true` takes SGLang's defaults, `false` is off."""
+        return ({} if value else None) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _divides(self) -> RoleConfig:

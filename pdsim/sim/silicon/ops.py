@@ -676,14 +676,7 @@ class OpTables:
             t = t[~t["node_num"].isin(seen)]
             seen.update(int(n) for n in t["node_num"].unique())
             frames.append(t)
-        t = pd.concat(frames)
-        if mode == "normal":
-            t = t[t["dispatch_sms"] == DEEPEP_NUM_SMS]
-            columns = [f"{call}_{kind}_us" for call in calls for kind in ("transmit", "notify")]
-        else:
-            columns = [f"{call}_avg_t_us" for call in calls]
-        seconds = t[columns].sum(axis=1) * 1e-6
-        t = t.assign(seconds=seconds)
+        t = deepep_seconds(pd.concat(frames), mode, calls)
         key = ["hidden_size", "num_topk", "num_experts", "node_num"]
         configs = [tuple(int(v) for v in r) for r in t[key].drop_duplicates().itertuples(False)]
         want = (hidden, topk, experts, nodes)
@@ -706,6 +699,18 @@ class OpTables:
                                              min(group, self.hw.gpus_per_node), self.hw)
             curve = curve.scaled(lambda x: want_roof(x) / have_roof(x))
         return curve
+
+
+def deepep_seconds(t: pd.DataFrame, mode: str,
+                   calls: tuple[str, ...] = ("dispatch", "combine")) -> pd.DataFrame:
+    """A DeepEP table's rows with `seconds`, the time of `calls`: low latency's average per
+    call; normal mode's transmit and notify at SGLang's default SM count."""
+    if mode == "normal":
+        t = t[t["dispatch_sms"] == DEEPEP_NUM_SMS]
+        columns = [f"{call}_{kind}_us" for call in calls for kind in ("transmit", "notify")]
+    else:
+        columns = [f"{call}_avg_t_us" for call in calls]
+    return t.assign(seconds=t[columns].sum(axis=1) * 1e-6)
 
 
 def _multi_node(paths: tuple[Path, ...]) -> bool:
