@@ -194,10 +194,13 @@ def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
                     for pp in pp_sizes:
                         if tp * pp <= gpu_limit and pp <= model.num_layers:
                             chunking = s.dynamic_chunking if pp > 1 else (False,)
-                            shapes.update(RoleShape(tp, dp, ep, a2a, pp, tbo, *eplb, sbo, dck,
-                                                    dense)
-                                          for tbo, sbo in overlaps for eplb in balancing
-                                          for dck in chunking for dense in dense_dp)
+                            shapes.update(
+                                RoleShape(tp, dp, ep, a2a, pp, two_batch_overlap=tbo,
+                                          eplb=balanced, redundant_experts=copies,
+                                          single_batch_overlap=sbo, dynamic_chunking=dck,
+                                          dense_dp=dense)
+                                for tbo, sbo in overlaps for balanced, copies in balancing
+                                for dck in chunking for dense in dense_dp)
     return sorted(shapes)
 
 

@@ -62,7 +62,7 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
         raise ConfigError(f"cluster.{name}: {exc}{derived}") from None
     try:
         cost = _cost_factory(cfg, model, hw, par, params, draft)
-        cost()
+        built = cost()  # a bad param fails here, naming the role
     except ValueError as exc:
         raise ConfigError(f"cluster.{name}: {exc}") from None
     if num_pages < 1:
@@ -75,7 +75,7 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     sched = _low_latency_cap(sched, role, name, cfg)
     if role.dynamic_chunking is not None:
         sched = replace(sched, dynamic_chunking=fit_dynamic_chunking(
-            cost(), sched, role.dp_attention, role.dynamic_chunking.smooth_factor))
+            built, sched, role.dp_attention, role.dynamic_chunking.smooth_factor))
     attn_tp = role.tp // role.dp_attention
     # What a page weighs on the wire: every attention-TP rank of the receiving side needs its
     # own slice (GQA) or its own replica (MLA). A speculating draft's KV and last hidden state
