@@ -17,7 +17,9 @@
    lacks, pdsim.sim.silicon.ops), against that configuration's own measurement: wide-EP
    (DeepGEMM) curves to the next EP size up or down; fused-MoE curves between expert counts and
    between dtypes at the same shape. Printed: median and P90 relative error of the moved curve,
-   and the median of the source curve taken as it is.
+   and the median of the source curve taken as it is. And fused-MoE curves from EP 1 to each
+   EP size measured (what the model does with a shape whose EP rows it does not read), with
+   and without the rows of other ranks' experts SGLang's Triton and Marlin kernels move.
 3. Against Vidur's measured A100 profile (CodeLlama-34B shapes; ../shared/anchors/vidur-data):
    the silicon model's a100_sxm lookups for the same ops, side by side with Vidur's medians.
 4. DeepEP's low-latency kernels against DeepEP's own published timings (its README: H800s with
@@ -43,8 +45,9 @@ from pdsim.sim.cost import (
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Reference, best_reference
 from pdsim.sim.silicon.ops import (
-    _TABLE_TO_PDSIM, DEEPEP_NUM_SMS, MLA_TABLE_DIMS, OpTables, deepep_link_roofline,
-    deepep_seconds, moved_expert_curve, without_idle_rows,
+    _TABLE_TO_PDSIM, ALL_ROW_KERNELS, DEEPEP_NUM_SMS, MLA_TABLE_DIMS, OpTables,
+    deepep_link_roofline, deepep_seconds, moved_expert_curve, unshared_ep_shapes,
+    without_idle_rows,
 )
 from pdsim.specs import ModelSpec, load_hardware_spec, model_preset
 from pdsim.specs.hardware import HardwareSpec
@@ -310,6 +313,47 @@ def transfers(ops: OpTables) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return {kind: (np.array(a), np.array(b)) for kind, (a, b) in out.items()}
 
 
+def fused_ep_moves(ops: OpTables) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], int, int]:
+    """Fused-MoE curves moved from EP 1 to each EP size the same table measured, as the silicon
+    model moves a shape whose EP rows it does not read: kernel → (errors with the rows of other
+    ranks' experts where the kernel keeps them, errors without), 256+ tokens; and how many
+    (dtype, shape, moe_tp) groups measured EP sizes above 1, and how many of them time more
+    than a rank's share (`unshared_ep_shapes`, excluded here)."""
+    t = ops._need("moe", "moe_perf.parquet")
+    t = t[t.distribution == "balanced"]
+    out: dict[str, tuple[list, list]] = {}
+    groups = unshared = 0
+    shape = ["hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size"]
+    for (source, dt), by_dtype in t.groupby(["kernel_source", "moe_dtype"]):
+        if dt not in _TABLE_TO_PDSIM:
+            continue
+        bad = unshared_ep_shapes(by_dtype)
+        fused = source.startswith(ALL_ROW_KERNELS)
+        for cfg, rows in by_dtype.groupby(shape):
+            cfg = tuple(int(v) for v in cfg)
+            base = rows[rows.moe_ep_size == 1].groupby("num_tokens")["latency"].min()
+            eps = sorted(int(e) for e in rows.moe_ep_size.unique() if e > 1)
+            if base.empty or not eps:
+                continue
+            groups += 1
+            if cfg in bad:
+                unshared += 1
+                continue
+            errors = out.setdefault(source, ([], []))
+            for ep in eps:
+                dst = rows[rows.moe_ep_size == ep].groupby("num_tokens")["latency"].min()
+                xs = dst.index.to_numpy(float)
+                xs = xs[xs >= 256]
+                for keep, got in ((fused, errors[0]), (False, errors[1])):
+                    src_cfg, dst_cfg = (*cfg, 1, _TABLE_TO_PDSIM[dt]), (*cfg, ep, _TABLE_TO_PDSIM[dt])
+                    moved = moved_expert_curve(base, src_cfg[:6],
+                                               ops.moe_roofline(*src_cfg, fused=keep),
+                                               dst_cfg[:6], ops.moe_roofline(*dst_cfg, fused=keep))
+                    got.extend(np.abs(moved.values(xs) * 1e3 / dst.loc[xs].to_numpy(float) - 1))
+    return ({k: (np.array(a), np.array(b)) for k, (a, b) in out.items() if a},
+            groups, unshared)
+
+
 def vidur_rows(root: Path) -> list[tuple[str, float, float]]:
     """(case, Vidur median ms, silicon a100_sxm ms) for CodeLlama-34B's ops."""
     model_dir = root / "data/profiling/compute/a100/codellama/CodeLlama-34b-Instruct-hf"
@@ -526,6 +570,15 @@ def main() -> None:
     for kind, (moved, unmoved) in transfers(ops).items():
         print(f"{kind:28s} {len(moved):6d} {np.median(moved):9.1%} "
               f"{np.percentile(moved, 90):6.1%} {np.median(unmoved):11.1%}")
+    moves, groups, unshared = fused_ep_moves(ops)
+    print(f"\nFused MoE from EP 1 to the EP sizes measured, on {args.system}: {unshared} of "
+          f"{groups} (dtype, shape, moe_tp) groups time more than a rank's share at EP > 1 "
+          "and are not read; the others, moved from EP 1 by the roofline, 256+ tokens")
+    print(f"{'kernel':32s} {'points':>6s} {'pdsim p50':>9s} {'p90':>6s} "
+          f"{'no other-rank rows p50':>22s} {'p90':>6s}")
+    for source, (got, plain) in moves.items():
+        print(f"{source:32s} {len(got):6d} {np.median(got):9.1%} {np.percentile(got, 90):6.1%} "
+              f"{np.median(plain):22.1%} {np.percentile(plain, 90):6.1%}")
     for src, dst in (("h100_sxm", "h200_sxm"), ("h200_sxm", "h100_sxm"), ("h100_sxm", "b200_sxm")):
         print(f"\nGPU moves: {src}'s tables priced as a silicon_base of {dst} (each op by the "
               f"ratio of its rooflines on the two GPUs), against {dst}'s own tables")

@@ -92,6 +92,18 @@ _PART_GROUPS = {"attention": "attention", "dense_mlp": "gemm", "dense_comm": "co
                 "vocab_comm": "communication", "overhead": "overhead"}
 
 
+def remote_row_bytes(hidden: int, inter_slice: float, topk: int, ep: int) -> float:
+    """Bytes per token a GPU moves for the top-k rows of experts held by other ranks, under
+    expert parallelism without an all-to-all backend. SGLang's fused MoE then keeps every
+    token's top-k rows in its buffers (`fused_experts_impl`, the standard dispatcher maps other
+    ranks' experts to -1): the kernels skip their FLOPs but write zeros for their gate_up and
+    down outputs, the activation reads and writes them, and the top-k sum reads them, 2 + 3
+    intermediate and 2 hidden values a row in BF16."""
+    if ep <= 1:
+        return 0.0
+    return topk * (1.0 - 1.0 / ep) * (5.0 * inter_slice + 2.0 * hidden) * ACT_BYTES
+
+
 def share_group(part: str, moe_a2a: str) -> str:
     """The SHARE_GROUPS group a BREAKDOWN_PARTS part counts in. attention: its block whole
     (projections, kernels, attention-TP all-reduce, norms); gemm: dense MLP and LM head; moe:
@@ -745,6 +757,9 @@ class RooflineCostModel:
             self._routed_s_tok = routed_s_tok
             self._routed_act_tok = pairs_io * ACT_BYTES
             self._routed_elem_s_tok = k / ep * moe_inter * 3 * ACT_BYTES / mem_rate
+            # (SGLang's Triton MoE; Blackwell's FlashInfer kernels move a rank's rows only)
+            self._remote_rows_s_tok = (0.0 if self._deepep or hardware.blackwell
+                                       else remote_row_bytes(h, moe_inter, k, ep) / mem_rate)
             self._shared_s_tok = shared_s_tok
             self._shared_act_tok = shared_act_tok
             self._shared_elem_s_tok = shared_elem_s_tok
@@ -873,7 +888,8 @@ class RooflineCostModel:
         flops_s = routed_tokens * self._routed_s_tok + shared_tokens * self._shared_s_tok
         w_bytes = (self._moe_w_bytes if shared_tokens else 0.0) + hit * self._expert_w_bytes
         act = routed_tokens * self._routed_act_tok + shared_tokens * self._shared_act_tok
-        elem = routed_tokens * self._routed_elem_s_tok + shared_tokens * self._shared_elem_s_tok
+        elem = (routed_tokens * self._routed_elem_s_tok + shared_tokens * self._shared_elem_s_tok
+                + (tokens * self._remote_rows_s_tok if routed_tokens else 0.0))
         floor = (self._moe_floor_s if routed_tokens and shared_tokens
                  else self._moe_part_floors_s[0 if routed_tokens else 1])
         return floor + max(flops_s, (w_bytes + act) / self._mem_rate) + elem

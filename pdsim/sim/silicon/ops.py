@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pdsim.sim.cost import gdn_kernel_work, mla_decode_rows
+from pdsim.sim.cost import gdn_kernel_work, mla_decode_rows, remote_row_bytes
 from pdsim.sim.moe_comm import deepep_traffic
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Grid2, Reference, best_reference
@@ -491,22 +491,26 @@ class OpTables:
     # ----- MoE ---------------------------------------------------------------------------------
 
     def moe_roofline(self, hidden: int, inter: int, topk: int, experts: int, moe_tp: int,
-                     moe_ep: int, dtype: str) -> Callable:
+                     moe_ep: int, dtype: str, fused: bool = False) -> Callable:
         """One MoE layer's routed experts on one rank over the layer's tokens, routed as the
         tables' collectors route them: balanced, each token's top-k on distinct experts spread
         over all of them, so min(experts, tokens * topk) experts hold tokens (random routing
         would leave some idle at a few tokens; a transfer must price both shapes the way the
-        measured one was routed)."""
+        measured one was routed). `fused`: a kernel that also moves the rows of other ranks'
+        experts (`remote_row_bytes`: SGLang's Triton and Marlin MoE, `ALL_ROW_KERNELS`);
+        DeepEP, and FlashInfer's kernels, which route inside, give a rank its own rows only."""
         wbytes = DTYPES[dtype].weight_bytes
         peak, mem = self.peak_flops(dtype), self.mem_rate
         slice_ = inter / moe_tp
+        remote = remote_row_bytes(hidden, slice_, topk, moe_ep) if fused else 0.0
 
         def roofline(tokens):
             pairs = tokens * topk / moe_ep
             hit = np.minimum(experts, tokens * topk) / moe_ep
             return np.maximum(6.0 * hidden * slice_ * pairs / peak,
                               (hit * 3 * hidden * slice_ * wbytes
-                               + pairs * (2 * hidden + 3 * slice_) * ACT_BYTES) / mem)
+                               + pairs * (2 * hidden + 3 * slice_) * ACT_BYTES) / mem
+                              ) + tokens * remote / mem
 
         return roofline
 
@@ -522,6 +526,7 @@ class OpTables:
         if used is None:
             used = next(d for d in _fallbacks(dtype, self.hw) if d in present)
         t = t[t["moe_dtype"] == used]
+        unshared = unshared_ep_shapes(t)
         if (t["distribution"] == distribution).any():
             t = t[t["distribution"] == distribution]
         else:
@@ -529,15 +534,19 @@ class OpTables:
                 f"silicon moe_distribution {distribution!r} is not in the table; allowed: "
                 f"{', '.join(sorted(t['distribution'].unique()))}")
         key = ["hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size", "moe_ep_size"]
-        configs = [tuple(int(v) for v in r) for r in t[key].drop_duplicates().itertuples(False)]
+        configs = [c for c in (tuple(int(v) for v in r)
+                               for r in t[key].drop_duplicates().itertuples(False))
+                   if c[5] == 1 or c[:5] not in unshared]
         want = (hidden, inter, topk, experts, moe_tp, moe_ep)
         have = min(configs, key=lambda c: (_log_distance(c, want), c))
         sel = t[(t[key] == pd.Series(have, index=key)).all(axis=1)]
         g = sel.groupby("num_tokens")["latency"].min()
-        have_roof = self.moe_roofline(*have, _TABLE_TO_PDSIM[used])
+        fused = sel["kernel_source"].str.startswith(ALL_ROW_KERNELS).all()
+        have_roof = self.moe_roofline(*have, _TABLE_TO_PDSIM[used], fused=fused)
         if have == want and used in wanted:
             return Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
-        return moved_expert_curve(g, have, have_roof, want, self.moe_roofline(*want, dtype))
+        return moved_expert_curve(g, have, have_roof, want,
+                                  self.moe_roofline(*want, dtype, fused=fused))
 
     @_on_this_gpu
     def wideep_moe(self, phase: str, hidden: int, inter: int, topk: int, experts: int, ep: int,
@@ -787,6 +796,39 @@ def without_idle_rows(measured: pd.Series, same_shape: pd.DataFrame, ep: int,
     the slope its table (`same_shape`: one expert shape, every EP size) gives them."""
     return measured - excess_row_ms(same_shape) * idle_rows(measured.index.to_numpy(float), ep,
                                                             topk)
+
+
+# The fused-MoE tables' kernels (their `kernel_source` prefixes) that keep every token's top-k
+# rows under expert parallelism (`remote_row_bytes`). Moved from EP 1 to the measured EP sizes
+# by the roofline with those rows, the 0.5.14 tables' Triton rows come out a median -1 to -21 %
+# off (H100 to B200), -56 to -61 % without them; FlashInfer's come out +31 to +48 % with them.
+ALL_ROW_KERNELS = ("sglang_fused_moe_triton", "sglang_marlin_moe")
+
+# A fused-MoE row at moe_ep_size k > 1 should time one rank that holds 1/k of the experts and,
+# routed balanced, 1/k of the pairs: at the largest tokens measured, EP 2 then takes 0.49-0.60
+# of EP 1's time (aiconfigurator-core 0.12's 0.5.14 tables, every shape but one). Where the
+# next EP size above 1 takes more than this share of it, the rows time a rank that computes
+# most of every token's pairs (docs/cost_model.md, "Fused MoE under EP"): they are not read.
+EP_ROWS_MAX_SHARE = 0.8
+
+
+def unshared_ep_shapes(t: pd.DataFrame) -> set[tuple[int, ...]]:
+    """The (hidden, inter, topk, experts, moe_tp) of the fused-MoE table `t` (one dtype) whose
+    rows at moe_ep_size > 1 do not time one rank's share of the layer, judged on their balanced
+    rows: the smallest EP size above 1 takes over `EP_ROWS_MAX_SHARE` of EP 1's time at the
+    largest token count both measured."""
+    key = ["hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size"]
+    bad = set()
+    for shape, rows in t[t["distribution"] == "balanced"].groupby(key):
+        by_ep = rows.pivot_table(index="num_tokens", columns="moe_ep_size", values="latency",
+                                 aggfunc="min")
+        above = [e for e in by_ep.columns if e > 1]
+        if 1 not in by_ep.columns or not above:
+            continue
+        both = by_ep[[1, min(above)]].dropna()
+        if not both.empty and both.iloc[-1, 1] > EP_ROWS_MAX_SHARE * both.iloc[-1, 0]:
+            bad.add(tuple(int(v) for v in shape))
+    return bad
 
 
 def moved_expert_curve(measured: pd.Series, have: tuple, have_roof: Callable, want: tuple,
