@@ -201,6 +201,28 @@ def test_deepep_sets_ep_and_unchunked_prefill_reads_as_zero():
     parse_experiment(imported)
 
 
+def test_piecewise_cuda_graphs_asked_of_the_prefill_servers_are_priced():
+    def imported(prefill_flags: str) -> dict:
+        script = "\n".join([
+            "python -m sglang.launch_server --model-path llama-3.1-8b --disaggregation-mode "
+            f"prefill --port 30000 {prefill_flags}",
+            "python -m sglang.launch_server --model-path llama-3.1-8b --disaggregation-mode "
+            "decode --port 30001 --cuda-graph-max-bs 128",
+            "python -m sglang_router.launch_router --pd-disaggregation --prefill "
+            "http://127.0.0.1:30000 --decode http://127.0.0.1:30001"])
+        data, notes = import_sglang(script, BASE)
+        assert notes == []
+        parse_experiment(data)
+        return data["cost_model"]["params"]
+
+    assert imported("--enable-piecewise-cuda-graph --piecewise-cuda-graph-max-tokens 4096") == {
+        "cuda_graph_max_bs": 128, "piecewise_cuda_graph": True,
+        "piecewise_cuda_graph_max_tokens": 4096}
+    assert imported("--enable-piecewise-cuda-graph") == {"cuda_graph_max_bs": 128,
+                                                          "piecewise_cuda_graph": True}
+    assert imported("") == {"cuda_graph_max_bs": 128}
+
+
 def test_the_pd_load_balancer_takes_several_urls_per_flag():
     """SGLang's launch_lb (and mini_lb) take `--prefill URL URL ...`; its policies are random
     and, with the Rust balancer, po2."""

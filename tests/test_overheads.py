@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from pdsim.config import parse_experiment
 from pdsim.core.batch import BatchShape, extend_attn_pairs
+from pdsim.sim.build import build_cluster
 from pdsim.sim.cost import Parallelism, make_cost_model
 from pdsim import sglang_defaults
 from pdsim.sim.overheads import EAGER_LAUNCH_S, host_overheads, kernels_per_layer
@@ -119,3 +121,58 @@ def test_scheduler_overhead_switch(name: str) -> None:
     assert on.step_time_s([prefill(512)]) == pytest.approx(
         off.step_time_s([prefill(512)]) + p.step_overhead_s + p.extend_overhead_s, rel=1e-12)
     assert off.step_breakdown_s([decode(4)])["overhead"] == 0.0
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_piecewise_graphed_extend_launches_three_kernels_a_layer(name: str) -> None:
+    """SGLang's piecewise CUDA graphs (its default from v0.5.10): per layer one graph up to
+    the next attention call and that call's KV store and kernel, eager; above the max tokens
+    the extend runs eagerly as before."""
+    llama_70b = model_preset("llama-3.1-70b")
+    eager, graphed, capped = (
+        cost(name, llama_70b, H100, Parallelism(tp=8), role="prefill", **params)
+        for params in ({}, {"piecewise_cuda_graph": True},
+                       {"piecewise_cuda_graph": True, "piecewise_cuda_graph_max_tokens": 64}))
+    assert graphed._host.piecewise_launches == 3 * 80 + 1
+    kernels, host = kernels_and_host(cost(name, llama_70b, H100, Parallelism(tp=8),
+                                          role="prefill", eager_overhead=False), [prefill(128)])
+    launch_bound = graphed._host.piecewise_host_s
+    assert graphed.step_time_s([prefill(128)]) == pytest.approx(
+        host + max(kernels, launch_bound), rel=1e-12)
+    assert graphed.step_time_s([prefill(128)]) < 0.7 * eager.step_time_s([prefill(128)])
+    assert capped.step_time_s([prefill(128)]) == eager.step_time_s([prefill(128)])
+    assert capped.step_time_s([prefill(64)]) == graphed.step_time_s([prefill(64)])
+    # decode steps keep their full graphs; long prefills hide the launches either way
+    assert graphed.step_time_s([decode(8)]) == eager.step_time_s([decode(8)])
+    assert graphed.step_time_s([prefill(8192)]) == eager.step_time_s([prefill(8192)])
+
+
+def test_piecewise_graphs_default_to_sglangs_max_tokens_and_drop_where_sglang_drops_them(
+        ) -> None:
+    def host(model, **par):
+        return cost("roofline", model, H200, Parallelism(**par), role="prefill",
+                    piecewise_cuda_graph=True)._host
+    # MLA models 2,048 tokens, the others SGLang's chunk for the GPU (an experiment passes its
+    # role's chunked_prefill_size: pdsim.sim.build)
+    assert host(DSV3, tp=8).piecewise_max_tokens == 2048
+    assert host(LLAMA_8B).piecewise_max_tokens == sglang_defaults.chunked_prefill_size(
+        H200.hbm_gib) == 8192
+    for par in (dict(tp=8, dp_attention=8, ep=8), dict(tp=8, dp_attention=8, ep=8,
+                                                         moe_a2a="deepep"), dict(tp=8, pp=2)):
+        assert host(DSV3, **par).piecewise_max_tokens is None, par
+    assert host(model_preset("qwen3-next-80b-a3b"), tp=4).piecewise_max_tokens is None
+
+
+def test_an_experiment_graphs_extends_up_to_its_roles_chunk() -> None:
+    cfg = parse_experiment({
+        "name": "piecewise", "model": "llama-3.1-8b", "hardware": "h100",
+        "cost_model": {"name": "roofline", "params": {"piecewise_cuda_graph": True}},
+        "cluster": {"mode": "disaggregated",
+                    "prefill": {"tp": 1, "scheduler": {"chunked_prefill_size": 4096}},
+                    "decode": {"tp": 1}},
+        "workload": {"num_requests": 4, "arrival": {"process": "poisson", "rate_rps": 1},
+                     "input_len": {"dist": "fixed", "value": 64},
+                     "output_len": {"dist": "fixed", "value": 4}}})
+    cluster = build_cluster(cfg)
+    assert cluster.prefill.cost()._host.piecewise_max_tokens == 4096
+    assert cluster.decode.cost()._host.piecewise_max_tokens == 8192  # H100's default chunk

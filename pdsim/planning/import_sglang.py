@@ -17,7 +17,8 @@ SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK), a pipelined prefill's
 SGLANG_NUM_RESERVED_DECODE_TOKENS (SGLANG_HACK_PD_DECODE_NUM_RESERVED_DECODE_TOKENS before),
 `--disable-radix-cache`), `--kv-cache-dtype`, the decode servers' CUDA graphs
 (`--cuda-graph-max-bs`, `--cuda-graph-bs`, `--disable-cuda-graph`: the cost model's
-`cuda_graph_max_bs`) and speculative decoding (`--speculative-algorithm` NEXTN/EAGLE/EAGLE3
+`cuda_graph_max_bs`), the extending servers' `--enable-piecewise-cuda-graph` with
+`--piecewise-cuda-graph-max-tokens` (the cost model's `piecewise_cuda_graph`) and speculative decoding (`--speculative-algorithm` NEXTN/EAGLE/EAGLE3
 with `--speculative-num-steps`: MTP without `--speculative-draft-model-path`, EAGLE with one;
 its acceptance comes from the base experiment), the model (`--model-path`) and the router's
 policy (as SGLang names it: a plan's `least_loaded`, written as `power_of_two`, comes back as
@@ -165,6 +166,8 @@ def _server_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph-max-bs", type=int)
     p.add_argument("--cuda-graph-bs", type=int, nargs="+")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--enable-piecewise-cuda-graph", action="store_true")  # before v0.5.10
+    p.add_argument("--piecewise-cuda-graph-max-tokens", type=int)
     p.add_argument("--speculative-algorithm")
     p.add_argument("--speculative-num-steps", type=int)
     p.add_argument("--speculative-eagle-topk", type=int, default=1)
@@ -215,6 +218,7 @@ class _Server:
     model: str
     kv_dtype_bytes: float
     graph_bs: int | None  # the largest decode batch replayed as a CUDA graph, if given
+    piecewise: dict[str, Any]  # the cost params of piecewise-graphed extends it asks for
     speculative: dict[str, Any] | None  # the speculative section's method and drafts
     unmodelled: list[str]  # flags read past that may change performance
 
@@ -236,7 +240,7 @@ def _server(argv: list[str], env: dict[str, str], line: int) -> _Server | None:
     return _Server(line, role, f"http://{a.host}:{a.port}", _shape(a, env, line, unmodelled),
                    _knobs(a, env, role, line), a.model_path,
                    1 if a.kv_cache_dtype.startswith("fp8") else 2, _graph_bs(a),
-                   _speculative(a, line, unmodelled), unmodelled)
+                   _piecewise(a), _speculative(a, line, unmodelled), unmodelled)
 
 
 def _deepep(a: argparse.Namespace) -> bool:
@@ -312,6 +316,17 @@ def _graph_bs(a: argparse.Namespace) -> int | None:
     if a.cuda_graph_max_bs is not None:
         return a.cuda_graph_max_bs
     return max(a.cuda_graph_bs) if a.cuda_graph_bs else None
+
+
+def _piecewise(a: argparse.Namespace) -> dict[str, Any]:
+    """`--enable-piecewise-cuda-graph` (SGLang's opt-in before v0.5.10, when it became the
+    default) as the cost params that price it; `--piecewise-cuda-graph-max-tokens` with it."""
+    if not a.enable_piecewise_cuda_graph or a.disable_cuda_graph:
+        return {}
+    params: dict[str, Any] = {"piecewise_cuda_graph": True}
+    if a.piecewise_cuda_graph_max_tokens is not None:
+        params["piecewise_cuda_graph_max_tokens"] = a.piecewise_cuda_graph_max_tokens
+    return params
 
 
 def _speculative(a: argparse.Namespace, line: int, unmodelled: list[str]
@@ -425,9 +440,12 @@ def import_sglang(text: str, base: dict[str, Any], *, name: str | None = None,
         notes.append(f"the base's sweep over {', '.join(dropped)} is dropped: the commands fix "
                      "the deployment it would vary")
     graph_bs = _one({s.graph_bs for s in generating}, "CUDA graph batch sizes")
-    if graph_bs is not None:
+    params = {} if graph_bs is None else {"cuda_graph_max_bs": graph_bs}
+    params.update(_one({tuple(sorted(s.piecewise.items())) for s in servers
+                        if s.role != "decode"}, "piecewise CUDA graphs"))
+    if params:
         cost = dict(data.get("cost_model") or {})
-        cost["params"] = {**(cost.get("params") or {}), "cuda_graph_max_bs": graph_bs}
+        cost["params"] = {**(cost.get("params") or {}), **params}
         data["cost_model"] = cost
     spec = _one({None if s.speculative is None else tuple(sorted(s.speculative.items()))
                  for s in generating}, "speculative decoding")

@@ -16,6 +16,7 @@ from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pdsim import sglang_defaults
 from pdsim.core.batch import BatchShape
 from pdsim.sim.expert_load import ExpertLoad, check_redundant_experts, expert_load
 from pdsim.sim.moe_comm import A2AMode, deepep_traffic
@@ -423,7 +424,11 @@ class StepParams(BaseModel):
     --enable-eplb with that many --ep-num-redundant-experts. seed: the expert popularity draw.
     eager_overhead: charge eager forwards (extend, decode above cuda_graph_max_bs requests per
     rank; None: SGLang's default for the GPU) the time their kernel launches, eager_launch_s
-    each, outlast their kernels.
+    each, outlast their kernels. piecewise_cuda_graph: an extend of at most
+    piecewise_cuda_graph_max_tokens tokens per rank (None: SGLang's default, 2,048 for MLA
+    models, else the chunk size) runs as piecewise CUDA graphs, launching 3 per layer
+    (SGLang's default from v0.5.10; off with --disable-piecewise-cuda-graph, and where
+    `piecewise_eligible` says SGLang drops it).
     scheduler_overhead: charge step_overhead_s per step and extend_overhead_s per extend step
     (the scheduler loop's host work).
     deepep_normal_sms: the SMs DeepEP's normal-mode kernels run on (DeepEP's `Buffer.num_sms`,
@@ -441,6 +446,8 @@ class StepParams(BaseModel):
     eager_overhead: bool = True
     eager_launch_s: float = Field(default=EAGER_LAUNCH_S, ge=0)
     cuda_graph_max_bs: int | None = Field(default=None, ge=0)
+    piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: int | None = Field(default=None, ge=1)
     scheduler_overhead: bool = True
     deepep_normal_sms: int = Field(default=20, ge=0)
     chunked_prefix_cache_threshold: int | None = Field(default=None, ge=1)
@@ -456,17 +463,25 @@ def step_extras(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
     if p.expert_imbalance and model.is_moe and parallel.ep > 1:
         load = expert_load(model.num_experts, model.experts_per_token, parallel.ep,
                            p.eplb_redundant_experts, p.seed)
-    host = host_overheads(model, hardware, parallel, p.eager_launch_s, p.cuda_graph_max_bs) \
-        if p.eager_overhead else None
+    host = None
+    if p.eager_overhead:
+        piecewise = None
+        if p.piecewise_cuda_graph:
+            piecewise = p.piecewise_cuda_graph_max_tokens or (
+                sglang_defaults.MLA_PIECEWISE_MAX_TOKENS if model.is_mla
+                else sglang_defaults.chunked_prefill_size(hardware.hbm_gib))
+        host = host_overheads(model, hardware, parallel, p.eager_launch_s, p.cuda_graph_max_bs,
+                              piecewise)
     return load, host
 
 
 def with_eager_overhead(parts: tuple[float, ...], host: HostOverheads | None,
-                        has_prefill: bool, max_rank_decode_reqs: int) -> tuple[float, ...]:
+                        has_prefill: bool, max_rank_decode_reqs: int, max_rank_tokens: int
+                        ) -> tuple[float, ...]:
     """`parts` (BREAKDOWN_PARTS order) with the eager overhead added to the last, "overhead"
     (host work); the parts before it are the kernels the launches run beside."""
     extra = 0.0 if host is None else host.overhead_s(has_prefill, max_rank_decode_reqs,
-                                                     sum(parts[:-1]))
+                                                     max_rank_tokens, sum(parts[:-1]))
     return (*parts[:-1], parts[-1] + extra) if extra else parts
 
 
@@ -916,7 +931,7 @@ class RooflineCostModel:
         attn = self._attention_block_s(proj, shape, n)
         attn = (attn if attn > 0.0 else 0.0) + self._layer_overhead_s
         return sum(with_eager_overhead((self._layers_attention_s(attn), *rest), self._host,
-                                       False, shape.decode_reqs))
+                                       False, shape.decode_reqs, shape.num_tokens))
 
     def step_breakdown_s(self, shapes: Sequence[BatchShape]) -> dict[str, float]:
         """Seconds of one step by part (`BREAKDOWN_PARTS`), summed over its layers; the
@@ -935,7 +950,8 @@ class RooflineCostModel:
             return (0.0,) * len(BREAKDOWN_PARTS)
         attn = self._attention_s(shapes) + self._layer_overhead_s
         parts = (self._layers_attention_s(attn), *self._parts_but_attention(shapes, totals, attn))
-        return with_eager_overhead(parts, self._host, totals[4], max_rank_decode_reqs(shapes))
+        return with_eager_overhead(parts, self._host, totals[4], max_rank_decode_reqs(shapes),
+                                   totals[1])
 
     def _layers_attention_s(self, attn: float) -> float:
         return layers_attention_s(attn, self._dense_layers, self._moe_layers)

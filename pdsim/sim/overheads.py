@@ -59,41 +59,76 @@ def kernels_per_layer(model: ModelSpec, tp: int, attn_tp: int, dp_attention: int
     return dense, moe
 
 
+# A piecewise-graphed extend launches per layer the graph of the ops up to the next attention
+# call and the attention call itself, eager: its KV-cache store and its kernel (SGLang's
+# torch.compile backend splits the forward at `unified_attention_with_output`).
+PIECEWISE_LAUNCHES_PER_LAYER = 3
+
+
 class HostOverheads:
     """The eager overhead of one instance's forwards (module docstring).
 
     launch_s: host seconds per kernel launch;
-    cuda_graph_max_bs: the largest per-rank decode batch replayed as a graph."""
+    cuda_graph_max_bs: the largest per-rank decode batch replayed as a graph;
+    piecewise_max_tokens: with piecewise CUDA graphs, the largest batch (tokens per rank) an
+    extend runs piecewise-graphed; None: every extend runs eagerly."""
 
     def __init__(self, model: ModelSpec, dense_kernels: float, moe_kernels: float,
-                 launch_s: float, cuda_graph_max_bs: int) -> None:
+                 launch_s: float, cuda_graph_max_bs: int,
+                 piecewise_max_tokens: int | None = None) -> None:
         self.launches = model.num_dense_layers * dense_kernels + model.num_moe_layers * moe_kernels
         self.eager_host_s = self.launches * launch_s
         self.cuda_graph_max_bs = cuda_graph_max_bs
+        self.piecewise_max_tokens = piecewise_max_tokens
+        self.piecewise_launches = PIECEWISE_LAUNCHES_PER_LAYER * model.num_layers + 1
+        self.piecewise_host_s = self.piecewise_launches * launch_s
 
     def eager(self, has_prefill: bool, max_rank_decode_reqs: int) -> bool:
-        """Whether SGLang runs this step eagerly (extend, or a decode batch above the graphs)."""
+        """Whether SGLang runs this step without its decode graphs (extend, or a decode batch
+        above them)."""
         return has_prefill or max_rank_decode_reqs > self.cuda_graph_max_bs
 
-    def overhead_s(self, has_prefill: bool, max_rank_decode_reqs: int, kernels_s: float
-                   ) -> float:
-        """Seconds the host's launches add to a step whose kernels take `kernels_s`: what they
-        outlast the kernels by, when the step runs eagerly."""
+    def host_s(self, has_prefill: bool, max_rank_decode_reqs: int, max_rank_tokens: int
+               ) -> float:
+        """Host seconds of launches for a step (0 for a graphed decode step)."""
         if not self.eager(has_prefill, max_rank_decode_reqs):
             return 0.0
-        return max(0.0, self.eager_host_s - kernels_s)
+        if (has_prefill and self.piecewise_max_tokens is not None
+                and max_rank_tokens <= self.piecewise_max_tokens):
+            return self.piecewise_host_s
+        return self.eager_host_s
+
+    def overhead_s(self, has_prefill: bool, max_rank_decode_reqs: int, max_rank_tokens: int,
+                   kernels_s: float) -> float:
+        """Seconds the host's launches add to a step whose kernels take `kernels_s` and whose
+        busiest rank runs `max_rank_tokens` tokens: what they outlast the kernels by."""
+        return max(0.0, self.host_s(has_prefill, max_rank_decode_reqs, max_rank_tokens)
+                   - kernels_s)
+
+
+def piecewise_eligible(model: ModelSpec, parallel) -> bool:
+    """Whether SGLang would run this instance's extends as piecewise CUDA graphs when asked
+    (`_handle_piecewise_cuda_graph` in its `server_args.py` turns them off with DP attention, an
+    all-to-all MoE backend, pipeline stages, and for hybrid linear-attention models)."""
+    return (parallel.dp_attention == 1 and parallel.moe_a2a == "none" and parallel.pp == 1
+            and not model.num_linear_layers)
 
 
 def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel,
-                   launch_s: float, cuda_graph_max_bs: int | None) -> HostOverheads:
+                   launch_s: float, cuda_graph_max_bs: int | None,
+                   piecewise_max_tokens: int | None = None) -> HostOverheads:
     """The eager overhead of an instance of `model` on `parallel` (a cost model's
-    `Parallelism`: tp, attn_tp, dp_attention, moe_a2a, moe_dense_tp, two_batch_overlap);
-    cuda_graph_max_bs None is SGLang's default for the GPU. Two-batch overlap runs every
-    layer's ops once per micro-batch (SGLang's `execute_overlapped_operations`; a lone
-    prompt is cut in two token halves), so an eager step launches each kernel twice."""
+    `Parallelism`: tp, attn_tp, dp_attention, moe_a2a, moe_dense_tp, two_batch_overlap, pp);
+    cuda_graph_max_bs None is SGLang's default for the GPU; piecewise_max_tokens None: no
+    piecewise CUDA graphs (dropped, as SGLang drops them, where `piecewise_eligible` says no).
+    Two-batch overlap runs every layer's ops once per micro-batch (SGLang's
+    `execute_overlapped_operations`; a lone prompt is cut in two token halves), so an eager
+    step launches each kernel twice."""
     dense, moe = kernels_per_layer(model, parallel.tp, parallel.attn_tp, parallel.dp_attention,
                                    parallel.moe_a2a == "deepep", parallel.moe_dense_tp == 1)
     micro_batches = 2 if parallel.two_batch_overlap else 1
     graph_bs = (sglang_defaults.cuda_graph_max_bs(hardware.hbm_gib, parallel.tp)
                 if cuda_graph_max_bs is None else cuda_graph_max_bs)
-    return HostOverheads(model, dense * micro_batches, moe * micro_batches, launch_s, graph_bs)
+    piecewise = piecewise_max_tokens if piecewise_eligible(model, parallel) else None
+    return HostOverheads(model, dense * micro_batches, moe * micro_batches, launch_s, graph_bs,
+                         piecewise)

@@ -361,7 +361,7 @@ class SiliconCostModel:
         self.extrapolated_lookups += n_extra
         attn = (t if t > 0.0 else 0.0) + elementwise
         return sum(with_eager_overhead((self._layers_attention_s(attn), *rest), self._host,
-                                       False, shape.decode_reqs))
+                                       False, shape.decode_reqs, shape.num_tokens))
 
     def step_breakdown_s(self, shapes: Sequence[BatchShape]) -> dict[str, float]:
         """Seconds of one step by part, summed over its layers, adding up to `step_time_s`
@@ -381,7 +381,7 @@ class SiliconCostModel:
                                        elementwise, "roofline"))
         rest = self._parts_but_attention(shapes, totals, attn)
         return with_eager_overhead((self._layers_attention_s(attn), *rest), self._host,
-                                   totals[4], max_rank_decode_reqs(shapes))
+                                   totals[4], max_rank_decode_reqs(shapes), totals[1])
 
     def _elementwise_s(self, max_rank_tokens: float) -> float:
         plan = self._plan
