@@ -344,11 +344,11 @@ def fused_ep_moves(ops: OpTables) -> tuple[dict[str, tuple[np.ndarray, np.ndarra
                 dst = rows[rows.moe_ep_size == ep].groupby("num_tokens")["latency"].min()
                 xs = dst.index.to_numpy(float)
                 xs = xs[xs >= 256]
+                src, dst_cfg = (*cfg, 1), (*cfg, ep)
                 for keep, got in ((fused, errors[0]), (False, errors[1])):
-                    src_cfg, dst_cfg = (*cfg, 1, _TABLE_TO_PDSIM[dt]), (*cfg, ep, _TABLE_TO_PDSIM[dt])
-                    moved = moved_expert_curve(base, src_cfg[:6],
-                                               ops.moe_roofline(*src_cfg, fused=keep),
-                                               dst_cfg[:6], ops.moe_roofline(*dst_cfg, fused=keep))
+                    moved = moved_expert_curve(
+                        base, src, ops.moe_roofline(*src, _TABLE_TO_PDSIM[dt], fused=keep),
+                        dst_cfg, ops.moe_roofline(*dst_cfg, _TABLE_TO_PDSIM[dt], fused=keep))
                     got.extend(np.abs(moved.values(xs) * 1e3 / dst.loc[xs].to_numpy(float) - 1))
     return ({k: (np.array(a), np.array(b)) for k, (a, b) in out.items() if a},
             groups, unshared)

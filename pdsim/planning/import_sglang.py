@@ -18,9 +18,10 @@ SGLANG_NUM_RESERVED_DECODE_TOKENS (SGLANG_HACK_PD_DECODE_NUM_RESERVED_DECODE_TOK
 `--disable-radix-cache`), `--kv-cache-dtype`, the decode servers' CUDA graphs
 (`--cuda-graph-max-bs`, `--cuda-graph-bs`, `--disable-cuda-graph`: the cost model's
 `cuda_graph_max_bs`), the extending servers' `--enable-piecewise-cuda-graph` with
-`--piecewise-cuda-graph-max-tokens` (the cost model's `piecewise_cuda_graph`) and speculative decoding (`--speculative-algorithm` NEXTN/EAGLE/EAGLE3
-with `--speculative-num-steps`: MTP without `--speculative-draft-model-path`, EAGLE with one;
-its acceptance comes from the base experiment), the model (`--model-path`) and the router's
+`--piecewise-cuda-graph-max-tokens` (the cost model's `piecewise_cuda_graph`) and speculative
+decoding (`--speculative-algorithm` NEXTN/EAGLE/EAGLE3 with `--speculative-num-steps`: MTP
+without `--speculative-draft-model-path`, EAGLE with one; its acceptance comes from the base
+experiment), the model (`--model-path`) and the router's
 policy (as SGLang names it: a plan's `least_loaded`, written as `power_of_two`, comes back as
 that; `--mini-lb` pairs servers at random) and cache_aware settings. Environment variables
 count when set before a command (`VAR=value python -m ...`) or by an `export` line. Every instance of a role must have the

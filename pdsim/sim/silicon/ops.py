@@ -128,6 +128,7 @@ class OpTables:
                         if version == "current" else version)
         self.mem_rate = hardware.stream_gb_per_s * 1e9
         self._gemm_refs: dict[tuple[str, int, int], Reference | None] = {}
+        self._unshared: dict[str, set[tuple[int, ...]]] = {}  # by the fused-MoE table's dtype
         # the same tables with the table GPU's rooflines, where its compute peaks differ
         self._table_gpu = (OpTables(system, framework, version, self.table_hw)
                            if _compute_peaks(self.table_hw) != _compute_peaks(hardware)
@@ -526,7 +527,9 @@ class OpTables:
         if used is None:
             used = next(d for d in _fallbacks(dtype, self.hw) if d in present)
         t = t[t["moe_dtype"] == used]
-        unshared = unshared_ep_shapes(t)
+        if used not in self._unshared:
+            self._unshared[used] = unshared_ep_shapes(t)
+        unshared = self._unshared[used]
         if (t["distribution"] == distribution).any():
             t = t[t["distribution"] == distribution]
         else:
