@@ -7,7 +7,9 @@ import pandas as pd
 import pytest
 
 from pdsim.core.batch import extend_shape
-from pdsim.sim.cost import ACT_BYTES, Parallelism, make_cost_model, remote_row_bytes
+from pdsim.sim.cost import (
+    ACT_BYTES, Parallelism, RooflineParams, make_cost_model, remote_row_bytes,
+)
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.ops import EP_ROWS_MAX_SHARE, OpTables, unshared_ep_shapes
 from pdsim.specs import load_hardware_spec, load_model_spec
@@ -94,7 +96,8 @@ def test_the_roofline_adds_the_rows_of_other_ranks_experts_where_sglang_keeps_th
                                role="prefill", expert_imbalance=False)
         return cost.step_breakdown_s([extend_shape(tokens)])["moe_experts"]
 
-    mem = load_hardware_spec("h200").stream_gb_per_s * 1e9 * 0.8  # RooflineParams.bw_efficiency
+    efficiency = RooflineParams().bw_efficiency
+    mem = load_hardware_spec("h200").stream_gb_per_s * 1e9 * efficiency
     remote = model.num_moe_layers * tokens * remote_row_bytes(
         model.hidden_size, model.moe_intermediate_size, model.experts_per_token, 8) / mem
     # EP 8 and TP-MoE over 8 GPUs do the same FLOPs a GPU (their activation bytes differ a
@@ -104,4 +107,4 @@ def test_the_roofline_adds_the_rows_of_other_ranks_experts_where_sglang_keeps_th
     # FlashInfer's MoE on Blackwell gives a rank its own rows only: the experts at EP 8 take
     # less than those rows alone would at B200's rate
     b200 = load_hardware_spec("b200")
-    assert experts_s("b200", tp=8, ep=8) < remote * mem / (b200.stream_gb_per_s * 1e9 * 0.8)
+    assert experts_s("b200", tp=8, ep=8) < remote * mem / (b200.stream_gb_per_s * 1e9 * efficiency)
