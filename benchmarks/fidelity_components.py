@@ -45,8 +45,8 @@ from pdsim.sim.cost import (
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Reference, best_reference
 from pdsim.sim.silicon.ops import (
-    _TABLE_TO_PDSIM, ALL_ROW_KERNELS, DEEPEP_NUM_SMS, MLA_TABLE_DIMS, OpTables,
-    deepep_link_roofline, deepep_seconds, moved_expert_curve, unshared_ep_shapes,
+    _TABLE_TO_PDSIM, DEEPEP_NUM_SMS, MLA_TABLE_DIMS, OpTables,
+    deepep_link_roofline, deepep_seconds, keeps_all_rows, moved_expert_curve, unshared_ep_shapes,
     without_idle_rows,
 )
 from pdsim.specs import ModelSpec, load_hardware_spec, model_preset
@@ -328,7 +328,7 @@ def fused_ep_moves(ops: OpTables) -> tuple[dict[str, tuple[np.ndarray, np.ndarra
         if dt not in _TABLE_TO_PDSIM:
             continue
         bad = unshared_ep_shapes(by_dtype)
-        fused = source.startswith(ALL_ROW_KERNELS)
+        fused = keeps_all_rows(source)
         for cfg, rows in by_dtype.groupby(shape):
             cfg = tuple(int(v) for v in cfg)
             base = rows[rows.moe_ep_size == 1].groupby("num_tokens")["latency"].min()

@@ -20,9 +20,10 @@ def chunked_prefill_size(hbm_gib: float) -> int:
     return 8192 if hbm_gib < 160 else 16384
 
 
-# `--piecewise-cuda-graph-max-tokens` for MLA models (server_args.py: the chunk size for the
-# others, 2,048 with an MLA backend, whose kernel choice changes under the graphs)
-MLA_PIECEWISE_MAX_TOKENS = 2048
+def piecewise_cuda_graph_max_tokens(mla: bool, chunked_prefill_size: int) -> int:
+    """`--piecewise-cuda-graph-max-tokens`: the chunk size, or 2,048 with an MLA backend (whose
+    kernel choice changes under the graphs)."""
+    return 2048 if mla else chunked_prefill_size
 
 
 def cuda_graph_max_bs(hbm_gib: float, tp: int) -> int:

@@ -40,8 +40,9 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     knobs = _knobs_for_gpu(role, name, hw, params.get("cuda_graph_max_bs"),
                            spec.method != "none")
     if (params.get("piecewise_cuda_graph") and params.get("piecewise_cuda_graph_max_tokens") is None
-            and not model.is_mla and knobs.chunked_prefill_size > 0):
-        params["piecewise_cuda_graph_max_tokens"] = knobs.chunked_prefill_size  # SGLang's default
+            and knobs.chunked_prefill_size > 0):  # SGLang's default, from this role's chunk
+        params["piecewise_cuda_graph_max_tokens"] = sglang_defaults.piecewise_cuda_graph_max_tokens(
+            model.is_mla, knobs.chunked_prefill_size)
     if role.pp > 1 and spec.method != "none":
         raise ConfigError(f"cluster.{name}.pp={role.pp}: pipeline stages are not modelled "
                           f"with speculative decoding (speculative.method {spec.method!r}); "

@@ -467,9 +467,9 @@ def step_extras(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
     if p.eager_overhead:
         piecewise = None
         if p.piecewise_cuda_graph:
-            piecewise = p.piecewise_cuda_graph_max_tokens or (
-                sglang_defaults.MLA_PIECEWISE_MAX_TOKENS if model.is_mla
-                else sglang_defaults.chunked_prefill_size(hardware.hbm_gib))
+            piecewise = (p.piecewise_cuda_graph_max_tokens
+                         or sglang_defaults.piecewise_cuda_graph_max_tokens(
+                             model.is_mla, sglang_defaults.chunked_prefill_size(hardware.hbm_gib)))
         host = host_overheads(model, hardware, parallel, p.eager_launch_s, p.cuda_graph_max_bs,
                               piecewise)
     return load, host

@@ -544,7 +544,7 @@ class OpTables:
         have = min(configs, key=lambda c: (_log_distance(c, want), c))
         sel = t[(t[key] == pd.Series(have, index=key)).all(axis=1)]
         g = sel.groupby("num_tokens")["latency"].min()
-        fused = sel["kernel_source"].str.startswith(ALL_ROW_KERNELS).all()
+        fused = all(map(keeps_all_rows, sel["kernel_source"].unique()))
         have_roof = self.moe_roofline(*have, _TABLE_TO_PDSIM[used], fused=fused)
         if have == want and used in wanted:
             return Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
@@ -807,11 +807,17 @@ def without_idle_rows(measured: pd.Series, same_shape: pd.DataFrame, ep: int,
 # off (H100 to B200), -56 to -61 % without them; FlashInfer's come out +31 to +48 % with them.
 ALL_ROW_KERNELS = ("sglang_fused_moe_triton", "sglang_marlin_moe")
 
+
+def keeps_all_rows(kernel_source: str) -> bool:
+    """Whether a fused-MoE table's kernel keeps every token's top-k rows under EP."""
+    return kernel_source.startswith(ALL_ROW_KERNELS)
+
 # A fused-MoE row at moe_ep_size k > 1 should time one rank that holds 1/k of the experts and,
 # routed balanced, 1/k of the pairs: at the largest tokens measured, EP 2 then takes 0.49-0.60
 # of EP 1's time (aiconfigurator-core 0.12's 0.5.14 tables, every shape but one). Where the
 # next EP size above 1 takes more than this share of it, the rows time a rank that computes
-# most of every token's pairs (docs/cost_model.md, "Fused MoE under EP"): they are not read.
+# most of every token's pairs (docs/cost_model.md, "Fused MoE under EP without DeepEP"):
+# they are not read.
 EP_ROWS_MAX_SHARE = 0.8
 
 
