@@ -19,7 +19,9 @@
    between dtypes at the same shape. Printed: median and P90 relative error of the moved curve,
    and the median of the source curve taken as it is. And fused-MoE curves from EP 1 to each
    EP size measured (what the model does with a shape whose EP rows it does not read), with
-   and without the rows of other ranks' experts SGLang's Triton and Marlin kernels move.
+   and without the rows of other ranks' experts SGLang's Triton and Marlin kernels move; and
+   fused-MoE EP 1 curves measured with balanced routing moved to random routing, against the
+   rows measured with power-law routing.
 3. Against Vidur's measured A100 profile (CodeLlama-34B shapes; ../shared/anchors/vidur-data):
    the silicon model's a100_sxm lookups for the same ops, side by side with Vidur's medians.
 4. DeepEP's low-latency kernels against DeepEP's own published timings (its README: H800s with
@@ -46,12 +48,12 @@ from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Reference, best_reference
 from pdsim.sim.silicon.ops import (
     _TABLE_TO_PDSIM, DEEPEP_NUM_SMS, MLA_TABLE_DIMS, OpTables,
-    deepep_link_roofline, deepep_seconds, keeps_all_rows, moved_expert_curve, unshared_ep_shapes,
-    without_idle_rows,
+    deepep_link_roofline, deepep_seconds, keeps_all_rows, moved_expert_curve, underread_shapes,
+    unshared_ep_shapes, without_idle_rows,
 )
 from pdsim.specs import ModelSpec, load_hardware_spec, model_preset
 from pdsim.specs.hardware import HardwareSpec
-from pdsim.specs.precision import Precision
+from pdsim.specs.precision import DTYPES, Precision
 
 RP = RooflineParams()
 DSV3 = model_preset("deepseek-v3")  # the MLA tables' shape (kv_lora 512, rope 64, nope/v 128)
@@ -354,6 +356,52 @@ def fused_ep_moves(ops: OpTables) -> tuple[dict[str, tuple[np.ndarray, np.ndarra
             groups, unshared)
 
 
+def routing_moves(ops: OpTables) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], int, int]:
+    """Fused-MoE EP 1 curves measured with balanced routing moved to random routing by the
+    ratio of the MoE rooflines (what the silicon model prices), against the same table's rows
+    measured with aiconfigurator's power-law routing (alpha 1.01, its DeepSeek-V3/R1 fit to
+    real prompts): kernel -> (errors moved, errors of the balanced rows as they are), at the
+    token counts where the two routings reach different numbers of experts (by 1 %+); and
+    how many (dtype, shape, moe_tp) groups there are, and how many of them compute fewer
+    experts than balanced routing reaches (`underread_shapes`, excluded here)."""
+    t = ops._need("moe", "moe_perf.parquet")
+    t = t[t.moe_ep_size == 1]
+    out: dict[str, tuple[list, list]] = {}
+    groups = underread = 0
+    shape = ["hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size"]
+    for (source, dt), by_dtype in t.groupby(["kernel_source", "moe_dtype"]):
+        if dt not in _TABLE_TO_PDSIM:
+            continue
+        pdsim_dt = _TABLE_TO_PDSIM[dt]
+        bad = underread_shapes(by_dtype, DTYPES[pdsim_dt].weight_bytes,
+                               ops.table_hw.hbm_gb_per_s)
+        for cfg, rows in by_dtype.groupby(shape):
+            cfg = tuple(int(v) for v in cfg)
+            by_dist = rows.pivot_table(index="num_tokens", columns="distribution",
+                                       values="latency", aggfunc="min")
+            if not {"balanced", "power_law_1.01"} <= set(by_dist.columns):
+                continue
+            groups += 1
+            if cfg in bad:
+                underread += 1
+                continue
+            both = by_dist[["balanced", "power_law_1.01"]].dropna()
+            xs = both.index.to_numpy(float)
+            h, inter, k, e, tp = cfg
+            reached = e * (1 - (1 - k / e) ** xs)
+            keep = reached < 0.99 * np.minimum(e, xs * k)
+            balanced = ops.moe_roofline(*cfg, 1, pdsim_dt, fused=keeps_all_rows(source))
+            random = ops.moe_roofline(*cfg, 1, pdsim_dt, fused=keeps_all_rows(source),
+                                      random=True)
+            base, real = both["balanced"].to_numpy()[keep], both["power_law_1.01"].to_numpy()[keep]
+            moved = base * random(xs[keep]) / balanced(xs[keep])
+            errors = out.setdefault(source, ([], []))
+            errors[0].extend(np.abs(moved / real - 1))
+            errors[1].extend(np.abs(base / real - 1))
+    return ({k: (np.array(a), np.array(b)) for k, (a, b) in out.items() if a},
+            groups, underread)
+
+
 def vidur_rows(root: Path) -> list[tuple[str, float, float]]:
     """(case, Vidur median ms, silicon a100_sxm ms) for CodeLlama-34B's ops."""
     model_dir = root / "data/profiling/compute/a100/codellama/CodeLlama-34b-Instruct-hf"
@@ -579,6 +627,17 @@ def main() -> None:
     for source, (got, plain) in moves.items():
         print(f"{source:32s} {len(got):6d} {np.median(got):9.1%} {np.percentile(got, 90):6.1%} "
               f"{np.median(plain):22.1%} {np.percentile(plain, 90):6.1%}")
+    moves, groups, underread = routing_moves(ops)
+    print(f"\nFused MoE at EP 1 from balanced to random routing, against the rows measured with "
+          f"power-law routing (alpha 1.01), on {args.system}: {underread} of {groups} (dtype, "
+          "shape, moe_tp) groups compute fewer experts than balanced routing reaches and are "
+          "not read; the others at the token counts where the two routings reach different "
+          "expert counts")
+    print(f"{'kernel':32s} {'points':>6s} {'pdsim p50':>9s} {'p90':>6s} "
+          f"{'balanced as is p50':>18s} {'p90':>6s}")
+    for source, (got, plain) in moves.items():
+        print(f"{source:32s} {len(got):6d} {np.median(got):9.1%} {np.percentile(got, 90):6.1%} "
+              f"{np.median(plain):18.1%} {np.percentile(plain, 90):6.1%}")
     for src, dst in (("h100_sxm", "h200_sxm"), ("h200_sxm", "h100_sxm"), ("h100_sxm", "b200_sxm")):
         print(f"\nGPU moves: {src}'s tables priced as a silicon_base of {dst} (each op by the "
               f"ratio of its rooflines on the two GPUs), against {dst}'s own tables")

@@ -172,19 +172,21 @@ class Curve:
         return Curve(self._xs, np.exp(self._lys) * k,
                      lambda x, r=self._roofline: r(x) * k, self.transferred, self._reference)
 
-    def scaled(self, factor: Callable[[float], float]) -> Curve:
+    def scaled(self, factor: Callable[[float], float], transferred: bool = True) -> Curve:
         """This curve times `factor(x)` at each grid point, as a transferred curve (how a
         measured op stands in for one the table lacks: factor is the ratio of the two ops'
-        rooflines)."""
+        rooflines), or flagged `transferred` as given."""
         roofline = self._roofline
-        return self.moved(lambda t, x: t * factor(x), lambda x: roofline(x) * factor(x))
+        return self.moved(lambda t, x: t * factor(x), lambda x: roofline(x) * factor(x),
+                          transferred)
 
     def moved(self, move: Callable[[np.ndarray, np.ndarray], np.ndarray],
-              roofline: Callable[[float], float]) -> Curve:
-        """A transferred curve whose grid points are `move(seconds, x)` of this one's, with
-        `roofline` beyond them (both vectorised)."""
+              roofline: Callable[[float], float], transferred: bool = True) -> Curve:
+        """A curve whose grid points are `move(seconds, x)` of this one's, with `roofline`
+        beyond them (both vectorised); transferred unless told otherwise."""
         ys = move(np.exp(self._lys), self._xs)
-        return Curve(self._xs, ys, roofline, transferred=True, reference=self._reference)
+        return Curve(self._xs, ys, roofline, transferred=transferred,
+                     reference=self._reference)
 
 
 def best_reference(xs: np.ndarray, ys_s: np.ndarray,

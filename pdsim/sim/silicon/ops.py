@@ -128,7 +128,8 @@ class OpTables:
                         if version == "current" else version)
         self.mem_rate = hardware.stream_gb_per_s * 1e9
         self._gemm_refs: dict[tuple[str, int, int], Reference | None] = {}
-        self._unshared: dict[str, set[tuple[int, ...]]] = {}  # by the fused-MoE table's dtype
+        # by the fused-MoE table's dtype: its (unshared_ep_shapes, underread_shapes)
+        self._unread: dict[str, tuple[set[tuple[int, ...]], set[tuple[int, ...]]]] = {}
         # the same tables with the table GPU's rooflines, where its compute peaks differ
         self._table_gpu = (OpTables(system, framework, version, self.table_hw)
                            if _compute_peaks(self.table_hw) != _compute_peaks(hardware)
@@ -492,14 +493,17 @@ class OpTables:
     # ----- MoE ---------------------------------------------------------------------------------
 
     def moe_roofline(self, hidden: int, inter: int, topk: int, experts: int, moe_tp: int,
-                     moe_ep: int, dtype: str, fused: bool = False) -> Callable:
+                     moe_ep: int, dtype: str, fused: bool = False, random: bool = False
+                     ) -> Callable:
         """One MoE layer's routed experts on one rank over the layer's tokens, routed as the
         tables' collectors route them: balanced, each token's top-k on distinct experts spread
-        over all of them, so min(experts, tokens * topk) experts hold tokens (random routing
-        would leave some idle at a few tokens; a transfer must price both shapes the way the
-        measured one was routed). `fused`: a kernel that also moves the rows of other ranks'
-        experts (`remote_row_bytes`: SGLang's Triton and Marlin MoE, `ALL_ROW_KERNELS`);
-        DeepEP, and FlashInfer's kernels, which route inside, give a rank its own rows only."""
+        over all of them, so min(experts, tokens * topk) experts hold tokens (a transfer must
+        price both shapes the way the measured one was routed); `random`: each token's top-k
+        drawn at random, `experts * (1 - (1 - topk / experts) ** tokens)` of them reached, as
+        the roofline cost model counts them. `fused`: a kernel that also moves the rows of
+        other ranks' experts (`remote_row_bytes`: SGLang's Triton and Marlin MoE,
+        `ALL_ROW_KERNELS`); DeepEP, and FlashInfer's kernels, which route inside, give a rank
+        its own rows only."""
         wbytes = DTYPES[dtype].weight_bytes
         peak, mem = self.peak_flops(dtype), self.mem_rate
         slice_ = inter / moe_tp
@@ -507,7 +511,8 @@ class OpTables:
 
         def roofline(tokens):
             pairs = tokens * topk / moe_ep
-            hit = np.minimum(experts, tokens * topk) / moe_ep
+            hit = (experts * (1.0 - (1.0 - topk / experts) ** np.asarray(tokens, float))
+                   if random else np.minimum(experts, tokens * topk)) / moe_ep
             return np.maximum(6.0 * hidden * slice_ * pairs / peak,
                               (hit * 3 * hidden * slice_ * wbytes
                                + pairs * (2 * hidden + 3 * slice_) * ACT_BYTES) / mem
@@ -518,7 +523,8 @@ class OpTables:
     @_on_this_gpu
     def moe(self, hidden: int, inter: int, topk: int, experts: int, moe_tp: int, moe_ep: int,
             dtype: str, distribution: str) -> Curve:
-        """Routed experts of one MoE layer (fused MoE kernel) over the layer's total tokens."""
+        """Routed experts of one MoE layer (fused MoE kernel) over the layer's total tokens;
+        the balanced rows moved to random routing (docs/cost_model.md, "Random routing")."""
         import pandas as pd  # here, not at import: the roofline-only simulator never reads a table
         t = self._need("moe", "moe_perf.parquet")
         wanted = MOE_DTYPES[dtype]
@@ -527,9 +533,12 @@ class OpTables:
         if used is None:
             used = next(d for d in _fallbacks(dtype, self.hw) if d in present)
         t = t[t["moe_dtype"] == used]
-        if used not in self._unshared:
-            self._unshared[used] = unshared_ep_shapes(t)
-        unshared = self._unshared[used]
+        if used not in self._unread:
+            self._unread[used] = (
+                unshared_ep_shapes(t),
+                underread_shapes(t, DTYPES[_TABLE_TO_PDSIM[used]].weight_bytes,
+                                 self.table_hw.hbm_gb_per_s))
+        unshared, underread = self._unread[used]
         if (t["distribution"] == distribution).any():
             t = t[t["distribution"] == distribution]
         else:
@@ -539,17 +548,23 @@ class OpTables:
         key = ["hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size", "moe_ep_size"]
         configs = [c for c in (tuple(int(v) for v in r)
                                for r in t[key].drop_duplicates().itertuples(False))
-                   if c[5] == 1 or c[:5] not in unshared]
+                   if c[:5] not in underread and (c[5] == 1 or c[:5] not in unshared)]
         want = (hidden, inter, topk, experts, moe_tp, moe_ep)
         have = min(configs, key=lambda c: (_log_distance(c, want), c))
         sel = t[(t[key] == pd.Series(have, index=key)).all(axis=1)]
         g = sel.groupby("num_tokens")["latency"].min()
         fused = all(map(keeps_all_rows, sel["kernel_source"].unique()))
         have_roof = self.moe_roofline(*have, _TABLE_TO_PDSIM[used], fused=fused)
+        balanced = self.moe_roofline(*want, dtype, fused=fused)
         if have == want and used in wanted:
-            return Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
-        return moved_expert_curve(g, have, have_roof, want,
-                                  self.moe_roofline(*want, dtype, fused=fused))
+            curve = Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
+        else:
+            curve = moved_expert_curve(g, have, have_roof, want, balanced)
+        if distribution != "balanced":  # power-law rows: routed as measured
+            return curve
+        # from the tables' balanced routing to random routing, which reaches fewer experts
+        random = self.moe_roofline(*want, dtype, fused=fused, random=True)
+        return curve.scaled(lambda x: random(x) / balanced(x), transferred=curve.transferred)
 
     @_on_this_gpu
     def wideep_moe(self, phase: str, hidden: int, inter: int, topk: int, experts: int, ep: int,
@@ -837,6 +852,34 @@ def unshared_ep_shapes(t: pd.DataFrame) -> set[tuple[int, ...]]:
         both = by_ep[[1, min(above)]].dropna()
         if not both.empty and both.iloc[-1, 1] > EP_ROWS_MAX_SHARE * both.iloc[-1, 0]:
             bad.add(tuple(int(v) for v in shape))
+    return bad
+
+
+# A rank's expert weights below this size may stay in the L2 cache between a benchmark's
+# repeats (the tabled GPUs' L2 caches hold 40-128 MB), so rows that read them faster than the
+# HBM can are not judged by `underread_shapes`.
+UNDERREAD_MIN_BYTES = 256e6
+
+
+def underread_shapes(t: pd.DataFrame, weight_bytes: float, hbm_gb_per_s: float
+                     ) -> set[tuple[int, ...]]:
+    """The (hidden, inter, topk, experts, moe_tp) of the fused-MoE table `t` (one dtype, whose
+    weights take `weight_bytes` a parameter) whose balanced EP 1 rows did not route as
+    balanced: at some token count where balanced routing sends a token to every expert
+    (tokens * topk >= experts; the collector's `balanced_logits`), the row takes less time than
+    reading every expert's weights once at the GPU's datasheet HBM rate (`hbm_gb_per_s`), so
+    it computed fewer experts than it says. DeepSeek-V3's shape (0.56-0.90 of that floor on
+    Hopper and Blackwell): SGLang's grouped top-k (8 groups, best 4) sees every group tie on
+    balanced logits and keeps four groups, half the experts."""
+    key = ["hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size"]
+    rows = t[(t["distribution"] == "balanced") & (t["moe_ep_size"] == 1)
+             & (t["num_tokens"] * t["topk"] >= t["num_experts"])]
+    bad = set()
+    for shape, ms in rows.groupby(key)["latency"].min().items():
+        h, inter, topk, experts, moe_tp = (int(v) for v in shape)
+        nbytes = experts * 3 * h * inter / moe_tp * weight_bytes
+        if nbytes >= UNDERREAD_MIN_BYTES and ms * 1e-3 < nbytes / (hbm_gb_per_s * 1e9):
+            bad.add((h, inter, topk, experts, moe_tp))
     return bad
 
 
