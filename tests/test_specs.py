@@ -496,6 +496,11 @@ def test_inline_specs_start_from_a_base_and_override_fields() -> None:
     with pytest.raises(ValueError) as err:
         load_model_spec({"base": "llama-3.1-8b", "num_layer": 4})
     assert "model: num_layer" in str(err.value) and "base, name" in str(err.value)
+    # an unknown key inside a nested block names that block's keys
+    with pytest.raises(ValueError) as err:
+        load_model_spec({"base": "qwen3-235b-a22b", "precision": {"mlp": "fp8"}})
+    assert ("precision.mlp: Extra inputs are not permitted (got 'fp8') (allowed in precision: "
+            "attention, dense_mlp, moe_experts, lm_head, attention_compute)") in str(err.value)
 
 
 def test_spec_paths_resolve_against_the_experiment_folder(tmp_path, monkeypatch) -> None:

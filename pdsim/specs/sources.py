@@ -57,17 +57,36 @@ def merge_fields(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[
 
 
 def validate_fields(cls: type[SpecT], data: Mapping[str, Any], where: str) -> SpecT:
-    """`cls` built from `data`; ValueError naming `where`, each bad field and the fields allowed."""
+    """`cls` built from `data`; ValueError naming `where`, each bad field (an unknown key inside
+    a nested block with that block's keys) and the fields allowed."""
     try:
         return cls.model_validate(dict(data))
     except ValidationError as err:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
-            + (f" (got {e['input']!r})" if e["loc"] and e["type"] != "missing" else "")
-            for e in err.errors()
-        )
+        problems = "; ".join(_problem(cls, e) for e in err.errors())
         allowed = ", ".join(["base", *cls.model_fields])
         raise ValueError(f"{where}: {problems}; fields: {allowed}") from None
+
+
+def _problem(cls: type[BaseModel], error: Mapping[str, Any]) -> str:
+    loc = error["loc"]
+    text = f"{'.'.join(str(p) for p in loc) or '<root>'}: {error['msg']}"
+    if loc and error["type"] != "missing":
+        text += f" (got {error['input']!r})"
+    block = _block(cls, loc[:-1]) if error["type"] == "extra_forbidden" and len(loc) > 1 else None
+    if block is not None:
+        text += f" (allowed in {'.'.join(map(str, loc[:-1]))}: {', '.join(block.model_fields)})"
+    return text
+
+
+def _block(cls: type[BaseModel], path: tuple) -> type[BaseModel] | None:
+    """The nested model a field path of `cls` leads to, or None."""
+    for name in path:
+        field = cls.model_fields.get(name) if isinstance(name, str) else None
+        kind = field.annotation if field is not None else None
+        if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
+            return None
+        cls = kind
+    return cls
 
 
 def read_mapping(path: Path, expected: str, *, as_json: bool = False) -> dict[str, Any]:
