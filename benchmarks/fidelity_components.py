@@ -21,7 +21,8 @@
    EP size measured (what the model does with a shape whose EP rows it does not read), with
    and without the rows of other ranks' experts SGLang's Triton and Marlin kernels move; and
    fused-MoE EP 1 curves measured with balanced routing moved to random routing, against the
-   rows measured with power-law routing.
+   rows measured with power-law routing; and the expert-load model (the busiest EP rank's
+   tokens) applied to the wide-EP tables' uniform rows, against their power-law rows.
 3. Against Vidur's measured A100 profile (CodeLlama-34B shapes; ../shared/anchors/vidur-data):
    the silicon model's a100_sxm lookups for the same ops, side by side with Vidur's medians.
 4. DeepEP's low-latency kernels against DeepEP's own published timings (its README: H800s with
@@ -44,6 +45,7 @@ from pdsim.core.batch import BatchShape
 from pdsim.sim.cost import (
     Parallelism, RooflineCostModel, RooflineParams, gdn_kernel_work, gemm_time_s,
 )
+from pdsim.sim.expert_load import ExpertLoad
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Reference, best_reference
 from pdsim.sim.silicon.ops import (
@@ -402,6 +404,38 @@ def routing_moves(ops: OpTables) -> tuple[dict[str, tuple[np.ndarray, np.ndarray
             groups, underread)
 
 
+def imbalance_checks(ops: OpTables) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """pdsim's expert-load model against aiconfigurator's skewed measurements: the wide-EP
+    (DeepGEMM) tables' uniform rows looked up at the busiest rank's tokens (tokens times
+    `ExpertLoad.imbalance`, no EPLB), against the same tables' rows measured with power-law
+    routing (alpha 1.01; the collector moves the busiest EP rank onto the measured one): phase
+    -> (errors, errors of the uniform rows as they are), every EP size and token count both
+    measured."""
+    out = {}
+    for phase in ("generation", "context"):
+        t = ops._table("moe", f"wideep_{phase}_moe_perf.parquet")
+        if t is None:
+            continue
+        t = t[(t.moe_dtype == "fp8_block") & (t.moe_tp_size == 1)]
+        got, plain = [], []
+        for (h, i, k, e, ep), rows in t.groupby(["hidden_size", "inter_size", "topk",
+                                                   "num_experts", "moe_ep_size"]):
+            by = rows.pivot_table(index="num_tokens", columns="distribution", values="latency",
+                                  aggfunc="min")
+            if not {"uniform", "power_law_1.01"} <= set(by.columns):
+                continue
+            uniform, skewed = by["uniform"].dropna(), by["power_law_1.01"]
+            curve = Curve(uniform.index.to_numpy(float), uniform.to_numpy(float),
+                          ops.moe_roofline(h, i, k, e, 1, ep, "fp8"))
+            load = ExpertLoad(int(e), int(k), int(ep))
+            for x in uniform.index.intersection(skewed.dropna().index):
+                got.append(abs(curve(x * load.imbalance(x)) / skewed[x] - 1))
+                plain.append(abs(uniform[x] / skewed[x] - 1))
+        if got:
+            out[phase] = (np.array(got), np.array(plain))
+    return out
+
+
 def vidur_rows(root: Path) -> list[tuple[str, float, float]]:
     """(case, Vidur median ms, silicon a100_sxm ms) for CodeLlama-34B's ops."""
     model_dir = root / "data/profiling/compute/a100/codellama/CodeLlama-34b-Instruct-hf"
@@ -638,6 +672,13 @@ def main() -> None:
     for source, (got, plain) in moves.items():
         print(f"{source:32s} {len(got):6d} {np.median(got):9.1%} {np.percentile(got, 90):6.1%} "
               f"{np.median(plain):18.1%} {np.percentile(plain, 90):6.1%}")
+    print(f"\nExpert load: wide-EP uniform rows at the busiest rank's tokens (pdsim's load "
+          f"model, no EPLB) against the rows measured with power-law routing, on {args.system}")
+    print(f"{'phase':12s} {'points':>6s} {'pdsim p50':>9s} {'p90':>6s} {'uniform as is p50':>17s} "
+          f"{'p90':>6s}")
+    for phase, (got, plain) in imbalance_checks(ops).items():
+        print(f"{phase:12s} {len(got):6d} {np.median(got):9.1%} {np.percentile(got, 90):6.1%} "
+              f"{np.median(plain):17.1%} {np.percentile(plain, 90):6.1%}")
     for src, dst in (("h100_sxm", "h200_sxm"), ("h200_sxm", "h100_sxm"), ("h100_sxm", "b200_sxm")):
         print(f"\nGPU moves: {src}'s tables priced as a silicon_base of {dst} (each op by the "
               f"ratio of its rooflines on the two GPUs), against {dst}'s own tables")
