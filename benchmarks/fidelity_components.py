@@ -43,7 +43,8 @@ import pandas as pd
 
 from pdsim.core.batch import BatchShape
 from pdsim.sim.cost import (
-    Parallelism, RooflineCostModel, RooflineParams, gdn_kernel_work, gemm_time_s,
+    Parallelism, RooflineCostModel, RooflineParams, experts_reached, gdn_kernel_work,
+    gemm_time_s,
 )
 from pdsim.sim.expert_load import ExpertLoad
 from pdsim.sim.silicon import tables
@@ -390,8 +391,7 @@ def routing_moves(ops: OpTables) -> tuple[dict[str, tuple[np.ndarray, np.ndarray
             both = by_dist[["balanced", "power_law_1.01"]].dropna()
             xs = both.index.to_numpy(float)
             h, inter, k, e, tp = cfg
-            reached = e * (1 - (1 - k / e) ** xs)
-            keep = reached < 0.99 * np.minimum(e, xs * k)
+            keep = experts_reached(e, k, xs) < 0.99 * np.minimum(e, xs * k)
             balanced = ops.moe_roofline(*cfg, 1, pdsim_dt, fused=keeps_all_rows(source))
             random = ops.moe_roofline(*cfg, 1, pdsim_dt, fused=keeps_all_rows(source),
                                       random=True)

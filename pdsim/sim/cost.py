@@ -93,6 +93,12 @@ _PART_GROUPS = {"attention": "attention", "dense_mlp": "gemm", "dense_comm": "co
                 "vocab_comm": "communication", "overhead": "overhead"}
 
 
+def experts_reached(experts: int, topk: int, tokens):
+    """How many of `experts` the `tokens` of a layer reach when each routes its top-k at
+    random: each expert is left out by a token with probability 1 - topk / experts."""
+    return experts * (1.0 - (1.0 - topk / experts) ** tokens)
+
+
 def remote_row_bytes(hidden: int, inter_slice: float, topk: int, ep: int) -> float:
     """Bytes per token a GPU moves for the top-k rows of experts held by other ranks, under
     expert parallelism without an all-to-all backend. SGLang's fused MoE then keeps every
@@ -756,8 +762,7 @@ class RooflineCostModel:
             shared = model.num_shared_experts * model.expert_params
             shared_inter = model.num_shared_experts * model.moe_intermediate_size
             router = model.router_params  # kept in BF16 by every quantised checkpoint
-            self._num_experts = float(e)
-            self._miss_prob = 1.0 - k / e  # chance a token leaves a given expert out
+            self._experts_topk = (e, k)
             self._expert_w_bytes = model.expert_params * wb / tp  # per expert hit, per GPU
             pairs_io = k / ep * (2 * h + 3 * moe_inter)  # token-expert pairs on one GPU
             routed_s_tok = 2 * k * model.expert_params / tp / moe_rate
@@ -899,7 +904,7 @@ class RooflineCostModel:
         as if `routed_tokens` (tokens times the imbalance), shared experts and router on
         `shared_tokens`; one of them 0 prices the other's kernels alone (as single-batch
         overlap runs them, on two streams)."""
-        hit = self._num_experts * (1.0 - self._miss_prob**tokens) if routed_tokens else 0.0
+        hit = experts_reached(*self._experts_topk, tokens) if routed_tokens else 0.0
         flops_s = routed_tokens * self._routed_s_tok + shared_tokens * self._shared_s_tok
         w_bytes = (self._moe_w_bytes if shared_tokens else 0.0) + hit * self._expert_w_bytes
         act = routed_tokens * self._routed_act_tok + shared_tokens * self._shared_act_tok

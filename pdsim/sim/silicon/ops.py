@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pdsim.sim.cost import gdn_kernel_work, mla_decode_rows, remote_row_bytes
+from pdsim.sim.cost import experts_reached, gdn_kernel_work, mla_decode_rows, remote_row_bytes
 from pdsim.sim.moe_comm import deepep_traffic
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Grid2, Reference, best_reference
@@ -511,8 +511,8 @@ class OpTables:
 
         def roofline(tokens):
             pairs = tokens * topk / moe_ep
-            hit = (experts * (1.0 - (1.0 - topk / experts) ** np.asarray(tokens, float))
-                   if random else np.minimum(experts, tokens * topk)) / moe_ep
+            hit = (experts_reached(experts, topk, np.asarray(tokens, float)) if random
+                   else np.minimum(experts, tokens * topk)) / moe_ep
             return np.maximum(6.0 * hidden * slice_ * pairs / peak,
                               (hit * 3 * hidden * slice_ * wbytes
                                + pairs * (2 * hidden + 3 * slice_) * ACT_BYTES) / mem
