@@ -524,7 +524,8 @@ class OpTables:
     def moe(self, hidden: int, inter: int, topk: int, experts: int, moe_tp: int, moe_ep: int,
             dtype: str, distribution: str) -> Curve:
         """Routed experts of one MoE layer (fused MoE kernel) over the layer's total tokens;
-        the balanced rows moved to random routing (docs/cost_model.md, "Random routing")."""
+        at EP 1 the balanced rows moved to random routing (docs/cost_model.md, "Random
+        routing")."""
         import pandas as pd  # here, not at import: the roofline-only simulator never reads a table
         t = self._need("moe", "moe_perf.parquet")
         wanted = MOE_DTYPES[dtype]
@@ -560,7 +561,9 @@ class OpTables:
             curve = Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
         else:
             curve = moved_expert_curve(g, have, have_roof, want, balanced)
-        if distribution != "balanced":  # power-law rows: routed as measured
+        if distribution != "balanced" or moe_ep > 1:
+            # power-law rows are routed as measured; under EP the layer waits for the busiest
+            # rank, which holds the hot experts and reaches them all as balanced routing does
             return curve
         # from the tables' balanced routing to random routing, which reaches fewer experts
         random = self.moe_roofline(*want, dtype, fused=fused, random=True)
