@@ -372,20 +372,21 @@ def routing_moves(ops: OpTables) -> tuple[dict[str, tuple[np.ndarray, np.ndarray
     out: dict[str, tuple[list, list]] = {}
     groups = underread = 0
     shape = ["hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size"]
-    for (source, dt), by_dtype in t.groupby(["kernel_source", "moe_dtype"]):
+    bad = {dt: underread_shapes(rows, DTYPES[_TABLE_TO_PDSIM[dt]].weight_bytes,
+                                ops.table_hw.hbm_gb_per_s)  # judged per dtype, as the model
+           for dt, rows in t.groupby("moe_dtype") if dt in _TABLE_TO_PDSIM}
+    for (source, dt), by_source in t.groupby(["kernel_source", "moe_dtype"]):
         if dt not in _TABLE_TO_PDSIM:
             continue
         pdsim_dt = _TABLE_TO_PDSIM[dt]
-        bad = underread_shapes(by_dtype, DTYPES[pdsim_dt].weight_bytes,
-                               ops.table_hw.hbm_gb_per_s)
-        for cfg, rows in by_dtype.groupby(shape):
+        for cfg, rows in by_source.groupby(shape):
             cfg = tuple(int(v) for v in cfg)
             by_dist = rows.pivot_table(index="num_tokens", columns="distribution",
                                        values="latency", aggfunc="min")
             if not {"balanced", "power_law_1.01"} <= set(by_dist.columns):
                 continue
             groups += 1
-            if cfg in bad:
+            if cfg in bad[dt]:
                 underread += 1
                 continue
             both = by_dist[["balanced", "power_law_1.01"]].dropna()
