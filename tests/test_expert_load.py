@@ -146,3 +146,16 @@ def test_eplb_and_imbalance_reach_the_cost_model_and_are_checked() -> None:
         experiment({"tp": 8, "eplb": {"redundant_experts": 0}})
     with pytest.raises(ValueError, match="redundant_experts"):
         experiment({**DECODE, "eplb": {"redundant_experts": -1}})
+
+
+def test_each_model_family_routes_with_aiconfigurators_exponent() -> None:
+    """aiconfigurator fits 1.01 for DeepSeek-V3's architecture and uses 1.2 for its generic MoE
+    models; the steeper law concentrates more load on the hot experts, so Qwen3's busiest rank
+    carries more at the same EP."""
+    par = Parallelism(tp=8, ep=8)
+    qwen3, kimi = model_preset("qwen3-235b-a22b"), model_preset("kimi-k2")
+    assert [make_cost_model("roofline", m, H200, par)._load.alpha
+            for m in (DSV3, kimi, qwen3)] == [1.01, 1.01, 1.2]
+    qwen3_load = make_cost_model("roofline", qwen3, H200, par)._load
+    flat = ExpertLoad(qwen3.num_experts, qwen3.experts_per_token, 8, alpha=1.01)
+    assert qwen3_load.imbalance(4096) > 1.05 * flat.imbalance(4096)

@@ -18,7 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pdsim import sglang_defaults
 from pdsim.core.batch import BatchShape
-from pdsim.sim.expert_load import ExpertLoad, check_redundant_experts, expert_load
+from pdsim.sim.expert_load import (
+    ExpertLoad, check_redundant_experts, expert_load, routing_alpha,
+)
 from pdsim.sim.moe_comm import A2AMode, deepep_traffic
 from pdsim.sim.overheads import EAGER_LAUNCH_S, HostOverheads, host_overheads
 from pdsim.specs.hardware import HardwareSpec
@@ -468,7 +470,7 @@ def step_extras(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
     load = None
     if p.expert_imbalance and model.is_moe and parallel.ep > 1:
         load = expert_load(model.num_experts, model.experts_per_token, parallel.ep,
-                           p.eplb_redundant_experts, p.seed)
+                           p.eplb_redundant_experts, p.seed, routing_alpha(model))
     host = None
     if p.eager_overhead:
         piecewise = None

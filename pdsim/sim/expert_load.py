@@ -6,7 +6,8 @@ for `tokens` tokens of one layer, each routed to `top_k` experts:
 
 - expert popularity: one draw per modelled layer of `num_experts` weights from a power law
   p(x) ~ x^-alpha on [x_min, x_max], normalised (NVIDIA aiconfigurator's routing model for its
-  MoE kernel tables: alpha 1.01 for DeepSeek-V3/R1, over [0.01, 2]; docs/cost_model.md);
+  MoE kernel tables, over [0.01, 2]: alpha 1.01 for DeepSeek-V3/R1 and its architecture, 1.2
+  for other MoE models; `routing_alpha`, docs/cost_model.md);
 - placement: without EPLB SGLang's default, expert e on rank e * ep // num_experts; with EPLB
   (SGLang's --enable-eplb with --ep-num-redundant-experts N) the N spare slots replicate the
   experts with the most load per copy, each copy taking an equal share of its expert's load,
@@ -23,13 +24,25 @@ from __future__ import annotations
 
 import heapq
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from pdsim.specs.models import ModelSpec
+
 DEFAULT_ALPHA = 1.01  # aiconfigurator's power-law exponent for DeepSeek-V3/R1 routing
+GENERIC_MOE_ALPHA = 1.2  # aiconfigurator's for its generic MoE models (Qwen3, Mixtral, gpt-oss)
 DEFAULT_X_MIN, DEFAULT_X_MAX = 0.01, 2.0  # aiconfigurator's support of the power law
 LAYER_DRAWS = 32  # popularity draws (layers) the estimate averages over
 ROUTING_DRAWS = 4  # multinomial routings per popularity draw
+
+
+def routing_alpha(model: ModelSpec) -> float:
+    """The power-law exponent of a model's expert popularity, as aiconfigurator assigns it by
+    model class: 1.01 for DeepSeek-V3's architecture (MLA; Kimi-K2 shares it), 1.2 for its
+    generic MoE class (Qwen2/3-MoE, Qwen3.5, Mixtral, gpt-oss, MiniMax-M2)."""
+    return DEFAULT_ALPHA if model.is_mla else GENERIC_MOE_ALPHA
 
 
 def check_redundant_experts(redundant: int, num_experts: int, ep: int) -> None:
@@ -92,7 +105,7 @@ def eplb_shares(pop: np.ndarray, ep: int, redundant: int) -> np.ndarray:
 
 
 class ExpertLoad:
-    """The imbalance factor of one (experts, top_k, EP, EPLB) setting, seeded.
+    """The imbalance factor of one (experts, top_k, EP, EPLB, exponent) setting, seeded.
 
     redundant_experts None: no EPLB (default placement); an int: EPLB with that many copies."""
 
@@ -103,7 +116,7 @@ class ExpertLoad:
                              f"{top_k}, {ep}")
         if redundant_experts is not None:
             check_redundant_experts(redundant_experts, num_experts, ep)
-        self.num_experts, self.top_k, self.ep = num_experts, top_k, ep
+        self.num_experts, self.top_k, self.ep, self.alpha = num_experts, top_k, ep, alpha
         self.redundant_experts, self.seed = redundant_experts, seed
         rng = np.random.default_rng([seed, num_experts, ep])
         shares = []
@@ -129,7 +142,7 @@ class ExpertLoad:
 
 @lru_cache(maxsize=32)
 def expert_load(num_experts: int, top_k: int, ep: int, redundant_experts: int | None,
-                seed: int) -> ExpertLoad:
+                seed: int, alpha: float = DEFAULT_ALPHA) -> ExpertLoad:
     """One shared `ExpertLoad` per setting: every instance of a role reuses its draws and its
     cache."""
-    return ExpertLoad(num_experts, top_k, ep, redundant_experts, seed)
+    return ExpertLoad(num_experts, top_k, ep, redundant_experts, seed, alpha)
