@@ -29,6 +29,8 @@
    one 400 Gb/s CX7 NIC each, 128 tokens per rank, hidden 7168, top-8, FP8 dispatch, BF16
    combine, EP 16-256), priced by the roofline cost model's DeepEP term
    (`RooflineCostModel.deepep_calls_s`, its default constants: fitted on other GPUs' tables).
+5. The MLA decode attention block: aiconfigurator's module tables (SGLang's whole attention
+   block of DeepSeek-V3 under a CUDA graph) against the sum of the silicon model's ops of it.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from pdsim.sim.cost import (
     gemm_time_s,
 )
 from pdsim.sim.expert_load import ExpertLoad
-from pdsim.sim.silicon import tables
+from pdsim.sim.silicon import SiliconCostModel, tables
 from pdsim.sim.silicon.interp import Curve, Reference, best_reference
 from pdsim.sim.silicon.ops import (
     _TABLE_TO_PDSIM, DEEPEP_NUM_SMS, MLA_TABLE_DIMS, OpTables,
@@ -437,6 +439,40 @@ def imbalance_checks(ops: OpTables) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return out
 
 
+# The ops of SGLang's MLA attention block (`self_attn`) a decode step prices from tables; the
+# fused q_a / kv_a projection is left out, as the module tables replace it (their collector
+# feeds the block a random latent instead).
+MLA_BLOCK_OPS = ("q_b_proj", "o_proj", "mla_bmm_pre", "mla_bmm_post", "decode attention")
+
+
+def mla_block_rows(system: str) -> Iterator[tuple[int, int, float, float]]:
+    """(requests, context, module ms, pdsim ms): aiconfigurator's wide-EP MLA module table (the
+    whole attention block of DeepSeek-V3 timed under a CUDA graph, 128 heads, one rank) against
+    the silicon model's ops of that block for one rank of DP attention, at the module's
+    measured shapes; the MLA backend SGLang picks on the GPU (fa3 on Hopper) where measured."""
+    ops = OpTables(system, "sglang", "current", load_hardware_spec(HARDWARE[system]))
+    t = ops._table("mla", "wideep_generation_mla_perf.parquet")
+    if t is None:
+        return
+    t = t[t.num_heads == 128]
+    kernel = "fa3" if (t.kernel_source == "fa3").any() else t.kernel_source.iloc[0]
+    t = t[t.kernel_source == kernel]
+    cost = SiliconCostModel(DSV3, ops.hw, Parallelism(tp=8, dp_attention=8, ep=8,
+                                                      moe_a2a="deepep"), system=system,
+                            role="decode")
+    for reqs in (1, 4, 16, 64, 256):
+        for context in (1, 1024, 4096):
+            row = t[(t.batch_size == reqs) & (t.isl == context)]
+            if row.empty:
+                continue
+            cost.trace = []
+            cost.step_breakdown_s([BatchShape(0, 0.0, reqs, reqs * context, 1, 0)])
+            ops_s = {op.name: op.seconds for op in cost.trace if op.part == "attention"}
+            cost.trace = None
+            yield (reqs, context, float(row.latency.min()),
+                   sum(ops_s[name] for name in MLA_BLOCK_OPS) * 1e3)
+
+
 def vidur_rows(root: Path) -> list[tuple[str, float, float]]:
     """(case, Vidur median ms, silicon a100_sxm ms) for CodeLlama-34B's ops."""
     model_dir = root / "data/profiling/compute/a100/codellama/CodeLlama-34b-Instruct-hf"
@@ -680,6 +716,11 @@ def main() -> None:
     for phase, (got, plain) in imbalance_checks(ops).items():
         print(f"{phase:12s} {len(got):6d} {np.median(got):9.1%} {np.percentile(got, 90):6.1%} "
               f"{np.median(plain):17.1%} {np.percentile(plain, 90):6.1%}")
+    print(f"\nMLA decode attention block on {args.system}: aiconfigurator's module table (the "
+          "block under a CUDA graph, one rank, 128 heads) against pdsim's ops of it, ms")
+    print(f"{'requests':>8s} {'context':>7s} {'module':>7s} {'pdsim':>7s} {'ratio':>6s}")
+    for reqs, context, module, priced in mla_block_rows(args.system):
+        print(f"{reqs:8d} {context:7d} {module:7.3f} {priced:7.3f} {priced / module:6.2f}")
     for src, dst in (("h100_sxm", "h200_sxm"), ("h200_sxm", "h100_sxm"), ("h100_sxm", "b200_sxm")):
         print(f"\nGPU moves: {src}'s tables priced as a silicon_base of {dst} (each op by the "
               f"ratio of its rooflines on the two GPUs), against {dst}'s own tables")
