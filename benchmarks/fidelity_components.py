@@ -393,13 +393,11 @@ def routing_moves(ops: OpTables) -> tuple[dict[str, tuple[np.ndarray, np.ndarray
                 continue
             both = by_dist[["balanced", "power_law_1.01"]].dropna()
             xs = both.index.to_numpy(float)
-            h, inter, k, e, tp = cfg
+            k, e = cfg[2:4]
             keep = experts_reached(e, k, xs) < 0.99 * np.minimum(e, xs * k)
-            balanced = ops.moe_roofline(*cfg, 1, pdsim_dt, fused=keeps_all_rows(source))
-            random = ops.moe_roofline(*cfg, 1, pdsim_dt, fused=keeps_all_rows(source),
-                                      random=True)
+            to_random = ops.random_routing(*cfg, 1, pdsim_dt, keeps_all_rows(source))
             base, real = both["balanced"].to_numpy()[keep], both["power_law_1.01"].to_numpy()[keep]
-            moved = base * random(xs[keep]) / balanced(xs[keep])
+            moved = base * to_random(xs[keep])
             errors = out.setdefault(source, ([], []))
             errors[0].extend(np.abs(moved / real - 1))
             errors[1].extend(np.abs(base / real - 1))
@@ -663,6 +661,16 @@ def h20_kernel_rows() -> Iterator[tuple[str, float, float, float]]:
         yield label, measured_ms, moved, ratio
 
 
+def _print_against(label: str, rows: dict[str, tuple[np.ndarray, np.ndarray]],
+                   baseline: str) -> None:
+    """A table of |relative error| per row: pdsim's median and P90, then the baseline's."""
+    base = f"{baseline} p50"
+    print(f"{label:32s} {'points':>6s} {'pdsim p50':>9s} {'p90':>6s} {base:>22s} {'p90':>6s}")
+    for name, (got, plain) in rows.items():
+        print(f"{name:32s} {len(got):6d} {np.median(got):9.1%} {np.percentile(got, 90):6.1%} "
+              f"{np.median(plain):22.1%} {np.percentile(plain, 90):6.1%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--system", default="h100_sxm", choices=sorted(HARDWARE))
@@ -693,29 +701,17 @@ def main() -> None:
     print(f"\nFused MoE from EP 1 to the EP sizes measured, on {args.system}: {unshared} of "
           f"{groups} (dtype, shape, moe_tp) groups time more than a rank's share at EP > 1 "
           "and are not read; the others, moved from EP 1 by the roofline, 256+ tokens")
-    print(f"{'kernel':32s} {'points':>6s} {'pdsim p50':>9s} {'p90':>6s} "
-          f"{'no other-rank rows p50':>22s} {'p90':>6s}")
-    for source, (got, plain) in moves.items():
-        print(f"{source:32s} {len(got):6d} {np.median(got):9.1%} {np.percentile(got, 90):6.1%} "
-              f"{np.median(plain):22.1%} {np.percentile(plain, 90):6.1%}")
+    _print_against("kernel", moves, "no other-rank rows")
     moves, groups, underread = routing_moves(ops)
     print(f"\nFused MoE at EP 1 from balanced to random routing, against the rows measured with "
           f"power-law routing (alpha 1.01), on {args.system}: {underread} of {groups} (dtype, "
           "shape, moe_tp) groups compute fewer experts than balanced routing reaches and are "
           "not read; the others at the token counts where the two routings reach different "
           "expert counts")
-    print(f"{'kernel':32s} {'points':>6s} {'pdsim p50':>9s} {'p90':>6s} "
-          f"{'balanced as is p50':>18s} {'p90':>6s}")
-    for source, (got, plain) in moves.items():
-        print(f"{source:32s} {len(got):6d} {np.median(got):9.1%} {np.percentile(got, 90):6.1%} "
-              f"{np.median(plain):18.1%} {np.percentile(plain, 90):6.1%}")
+    _print_against("kernel", moves, "balanced as is")
     print(f"\nExpert load: wide-EP uniform rows at the busiest rank's tokens (pdsim's load "
           f"model, no EPLB) against the rows measured with power-law routing, on {args.system}")
-    print(f"{'phase':12s} {'points':>6s} {'pdsim p50':>9s} {'p90':>6s} {'uniform as is p50':>17s} "
-          f"{'p90':>6s}")
-    for phase, (got, plain) in imbalance_checks(ops).items():
-        print(f"{phase:12s} {len(got):6d} {np.median(got):9.1%} {np.percentile(got, 90):6.1%} "
-              f"{np.median(plain):17.1%} {np.percentile(plain, 90):6.1%}")
+    _print_against("phase", imbalance_checks(ops), "uniform as is")
     print(f"\nMLA decode attention block on {args.system}: aiconfigurator's module table (the "
           "block under a CUDA graph, one rank, 128 heads) against pdsim's ops of it, ms")
     print(f"{'requests':>8s} {'context':>7s} {'module':>7s} {'pdsim':>7s} {'ratio':>6s}")

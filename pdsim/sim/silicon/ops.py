@@ -499,8 +499,7 @@ class OpTables:
         tables' collectors route them: balanced, each token's top-k on distinct experts spread
         over all of them, so min(experts, tokens * topk) experts hold tokens (a transfer must
         price both shapes the way the measured one was routed); `random`: each token's top-k
-        drawn at random, `experts * (1 - (1 - topk / experts) ** tokens)` of them reached, as
-        the roofline cost model counts them. `fused`: a kernel that also moves the rows of
+        drawn at random, `experts_reached` of them, as the roofline cost model counts them. `fused`: a kernel that also moves the rows of
         other ranks' experts (`remote_row_bytes`: SGLang's Triton and Marlin MoE,
         `ALL_ROW_KERNELS`); DeepEP, and FlashInfer's kernels, which route inside, give a rank
         its own rows only."""
@@ -556,18 +555,27 @@ class OpTables:
         g = sel.groupby("num_tokens")["latency"].min()
         fused = all(map(keeps_all_rows, sel["kernel_source"].unique()))
         have_roof = self.moe_roofline(*have, _TABLE_TO_PDSIM[used], fused=fused)
-        balanced = self.moe_roofline(*want, dtype, fused=fused)
         if have == want and used in wanted:
             curve = Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
         else:
-            curve = moved_expert_curve(g, have, have_roof, want, balanced)
+            curve = moved_expert_curve(g, have, have_roof, want,
+                                       self.moe_roofline(*want, dtype, fused=fused))
         if distribution != "balanced" or moe_ep > 1:
             # power-law rows are routed as measured; under EP the layer waits for the busiest
             # rank, which holds the hot experts and reaches them all as balanced routing does
             return curve
-        # from the tables' balanced routing to random routing, which reaches fewer experts
-        random = self.moe_roofline(*want, dtype, fused=fused, random=True)
-        return curve.scaled(lambda x: random(x) / balanced(x), transferred=curve.transferred)
+        return curve.scaled(self.random_routing(*want, dtype, fused),
+                            transferred=curve.transferred)
+
+    def random_routing(self, hidden: int, inter: int, topk: int, experts: int, moe_tp: int,
+                       moe_ep: int, dtype: str, fused: bool) -> Callable:
+        """The factor (over tokens) that moves a fused-MoE curve measured with the tables'
+        balanced routing to random routing, which reaches fewer experts: the ratio of the two
+        MoE rooflines."""
+        shape = (hidden, inter, topk, experts, moe_tp, moe_ep, dtype)
+        random = self.moe_roofline(*shape, fused=fused, random=True)
+        balanced = self.moe_roofline(*shape, fused=fused)
+        return lambda tokens: random(tokens) / balanced(tokens)
 
     @_on_this_gpu
     def wideep_moe(self, phase: str, hidden: int, inter: int, topk: int, experts: int, ep: int,
