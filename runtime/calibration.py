@@ -6,8 +6,9 @@ Three measurements, none of them an end-to-end serving figure:
 - **forwards**: the deployment's model (preset weights, dtype, a decode rank's torch threads) run
   over a grid of batch shapes -- extends of `prefill_tokens` new tokens after `context` cached
   ones, decodes of `batch` requests at `context` tokens each -- each the fastest of `repeats`
-  passes over the grid (other processes on a shared machine only add time); the rows are the
-  executor's timings table (`ForwardTiming` columns), which the `profiled` cost model fits. A
+  passes over the grid (other processes on a shared machine only add time), on a thread of its
+  own as the served engine runs them (`_profile_rank`); the rows are the executor's timings
+  table (`ForwardTiming` columns), which the `profiled` cost model fits. A
   role of tp > 1 runs as its tp rank processes, sharded as served: the all-reduces and, with
   `ep`, the expert all-to-alls are in the times. A prefill role served unlike its decode peer
   (another tp, ep or thread count) gets its own table of extends.
@@ -54,6 +55,7 @@ import statistics
 import time
 import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -87,12 +89,9 @@ class DescriptorFit:
 
 
 def _threads(config, role: str = "decode") -> int:
-    """torch threads of a role's ranks as the PD workers set them (runtime/pd/worker.py); a
-    colocated server keeps torch's default, one per CPU."""
-    if config.mode == "colocated":
-        return max(1, os.cpu_count() or 1)
-    spec = getattr(config, role)
-    return spec.threads or max(1, (os.cpu_count() or 1) // spec.tp)
+    """Torch threads of a role's forwards as served (`forward_threads`; colocated: its one
+    role)."""
+    return config.forward_threads("colocated" if config.mode == "colocated" else role)
 
 
 def profile_forwards(config, *, role: str = "decode", repeats: int = 5,
@@ -129,10 +128,24 @@ def served_alike(config) -> bool:
     return (p.tp, p.ep, _threads(config, "prefill")) == (d.tp, d.ep, _threads(config))
 
 
-def _profile_rank(group, dumped: dict, role: str, repeats: int, prefill_tokens: list[int],
-                  prefill_context: list[int], decode_batch: list[int],
-                  decode_context: list[int]) -> list[list]:
-    """One rank's part of `profile_forwards`: every rank runs the same forwards in lock step."""
+def _profile_rank(group, dumped: dict, role: str, *grid) -> list[list]:
+    """One rank's part of `profile_forwards`: every rank runs the same forwards in lock step,
+    as a served rank runs them: on a thread of its own with the role's torch threads, the
+    process's main thread kept at one (`ModelExecutor.bind_thread` says why it matters)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="pdsim-engine") as pool:
+            return pool.submit(_profile_on_this_thread, group, dumped, role, *grid).result()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _profile_on_this_thread(group, dumped: dict, role: str, repeats: int,
+                            prefill_tokens: list[int], prefill_context: list[int],
+                            decode_batch: list[int], decode_context: list[int]) -> list[list]:
     import torch
 
     from runtime.model import AttentionMetadata

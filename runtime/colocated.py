@@ -14,6 +14,8 @@ import signal
 import threading
 from collections.abc import Callable
 
+import torch
+
 from runtime.driver import Engine, merged_gauges
 from runtime.executor import ModelExecutor
 from runtime.model.draft import build_draft
@@ -38,7 +40,8 @@ def build_server(config: ServeConfig) -> OpenAIServer:
         sched_cfg = with_draft_slots(sched_cfg)
     executor = ModelExecutor(model, num_pages=config.num_pages, page_size=config.page_size,
                              seed=config.seed, vocab_limit=text.vocab_limit(mcfg.vocab_size),
-                             state_slots=sched_cfg.state_slots)
+                             state_slots=sched_cfg.state_slots,
+                             threads=config.forward_threads("colocated"))
     gauges = merged_gauges
     if config.speculative.method == "mtp":
         executor.speculate(build_draft(model, seed=config.seed),
@@ -63,7 +66,9 @@ def build_server(config: ServeConfig) -> OpenAIServer:
 
 
 def serve(config: ServeConfig, on_ready: Callable[[OpenAIServer], None] | None = None) -> None:
-    """Run a server until SIGINT or SIGTERM, then shut down cleanly."""
+    """Run a server until SIGINT or SIGTERM, then shut down cleanly. The process's own threads
+    keep one torch thread; the engine's takes the forwards' (`ModelExecutor.bind_thread`)."""
+    torch.set_num_threads(1)
 
     async def main() -> None:
         server = build_server(config)

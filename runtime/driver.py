@@ -308,6 +308,7 @@ class Engine:
     # ---- the loop (engine thread) ------------------------------------------------------------
 
     def _run(self) -> None:
+        self.executor.bind_thread()
         while True:
             now, stop = self._begin()
             if stop:

@@ -24,6 +24,7 @@ either backend would reject, such as the earlier flat layout's (`mode:` at the t
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,12 @@ class _ServeBase(ExperimentConfig):
         if name not in roles:
             raise ValueError(f"role {name!r}; allowed: {', '.join(roles)}")
         return roles[name]
+
+    def forward_threads(self, role: str) -> int:
+        """Torch threads of one rank of `role` for its forwards (`ModelExecutor.threads`): the
+        role's `threads`, else the CPUs divided among its tp ranks."""
+        spec = self.role(role)
+        return spec.threads or max(1, (os.cpu_count() or 1) // spec.tp)
 
     def scheduler_config(self, role: str) -> SchedulerConfig:
         """The core config of one rank of `role` (the one builder: SchedulerKnobs.build)."""

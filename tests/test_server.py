@@ -326,6 +326,34 @@ def test_records_have_the_lifecycle_timestamps(server, client):
     assert record.token_times_s == sorted(record.token_times_s)
 
 
+def test_the_engine_thread_alone_runs_the_forwards_with_the_roles_threads():
+    """`pdsim serve` keeps its own threads at one torch thread and hands the role's `threads`
+    to the engine's thread alone (ModelExecutor.bind_thread): a second thread opening OpenMP
+    regions of more than one thread slows every forward on a small host."""
+    from runtime.serve_config import ServeConfig
+
+    cluster = {"mode": "colocated", "colocated": {"instances": 1, "threads": 3, "scheduler": {
+        "num_pages": 64, "page_size": 8}}}
+    config = ServeConfig(model="tiny-llama", router={"port": 0}, cluster=cluster)
+    assert config.forward_threads("colocated") == 3
+    del cluster["colocated"]["threads"]
+    default = ServeConfig(model="tiny-llama", router={"port": 0}, cluster=cluster)
+    assert default.forward_threads("colocated") == (os.cpu_count() or 1)  # tp 1: every CPU
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as serve() sets the process's own
+    try:
+        with BackgroundServer(config) as srv:
+            engine = srv.server.engine
+            assert engine.call(torch.get_num_threads) == 3
+            assert torch.get_num_threads() == 1
+            out = OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0).completions.create(
+                model=srv.server.model_name, prompt="threads", max_tokens=3, temperature=0)
+            assert out.choices[0].text is not None and out.usage.completion_tokens == 3
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_metrics_are_sglangs_and_count_what_happened(server, client):
     before = Scrape.of(server.url)
     assert before.families["sglang:time_to_first_token_seconds"].type == "histogram"

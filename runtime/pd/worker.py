@@ -105,7 +105,7 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     key = key_of(resolve_secret(config.security.cluster_secret,
                                 insecure=config.security.insecure, what=f"{spec.role} rank"))
     role = config.role(spec.role)
-    torch.set_num_threads(role.threads or max(1, (os.cpu_count() or 1) // spec.tp))
+    torch.set_num_threads(1)  # the engine thread takes the forwards' (ModelExecutor.bind_thread)
     device = resolve_device(config.device)
     if device == "cuda":
         check_gpu_transfer()
@@ -128,7 +128,8 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
         sched_cfg = with_draft_slots(sched_cfg)
     executor = ModelExecutor(model, num_pages=sched_cfg.num_pages, page_size=config.page_size,
                              seed=config.seed, vocab_limit=text.vocab_limit(mcfg.vocab_size),
-                             tp_size=attn_group.size, state_slots=sched_cfg.state_slots)
+                             tp_size=attn_group.size, state_slots=sched_cfg.state_slots,
+                             threads=config.forward_threads(spec.role))
     if speculating:  # both roles: prefill fills the draft's KV and hidden state, decode drafts
         executor.speculate(build_draft(model, seed=config.seed),
                            config.speculative.num_draft_tokens)
