@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from pdsim.metrics import SLO, summarize  # noqa: E402
 from pdsim.validation.compare import Tolerance, side_by_side  # noqa: E402
 from pdsim.validation.validate import validate  # noqa: E402
-from runtime.calibration import calibrate  # noqa: E402
+from runtime.calibration import IDLE_PROBE_GAP_S, IDLE_PROBES, calibrate  # noqa: E402
 
 MATRIX = REPO / "experiments" / "validation"
 CALIBRATION = MATRIX / "calibration"
@@ -170,7 +170,7 @@ def overlap_section(results: Path, names: list[str]) -> list[str]:
     return lines
 
 
-def render(measured: dict, frame: pd.DataFrame, repeat: pd.DataFrame, took_s: float) -> str:
+def render(measured: dict, frame: pd.DataFrame, repeat: pd.DataFrame, runs_s: float) -> str:
     med = {m: float(np.median(np.abs(frame[f"{m}|error"]))) for m in MEAN_METRICS + P90_METRICS}
     real_rank = list(frame.sort_values("goodput per GPU (req/s)|real", ascending=False,
                                        kind="stable")["deployment"])
@@ -207,7 +207,8 @@ def render(measured: dict, frame: pd.DataFrame, repeat: pd.DataFrame, took_s: fl
         "  never an end-to-end serving figure under load:",
         "  - the deployment's model forwards over a grid of batch shapes (extend 16–512 new tokens",
         "    after 0–1024 cached, decode 1–64 requests at 64–1024 tokens; the fastest of 5 runs",
-        "    each), which the `profiled` cost model fits; a role of tp > 1 runs as its rank",
+        "    each, on a thread of its own with the role's torch threads as the served engine",
+        "    runs them), which the `profiled` cost model fits; a role of tp > 1 runs as its rank",
         "    processes with their all-reduces, and a prefill role served unlike its decode peer",
         "    gets its own table (`cost_model.params.roles.prefill.timings`);",
         "  - the Mooncake backend over TCP on loopback for 1–256 pages of this model's KV (a line:",
@@ -223,7 +224,10 @@ def render(measured: dict, frame: pd.DataFrame, repeat: pd.DataFrame, took_s: fl
         "    (`token_overhead_s`). A PD prefill worker's own record of its step − the fitted",
         "    extend is its step overhead (it streams nothing). The engine's TTFT − what the",
         "    simulator models of it is a per-request overhead (added to `network.handshake_s`,",
-        "    or the colocated instance's `wakeup_s`). A speculating deployment also gets its",
+        f"    or the colocated instance's `wakeup_s`). {IDLE_PROBES} more lone requests, each after",
+        f"    the deployment idled {IDLE_PROBE_GAP_S:g} s: their client TTFT − the back-to-back one is what",
+        "    waking an idle deployment costs (the prefill role's `wakeup_s`, or added to the",
+        "    colocated one's). A speculating deployment also gets its",
         "    served acceptance: the engine's `sglang:spec_accept_length` after the probes",
         "    becomes `speculative.acceptance.mean_accept_len` (replacing the configured",
         "    acceptance whole).",
@@ -247,7 +251,7 @@ def render(measured: dict, frame: pd.DataFrame, repeat: pd.DataFrame, took_s: fl
         "  or two samples; goodput counts an SLO's edge).",
         "",
         f"## The matrix (calibrated {measured['pd']['at']}, "
-        f"{measured['pd']['cpus']} CPUs, {took_s / 60:.1f} min)",
+        f"{measured['pd']['cpus']} CPUs, {runs_s / 60:.1f} min of runs)",
         "",
         "tiny-llama (float32) on this CPU, 40 requests each, inputs 64–384 and outputs 8–48 tokens,",
         "Poisson arrivals; one torch thread per PD rank; SLO: TTFT 0.5 s, ITL 50 ms. Errors are",
@@ -370,6 +374,32 @@ def render(measured: dict, frame: pd.DataFrame, repeat: pd.DataFrame, took_s: fl
         "  and held it 9% in all. So the wait is less the Python work",
         "  of either thread than the send and its wake-ups on two cores shared by five busy",
         "  processes (router, three workers, client).",
+        "- **The served forwards' threads (fixed 2026-12-04).** A colocated server keeps one",
+        "  torch thread per CPU (two here). Until 2026-12-04 its main thread loaded and warmed",
+        "  up the model with two threads and its engine thread then ran the forwards: once two",
+        "  threads of one process have opened OpenMP regions, each region the engine opened",
+        "  waited for its workers to wake (an RMSNorm of 384 × 512, 40 µs on one thread's pool,",
+        "  270–390 µs with two), and tiny-llama's forwards took 2.2–2.4× what the calibration",
+        "  profiled (lone 320-token prompts: 14–16 ms TTFT, 8–11 ms since). The matrix run of",
+        "  2026-12-04 18:11 put colocated_low's mean TTFT 40% short, its lone requests' TTFT",
+        "  growing 0.047 ms per prompt token against the simulator's 0.013. Now a served",
+        "  process keeps one torch thread and its engine thread alone takes the role's",
+        "  (`ModelExecutor.bind_thread`), and `pdsim calibrate` profiles the forwards the same",
+        "  way. The PD workers here run one thread each and were not affected.",
+        "- **Waking an idle deployment.** A lone request that finds the deployment idle for",
+        "  50 ms or more takes longer than one sent right after another: colocated 3.1 →",
+        "  6.4–8.1 ms client TTFT (16 → 8 tokens, medians of 12, after 50 ms to 1 s idle),",
+        "  pd_1p1d_low 10.0–10.3 → 10.5–13.1 ms. The calibration measures it (lone requests",
+        "  after 0.25 s idle against those sent back to back) and the simulator charges it as",
+        "  the instance's `wakeup_s` when a request finds it idle (disaggregated: the prefill",
+        "  role's). Five calibrations of 2026-12-04 measured 0–2.3 ms (colocated) and",
+        "  2.0–5.3 ms (pd): the machine's noise is in it too. colocated_low went from −40%",
+        "  (18:11) to −31% with the threads fixed, then −25% and −16% with the wake too; the PD rows",
+        "  moved with the machine (−15% to −34% at 18:11, −23% to −42% in this run), and the",
+        "  matrix's median TTFT error with them (25.5% at 18:11; 42.1%, 26.5%, 29.8% since).",
+        "  In this run pd_1p1d_low's alone requests' prefill spans grew 0.039 ms per prompt",
+        "  token served against 0.022 in the profile; the same forward, timed alone a few",
+        "  minutes apart, took 7.4 and 9.7 ms.",
         "- **The real side does not repeat itself.** The noise floor above is the same",
         "  deployment served twice, back to back, on the same arrivals. The machine is a small",
         "  VM whose host takes 1–4% of the CPU time (steal) and changes speed from minute to",
@@ -446,7 +476,6 @@ def main() -> None:
     ap.add_argument("--doc", type=Path, default=REPO / "docs" / "validation.md")
     args = ap.parse_args()
     out = REPO / "results" / "validation"
-    start = time.monotonic()
     if args.render_only:
         frame = pd.read_csv(out / "matrix.csv")
         repeat = pd.read_csv(out / "repeat.csv")
@@ -457,8 +486,8 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         frame.to_csv(out / "matrix.csv", index=False)
         repeat.to_csv(out / "repeat.csv", index=False)
-    took_s = float(frame["wall_s"].sum()) if args.render_only else time.monotonic() - start
-    args.doc.write_text(render(measured, frame, repeat, took_s) + hand_written(args.doc))
+    args.doc.write_text(render(measured, frame, repeat, float(frame["wall_s"].sum()))
+                        + hand_written(args.doc))
     print(f"wrote {out / 'matrix.csv'} and {args.doc}")
 
 

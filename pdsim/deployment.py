@@ -287,8 +287,9 @@ class RoleConfig(_Spec):
                       "(instance i: port + i); 0 picks free ports")
     bootstrap_port: int = Field(0, ge=0, le=65535, description="real only, prefill: bootstrap "
                                 "server port of instance 0 (instance i: + i); 0 picks free ports")
-    threads: int | None = Field(None, ge=1, description="real only: torch threads per rank "
-                                "(default: the CPUs divided by tp)")
+    threads: int | None = Field(None, ge=1, description="real only: torch threads of a rank's "
+                                "forwards, on its engine thread (default: the CPUs divided by "
+                                "tp)")
 
     @model_validator(mode="before")
     @classmethod

@@ -33,6 +33,10 @@ Three measurements, none of them an end-to-end serving figure:
   - The engine's TTFT minus what the simulator already models of it (the prefill step and,
     disaggregated, handshake and transfer) is a per-request overhead: added to
     `network.handshake_s` when disaggregated, the colocated instance's `wakeup_s` otherwise.
+  - Lone requests that each reach the deployment after it idled `IDLE_PROBE_GAP_S`: their
+    client TTFT minus the back-to-back one is what waking an idle deployment costs, the
+    simulator's `wakeup_s` (an idle instance notices new work that late): the prefill role's
+    when disaggregated, added to the colocated instance's otherwise.
   - With speculative decoding (`speculative.method: mtp`) the engine's
     `sglang:spec_accept_length` after the probes (tokens per verify step since it started: its
     accepted drafts + 1) is the simulator's `speculative.acceptance.mean_accept_len`.
@@ -412,6 +416,10 @@ def measure_host_cores(seconds: float = 1.0) -> float:
 
 PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS = 16, 32
 PROBE_BATCH, PROBE_BATCH_TOKENS, PROBE_BATCH_ROUNDS = 8, 64, 3
+# Lone requests that each reach a deployment idle this long: on this VM a lone colocated
+# request's TTFT was 3.1 ms right after another and 6.4-8.1 ms after 50 ms to 1 s of idling
+# (the processes and the CPUs they sleep on take that long to wake), flat past 50 ms.
+IDLE_PROBE_GAP_S, IDLE_PROBES = 0.25, 20
 MAX_BATCH_TOKENS = 1024  # outputs of the batch probe, grown while its requests do not overlap
 
 
@@ -428,6 +436,7 @@ class EngineTimes:
     batch_itl_s: float = math.nan  # their gap between tokens at the client
     batch_tokens: int = PROBE_BATCH_TOKENS  # the output tokens each of them asked for
     prefill_span_s: float = math.nan  # disaggregated: a lone request's prefill step, start to end
+    idle_client_ttft_s: float = math.nan  # at the client, a lone request after IDLE_PROBE_GAP_S idle
     spec_accept_len: float | None = None  # speculating: tokens per verify step, every request
 
 
@@ -465,9 +474,11 @@ def measure_engine(config_path: str | Path, config, *, requests: int = 20,
     prompt tokens and PROBE_OUTPUT_TOKENS output tokens one at a time (two more first, for
     warm-up); the engine's TTFT and ITL come from its `/metrics` histograms, read around
     each request, a disaggregated prefill step's span from the prefill worker's `/records`.
-    Then PROBE_BATCH_ROUNDS rounds of `batch` requests of PROBE_BATCH_TOKENS output tokens
-    sent together: their gap between tokens, while all of them decode, is a step of `batch`
-    requests as the client sees it (the streaming of every token included)."""
+    Then IDLE_PROBES more lone requests, each after the deployment idled IDLE_PROBE_GAP_S:
+    their client TTFT. Then PROBE_BATCH_ROUNDS rounds of `batch` requests of
+    PROBE_BATCH_TOKENS output tokens sent together: their gap between tokens, while all of
+    them decode, is a step of `batch` requests as the client sees it (the streaming of every
+    token included)."""
     from pdsim.validation.deployment import RealDeployment
     from pdsim.validation.replay import replay
     from runtime.security import ClusterKey, new_secret
@@ -496,8 +507,15 @@ def measure_engine(config_path: str | Path, config, *, requests: int = 20,
             gap = (rec.token_times_s[-1] - rec.token_times_s[0]) / (n_out - 1)
             rows.append((rec.ttft_s, t_sum, i_sum / i_n, gap))
             lone.add(rec.rid)
+        idle_ttfts = []
+        for i in range(requests, requests + IDLE_PROBES):
+            time.sleep(IDLE_PROBE_GAP_S)
+            (rec,) = replay(real.url, config.model_name, [0.0], [n_in], [n_out], seed=i)
+            if not rec.ok:
+                raise RuntimeError(f"calibration request failed: {rec.error}")
+            idle_ttfts.append(rec.ttft_s)
         batch_itl_s, batch_tokens = _batch_probe(real.url, config.model_name, batch, n_in,
-                                                 seed=requests)
+                                                 seed=requests + IDLE_PROBES)
         span = math.nan
         if config.mode != "colocated":
             spans = [row["prefill_end_s"] - row["prefill_start_s"]
@@ -509,7 +527,7 @@ def measure_engine(config_path: str | Path, config, *, requests: int = 20,
     # Medians: a moment of load from other processes on a shared machine moves a mean.
     return EngineTimes(*(float(v) for v in np.median(np.array(rows), axis=0)), batch=batch,
                        batch_itl_s=batch_itl_s, batch_tokens=batch_tokens, prefill_span_s=span,
-                       spec_accept_len=accept)
+                       idle_client_ttft_s=statistics.median(idle_ttfts), spec_accept_len=accept)
 
 
 class NotTogether(RuntimeError):
@@ -625,6 +643,9 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
         kv_bytes = -(-n_in // config.page_size) * transfer.page_bytes
         modelled += transfer.floor_s + transfer.handshake_s + kv_bytes / (transfer.gb_per_s * 1e9)
     request_overhead_s = max(0.0, engine.engine_ttft_s - modelled)
+    # What a lone request pays more when the deployment has idled: the simulator's `wakeup_s`,
+    # which an idle instance takes to notice new work (a disaggregated one: the prefill role's).
+    idle_wake_s = max(0.0, engine.idle_client_ttft_s - engine.client_ttft_s)
     log(f"lone requests ({n_in} -> {n_out} tokens): client TTFT {engine.client_ttft_s * 1e3:.2f} "
         f"ms, engine TTFT {engine.engine_ttft_s * 1e3:.2f} ms; ITL client "
         f"{engine.client_itl_s * 1e3:.2f} ms, engine {engine.engine_itl_s * 1e3:.2f} ms, "
@@ -633,7 +654,8 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
     log(f"  front end {frontend_s * 1e3:.2f} ms, step overhead {step_overhead_s * 1e3:.2f} ms "
         f"+ {token_overhead_s * 1e3:.3f} ms per token streamed, prefill step overhead "
         f"{prefill_overhead_s * 1e3:.2f} ms, per-request overhead "
-        f"{request_overhead_s * 1e3:.2f} ms")
+        f"{request_overhead_s * 1e3:.2f} ms; after {IDLE_PROBE_GAP_S:g} s idle: client TTFT "
+        f"{engine.idle_client_ttft_s * 1e3:.2f} ms, {idle_wake_s * 1e3:.2f} ms to wake")
     params = {"timings": timings_path.name, "step_overhead_s": round(step_overhead_s, 6),
               "token_overhead_s": round(token_overhead_s, 7)}
     if transfer is not None:
@@ -653,6 +675,8 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
                       "client_itl_s": round(engine.client_itl_s, 6),
                       "batch": engine.batch, "batch_output_tokens": engine.batch_tokens,
                       "batch_itl_s": round(engine.batch_itl_s, 6),
+                      "idle_gap_s": IDLE_PROBE_GAP_S,
+                      "idle_client_ttft_s": round(engine.idle_client_ttft_s, 6),
                       **({"prefill_span_s": round(engine.prefill_span_s, 6)}
                          if transfer is not None else {}),
                       "modelled_ttft_s": round(modelled, 6)},
@@ -675,8 +699,10 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
             "line_rate_efficiency": 1.0, "transfer_floor_s": round(transfer.floor_s, 6),
             "handshake_s": round(transfer.handshake_s + request_overhead_s, 6),
             "per_descriptor_s": round(slices.per_descriptor_s, 9)}
+        data["cluster"] = {"prefill": {"scheduler": {"wakeup_s": round(idle_wake_s, 6)}}}
     else:
-        data["cluster"] = {"colocated": {"scheduler": {"wakeup_s": round(request_overhead_s, 6)}}}
+        data["cluster"] = {"colocated": {"scheduler": {
+            "wakeup_s": round(request_overhead_s + idle_wake_s, 6)}}}
     # Every rank process served here runs on this machine's cores, as the simulator then shares
     # them (pdsim/sim/host.py).
     data.setdefault("cluster", {})["host_cores"] = round(host_cores, 2)

@@ -48,6 +48,11 @@ def test_calibrate_then_validate_a_pd_deployment_end_to_end(pd_validation):
     params = written["cost_model"]["params"]
     assert params["step_overhead_s"] >= 0 and params["token_overhead_s"] >= 0
     assert set(params["roles"]) == {"prefill"} and written["cluster"]["host_cores"] > 0
+    # Lone requests after the deployment idled: what they pay more is the prefill role's wakeup_s.
+    probe = written["measured"]["probe"]
+    assert probe["idle_gap_s"] > 0 and probe["idle_client_ttft_s"] > 0
+    assert written["cluster"]["prefill"]["scheduler"]["wakeup_s"] == pytest.approx(
+        max(0.0, probe["idle_client_ttft_s"] - probe["client_ttft_s"]), abs=2e-6)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     table = pd.read_csv(out / "validation.csv").set_index("metric")
     assert list(table.index) == [label for label, _ in METRICS]
