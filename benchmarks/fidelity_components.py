@@ -49,6 +49,7 @@ from pdsim.sim.cost import (
     gemm_time_s,
 )
 from pdsim.sim.expert_load import ExpertLoad
+from pdsim.sim.overheads import attention_elementwise_kernels
 from pdsim.sim.silicon import SiliconCostModel, tables
 from pdsim.sim.silicon.interp import Curve, Reference, best_reference
 from pdsim.sim.silicon.ops import (
@@ -446,8 +447,10 @@ MLA_BLOCK_OPS = ("q_b_proj", "o_proj", "mla_bmm_pre", "mla_bmm_post", "decode at
 def mla_block_rows(system: str) -> Iterator[tuple[int, int, float, float]]:
     """(requests, context, module ms, pdsim ms): aiconfigurator's wide-EP MLA module table (the
     whole attention block of DeepSeek-V3 timed under a CUDA graph, 128 heads, one rank) against
-    the silicon model's ops of that block for one rank of DP attention, at the module's
-    measured shapes; the MLA backend SGLang picks on the GPU (fa3 on Hopper) where measured."""
+    the silicon model's ops of that block for one rank of DP attention (its tabled ops and its
+    elementwise kernels at their floors: the latent norms, RoPE, the q/k concat, the KV-cache
+    store), at the module's measured shapes; the MLA backend SGLang picks on the GPU (fa3 on
+    Hopper) where measured."""
     ops = OpTables(system, "sglang", "current", load_hardware_spec(HARDWARE[system]))
     t = ops._table("mla", "wideep_generation_mla_perf.parquet")
     if t is None:
@@ -467,8 +470,9 @@ def mla_block_rows(system: str) -> Iterator[tuple[int, int, float, float]]:
             cost.step_breakdown_s([BatchShape(0, 0.0, reqs, reqs * context, 1, 0)])
             ops_s = {op.name: op.seconds for op in cost.trace if op.part == "attention"}
             cost.trace = None
+            untabled = attention_elementwise_kernels(DSV3) * cost.params.kernel_floor_s
             yield (reqs, context, float(row.latency.min()),
-                   sum(ops_s[name] for name in MLA_BLOCK_OPS) * 1e3)
+                   (sum(ops_s[name] for name in MLA_BLOCK_OPS) + untabled) * 1e3)
 
 
 def vidur_rows(root: Path) -> list[tuple[str, float, float]]:

@@ -237,6 +237,25 @@ def test_silicon_step_times_are_within_a_sane_ratio_of_the_roofline():
 
 
 @needs_tables
+def test_a_layers_untabled_kernels_are_each_priced_at_least_one_kernel_floor():
+    """A one-request decode step's elementwise kernels sit at their floors: the two
+    add+RMSNorms and the activation, plus the attention block's own as SGLang's layer code
+    runs them (GQA: RoPE, the KV-cache store; MLA also the latent norms and the q/k concat),
+    the same kernels the eager launch count has (tests/test_overheads.py)."""
+    from pdsim.sim.overheads import attention_elementwise_kernels
+
+    hw = load_hardware_spec("h200")
+    for name, kernels in (("llama-3.1-8b", 5), ("deepseek-v3", 8)):
+        model = load_model_spec(name)
+        assert 3 + attention_elementwise_kernels(model) == kernels
+        cost = make_cost_model("silicon", model, hw, Parallelism(tp=8))
+        cost.trace = []
+        cost.step_breakdown_s([BatchShape(decode_reqs=1, decode_context_tokens=1024)])
+        (op,) = [op for op in cost.trace if op.name == "elementwise"]
+        assert op.seconds == pytest.approx(kernels * cost.params.kernel_floor_s)
+
+
+@needs_tables
 def test_extrapolated_lookups_are_counted():
     model, hw = load_model_spec("llama-3.1-8b"), load_hardware_spec("h100")
     cost = make_cost_model("silicon", model, hw, Parallelism())

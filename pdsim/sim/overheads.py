@@ -19,6 +19,13 @@ from pdsim.specs.precision import DTYPES
 EAGER_LAUNCH_S = 25e-6  # host time of one eager kernel launch from SGLang's Python layers
 
 
+def attention_elementwise_kernels(model: ModelSpec) -> int:
+    """Kernels of a full-attention layer's attention block that are neither GEMMs nor the
+    attention kernel nor the layer's add+RMSNorm, from SGLang's layer code: RoPE and the
+    KV-cache store; MLA adds the q_a and kv_a latent RMSNorms and the q/k concat."""
+    return 5 if model.is_mla else 2
+
+
 def kernels_per_layer(model: ModelSpec, tp: int, attn_tp: int, dp_attention: int, deepep: bool,
                       dense_dp: bool) -> tuple[float, float]:
     """Kernels one eager forward launches per (dense layer, MoE layer), counted from the ops
@@ -27,14 +34,10 @@ def kernels_per_layer(model: ModelSpec, tp: int, attn_tp: int, dp_attention: int
     the mean over its layers of their two kinds."""
     prec = model.precision
     fp8_attn = DTYPES[prec.attention].compute == "fp8"
-    if model.is_mla:
-        # add+RMSNorm, fused q_a/kv_a GEMM, q_a and kv_a norms, q_b GEMM, kv_b GEMM (prefill) or
-        # the two absorbed BMMs (decode), RoPE, q/k concat, KV-cache store, attention, o GEMM
-        attn, gemms = 11, 4
-    else:
-        # add+RMSNorm, QKV GEMM, RoPE, KV-cache store, attention, o GEMM
-        attn, gemms = 6, 2
-    attn += gemms * fp8_attn
+    # add+RMSNorm, the GEMMs (MLA: fused q_a/kv_a, q_b, kv_b in prefill or the two absorbed
+    # BMMs in decode, o; GQA: QKV, o), the attention kernel and the elementwise kernels
+    gemms = 4 if model.is_mla else 2
+    attn = 2 + gemms * (1 + fp8_attn) + attention_elementwise_kernels(model)
     if model.num_linear_layers:
         # Gated DeltaNet: add+RMSNorm, in_proj_qkvz and in_proj_ba GEMMs, their fused split,
         # the gates, the causal convolution, the chunked scan's eight (q and k L2 norms, gate

@@ -55,6 +55,7 @@ from pdsim.sim.cost import (
     vocab_collectives,
     with_eager_overhead,
 )
+from pdsim.sim.overheads import attention_elementwise_kernels
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Grid2, Stage
 from pdsim.sim.silicon.ops import ACT_BYTES, MLA_TABLE_DIMS, MissingTable, op_tables
@@ -62,7 +63,11 @@ from pdsim.specs.hardware import HardwareSpec, load_hardware_spec
 from pdsim.specs.models import ModelSpec
 from pdsim.specs.pipeline import stage_model
 
-ELEMENTWISE_KERNELS = 4  # per layer: two fused add+RMSNorms, RoPE, the MLP activation
+# Per layer, besides the attention block's own (`attention_elementwise_kernels`): two fused
+# add+RMSNorms and the MLP activation; a Gated DeltaNet block's: the fused q/k/v/z split, the
+# gates and the gated RMSNorm.
+LAYER_ELEMENTWISE_KERNELS = 3
+GDN_ELEMENTWISE_KERNELS = 3
 
 
 class TracedOp(NamedTuple):
@@ -733,7 +738,9 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         dp_lm_head=par.dp_lm_head,
         vocab_comm=vocab_comm,
         elementwise_s_tok=(8 * h + 2 * rope_elems + mlp_act) * ACT_BYTES / mem,
-        elementwise_floor_s=ELEMENTWISE_KERNELS * p.kernel_floor_s,
+        elementwise_floor_s=(LAYER_ELEMENTWISE_KERNELS
+                             + (1 - linear_share) * attention_elementwise_kernels(model)
+                             + linear_share * GDN_ELEMENTWISE_KERNELS) * p.kernel_floor_s,
     )
 
 
