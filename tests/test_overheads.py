@@ -9,7 +9,9 @@ from pdsim.core.batch import BatchShape, extend_attn_pairs
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cost import Parallelism, make_cost_model
 from pdsim import sglang_defaults
-from pdsim.sim.overheads import EAGER_LAUNCH_S, host_overheads, kernels_per_layer
+from pdsim.sim.overheads import (
+    EAGER_LAUNCH_S, MLA_BLOCK_LAUNCHES, MLA_EAGER_BLOCK_S, host_overheads, kernels_per_layer,
+)
 from pdsim.sim.silicon import tables
 from pdsim.specs import load_hardware_spec, model_preset
 
@@ -58,6 +60,38 @@ def test_two_batch_overlap_launches_every_kernel_once_per_micro_batch() -> None:
     assert kernels_and_host(cost, ranks)[0] < two.eager_host_s
     assert cost.step_time_s(ranks) == pytest.approx(
         two.eager_host_s + cost.params.step_overhead_s + cost.params.extend_overhead_s)
+
+
+def test_an_eager_mla_attention_block_takes_its_measured_host_time() -> None:
+    """Each layer's MLA attention block costs MLA_EAGER_BLOCK_S of host time in an eager
+    forward (its 12 tabled launches and what SGLang's Python does around them), in proportion
+    to the launch cost; a GQA model's layers cost their launches alone."""
+    par = Parallelism(tp=8, dp_attention=8, ep=8, moe_a2a="deepep", moe_dense_tp=1)
+    host = host_overheads(DSV3, H200, par, EAGER_LAUNCH_S, None)
+    excess = MLA_EAGER_BLOCK_S - MLA_BLOCK_LAUNCHES * EAGER_LAUNCH_S
+    assert excess > 0
+    assert host.eager_host_s == pytest.approx(host.launches * EAGER_LAUNCH_S
+                                              + DSV3.num_layers * excess)
+    faster = host_overheads(DSV3, H200, par, EAGER_LAUNCH_S / 2, None)
+    assert faster.eager_host_s == pytest.approx(host.eager_host_s / 2)
+    gqa = host_overheads(LLAMA_8B, H100, Parallelism(), EAGER_LAUNCH_S, None)
+    assert gqa.eager_host_s == pytest.approx(gqa.launches * EAGER_LAUNCH_S)
+
+
+@pytest.mark.skipif(tables.systems_dir() is None, reason="aiconfigurator-core not installed")
+def test_the_mla_block_host_time_is_what_the_eager_module_tables_measure() -> None:
+    """aiconfigurator's wide-EP MLA context module tables time the block eagerly; at 1-256
+    tokens the GPU waits for the host, so a call is its host time: MLA_EAGER_BLOCK_S plus the
+    module's random latent (one launch), within 15% on the x86-hosted systems."""
+    from pdsim.sim.silicon.ops import OpTables
+
+    for system, preset in (("h100_sxm", "h100"), ("h200_sxm", "h200"), ("b200_sxm", "b200")):
+        t = OpTables(system, "sglang", "current", load_hardware_spec(preset))._table(
+            "mla", "wideep_context_mla_perf.parquet")
+        small = t[(t.num_heads == 128) & (t.batch_size == 1) & (t.isl <= 256)]
+        measured_s = float(small.latency.median()) * 1e-3
+        assert len(small) >= 8 and small.latency.max() < 2 * small.latency.min()  # flat: host
+        assert measured_s == pytest.approx(MLA_EAGER_BLOCK_S + EAGER_LAUNCH_S, rel=0.15), system
 
 
 def kernels_and_host(cost_model, shapes) -> tuple[float, float]:

@@ -17,6 +17,16 @@ from pdsim.specs.models import ModelSpec
 from pdsim.specs.precision import DTYPES
 
 EAGER_LAUNCH_S = 25e-6  # host time of one eager kernel launch from SGLang's Python layers
+# An eager MLA attention block (SGLang's DeepseekV2AttentionMLA) holds more host work than its
+# launches at EAGER_LAUNCH_S. aiconfigurator's wide-EP MLA context module tables time the block
+# eagerly, calls back to back with one synchronisation, so at 1-256 tokens, where the GPU waits
+# for the host, a call's time is its host time: 517-666 us on the x86 hosts of its H100, H200,
+# B200 and B300 (SGLang 0.5.6-0.5.10; fa3, flashinfer, trtllm_mla), ~600 the median, and
+# 826-930 us on GB200/GB300's Grace. Less the module's random latent (one launch): 575 us for the
+# 12 of the block's launches it runs (all but the add+RMSNorm and the fused q_a/kv_a GEMM with
+# its quantisation), 23 launches' worth.
+MLA_EAGER_BLOCK_S = 575e-6
+MLA_BLOCK_LAUNCHES = 12
 
 
 def attention_elementwise_kernels(model: ModelSpec) -> int:
@@ -71,16 +81,18 @@ PIECEWISE_LAUNCHES_PER_LAYER = 3
 class HostOverheads:
     """The eager overhead of one instance's forwards (module docstring).
 
-    launch_s: host seconds per kernel launch;
+    launch_s: host seconds per kernel launch (an MLA attention block: MLA_EAGER_BLOCK_S at
+    EAGER_LAUNCH_S, in proportion to it);
     cuda_graph_max_bs: the largest per-rank decode batch replayed as a graph;
     piecewise_max_tokens: with piecewise CUDA graphs, the largest batch (tokens per rank) an
     extend runs piecewise-graphed; None: every extend runs eagerly."""
 
     def __init__(self, model: ModelSpec, dense_kernels: float, moe_kernels: float,
                  launch_s: float, cuda_graph_max_bs: int,
-                 piecewise_max_tokens: int | None = None) -> None:
+                 piecewise_max_tokens: int | None = None, layer_excess: float = 0.0) -> None:
         self.launches = model.num_dense_layers * dense_kernels + model.num_moe_layers * moe_kernels
-        self.eager_host_s = self.launches * launch_s
+        # `layer_excess`: host work of a layer beyond its launches, in launches' worth
+        self.eager_host_s = (self.launches + model.num_layers * layer_excess) * launch_s
         self.cuda_graph_max_bs = cuda_graph_max_bs
         self.piecewise_max_tokens = piecewise_max_tokens
         self.piecewise_launches = PIECEWISE_LAUNCHES_PER_LAYER * model.num_layers + 1
@@ -133,5 +145,6 @@ def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel,
     graph_bs = (sglang_defaults.cuda_graph_max_bs(hardware.hbm_gib, parallel.tp)
                 if cuda_graph_max_bs is None else cuda_graph_max_bs)
     piecewise = piecewise_max_tokens if piecewise_eligible(model, parallel) else None
+    mla_excess = MLA_EAGER_BLOCK_S / EAGER_LAUNCH_S - MLA_BLOCK_LAUNCHES if model.is_mla else 0.0
     return HostOverheads(model, dense * micro_batches, moe * micro_batches, launch_s, graph_bs,
-                         piecewise)
+                         piecewise, layer_excess=mla_excess * micro_batches)
