@@ -436,7 +436,7 @@ class EngineTimes:
     batch_itl_s: float = math.nan  # their gap between tokens at the client
     batch_tokens: int = PROBE_BATCH_TOKENS  # the output tokens each of them asked for
     prefill_span_s: float = math.nan  # disaggregated: a lone request's prefill step, start to end
-    idle_client_ttft_s: float = math.nan  # at the client, a lone request after IDLE_PROBE_GAP_S idle
+    idle_client_ttft_s: float = math.nan  # at the client, lone, after IDLE_PROBE_GAP_S idle
     spec_accept_len: float | None = None  # speculating: tokens per verify step, every request
 
 

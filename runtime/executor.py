@@ -122,12 +122,12 @@ class ModelExecutor:
     def bind_thread(self) -> None:
         """Give the calling thread, the one that runs the forwards (the engine's), `threads`
         torch threads. A serving process keeps its main thread at one (`torch.set_num_threads(1)`
-        before loading the model): once two threads of one process have opened OpenMP parallel
-        regions, the OpenMP runtime counts more threads than CPUs and stops spinning between
-        regions, and every region then waits for its workers to wake. On a 2-CPU host with two
-        torch threads, tiny-llama's forwards on the engine thread took 2.2-2.4x as long after
-        the main thread had run one of its own; an RMSNorm of 384 x 512, 40 us against
-        270-390 us. None: leave torch's setting."""
+        before loading the model). On a 2-CPU host with two torch threads, once the main thread
+        had opened OpenMP regions of its own, tiny-llama's forwards on the engine thread took
+        2.2-2.4x as long, and an RMSNorm of 384 x 512 270-390 us instead of 40: every region
+        waited for its workers to wake, as a lone pool's regions do under
+        OMP_WAIT_POLICY=PASSIVE (two pools hold more threads than there are CPUs, and OpenMP
+        stops spinning between regions). None: leave torch's setting."""
         if self.threads is not None:
             torch.set_num_threads(self.threads)
 

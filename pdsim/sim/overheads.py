@@ -81,17 +81,17 @@ PIECEWISE_LAUNCHES_PER_LAYER = 3
 class HostOverheads:
     """The eager overhead of one instance's forwards (module docstring).
 
-    launch_s: host seconds per kernel launch (an MLA attention block: MLA_EAGER_BLOCK_S at
-    EAGER_LAUNCH_S, in proportion to it);
+    launch_s: host seconds per kernel launch;
     cuda_graph_max_bs: the largest per-rank decode batch replayed as a graph;
     piecewise_max_tokens: with piecewise CUDA graphs, the largest batch (tokens per rank) an
-    extend runs piecewise-graphed; None: every extend runs eagerly."""
+    extend runs piecewise-graphed; None: every extend runs eagerly;
+    layer_excess: a layer's host work beyond its launches, in launches' worth (an MLA attention
+    block's: `host_overheads`)."""
 
     def __init__(self, model: ModelSpec, dense_kernels: float, moe_kernels: float,
                  launch_s: float, cuda_graph_max_bs: int,
                  piecewise_max_tokens: int | None = None, layer_excess: float = 0.0) -> None:
         self.launches = model.num_dense_layers * dense_kernels + model.num_moe_layers * moe_kernels
-        # `layer_excess`: host work of a layer beyond its launches, in launches' worth
         self.eager_host_s = (self.launches + model.num_layers * layer_excess) * launch_s
         self.cuda_graph_max_bs = cuda_graph_max_bs
         self.piecewise_max_tokens = piecewise_max_tokens
@@ -138,7 +138,8 @@ def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel,
     piecewise CUDA graphs (dropped, as SGLang drops them, where `piecewise_eligible` says no).
     Two-batch overlap runs every layer's ops once per micro-batch (SGLang's
     `execute_overlapped_operations`; a lone prompt is cut in two token halves), so an eager
-    step launches each kernel twice."""
+    step launches each kernel twice. An MLA attention block takes MLA_EAGER_BLOCK_S at
+    EAGER_LAUNCH_S (in proportion to `launch_s`), more than its MLA_BLOCK_LAUNCHES launches."""
     dense, moe = kernels_per_layer(model, parallel.tp, parallel.attn_tp, parallel.dp_attention,
                                    parallel.moe_a2a == "deepep", parallel.moe_dense_tp == 1)
     micro_batches = 2 if parallel.two_batch_overlap else 1
