@@ -10,7 +10,8 @@ from pdsim.sim.build import build_cluster
 from pdsim.sim.cost import Parallelism, make_cost_model
 from pdsim import sglang_defaults
 from pdsim.sim.overheads import (
-    EAGER_LAUNCH_S, MLA_BLOCK_LAUNCHES, MLA_EAGER_BLOCK_S, host_overheads, kernels_per_layer,
+    DEEPEP_MOE_CORE_EAGER_S, DEEPEP_MOE_CORE_LAUNCHES, EAGER_LAUNCH_S, MLA_BLOCK_LAUNCHES,
+    MLA_EAGER_BLOCK_S, host_overheads, kernels_per_layer,
 )
 from pdsim.sim.silicon import tables
 from pdsim.specs import load_hardware_spec, model_preset
@@ -62,18 +63,25 @@ def test_two_batch_overlap_launches_every_kernel_once_per_micro_batch() -> None:
         two.eager_host_s + cost.params.step_overhead_s + cost.params.extend_overhead_s)
 
 
-def test_an_eager_mla_attention_block_takes_its_measured_host_time() -> None:
-    """Each layer's MLA attention block costs MLA_EAGER_BLOCK_S of host time in an eager
-    forward (its 12 tabled launches and what SGLang's Python does around them), in proportion
-    to the launch cost; a GQA model's layers cost their launches alone."""
-    par = Parallelism(tp=8, dp_attention=8, ep=8, moe_a2a="deepep", moe_dense_tp=1)
-    host = host_overheads(DSV3, H200, par, EAGER_LAUNCH_S, None)
-    excess = MLA_EAGER_BLOCK_S - MLA_BLOCK_LAUNCHES * EAGER_LAUNCH_S
-    assert excess > 0
+def test_eager_mla_attention_and_deepep_moe_cores_take_their_measured_host_time() -> None:
+    """In an eager forward each MLA attention block costs MLA_EAGER_BLOCK_S of host time and,
+    under DeepEP, each MoE core DEEPEP_MOE_CORE_EAGER_S (their launches and what SGLang's Python
+    does around them), in proportion to the launch cost; without DeepEP the MoE layers' experts
+    cost their launches, and a GQA model's layers cost their launches alone."""
+    par = dict(tp=8, dp_attention=8, ep=8, moe_dense_tp=1)
+    host = host_overheads(DSV3, H200, Parallelism(**par, moe_a2a="deepep"), EAGER_LAUNCH_S, None)
+    attention = MLA_EAGER_BLOCK_S - MLA_BLOCK_LAUNCHES * EAGER_LAUNCH_S
+    experts = DEEPEP_MOE_CORE_EAGER_S - DEEPEP_MOE_CORE_LAUNCHES * EAGER_LAUNCH_S
+    assert attention > 0 and experts > 0
     assert host.eager_host_s == pytest.approx(host.launches * EAGER_LAUNCH_S
-                                              + DSV3.num_layers * excess)
-    faster = host_overheads(DSV3, H200, par, EAGER_LAUNCH_S / 2, None)
+                                              + DSV3.num_layers * attention
+                                              + DSV3.num_moe_layers * experts)
+    faster = host_overheads(DSV3, H200, Parallelism(**par, moe_a2a="deepep"),
+                            EAGER_LAUNCH_S / 2, None)
     assert faster.eager_host_s == pytest.approx(host.eager_host_s / 2)
+    fused = host_overheads(DSV3, H200, Parallelism(**par), EAGER_LAUNCH_S, None)
+    assert fused.eager_host_s == pytest.approx(fused.launches * EAGER_LAUNCH_S
+                                               + DSV3.num_layers * attention)
     gqa = host_overheads(LLAMA_8B, H100, Parallelism(), EAGER_LAUNCH_S, None)
     assert gqa.eager_host_s == pytest.approx(gqa.launches * EAGER_LAUNCH_S)
 
@@ -92,6 +100,23 @@ def test_the_mla_block_host_time_is_what_the_eager_module_tables_measure() -> No
         measured_s = float(small.latency.median()) * 1e-3
         assert len(small) >= 8 and small.latency.max() < 2 * small.latency.min()  # flat: host
         assert measured_s == pytest.approx(MLA_EAGER_BLOCK_S + EAGER_LAUNCH_S, rel=0.15), system
+
+
+@pytest.mark.skipif(tables.systems_dir() is None, reason="aiconfigurator-core not installed")
+def test_the_deepep_moe_core_host_time_is_what_the_eager_moe_tables_measure() -> None:
+    """aiconfigurator's wide-EP MoE context tables time DeepEPMoE.run_moe_core eagerly, after
+    a synchronisation; at 32-256 tokens (uniform routing) a row is its host time, flat in the
+    tokens and the EP size: DEEPEP_MOE_CORE_EAGER_S within 20% on the x86-hosted systems."""
+    from pdsim.sim.silicon.ops import OpTables
+
+    for system, preset in (("h100_sxm", "h100"), ("h200_sxm", "h200"), ("b200_sxm", "b200")):
+        t = OpTables(system, "sglang", "current", load_hardware_spec(preset))._table(
+            "moe", "wideep_context_moe_perf.parquet")
+        small = t[(t.distribution == "uniform") & (t.hidden_size == 7168)
+                  & (t.num_experts == 256) & (t.num_tokens <= 256)]
+        rows = small.groupby(["num_tokens", "moe_ep_size"]).latency.min()
+        assert len(rows) >= 8 and rows.max() < 1.5 * rows.min(), system  # flat: host-bound
+        assert float(rows.median()) * 1e-3 == pytest.approx(DEEPEP_MOE_CORE_EAGER_S, rel=0.2)
 
 
 def kernels_and_host(cost_model, shapes) -> tuple[float, float]:

@@ -27,6 +27,13 @@ EAGER_LAUNCH_S = 25e-6  # host time of one eager kernel launch from SGLang's Pyt
 # its quantisation), 23 launches' worth.
 MLA_EAGER_BLOCK_S = 575e-6
 MLA_BLOCK_LAUNCHES = 12
+# Likewise an eager DeepEP MoE core (SGLang's DeepEPMoE.run_moe_core, between dispatch and
+# combine): aiconfigurator's wide-EP MoE context tables time it eagerly, synchronised before
+# each call, so at 32-256 tokens a row is its host time: 303-437 us on the x86 hosts (DeepSeek-
+# V3's experts, EP 2-16, SGLang 0.5.10), 378 us the median; 495-687 us on Grace. It holds 3 of
+# the launches `kernels_per_layer` counts (the grouped gate_up and down, the activation).
+DEEPEP_MOE_CORE_EAGER_S = 378e-6
+DEEPEP_MOE_CORE_LAUNCHES = 3
 
 
 def attention_elementwise_kernels(model: ModelSpec) -> int:
@@ -85,14 +92,16 @@ class HostOverheads:
     cuda_graph_max_bs: the largest per-rank decode batch replayed as a graph;
     piecewise_max_tokens: with piecewise CUDA graphs, the largest batch (tokens per rank) an
     extend runs piecewise-graphed; None: every extend runs eagerly;
-    layer_excess: a layer's host work beyond its launches, in launches' worth (an MLA attention
-    block's: `host_overheads`)."""
+    dense_excess, moe_excess: a (dense, MoE) layer's host work beyond its launches, in
+    launches' worth (`host_overheads`: an MLA attention block's, a DeepEP MoE core's)."""
 
     def __init__(self, model: ModelSpec, dense_kernels: float, moe_kernels: float,
                  launch_s: float, cuda_graph_max_bs: int,
-                 piecewise_max_tokens: int | None = None, layer_excess: float = 0.0) -> None:
+                 piecewise_max_tokens: int | None = None, dense_excess: float = 0.0,
+                 moe_excess: float = 0.0) -> None:
         self.launches = model.num_dense_layers * dense_kernels + model.num_moe_layers * moe_kernels
-        self.eager_host_s = (self.launches + model.num_layers * layer_excess) * launch_s
+        excess = model.num_dense_layers * dense_excess + model.num_moe_layers * moe_excess
+        self.eager_host_s = (self.launches + excess) * launch_s
         self.cuda_graph_max_bs = cuda_graph_max_bs
         self.piecewise_max_tokens = piecewise_max_tokens
         self.piecewise_launches = PIECEWISE_LAUNCHES_PER_LAYER * model.num_layers + 1
@@ -139,13 +148,17 @@ def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel,
     Two-batch overlap runs every layer's ops once per micro-batch (SGLang's
     `execute_overlapped_operations`; a lone prompt is cut in two token halves), so an eager
     step launches each kernel twice. An MLA attention block takes MLA_EAGER_BLOCK_S at
-    EAGER_LAUNCH_S (in proportion to `launch_s`), more than its MLA_BLOCK_LAUNCHES launches."""
+    EAGER_LAUNCH_S (in proportion to `launch_s`), more than its MLA_BLOCK_LAUNCHES launches; a
+    DeepEP MoE core DEEPEP_MOE_CORE_EAGER_S, more than its DEEPEP_MOE_CORE_LAUNCHES."""
     dense, moe = kernels_per_layer(model, parallel.tp, parallel.attn_tp, parallel.dp_attention,
                                    parallel.moe_a2a == "deepep", parallel.moe_dense_tp == 1)
     micro_batches = 2 if parallel.two_batch_overlap else 1
     graph_bs = (sglang_defaults.cuda_graph_max_bs(hardware.hbm_gib, parallel.tp)
                 if cuda_graph_max_bs is None else cuda_graph_max_bs)
     piecewise = piecewise_max_tokens if piecewise_eligible(model, parallel) else None
-    mla_excess = MLA_EAGER_BLOCK_S / EAGER_LAUNCH_S - MLA_BLOCK_LAUNCHES if model.is_mla else 0.0
+    attention = MLA_EAGER_BLOCK_S / EAGER_LAUNCH_S - MLA_BLOCK_LAUNCHES if model.is_mla else 0.0
+    experts = (DEEPEP_MOE_CORE_EAGER_S / EAGER_LAUNCH_S - DEEPEP_MOE_CORE_LAUNCHES
+               if parallel.moe_a2a == "deepep" else 0.0)
     return HostOverheads(model, dense * micro_batches, moe * micro_batches, launch_s, graph_bs,
-                         piecewise, layer_excess=mla_excess * micro_batches)
+                         piecewise, dense_excess=attention * micro_batches,
+                         moe_excess=(attention + experts) * micro_batches)
