@@ -491,12 +491,17 @@ def measure_engine(config_path: str | Path, config, *, requests: int = 20,
         prefix = "sglang:" if config.mode == "colocated" else "pdsim_"
         names = [prefix + TTFT_METRIC, prefix + ITL_METRIC]
         replay(real.url, config.model_name, [0.0, 0.0], [n_in, n_in], [n_out, n_out])
+
+        def one_request(seed: int):
+            (rec,) = replay(real.url, config.model_name, [0.0], [n_in], [n_out], seed=seed)
+            if not rec.ok:
+                raise RuntimeError(f"calibration request failed: {rec.error}")
+            return rec
+
         rows, lone = [], set()
         for i in range(requests):  # one at a time: nothing queues
             before = [_histogram_totals(engine, headers, m) for m in names]
-            (rec,) = replay(real.url, config.model_name, [0.0], [n_in], [n_out], seed=i)
-            if not rec.ok:
-                raise RuntimeError(f"calibration request failed: {rec.error}")
+            rec = one_request(i)
             (t_sum, t_n), (i_sum, i_n) = (
                 (a[0] - b[0], a[1] - b[1]) for a, b in zip(
                     [_histogram_totals(engine, headers, m) for m in names],
@@ -510,10 +515,7 @@ def measure_engine(config_path: str | Path, config, *, requests: int = 20,
         idle_ttfts = []
         for i in range(requests, requests + IDLE_PROBES):
             time.sleep(IDLE_PROBE_GAP_S)
-            (rec,) = replay(real.url, config.model_name, [0.0], [n_in], [n_out], seed=i)
-            if not rec.ok:
-                raise RuntimeError(f"calibration request failed: {rec.error}")
-            idle_ttfts.append(rec.ttft_s)
+            idle_ttfts.append(one_request(i).ttft_s)
         batch_itl_s, batch_tokens = _batch_probe(real.url, config.model_name, batch, n_in,
                                                  seed=requests + IDLE_PROBES)
         span = math.nan

@@ -86,16 +86,21 @@ def test_eager_mla_attention_and_deepep_moe_cores_take_their_measured_host_time(
     assert gqa.eager_host_s == pytest.approx(gqa.launches * EAGER_LAUNCH_S)
 
 
+def x86_tables(op: str, file: str):
+    """(system, table) of the newest SGLang `op` table `file` of the x86-hosted systems."""
+    from pdsim.sim.silicon.ops import OpTables
+
+    for system, preset in (("h100_sxm", "h100"), ("h200_sxm", "h200"), ("b200_sxm", "b200")):
+        yield system, OpTables(system, "sglang", "current",
+                               load_hardware_spec(preset))._table(op, file)
+
+
 @pytest.mark.skipif(tables.systems_dir() is None, reason="aiconfigurator-core not installed")
 def test_the_mla_block_host_time_is_what_the_eager_module_tables_measure() -> None:
     """aiconfigurator's wide-EP MLA context module tables time the block eagerly; at 1-256
     tokens the GPU waits for the host, so a call is its host time: MLA_EAGER_BLOCK_S plus the
     module's random latent (one launch), within 15% on the x86-hosted systems."""
-    from pdsim.sim.silicon.ops import OpTables
-
-    for system, preset in (("h100_sxm", "h100"), ("h200_sxm", "h200"), ("b200_sxm", "b200")):
-        t = OpTables(system, "sglang", "current", load_hardware_spec(preset))._table(
-            "mla", "wideep_context_mla_perf.parquet")
+    for system, t in x86_tables("mla", "wideep_context_mla_perf.parquet"):
         small = t[(t.num_heads == 128) & (t.batch_size == 1) & (t.isl <= 256)]
         measured_s = float(small.latency.median()) * 1e-3
         assert len(small) >= 8 and small.latency.max() < 2 * small.latency.min()  # flat: host
@@ -107,11 +112,7 @@ def test_the_deepep_moe_core_host_time_is_what_the_eager_moe_tables_measure() ->
     """aiconfigurator's wide-EP MoE context tables time DeepEPMoE.run_moe_core eagerly, after
     a synchronisation; at 32-256 tokens (uniform routing) a row is its host time, flat in the
     tokens and the EP size: DEEPEP_MOE_CORE_EAGER_S within 20% on the x86-hosted systems."""
-    from pdsim.sim.silicon.ops import OpTables
-
-    for system, preset in (("h100_sxm", "h100"), ("h200_sxm", "h200"), ("b200_sxm", "b200")):
-        t = OpTables(system, "sglang", "current", load_hardware_spec(preset))._table(
-            "moe", "wideep_context_moe_perf.parquet")
+    for system, t in x86_tables("moe", "wideep_context_moe_perf.parquet"):
         small = t[(t.distribution == "uniform") & (t.hidden_size == 7168)
                   & (t.num_experts == 256) & (t.num_tokens <= 256)]
         rows = small.groupby(["num_tokens", "moe_ep_size"]).latency.min()
