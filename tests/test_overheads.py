@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pdsim.config import parse_experiment
@@ -15,6 +16,7 @@ from pdsim.sim.overheads import (
 )
 from pdsim.sim.silicon import tables
 from pdsim.specs import load_hardware_spec, model_preset
+from pdsim.specs.hardware import GRACE_HOST_TIME_SCALE
 
 LLAMA_8B = model_preset("llama-3.1-8b")
 DSV3 = model_preset("deepseek-v3")
@@ -86,13 +88,34 @@ def test_eager_mla_attention_and_deepep_moe_cores_take_their_measured_host_time(
     assert gqa.eager_host_s == pytest.approx(gqa.launches * EAGER_LAUNCH_S)
 
 
-def x86_tables(op: str, file: str):
-    """(system, table) of the newest SGLang `op` table `file` of the x86-hosted systems."""
+X86_SYSTEMS = (("h100_sxm", "h100"), ("h200_sxm", "h200"), ("b200_sxm", "b200"))
+GRACE_SYSTEMS = (("gb200", "gb200"), ("gb300", "gb300"))
+
+
+def host_tables(op: str, file: str, systems=X86_SYSTEMS):
+    """(system, table) of the newest SGLang `op` table `file` of `systems` (x86-hosted by
+    default)."""
     from pdsim.sim.silicon.ops import OpTables
 
-    for system, preset in (("h100_sxm", "h100"), ("h200_sxm", "h200"), ("b200_sxm", "b200")):
+    for system, preset in systems:
         yield system, OpTables(system, "sglang", "current",
                                load_hardware_spec(preset))._table(op, file)
+
+
+def mla_block_host_s(t) -> tuple[float, object]:
+    """The median of an MLA module table's eager rows at 1-256 tokens (one sequence, 128
+    heads), and the rows."""
+    small = t[(t.num_heads == 128) & (t.batch_size == 1) & (t.isl <= 256)]
+    return float(small.latency.median()) * 1e-3, small.latency
+
+
+def moe_core_host_s(t) -> tuple[float, object]:
+    """The median of a wide-EP MoE table's eager rows at 32-256 tokens (uniform routing,
+    DeepSeek-V3's experts), one row per (tokens, EP size), and the rows."""
+    small = t[(t.distribution == "uniform") & (t.hidden_size == 7168)
+              & (t.num_experts == 256) & (t.num_tokens <= 256)]
+    rows = small.groupby(["num_tokens", "moe_ep_size"]).latency.min()
+    return float(rows.median()) * 1e-3, rows
 
 
 @pytest.mark.skipif(tables.systems_dir() is None, reason="aiconfigurator-core not installed")
@@ -100,10 +123,9 @@ def test_the_mla_block_host_time_is_what_the_eager_module_tables_measure() -> No
     """aiconfigurator's wide-EP MLA context module tables time the block eagerly; at 1-256
     tokens the GPU waits for the host, so a call is its host time: MLA_EAGER_BLOCK_S plus the
     module's random latent (one launch), within 15% on the x86-hosted systems."""
-    for system, t in x86_tables("mla", "wideep_context_mla_perf.parquet"):
-        small = t[(t.num_heads == 128) & (t.batch_size == 1) & (t.isl <= 256)]
-        measured_s = float(small.latency.median()) * 1e-3
-        assert len(small) >= 8 and small.latency.max() < 2 * small.latency.min()  # flat: host
+    for system, t in host_tables("mla", "wideep_context_mla_perf.parquet"):
+        measured_s, rows = mla_block_host_s(t)
+        assert len(rows) >= 8 and rows.max() < 2 * rows.min()  # flat: host-bound
         assert measured_s == pytest.approx(MLA_EAGER_BLOCK_S + EAGER_LAUNCH_S, rel=0.15), system
 
 
@@ -112,12 +134,44 @@ def test_the_deepep_moe_core_host_time_is_what_the_eager_moe_tables_measure() ->
     """aiconfigurator's wide-EP MoE context tables time DeepEPMoE.run_moe_core eagerly, after
     a synchronisation; at 32-256 tokens (uniform routing) a row is its host time, flat in the
     tokens and the EP size: DEEPEP_MOE_CORE_EAGER_S within 20% on the x86-hosted systems."""
-    for system, t in x86_tables("moe", "wideep_context_moe_perf.parquet"):
-        small = t[(t.distribution == "uniform") & (t.hidden_size == 7168)
-                  & (t.num_experts == 256) & (t.num_tokens <= 256)]
-        rows = small.groupby(["num_tokens", "moe_ep_size"]).latency.min()
+    for system, t in host_tables("moe", "wideep_context_moe_perf.parquet"):
+        measured_s, rows = moe_core_host_s(t)
         assert len(rows) >= 8 and rows.max() < 1.5 * rows.min(), system  # flat: host-bound
-        assert float(rows.median()) * 1e-3 == pytest.approx(DEEPEP_MOE_CORE_EAGER_S, rel=0.2)
+        assert measured_s == pytest.approx(DEEPEP_MOE_CORE_EAGER_S, rel=0.2)
+
+
+@pytest.mark.skipif(tables.systems_dir() is None, reason="aiconfigurator-core not installed")
+def test_grace_hosts_take_the_measured_share_longer_over_both_eager_blocks() -> None:
+    """GB200/GB300's Grace hosts over the x86 hosts: the median of the two systems' eager MLA
+    block and DeepEP MoE core rows against the median of the x86 systems' is
+    GRACE_HOST_TIME_SCALE within 10% for each block."""
+    for op, file, host_s in (("mla", "wideep_context_mla_perf.parquet", mla_block_host_s),
+                             ("moe", "wideep_context_moe_perf.parquet", moe_core_host_s)):
+        x86, grace = ([host_s(t)[0] for _, t in host_tables(op, file, systems)]
+                      for systems in (X86_SYSTEMS, GRACE_SYSTEMS))
+        assert len(grace) == 2
+        assert np.median(grace) / np.median(x86) == pytest.approx(GRACE_HOST_TIME_SCALE,
+                                                                  rel=0.1), op
+
+
+def test_a_grace_hosted_gpu_runs_its_eager_forwards_at_the_host_scale() -> None:
+    """Without an eager_launch_s, an eager forward's host time on GB200 is B200's times its
+    Grace host's scale, launches and host blocks alike; a given eager_launch_s stands as
+    given, on either host."""
+    gb200 = load_hardware_spec("gb200")
+    assert gb200.host_time_scale == GRACE_HOST_TIME_SCALE and B200.host_time_scale == 1
+    par = dict(tp=8, dp_attention=8, ep=8, moe_dense_tp=1, moe_a2a="deepep")
+    x86, grace = (cost("roofline", DSV3, hw, Parallelism(**par), role="prefill")._host
+                  for hw in (B200, gb200))
+    assert x86.eager_host_s == pytest.approx(
+        host_overheads(DSV3, B200, Parallelism(**par), EAGER_LAUNCH_S, None).eager_host_s)
+    assert grace.eager_host_s == pytest.approx(GRACE_HOST_TIME_SCALE * x86.eager_host_s)
+    given = cost("roofline", DSV3, gb200, Parallelism(**par), role="prefill",
+                 eager_launch_s=EAGER_LAUNCH_S)._host
+    assert given.eager_host_s == pytest.approx(x86.eager_host_s)
+    slow, fast = (cost("roofline", DSV3, hw, Parallelism(**par), role="prefill")
+                  .step_time_s([prefill(16)]) for hw in (gb200, B200))
+    assert slow > fast  # a short prompt is host-bound: the slower host sets its step
 
 
 def kernels_and_host(cost_model, shapes) -> tuple[float, float]:

@@ -22,7 +22,7 @@ from pdsim.sim.expert_load import (
     ExpertLoad, check_redundant_experts, expert_load, routing_alpha,
 )
 from pdsim.sim.moe_comm import A2AMode, deepep_traffic
-from pdsim.sim.overheads import EAGER_LAUNCH_S, HostOverheads, host_overheads
+from pdsim.sim.overheads import HostOverheads, host_overheads
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import ModelSpec
 from pdsim.specs.parallel import check_dp_options, check_moe_a2a
@@ -432,7 +432,8 @@ class StepParams(BaseModel):
     --enable-eplb with that many --ep-num-redundant-experts. seed: the expert popularity draw.
     eager_overhead: charge eager forwards (extend, decode above cuda_graph_max_bs requests per
     rank; None: SGLang's default for the GPU) the time their kernel launches, eager_launch_s
-    each, outlast their kernels. piecewise_cuda_graph: an extend of at most
+    each (None: EAGER_LAUNCH_S on the hardware's host, `host_time_scale`), outlast their
+    kernels. piecewise_cuda_graph: an extend of at most
     piecewise_cuda_graph_max_tokens tokens per rank (None: SGLang's default, 2,048 for MLA
     models, else the chunk size) runs as piecewise CUDA graphs, launching 3 per layer
     (SGLang's default from v0.5.10; off with --disable-piecewise-cuda-graph, and where
@@ -452,7 +453,7 @@ class StepParams(BaseModel):
     eplb_redundant_experts: int | None = Field(default=None, ge=0)
     seed: int = 0
     eager_overhead: bool = True
-    eager_launch_s: float = Field(default=EAGER_LAUNCH_S, ge=0)
+    eager_launch_s: float | None = Field(default=None, ge=0)
     cuda_graph_max_bs: int | None = Field(default=None, ge=0)
     piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int | None = Field(default=None, ge=1)

@@ -139,10 +139,11 @@ def piecewise_eligible(model: ModelSpec, parallel) -> bool:
 
 
 def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel,
-                   launch_s: float, cuda_graph_max_bs: int | None,
+                   launch_s: float | None, cuda_graph_max_bs: int | None,
                    piecewise_max_tokens: int | None = None) -> HostOverheads:
     """The eager overhead of an instance of `model` on `parallel` (a cost model's
     `Parallelism`: tp, attn_tp, dp_attention, moe_a2a, moe_dense_tp, two_batch_overlap, pp);
+    launch_s None is EAGER_LAUNCH_S on the system's host (`host_time_scale`);
     cuda_graph_max_bs None is SGLang's default for the GPU; piecewise_max_tokens None: no
     piecewise CUDA graphs (dropped, as SGLang drops them, where `piecewise_eligible` says no).
     Two-batch overlap runs every layer's ops once per micro-batch (SGLang's
@@ -153,6 +154,8 @@ def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel,
     dense, moe = kernels_per_layer(model, parallel.tp, parallel.attn_tp, parallel.dp_attention,
                                    parallel.moe_a2a == "deepep", parallel.moe_dense_tp == 1)
     micro_batches = 2 if parallel.two_batch_overlap else 1
+    if launch_s is None:
+        launch_s = EAGER_LAUNCH_S * hardware.host_time_scale
     graph_bs = (sglang_defaults.cuda_graph_max_bs(hardware.hbm_gib, parallel.tp)
                 if cuda_graph_max_bs is None else cuda_graph_max_bs)
     piecewise = piecewise_max_tokens if piecewise_eligible(model, parallel) else None

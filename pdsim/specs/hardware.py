@@ -47,6 +47,9 @@ class HardwareSpec(BaseModel):
         measured to reach; a moved op runs at least that well here (never faster than on the
         base): the base's inefficiency at a compute-bound shape is not carried to a GPU of a
         fraction of its FLOPs. None: moved by the roofline ratio alone.
+    host_time_scale: how long the system's host CPU takes over SGLang's eager forward (the
+        launches and the Python around them) against the x86 hosts the eager host constants
+        were measured on: 1, but 1.6 for the Grace CPU of GB200/GB300 (GRACE_HOST_TIME_SCALE).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -65,6 +68,7 @@ class HardwareSpec(BaseModel):
     silicon_base: str | None = None
     hbm_share: float = Field(default=1.0, gt=0, le=1)
     roofline_share: float | None = Field(default=None, gt=0, le=1)
+    host_time_scale: float = Field(default=1.0, gt=0)
     source: str = ""
     price_source: str = ""
 
@@ -118,6 +122,13 @@ H20_ROOFLINE_SHARE = 0.75
 # the H100 streams 1.63 TB/s (SGLang's DeepGEMM MoE at 2 experts a GPU, the H100 tables) to
 # 2.3 TB/s (DeepGEMM issue #136, a 117 MB weight): 0.8-1.0 of the H100's rate, 2.8 TB/s here.
 H20_STREAM_GB_PER_S = 2800
+# aiconfigurator's SGLang tables time two blocks of an eager forward where the GPU waits for the
+# host, so a row is host time: the MLA attention block (wide-EP context module, 1 token, 128
+# heads, up to 256 tokens; medians 517-619 us on the x86 hosts of H100, H200, B200 and B300,
+# 858 and 930 us on GB200 and GB300) and the DeepEP MoE core (wide-EP context MoE, uniform
+# routing, 32-256 tokens; 321-397 us on x86, 569 and 591 us on Grace). Grace's medians over
+# x86's: 1.58 (MLA), 1.61 (MoE); over the same die's x86 systems (B200, B300): 1.66-1.77.
+GRACE_HOST_TIME_SCALE = 1.6
 
 # SM counts: NVIDIA's architecture whitepapers (A100 108; GA102 in the A10 72; AD102 in the
 # L40S 142; H100 SXM5 132, as in the H800 and H200); the H20 78 (as republished); B200 and
@@ -250,6 +261,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source=_NO_PRICE,
     ),
     "gb200": dict(
+        host_time_scale=GRACE_HOST_TIME_SCALE,
         sms=148,
         bf16_tflops=2500, fp8_tflops=5000, fp4_tflops=10000, hbm_gib=186, hbm_gb_per_s=8000,
         nvlink_gb_per_s=900, rdma_gb_per_s=50, gpus_per_node=72, usd_per_gpu_hour=4.54,
@@ -264,6 +276,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         ),
     ),
     "gb300": dict(
+        host_time_scale=GRACE_HOST_TIME_SCALE,
         sms=160,
         bf16_tflops=2500, fp8_tflops=5000, fp4_tflops=15000, hbm_gib=288, hbm_gb_per_s=8000,
         nvlink_gb_per_s=900, rdma_gb_per_s=100, gpus_per_node=72,
