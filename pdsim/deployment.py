@@ -114,6 +114,13 @@ class SchedulerKnobs(_Spec):
         "the real backend this. Give it or num_pages, not both")
     wakeup_s: float = Field(0.0, ge=0, description="sim only: an idle scheduler notices new "
                             "work (a request, a finished transfer) this late")
+    cold_step_s: float = Field(0.0, ge=0, description="sim only: the first step after the "
+                               "instance idled cold_after_s or longer takes cold_step_s + "
+                               "cold_step_factor x its cost-model time (a CPU host's forward "
+                               "after idle; pdsim calibrate measures it)")
+    cold_step_factor: float = Field(1.0, ge=1, description="sim only: see cold_step_s")
+    cold_after_s: float = Field(0.025, gt=0, description="sim only: the idle time after which "
+                                "a step starts cold (cold_step_s)")
     max_mamba_cache_size: int | None = Field(
         None, ge=1, description="sim only, models with linear-attention layers: recurrent-state "
         "slots per DP rank (SGLang's --max-mamba-cache-size); a request holds one from "

@@ -11,7 +11,10 @@ Three measurements, none of them an end-to-end serving figure:
   table (`ForwardTiming` columns), which the `profiled` cost model fits. A
   role of tp > 1 runs as its tp rank processes, sharded as served: the all-reduces and, with
   `ep`, the expert all-to-alls are in the times. A prefill role served unlike its decode peer
-  (another tp, ep or thread count) gets its own table of extends.
+  (another tp, ep or thread count) gets its own table of extends. Then a few of the same
+  forwards, each after the rank idled `IDLE_PROBE_GAP_S` (`profile_cold_start`): a line
+  against the profile, what a step that starts after idle takes (every role's `cold_step_s`
+  and `cold_step_factor`).
 - **KV transfer**: the Mooncake backend over TCP on loopback (sender `send(last=True)` to the
   receiver's `Success`, metadata slot and ZMQ status included) for messages of 1..256 pages of
   this model's KV; a least-squares line gives the per-transfer floor (s) and the bandwidth
@@ -29,13 +32,14 @@ Three measurements, none of them an end-to-end serving figure:
     cost per token streamed out to the client (`token_overhead_s`: encoding, the hand-off to
     the HTTP loop, the router and the client, all on the same cores).
   - Disaggregated, the prefill worker's own record of a lone request's prefill step, minus
-    the fitted extend, is the prefill role's step overhead (it streams nothing).
+    the fitted extend after idle (the worker idled through the last request's decode), is
+    the prefill role's step overhead (it streams nothing).
   - The engine's TTFT minus what the simulator already models of it (the prefill step and,
     disaggregated, handshake and transfer) is a per-request overhead: added to
     `network.handshake_s` when disaggregated, the colocated instance's `wakeup_s` otherwise.
   - Lone requests that each reach the deployment after it idled `IDLE_PROBE_GAP_S`: their
-    client TTFT minus the back-to-back one is what waking an idle deployment costs, the
-    simulator's `wakeup_s` (an idle instance notices new work that late): the prefill role's
+    client TTFT minus the back-to-back one (less, colocated, the forward after idle's extra)
+    is what waking an idle deployment costs, the simulator's `wakeup_s` (an idle instance notices new work that late): the prefill role's
     when disaggregated, added to the colocated instance's otherwise.
   - With speculative decoding (`speculative.method: mtp`) the engine's
     `sglang:spec_accept_length` after the probes (tokens per verify step since it started: its
@@ -74,6 +78,10 @@ TRANSFER_PAGES = (1, 4, 16, 64, 256)
 SLICE_PAGES = (2, 8, 32)  # pages per sender in the head-slice probe
 SLICE_SENDERS = 2  # prefill ranks writing into one decode rank at once: a TP 2 -> 1 transfer
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Lone requests (and forwards) that each reach a deployment idle this long: on this VM a lone colocated
+# request's TTFT was 3.1 ms right after another and 6.4-8.1 ms after 50 ms to 1 s of idling
+# (the processes and the CPUs they sleep on take that long to wake), flat past 50 ms.
+IDLE_PROBE_GAP_S, IDLE_PROBES = 0.25, 20
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,21 @@ class DescriptorFit:
     rows: list[tuple[int, float]]  # (descriptors of all senders, seconds), best of the repeats
 
 
+@dataclass(frozen=True)
+class ColdLine:
+    """A forward after idle against the same forward back to back: `step_s` + `factor` x
+    the profiled (fastest back-to-back) time; the simulator's `cold_step_s` and
+    `cold_step_factor`."""
+
+    step_s: float
+    factor: float
+    rows: list[tuple[float, float]]  # (profiled s, after idle s) per shape
+
+    def extra_s(self, profiled_s: float) -> float:
+        """What a forward of `profiled_s` takes more after idle."""
+        return self.step_s + (self.factor - 1) * profiled_s
+
+
 def _threads(config, role: str = "decode") -> int:
     """Torch threads of a role's forwards as served (`forward_threads`; colocated: its one
     role)."""
@@ -102,8 +125,10 @@ def profile_forwards(config, *, role: str = "decode", repeats: int = 5,
                      prefill_tokens: Sequence[int] = PREFILL_TOKENS,
                      prefill_context: Sequence[int] = PREFILL_CONTEXT,
                      decode_batch: Sequence[int] = DECODE_BATCH,
-                     decode_context: Sequence[int] = DECODE_CONTEXT):
-    """The executor's timings table over the grid (module docstring), as a DataFrame.
+                     decode_context: Sequence[int] = DECODE_CONTEXT, idle_gap_s: float = 0.0):
+    """The executor's timings table over the grid (module docstring), as a DataFrame: each
+    shape's fastest of `repeats` forwards run back to back or, with `idle_gap_s`, the median
+    of `repeats` forwards each after the rank idled that long (`profile_cold_start`).
 
     A disaggregated `role` (prefill or decode) of tp > 1 is profiled as it serves: tp rank
     processes, the model sharded (`apply_tp`, its `ep`), each forward with its all-reduces and,
@@ -114,8 +139,8 @@ def profile_forwards(config, *, role: str = "decode", repeats: int = 5,
     from runtime.distributed import TPGroup, run_ranks
     from runtime.executor import TIMING_COLUMNS
 
-    grid = [repeats, list(prefill_tokens), list(prefill_context), list(decode_batch),
-            list(decode_context)]
+    grid = [repeats, idle_gap_s, list(prefill_tokens), list(prefill_context),
+            list(decode_batch), list(decode_context)]
     tp = 1 if config.mode == "colocated" else getattr(config, role).tp
     dumped = config.model_dump(mode="json")
     if tp == 1:
@@ -147,7 +172,7 @@ def _profile_rank(group, dumped: dict, role: str, *grid) -> list[list]:
         torch.set_num_threads(before)
 
 
-def _profile_on_this_thread(group, dumped: dict, role: str, repeats: int,
+def _profile_on_this_thread(group, dumped: dict, role: str, repeats: int, idle_gap_s: float,
                             prefill_tokens: list[int], prefill_context: list[int],
                             decode_batch: list[int], decode_context: list[int]) -> list[list]:
     import torch
@@ -192,6 +217,13 @@ def _profile_on_this_thread(group, dumped: dict, role: str, repeats: int,
     shapes += [("decode", 0, 0.0, b, b * (c + 1), [1] * b, [c] * b)
                for b in decode_batch for c in decode_context]
     forward([32], [0])  # lazy initialisation, untimed
+    if idle_gap_s:  # a forward after idle is one draw: the median is the typical one
+        def after_idle(shape) -> float:
+            time.sleep(idle_gap_s)
+            return forward(*shape[5:])
+
+        return [[*shape[:5], statistics.median(after_idle(shape) for _ in range(repeats))]
+                for shape in shapes]
     # The whole grid `repeats` times over, keeping each shape's fastest: other processes on
     # the machine only add time, and a burst of them then spoils one pass, not every run of
     # a shape.
@@ -199,6 +231,23 @@ def _profile_on_this_thread(group, dumped: dict, role: str, repeats: int,
     for _ in range(repeats):
         best = [min(b, forward(*shape[5:])) for b, shape in zip(best, shapes)]
     return [[*shape[:5], t] for shape, t in zip(shapes, best)]
+
+
+def profile_cold_start(config, timings, *, repeats: int = 5) -> ColdLine:
+    """Extends of every profiled length without a cached prefix, and decodes of 1 and 16
+    requests, each run `repeats` times after the rank idled `IDLE_PROBE_GAP_S`, against the
+    same shapes in `timings` (the back-to-back profile): a least-squares line, its slope at
+    least 1 (a forward after idle is never faster)."""
+    cold = profile_forwards(config, repeats=repeats, prefill_context=(0,), decode_batch=(1, 16),
+                            decode_context=DECODE_CONTEXT[:1], idle_gap_s=IDLE_PROBE_GAP_S)
+    keys = list(cold.columns[:-1])
+    pairs = cold.merge(timings, on=keys, suffixes=("_cold", ""))
+    warm, idle = pairs.duration_s.to_numpy(), pairs.duration_s_cold.to_numpy()
+    factor, step_s = np.polyfit(warm, idle, 1)
+    if factor < 1:
+        factor, step_s = 1.0, float(np.median(idle - warm))
+    return ColdLine(max(0.0, float(step_s)), float(factor),
+                    [(float(w), float(c)) for w, c in zip(warm, idle)])
 
 
 def profile_transfer(config, *, repeats: int = 5,
@@ -416,10 +465,6 @@ def measure_host_cores(seconds: float = 1.0) -> float:
 
 PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS = 16, 32
 PROBE_BATCH, PROBE_BATCH_TOKENS, PROBE_BATCH_ROUNDS = 8, 64, 3
-# Lone requests that each reach a deployment idle this long: on this VM a lone colocated
-# request's TTFT was 3.1 ms right after another and 6.4-8.1 ms after 50 ms to 1 s of idling
-# (the processes and the CPUs they sleep on take that long to wake), flat past 50 ms.
-IDLE_PROBE_GAP_S, IDLE_PROBES = 0.25, 20
 MAX_BATCH_TOKENS = 1024  # outputs of the batch probe, grown while its requests do not overlap
 
 
@@ -598,6 +643,25 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
                                                decode_batch=(), decode_context=())
         prefill_timings.to_csv(prefill_path, index=False)
         log(f"  {len(prefill_timings)} prefill forwards -> {prefill_path}")
+    # Forwards after idle, where the probe times what a served rank pays: a rank of one torch
+    # thread. With more, a forward after the probe's sleep also waits for the machine's other
+    # CPUs to wake for its OpenMP workers (6-20 ms on this VM), which a served engine, whose
+    # CPUs the request's own hops have just woken, does not (docs/validation.md).
+    cold = ColdLine(0.0, 1.0, [])
+    if _threads(config) == 1:
+        with phase(f"profiling forwards after {IDLE_PROBE_GAP_S:g} s idle"):
+            cold = profile_cold_start(config, timings, repeats=repeats)
+        log(f"  after idle: {cold.step_s * 1e3:.2f} ms + {cold.factor:.3f} x the profiled "
+            f"forward ({len(cold.rows)} shapes)")
+    else:
+        log(f"  forwards after idle: not probed ({_threads(config)} torch threads a rank)")
+    # The roles whose ranks run as the probed one (a prefill role with its own table does not).
+    if not cold.rows:
+        cold_roles = []
+    elif config.mode == "colocated":
+        cold_roles = ["colocated"]
+    else:
+        cold_roles = ["decode"] if own_prefill else ["prefill", "decode"]
     transfer = None
     if config.mode != "colocated":
         with phase("measuring the KV transfer (Mooncake TCP loopback)"):
@@ -637,17 +701,25 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
                            / (engine.batch - 1))
     step_overhead_s = max(0.0, alone_s - token_overhead_s)
     # A prefill worker streams nothing: its step beyond the forward is its own (disaggregated).
-    prefill_overhead_s = (max(0.0, engine.prefill_span_s - prefill_extend_s)
-                          if transfer is not None else step_overhead_s + token_overhead_s)
+    # It idled through the previous lone request's decode, so its forward ran cold; a
+    # colocated engine takes the next lone request right after the last one's tokens.
+    if transfer is not None:
+        prefill_s = prefill_extend_s + (cold.extra_s(prefill_extend_s)
+                                        if "prefill" in cold_roles else 0.0)
+        prefill_overhead_s = max(0.0, engine.prefill_span_s - prefill_s)
+    else:
+        prefill_s, prefill_overhead_s = prefill_extend_s, step_overhead_s + token_overhead_s
     # What a lone request's engine TTFT holds beyond its modelled parts.
-    modelled = prefill_extend_s + prefill_overhead_s
+    modelled = prefill_s + prefill_overhead_s
     if transfer is not None:
         kv_bytes = -(-n_in // config.page_size) * transfer.page_bytes
         modelled += transfer.floor_s + transfer.handshake_s + kv_bytes / (transfer.gb_per_s * 1e9)
     request_overhead_s = max(0.0, engine.engine_ttft_s - modelled)
     # What a lone request pays more when the deployment has idled: the simulator's `wakeup_s`,
-    # which an idle instance takes to notice new work (a disaggregated one: the prefill role's).
-    idle_wake_s = max(0.0, engine.idle_client_ttft_s - engine.client_ttft_s)
+    # which an idle instance takes to notice new work (a disaggregated one: the prefill role's),
+    # beyond its cold forward (colocated: the back-to-back one ran warm).
+    idle_wake_s = max(0.0, engine.idle_client_ttft_s - engine.client_ttft_s
+                      - (0.0 if transfer is not None else cold.extra_s(prefill_extend_s)))
     log(f"lone requests ({n_in} -> {n_out} tokens): client TTFT {engine.client_ttft_s * 1e3:.2f} "
         f"ms, engine TTFT {engine.engine_ttft_s * 1e3:.2f} ms; ITL client "
         f"{engine.client_itl_s * 1e3:.2f} ms, engine {engine.engine_itl_s * 1e3:.2f} ms, "
@@ -670,6 +742,7 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
             "host": platform.node(), "cpus": os.cpu_count(), "config": str(config_path),
             "model": config.model, "dtype": config.dtype, "torch_threads": _threads(config),
             "forwards": len(timings),
+            "after_idle_s": [[round(w, 6), round(c, 6)] for w, c in cold.rows],
             "probe": {"prompt_tokens": n_in, "output_tokens": n_out,
                       "client_ttft_s": round(engine.client_ttft_s, 6),
                       "engine_ttft_s": round(engine.engine_ttft_s, 6),
@@ -701,10 +774,13 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
             "line_rate_efficiency": 1.0, "transfer_floor_s": round(transfer.floor_s, 6),
             "handshake_s": round(transfer.handshake_s + request_overhead_s, 6),
             "per_descriptor_s": round(slices.per_descriptor_s, 9)}
-        data["cluster"] = {"prefill": {"scheduler": {"wakeup_s": round(idle_wake_s, 6)}}}
+        wakes = {"prefill": idle_wake_s, "decode": None}
     else:
-        data["cluster"] = {"colocated": {"scheduler": {
-            "wakeup_s": round(request_overhead_s + idle_wake_s, 6)}}}
+        wakes = {"colocated": request_overhead_s + idle_wake_s}
+    cold_knobs = {"cold_step_s": round(cold.step_s, 6), "cold_step_factor": round(cold.factor, 4)}
+    data["cluster"] = {role: {"scheduler": {
+        **({"wakeup_s": round(wake_s, 6)} if wake_s is not None else {}),
+        **(cold_knobs if role in cold_roles else {})}} for role, wake_s in wakes.items()}
     # Every rank process served here runs on this machine's cores, as the simulator then shares
     # them (pdsim/sim/host.py).
     data.setdefault("cluster", {})["host_cores"] = round(host_cores, 2)

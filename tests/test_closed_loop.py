@@ -147,6 +147,30 @@ def test_ttft_at_concurrency_one_includes_the_fixed_costs():
     assert slower >= bare + 0.002
 
 
+def test_a_step_after_a_long_enough_idle_runs_cold():
+    """cold_step_s + cold_step_factor x the priced time for an instance's first step after it
+    idled cold_after_s or more (both roles), the priced time otherwise."""
+    def lone(cold: dict | None = None):
+        sched = {"scheduler": cold or {}}
+        data = experiment(1, num_requests=1, cluster={"prefill": sched, "decode": sched})
+        data["workload"]["input_len"] = {"dist": "fixed", "value": 1000}
+        data["workload"]["output_len"] = {"dist": "fixed", "value": 8}
+        return simulate(data)[2].records[0]
+
+    plain = lone()
+    cold = lone({"cold_step_s": 0.002, "cold_step_factor": 1.5, "cold_after_s": 0.001})
+    span = plain.prefill_end_s - plain.prefill_start_s
+    assert cold.prefill_end_s - cold.prefill_start_s == pytest.approx(0.002 + 1.5 * span)
+    assert cold.ttft_s == pytest.approx(plain.ttft_s + 0.002 + 0.5 * span)
+    # the decode instance's first step after idle is cold too, the ones after it are not
+    gaps, cold_gaps = np.diff(plain.token_times_s), np.diff(cold.token_times_s)
+    assert cold_gaps[0] > gaps[0] + 0.002 and cold_gaps[1:] == pytest.approx(gaps[1:])
+    # an idle shorter than cold_after_s leaves the steps as priced
+    warm = lone({"cold_step_s": 0.002, "cold_step_factor": 1.5, "cold_after_s": 10.0})
+    assert warm.ttft_s == pytest.approx(plain.ttft_s)
+    assert np.diff(warm.token_times_s) == pytest.approx(gaps)
+
+
 def test_tcp_is_slower_than_rdma_for_the_same_line_rate():
     rdma = one_request_ttft(network={"protocol": "rdma"})
     tcp = one_request_ttft(network={"protocol": "tcp"})

@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -53,6 +54,11 @@ def test_calibrate_then_validate_a_pd_deployment_end_to_end(pd_validation):
     assert probe["idle_gap_s"] > 0 and probe["idle_client_ttft_s"] > 0
     assert written["cluster"]["prefill"]["scheduler"]["wakeup_s"] == pytest.approx(
         max(0.0, probe["idle_client_ttft_s"] - probe["client_ttft_s"]), abs=2e-6)
+    # Both roles' first step after idle runs cold, by the line the forwards after idle gave.
+    assert len(written["measured"]["after_idle_s"]) == 7
+    cold = [written["cluster"][role]["scheduler"] for role in ("prefill", "decode")]
+    assert cold[0]["cold_step_factor"] == cold[1]["cold_step_factor"] >= 1
+    assert cold[0]["cold_step_s"] == cold[1]["cold_step_s"] >= 0
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     table = pd.read_csv(out / "validation.csv").set_index("metric")
     assert list(table.index) == [label for label, _ in METRICS]
@@ -114,8 +120,9 @@ def test_calibration_lies_over_the_experiment(tmp_path):
 @pytest.mark.real
 @pytest.mark.slow
 def test_profile_forwards_and_transfer_measure_real_components():
-    from runtime.calibration import (page_bytes_per_buffer, profile_descriptors,
-                                     profile_forwards, profile_transfer, served_alike)
+    from runtime.calibration import (page_bytes_per_buffer, profile_cold_start,
+                                     profile_descriptors, profile_forwards, profile_transfer,
+                                     served_alike)
     from runtime.executor import TIMING_COLUMNS
     from runtime.serve_config import load_serve_config
 
@@ -126,6 +133,18 @@ def test_profile_forwards_and_transfer_measure_real_components():
     assert (frame["duration_s"] > 0).all()
     assert list(frame["prefill_attn_pairs"][:2]) == [16 * 17 / 2, 64 * 65 / 2]
     assert list(frame["decode_context_tokens"][2:]) == [65, 4 * 65]
+    # After idle: the same shapes, each forward after the rank slept; the line against the
+    # back-to-back profile never prices a forward after idle faster than the profile does.
+    start = time.perf_counter()
+    idle = profile_forwards(config, repeats=1, prefill_tokens=(16, 64), prefill_context=(0,),
+                            decode_batch=(1, 4), decode_context=(64,), idle_gap_s=0.1)
+    assert time.perf_counter() - start >= 4 * 0.1 and (idle["duration_s"] > 0).all()
+    assert idle.iloc[:, :-1].equals(frame.iloc[:, :-1])
+    full = profile_forwards(config, repeats=1, prefill_context=(0,), decode_batch=(1, 16),
+                            decode_context=(64,))
+    cold = profile_cold_start(config, full, repeats=1)
+    assert len(cold.rows) == len(full) and cold.factor >= 1 and cold.step_s >= 0
+    assert cold.extra_s(0.01) == pytest.approx(cold.step_s + (cold.factor - 1) * 0.01)
     fit = profile_transfer(config, repeats=2, pages=(1, 8, 64))
     assert [b for b, _ in fit.rows] == [n * fit.page_bytes for n in (1, 8, 64)]
     assert fit.floor_s >= 0 and fit.gb_per_s > 0 and 0 < fit.handshake_s < 1

@@ -11,7 +11,7 @@ from pdsim.config import ConfigError, ExperimentConfig, RoleConfig
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.running import Speculation
 from pdsim.deployment import SchedulerKnobs
-from pdsim.sim.spec import ClusterSpec, RoleSpec
+from pdsim.sim.spec import ClusterSpec, ColdStart, RoleSpec
 from pdsim.sim.cost import Parallelism, make_cost_model, pool_sizes, weight_bytes_per_gpu
 from pdsim.sim.pipeline import fit_dynamic_chunking
 from pdsim.sim.network import PROTOCOLS, NetworkModel, descriptor_counts, stage_kv_page_bytes
@@ -108,8 +108,16 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     demand = role.gpus_per_instance * role.threads if role.threads else (host or 1)
     return RoleSpec(role.instances, role.dp_attention, role.gpus_per_instance, sched, cost, nic,
                     kv_page_bytes, state_bytes_per_request=state_bytes, wakeup_s=knobs.wakeup_s,
+                    cold=cold_start(knobs),
                     pp=role.pp, weight_bytes_per_gpu=weight_bytes_per_gpu(model, par),
                     host_demand=demand)
+
+
+def cold_start(knobs: SchedulerKnobs) -> ColdStart | None:
+    """The role's slower first step after idle, None where its knobs leave steps as priced."""
+    if knobs.cold_step_s == 0 and knobs.cold_step_factor == 1:
+        return None
+    return ColdStart(knobs.cold_after_s, knobs.cold_step_s, knobs.cold_step_factor)
 
 
 def _knobs_for_gpu(role: RoleConfig, name: str, hw: HardwareSpec, graph_bs: int | None,

@@ -111,7 +111,7 @@ class Simulation:
         inst = SimInstance(
             self.env, Instance(make_schedulers(), on_done, self.cluster.dp_assignment),
             make_executor(role.cost(), role.pp, lambda: self.env.now), make_schedulers,
-            wakeup_s=role.wakeup_s,
+            wakeup_s=role.wakeup_s, cold=role.cold,
             decode_runs=self.decode_runs, host=self.host, host_demand=role.host_demand,
             next_arrival_s=lambda: self.next_arrival_s)
         holder.append(inst)

@@ -3,7 +3,8 @@ simulator's executor port, `CostExecutor`.
 
 The process repeats what every driver does (pdsim/core/instance.py): `begin` the step, have the
 executor price it, wait that long, `finish` it. With nothing to run it sleeps until the transfer
-backend, the router or a queue timeout wakes it, then takes its role's `wakeup_s` to notice.
+backend, the router or a queue timeout wakes it, then takes its role's `wakeup_s` to notice;
+a step that starts long enough after the last one ended runs cold (`ColdStart`).
 
 A run of decode steps that nothing outside can change (the core's `decode_run_steps`) is one
 event, priced in closed form; an outside event cuts it at the step in progress, so the records
@@ -25,6 +26,7 @@ from pdsim.core.scheduler import InstanceScheduler
 from pdsim.sim.cost import CostModel
 from pdsim.sim.events import At
 from pdsim.sim.host import SharedHost
+from pdsim.sim.spec import ColdStart
 
 EMPTY = BatchShape()
 MAX_RUN_STEPS = 4096  # decode steps one event may cover (see SimInstance._decode_run)
@@ -157,7 +159,8 @@ class SimInstance:
                  make_schedulers: Callable[[], list[InstanceScheduler]], wakeup_s: float = 0.0,
                  decode_runs: bool = True,
                  next_arrival_s: Callable[[], float] = lambda: math.inf,
-                 host: SharedHost | None = None, host_demand: float = 1.0):
+                 host: SharedHost | None = None, host_demand: float = 1.0,
+                 cold: ColdStart | None = None):
         self.env = env
         self.instance = instance
         self.executor = executor
@@ -165,6 +168,8 @@ class SimInstance:
         self.decode_runs = decode_runs
         self.next_arrival_s = next_arrival_s  # a known wake-up ahead: runs plan no further
         self.wakeup_s = wakeup_s
+        self.cold = cold
+        self._last_step_end = env.now  # when its last step ended (idle since it started)
         self.host, self.host_demand = host, host_demand  # shared host cores (pdsim/sim/host.py)
         self.busy_s = 0.0  # simulated seconds spent in forwards
         self.decode_req_s = 0.0  # ∫ requests in decode batches dt: its mean is the batch size
@@ -263,7 +268,8 @@ class SimInstance:
                 if (yield from self._idle(now, gen)):
                     return  # killed
                 continue
-            if self.decode_runs and len(step) == 1 and step[0].kind == "decode":
+            cold = self.cold is not None and now - self._last_step_end >= self.cold.after_s
+            if self.decode_runs and not cold and len(step) == 1 and step[0].kind == "decode":
                 steps = 1
                 if self._run_backoff:
                     self._run_backoff -= 1
@@ -274,13 +280,15 @@ class SimInstance:
                     yield from self._decode_run(step[0], now, steps, deadline)
                     if gen != self.generation:
                         return  # killed during the run: the step in progress is lost
+                    self._last_step_end = env.now
                     continue
             result = execute(step)
+            work_s = self.cold.duration_s(result.duration_s) if cold else result.duration_s
             start = env.now
             if self.host is None:
-                yield env.timeout(result.duration_s)
+                yield env.timeout(work_s)
             else:  # the cost model's time is the work; it stretches while others run too
-                yield self.host.run(self.host_demand, result.duration_s)
+                yield self.host.run(self.host_demand, work_s)
             if gen != self.generation:
                 return  # killed during the forward: its results are lost
             duration = env.now - start
@@ -288,6 +296,7 @@ class SimInstance:
             self.decode_req_s += duration * (step[0].shape.decode_reqs if len(step) == 1 else
                                              sum(b.shape.decode_reqs for b in step if b))
             self.steps += 1
+            self._last_step_end = env.now
             inst.finish(step, result, env.now)
 
     def _idle(self, now: float, gen: int):

@@ -14,6 +14,20 @@ from pdsim.sim.network import NetworkModel
 
 
 @dataclass(frozen=True)
+class ColdStart:
+    """A step that starts after its instance idled `after_s` or longer takes `step_s` +
+    `factor` x its cost-model time: on a CPU host a forward after idle runs slower than one
+    right after another (docs/validation.md, "Forwards after idle")."""
+
+    after_s: float
+    step_s: float
+    factor: float
+
+    def duration_s(self, duration_s: float) -> float:
+        return self.step_s + self.factor * duration_s
+
+
+@dataclass(frozen=True)
 class RoleSpec:
     """The instances of one role (prefill, decode or colocated)."""
 
@@ -26,6 +40,7 @@ class RoleSpec:
     kv_bytes_per_page: float = 0.0  # bytes a page of this role's KV weighs on the wire
     state_bytes_per_request: float = 0.0  # lands with a request's last chunk (draft, SWA, state)
     wakeup_s: float = 0.0  # an idle scheduler of this role notices new work this late
+    cold: ColdStart | None = None  # its first step after idle runs slower
     pp: int = 1  # pipeline stages per instance (pdsim/sim/pipeline.py)
     weight_bytes_per_gpu: float = 0.0  # what a new instance's GPUs load at a cold start
     host_demand: float = 1.0  # host cores one forward of an instance wants (cluster host_cores)
