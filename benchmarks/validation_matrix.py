@@ -109,6 +109,9 @@ def _pct(v: float) -> str:
 PHASE_DEPLOYMENTS = ("pd_1p1d_low", "pd_tp2to1_low")  # matched TP and a TP mismatch
 
 
+FRONT_IN, FRONT_OUT = "arrival -> bootstrap done", "decode joined -> first token"
+
+
 def phase_section(results: Path) -> list[str]:
     """The phase tables of this run's PHASE_DEPLOYMENTS (`phases.csv` of each), side by side,
     and which phase carries most of each one's TTFT error."""
@@ -139,6 +142,16 @@ def phase_section(results: Path) -> list[str]:
             lines.append(f"- **{name}**: the simulated mean TTFT is {abs(off):.0%} "
                          f"{'below' if off < 0 else 'above'} the real one; **{largest[0]}** "
                          f"carries {share:.0%} of the gap.")
+    hops = [FRONT_IN, FRONT_OUT]
+    both = "; ".join(f"{name} {_ms(t.loc[hops, 'real_s'].sum())} ms real / "
+                     f"{_ms(t.loc[hops, 'sim_s'].sum())} ms sim" for name, t in tables.items())
+    lines += [
+        "- Read the phases at the client's two ends together. The simulator charges the",
+        "  front end, both ways, on the way in (`router.frontend_latency_s`, all of it in",
+        f"  *{FRONT_IN}*), and the real stamps are moved onto the client's clock up to",
+        "  the fastest delivery (above), which moves a few ms from the first into the last.",
+        f"  The two together: {both}.",
+    ]
     return lines
 
 

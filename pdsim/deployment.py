@@ -408,8 +408,9 @@ class RouterConfig(_Spec):
     dp_assignment: Literal["room", "shortest_queue"] = Field(
         "room", description="how a request's decode DP rank is picked (a real prefill "
         "instance always takes room % dp_attention, where the decode side looks it up)")
-    frontend_latency_s: float = Field(6.5e-3, ge=0, description="sim only: tokenizer, HTTP and "
-                                      "router time of a request, both ways, counted in its TTFT")
+    frontend_latency_s: float = Field(4.4e-3, ge=0, description="sim only: tokenizer, HTTP and "
+                                      "router time of a request, both ways, counted in its TTFT "
+                                      "(default: SGLang's own, docs/cost_model.md)")
     host: str = Field("127.0.0.1", description="real only: the API's bind address")
     port: int = Field(30000, ge=0, le=65535, description="real only: the API's port; 0 picks "
                       "a free one")

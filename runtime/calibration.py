@@ -13,8 +13,8 @@ Three measurements, none of them an end-to-end serving figure:
   `ep`, the expert all-to-alls are in the times. A prefill role served unlike its decode peer
   (another tp, ep or thread count) gets its own table of extends. Then a few of the same
   forwards, each after the rank idled `IDLE_PROBE_GAP_S` (`profile_cold_start`): a line
-  against the profile, what a step that starts after idle takes (every role's `cold_step_s`
-  and `cold_step_factor`).
+  against the profile, what a step that starts after idle takes (`cold_step_s` and
+  `cold_step_factor` of the roles whose ranks run as the probed one, on one torch thread).
 - **KV transfer**: the Mooncake backend over TCP on loopback (sender `send(last=True)` to the
   receiver's `Success`, metadata slot and ZMQ status included) for messages of 1..256 pages of
   this model's KV; a least-squares line gives the per-transfer floor (s) and the bandwidth
@@ -39,8 +39,9 @@ Three measurements, none of them an end-to-end serving figure:
     `network.handshake_s` when disaggregated, the colocated instance's `wakeup_s` otherwise.
   - Lone requests that each reach the deployment after it idled `IDLE_PROBE_GAP_S`: their
     client TTFT minus the back-to-back one (less, colocated, the forward after idle's extra)
-    is what waking an idle deployment costs, the simulator's `wakeup_s` (an idle instance notices new work that late): the prefill role's
-    when disaggregated, added to the colocated instance's otherwise.
+    is what waking an idle deployment costs, the simulator's `wakeup_s` (an idle instance
+    notices new work that late): the prefill role's when disaggregated, added to the
+    colocated instance's otherwise.
   - With speculative decoding (`speculative.method: mtp`) the engine's
     `sglang:spec_accept_length` after the probes (tokens per verify step since it started: its
     accepted drafts + 1) is the simulator's `speculative.acceptance.mean_accept_len`.
@@ -78,9 +79,9 @@ TRANSFER_PAGES = (1, 4, 16, 64, 256)
 SLICE_PAGES = (2, 8, 32)  # pages per sender in the head-slice probe
 SLICE_SENDERS = 2  # prefill ranks writing into one decode rank at once: a TP 2 -> 1 transfer
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Lone requests (and forwards) that each reach a deployment idle this long: on this VM a lone colocated
-# request's TTFT was 3.1 ms right after another and 6.4-8.1 ms after 50 ms to 1 s of idling
-# (the processes and the CPUs they sleep on take that long to wake), flat past 50 ms.
+# Lone requests (and forwards) that each reach a deployment idle this long: on this VM a lone
+# colocated request's TTFT was 3.1 ms right after another and 6.4-8.1 ms after 50 ms to 1 s of
+# idling (the processes and the CPUs they sleep on take that long to wake), flat past 50 ms.
 IDLE_PROBE_GAP_S, IDLE_PROBES = 0.25, 20
 
 
