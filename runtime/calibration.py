@@ -234,6 +234,20 @@ def _profile_on_this_thread(group, dumped: dict, role: str, repeats: int, idle_g
     return [[*shape[:5], t] for shape, t in zip(shapes, best)]
 
 
+def cold_start_roles(config) -> list[str]:
+    """The roles whose steps after idle `profile_cold_start` measures: those whose ranks run as
+    its rank (the decode role's; colocated, the one role's), on one torch thread. With more
+    threads a forward after the probe's sleep also waits for the machine's other CPUs to wake
+    for its OpenMP workers (6-20 ms on this VM), which a served engine, whose CPUs the
+    request's own hops have just woken, does not (docs/validation.md); a prefill role served
+    unlike its decode peer runs other forwards."""
+    if _threads(config) != 1:
+        return []
+    if config.mode == "colocated":
+        return ["colocated"]
+    return ["prefill", "decode"] if served_alike(config) else ["decode"]
+
+
 def profile_cold_start(config, timings, *, repeats: int = 5) -> ColdLine:
     """Extends of every profiled length without a cached prefix, and decodes of 1 and 16
     requests, each run `repeats` times after the rank idled `IDLE_PROBE_GAP_S`, against the
@@ -644,25 +658,14 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
                                                decode_batch=(), decode_context=())
         prefill_timings.to_csv(prefill_path, index=False)
         log(f"  {len(prefill_timings)} prefill forwards -> {prefill_path}")
-    # Forwards after idle, where the probe times what a served rank pays: a rank of one torch
-    # thread. With more, a forward after the probe's sleep also waits for the machine's other
-    # CPUs to wake for its OpenMP workers (6-20 ms on this VM), which a served engine, whose
-    # CPUs the request's own hops have just woken, does not (docs/validation.md).
-    cold = ColdLine(0.0, 1.0, [])
-    if _threads(config) == 1:
+    cold, cold_roles = ColdLine(0.0, 1.0, []), cold_start_roles(config)
+    if cold_roles:
         with phase(f"profiling forwards after {IDLE_PROBE_GAP_S:g} s idle"):
             cold = profile_cold_start(config, timings, repeats=repeats)
         log(f"  after idle: {cold.step_s * 1e3:.2f} ms + {cold.factor:.3f} x the profiled "
-            f"forward ({len(cold.rows)} shapes)")
+            f"forward ({len(cold.rows)} shapes), for the {' and '.join(cold_roles)} role")
     else:
         log(f"  forwards after idle: not probed ({_threads(config)} torch threads a rank)")
-    # The roles whose ranks run as the probed one (a prefill role with its own table does not).
-    if not cold.rows:
-        cold_roles = []
-    elif config.mode == "colocated":
-        cold_roles = ["colocated"]
-    else:
-        cold_roles = ["decode"] if own_prefill else ["prefill", "decode"]
     transfer = None
     if config.mode != "colocated":
         with phase("measuring the KV transfer (Mooncake TCP loopback)"):

@@ -117,6 +117,22 @@ def test_calibration_lies_over_the_experiment(tmp_path):
     assert "bogus" in proc.stdout and "allowed" in proc.stdout
 
 
+@pytest.mark.real  # runtime.calibration: the real extra
+def test_steps_after_idle_are_probed_for_the_roles_whose_ranks_run_one_thread():
+    from runtime.calibration import cold_start_roles
+    from runtime.serve_config import load_serve_config
+
+    validation = REPO / "experiments" / "validation"
+    assert cold_start_roles(load_serve_config(PD_1P1D)) == ["prefill", "decode"]
+    # a tp-2 prefill role runs other forwards than the probed decode rank
+    assert cold_start_roles(load_serve_config(validation / "pd_tp2to1_low.yaml")) == ["decode"]
+    # a colocated server of a torch thread per CPU: with more than one the probe would time
+    # waking the other CPUs
+    colocated = load_serve_config(validation / "colocated_low.yaml")
+    one = colocated.forward_threads("colocated") == 1
+    assert cold_start_roles(colocated) == (["colocated"] if one else [])
+
+
 @pytest.mark.real
 @pytest.mark.slow
 def test_profile_forwards_and_transfer_measure_real_components():
