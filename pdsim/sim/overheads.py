@@ -58,8 +58,9 @@ def kernels_per_layer(model: ModelSpec, tp: int, attn_tp: int, dp_attention: int
     if model.num_linear_layers:
         # Gated DeltaNet: add+RMSNorm, in_proj_qkvz and in_proj_ba GEMMs, their fused split,
         # the gates, the causal convolution, the chunked scan's eight (q and k L2 norms, gate
-        # cumsum, chunk k·k^T, triangular solve, w/u, chunk states, output), gated RMSNorm,
-        # out_proj GEMM
+        # cumsum, chunk k·k^T, triangular solve, w/u, chunk states, output), the final
+        # state's copy into the state pool (SGLang's extend path before it wrote in place),
+        # gated RMSNorm, out_proj GEMM
         linear = 17 + 3 * fp8_attn
         attn = (1 - model.linear_share) * attn + model.linear_share * linear
     attn += attn_tp > 1
