@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from pdsim.metrics import SLO, summarize  # noqa: E402
 from pdsim.validation.compare import Tolerance, side_by_side  # noqa: E402
+from pdsim.validation.phases import PHASES  # noqa: E402
 from pdsim.validation.validate import validate  # noqa: E402
 from runtime.calibration import IDLE_PROBE_GAP_S, IDLE_PROBES, calibrate  # noqa: E402
 
@@ -109,7 +110,7 @@ def _pct(v: float) -> str:
 PHASE_DEPLOYMENTS = ("pd_1p1d_low", "pd_tp2to1_low")  # matched TP and a TP mismatch
 
 
-FRONT_IN, FRONT_OUT = "arrival -> bootstrap done", "decode joined -> first token"
+FRONT_IN, FRONT_OUT = PHASES[0][0], PHASES[-1][0]  # the phases at the client's two ends
 
 
 def phase_section(results: Path) -> list[str]:

@@ -778,16 +778,16 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
             "line_rate_efficiency": 1.0, "transfer_floor_s": round(transfer.floor_s, 6),
             "handshake_s": round(transfer.handshake_s + request_overhead_s, 6),
             "per_descriptor_s": round(slices.per_descriptor_s, 9)}
-        wakes = {"prefill": idle_wake_s, "decode": None}
+        schedulers = {"prefill": {"wakeup_s": round(idle_wake_s, 6)}, "decode": {}}
     else:
-        wakes = {"colocated": request_overhead_s + idle_wake_s}
-    cold_knobs = {"cold_step_s": round(cold.step_s, 6), "cold_step_factor": round(cold.factor, 4)}
-    data["cluster"] = {role: {"scheduler": {
-        **({"wakeup_s": round(wake_s, 6)} if wake_s is not None else {}),
-        **(cold_knobs if role in cold_roles else {})}} for role, wake_s in wakes.items()}
+        schedulers = {"colocated": {"wakeup_s": round(request_overhead_s + idle_wake_s, 6)}}
+    for role in cold_roles:
+        schedulers[role].update(cold_step_s=round(cold.step_s, 6),
+                                cold_step_factor=round(cold.factor, 4))
+    data["cluster"] = {role: {"scheduler": knobs} for role, knobs in schedulers.items()}
     # Every rank process served here runs on this machine's cores, as the simulator then shares
     # them (pdsim/sim/host.py).
-    data.setdefault("cluster", {})["host_cores"] = round(host_cores, 2)
+    data["cluster"]["host_cores"] = round(host_cores, 2)
     out_path.write_text("# pdsim calibrate: measured on this machine (runtime/calibration.py)\n"
                         + yaml.safe_dump(data, sort_keys=False))
     return out_path
