@@ -178,6 +178,7 @@ def _profile_on_this_thread(group, dumped: dict, role: str, repeats: int, idle_g
                             decode_batch: list[int], decode_context: list[int]) -> list[list]:
     import torch
 
+    from runtime.host_memory import retain_freed_memory
     from runtime.model import AttentionMetadata
     from runtime.model.hybrid import recurrent_state_for
     from runtime.model.kv_cache import PagedKVCache
@@ -187,6 +188,7 @@ def _profile_on_this_thread(group, dumped: dict, role: str, repeats: int, idle_g
 
     config = parse_serve_config(dumped)
     torch.set_num_threads(_threads(config, role))
+    retain_freed_memory()  # as a served rank's process keeps it (runtime/host_memory.py)
     ep = 1 if config.mode == "colocated" else getattr(config, role).ep
     model = apply_tp(load_served_model(config, "cpu"), group, ep)
     mcfg = model.config

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from runtime.driver import Engine, merged_gauges
-from runtime.executor import ModelExecutor
+from runtime.executor import ModelExecutor, warmup_shape
 from runtime.model.draft import build_draft
 from runtime.model.hybrid import with_state_slots
 from runtime.model.loading import load_served_model, load_text_side, resolve_device
@@ -41,13 +41,13 @@ def build_server(config: ServeConfig) -> OpenAIServer:
     executor = ModelExecutor(model, num_pages=config.num_pages, page_size=config.page_size,
                              seed=config.seed, vocab_limit=text.vocab_limit(mcfg.vocab_size),
                              state_slots=sched_cfg.state_slots,
-                             threads=config.forward_threads("colocated"))
+                             threads=config.forward_threads("colocated"),
+                             warmup=warmup_shape(sched_cfg))
     gauges = merged_gauges
     if config.speculative.method == "mtp":
         executor.speculate(build_draft(model, seed=config.seed),
                            config.speculative.num_draft_tokens)
         gauges = _with_acceptance(executor.speculation.stats)
-    executor.warmup()
     engine = Engine(executor, sched_cfg, gauges=gauges, max_records=config.max_records)
     limits = Limits(max_model_len=min(sched_cfg.pool_tokens, mcfg.max_position),
                     pool_tokens=sched_cfg.pool_tokens, max_position=mcfg.max_position,

@@ -209,11 +209,16 @@ class Engine:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> Engine:
+        """Start the engine thread; return once it has bound the executor (its threads, its
+        warm-up: `ModelExecutor.bind_thread`), so that no request waits for them."""
         if self._thread is not None:
             raise RuntimeError("the engine is already started")
         self._t0 = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="pdsim-engine", daemon=True)
+        bound: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(bound,), name="pdsim-engine",
+                                        daemon=True)
         self._thread.start()
+        bound.result()  # raises what binding raised
         return self
 
     def now(self) -> float:
@@ -307,8 +312,13 @@ class Engine:
 
     # ---- the loop (engine thread) ------------------------------------------------------------
 
-    def _run(self) -> None:
-        self.executor.bind_thread()
+    def _run(self, bound: Future) -> None:
+        try:
+            self.executor.bind_thread()
+        except BaseException as exc:  # start() raises it
+            bound.set_exception(exc)
+            return
+        bound.set_result(None)
         while True:
             now, stop = self._begin()
             if stop:

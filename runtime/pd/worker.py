@@ -89,7 +89,7 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     """Model, KV cache, metadata buffer, transfer manager and engine of one rank."""
     import torch
 
-    from runtime.executor import ModelExecutor
+    from runtime.executor import ModelExecutor, warmup_shape
     from runtime.model.tp import DPRanks, apply_dp_attention, apply_tp
     from runtime.model.draft import build_draft
     from runtime.model.hybrid import with_state_slots
@@ -129,11 +129,11 @@ def build_rank(config: PDServeConfig, spec: RankSpec, group) -> Rank:
     executor = ModelExecutor(model, num_pages=sched_cfg.num_pages, page_size=config.page_size,
                              seed=config.seed, vocab_limit=text.vocab_limit(mcfg.vocab_size),
                              tp_size=attn_group.size, state_slots=sched_cfg.state_slots,
-                             threads=config.forward_threads(spec.role))
+                             threads=config.forward_threads(spec.role),
+                             warmup=warmup_shape(sched_cfg))  # on every rank's engine thread
     if speculating:  # both roles: prefill fills the draft's KV and hidden state, decode drafts
         executor.speculate(build_draft(model, seed=config.seed),
                            config.speculative.num_draft_tokens)
-    executor.warmup()  # every rank: the forward's all-reduces keep them together
     metadata = MetadataBuffer.allocate(sched_cfg.metadata_slots)
     dp_rank = 0 if dp is None else dp.dp_rank
     args = KVArgs.for_cache(executor.kv, metadata, tp_rank=attn_group.rank,
