@@ -141,15 +141,18 @@ class ModelExecutor:
         self.speculation: DecodeSpeculation | None = None
 
     def bind_thread(self) -> None:
-        """Make the calling thread the one that runs the forwards (the engine's): warm it up
-        (`warmup` at the constructor's `warmup` shape: glibc gives each thread its own heap,
-        which the largest step then finds grown) with `threads` torch threads. A serving process keeps its main thread at one (`torch.set_num_threads(1)`
+        """Make the calling thread the one that runs the forwards (the engine's): give it
+        `threads` torch threads (None: leave torch's setting), then warm it up at the
+        constructor's `warmup` shape (glibc gives each thread a heap of its own, which the
+        largest step then finds grown).
+
+        A serving process keeps its main thread at one torch thread (`torch.set_num_threads(1)`
         before loading the model). On a 2-CPU host with two torch threads, once the main thread
         had opened OpenMP regions of its own, tiny-llama's forwards on the engine thread took
         2.2-2.4x as long, and an RMSNorm of 384 x 512 270-390 us instead of 40: every region
         waited for its workers to wake, as a lone pool's regions do under
         OMP_WAIT_POLICY=PASSIVE (two pools hold more threads than there are CPUs, and OpenMP
-        stops spinning between regions). None: leave torch's setting."""
+        stops spinning between regions)."""
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         self.warmup(*self.warmup_shape)

@@ -109,3 +109,34 @@ def test_warmup_shape_is_the_largest_step_capped():
     assert shape(max_prefill_tokens=300, chunked_prefill_size=0) == (300, 300)
     assert shape(max_prefill_tokens=16384, chunked_prefill_size=0) == (WARMUP_MAX_TOKENS,
                                                                       WARMUP_MAX_CHUNK)
+
+
+def test_engine_start_returns_after_the_engine_thread_warmed_up(monkeypatch):
+    """The warm-up runs on the engine thread before `Engine.start` returns (so no request waits
+    for it), and a warm-up that fails fails the start."""
+    import threading
+
+    from configs import scheduler_config
+    from runtime.driver import Engine
+    from runtime.executor import ModelExecutor
+    from runtime.model import ModelConfig, build_model
+
+    model = build_model(ModelConfig.preset("tiny-llama"), seed=0)
+    cfg = scheduler_config(64, max_prefill_tokens=256, chunked_prefill_size=128)
+    warmed = []
+
+    def warmup(self, tokens, chunk):
+        warmed.append((threading.current_thread().name, tokens, chunk))
+        if tokens == 13:
+            raise RuntimeError("no memory for the warm-up")
+
+    monkeypatch.setattr(ModelExecutor, "warmup", warmup)
+    executor = ModelExecutor(model, num_pages=64, page_size=16, warmup=(256, 128))
+    engine = Engine(executor, cfg).start()
+    try:
+        assert warmed == [("pdsim-engine", 256, 128)]
+    finally:
+        engine.stop()
+    failing = ModelExecutor(model, num_pages=64, page_size=16, warmup=(13, 0))
+    with pytest.raises(RuntimeError, match="no memory for the warm-up"):
+        Engine(failing, cfg).start()
