@@ -8,7 +8,8 @@ KVM machine docs/validation.md's matrix runs on, a page first touched costs 4-7 
 256-token tiny-llama extend that faulted 1,238 pages took 16.6 ms against 7.7 ms for the same
 extend without faults, and a later 384-token one, after the heap had been trimmed, 688 faults
 and 14.6 ms against 12 ms. The simulator prices forwards as the calibration profiled them,
-back to back, without those faults; a GPU engine pays none either.
+back to back, without those faults; a GPU engine pays none either. The price: the process's
+resident memory stays at its high-water mark, as a GPU engine's reserved memory does.
 """
 
 from __future__ import annotations
