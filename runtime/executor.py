@@ -114,7 +114,7 @@ class ModelExecutor:
                  threads: int | None = None, warmup: tuple[int, int] = (32, 0)) -> None:
         self.model = model
         self.threads = threads
-        self.warmup_shape = warmup
+        self.warmup_step = warmup
         self.config = model.config
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":
@@ -155,7 +155,7 @@ class ModelExecutor:
         stops spinning between regions)."""
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        self.warmup(*self.warmup_shape)
+        self.warmup(*self.warmup_step)
 
     def speculate(self, draft: MTPDraft, num_draft_tokens: int) -> None:
         """Verify up to `num_draft_tokens` drafts of `draft` per greedy decode step. Call it
