@@ -627,5 +627,15 @@ def import_sglang(
             console.print(f"wrote {out}", highlight=False)
 
 
+def _summaries_on_one_line(typer_app: typer.Typer) -> None:
+    """Typer's list of commands keeps the line breaks of a docstring's first paragraph (a
+    command's own page joins them): give every command that paragraph on one line."""
+    for info in typer_app.registered_commands:
+        if info.short_help is None and info.callback.__doc__:
+            info.short_help = " ".join(info.callback.__doc__.split("\n\n")[0].split())
+
+
+_summaries_on_one_line(app)
+
 if __name__ == "__main__":
     app()

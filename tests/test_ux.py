@@ -102,6 +102,15 @@ def test_presets_never_cut_a_name_at_80_columns():
     assert set(model_preset_names()) | set(hardware_preset_names()) <= first_cells
 
 
+def test_command_list_gives_each_summary_unbroken():
+    """A docstring's line breaks are not the terminal's: a wide terminal shows each command's
+    summary on one line, an 80-column one wraps it within the panel."""
+    wide = cli("--help", columns=240)
+    assert ("Check a config without simulating: an experiment (its sweep points listed), a plan "
+            "or a serve config, told apart by their keys, and every file it names." in wide)
+    assert_fits(cli("--help"))
+
+
 @pytest.mark.slow
 def test_trace_sweep_table_fits_80_columns_with_a_legend(tmp_path):
     traces = tmp_path / "a_rather_long_directory_name_for_the_traces_of_this_experiment"
