@@ -368,6 +368,57 @@ def test_new_presets_fit_where_they_are_deployed(model: str, hardware: str, tp: 
     assert 0.1 * hw.hbm_bytes < per_rank < 0.9 * hw.hbm_bytes
 
 
+# Public config.json fields of MoE architectures with no preset, and their published sizes in
+# billions: total, and activated per token (Mixtral's and Qwen's count the input embedding).
+MOE_CHECKPOINTS = {
+    "glm-4.5": ({
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "head_dim": 128,
+        "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+        "first_k_dense_replace": 3, "n_routed_experts": 160, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "num_attention_heads": 96, "num_key_value_heads": 8,
+        "num_hidden_layers": 92, "num_nextn_predict_layers": 1, "partial_rotary_factor": 0.5,
+        "use_qk_norm": True, "vocab_size": 151552, "tie_word_embeddings": False,
+    }, 355, 32, False),
+    "mixtral-8x7b": ({
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "num_hidden_layers": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 32000, "sliding_window": None, "tie_word_embeddings": False,
+    }, 46.7, 12.9, True),
+    "minimax-m2": ({
+        "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
+        "hidden_size": 3072, "intermediate_size": 1536, "head_dim": 128,
+        "num_attention_heads": 48, "num_key_value_heads": 8, "num_hidden_layers": 62,
+        "num_local_experts": 256, "num_experts_per_tok": 8, "vocab_size": 200064,
+        "tie_word_embeddings": False,
+    }, 230, 10, False),
+    "qwen1.5-moe-a2.7b": ({
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+        "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "num_hidden_layers": 24, "num_experts": 60,
+        "num_experts_per_tok": 4, "decoder_sparse_step": 1, "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    }, 14.3, 2.7, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_CHECKPOINTS))
+def test_moe_checkpoints_without_a_preset_load_at_their_published_size(name: str) -> None:
+    config, total, active, with_embedding = MOE_CHECKPOINTS[name]
+    spec = model_spec_from_hf_config(config, name=name)
+    assert spec.attention == "gqa" and spec.is_moe
+    assert spec.num_params / 1e9 == pytest.approx(total, rel=0.02)
+    counted = spec.active_params_per_token + with_embedding * spec.embedding_params
+    assert counted / 1e9 == pytest.approx(active, rel=0.05)
+
+
+def test_glm_moe_reads_deepseeks_dense_layers_and_shared_expert() -> None:
+    spec = model_spec_from_hf_config(MOE_CHECKPOINTS["glm-4.5"][0], name="glm-4.5")
+    assert (spec.num_dense_layers, spec.num_moe_layers, spec.num_shared_experts,
+            spec.num_kv_heads, spec.head_dim) == (3, 89, 1, 8, 128)
+
+
 def test_qwen_moe_interleaved_dense_layers_are_counted() -> None:
     config = dict(HF_CONFIGS["qwen3-235b-a22b"], num_hidden_layers=8, decoder_sparse_step=2,
                   mlp_only_layers=[1])

@@ -615,8 +615,12 @@ _GQA_ARCHS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
+    "Glm4MoeForCausalLM": "glm4_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
 }
 # Kimi-K2 checkpoints name DeepseekV3ForCausalLM (model_type "kimi_k2"): the same shapes.
@@ -628,9 +632,9 @@ SUPPORTED_ARCHITECTURES = tuple(sorted({**_GQA_ARCHS, **_MLA_ARCHS}))
 
 
 def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec:
-    """A spec from the dict of an HF `config.json` (Llama, Mistral, Qwen2/3, Qwen3-MoE,
-    gpt-oss, Qwen3-Next, DeepSeek-V2/V3 and Kimi-K2); weight formats from its
-    `quantization_config`."""
+    """A spec from the dict of an HF `config.json` (Llama, Mistral, Qwen2/3, Qwen2/3-MoE,
+    Mixtral, gpt-oss, MiniMax-M2, GLM-4.5/4.6/4.7, Qwen3-Next, DeepSeek-V2/V3 and Kimi-K2);
+    weight formats from its `quantization_config`."""
     arch = _architecture_of(config)
     h = _req(config, "hidden_size")
     heads = _req(config, "num_attention_heads")
@@ -657,20 +661,15 @@ def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec
             q_lora_rank=config.get("q_lora_rank"),
         )
         if config.get("n_routed_experts"):
-            if config.get("moe_layer_freq", 1) != 1:
-                raise ValueError(f"{name}: moe_layer_freq != 1 is not supported")
-            fields.update(
-                num_experts=config["n_routed_experts"],
-                experts_per_token=_req(config, "num_experts_per_tok"),
-                moe_intermediate_size=_req(config, "moe_intermediate_size"),
-                num_shared_experts=config.get("n_shared_experts") or 0,
-                first_k_dense_layers=config.get("first_k_dense_replace", 0),
-            )
+            fields.update(_deepseek_moe_fields(config, name))
     else:
         fields["head_dim"] = config.get("head_dim") or h // heads
         if config.get("num_experts"):
             fields.update(_qwen_moe_fields(config, fields["num_layers"]))
-        elif config.get("num_local_experts"):  # gpt-oss: every layer MoE, experts of MLP size
+        elif config.get("n_routed_experts"):  # GLM-4.5 and after: DeepSeek's MoE keys
+            fields.update(_deepseek_moe_fields(config, name))
+        elif config.get("num_local_experts"):
+            # Mixtral, gpt-oss, MiniMax-M2: every layer MoE, experts of `intermediate_size`
             fields.update(num_experts=config["num_local_experts"],
                           experts_per_token=_req(config, "num_experts_per_tok"),
                           moe_intermediate_size=fields["intermediate_size"])
@@ -715,6 +714,20 @@ def _hybrid_fields(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]
                 raise ValueError(f"{key} {dtype!r}; known: {', '.join(_STATE_DTYPE_BYTES)}")
             fields[field] = _STATE_DTYPE_BYTES[dtype]
     return fields
+
+
+def _deepseek_moe_fields(config: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """DeepSeek's MoE keys (DeepSeek-V2/V3, Kimi-K2, GLM-4.5 and after): the first
+    `first_k_dense_replace` layers dense, every other layer MoE."""
+    if config.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"{name}: moe_layer_freq != 1 is not supported")
+    return dict(
+        num_experts=config["n_routed_experts"],
+        experts_per_token=_req(config, "num_experts_per_tok"),
+        moe_intermediate_size=_req(config, "moe_intermediate_size"),
+        num_shared_experts=config.get("n_shared_experts") or 0,
+        first_k_dense_layers=config.get("first_k_dense_replace", 0),
+    )
 
 
 def _qwen_moe_fields(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
