@@ -10,8 +10,9 @@ A doc marks each generated block:
     <!-- end generated -->
 
 and this script owns what lies between. Sources: `pdsim plan experiments/plan_qwen3_32b.yaml`
-(README.md and docs/planning.md) and both cost models' step times for a fixed set of models,
-GPUs and parallelisms (docs/cost_model.md, "What it predicts"). The runs are deterministic, so
+(README.md and docs/planning.md), both cost models' step times for a fixed set of models,
+GPUs and parallelisms (docs/cost_model.md, "What it predicts") and `pdsim explain`'s two
+examples (docs/cost_model.md, "Reading a step"). The runs are deterministic, so
 the blocks change only when the code's answer does; tests/test_doc_figures.py fails then.
 docs/validation.md is written whole by benchmarks/validation_matrix.py.
 """
@@ -140,7 +141,30 @@ def cost_blocks() -> dict[str, str]:
         silicon.append(f"| {name} | {gpu} | {label} | " + " | ".join(
             f"{a:.1f} / {b:.1f}" for a, b in zip(sil, roof)) + f" | {moved} + {outside}/{looked} |")
     return {"cost-roofline": "\n".join(roofline) + "\n", "cost-silicon": "\n".join(silicon) + "\n",
-            "cost-eager": eager_block(), "cost-speculative": speculative_block()}
+            "cost-eager": eager_block(), "cost-speculative": speculative_block(),
+            **explain_blocks()}
+
+
+# The two `pdsim explain` examples docs/cost_model.md prints ("Reading a step").
+EXPLAINED = {"explain-prefill": ("experiments/ratio_sweep.yaml", "--role", "prefill"),
+             "explain-decode": ("experiments/ep_scaling.yaml",)}
+
+
+def explain_blocks() -> dict[str, str]:
+    """`pdsim explain`'s output for each EXPLAINED example, as an 80-column terminal shows it."""
+    from typer.testing import CliRunner
+
+    from pdsim.cli import app
+
+    blocks = {}
+    for name, (config, *args) in EXPLAINED.items():
+        result = CliRunner().invoke(app, ["explain", str(ROOT / config), *args],
+                                    env={"COLUMNS": "80"})
+        if result.exit_code:
+            raise SystemExit(f"pdsim explain {config} {' '.join(args)} failed:\n{result.output}")
+        text = "\n".join(line.rstrip() for line in result.output.strip().splitlines())
+        blocks[name] = f"```\n{text}\n```\n"
+    return blocks
 
 
 EAGER_CASES = (("Llama-3.1-8B, H100, TP 1", "llama-3.1-8b", "h100", dict(tp=1)),

@@ -31,7 +31,8 @@ def test_every_marked_block_has_a_source_and_a_stale_one_is_found(tmp_path):
         docs.stale({}, docs=(doc,))
     names = {m["name"] for d in docs.DOCS for m in docs.BLOCK.finditer(d.read_text())}
     assert names == {"plan-counts", "plan-picks", "plan-launch", "plan-frontier",
-                     "cost-roofline", "cost-silicon", "cost-eager", "cost-speculative"}
+                     "cost-roofline", "cost-silicon", "cost-eager", "cost-speculative",
+                     "explain-prefill", "explain-decode"}
 
 
 def test_the_cost_model_tables_are_todays():
