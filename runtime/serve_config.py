@@ -10,7 +10,7 @@ a router). Serving ignores the simulator-only sections (workload, cost_model, ne
       mode: disaggregated
       prefill: {instances: 1, tp: 1, scheduler: {num_pages: 1024}}
       decode: {instances: 1, tp: 1, scheduler: {num_pages: 2048}}
-    model: tiny-llama          # a servable preset (tiny-llama, tiny-mla, tiny-moe) or checkpoint
+    model: tiny-llama          # a servable preset (pdsim presets) or a checkpoint directory
     router: {policy: round_robin, port: 30000}
     transfer: {protocol: tcp, heartbeat_interval_s: 2, heartbeat_timeout_s: 20}
 

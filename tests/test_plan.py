@@ -140,6 +140,7 @@ def test_writes_report_frontier_plots_and_launch(planned):
     frontier = pd.read_csv(out / "frontier.csv")
     assert len(frontier) == len(planned.frontier) >= 1
     assert {"usd_per_mtok", "goodput_req_per_usd", "output_tok_s_per_gpu"} <= set(frontier.columns)
+    assert load_plan(out / "plan.yaml") == planned.plan  # the plan as run, to run again
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Write a plan's results: candidates.csv, frontier.csv, frontier.png,
 throughput_vs_interactivity.png, report.md, recommended.yaml (pdsim's experiment), launch.sh
-(SGLang's commands) and plan.yaml (the plan as validated, defaults left out)."""
+(SGLang's commands) and plan.yaml (the plan as validated: the keys it set, which `pdsim plan`
+reads again)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ def write_plan(result: PlanResult, out: Path) -> Path:
         (out / "recommended.yaml").write_text(result.recommended.experiment_yaml)
         (out / "launch.sh").write_text(result.recommended.launch.script())
     (out / "report.md").write_text(report_text(result, [p.name for p in plots]))
-    (out / "plan.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_defaults=True),
+    # The keys the plan set, not those equal to a default: a tagged union's tag (the arrival
+    # process, a length distribution) is required even where it equals its default.
+    (out / "plan.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True),
                                                   sort_keys=False))
     return out
 
