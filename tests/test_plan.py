@@ -155,6 +155,28 @@ def test_emitted_experiment_validates_and_reproduces_the_plan(planned, tmp_path)
         assert summary.loc[0, col] == pytest.approx(s[col], rel=1e-12), col
 
 
+def test_written_plan_and_experiment_name_the_plans_files_from_anywhere(tmp_path, monkeypatch):
+    """A model file named relative to the plan is written into results/ by its absolute path:
+    plan.yaml and recommended.yaml load from another folder and name the same file."""
+    plans = tmp_path / "plans"
+    plans.mkdir()
+    (plans / "my_llama.yaml").write_text("base: llama-3.1-8b\nname: my-llama\n")
+    small = {**SMALL, "model": "my_llama.yaml", "max_gpus": 2,
+             "workload": {**SMALL["workload"], "num_requests": 40},
+             "slo": {"ttft_p90_s": 5.0, "itl_p90_s": 0.1}, "search": {"tp": [1]}}
+    (plans / "plan.yaml").write_text(yaml.safe_dump(small))
+    result = plan(plans / "plan.yaml", out_dir=tmp_path / "out", jobs=1)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    model_file = str((plans / "my_llama.yaml").resolve())
+    written = load_plan(result.out_dir / "plan.yaml")
+    assert written.model == model_file
+    cfg, _ = load_experiment(result.out_dir / "recommended.yaml")
+    assert cfg.model == model_file
+    assert load_model_spec(cfg.model).name == "my-llama"
+
+
 def test_pareto_frontier_drops_dominated_rows():
     table = pd.DataFrame({
         "simulated": [True] * 4,
