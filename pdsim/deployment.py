@@ -411,6 +411,11 @@ class RouterConfig(_Spec):
     frontend_latency_s: float = Field(4.4e-3, ge=0, description="sim only: tokenizer, HTTP and "
                                       "router time of a request, both ways, counted in its TTFT "
                                       "(default: SGLang's own, docs/cost_model.md)")
+    idle_wakeup_s: float = Field(0.0, ge=0, description="sim only: a request that reaches a "
+                                 "deployment with no request in flight for idle_after_s or "
+                                 "longer takes this much longer on its way in (its processes' "
+                                 "threads wake; pdsim calibrate measures it)")
+    idle_after_s: float = Field(0.025, gt=0, description="sim only: see idle_wakeup_s")
     host: str = Field("127.0.0.1", description="real only: the API's bind address")
     port: int = Field(30000, ge=0, le=65535, description="real only: the API's port; 0 picks "
                       "a free one")

@@ -39,9 +39,9 @@ Three measurements, none of them an end-to-end serving figure:
     `network.handshake_s` when disaggregated, the colocated instance's `wakeup_s` otherwise.
   - Lone requests that each reach the deployment after it idled `IDLE_PROBE_GAP_S`: their
     client TTFT minus the back-to-back one (less, colocated, the forward after idle's extra)
-    is what waking an idle deployment costs, the simulator's `wakeup_s` (an idle instance
-    notices new work that late): the prefill role's when disaggregated, added to the
-    colocated instance's otherwise.
+    is what waking an idle deployment costs, the simulator's `router.idle_wakeup_s` (a
+    request that finds nothing in flight for `router.idle_after_s` takes that much longer on
+    its way in, before its handshake, where the served requests pay it: docs/validation.md).
   - With speculative decoding (`speculative.method: mtp`) the engine's
     `sglang:spec_accept_length` after the probes (tokens per verify step since it started: its
     accepted drafts + 1) is the simulator's `speculative.acceptance.mean_accept_len`.
@@ -721,9 +721,8 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
         kv_bytes = -(-n_in // config.page_size) * transfer.page_bytes
         modelled += transfer.floor_s + transfer.handshake_s + kv_bytes / (transfer.gb_per_s * 1e9)
     request_overhead_s = max(0.0, engine.engine_ttft_s - modelled)
-    # What a lone request pays more when the deployment has idled: the simulator's `wakeup_s`,
-    # which an idle instance takes to notice new work (a disaggregated one: the prefill role's),
-    # beyond its cold forward (colocated: the back-to-back one ran warm).
+    # What a lone request pays more when the deployment has idled, beyond its cold forward
+    # (colocated: the back-to-back one ran warm): the simulator's `router.idle_wakeup_s`.
     idle_wake_s = max(0.0, engine.idle_client_ttft_s - engine.client_ttft_s
                       - (0.0 if transfer is not None else cold.extra_s(prefill_extend_s)))
     log(f"lone requests ({n_in} -> {n_out} tokens): client TTFT {engine.client_ttft_s * 1e3:.2f} "
@@ -742,6 +741,7 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
         params["roles"] = {"prefill": {
             **({"timings": prefill_path.name} if own_prefill else {}),
             "step_overhead_s": round(prefill_overhead_s, 6), "token_overhead_s": 0.0}}
+    router = {"frontend_latency_s": round(frontend_s, 6), "idle_wakeup_s": round(idle_wake_s, 6)}
     data = {
         "measured": {
             "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -766,7 +766,7 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
                 "head_slice_senders": slices.senders} if transfer else {}),
         },
         "cost_model": {"name": "profiled", "params": params},
-        "router": {"frontend_latency_s": round(frontend_s, 6)},
+        "router": router,
     }
     if engine.spec_accept_len is not None:
         data["measured"]["probe"]["spec_accept_len"] = round(engine.spec_accept_len, 6)
@@ -780,9 +780,9 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
             "line_rate_efficiency": 1.0, "transfer_floor_s": round(transfer.floor_s, 6),
             "handshake_s": round(transfer.handshake_s + request_overhead_s, 6),
             "per_descriptor_s": round(slices.per_descriptor_s, 9)}
-        schedulers = {"prefill": {"wakeup_s": round(idle_wake_s, 6)}, "decode": {}}
+        schedulers = {"prefill": {}, "decode": {}}
     else:
-        schedulers = {"colocated": {"wakeup_s": round(request_overhead_s + idle_wake_s, 6)}}
+        schedulers = {"colocated": {"wakeup_s": round(request_overhead_s, 6)}}
     for role in cold_roles:
         schedulers[role].update(cold_step_s=round(cold.step_s, 6),
                                 cold_step_factor=round(cold.factor, 4))

@@ -148,6 +148,22 @@ def test_ttft_at_concurrency_one_includes_the_fixed_costs():
     assert slower >= bare + 0.002
 
 
+def test_a_request_that_finds_the_deployment_idle_pays_the_wake_on_its_way_in():
+    """router.idle_wakeup_s lengthens the TTFT of a request that found nothing in flight for
+    idle_after_s or longer (the run's first: the deployment idled before it) by all of it,
+    even behind a longer handshake it could overlap; requests sent back to back do not pay
+    it."""
+    def ttfts(think_time_s: float, wake_s: float) -> np.ndarray:
+        data = experiment(1, think_time_s, num_requests=6, network={"handshake_s": 0.005},
+                          router={"idle_wakeup_s": wake_s, "idle_after_s": 0.025})
+        data["workload"]["input_len"] = {"dist": "fixed", "value": 500}
+        return np.array([r.ttft_s for r in simulate(data)[2].records])
+
+    assert ttfts(0.1, 0.003) - ttfts(0.1, 0.0) == pytest.approx([0.003] * 6, abs=1e-9)
+    back_to_back = ttfts(0.0, 0.003) - ttfts(0.0, 0.0)
+    assert back_to_back == pytest.approx([0.003] + [0.0] * 5, abs=1e-9)
+
+
 def test_a_step_after_a_long_enough_idle_runs_cold():
     """cold_step_s + cold_step_factor x the priced time for an instance's first step after it
     idled cold_after_s or more (both roles), the priced time otherwise."""

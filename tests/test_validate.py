@@ -49,11 +49,12 @@ def test_calibrate_then_validate_a_pd_deployment_end_to_end(pd_validation):
     params = written["cost_model"]["params"]
     assert params["step_overhead_s"] >= 0 and params["token_overhead_s"] >= 0
     assert set(params["roles"]) == {"prefill"} and written["cluster"]["host_cores"] > 0
-    # Lone requests after the deployment idled: what they pay more is the prefill role's wakeup_s.
+    # Lone requests after the deployment idled: what they pay more is the router's idle wake.
     probe = written["measured"]["probe"]
     assert probe["idle_gap_s"] > 0 and probe["idle_client_ttft_s"] > 0
-    assert written["cluster"]["prefill"]["scheduler"]["wakeup_s"] == pytest.approx(
+    assert written["router"]["idle_wakeup_s"] == pytest.approx(
         max(0.0, probe["idle_client_ttft_s"] - probe["client_ttft_s"]), abs=2e-6)
+    assert "wakeup_s" not in written["cluster"]["prefill"]["scheduler"]
     # Both roles' first step after idle runs cold, by the line the forwards after idle gave.
     assert len(written["measured"]["after_idle_s"]) == 7
     cold = [written["cluster"][role]["scheduler"] for role in ("prefill", "decode")]

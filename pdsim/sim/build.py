@@ -247,6 +247,8 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
         descriptors_per_page=per_page,
     )
     overheads = {"frontend_latency_s": cfg.router.frontend_latency_s,
+                 "idle_wakeup_s": cfg.router.idle_wakeup_s,
+                 "idle_after_s": cfg.router.idle_after_s,
                  "dp_assignment": cfg.router.dp_assignment,
                  "router_options": dict(cfg.router.policy_options),
                  "host_cores": cfg.cluster.host_cores}

@@ -81,6 +81,8 @@ class Simulation:
         # among the forwards instead, run when the request comes in (`submit`).
         self.frontend_latency_s = 0.0 if self.host else cluster.frontend_latency_s
         self._frontend_work_s = cluster.frontend_latency_s if self.host else 0.0
+        self._submitted = 0  # requests past the sources (in flight: those not in `final`)
+        self._idle_since = -math.inf  # when the last request in flight ended (idle before the run)
         self.next_arrival_s = math.inf  # when the open-loop source sends next (inf: unknown)
         self.final: dict[str, Request] = {}
         self.prefill_side: dict[str, Request] = {}
@@ -168,6 +170,7 @@ class Simulation:
                 lambda _ev: self._route(i, self._sent_s[i], retry=True))
             return
         self.final[req.rid.removesuffix(RETRY_SUFFIX)] = req
+        self._idle_since = self.env.now
         self._source.finished()
         if len(self.final) == self.num_requests:
             self._all_done.succeed()
@@ -182,7 +185,17 @@ class Simulation:
 
     def submit(self, i: int, sent_s: float) -> None:
         """Request `i`, sent by its client at `sent_s`, is past the sources' front-end delay:
-        route it now, or once the front end's work is done on shared host cores."""
+        route it now, or once the front end's work is done on shared host cores; one that
+        found the deployment idle (`idle_wakeup_s`) that much later."""
+        idle = self._submitted == len(self.final)
+        self._submitted += 1
+        wake = self.cluster.idle_wakeup_s
+        if wake and idle and sent_s - self._idle_since >= self.cluster.idle_after_s:
+            self.env.timeout(wake).callbacks.append(lambda _ev: self._admit(i, sent_s))
+        else:
+            self._admit(i, sent_s)
+
+    def _admit(self, i: int, sent_s: float) -> None:
         if self._frontend_work_s:
             self.host.after_work(self._frontend_work_s, lambda: self._route(i, sent_s))
         else:

@@ -55,6 +55,8 @@ class ClusterSpec:
     decode: RoleSpec | None = None
     colocated: RoleSpec | None = None
     frontend_latency_s: float = 0.0  # tokenizer + HTTP + router, per request
+    idle_wakeup_s: float = 0.0  # more on the way in for a request that finds the deployment idle
+    idle_after_s: float = 0.025  # ... for this long or longer (nothing in flight)
     dp_assignment: str = "room"  # how an instance picks the attention-DP rank of a request
     faults: FaultsConfig = FaultsConfig()
     router_options: dict[str, float] = field(default_factory=dict)  # the policy's settings
