@@ -10,6 +10,7 @@ from pdsim.planning.config import PlanConfig, load_plan, parse_plan
 from pdsim.planning.hardware_mix import plan_hardware_mix
 from pdsim.planning.result import PlanResult
 from pdsim.planning.search import plan_one_hardware
+from pdsim.specs import hardware_preset_names, model_preset_names
 
 
 def plan(source: PlanConfig | str | Path, *, out_dir: str | Path | None = None,
@@ -39,8 +40,6 @@ def anchored(data: Any, base: Path) -> Any:
     """`data` (a plan as a mapping) with every relative file it names under FILE_KEYS made
     absolute at `base`, the plan's folder, where the plan found it: the plan.yaml and
     recommended.yaml written into results/ then name the same files. Preset names stay."""
-    from pdsim.specs import hardware_preset_names, model_preset_names
-
     presets = {*model_preset_names(), *hardware_preset_names()}
     if isinstance(data, list):
         return [anchored(v, base) for v in data]
