@@ -419,6 +419,23 @@ def test_glm_moe_reads_deepseeks_dense_layers_and_shared_expert() -> None:
             spec.num_kv_heads, spec.head_dim) == (3, 89, 1, 8, 128)
 
 
+@pytest.mark.parametrize(("wrapper", "text"), [("KimiK25ForConditionalGeneration", "kimi-k2"),
+                                               ("Qwen3VLMoeForConditionalGeneration",
+                                                "qwen3-235b-a22b")])
+def test_a_vision_language_checkpoint_reads_as_its_text_model(wrapper: str, text: str) -> None:
+    """Kimi-K2.5's and Qwen3-VL's config.json nest their text model under `text_config` (its
+    quantization at the top level); the spec is that text model's."""
+    inner = {k: v for k, v in HF_CONFIGS[text].items()
+             if k not in ("architectures", "quantization_config")}
+    outer = {k: v for k, v in HF_CONFIGS[text].items() if k == "quantization_config"}
+    config = {"architectures": [wrapper], "model_type": "vl", "text_config": inner,
+              "vision_config": {"depth": 27, "hidden_size": 1152}, **outer}
+    assert model_spec_from_hf_config(config, name=text) == model_spec_from_hf_config(
+        HF_CONFIGS[text], name=text)
+    with pytest.raises(ValueError, match="text_config"):
+        model_spec_from_hf_config({"architectures": [wrapper]}, name=text)
+
+
 def test_qwen_moe_interleaved_dense_layers_are_counted() -> None:
     config = dict(HF_CONFIGS["qwen3-235b-a22b"], num_hidden_layers=8, decoder_sparse_step=2,
                   mlp_only_layers=[1])

@@ -628,13 +628,23 @@ _MLA_ARCHS = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
-SUPPORTED_ARCHITECTURES = tuple(sorted({**_GQA_ARCHS, **_MLA_ARCHS}))
+# Vision-language checkpoints priced by their text model (`text_config`; the vision encoder,
+# which only images and video reach, is not priced): the wrapper's architecture -> the text one.
+_MULTIMODAL_ARCHS = {
+    "KimiK25ForConditionalGeneration": "DeepseekV3ForCausalLM",  # Kimi-K2.5 and after
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",
+    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
+    "Glm4vMoeForConditionalGeneration": "Glm4MoeForCausalLM",
+}
+SUPPORTED_ARCHITECTURES = tuple(sorted({**_GQA_ARCHS, **_MLA_ARCHS, **_MULTIMODAL_ARCHS}))
 
 
 def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec:
     """A spec from the dict of an HF `config.json` (Llama, Mistral, Qwen2/3, Qwen2/3-MoE,
     Mixtral, gpt-oss, MiniMax-M2, GLM-4.5/4.6/4.7, Qwen3-Next, DeepSeek-V2/V3 and Kimi-K2);
-    weight formats from its `quantization_config`."""
+    weight formats from its `quantization_config`. A vision-language checkpoint's text model
+    (Kimi-K2.5, Qwen3-VL, GLM-4.5V) reads as that model."""
+    config = _text_model_config(config)
     arch = _architecture_of(config)
     h = _req(config, "hidden_size")
     heads = _req(config, "num_attention_heads")
@@ -675,6 +685,21 @@ def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec
                           moe_intermediate_size=fields["intermediate_size"])
         fields.update(_hybrid_fields(config, fields["num_layers"]))
     return ModelSpec(**fields)
+
+
+def _text_model_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A vision-language checkpoint's `text_config` as a text model's config (the wrapper's
+    keys, such as its `quantization_config`, where the text config has none); any other
+    config as it is."""
+    text_arch = next((_MULTIMODAL_ARCHS[a] for a in config.get("architectures") or []
+                      if a in _MULTIMODAL_ARCHS), None)
+    if text_arch is None:
+        return config
+    text = config.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError(f"{config['architectures']} without a text_config mapping")
+    outer = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
+    return {**outer, **text, "architectures": [text_arch]}
 
 
 _STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
