@@ -369,8 +369,8 @@ def serve(
         None, help="serve config YAML, e.g. experiments/real_colocated.yaml or "
         "experiments/real_pd.yaml (default: built-in colocated)"),
     model: Optional[str] = typer.Option(
-        None, help="model preset (tiny-llama, tiny-mla, tiny-moe, tiny-hybrid) or local "
-        "checkpoint directory"),
+        None, help="a servable model preset (`pdsim presets` marks them) or a local checkpoint "
+        "directory"),
     host: Optional[str] = typer.Option(None, help="address to bind (default 127.0.0.1); "
                                        "disaggregated: the router's, or --role's"),
     port: Optional[int] = typer.Option(None, help="port to bind; 0 picks a free one; "

@@ -592,8 +592,7 @@ class Deployment(_Spec):
     model: str | dict[str, Any] = Field(
         "llama-3.1-8b", description="sim: a preset, a file (relative to this YAML's folder "
         "first) or a mapping of ModelSpec fields, optionally over `base: <preset or file>`; "
-        "real: a servable preset (tiny-llama, tiny-mla, tiny-moe, tiny-hybrid) or a local "
-        "checkpoint directory")
+        "real: a servable preset (`pdsim presets` marks them) or a local checkpoint directory")
     hardware: str | dict[str, Any] = Field(
         "h100", description="sim only: a preset, a YAML file or a mapping of HardwareSpec "
         "fields, optionally over `base:`")

@@ -786,7 +786,7 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
     for role in cold_roles:
         schedulers[role].update(cold_step_s=round(cold.step_s, 6),
                                 cold_step_factor=round(cold.factor, 4))
-    data["cluster"] = {role: {"scheduler": knobs} for role, knobs in schedulers.items()}
+    data["cluster"] = {role: {"scheduler": knobs} for role, knobs in schedulers.items() if knobs}
     # Every rank process served here runs on this machine's cores, as the simulator then shares
     # them (pdsim/sim/host.py).
     data["cluster"]["host_cores"] = round(host_cores, 2)
