@@ -73,12 +73,18 @@ WARM_THREAD = """
                  "default": ModelExecutor(model, num_pages=64, page_size=16)}
     faults, both_bound = {}, threading.Barrier(2)
 
+    def step_faults(name):
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        executors[name].warmup(768, 256)  # the largest step: 3 chunks of 256 tokens
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
     def engine_thread(name):
         executors[name].bind_thread()
         both_bound.wait()  # both alive: each thread keeps a heap of its own
-        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-        executors[name].warmup(768, 256)  # the largest step: 3 chunks of 256 tokens
-        faults[name] = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+        # The unwarmed thread's first step grows its heap, so it is timed once; the warmed
+        # one's every step is alike: the median of three sets its stray faults aside.
+        runs = [step_faults(name) for _ in range(1 if name == "default" else 3)]
+        faults[name] = sorted(runs)[len(runs) // 2]
         both_bound.wait()
 
     threads = [threading.Thread(target=engine_thread, args=(n,)) for n in executors]
@@ -93,8 +99,10 @@ WARM_THREAD = """
 def test_bind_thread_grows_the_engine_threads_heap_to_the_largest_step():
     """The thread that binds an executor warmed at the scheduler's largest step runs that step
     without faulting its activations in; one warmed at the old 32-token default faults them in
-    then (1,785-2,437 pages in 20 runs). Some allocation outside the activations still faults
-    now and then on the warmed thread (0-2 pages in 15 of those runs, 64-258 in the rest)."""
+    then (1,592-2,565 pages in 55 runs). Some allocation outside the activations still faults
+    now and then on the warmed thread, in multiples of 32 pages (0-2 pages in 26 of those
+    runs, 33-385 in 29, and in one fast-suite run more than a quarter of the unwarmed
+    thread's): the test takes the median of three of its steps."""
     faults = run(WARM_THREAD)
     assert faults["default"] > 1000
     assert faults["step"] < faults["default"] / 4
