@@ -17,7 +17,7 @@ SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s each. Where pdsim's default differs
 from __future__ import annotations
 
 import random
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -396,6 +396,9 @@ class ClusterConfig(_Spec):
 # ---- router, network, transfer, security ----------------------------------------------------
 
 
+WayInDelay = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
 class RouterConfig(_Spec):
     """The front: picks a (prefill, decode) pair or a colocated instance; real: serves the
     OpenAI API at host:port (a colocated deployment's one engine serves it there itself)."""
@@ -416,6 +419,14 @@ class RouterConfig(_Spec):
                                  "longer takes this much longer on its way in (its processes' "
                                  "threads wake; pdsim calibrate measures it)")
     idle_after_s: float = Field(0.025, gt=0, description="sim only: see idle_wakeup_s")
+    jitter_s: list[WayInDelay] = Field(
+        default_factory=list, description="sim only: extra delays on a request's way in, one "
+        "drawn at random per request (seeded); pdsim calibrate measures them on a CPU host: lone "
+        "requests' client TTFTs over the fastest of them")
+    idle_jitter_s: list[WayInDelay] = Field(
+        default_factory=list, description="sim only: likewise for a request that finds the "
+        "deployment idle (see idle_wakeup_s), drawn instead of jitter_s; pdsim calibrate "
+        "measures them from lone requests after idle")
     host: str = Field("127.0.0.1", description="real only: the API's bind address")
     port: int = Field(30000, ge=0, le=65535, description="real only: the API's port; 0 picks "
                       "a free one")

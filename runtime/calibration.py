@@ -24,9 +24,11 @@ Three measurements, none of them an end-to-end serving figure:
 - **the served engine**: the deployment served for real (`pdsim serve`), requests of 16 prompt
   and 32 output tokens sent one at a time, then rounds of 8 sent together (64 output tokens
   each, 4x more while their decodes do not overlap).
-  - The client's TTFT minus the serving engine's own TTFT (its `/metrics` histogram) is the
-    front end (HTTP, tokenizer and, disaggregated, the router, both ways:
-    `router.frontend_latency_s`).
+  - The lone requests' client TTFTs spread: threads wake late on a shared host. Each one's
+    TTFT over the fastest is a draw the simulator gives a request on its way in
+    (`router.jitter_s`). The client's median TTFT minus the serving engine's own (its
+    `/metrics` histogram), less the draws' median, is the front end (HTTP, tokenizer and,
+    disaggregated, the router, both ways: `router.frontend_latency_s`).
   - The client's gap between tokens minus the fitted forward, alone and 8 at once, is a line
     in the batch: a step overhead (scheduling; the profiled model's `step_overhead_s`) plus a
     cost per token streamed out to the client (`token_overhead_s`: encoding, the hand-off to
@@ -38,10 +40,12 @@ Three measurements, none of them an end-to-end serving figure:
     disaggregated, handshake and transfer) is a per-request overhead: added to
     `network.handshake_s` when disaggregated, the colocated instance's `wakeup_s` otherwise.
   - Lone requests that each reach the deployment after it idled `IDLE_PROBE_GAP_S`: their
-    client TTFT minus the back-to-back one (less, colocated, the forward after idle's extra)
-    is what waking an idle deployment costs, the simulator's `router.idle_wakeup_s` (a
-    request that finds nothing in flight for `router.idle_after_s` takes that much longer on
-    its way in, before its handshake, where the served requests pay it: docs/validation.md).
+    fastest client TTFT minus the fastest back-to-back one (less, colocated, the forward after
+    idle's extra) is what waking an idle deployment costs, the simulator's
+    `router.idle_wakeup_s` (a request that finds nothing in flight for `router.idle_after_s`
+    takes that much longer on its way in, before its handshake, where the served requests pay
+    it: docs/validation.md); each one's TTFT over their fastest is a draw such a request
+    gets instead of a back-to-back one (`router.idle_jitter_s`).
   - With speculative decoding (`speculative.method: mtp`) the engine's
     `sglang:spec_accept_length` after the probes (tokens per verify step since it started: its
     accepted drafts + 1) is the simulator's `speculative.acceptance.mean_accept_len`.
@@ -82,7 +86,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Lone requests (and forwards) that each reach a deployment idle this long: on this VM a lone
 # colocated request's TTFT was 3.1 ms right after another and 6.4-8.1 ms after 50 ms to 1 s of
 # idling (the processes and the CPUs they sleep on take that long to wake), flat past 50 ms.
-IDLE_PROBE_GAP_S, IDLE_PROBES = 0.25, 20
+IDLE_PROBE_GAP_S, IDLE_PROBES = 0.25, 40
+LONE_PROBES = 40  # lone requests back to back: enough draws for a P90 of their spread
 
 
 @dataclass(frozen=True)
@@ -500,6 +505,8 @@ class EngineTimes:
     prefill_span_s: float = math.nan  # disaggregated: a lone request's prefill step, start to end
     idle_client_ttft_s: float = math.nan  # at the client, lone, after IDLE_PROBE_GAP_S idle
     spec_accept_len: float | None = None  # speculating: tokens per verify step, every request
+    lone_ttfts_s: tuple[float, ...] = ()  # every lone request's client TTFT, back to back
+    idle_ttfts_s: tuple[float, ...] = ()  # ... and after idle
 
 
 def read_gauge(url: str, headers: dict, name: str) -> float:
@@ -530,7 +537,7 @@ TTFT_METRIC = "time_to_first_token_seconds"
 ITL_METRIC = "inter_token_latency_seconds"
 
 
-def measure_engine(config_path: str | Path, config, *, requests: int = 20,
+def measure_engine(config_path: str | Path, config, *, requests: int = LONE_PROBES,
                    batch: int = PROBE_BATCH) -> EngineTimes:
     """Serve the deployment for real and send `requests` requests of PROBE_PROMPT_TOKENS
     prompt tokens and PROBE_OUTPUT_TOKENS output tokens one at a time (two more first, for
@@ -591,7 +598,14 @@ def measure_engine(config_path: str | Path, config, *, requests: int = 20,
     # Medians: a moment of load from other processes on a shared machine moves a mean.
     return EngineTimes(*(float(v) for v in np.median(np.array(rows), axis=0)), batch=batch,
                        batch_itl_s=batch_itl_s, batch_tokens=batch_tokens, prefill_span_s=span,
-                       idle_client_ttft_s=statistics.median(idle_ttfts), spec_accept_len=accept)
+                       idle_client_ttft_s=statistics.median(idle_ttfts), spec_accept_len=accept,
+                       lone_ttfts_s=tuple(row[0] for row in rows), idle_ttfts_s=tuple(idle_ttfts))
+
+
+def over_fastest(times_s: Sequence[float]) -> list[float]:
+    """Each of `times_s` less the fastest of them, sorted, to the microsecond."""
+    fastest = min(times_s)
+    return sorted(round(t - fastest, 6) for t in times_s)
 
 
 class NotTogether(RuntimeError):
@@ -634,7 +648,7 @@ def _batch_gap_s(records) -> float:
 
 
 def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5,
-              probe_requests: int = 20, log=print) -> Path:
+              probe_requests: int = LONE_PROBES, log=print) -> Path:
     """Measure (module docstring) and write the calibration YAML and its timings CSV."""
     import yaml
 
@@ -697,7 +711,12 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
     batch_decode_s = fit.step_time_s([BatchShape(
         decode_reqs=engine.batch,
         decode_context_tokens=engine.batch * (n_in + engine.batch_tokens // 2))])
-    frontend_s = max(0.0, engine.client_ttft_s - engine.engine_ttft_s)
+    # Lone requests' client TTFTs spread (threads waking on a shared host): the simulator
+    # draws each request's delay over the fastest from these (`router.jitter_s`,
+    # `idle_jitter_s`), and the front end is what is left of the median.
+    jitter_s, idle_jitter_s = over_fastest(engine.lone_ttfts_s), over_fastest(engine.idle_ttfts_s)
+    frontend_s = max(0.0, engine.client_ttft_s - engine.engine_ttft_s
+                     - statistics.median(jitter_s))
     # The client's pace, not the engine's: on this machine tokens reach the client slower than
     # the engine emits them (docs/validation.md, "Where the error comes from"). What a step of
     # one request and a step of `batch` requests take beyond their forwards is a line: a
@@ -722,8 +741,9 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
         modelled += transfer.floor_s + transfer.handshake_s + kv_bytes / (transfer.gb_per_s * 1e9)
     request_overhead_s = max(0.0, engine.engine_ttft_s - modelled)
     # What a lone request pays more when the deployment has idled, beyond its cold forward
-    # (colocated: the back-to-back one ran warm): the simulator's `router.idle_wakeup_s`.
-    idle_wake_s = max(0.0, engine.idle_client_ttft_s - engine.client_ttft_s
+    # (colocated: the back-to-back one ran warm): the simulator's `router.idle_wakeup_s`, the
+    # fastest after idle over the fastest back to back (each side's draws add the rest).
+    idle_wake_s = max(0.0, min(engine.idle_ttfts_s) - min(engine.lone_ttfts_s)
                       - (0.0 if transfer is not None else cold.extra_s(prefill_extend_s)))
     log(f"lone requests ({n_in} -> {n_out} tokens): client TTFT {engine.client_ttft_s * 1e3:.2f} "
         f"ms, engine TTFT {engine.engine_ttft_s * 1e3:.2f} ms; ITL client "
@@ -735,13 +755,17 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
         f"{prefill_overhead_s * 1e3:.2f} ms, per-request overhead "
         f"{request_overhead_s * 1e3:.2f} ms; after {IDLE_PROBE_GAP_S:g} s idle: client TTFT "
         f"{engine.idle_client_ttft_s * 1e3:.2f} ms, {idle_wake_s * 1e3:.2f} ms to wake")
+    for label, draws in (("back to back", jitter_s), ("after idle", idle_jitter_s)):
+        log(f"  client TTFT over the fastest, {label}: median "
+            f"{statistics.median(draws) * 1e3:.2f} ms, largest {max(draws) * 1e3:.2f} ms")
     params = {"timings": timings_path.name, "step_overhead_s": round(step_overhead_s, 6),
               "token_overhead_s": round(token_overhead_s, 7)}
     if transfer is not None:
         params["roles"] = {"prefill": {
             **({"timings": prefill_path.name} if own_prefill else {}),
             "step_overhead_s": round(prefill_overhead_s, 6), "token_overhead_s": 0.0}}
-    router = {"frontend_latency_s": round(frontend_s, 6), "idle_wakeup_s": round(idle_wake_s, 6)}
+    router = {"frontend_latency_s": round(frontend_s, 6), "idle_wakeup_s": round(idle_wake_s, 6),
+              "jitter_s": jitter_s, "idle_jitter_s": idle_jitter_s}
     data = {
         "measured": {
             "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -164,6 +164,29 @@ def test_a_request_that_finds_the_deployment_idle_pays_the_wake_on_its_way_in():
     assert back_to_back == pytest.approx([0.003] + [0.0] * 5, abs=1e-9)
 
 
+def test_each_request_draws_its_way_in_delay_from_the_jitter_lists():
+    """router.jitter_s: each request takes one of the listed delays longer on its way in, drawn
+    by the run's seed; one that finds the deployment idle draws from idle_jitter_s instead (on
+    top of idle_wakeup_s)."""
+    def ttfts(think_time_s: float, seed: int = 0, **router) -> np.ndarray:
+        data = experiment(1, think_time_s, num_requests=12, network={"handshake_s": 0.005},
+                          router={"idle_after_s": 0.025, **router})
+        data["seed"] = seed
+        data["workload"]["input_len"] = {"dist": "fixed", "value": 500}
+        return np.array([r.ttft_s for r in simulate(data)[2].records])
+
+    plain = ttfts(0.0)
+    drawn = ttfts(0.0, jitter_s=[0.001, 0.004]) - plain
+    # the first request found the deployment idle, but with no idle list it draws from jitter_s
+    assert set(np.round(drawn, 9)) == {0.001, 0.004}
+    assert ttfts(0.0, jitter_s=[0.001, 0.004]) - plain == pytest.approx(drawn, abs=1e-12)
+    other_seed = ttfts(0.0, seed=1, jitter_s=[0.001, 0.004]) - ttfts(0.0, seed=1)
+    assert not np.allclose(other_seed, drawn)
+    lists = {"jitter_s": [0.001], "idle_jitter_s": [0.02], "idle_wakeup_s": 0.003}
+    assert ttfts(0.0, **lists) - plain == pytest.approx([0.023] + [0.001] * 11, abs=1e-9)
+    assert ttfts(0.1, **lists) - ttfts(0.1) == pytest.approx([0.023] * 12, abs=1e-9)
+
+
 def test_a_step_after_a_long_enough_idle_runs_cold():
     """cold_step_s + cold_step_factor x the priced time for an instance's first step after it
     idled cold_after_s or more (both roles), the priced time otherwise."""

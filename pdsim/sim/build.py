@@ -249,6 +249,8 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
     overheads = {"frontend_latency_s": cfg.router.frontend_latency_s,
                  "idle_wakeup_s": cfg.router.idle_wakeup_s,
                  "idle_after_s": cfg.router.idle_after_s,
+                 "jitter_s": tuple(cfg.router.jitter_s),
+                 "idle_jitter_s": tuple(cfg.router.idle_jitter_s),
                  "dp_assignment": cfg.router.dp_assignment,
                  "router_options": dict(cfg.router.policy_options),
                  "host_cores": cfg.cluster.host_cores}

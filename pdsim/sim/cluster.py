@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import math
+import random
 from contextlib import contextmanager
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +84,7 @@ class Simulation:
         self._frontend_work_s = cluster.frontend_latency_s if self.host else 0.0
         self._submitted = 0  # requests past the sources (in flight: those not in `final`)
         self._idle_since = -math.inf  # when the last request in flight ended (idle before the run)
+        self._way_in = random.Random(f"{seed}/way-in")  # draws of the jitter_s delays
         self.next_arrival_s = math.inf  # when the open-loop source sends next (inf: unknown)
         self.final: dict[str, Request] = {}
         self.prefill_side: dict[str, Request] = {}
@@ -186,12 +188,18 @@ class Simulation:
     def submit(self, i: int, sent_s: float) -> None:
         """Request `i`, sent by its client at `sent_s`, is past the sources' front-end delay:
         route it now, or once the front end's work is done on shared host cores; one that
-        found the deployment idle (`idle_wakeup_s`) that much later."""
+        found the deployment idle (`idle_wakeup_s`) that much later, and either after its
+        draw from `jitter_s` (`idle_jitter_s` when it found the deployment idle)."""
+        cluster = self.cluster
         idle = self._submitted == len(self.final)
         self._submitted += 1
-        wake = self.cluster.idle_wakeup_s
-        if wake and idle and sent_s - self._idle_since >= self.cluster.idle_after_s:
-            self.env.timeout(wake).callbacks.append(lambda _ev: self._admit(i, sent_s))
+        woke = idle and sent_s - self._idle_since >= cluster.idle_after_s
+        delay = cluster.idle_wakeup_s if woke else 0.0
+        draws = cluster.idle_jitter_s if woke and cluster.idle_jitter_s else cluster.jitter_s
+        if draws:
+            delay += self._way_in.choice(draws)
+        if delay:
+            self.env.timeout(delay).callbacks.append(lambda _ev: self._admit(i, sent_s))
         else:
             self._admit(i, sent_s)
 

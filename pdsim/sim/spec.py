@@ -57,6 +57,8 @@ class ClusterSpec:
     frontend_latency_s: float = 0.0  # tokenizer + HTTP + router, per request
     idle_wakeup_s: float = 0.0  # more on the way in for a request that finds the deployment idle
     idle_after_s: float = 0.025  # ... for this long or longer (nothing in flight)
+    jitter_s: tuple[float, ...] = ()  # extra way-in delays, one drawn per request
+    idle_jitter_s: tuple[float, ...] = ()  # drawn instead by a request that found it idle
     dp_assignment: str = "room"  # how an instance picks the attention-DP rank of a request
     faults: FaultsConfig = FaultsConfig()
     router_options: dict[str, float] = field(default_factory=dict)  # the policy's settings
