@@ -75,6 +75,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pdsim.sim.spec import ColdLine
+
 PREFILL_TOKENS = (16, 64, 128, 256, 512)
 PREFILL_CONTEXT = (0, 256, 1024)
 DECODE_BATCH = (1, 4, 16, 32, 64)
@@ -107,18 +109,11 @@ class DescriptorFit:
 
 
 @dataclass(frozen=True)
-class ColdLine:
-    """A forward after idle against the same forward back to back: `step_s` + `factor` x
-    the profiled (fastest back-to-back) time; the simulator's `cold_step_s` and
-    `cold_step_factor`."""
+class ColdFit(ColdLine):
+    """The line of forwards after idle against the profiled (fastest back-to-back) ones: the
+    simulator's `cold_step_s` and `cold_step_factor`, and the shapes it was fitted on."""
 
-    step_s: float
-    factor: float
     rows: list[tuple[float, float]]  # (profiled s, after idle s) per shape
-
-    def extra_s(self, profiled_s: float) -> float:
-        """What a forward of `profiled_s` takes more after idle."""
-        return self.step_s + (self.factor - 1) * profiled_s
 
 
 def _threads(config, role: str = "decode") -> int:
@@ -255,7 +250,7 @@ def cold_start_roles(config) -> list[str]:
     return ["prefill", "decode"] if served_alike(config) else ["decode"]
 
 
-def profile_cold_start(config, timings, *, repeats: int = 5) -> ColdLine:
+def profile_cold_start(config, timings, *, repeats: int = 5) -> ColdFit:
     """Extends of every profiled length without a cached prefix, and decodes of 1 and 16
     requests, each run `repeats` times after the rank idled `IDLE_PROBE_GAP_S`, against the
     same shapes in `timings` (the back-to-back profile): a least-squares line, its slope at
@@ -268,7 +263,7 @@ def profile_cold_start(config, timings, *, repeats: int = 5) -> ColdLine:
     factor, step_s = np.polyfit(warm, idle, 1)
     if factor < 1:
         factor, step_s = 1.0, float(np.median(idle - warm))
-    return ColdLine(max(0.0, float(step_s)), float(factor),
+    return ColdFit(max(0.0, float(step_s)), float(factor),
                     [(float(w), float(c)) for w, c in zip(warm, idle)])
 
 
@@ -674,7 +669,7 @@ def calibrate(config_path: str | Path, out_path: str | Path, *, repeats: int = 5
                                                decode_batch=(), decode_context=())
         prefill_timings.to_csv(prefill_path, index=False)
         log(f"  {len(prefill_timings)} prefill forwards -> {prefill_path}")
-    cold, cold_roles = ColdLine(0.0, 1.0, []), cold_start_roles(config)
+    cold, cold_roles = ColdFit(0.0, 1.0, []), cold_start_roles(config)
     if cold_roles:
         with phase(f"profiling forwards after {IDLE_PROBE_GAP_S:g} s idle"):
             cold = profile_cold_start(config, timings, repeats=repeats)

@@ -117,7 +117,7 @@ def cold_start(knobs: SchedulerKnobs) -> ColdStart | None:
     """The role's slower first step after idle, None where its knobs leave steps as priced."""
     if knobs.cold_step_s == 0 and knobs.cold_step_factor == 1:
         return None
-    return ColdStart(knobs.cold_after_s, knobs.cold_step_s, knobs.cold_step_factor)
+    return ColdStart(knobs.cold_step_s, knobs.cold_step_factor, after_s=knobs.cold_after_s)
 
 
 def _knobs_for_gpu(role: RoleConfig, name: str, hw: HardwareSpec, graph_bs: int | None,

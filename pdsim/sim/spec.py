@@ -14,17 +14,26 @@ from pdsim.sim.network import NetworkModel
 
 
 @dataclass(frozen=True)
-class ColdStart:
-    """A step that starts after its instance idled `after_s` or longer takes `step_s` +
-    `factor` x its cost-model time: on a CPU host a forward after idle runs slower than one
-    right after another (docs/validation.md, "Forwards after idle")."""
+class ColdLine:
+    """A forward after idle takes `step_s` + `factor` x the same forward right after another:
+    on a CPU host it runs slower (docs/validation.md, "Forwards after idle")."""
 
-    after_s: float
     step_s: float
     factor: float
 
+    def extra_s(self, duration_s: float) -> float:
+        """What a forward of `duration_s` back to back takes more after idle."""
+        return self.step_s + (self.factor - 1) * duration_s
+
+
+@dataclass(frozen=True)
+class ColdStart(ColdLine):
+    """A step that starts after its instance idled `after_s` or longer runs cold."""
+
+    after_s: float
+
     def duration_s(self, duration_s: float) -> float:
-        return self.step_s + self.factor * duration_s
+        return duration_s + self.extra_s(duration_s)
 
 
 @dataclass(frozen=True)
