@@ -62,11 +62,12 @@ class MeasurementWindow(BaseModel):
     The window starts `warmup_s` after the first arrival, and no earlier than the arrival of
     request number `warmup_requests` (in arrival order, from 0); it ends `cooldown_s` before the
     last finish, and no later than the finish of the request that leaves `cooldown_requests`
-    after it. A request is *in the window* when it ended (completed or failed) inside it, both
-    bounds included; one that never ended is in it when it arrived before the window's end.
-    Throughputs and goodput divide by the window's length; latencies, counts and SLO
-    attainment cover the requests in the window. All zero (the default): the whole run, every
-    request in it.
+    after it. A request is *in the window* when it arrived inside it, both bounds included:
+    latencies, counts and SLO attainment cover those, the load they met (a closed loop's first
+    wave, all sent at the start, stays out however late it ends). Throughputs and goodput are
+    what the requests that *ended* (completed or failed) inside the window carried, divided by
+    its length: what was served in it, at any load. All zero (the default): the whole run,
+    every request in it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -97,13 +98,20 @@ class MeasurementWindow(BaseModel):
         return float(start), float(end)
 
     def mask(self, arrival_s: np.ndarray, finish_s: np.ndarray) -> np.ndarray:
-        """Which requests are in the window (see the class docstring)."""
+        """Which requests are in the window: arrived inside it (the class docstring)."""
+        return self._inside(arrival_s, arrival_s, finish_s)
+
+    def ended_mask(self, arrival_s: np.ndarray, finish_s: np.ndarray) -> np.ndarray:
+        """Which requests ended inside the window (the throughputs' requests)."""
+        return self._inside(finish_s, arrival_s, finish_s)
+
+    def _inside(self, times_s: np.ndarray, arrival_s: np.ndarray,
+                finish_s: np.ndarray) -> np.ndarray:
         if self.whole_run:
             return np.ones(len(arrival_s), dtype=bool)
         start, end = self.bounds(arrival_s, finish_s)
-        ended = np.isfinite(finish_s)
         with np.errstate(invalid="ignore"):
-            return np.where(ended, (finish_s >= start) & (finish_s <= end), arrival_s <= end)
+            return (times_s >= start) & (times_s <= end)
 
 
 class _TokenTimes(NamedTuple):
@@ -286,9 +294,11 @@ def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO,
               window: MeasurementWindow | None = None) -> dict:
     """Summary metrics of one run, as a flat dict of plain Python numbers.
 
-    With a `window` (see `MeasurementWindow`) every figure below covers the requests in it and
+    With a `window` (see `MeasurementWindow`) the counts, latencies and SLO attainment cover the
+    requests that arrived in it, the throughputs and goodput those that ended in it, and
     ``duration_s`` is its length; ``window_start_s`` / ``window_end_s`` say where it lies and
-    ``run_requests`` counts the run's requests, in the window or not. Definitions:
+    ``run_requests`` counts the run's requests, in the window or not. Definitions (for the whole
+    run):
 
     - ``num_requests`` counts all records, ``completed`` those with status "ok", ``failed`` the rest.
     - Latencies (``ttft_*``, ``itl_*``, ``tpot_mean_s``, ``e2e_*``) cover completed requests only.
@@ -315,7 +325,9 @@ def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO,
     window = window or MeasurementWindow()
     start, end = window.bounds(arrivals, finishes)
     duration = end - start
+    served = records
     if not window.whole_run:
+        served = [r for r, keep in zip(records, window.ended_mask(arrivals, finishes)) if keep]
         records = [r for r, keep in zip(records, window.mask(arrivals, finishes)) if keep]
     done = [r for r in records if r.ok]
     n, n_done = len(records), len(done)
@@ -327,9 +339,17 @@ def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO,
     ttft = np.fromiter((r.ttft_s for r in done), dtype=np.float64, count=n_done)
     e2e = np.fromiter((r.e2e_s for r in done), dtype=np.float64, count=n_done)
     tpot = times.mean_gap()
-    met = int(_latencies_meet(ttft, tpot, slo).sum())  # failed requests never meet it
-    input_tokens = sum(r.input_tokens for r in done)
-    output_tokens = sum(r.output_tokens for r in done)
+    meets = _latencies_meet(ttft, tpot, slo)  # failed requests never meet it
+    met = int(meets.sum())
+    served_done = done
+    if served is not records:
+        served_done = [r for r in served if r.ok]
+        served_ttft = np.fromiter((r.ttft_s for r in served_done), dtype=np.float64,
+                                  count=len(served_done))
+        meets = _latencies_meet(served_ttft, _token_times(served_done).mean_gap(), slo)
+    served_met = int(meets.sum())
+    input_tokens = sum(r.input_tokens for r in served_done)
+    output_tokens = sum(r.output_tokens for r in served_done)
     cached_tokens = sum(r.cached_tokens for r in done)
 
     summary: dict = {"num_requests": n, "completed": n_done, "failed": n - n_done, "num_gpus": num_gpus}
@@ -342,12 +362,13 @@ def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO,
         "input_tok_s": rate(input_tokens),
         "output_tok_s": rate(output_tokens),
         "output_tok_s_per_gpu": rate(output_tokens) / num_gpus,
-        "request_throughput_req_s": rate(n_done),
-        "goodput_req_s": rate(met),
-        "goodput_req_s_per_gpu": rate(met) / num_gpus,
+        "request_throughput_req_s": rate(len(served_done)),
+        "goodput_req_s": rate(served_met),
+        "goodput_req_s_per_gpu": rate(served_met) / num_gpus,
         "slo_attainment": met / n if n else NAN,
         # prompt tokens taken from a prefix cache / prompt tokens, completed requests
-        "prefix_hit_rate": cached_tokens / input_tokens if input_tokens else NAN,
+        "prefix_hit_rate": (cached_tokens / prompt_tokens
+                            if (prompt_tokens := sum(r.input_tokens for r in done)) else NAN),
         "duration_s": duration,
         "window_start_s": start,
         "window_end_s": end,

@@ -97,10 +97,20 @@ def test_window_throughput_is_in_window_tokens_over_its_length():
     # the last n requests are still to finish.
     assert start == np.sort(frame["arrival_s"])[n] > 0
     assert end == np.sort(frame["finish_s"])[-n - 1] < frame["finish_s"].max()
+    # The window's requests arrived in it: none of the first wave, though some of it ended
+    # inside; its latencies are theirs.
     inside = frame["in_window"].to_numpy()
-    np.testing.assert_array_equal(inside, (frame["finish_s"] >= start) & (frame["finish_s"] <= end))
+    arrival, finish = frame["arrival_s"], frame["finish_s"]
+    np.testing.assert_array_equal(inside, (arrival >= start) & (arrival <= end))
+    first_wave = arrival == 0
+    assert first_wave.sum() == n and not (inside & first_wave).any()
+    assert (first_wave & (finish >= start)).sum() > 0
     assert s["num_requests"] == inside.sum() < s["run_requests"] == 240
-    expected = frame.loc[inside, "output_tokens"].sum() / (end - start)
+    ttft = (frame["first_token_s"] - arrival)[inside]
+    assert s["ttft_p99_s"] == pytest.approx(np.percentile(ttft, 99), rel=1e-12)
+    # Its throughput is what the requests that ended in it carried.
+    ended = (finish >= start) & (finish <= end)
+    expected = frame.loc[ended, "output_tokens"].sum() / (end - start)
     assert s["output_tok_s"] == pytest.approx(expected, rel=1e-12)
     assert s["duration_s"] == pytest.approx(end - start)
     whole = run_point(0, parse_experiment(experiment(n, num_requests=240)), {}, None).summary
@@ -114,9 +124,13 @@ def test_window_by_time_on_hand_made_times():
     finishes = np.array([1.0, 2.0, 3.0, 4.0, np.nan, np.nan])
     w = MeasurementWindow(warmup_s=0.5, cooldown_s=1.5)
     assert w.bounds(arrivals, finishes) == (0.5, 2.5)
-    # Ended inside [0.5, 2.5]: the first two; the one that never ended arrived after 2.5.
-    np.testing.assert_array_equal(w.mask(arrivals, finishes), [True, True, False, False, False, False])
+    # Arrived inside [0.5, 2.5]: the third and fourth (the one that never ended came at 3.0);
+    # ended inside it: the first two.
+    np.testing.assert_array_equal(w.mask(arrivals, finishes), [False, False, True, True, False, False])
+    np.testing.assert_array_equal(w.ended_mask(arrivals, finishes),
+                                  [True, True, False, False, False, False])
     assert MeasurementWindow().mask(arrivals, finishes).all()
+    assert MeasurementWindow().ended_mask(arrivals, finishes).all()
     assert MeasurementWindow(warmup_requests=2).bounds(arrivals, finishes) == (1.0, 4.0)
     empty = MeasurementWindow(warmup_requests=99).bounds(arrivals, finishes)
     assert empty[0] == np.inf
