@@ -524,7 +524,7 @@ def explain(
         return
     from rich.table import Table
 
-    out = Console(width=min(console.width, 80))  # 80 columns at most, piped or not
+    out = console  # the terminal's width (COLUMNS when piped, else 80): a wide one folds nothing
     out.print(f"{e.model} on {e.hardware}, {e.role}, {e.cost_model} cost model:\n{e.step}",
               highlight=False)
     table = Table(box=None, padding=(0, 1, 0, 0), pad_edge=False, header_style="bold")

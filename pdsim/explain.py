@@ -20,7 +20,7 @@ from pdsim.config import ExperimentConfig
 from pdsim.core.batch import BatchShape, extend_shape
 from pdsim.core.chunking import prompt_chunks
 from pdsim.sim.build import build_cluster
-from pdsim.sim.cost import BREAKDOWN_PARTS, SHARE_GROUPS, share_group
+from pdsim.sim.cost import BREAKDOWN_PARTS, PART_GROUPS, SHARE_GROUPS
 from pdsim.sim.silicon import SiliconCostModel
 from pdsim.sim.speculative import SpeculativeCostModel
 
@@ -195,7 +195,7 @@ def _layers(cost, part: str) -> int:
 
 def _row(cost, part: str, name: str, count: int, total_s: float, table: str,
          how: str) -> OpRow:
-    return OpRow(name, part, share_group(part, cost.parallel.moe_a2a), count, total_s, table,
+    return OpRow(name, part, PART_GROUPS[part], count, total_s, table,
                  how)
 
 

@@ -23,7 +23,7 @@ from pdsim.metrics import price_columns, records_frame, summarize
 from pdsim.sim.autoscaler import AutoscaleSetup, timeline_frame
 from pdsim.sim.build import build_cluster, usd_per_gpu_hour
 from pdsim.sim.cluster import simulate
-from pdsim.sim.cost import SHARE_GROUPS, share_group
+from pdsim.sim.cost import PART_GROUPS, SHARE_GROUPS
 from pdsim.sim.silicon import cost_columns
 from pdsim.core.request import Request
 from pdsim.workload import ClosedLoop, Workload, generate
@@ -142,7 +142,7 @@ def share_columns(instances: list) -> dict[str, float]:
             continue
         groups = seconds.setdefault(role, dict.fromkeys(SHARE_GROUPS, 0.0))
         for part, part_s in parts.items():
-            groups[share_group(part, inst.cost.parallel.moe_a2a)] += part_s
+            groups[PART_GROUPS[part]] += part_s
     row = {}
     for role, groups in seconds.items():
         total = sum(groups.values())

@@ -116,7 +116,8 @@ def test_deepseek_deepep_decode_and_prefill_name_the_moe_ops(tmp_path):
     assert by_name["routed experts"]["count"] == 58  # 61 layers, the first 3 dense
     assert by_name["gate_up_proj"]["count"] == 3
     assert by_name["dispatch+combine"]["table"] == "wideep_deepep_ll"
-    assert by_name["dispatch+combine"]["group"] == "moe"  # DeepEP, not a TP collective
+    assert by_name["dispatch+combine"]["group"] == "communication"
+    assert by_name["routed experts"]["group"] == "moe"
     assert got["ranks"] == 8
     check_sums(got, step_time_s(cfg, "decode", [decode(64, 2048)]))
 
@@ -133,6 +134,22 @@ def test_deepseek_deepep_decode_and_prefill_name_the_moe_ops(tmp_path):
         "wideep_deepep_normal"}
     chunks = [extend_shape(n, done) for n, done in ((1024, 0), (1024, 1024), (952, 2048))]
     check_sums(got, step_time_s(cfg, "prefill", chunks))
+
+
+@pytest.mark.parametrize("cost", ["roofline", "silicon"])
+def test_two_batch_overlap_leaves_the_exposed_communication_in_its_group(tmp_path, cost):
+    """DeepEP's dispatch/combine is communication, and what two-batch overlap hides of it
+    counts there too: the group is the communication left exposed, never below zero."""
+    if cost == "silicon" and tables.systems_dir() is None:
+        pytest.skip("aiconfigurator's silicon tables are not installed")
+    cfg = config("deepseek-v3", "h200", cost=cost, role={**DEEPEP, "two_batch_overlap": True})
+    got = explain_json(tmp_path, cfg, "--role", "prefill", "--prompt", "8192")
+    comm = [op for op in got["ops"] if op["group"] == "communication"]
+    assert {"two-batch overlap"} <= {op["name"] for op in comm}
+    exposed = sum(op["total_s"] for op in comm)
+    assert exposed > 0.05 * got["step_s"]
+    assert got["group_shares"]["communication"] == pytest.approx(exposed / got["step_s"])
+    assert got["group_shares"]["moe"] > 0
 
 
 @pytest.mark.slow

@@ -88,11 +88,18 @@ def gdn_kernel_work(kernel: str, b: float, s: float, k_heads: int, v_heads: int,
 # The parts `step_breakdown_s` reports, in step order (both cost models).
 BREAKDOWN_PARTS = ("attention", "dense_mlp", "dense_comm", "moe_experts", "moe_comm",
                    "tbo_overlap", "lm_head", "vocab_comm", "overhead")
-# The groups summary.csv reports each role's shares of forward time in (docs/experiments.md).
+# The groups summary.csv reports each role's shares of forward time in (docs/experiments.md),
+# and the group each BREAKDOWN_PARTS part counts in. attention: its block whole (projections,
+# kernels, attention-TP all-reduce, norms); gemm: dense MLP and LM head; moe: the experts
+# (router and shared experts included); communication: the MLP's collectives or DeepEP's
+# dispatch/combine with what an overlap changes (it hides at most all of them; the SMs DeepEP
+# holds may slow the compute beside it more), the embedding's and LM head's collectives;
+# overhead: scheduler and eager launches.
 SHARE_GROUPS = ("attention", "gemm", "moe", "communication", "overhead")
-_PART_GROUPS = {"attention": "attention", "dense_mlp": "gemm", "dense_comm": "communication",
-                "moe_experts": "moe", "tbo_overlap": "moe", "lm_head": "gemm",
-                "vocab_comm": "communication", "overhead": "overhead"}
+PART_GROUPS = {"attention": "attention", "dense_mlp": "gemm", "dense_comm": "communication",
+               "moe_experts": "moe", "moe_comm": "communication",
+               "tbo_overlap": "communication", "lm_head": "gemm",
+               "vocab_comm": "communication", "overhead": "overhead"}
 
 
 def experts_reached(experts: int, topk: int, tokens):
@@ -111,18 +118,6 @@ def remote_row_bytes(hidden: int, inter_slice: float, topk: int, ep: int) -> flo
     if ep <= 1:
         return 0.0
     return topk * (1.0 - 1.0 / ep) * (5.0 * inter_slice + 2.0 * hidden) * ACT_BYTES
-
-
-def share_group(part: str, moe_a2a: str) -> str:
-    """The SHARE_GROUPS group a BREAKDOWN_PARTS part counts in. attention: its block whole
-    (projections, kernels, attention-TP all-reduce, norms); gemm: dense MLP and LM head; moe:
-    experts, DeepEP's dispatch/combine and what two-batch overlap changes; communication: the
-    MLP's tensor-parallel collectives (a MoE layer's too, without DeepEP); overhead: scheduler
-    and eager launches; vocab_comm, the embedding's and LM head's collectives, counts as
-    communication."""
-    if part == "moe_comm":
-        return "moe" if moe_a2a == "deepep" else "communication"
-    return _PART_GROUPS[part]
 
 
 class Parallelism(BaseModel):
@@ -305,16 +300,18 @@ def micro_batches(shapes: Sequence[BatchShape]) -> tuple[list[BatchShape], list[
     (two_batch_overlap.py, `compute_split_seq_index`): its first n // 2 decode requests and the
     rest, so a rank with one request leaves the first micro-batch empty (its kernels have no
     rows; its dispatch and combine still run); an extend batch in halves of its tokens (SGLang
-    balances the two by tokens, cutting a sequence in two when it must)."""
+    balances the two by tokens, cutting a sequence in two when it must). Both halves of an
+    extend attend over its cached prefix, so each runs MLA in the batch's form
+    (`mla_extend_form`)."""
     first, second = [], []
     for s in shapes:
-        n, pf = s.decode_reqs, s.prefill_tokens
+        n, pf, prefix = s.decode_reqs, s.prefill_tokens, s.prefill_prefix_tokens
         reqs = n // 2
         ctx = s.decode_context_tokens * reqs // n if n else 0
         pairs = s.prefill_attn_pairs / 2
-        first.append(BatchShape(pf // 2, pairs, reqs, ctx, s.decode_query_len))
+        first.append(BatchShape(pf // 2, pairs, reqs, ctx, s.decode_query_len, prefix))
         second.append(BatchShape(pf - pf // 2, pairs, n - reqs, s.decode_context_tokens - ctx,
-                                 s.decode_query_len))
+                                 s.decode_query_len, prefix))
     return first, second
 
 
