@@ -82,8 +82,8 @@ def run(
     if not quiet:
         _print_points(summary, f"{experiment.stem}: {len(summary)} points", wide)
     warning = roofline_reliance_warning(summary.to_dict("records"))
-    if warning:
-        console.print(warning, style="yellow", markup=False, highlight=False, soft_wrap=True)
+    for note in [warning] * bool(warning) + summary.attrs.get("notes", []):
+        console.print(note, style="yellow", markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {out_dir}/summary.csv, requests.parquet, report.md and plots")
 
 
@@ -115,18 +115,17 @@ def check(config: Path = typer.Argument(..., help="an experiment, plan or serve 
 
 
 def _check_experiment(path: Path) -> None:
-    from pdsim.config import check_files, expand_sweep, load_experiment
-    from pdsim.sim.build import build_cluster
+    from pdsim.config import expand_sweep, load_experiment
+    from pdsim.runner import check_points
 
     cfg, raw = load_experiment(path)
     points = expand_sweep(cfg, raw, str(path))
-    base_dir = str(path.parent.resolve())
-    for _, pcfg in points:
-        build_cluster(pcfg, base_dir)
-        check_files(pcfg.workload, base_dir, str(path))
+    notes = check_points(points, str(path.parent.resolve()), str(path))
     console.print(f"{path}: valid experiment, {len(points)} point(s)")
     for swept, _ in points:
         console.print("  " + (", ".join(f"{k}={v}" for k, v in swept.items()) or "(no sweep)"))
+    for note in notes:
+        console.print(note, style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
 def _check_plan(path: Path) -> None:

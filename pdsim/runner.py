@@ -166,9 +166,7 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
     cfg, raw = load_experiment(path)
     points = expand_sweep(cfg, raw, str(path))
     base_dir = str(path.parent.resolve())
-    for _, point_cfg in points:  # fail on a bad point before simulating any
-        build_cluster(point_cfg, base_dir)
-        check_files(point_cfg.workload, base_dir, str(path))
+    notes = check_points(points, base_dir, str(path))
     out = Path(out_dir) if out_dir else Path("results") / cfg.name
     out.mkdir(parents=True, exist_ok=True)
     args = [(i, pcfg, swept, base_dir) for i, (swept, pcfg) in enumerate(points)]
@@ -177,6 +175,7 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
     results.sort(key=lambda r: r.index)
     summary = pd.DataFrame([r.summary for r in results])
     summary.insert(1, "label", sweep_labels(summary))
+    summary.attrs["notes"] = notes
     requests = pd.concat([r.requests for r in results], ignore_index=True)
     requests.insert(1, "label", requests["point"].map(dict(zip(summary["point"], summary["label"]))))
     summary.to_csv(out / "summary.csv", index=False)
@@ -191,6 +190,17 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
         plots.append(plot_timeline(timeline, out / "timeline.png", slo=cfg.slo))
     write_report(summary, out, title=cfg.name, config_text=path.read_text(), plots=plots, slo=cfg.slo)
     return summary, out
+
+
+def check_points(points: list, base_dir: str, source: str) -> list[str]:
+    """Build every sweep point's cluster and check the files it names, so that a bad point
+    fails before any is simulated; return the notes on what SGLang would not run as
+    configured (`ClusterSpec.notes`), each once."""
+    notes: dict[str, None] = {}
+    for _, point_cfg in points:
+        notes.update(dict.fromkeys(build_cluster(point_cfg, base_dir).notes))
+        check_files(point_cfg.workload, base_dir, source)
+    return list(notes)
 
 
 def _execute(pool: Pool, args: list, show: bool, name: str) -> list[PointResult]:

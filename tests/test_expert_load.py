@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import yaml
+from typer.testing import CliRunner
 
+from pdsim.cli import app
 from pdsim.config import ConfigError, parse_experiment
 from pdsim.core.batch import BatchShape
 from pdsim.sim.build import build_cluster
@@ -159,3 +162,22 @@ def test_each_model_family_routes_with_aiconfigurators_exponent() -> None:
     qwen3_load = make_cost_model("roofline", qwen3, H200, par)._load
     flat = ExpertLoad(qwen3.num_experts, qwen3.experts_per_token, 8, alpha=1.01)
     assert qwen3_load.imbalance(4096) > 1.05 * flat.imbalance(4096)
+
+
+def test_experts_that_do_not_split_over_the_ranks_are_noted_as_sglang_refuses_them(tmp_path):
+    """SGLang asserts that the physical experts divide by the EP size (expert_location.py),
+    EPLB or not: such a point is priced (its uneven blocks) and noted, by `pdsim check` too."""
+    ep72 = {"tp": 72, "ep": 72, "dp_attention": 72, "moe_a2a": "deepep",
+            "scheduler": {"mem_fraction_static": 0.88}}
+    (note,) = build_cluster(experiment(ep72)).notes
+    assert note.startswith("decode: ep=72 does not divide deepseek-v3's 256 experts")
+    assert "`eplb: {redundant_experts: 32}`" in note
+    assert build_cluster(experiment({**ep72, "eplb": {"redundant_experts": 32}})).notes == ()
+    assert build_cluster(experiment(DECODE)).notes == ()  # 256 over 16
+    config = tmp_path / "ep72.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "x", "model": "deepseek-v3", "hardware": "h200", "cost_model": {"name": "roofline"},
+        "cluster": {"prefill": {"tp": 8, "ep": 8, "dp_attention": 8, "moe_a2a": "deepep"},
+                    "decode": ep72}, "workload": WORKLOAD}))
+    result = CliRunner().invoke(app, ["check", str(config)])
+    assert result.exit_code == 0 and "refuses without EPLB" in " ".join(result.output.split())

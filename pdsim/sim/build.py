@@ -13,6 +13,7 @@ from pdsim.core.running import Speculation
 from pdsim.deployment import SchedulerKnobs
 from pdsim.sim.spec import ClusterSpec, ColdStart, RoleSpec
 from pdsim.sim.cost import Parallelism, make_cost_model, pool_sizes, weight_bytes_per_gpu
+from pdsim.sim.expert_load import uneven_split_note
 from pdsim.sim.pipeline import fit_dynamic_chunking
 from pdsim.sim.network import PROTOCOLS, NetworkModel, descriptor_counts, stage_kv_page_bytes
 from pdsim.sim.speculative import (
@@ -246,7 +247,10 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
         descriptors_per_run=per_run,
         descriptors_per_page=per_page,
     )
-    overheads = {"frontend_latency_s": cfg.router.frontend_latency_s,
+    roles = {"colocated": c.colocated} if not pd else {"prefill": c.prefill, "decode": c.decode}
+    notes = tuple(note for name, role in roles.items() if model.is_moe and role.eplb is None
+                  and (note := uneven_split_note(name, model.name, model.num_experts, role.ep)))
+    overheads = {"notes": notes, "frontend_latency_s": cfg.router.frontend_latency_s,
                  "idle_wakeup_s": cfg.router.idle_wakeup_s,
                  "idle_after_s": cfg.router.idle_after_s,
                  "jitter_s": tuple(cfg.router.jitter_s),

@@ -63,6 +63,18 @@ def check_redundant_experts(redundant: int, num_experts: int, ep: int) -> None:
                          f"on every other rank ({num_experts * (ep - 1)})")
 
 
+def uneven_split_note(role: str, model: str, num_experts: int, ep: int) -> str | None:
+    """Without EPLB SGLang places `num_experts` in equal blocks on the `ep` ranks and refuses
+    to start when they do not divide; the simulator prices the uneven blocks (a skew, not a
+    deployment). The note says so and which EPLB copies make it one, or None."""
+    if ep < 2 or not num_experts % ep:
+        return None
+    fits = next(n for n in range(1, ep) if (num_experts + n) % ep == 0)
+    return (f"{role}: ep={ep} does not divide {model}'s {num_experts} experts, which SGLang "
+            f"refuses without EPLB; priced as uneven blocks. `eplb: {{redundant_experts: "
+            f"{fits}}}` makes it a deployment SGLang runs")
+
+
 def popularity(num_experts: int, rng: np.random.Generator, alpha: float = DEFAULT_ALPHA,
                x_min: float = DEFAULT_X_MIN, x_max: float = DEFAULT_X_MAX) -> np.ndarray:
     """One layer's expert popularity: power-law weights (inverse-CDF draws), summing to 1."""
