@@ -436,3 +436,25 @@ def test_silicon_breakdown_adds_up_and_dense_dp_drops_the_collective():
     # all 1600 tokens over the NICs; run whole per GPU it has none, and the MoE layers are alike.
     assert parts[None]["dense_comm"] > 5 * parts[1]["dense_mlp"] and parts[1]["dense_comm"] == 0
     assert parts[None]["moe_comm"] == parts[1]["moe_comm"]
+
+
+@needs_tables
+def test_mxfp4_experts_read_the_activations_sglang_gives_them():
+    """gpt-oss's MXFP4 experts: MXFP8 activations on Blackwell's FP4 tensor cores (SGLang's
+    trtllm-gen MoE at --flashinfer-mxfp4-moe-precision default), BF16 on Hopper (weight-only);
+    a curve reads those rows as measured."""
+    oss = load_model_spec("gpt-oss-120b")
+    shape = (oss.hidden_size, oss.moe_intermediate_size, oss.experts_per_token, oss.num_experts)
+    read = {}
+    for system, gpu, dtype in (("b200_sxm", "b200", "w4a8_mxfp4_mxfp8"),
+                               ("h200_sxm", "h200", "w4a16_mxfp4")):
+        ops = OpTables(system, "sglang", "current", load_hardware_spec(gpu))
+        t = tables.read_table(tables.table_path(system, "moe", "sglang", ops.version,
+                                                "moe_perf.parquet"))
+        rows = t[(t.moe_dtype == dtype) & (t.distribution == "power_law_1.2")
+                 & (t.hidden_size == shape[0]) & (t.inter_size == shape[1]) & (t.topk == shape[2])
+                 & (t.num_experts == shape[3]) & (t.moe_tp_size == 1) & (t.moe_ep_size == 1)
+                 & (t.num_tokens == 8192)]
+        read[gpu] = ops.moe(*shape, 1, 1, "mxfp4", "power_law_1.2")(8192)
+        assert read[gpu] == pytest.approx(rows.latency.min() * 1e-3, rel=1e-9)
+    assert read["b200"] < read["h200"] / 2  # the same layer with BF16 activations: 3.3x slower

@@ -62,6 +62,19 @@ MOE_DTYPES = {
     "bf16": ("bfloat16",), "fp16": ("bfloat16",), "fp8": ("fp8_block",), "int8": ("fp8_block",),
     "w4a16": ("int4_wo",), "nvfp4": ("nvfp4",), "mxfp4": ("w4a16_mxfp4", "w4a8_mxfp4_mxfp8"),
 }
+# MXFP4 experts on FP4 tensor cores (Blackwell): SGLang's trtllm-gen MoE quantises the
+# activations to MXFP8 unless --flashinfer-mxfp4-moe-precision bf16 (its default is
+# "default"); elsewhere it runs them weight-only in BF16 (`WEIGHT_ONLY_ON`).
+MXFP4_ON_FP4_CORES = ("w4a8_mxfp4_mxfp8", "w4a16_mxfp4")
+
+
+def moe_dtypes(dtype: str, hw: HardwareSpec) -> tuple[str, ...]:
+    """The MoE tables' dtype names for experts in `dtype` on `hw`, best first."""
+    if dtype == "mxfp4" and compute_on(dtype, hw) == "fp4":
+        return MXFP4_ON_FP4_CORES
+    return MOE_DTYPES[dtype]
+
+
 _TABLE_TO_PDSIM = {"bfloat16": "bf16", "fp8": "fp8", "fp8_block": "fp8", "int8_wo": "int8",
                    "int4_wo": "w4a16", "nvfp4": "nvfp4", "w4a16_mxfp4": "w4a16",
                    "w4a8_mxfp4_mxfp8": "mxfp4"}
@@ -527,7 +540,7 @@ class OpTables:
         routing")."""
         import pandas as pd  # here, not at import: the roofline-only simulator never reads a table
         t = self._need("moe", "moe_perf.parquet")
-        wanted = MOE_DTYPES[dtype]
+        wanted = moe_dtypes(dtype, self.hw)
         present = set(t["moe_dtype"].unique())
         used = next((d for d in wanted if d in present), None)
         if used is None:
@@ -599,7 +612,8 @@ class OpTables:
                 f"allowed: balanced, {', '.join(sorted(set(t['distribution']) - {'uniform'}))}")
         t = t[t["distribution"] == wanted]
         present = set(t["moe_dtype"].unique())
-        used = next((d for d in (*MOE_DTYPES[dtype], *_fallbacks(dtype, self.hw)) if d in present),
+        used = next((d for d in (*moe_dtypes(dtype, self.hw), *_fallbacks(dtype, self.hw))
+                     if d in present),
                     sorted(present)[0])
         t = t[t["moe_dtype"] == used]
         key = ["hidden_size", "inter_size", "topk", "num_experts", "moe_ep_size"]
@@ -616,7 +630,7 @@ class OpTables:
             g = without_idle_rows(g, t[(t[key[:4]] == pd.Series(shape, index=key[:4])).all(
                 axis=1)], have_ep, shape[2])
         have_roof = self.moe_roofline(*shape, 1, have_ep, _TABLE_TO_PDSIM[used])
-        if have == want and used in MOE_DTYPES[dtype]:
+        if have == want and used in moe_dtypes(dtype, self.hw):
             return Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
         return moved_expert_curve(g, have, have_roof, want,
                               self.moe_roofline(hidden, inter, topk, experts, 1, ep, dtype))
