@@ -48,7 +48,7 @@ RAY_ADDRESS_OPTION = typer.Option(
 
 def _fmt(col: str, row) -> str:
     v = row[col]
-    if col.endswith("_s") and not col.startswith("goodput"):
+    if col.startswith(("ttft_", "itl_", "e2e_", "tpot_")):  # latencies, in seconds
         return f"{v * 1e3:.1f}"
     if v != v:  # NaN: the column does not apply (no prefill instances, say)
         return "–"
@@ -95,6 +95,10 @@ def _print_points(summary, title: str, wide: bool) -> None:
     names, legend = short_labels(summary["label"], "p")
     table = TABLE_COLUMNS + ((("prefix hit", "prefix_hit_rate", 1),)
                              if shows_prefix_hits(summary) else ())
+    closed = summary["request_rate"].isna()  # closed loops offer no rate: show the served one
+    if closed.any():
+        served = ("served req/s", "request_throughput_req_s", 1)
+        table = (table[0], *table[1:2] * (not closed.all()), served, *table[2:])
     columns = [Column(name, priority, justify="left" if col is None else "right")
                for name, col, priority in table]
     rows = [[name] + [_fmt(col, row) for _, col, _ in table[1:]]

@@ -343,7 +343,8 @@ def field_title(field: str) -> str:
     `router.policy` -> "router policy" (a few by name: `_FIELD_TITLES`)."""
     if field in _FIELD_TITLES:
         return _FIELD_TITLES[field]
-    return " ".join(part.replace("_", " ") for part in field.split(".") if part not in _PLACES)
+    parts = [part for part in field.split(".") if part not in _PLACES] or field.split(".")[-1:]
+    return " ".join(part.replace("_", " ") for part in parts)  # a place alone names itself
 
 
 def _legend_value(field: str, value) -> str:

@@ -139,6 +139,29 @@ def test_trace_sweep_table_fits_80_columns_with_a_legend(tmp_path):
     assert "P busy" in wide and "D batch" in wide and "…" not in wide
 
 
+def test_a_closed_loop_table_shows_the_requests_served_per_second(tmp_path):
+    """Closed loops offer no rate; their table shows what was served instead of a dash, and a
+    sweep of both kinds shows both. Throughputs read as rates, not as seconds in ms."""
+    closed = {"process": "closed", "concurrency": 4, "think_time_s": 0}
+    config = tiny(sweep={"workload.arrival": [closed, {"process": "poisson", "rate_rps": 4}]})
+    (tmp_path / "mixed.yaml").write_text(yaml.safe_dump(config))
+    output = cli("run", str(tmp_path / "mixed.yaml"), "--out", str(tmp_path / "out"),
+                 "--jobs", "1", columns=200)
+    summary = pd.read_csv(tmp_path / "out" / "summary.csv")
+    header = next(line for line in output.splitlines() if "TTFT" in line)
+    assert "req/s" in header and "served req/s" in header
+    rows = [line.split("│") for line in output.splitlines() if line.startswith("│")]
+    served = [float(cells[3]) for cells in rows]
+    assert served == pytest.approx(list(summary["request_throughput_req_s"]), rel=0.01)
+    assert 1 < min(served) and max(served) < 100  # requests per second, not ms
+    config = tiny(workload={**tiny()["workload"], "arrival": closed})
+    (tmp_path / "closed.yaml").write_text(yaml.safe_dump(config))
+    output = cli("run", str(tmp_path / "closed.yaml"), "--out", str(tmp_path / "out2"),
+                 "--jobs", "1", columns=200)
+    header = next(line for line in output.splitlines() if "TTFT" in line)
+    assert "served req/s" in header and "req/s" not in header.replace("served req/s", "")
+
+
 @pytest.mark.slow
 def test_plan_frontier_fits_80_columns(tmp_path):
     plan = {
