@@ -128,6 +128,14 @@ def explain_step(cfg: ExperimentConfig, role: str | None = None, batch: int = 64
         steps = [[BatchShape(decode_reqs=batch, decode_context_tokens=batch * context,
                              decode_query_len=k + 1)] * dp]
         words = f"decode of {batch} requests at {context} tokens of context"
+        most = spec.scheduler.max_running_requests  # a DP rank's
+        if batch > most:
+            role_cfg = getattr(cfg.cluster, role)
+            tokens = role_cfg.num_max_dispatch_tokens_per_rank
+            why = (f"DeepEP's low-latency dispatch takes {tokens} tokens a rank"
+                   if role_cfg.moe_a2a == "deepep" and most == tokens // (k + 1)
+                   else "its max_running_requests")
+            words += f" (a run holds at most {most} a rank: {why})"
     if dp > 1:
         words += f", on each of {dp} attention-DP ranks"
     if draft is not None:

@@ -152,6 +152,17 @@ def test_two_batch_overlap_leaves_the_exposed_communication_in_its_group(tmp_pat
     assert got["group_shares"]["moe"] > 0
 
 
+def test_a_batch_above_what_a_run_holds_says_so(tmp_path):
+    """Explain prices any batch, and says when a run could not hold it: DeepEP's low-latency
+    dispatch caps a decode rank at 128 tokens (one each without speculation)."""
+    cfg = config("deepseek-v3", "h200", cost="roofline", role=DEEPEP)
+    code, out = explain(tmp_path, cfg, "--batch", "256")
+    assert code == 0 and ("a run holds at most 128 a rank: DeepEP's low-latency dispatch "
+                          "takes 128 tokens a rank") in " ".join(out.split())
+    code, out = explain(tmp_path, cfg, "--batch", "128")
+    assert code == 0 and "a run holds" not in out
+
+
 @pytest.mark.slow
 @needs_tables
 def test_single_batch_overlap_shows_what_it_hides(tmp_path):
