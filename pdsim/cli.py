@@ -104,7 +104,8 @@ def _print_points(summary, title: str, wide: bool) -> None:
     rows = [[name] + [_fmt(col, row) for _, col, _ in table[1:]]
             for name, (_, row) in zip(names, summary.iterrows())]
     print_table(console, columns, rows, title=title, wide=wide, legend=legend,
-                caption="latencies in ms; goodput: requests/s meeting the SLO")
+                caption="latencies in ms; goodput: requests/s meeting the SLO; $/Mtok: "
+                "per million output tokens")
 
 
 @app.command()
@@ -362,8 +363,8 @@ def _print_frontier(result, wide: bool) -> None:
                     f"{len(result.candidates)} candidates stopped early")
         return
     print_table(console, columns, rows, wide=wide, legend=legend, caption="latencies in ms",
-                title=f"{result.plan.name}: Pareto frontier of {simulated} simulated of "
-                f"{len(result.candidates)} candidates")
+                title=f"{result.plan.name}: the Pareto frontier, {len(rows)} of the {simulated} "
+                f"simulated of {len(result.candidates)} candidates (the rest are dominated)")
 
 
 @app.command()
