@@ -264,7 +264,7 @@ def profile_cold_start(config, timings, *, repeats: int = 5) -> ColdFit:
     if factor < 1:
         factor, step_s = 1.0, float(np.median(idle - warm))
     return ColdFit(max(0.0, float(step_s)), float(factor),
-                    [(float(w), float(c)) for w, c in zip(warm, idle)])
+                   [(float(w), float(c)) for w, c in zip(warm, idle)])
 
 
 def profile_transfer(config, *, repeats: int = 5,

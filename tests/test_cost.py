@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdsim.config import expand_sweep, load_experiment, parse_experiment
-from pdsim.core.batch import BatchShape, extend_attn_pairs
+from pdsim.core.batch import BatchShape, extend_shape, extend_attn_pairs
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cost import (
     CostModel,
@@ -415,6 +415,9 @@ def test_micro_batches_cut_each_rank_as_sglang_does() -> None:
     assert [s.decode_context_tokens for s in first + second] == [0, 100, 0, 0, 100, 200, 0, 0]
     assert (first[2].prefill_tokens, second[2].prefill_tokens) == (2, 3)
     assert first[2].prefill_attn_pairs + second[2].prefill_attn_pairs == prefill(5).prefill_attn_pairs
+    # both halves of a chunk after a cached prefix attend over it (MLA's form follows it)
+    halves = micro_batches([extend_shape(1024, 2048)])
+    assert [h[0].prefill_prefix_tokens for h in halves] == [2048, 2048]
 
 
 def test_two_batch_overlap_with_one_request_per_rank_leaves_a_micro_batch_empty() -> None:

@@ -54,13 +54,20 @@ def check_redundant_experts(redundant: int, num_experts: int, ep: int) -> None:
         raise ValueError(f"eplb.redundant_experts={redundant} needs expert parallelism (ep > 1), "
                          f"got ep={ep}")
     if (num_experts + redundant) % ep:
-        fits = [n for n in range(2 * ep) if (num_experts + n) % ep == 0][:2]
         raise ValueError(
             f"eplb.redundant_experts={redundant}: {num_experts} experts + {redundant} copies "
-            f"must split evenly over ep={ep} ranks; e.g. {' or '.join(map(str, fits))}")
+            f"must split evenly over ep={ep} ranks; e.g. "
+            f"{' or '.join(map(str, even_copies(num_experts, ep)))}")
     if redundant > num_experts * (ep - 1):
         raise ValueError(f"eplb.redundant_experts={redundant} exceeds one copy of every expert "
                          f"on every other rank ({num_experts * (ep - 1)})")
+
+
+def even_copies(num_experts: int, ep: int) -> tuple[int, int]:
+    """The two fewest redundant copies (0 included) with which `num_experts` split evenly
+    over `ep` ranks."""
+    first = -num_experts % ep
+    return first, first + ep
 
 
 def uneven_split_note(role: str, model: str, num_experts: int, ep: int) -> str | None:
@@ -69,10 +76,9 @@ def uneven_split_note(role: str, model: str, num_experts: int, ep: int) -> str |
     deployment). The note says so and which EPLB copies make it one, or None."""
     if ep < 2 or not num_experts % ep:
         return None
-    fits = next(n for n in range(1, ep) if (num_experts + n) % ep == 0)
     return (f"{role}: ep={ep} does not divide {model}'s {num_experts} experts, which SGLang "
             f"refuses without EPLB; priced as uneven blocks. `eplb: {{redundant_experts: "
-            f"{fits}}}` makes it a deployment SGLang runs")
+            f"{even_copies(num_experts, ep)[0]}}}` makes it a deployment SGLang runs")
 
 
 def popularity(num_experts: int, rng: np.random.Generator, alpha: float = DEFAULT_ALPHA,
