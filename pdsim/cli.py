@@ -24,8 +24,8 @@ def _exits_on(*errors: type[Exception], status: int = 2) -> Iterator[None]:
 
     try:
         yield
-    except errors as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+    except errors as exc:  # on standard error: standard output may be a file's text
+        Console(stderr=True).print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(status) from None
 # (header, summary column, priority: the largest numbers are dropped first on a narrow terminal)
 TABLE_COLUMNS = (
@@ -585,7 +585,7 @@ def presets(wide: bool = WIDE_OPTION) -> None:
                      for v in (name, h.bf16_tflops, h.fp8_tflops, h.fp4_tflops, h.hbm_gib,
                                h.hbm_gb_per_s, h.nvlink_gb_per_s, h.rdma_gb_per_s,
                                h.gpus_per_node, h.usd_per_gpu_hour)])
-    headers = (("BF16 TF", 1), ("FP8 TF", 1), ("FP4 TF", 2), ("HBM GB", 1), ("HBM GB/s", 1),
+    headers = (("BF16 TF", 1), ("FP8 TF", 1), ("FP4 TF", 2), ("HBM GiB", 1), ("HBM GB/s", 1),
                ("NVLink GB/s", 2), ("NIC GB/s", 2), ("NVLink domain", 3), ("$/GPU-h", 1))
     columns = [Column("name", 0, "left")] + [Column(h, p) for h, p in headers]
     print_table(console, columns, rows, wide=wide,

@@ -246,7 +246,7 @@ def test_malformed_file_exits_2_with_the_message(tmp_path):
     path.write_text("arrival_s,input_tokens,output_tokens,ttft_s,itls_s\n0,4,3,0.1,0.1;x\n")
     proc = pdsim("compare", str(config), "--measured", "c.csv", cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
-    assert "c.csv line 2: column itls_s: '0.1;x'" in " ".join(proc.stdout.split())
+    assert "c.csv line 2: column itls_s: '0.1;x'" in " ".join(proc.stderr.split())
 
 
 def test_text_prompts_encode_to_exact_lengths(tmp_path):

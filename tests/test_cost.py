@@ -467,8 +467,24 @@ def test_role_and_deepep_reach_the_cost_model_from_an_experiment() -> None:
                           "two_batch_overlap": True}}, "workload": WORKLOAD})
     dense = parse_experiment({"name": "x", "cluster": {"decode": {
         "tp": 2, "ep": 2, "moe_a2a": "deepep"}}, "workload": WORKLOAD})
-    with pytest.raises(ValueError, match="cluster.decode: ep=2 needs a MoE model"):
-        build_cluster(dense)
+    with pytest.raises(ValueError, match="cluster.decode: ep=2 needs a MoE model; "
+                                         "llama-3.1-8b is dense: drop ep \\(1\\)$"):
+        build_cluster(dense)  # the whole message: no advice on memory it does not need
+
+
+@pytest.mark.parametrize("tp", [3, 64])
+def test_attention_that_does_not_split_evenly_is_refused_as_sglang_refuses_it(tp) -> None:
+    """32 query and 8 KV heads split over 1, 2, 4, 8 (KV heads divide) or 16, 32 GPUs (they
+    replicate); 3 and 64 were priced (64 divided by zero in the silicon tables)."""
+    cfg = parse_experiment({"name": "x", "cluster": {"prefill": {"tp": tp}, "decode": {}},
+                            "workload": WORKLOAD})
+    with pytest.raises(ValueError, match=f"cluster.prefill: attention tp={tp} .* does not split "
+                       "llama-3.1-8b's 32 query heads and 8 KV heads evenly, as SGLang "
+                       "requires; allowed: 1, 2, 4, 8, 16, 32"):
+        build_cluster(cfg)
+    mla = model_preset("deepseek-v3")
+    assert mla.attention_split_error(16) is None and "allowed: 1, 2, 4, 8, 16, 32, 64, 128" in (
+        mla.attention_split_error(3) or "")
 
 
 # ----- precisions ------------------------------------------------------------------------------

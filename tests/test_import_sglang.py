@@ -283,3 +283,7 @@ def test_the_first_published_instructions_spellings_and_a_sweeping_base():
                              base, model="deepseek-v3")
     assert any("--speculative-num-draft-tokens 8 (a chain of 3 steps verifies 4)" in n
                for n in notes)
+    # SGLang's argparse takes --dp for --dp-size (an abbreviation): DP attention stays
+    short, notes = import_sglang(script.replace("--dp-size", "--dp"), base, model="deepseek-v3")
+    assert short["cluster"]["decode"]["dp_attention"] == 72
+    assert not any("--dp" in n for n in notes)

@@ -328,6 +328,10 @@ def test_candidates_cover_modes_counts_and_tp_mismatch():
                                                                   "allow_tp_mismatch": False}}),
                                     load_model_spec("llama-3.1-8b"), 4)
     assert all(len({s.tp for _, _, s in d.roles}) == 1 for d in same_tp)
+    # No attention split SGLang refuses: 32 query and 8 KV heads over 3 GPUs.
+    odd = parse_plan({**SMALL, "search": {"tp": [1, 3]}})
+    assert {s.tp for d in enumerate_deployments(odd, load_model_spec("llama-3.1-8b"), 4)
+            for _, _, s in d.roles} == {1}
     # A dense model gets no EP or DeepEP shapes even when the search lists them.
     dense = parse_plan({**SMALL, "search": {"tp": [2], "ep": [1, 2], "moe_a2a": ["none", "deepep"]}})
     assert {s for d in enumerate_deployments(dense, load_model_spec("llama-3.1-8b"), 4)
@@ -390,20 +394,22 @@ def test_dense_layers_per_gpu_are_searched_on_dp_attention_shapes_of_moe_models_
 
 
 def test_eplb_is_searched_where_the_experts_and_copies_split_evenly():
-    def shapes(tp: int, eps: list[int]) -> set[RoleShape]:
+    def shapes(tp: int, eps: list[int], dp: int = 8) -> set[RoleShape]:
         moe = parse_plan({**SMALL, "model": "deepseek-v3", "hardware": "h200", "max_gpus": 24,
-                          "search": {"tp": [tp], "dp_attention": [8], "ep": eps,
+                          "search": {"tp": [tp], "dp_attention": [dp], "ep": eps,
                                      "eplb_redundant_experts": [None, 0, 32]}})
         return {s for d in enumerate_deployments(moe, load_model_spec("deepseek-v3"), 24)
                 for _, _, s in d.roles}
 
-    # 256 experts: EP 8 takes 0 or 32 copies; EP 24 takes 32 (288 = 12 x 24) but not 0
+    # 256 experts: EP 8 takes 0 or 32 copies; EP 24 takes 32 (288 = 12 x 24), but neither 0
+    # nor no EPLB at all (SGLang asserts that the physical experts divide by the EP size)
     assert shapes(8, [1, 8]) == {RoleShape(8, 8), RoleShape(8, 8, 8),
                                  RoleShape(8, 8, 8, eplb=True),
                                  RoleShape(8, 8, 8, eplb=True, redundant_experts=32)}
-    assert shapes(24, [24]) == {RoleShape(24, 8, 24),
-                                RoleShape(24, 8, 24, eplb=True, redundant_experts=32)}
-    assert RoleShape(24, 8, 24, eplb=True, redundant_experts=32).label == "TP24 DP8 EP24 EPLB+32"
+    assert shapes(24, [24], dp=24) == {RoleShape(24, 24, 24, eplb=True, redundant_experts=32)}
+    assert RoleShape(24, 24, 24, eplb=True, redundant_experts=32).label == "TP24 DP24 EP24 EPLB+32"
+    # nor a shape whose attention GPUs (tp / dp_attention = 3) split 128 heads unevenly
+    assert shapes(24, [24]) == set()
     with pytest.raises(ConfigError, match="eplb_redundant_experts: null or integers >= 0"):
         parse_plan({**SMALL, "search": {"eplb_redundant_experts": [-1]}})
 

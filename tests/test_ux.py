@@ -224,7 +224,7 @@ def test_a_point_failing_in_a_worker_process_is_one_line(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    error = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "sweep point 1 (workload.num_requests=50)" in error[0]
     assert "50 requested" in error[0] and "holds 12" in error[0]
     assert "Traceback" not in proc.stdout + proc.stderr
@@ -345,3 +345,17 @@ def test_layout_drops_the_least_important_columns_first_and_never_cuts_a_cell():
     assert all(w >= len(rows[0][i]) for i, w in zip(shown, widths))
     assert layout(columns, rows, None)[0] == [0, 1, 2, 3]  # --wide: every column
     assert layout(columns, rows, 10)[0] == [0]  # the label stays, however narrow
+
+
+def test_errors_go_to_standard_error(tmp_path):
+    """An error is on standard error, so a command whose output is a file's text (import-sglang
+    > exp.yaml) writes none of it there."""
+    from typer.testing import CliRunner
+
+    from pdsim.cli import app
+
+    config = tiny(cluster={"prefill": {"tp": 3}, "decode": {}})
+    (tmp_path / "tp3.yaml").write_text(yaml.safe_dump(config))
+    result = CliRunner().invoke(app, ["check", str(tmp_path / "tp3.yaml")])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: cluster.prefill: attention tp=3")

@@ -154,11 +154,11 @@ def _eplb_options(redundant: Sequence[int | None], model: ModelSpec, ep: int
                   ) -> list[tuple[bool, int]]:
     """(eplb, redundant experts) settings for an instance of `ep` expert-parallel ranks: without
     EP none; with it each of the search's settings whose experts and copies split evenly over
-    the ranks (SGLang's rule; None: no EPLB)."""
+    the ranks (SGLang's rule, EPLB or not; None: no EPLB)."""
     if ep == 1:
         return [(False, 0)]
     return [(False, 0) if n is None else (True, n) for n in redundant
-            if n is None or (model.num_experts + n) % ep == 0]
+            if (model.num_experts + (n or 0)) % ep == 0]
 
 
 def _overlaps(s: SearchSpace, prefill: bool) -> list[tuple[bool, bool]]:
@@ -182,7 +182,8 @@ def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
         for dp in s.dp_attention:
             for ep in s.ep:
                 for a2a in s.moe_a2a:
-                    if tp % dp or tp % ep or (ep > 1 and not model.is_moe):
+                    if (tp % dp or tp % ep or (ep > 1 and not model.is_moe)
+                            or model.attention_split_error(tp // dp) is not None):
                         continue
                     if a2a == "deepep" and not (model.is_moe and ep == tp > 1):
                         continue

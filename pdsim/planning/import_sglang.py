@@ -136,7 +136,7 @@ def _server_parser() -> argparse.ArgumentParser:
     # SGLang's long spellings too (server_args.py)
     p.add_argument("--tp-size", "--tp", "--tensor-parallel-size", type=int, default=1)
     p.add_argument("--pp-size", "--pipeline-parallel-size", type=int, default=1)
-    p.add_argument("--dp-size", "--data-parallel-size", type=int, default=1)
+    p.add_argument("--dp-size", "--dp", "--data-parallel-size", type=int, default=1)
     p.add_argument("--enable-dp-attention", action="store_true")
     p.add_argument("--ep-size", "--ep", "--expert-parallel-size", type=int, default=1)
     p.add_argument("--moe-a2a-backend", default="none")

@@ -414,6 +414,19 @@ class ModelSpec(BaseModel):
         return round(self.num_full_attention_layers * self.kv_elems_per_token_per_layer
                      * kv_dtype_bytes)
 
+    def attention_split_error(self, attn_tp: int) -> str | None:
+        """Why SGLang cannot split this model's attention over `attn_tp` GPUs, or None: its
+        attention layers assert that the query heads divide evenly, and that the KV heads
+        divide by the GPUs or the GPUs by them (a KV head then replicates)."""
+        heads, kv = self.num_attention_heads, self.num_kv_heads
+        fits = [n for n in range(1, heads + 1) if not heads % n
+                and (self.is_mla or not (kv % n if n <= kv else n % kv))]
+        if attn_tp in fits:
+            return None
+        return (f"attention tp={attn_tp} (tp / dp_attention) does not split {self.name}'s "
+                f"{heads} query heads" + ("" if self.is_mla else f" and {kv} KV heads")
+                + f" evenly, as SGLang requires; allowed: {', '.join(map(str, fits))}")
+
     def kv_heads_per_rank(self, tp: int) -> int:
         """KV heads one attention-TP rank holds: `max(1, num_kv_heads // tp)` (heads replicate
         when tp exceeds them). MLA's latent is one "head", replicated on every rank."""
