@@ -80,7 +80,9 @@ def run(
         summary, out_dir = run_experiment(experiment, out, jobs, progress=not quiet,
                                           executor=executor, ray_address=ray_address)
     if not quiet:
-        _print_points(summary, f"{experiment.stem}: {len(summary)} points", wide)
+        from pdsim.tables import counted
+
+        _print_points(summary, f"{experiment.stem}: {counted(len(summary), 'point')}", wide)
     warning = roofline_reliance_warning(summary.to_dict("records"))
     for note in [warning] * bool(warning) + summary.attrs.get("notes", []):
         console.print(note, style="yellow", markup=False, highlight=False, soft_wrap=True)

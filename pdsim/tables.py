@@ -86,6 +86,11 @@ def short_labels(labels: Sequence[str], prefix: str) -> tuple[list[str], list[tu
     return names, list(zip(names, labels))
 
 
+def counted(n: int, noun: str) -> str:
+    """"1 GPU", "8 GPUs"."""
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
 def shows_prefix_hits(summary) -> bool:
     """Whether a table of run summaries has a prefix-hit column: some run took prompt tokens
     from a prefix cache (`prefix_hit_rate` > 0; without a cache it is 0 everywhere)."""

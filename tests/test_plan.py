@@ -282,6 +282,23 @@ def test_instances_sharing_a_node_get_their_own_gpus_and_ports():
     assert not router.pd_disaggregation and len(router.worker_urls) == 6
 
 
+def test_a_checkpoints_config_json_launches_from_its_directory(tmp_path):
+    """SGLang's --model-path takes a checkpoint's directory (or an HF id), not its config.json;
+    launch.model_path overrides it."""
+    import json
+
+    from pdsim.specs.servable import SERVABLE_HF_CONFIGS
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(SERVABLE_HF_CONFIGS["tiny-llama"]))
+    dep = Candidate("colocated", (("colocated", 1, RoleShape(1)),))
+    for launch, want in (({}, str(checkpoint)), ({"model_path": "org/Model"}, "org/Model")):
+        cfg = parse_plan({**SMALL, "model": str(checkpoint / "config.json"), "launch": launch})
+        (_, line), = sglang_commands(dep, cfg, gpus_per_node=8).servers
+        assert _parse(_server_parser(), line, "sglang.launch_server").model_path == want
+
+
 def test_the_router_line_carries_cache_aware_settings():
     cfg = parse_plan({**SMALL, "router": {"policy": "cache_aware", "policy_options": {
         "cache_threshold": 0.5, "balance_abs_threshold": 32, "max_tree_size": 4096}}})

@@ -155,7 +155,8 @@ class LaunchConfig(_Spec):
     node; the next instances on it take the next ones)."""
 
     model_path: str | None = Field(None, description="--model-path (HF id or local path); "
-                                   "default: the model's name")
+                                   "default: the model's name, or the directory of its "
+                                   "config.json")
     transfer_backend: Literal["mooncake", "nixl"] = "mooncake"
     ib_device: str = Field("mlx5_0", description="--disaggregation-ib-device")
     base_port: int = Field(30000, ge=1, le=65535)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import shlex
+from pathlib import Path
 from dataclasses import dataclass
 
 import yaml
@@ -109,7 +110,12 @@ def _instance(plan: PlanConfig, role: str, index: int, shape: RoleShape,
 
 
 def _model_name(plan: PlanConfig) -> str:
-    return plan.model if isinstance(plan.model, str) else str(plan.model.get("name", "MODEL"))
+    """`--model-path` unless `launch.model_path` names it: a checkpoint's directory for its
+    config.json (SGLang reads the directory), else the model as the plan names it."""
+    if not isinstance(plan.model, str):
+        return str(plan.model.get("name", "MODEL"))
+    path = Path(plan.model)
+    return str(path.parent) if path.name.endswith(".json") else plan.model
 
 
 def sglang_commands(dep: Candidate, plan: PlanConfig, gpus_per_node: int) -> LaunchCommands:

@@ -13,6 +13,7 @@ import pandas as pd
 import yaml
 
 from pdsim.planning.result import Choice, PlanResult, axis_column, latency_columns
+from pdsim.tables import counted
 
 # pdsim.plots.INTERACTIVITY_PNG, not imported from there: pdsim.plots loads matplotlib, which
 # the simulation workers (they import this package) do without.
@@ -126,7 +127,7 @@ def _fmt(v, unit: str = "") -> str:
 def _choice_md(title: str, c: Choice, cfg) -> list[str]:
     s = c.summary
     lines = [f"## {title}: {c.deployment.label}", "",
-             f"- {int(s['num_gpus'])} GPUs, ${_fmt(s['usd_per_hour'])}/hour, "
+             f"- {counted(int(s['num_gpus']), 'GPU')}, ${_fmt(s['usd_per_hour'])}/hour, "
              f"${_fmt(s['usd_per_mtok'])} per million output tokens",
              f"- {_fmt(s['output_tok_s_per_gpu'])} output tok/s per GPU, goodput "
              f"{_fmt(s['goodput_req_s_per_gpu'])} req/s per GPU, {_fmt(s['goodput_req_per_usd'])} "

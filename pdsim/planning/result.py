@@ -12,6 +12,7 @@ from pdsim.planning.bottleneck import Bottleneck
 from pdsim.planning.candidates import Candidate
 from pdsim.planning.config import PlanConfig
 from pdsim.planning.launch import LaunchCommands
+from pdsim.tables import counted
 
 
 @dataclass
@@ -51,7 +52,7 @@ class PlanResult:
 def choice_line(title: str, c: Choice) -> str:
     """One line on a pick, as `pdsim plan` prints it (and the docs quote it)."""
     s = c.summary
-    return (f"{title}: {c.deployment.label}, {c.deployment.num_gpus} GPUs, "
+    return (f"{title}: {c.deployment.label}, {counted(c.deployment.num_gpus, 'GPU')}, "
             f"${s['usd_per_hour']:,.2f}/h, ${s['usd_per_mtok']:,.3f}/Mtok; bottleneck: "
             f"{c.bottleneck.name} ({c.bottleneck.words})")
 
