@@ -74,7 +74,7 @@ def test_bad_config_exits_2_with_a_clear_message(tmp_path):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
     proc = pdsim("run", "bad.yaml", cwd=tmp_path)
     assert proc.returncode == 2
-    assert "router.policy" in proc.stdout and "round_robin" in proc.stdout
+    assert "router.policy" in proc.stderr and "round_robin" in proc.stderr
     assert not (tmp_path / "results").exists()
 
 

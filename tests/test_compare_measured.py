@@ -167,7 +167,7 @@ def test_compare_a_bench_serving_file_end_to_end(tmp_path):
     path.write_text(json.dumps(bench_serving_run(request_rate=2.0)) + "\n"
                     + json.dumps(bench_serving_run(max_concurrency=1)) + "\n")
     proc = pdsim("compare", str(config), "--measured", str(path), "--out", "out", cwd=tmp_path)
-    assert proc.returncode == 2 and "--run LINE" in " ".join(proc.stdout.split())
+    assert proc.returncode == 2 and "--run LINE" in " ".join(proc.stderr.split())
     proc = pdsim("compare", str(config), "--measured", str(path), "--run", "2", "--out", "out",
                  cwd=tmp_path)
     table = verdict(proc, tmp_path / "out")

@@ -459,7 +459,7 @@ def test_cli_plan_end_to_end(tmp_path):
     assert load_plan(tmp_path / "tiny.yaml").name == "tiny_plan"
     bad = subprocess.run([sys.executable, "-m", "pdsim.cli", "plan", "missing.yaml"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "no such plan file" in bad.stdout
+    assert bad.returncode == 2 and "no such plan file" in bad.stderr
 
 
 def test_a_plan_whose_every_run_stops_early_says_where_and_why(tmp_path):
@@ -495,6 +495,27 @@ def test_tpot_floor_discards_when_one_request_steps_are_too_slow():
     verdict = filt.check(dep)
     assert not verdict.keep and verdict.reason.startswith("TPOT floor")
     assert cfg.slo.request_slo().itl_s == 0.001  # goodput's per-request mean-ITL bound
+
+
+def test_a_pool_that_cannot_hold_the_longest_request_is_discarded_before_simulating():
+    """The core refuses a request its instance's pool cannot hold whole (a prefill instance its
+    prompt, a decode one its prompt and output): such a candidate never runs a request."""
+    long = {**SMALL["workload"], "input_len": {"dist": "fixed", "value": 8_192},
+            "output_len": {"dist": "fixed", "value": 1_000}}
+    cfg = parse_plan({**SMALL, "model": "llama-3.1-70b", "max_gpus": 16, "workload": long})
+    model, hw = load_model_spec(cfg.model), load_hardware_spec(cfg.hardware)
+    filt = Prefilter(cfg, model, hw, generate(cfg.workload_data()))
+    tp2, tp4 = RoleShape(2), RoleShape(4)
+    pool = {s: filt.capacity("decode", s).kv_tokens_per_rank for s in (tp2, tp4)}
+    assert pool[tp2] < 8_192 < 9_192 < pool[tp4]  # 70B's weights leave TP2 little
+    decode = filt.check(Candidate("disaggregated", (("prefill", 1, tp4), ("decode", 1, tp2))))
+    assert not decode.keep and decode.reason == (
+        f"decode memory: the longest request needs 9,192 KV tokens, a rank's pool holds "
+        f"{pool[tp2]:,}")
+    prefill = filt.check(Candidate("disaggregated", (("prefill", 1, tp2), ("decode", 1, tp4))))
+    assert prefill.reason.startswith("prefill memory: the longest request needs 8,192 KV tokens")
+    both = filt.check(Candidate("disaggregated", (("prefill", 1, tp4), ("decode", 1, tp4))))
+    assert "memory" not in (both.reason or "")
 
 
 @pytest.mark.slow

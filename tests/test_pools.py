@@ -98,7 +98,7 @@ def test_bad_executor_choices_name_the_value(tmp_path):
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(SWEEP))
     proc = subprocess.run([sys.executable, "-m", "pdsim.cli", "run", "sweep.yaml", "--executor",
                            "dask"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "allowed: local, ray" in proc.stdout
+    assert proc.returncode == 2 and "allowed: local, ray" in proc.stderr
 
 
 def test_without_ray_installed_the_error_says_how_to_install_it(monkeypatch):

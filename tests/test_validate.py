@@ -126,7 +126,7 @@ def test_calibration_lies_over_the_experiment(tmp_path):
     (tmp_path / "x.yaml").write_text(yaml.safe_dump(raw))
     proc = pdsim("validate", "x.yaml", "--calibration", "bad.yaml", cwd=tmp_path, timeout=60)
     assert proc.returncode == 2
-    assert "bogus" in proc.stdout and "allowed" in proc.stdout
+    assert "bogus" in proc.stderr and "allowed" in proc.stderr
 
 
 @pytest.mark.real  # runtime.calibration: the real extra

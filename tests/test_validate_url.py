@@ -72,7 +72,7 @@ def test_validate_url_against_a_separately_started_pd_deployment(tmp_path, monke
         # Without the key the endpoint refuses, and validate says so.
         denied = pdsim("validate", str(config), "--url", served.url, "--model", "tiny-llama",
                        "--out", "denied", cwd=tmp_path)
-    assert denied.returncode == 2 and "HTTP 401" in " ".join(denied.stdout.split())
+    assert denied.returncode == 2 and "HTTP 401" in " ".join(denied.stderr.split())
     real = pd.read_csv(tmp_path / "out" / "real_requests.csv")
     work = generate(load_experiment(config)[0].workload)
     # Open loop at the workload's times: each request left within 50 ms of its arrival time.
@@ -133,7 +133,7 @@ def test_url_only_options_need_url(tmp_path):
     config = tmp_path / "pd.yaml"
     config.write_text("name: x\n" + tiny_pd_yaml() + WORKLOAD)
     proc = pdsim("validate", str(config), "--api-key", "k", cwd=tmp_path, timeout=120)
-    assert proc.returncode == 2 and "--url" in proc.stdout
+    assert proc.returncode == 2 and "--url" in proc.stderr
     proc = pdsim("validate", str(config), "--url", "http://127.0.0.1:9", "--api", "generate",
                  "--tokenizer", str(tmp_path), cwd=tmp_path, timeout=120)
-    assert proc.returncode == 2 and "input_ids" in proc.stdout
+    assert proc.returncode == 2 and "input_ids" in proc.stderr

@@ -106,6 +106,15 @@ class Prefilter:
         self.open_loop = workload.closed_loop is None and plan.metrics.whole_run
 
     @cached_property
+    def _longest_prompt(self) -> int:
+        return int(self.workload.input_tokens.max(initial=0))
+
+    @cached_property
+    def _longest_request(self) -> int:
+        w = self.workload
+        return int((w.input_tokens + w.output_tokens).max(initial=0))
+
+    @cached_property
     def _sorted_inputs(self) -> np.ndarray:
         return np.sort(self.workload.input_tokens.astype(np.float64))
 
@@ -162,6 +171,12 @@ class Prefilter:
             cap = self.capacity(role, shape)
             if isinstance(cap, str):
                 return Verdict(False, f"{role}: {cap}")
+            # an instance refuses a request its pool cannot hold whole: a prefill one its
+            # prompt, the others its prompt and every token it may generate (pdsim.core)
+            need = self._longest_prompt if role == "prefill" else self._longest_request
+            if need > cap.kv_tokens_per_rank:
+                return Verdict(False, f"{role} memory: the longest request needs {need:,} KV "
+                               f"tokens, a rank's pool holds {cap.kv_tokens_per_rank:,}")
             caps.append((role, n, cap))
         serving = caps[-1]  # decode, or the colocated role
         first = caps[0]  # prefill, or the colocated role
