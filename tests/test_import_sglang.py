@@ -287,3 +287,8 @@ def test_the_first_published_instructions_spellings_and_a_sweeping_base():
     short, notes = import_sglang(script.replace("--dp-size", "--dp"), base, model="deepseek-v3")
     assert short["cluster"]["decode"]["dp_attention"] == 72
     assert not any("--dp" in n for n in notes)
+    # data-parallel replicas without DP attention are said to be read as one
+    _, notes = import_sglang(script.replace("--enable-dp-attention", ""), base,
+                             model="deepseek-v3")
+    assert any("--dp-size 72 without --enable-dp-attention (SGLang runs 72 replicas of tp 72"
+               in n for n in notes)

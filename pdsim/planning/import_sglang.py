@@ -283,6 +283,10 @@ def _shape(a: argparse.Namespace, env: dict[str, str], line: int,
     if a.ep_num_redundant_experts and not eplb:
         unmodelled.append("--ep-num-redundant-experts (without --enable-eplb or "
                           "--init-expert-location)")
+    if a.dp_size > 1 and not a.enable_dp_attention:
+        unmodelled.append(f"--dp-size {a.dp_size} without --enable-dp-attention (SGLang runs "
+                          f"{a.dp_size} replicas of tp {a.tp_size} behind this server; read as "
+                          "one: give each its own server line, or instances in the base)")
     return shape
 
 
