@@ -152,5 +152,5 @@ def test_one_role_alone_and_cli_errors(tmp_path, monkeypatch):
     ):
         out = subprocess.run([sys.executable, "-m", "pdsim.cli", "serve", *args], cwd=REPO,
                              capture_output=True, text=True, timeout=60)
-        assert out.returncode in (1, 2) and message in " ".join(out.stdout.split()), out.stdout
+        assert out.returncode in (1, 2) and message in " ".join(out.stderr.split()), out.stderr
 
