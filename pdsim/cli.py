@@ -13,7 +13,22 @@ from rich.console import Console
 from pdsim.config import ConfigError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Simulate and run prefill/decode disaggregated LLM serving.")
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        from pdsim import __version__
+
+        print(f"pdsim {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_print_version,
+                                       is_eager=True, help="print the version and exit")) -> None:
+    """Simulate and run prefill/decode disaggregated LLM serving."""
 console = Console()
 
 

@@ -359,3 +359,10 @@ def test_errors_go_to_standard_error(tmp_path):
     result = CliRunner().invoke(app, ["check", str(tmp_path / "tp3.yaml")])
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr.startswith("error: cluster.prefill: attention tp=3")
+
+
+def test_version_and_the_short_help_flag():
+    from pdsim import __version__
+
+    assert cli("--version").strip() == f"pdsim {__version__}"
+    assert "run [OPTIONS] {experiment}" in cli("run", "-h") and "Commands" in cli("-h")
