@@ -13,8 +13,8 @@ from rich.console import Console
 from pdsim.config import ConfigError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Simulate and run prefill/decode disaggregated LLM serving.")
+                  context_settings={"help_option_names": ["-h", "--help"]})
+console = Console()
 
 
 def _print_version(asked: bool) -> None:
@@ -29,7 +29,6 @@ def _print_version(asked: bool) -> None:
 def _main(version: bool = typer.Option(False, "--version", callback=_print_version,
                                        is_eager=True, help="print the version and exit")) -> None:
     """Simulate and run prefill/decode disaggregated LLM serving."""
-console = Console()
 
 
 @contextmanager

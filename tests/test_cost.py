@@ -483,8 +483,8 @@ def test_attention_that_does_not_split_evenly_is_refused_as_sglang_refuses_it(tp
                        "requires; allowed: 1, 2, 4, 8, 16, 32"):
         build_cluster(cfg)
     mla = model_preset("deepseek-v3")
-    assert mla.attention_split_error(16) is None and "allowed: 1, 2, 4, 8, 16, 32, 64, 128" in (
-        mla.attention_split_error(3) or "")
+    assert mla.split_error(16) is None and "allowed: 1, 2, 4, 8, 16, 32, 64, 128" in (
+        mla.split_error(3) or "")
 
 
 # ----- precisions ------------------------------------------------------------------------------

@@ -182,8 +182,7 @@ def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
         for dp in s.dp_attention:
             for ep in s.ep:
                 for a2a in s.moe_a2a:
-                    if (tp % dp or tp % ep or (ep > 1 and not model.is_moe)
-                            or model.attention_split_error(tp // dp) is not None):
+                    if tp % dp or tp % ep or model.split_error(tp // dp, ep) is not None:
                         continue
                     if a2a == "deepep" and not (model.is_moe and ep == tp > 1):
                         continue

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 import shlex
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 import yaml
 

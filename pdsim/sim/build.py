@@ -44,11 +44,8 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
             and knobs.chunked_prefill_size > 0):  # SGLang's default, from this role's chunk
         params["piecewise_cuda_graph_max_tokens"] = sglang_defaults.piecewise_cuda_graph_max_tokens(
             model.is_mla, knobs.chunked_prefill_size)
-    if (problem := model.attention_split_error(par.attn_tp)) is not None:
+    if (problem := model.split_error(par.attn_tp, role.ep)) is not None:
         raise ConfigError(f"cluster.{name}: {problem}")
-    if role.ep > 1 and not model.is_moe:
-        raise ConfigError(f"cluster.{name}: ep={role.ep} needs a MoE model; {model.name} is "
-                          "dense: drop ep (1)")
     if role.pp > 1 and spec.method != "none":
         raise ConfigError(f"cluster.{name}.pp={role.pp}: pipeline stages are not modelled "
                           f"with speculative decoding (speculative.method {spec.method!r}); "

@@ -414,10 +414,13 @@ class ModelSpec(BaseModel):
         return round(self.num_full_attention_layers * self.kv_elems_per_token_per_layer
                      * kv_dtype_bytes)
 
-    def attention_split_error(self, attn_tp: int) -> str | None:
-        """Why SGLang cannot split this model's attention over `attn_tp` GPUs, or None: its
-        attention layers assert that the query heads divide evenly, and that the KV heads
-        divide by the GPUs or the GPUs by them (a KV head then replicates)."""
+    def split_error(self, attn_tp: int, ep: int = 1) -> str | None:
+        """Why SGLang cannot run this model's attention over `attn_tp` GPUs and its experts over
+        `ep`, or None: its attention layers assert that the query heads divide evenly, and
+        that the KV heads divide by the GPUs or the GPUs by them (a KV head then replicates);
+        expert parallelism needs experts."""
+        if ep > 1 and not self.is_moe:
+            return f"ep={ep} needs a MoE model; {self.name} is dense: drop ep (1)"
         heads, kv = self.num_attention_heads, self.num_kv_heads
         fits = [n for n in range(1, heads + 1) if not heads % n
                 and (self.is_mla or not (kv % n if n <= kv else n % kv))]
