@@ -225,6 +225,25 @@ def test_token_budget_caps_each_extend_batch_with_chunking():
     ]
 
 
+def test_one_chunk_caps_each_extend_batch_however_many_requests_it_takes():
+    """SGLang's PrefillAdder takes every admitted request's tokens off the chunk budget: short
+    prompts share one chunk, and the one that crosses it is cut there."""
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = PrefillScheduler(cfg(max_prefill_tokens=64, chunked_prefill_size=16), kv)
+    for i in range(4):
+        s.add_request(req(f"r{i}", 10), 0.0)
+    plans = []
+    t = 0.0
+    while (b := run_batch(s, t)) is not None:
+        plans.append([(g.req.rid, g.start, g.end) for g in b.segments])
+        t += 1.0
+    assert plans == [
+        [("r0", 0, 10), ("r1", 0, 6)],
+        [("r1", 6, 10), ("r2", 0, 10), ("r3", 0, 2)],
+        [("r3", 2, 10)],
+    ]
+
+
 def test_token_budget_without_chunking_runs_a_long_prompt_alone():
     kv = StubKV(initial=KVPoll.WaitingForInput)
     s = PrefillScheduler(cfg(max_prefill_tokens=20, chunked_prefill_size=0), kv)

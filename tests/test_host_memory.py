@@ -115,7 +115,10 @@ def test_warmup_shape_is_the_largest_step_capped():
     def shape(**knobs):
         return warmup_shape(scheduler_config(64, **knobs))
 
-    assert shape(max_prefill_tokens=1024, chunked_prefill_size=256) == (1024, 256)
+    # with chunking a step holds at most one chunk, however many requests it takes
+    assert shape(max_prefill_tokens=1024, chunked_prefill_size=256) == (256, 256)
+    assert shape(max_prefill_tokens=16384, chunked_prefill_size=8192) == (WARMUP_MAX_TOKENS,
+                                                                          WARMUP_MAX_CHUNK)
     assert shape(max_prefill_tokens=300, chunked_prefill_size=0) == (300, 300)
     assert shape(max_prefill_tokens=16384, chunked_prefill_size=0) == (WARMUP_MAX_TOKENS,
                                                                       WARMUP_MAX_CHUNK)

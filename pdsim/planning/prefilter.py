@@ -143,8 +143,11 @@ class Prefilter:
         sched, cost = spec.scheduler, spec.cost()
         dp = shape.dp_attention
         kv_tokens = sched.num_pages * sched.page_size
-        largest = max(sched.max_prefill_tokens, sched.chunked_prefill_size,
-                      int(self.workload.input_tokens.max()) if len(self.workload.input_tokens) else 1)
+        # an extend step holds at most one chunk; unchunked, a long prompt runs alone
+        chunk = sched.chunked_prefill_size
+        longest = int(self.workload.input_tokens.max()) if len(self.workload.input_tokens) else 1
+        largest = (min(sched.max_prefill_tokens, chunk) if chunk
+                   else max(sched.max_prefill_tokens, longest))
         prefill = 0.0
         for n in _geometric(largest):
             t = cost.step_time_s([BatchShape(prefill_tokens=n, prefill_attn_pairs=n)] * dp)
