@@ -435,7 +435,49 @@ def imbalance_checks(ops: OpTables) -> dict[str, tuple[np.ndarray, np.ndarray]]:
                 plain.append(abs(uniform[x] / skewed[x] - 1))
         if got:
             out[phase] = (np.array(got), np.array(plain))
+    fused = fused_imbalance_checks(ops)
+    if fused is not None:
+        out["fused MoE (no DeepEP)"] = fused
     return out
+
+
+def fused_imbalance_checks(ops: OpTables) -> tuple[np.ndarray, np.ndarray] | None:
+    """The same for the fused-MoE table (EP without DeepEP): the balanced rows at the tokens
+    moved to the busiest rank by the MoE roofline's ratio (its share of the rows times the
+    imbalance, over the same experts), as the silicon model prices them, against the rows
+    measured with power-law routing at each model's exponent (1.01 and 1.2); points up to a
+    third of each curve's largest measured tokens."""
+    t = ops._table("moe", "moe_perf.parquet")
+    if t is None:
+        return None
+    t = t[(t.moe_ep_size > 1) & t.moe_dtype.isin(list(_TABLE_TO_PDSIM))]
+    got, plain = [], []
+    key = ["moe_dtype", "hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size",
+           "moe_ep_size"]
+    for (dtype, h, i, k, e, tp, ep), rows in t.groupby(key):
+        by = rows.pivot_table(index="num_tokens", columns="distribution", values="latency",
+                              aggfunc="min")
+        if "balanced" not in by.columns:
+            continue
+        balanced = by["balanced"].dropna()
+        if len(balanced) < 4:
+            continue
+        roof = ops.moe_roofline(h, i, k, e, tp, ep, _TABLE_TO_PDSIM[dtype],
+                                fused=not ops.hw.blackwell)
+        curve = Curve(balanced.index.to_numpy(float), balanced.to_numpy(float), roof)
+        for alpha in (1.01, 1.2):
+            column = f"power_law_{alpha}"
+            if column not in by.columns:
+                continue
+            load = ExpertLoad(int(e), int(k), int(ep), alpha=alpha)
+            skewed = by[column].dropna()
+            for x in balanced.index.intersection(skewed.index):
+                if x > balanced.index[-1] / 3:
+                    continue
+                busiest = curve(x) * roof(x, load.imbalance(x)) / roof(x)
+                got.append(abs(busiest / skewed[x] - 1))
+                plain.append(abs(balanced[x] / skewed[x] - 1))
+    return (np.array(got), np.array(plain)) if got else None
 
 
 # The ops of SGLang's MLA attention block (`self_attn`) a decode step prices from tables; the

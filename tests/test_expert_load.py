@@ -151,6 +151,54 @@ def test_eplb_and_imbalance_reach_the_cost_model_and_are_checked() -> None:
         experiment({**DECODE, "eplb": {"redundant_experts": -1}})
 
 
+def test_redundant_experts_take_memory_and_are_read() -> None:
+    """SGLang builds each MoE layer with n_routed_experts + --ep-num-redundant-experts physical
+    experts: at EP 8 with 32 copies a GPU holds 36 experts a layer instead of 32."""
+    ep8 = {"tp": 8, "ep": 8, "dp_attention": 8, "moe_a2a": "deepep"}
+    plain = build_cluster(experiment(ep8))
+    copies = build_cluster(experiment({**ep8, "eplb": {"redundant_experts": 32}}))
+    extra = 32 // 8 * DSV3.num_moe_layers * DSV3.expert_params  # FP8: a byte a weight
+    assert copies.decode.weight_bytes_per_gpu - plain.decode.weight_bytes_per_gpu == extra
+    assert extra / 2**30 > 9  # 9.5 GiB: the KV pool gives it up
+    pool = {name: c.decode.scheduler.num_pages * c.decode.scheduler.page_size
+            for name, c in (("plain", plain), ("copies", copies))}
+    assert pool["copies"] < 0.8 * pool["plain"]
+    # A weight-bound decode step reads the copies too (uniform routing: the load alone).
+    shapes = [BatchShape(decode_reqs=32, decode_context_tokens=32 * 2048)] * 8
+    for name in ("roofline", "silicon"):
+        if name == "silicon" and tables.systems_dir() is None:
+            continue
+        par = Parallelism(**ep8)
+        read = {n: make_cost_model(name, DSV3, H200, par, expert_imbalance=False,
+                                   eplb_redundant_experts=n).step_breakdown_s(shapes)["moe_experts"]
+                for n in (0, 32)}
+        assert 1.03 < read[32] / read[0] < 36 / 32 + 0.01, (name, read)
+
+
+def test_fused_moe_under_ep_matches_the_tables_skewed_rows() -> None:
+    """Without DeepEP every rank runs the fused kernel over all tokens; the busiest rank holds
+    more rows over the same experts. At a few tokens the kernel reads weights, so the skew
+    costs little: aiconfigurator's rows measured with power-law routing (alpha 1.2, the
+    busiest rank) at 8 tokens are 108 us for Qwen3-235B at EP 8 on H100, below the balanced
+    rows' 126 us."""
+    if tables.systems_dir() is None:
+        pytest.skip("aiconfigurator-core not installed")
+    qwen = model_preset("qwen3-235b-a22b")
+    par = Parallelism(tp=8, ep=8)
+    h100 = load_hardware_spec("h100")
+
+    def routed(tokens: int, **params) -> float:
+        cost = make_cost_model("silicon", qwen, h100, par, **params)
+        shape = [BatchShape(decode_reqs=tokens, decode_context_tokens=tokens * 2048)]
+        return cost.step_breakdown_s(shape)["moe_experts"] / qwen.num_moe_layers
+
+    for tokens in (8, 128, 1024):  # against the table's own busiest rank
+        skewed = routed(tokens, moe_distribution="power_law_1.2")
+        assert routed(tokens) == pytest.approx(skewed, rel=0.2), tokens
+        assert routed(tokens) >= routed(tokens, expert_imbalance=False)
+    assert routed(8) < 1.1 * routed(8, expert_imbalance=False)
+
+
 def test_each_model_family_routes_with_aiconfigurators_exponent() -> None:
     """aiconfigurator fits 1.01 for DeepSeek-V3's architecture and uses 1.2 for its generic MoE
     models; the steeper law concentrates more load on the hot experts, so Qwen3's busiest rank

@@ -50,13 +50,15 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
         raise ConfigError(f"cluster.{name}.pp={role.pp}: pipeline stages are not modelled "
                           f"with speculative decoding (speculative.method {spec.method!r}); "
                           "use pp 1 or method none")
+    redundant = role.eplb.redundant_experts if role.eplb is not None else 0
     try:
         draft = None if spec.method == "none" else draft_spec(
             spec.method, model, spec.draft_layers, spec.draft_model)
         sizes = pool_sizes(model, hw, par, knobs.mem_fraction_static, kv_bytes,
                            max_mamba_cache_size=knobs.max_mamba_cache_size,
                            mamba_full_memory_ratio=knobs.mamba_full_memory_ratio,
-                           swa_full_tokens_ratio=knobs.swa_full_tokens_ratio)
+                           swa_full_tokens_ratio=knobs.swa_full_tokens_ratio,
+                           redundant_experts=redundant)
         tokens = sizes.kv_tokens if draft is None else kv_capacity_with_draft(
             sizes.kv_tokens, model, draft, par, kv_bytes)
         num_pages = knobs.pool_pages(tokens)
@@ -112,7 +114,7 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     return RoleSpec(role.instances, role.dp_attention, role.gpus_per_instance, sched, cost, nic,
                     kv_page_bytes, state_bytes_per_request=state_bytes, wakeup_s=knobs.wakeup_s,
                     cold=cold_start(knobs),
-                    pp=role.pp, weight_bytes_per_gpu=weight_bytes_per_gpu(model, par),
+                    pp=role.pp, weight_bytes_per_gpu=weight_bytes_per_gpu(model, par, redundant),
                     host_demand=demand)
 
 

@@ -175,13 +175,15 @@ class Parallelism(BaseModel):
         return self.tp // self.dp_attention
 
 
-def weight_bytes_per_gpu(model: ModelSpec, parallel: Parallelism) -> int:
+def weight_bytes_per_gpu(model: ModelSpec, parallel: Parallelism, redundant_experts: int = 0
+                         ) -> int:
     """Weight bytes on one GPU under `parallel` (shared experts replicated under DeepEP, dense
-    MLP over moe_dense_tp, LM head per DP rank with dp_lm_head; with pp, the slowest stage's
-    layers): what KV capacity subtracts."""
+    MLP over moe_dense_tp, LM head per DP rank with dp_lm_head, EPLB's redundant experts with
+    the routed ones; with pp, the slowest stage's layers): what KV capacity subtracts."""
     return stage_model(model, parallel.pp).weight_bytes_per_rank(
         parallel.tp, parallel.ep, parallel.dp_attention, deepep=parallel.moe_a2a == "deepep",
-        dense_tp=parallel.moe_dense_tp, dp_lm_head=parallel.dp_lm_head)
+        dense_tp=parallel.moe_dense_tp, dp_lm_head=parallel.dp_lm_head,
+        redundant_experts=redundant_experts)
 
 
 @runtime_checkable
@@ -762,7 +764,8 @@ class RooflineCostModel:
             shared = model.num_shared_experts * model.expert_params
             shared_inter = model.num_shared_experts * model.moe_intermediate_size
             router = model.router_params  # kept in BF16 by every quantised checkpoint
-            self._experts_topk = (e, k)
+            # the experts' slots: EPLB's redundant copies are experts a step reads as well
+            self._experts_topk = (e + (p.eplb_redundant_experts or 0), k)
             self._expert_w_bytes = model.expert_params * wb / tp  # per expert hit, per GPU
             pairs_io = k / ep * (2 * h + 3 * moe_inter)  # token-expert pairs on one GPU
             routed_s_tok = 2 * k * model.expert_params / tp / moe_rate
@@ -1089,6 +1092,7 @@ def pool_sizes(
     max_mamba_cache_size: int | None = None,
     mamba_full_memory_ratio: float = MAMBA_FULL_MEMORY_RATIO,
     swa_full_tokens_ratio: float = SWA_FULL_TOKENS_RATIO,
+    redundant_experts: int = 0,
 ) -> PoolSizes:
     """KV tokens and recurrent-state slots one attention-DP rank can hold.
 
@@ -1097,7 +1101,7 @@ def pool_sizes(
     (GQA: its KV heads; MLA: the whole latent, replicated), so the tokens that fit are the free
     bytes of one GPU over the per-GPU bytes of one token. The same count holds for every DP
     rank. With pipeline stages a GPU holds only its stage's layers, weights and KV (the slowest
-    stage's, which holds the most).
+    stage's, which holds the most). EPLB's `redundant_experts` copies are weights too.
 
     Hybrid models, as SGLang sizes them: the recurrent states of linear-attention layers take
     `max_mamba_cache_size` slots, or (None) `mamba_full_memory_ratio` of the KV pool's memory
@@ -1111,7 +1115,7 @@ def pool_sizes(
         raise ValueError(f"mamba_full_memory_ratio ({mamba_full_memory_ratio}) and "
                          f"swa_full_tokens_ratio ({swa_full_tokens_ratio}) must be > 0")
     budget = hardware.hbm_bytes * mem_fraction_static
-    weights = weight_bytes_per_gpu(model, parallel)
+    weights = weight_bytes_per_gpu(model, parallel, redundant_experts)
     free = budget - weights
     if free <= 0:
         raise ValueError(

@@ -368,12 +368,14 @@ class ModelSpec(BaseModel):
 
     def weight_bytes_per_rank(self, tp: int = 1, ep: int = 1, dp_attention: int = 1, *,
                               deepep: bool = False, dense_tp: int | None = None,
-                              dp_lm_head: bool = False) -> int:
+                              dp_lm_head: bool = False, redundant_experts: int = 0) -> int:
         """Weight bytes one GPU of a `tp`-GPU instance holds (SGLang's sharding).
 
         Attention weights split over the attention-TP group `tp // dp_attention` (each
-        DP-attention rank holds a copy); routed experts over `ep` (whole experts) and then over
-        `tp // ep` (slices); shared experts over `tp`, or replicated under DeepEP (`deepep`:
+        DP-attention rank holds a copy); routed experts, with EPLB's `redundant_experts` copies
+        (SGLang builds each MoE layer with n_routed_experts + --ep-num-redundant-experts
+        physical experts), over `ep` (whole experts) and then over `tp // ep` (slices); shared
+        experts over `tp`, or replicated under DeepEP (`deepep`:
         SGLang runs them with tp_size 1); dense MLPs over `dense_tp` GPUs (SGLang's
         `--moe-dense-tp-size`; None: tp); embedding and LM head over tp, or over the
         attention-TP group with `dp_lm_head`; norms and the router are replicated. Each
@@ -387,7 +389,7 @@ class ModelSpec(BaseModel):
         p = self.precision
         routed = shared = 0.0
         if self.is_moe:
-            routed = self.num_experts * self.expert_params / ep / (tp // ep)
+            routed = (self.num_experts + redundant_experts) * self.expert_params / ep / (tp // ep)
             shared = self.num_shared_experts * self.expert_params / (1 if deepep else tp)
         blocks = [
             (p.attention, self.attn_params / attn_tp),

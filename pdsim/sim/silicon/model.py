@@ -148,6 +148,8 @@ class _Plan:
     mlp_comm: Stage  # over the instance's tokens: the MLP collective (dense, MoE without DeepEP)
     moe_global: Stage  # over the instance's tokens (at the busiest EP rank): routed experts
     moe_global_ll: Stage  # the same under DeepEP's low-latency mode (decode kernels)
+    # fused MoE under EP: (tokens, imbalance) -> the busiest rank's time over the table's
+    moe_busiest: Callable[[float, float], float] | None
     moe_local: Stage  # shared experts, router: over one GPU's tokens (DeepEP), else over tp
     a2a_low_latency: Stage | None  # over one GPU's tokens
     a2a_ll_calls: tuple[Stage, Stage] | None  # its dispatch and combine apart (single-batch overlap)
@@ -432,11 +434,18 @@ class SiliconCostModel:
         plan, par = self._plan, self.parallel
         layers = plan.moe_layers
         if par.moe_a2a != "deepep":
-            # The routed experts are looked up at the busiest EP rank's load (the instance's
-            # tokens times the imbalance); shared experts and router at the tokens they run on.
-            routed = self._busiest_rank_tokens(tokens)
-            return (layers * (self._stage(plan.moe_global, routed, "moe_experts")
-                              + self._stage(plan.moe_local, tokens, "moe_experts")),
+            # The fused kernel on every rank's tokens; the busiest EP rank holds its share of
+            # the rows times the imbalance over the same experts (weights), so the measured
+            # curve moves by the MoE roofline's ratio. Shared experts and router on the tokens
+            # they run on.
+            routed = self._stage(plan.moe_global, tokens, "moe_experts")
+            if self._load is not None and plan.moe_busiest is not None:
+                busier = routed * (plan.moe_busiest(tokens, self._load.imbalance(tokens)) - 1)
+                if self.trace is not None:
+                    self.trace.append(TracedOp("moe_experts", "routed experts: busiest EP rank",
+                                               "-", busier, "derived"))
+                routed += busier
+            return (layers * (routed + self._stage(plan.moe_local, tokens, "moe_experts")),
                     layers * self._stage(plan.mlp_comm, tokens, "moe_comm"), 0.0)
         role = self.params.role
         normal = role == "prefill" or (role == "colocated" and has_prefill)
@@ -508,8 +517,8 @@ class SiliconCostModel:
                 + compute, comm)
 
     def _busiest_rank_tokens(self, tokens: int) -> int:
-        """The instance tokens at which the routed-expert and DeepEP tables price the busiest
-        EP rank: `tokens` times the imbalance (pdsim.sim.expert_load), rounded up."""
+        """The instance tokens at which DeepEP's routed-expert and all-to-all tables price the
+        busiest EP rank: `tokens` times the imbalance (pdsim.sim.expert_load), rounded up."""
         if self._load is None:
             return tokens
         return math.ceil(tokens * self._load.imbalance(tokens))
@@ -651,12 +660,16 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
              ] if model.num_dense_layers else []
 
     moe_global, moe_global_ll, moe_local, a2a_ll, a2a_normal = [], [], [], None, None
+    moe_busiest = None
     a2a_ll_calls = None
     mlp_act = 3 * (model.intermediate_size // tp)
     if model.is_moe:
         md = prec.moe_experts
         deepep = par.moe_a2a == "deepep"
-        shape = (h, model.moe_intermediate_size, model.experts_per_token, model.num_experts)
+        # a layer's physical experts: EPLB's redundant copies are experts a step reads too
+        # (tables measure the model's own count; another is moved by the roofline, transferred)
+        experts = model.num_experts + (p.eplb_redundant_experts or 0)
+        shape = (h, model.moe_intermediate_size, model.experts_per_token, experts)
         fused = ("routed experts", "moe",
                  ops.moe(*shape, tp // ep, ep, md, p.moe_distribution))
         moe_global.append(fused)
@@ -689,6 +702,11 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         else:
             moe_local = local  # over tp, on the instance's tokens
             moe_global_ll = moe_global
+            if ep > 1:
+                roof = ops.moe_roofline(*shape, tp // ep, ep, md, fused=not hw.blackwell)
+
+                def moe_busiest(tokens: float, load: float) -> float:
+                    return float(roof(tokens, load) / roof(tokens))
         mlp_act = max(mlp_act, 3 * (model.moe_intermediate_size * model.experts_per_token // ep
                                     + shared))
 
@@ -728,6 +746,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         mlp_comm=_labelled(mlp_comm),
         moe_global=_labelled(moe_global),
         moe_global_ll=_labelled(moe_global_ll),
+        moe_busiest=moe_busiest,
         moe_local=_labelled(moe_local),
         a2a_low_latency=_labelled([("dispatch+combine", "wideep_deepep_ll",
                                     a2a_ll)]) if a2a_ll else None,

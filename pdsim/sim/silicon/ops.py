@@ -512,17 +512,19 @@ class OpTables:
         tables' collectors route them: balanced, each token's top-k on distinct experts spread
         over all of them, so min(experts, tokens * topk) experts hold tokens (a transfer must
         price both shapes the way the measured one was routed); `random`: each token's top-k
-        drawn at random, `experts_reached` of them, as the roofline cost model counts them. `fused`: a kernel that also moves the rows of
-        other ranks' experts (`remote_row_bytes`: SGLang's Triton and Marlin MoE,
-        `ALL_ROW_KERNELS`); DeepEP, and FlashInfer's kernels, which route inside, give a rank
-        its own rows only."""
+        drawn at random, `experts_reached` of them, as the roofline cost model counts them.
+        `fused`: a kernel that also moves the rows of other ranks' experts (`remote_row_bytes`:
+        SGLang's Triton and Marlin MoE, `ALL_ROW_KERNELS`); DeepEP, and FlashInfer's kernels,
+        which route inside, give a rank its own rows only. The callable's `load` prices a rank
+        holding that many times its share of the routed rows (FLOPs, activations) over the
+        same experts (weights), as the busiest EP rank does."""
         wbytes = DTYPES[dtype].weight_bytes
         peak, mem = self.peak_flops(dtype), self.mem_rate
         slice_ = inter / moe_tp
         remote = remote_row_bytes(hidden, slice_, topk, moe_ep) if fused else 0.0
 
-        def roofline(tokens):
-            pairs = tokens * topk / moe_ep
+        def roofline(tokens, load=1.0):
+            pairs = load * tokens * topk / moe_ep
             hit = (experts_reached(experts, topk, np.asarray(tokens, float)) if random
                    else np.minimum(experts, tokens * topk)) / moe_ep
             return np.maximum(6.0 * hidden * slice_ * pairs / peak,
