@@ -401,6 +401,25 @@ def test_speculative_verify_grows_attention_and_counts_as_extrapolated():
 
 
 @needs_tables
+def test_mla_verify_attention_is_at_most_the_one_query_kernel_at_as_many_flops():
+    """DP attention puts all 128 of DeepSeek-V3's heads on a rank, where FlashMLA's decode is
+    compute-bound: 4 queries of 32 requests cost the FLOPs of 128 one-query requests, which
+    the table measures faster than 4 times 32 (a larger batch's efficiency) while reading 4
+    times the KV. The verify step is priced at most at that."""
+    model, hw = load_model_spec("deepseek-v3"), load_hardware_spec("h200")
+    cost = make_cost_model("silicon", model, hw,
+                           Parallelism(tp=8, dp_attention=8, ep=8, moe_a2a="deepep"))
+
+    def kernel(reqs: int, q: int = 1) -> float:  # one layer's decode attention kernel
+        shape = BatchShape(decode_reqs=reqs, decode_context_tokens=reqs * 2048,
+                           decode_query_len=q)
+        return sum(s * share for *_, s, _, _, share in cost._generation_attention(shape, reqs))
+
+    assert kernel(32, 4) == pytest.approx(kernel(128))
+    assert kernel(32, 4) < 0.7 * 4 * kernel(32)  # the q-fold of a 32-request kernel
+
+
+@needs_tables
 def test_auto_falls_back_to_the_roofline_when_an_op_has_no_table():
     model = load_model_spec("deepseek-v3")
     par = Parallelism(tp=8, dp_attention=8, ep=8, moe_a2a="deepep")

@@ -316,8 +316,14 @@ class SiliconCostModel:
             s, e = grid.at(reqs, avg_ctx)
             moved = grid.transferred and not e
             if q > 1:  # q queries share one KV read: only the FLOP part grows
-                s *= max(plan.gen_query_scale(q) * plan.gen_flops_rel, plan.gen_bytes_rel)
+                scale = plan.gen_query_scale(q)
+                s *= max(scale * plan.gen_flops_rel, plan.gen_bytes_rel)
                 moved = not e
+                # as many one-query requests as FLOPs read q times the KV: a bound that keeps
+                # the larger batch's kernel efficiency, which a small batch's q-fold lacks
+                wide, wide_e = grid.at(math.ceil(reqs * scale), avg_ctx)
+                if not wide_e and wide < s:
+                    s, moved, e = wide, grid.transferred, False
             out.append((name, table, s, moved, e, share))
         return out
 
