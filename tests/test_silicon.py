@@ -217,6 +217,16 @@ def test_gemm_tile_reference_predicts_a_held_out_point_past_a_tile_boundary():
 
 
 @needs_tables
+def test_per_tensor_fp8_reads_the_cutlass_rows_and_block_fp8_the_deepgemm_ones():
+    ops = OpTables("h100_sxm", "sglang", "current", load_hardware_spec("h100"))
+    for dtype, table in (("fp8_tensor", "fp8"), ("fp8", "fp8_block")):
+        ms, ys = ops._gemm_series[table][(16384, 4096)]
+        assert np.allclose(ops.gemm(16384, 4096, dtype).values(ms), ys, rtol=1e-9), dtype
+    tensor, block = ops._gemm_series["fp8"][(16384, 4096)], ops._gemm_series["fp8_block"][(16384, 4096)]
+    assert not np.allclose(np.interp(block[0], *tensor), block[1], rtol=0.05)  # they differ
+
+
+@needs_tables
 def test_silicon_step_times_are_within_a_sane_ratio_of_the_roofline():
     model, hw = load_model_spec("llama-3.1-8b"), load_hardware_spec("h100")
     silicon = make_cost_model("silicon", model, hw, Parallelism())

@@ -532,7 +532,22 @@ def test_ignored_modules_keep_their_blocks_in_the_checkpoint_dtype() -> None:
     fp8 = _with_quant("qwen2.5-72b", {
         "quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"],
     })
-    assert fp8.precision == Precision.uniform("fp8")
+    assert fp8.precision == Precision.uniform("fp8_tensor")  # no weight_block_size
+
+
+def test_fp8_checkpoints_say_whether_their_scales_are_blocks() -> None:
+    """SGLang runs 128x128 block-scaled FP8 on DeepGEMM and per-tensor or per-channel FP8 on
+    CUTLASS's fp8_scaled_mm, which the kernel tables time apart."""
+    block = _with_quant("qwen2.5-72b", {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    assert block.precision == Precision.uniform("fp8")
+    modelopt = _with_quant("llama-3.1-70b", {"quant_method": "modelopt", "quant_algo": "FP8"})
+    assert modelopt.precision.attention == "fp8_tensor"
+    for strategy, dtype in (("channel", "fp8_tensor"), ("tensor", "fp8_tensor"),
+                            ("block", "fp8")):
+        ct = _with_quant("llama-3.1-70b", {"quant_method": "compressed-tensors", "config_groups": {
+            "group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": strategy},
+                        "input_activations": {"num_bits": 8, "type": "float"}}}})
+        assert ct.precision.dense_mlp == dtype, strategy
 
 
 def test_unknown_quantization_is_an_error_naming_it() -> None:

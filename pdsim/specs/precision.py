@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 if TYPE_CHECKING:
     from pdsim.specs.hardware import HardwareSpec
 
-DTypeName = Literal["bf16", "fp16", "fp8", "int8", "w4a16", "nvfp4", "mxfp4"]
+DTypeName = Literal["bf16", "fp16", "fp8", "fp8_tensor", "int8", "w4a16", "nvfp4", "mxfp4"]
 ComputeName = Literal["bf16", "fp8"]
 
 
@@ -34,7 +34,10 @@ class DType:
 DTYPES: dict[str, DType] = {
     "bf16": DType("bf16", 2.0, "bf16"),
     "fp16": DType("fp16", 2.0, "bf16"),
-    "fp8": DType("fp8", 1.0, "fp8"),
+    "fp8": DType("fp8", 1.0, "fp8"),  # 128x128 block scales (DeepSeek-V3, Qwen3-FP8): DeepGEMM
+    # per-tensor or per-channel scales (ModelOpt FP8, FP8-dynamic, --quantization fp8 online):
+    # SGLang's CUTLASS fp8_scaled_mm, which the kernel tables time apart
+    "fp8_tensor": DType("fp8_tensor", 1.0, "fp8"),
     "int8": DType("int8", 1.0, "fp8"),  # W8A8 runs on the int8 peak, equal to FP8's on Hopper+
     "w4a16": DType("w4a16", 0.5 + 1 / 64, "bf16"),  # GPTQ/AWQ int4, group 128: scale + zero
     "nvfp4": DType("nvfp4", 0.5 + 1 / 16, "fp4"),  # E2M1, one FP8 scale per 16 elements

@@ -30,7 +30,7 @@ _EXCLUDE_KEYS = ("modules_to_not_convert", "ignored_layers", "ignore", "exclude_
 # NVIDIA ModelOpt checkpoints: `quant_method` "modelopt" names the format in `quant_algo`;
 # SGLang's per-format names ("modelopt_fp8", "modelopt_fp4", its quantization configs' names,
 # which some checkpoints write as their quant_method) imply it.
-_MODELOPT_ALGOS: dict[str, DTypeName] = {"FP8": "fp8", "NVFP4": "nvfp4"}
+_MODELOPT_ALGOS: dict[str, DTypeName] = {"FP8": "fp8_tensor", "NVFP4": "nvfp4"}
 _MODELOPT_METHODS: dict[str, str | None] = {
     "modelopt": None, "modelopt_fp8": "FP8", "modelopt_fp4": "NVFP4",
 }
@@ -62,8 +62,8 @@ def precision_from_hf_config(config: Mapping[str, Any]) -> Precision:
 
 def _quantised_dtype(quant: Mapping[str, Any]) -> DTypeName:
     method = str(quant.get("quant_method", "")).lower()
-    if method == "fp8":
-        return "fp8"
+    if method == "fp8":  # block scales where the config gives a block, else per tensor
+        return "fp8" if quant.get("weight_block_size") else "fp8_tensor"
     if method == "mxfp4":
         return "mxfp4"
     if method in ("gptq", "awq"):
@@ -101,8 +101,8 @@ def _scheme_dtype(group: Mapping[str, Any]) -> DTypeName:
     acts = group.get("input_activations") or {}
     bits, kind = weights.get("num_bits"), weights.get("type", "int")
     act_bits = acts.get("num_bits")
-    if kind == "float" and bits == 8:
-        return "fp8"
+    if kind == "float" and bits == 8:  # strategy "block", else per tensor or channel
+        return "fp8" if weights.get("strategy") == "block" else "fp8_tensor"
     if kind == "float" and bits == 4:
         return "mxfp4" if weights.get("group_size") == 32 else "nvfp4"
     if kind == "int" and bits == 4 and act_bits in (None, 16):

@@ -53,13 +53,17 @@ GDN_TABLE_STATE_BYTES = 4
 GDN_TABLE_TAPS = 4
 
 # pdsim weight format → the table's dtype names, best first. FP8 checkpoints served by SGLang
-# (DeepSeek-V3/R1, Qwen3-FP8, Kimi-K2) are block-quantised (128x128 scales): "fp8_block".
+# (DeepSeek-V3/R1, Qwen3-FP8, Kimi-K2) are block-quantised (128x128 scales): "fp8_block";
+# per-tensor or per-channel ones (ModelOpt, FP8-dynamic) run CUTLASS's "fp8" GEMMs. The MoE
+# tables time block-scaled experts only.
 GEMM_DTYPES = {
     "bf16": ("bfloat16",), "fp16": ("bfloat16",), "fp8": ("fp8_block", "fp8"),
+    "fp8_tensor": ("fp8", "fp8_block"),
     "int8": ("int8_wo",), "w4a16": ("int4_wo",), "nvfp4": ("nvfp4",), "mxfp4": ("nvfp4",),
 }
 MOE_DTYPES = {
-    "bf16": ("bfloat16",), "fp16": ("bfloat16",), "fp8": ("fp8_block",), "int8": ("fp8_block",),
+    "bf16": ("bfloat16",), "fp16": ("bfloat16",), "fp8": ("fp8_block",),
+    "fp8_tensor": ("fp8_block",), "int8": ("fp8_block",),
     "w4a16": ("int4_wo",), "nvfp4": ("nvfp4",), "mxfp4": ("w4a16_mxfp4", "w4a8_mxfp4_mxfp8"),
 }
 # MXFP4 experts on FP4 tensor cores (Blackwell): SGLang's trtllm-gen MoE quantises the
