@@ -26,7 +26,7 @@ from pdsim.sim.cluster import simulate
 from pdsim.sim.cost import PART_GROUPS, SHARE_GROUPS
 from pdsim.sim.silicon import cost_columns
 from pdsim.core.request import Request
-from pdsim.workload import ClosedLoop, Workload, generate
+from pdsim.workload import ClosedLoop, Workload, closed_loop_clients, generate
 
 
 @dataclass
@@ -199,8 +199,22 @@ def check_points(points: list, base_dir: str, source: str) -> list[str]:
     notes: dict[str, None] = {}
     for _, point_cfg in points:
         notes.update(dict.fromkeys(build_cluster(point_cfg, base_dir).notes))
+        if (note := first_wave_note(point_cfg)) is not None:
+            notes[note] = None
         check_files(point_cfg.workload, base_dir, source)
     return list(notes)
+
+
+def first_wave_note(cfg: ExperimentConfig) -> str | None:
+    """A closed loop sends its first wave, one request a client, at 0 s: a window that starts
+    by `warmup_requests` fewer than the clients starts inside it and counts it."""
+    clients = closed_loop_clients(cfg.workload)
+    m = cfg.metrics
+    if clients is None or m.warmup_s or not 0 < m.warmup_requests < clients:
+        return None
+    return (f"metrics.warmup_requests={m.warmup_requests} is below the closed loop's {clients} "
+            f"clients, so the window starts inside their first wave (all sent at 0 s) and "
+            f"counts it; give at least {clients} to leave it out")
 
 
 def _execute(pool: Pool, args: list, show: bool, name: str) -> list[PointResult]:

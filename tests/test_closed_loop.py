@@ -293,3 +293,24 @@ def test_a_failed_request_frees_its_client_for_the_next():
     arrivals = np.sort([r.arrival_s for r in records])
     finishes = np.sort([r.finish_s for r in records])
     np.testing.assert_array_equal(arrivals[4:], finishes[:-4])  # failures hand on at once too
+
+
+def test_a_window_starting_inside_the_first_wave_is_noted(tmp_path):
+    """A closed loop's first wave is sent at 0 s: warmup_requests below the client count
+    starts the window inside it, which `pdsim check` and `pdsim run` say."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from pdsim.cli import app
+    from pdsim.runner import first_wave_note
+
+    short = experiment(concurrency=16, metrics={"warmup_requests": 8})
+    note = first_wave_note(parse_experiment(short))
+    assert note is not None and "below the closed loop's 16 clients" in note
+    for metrics in ({"warmup_requests": 16}, {}, {"warmup_requests": 8, "warmup_s": 1.0}):
+        assert first_wave_note(parse_experiment(experiment(concurrency=16, metrics=metrics))) \
+            is None, metrics
+    config = tmp_path / "closed.yaml"
+    config.write_text(yaml.safe_dump(short))
+    result = CliRunner().invoke(app, ["check", str(config)])
+    assert result.exit_code == 0 and "give at least 16" in " ".join(result.output.split())

@@ -299,6 +299,18 @@ def test_a_checkpoints_config_json_launches_from_its_directory(tmp_path):
         assert _parse(_server_parser(), line, "sglang.launch_server").model_path == want
 
 
+def test_a_preset_launches_from_its_hugging_face_repository():
+    from pdsim.specs.models import PRESET_REPOS, model_preset_names
+    from pdsim.specs.servable import SERVABLE_HF_CONFIGS
+
+    assert set(PRESET_REPOS) == set(model_preset_names()) - set(SERVABLE_HF_CONFIGS)
+    dep = Candidate("colocated", (("colocated", 1, RoleShape(1)),))
+    cfg = parse_plan({**SMALL, "model": "llama-3.1-8b"})
+    (_, line), = sglang_commands(dep, cfg, gpus_per_node=8).servers
+    model_path = _parse(_server_parser(), line, "sglang.launch_server").model_path
+    assert model_path == "meta-llama/Llama-3.1-8B-Instruct"
+
+
 def test_the_router_line_carries_cache_aware_settings():
     cfg = parse_plan({**SMALL, "router": {"policy": "cache_aware", "policy_options": {
         "cache_threshold": 0.5, "balance_abs_threshold": 32, "max_tree_size": 4096}}})

@@ -27,13 +27,7 @@ from pdsim.config import (
 )
 from pdsim.config_errors import format_validation_error
 from pdsim.metrics import SLO, MeasurementWindow
-from pdsim.workload import (
-    ArrivalProcess,
-    ClosedLoopArrival,
-    SyntheticWorkload,
-    TraceWorkload,
-    WorkloadConfig,
-)
+from pdsim.workload import ArrivalProcess, TraceWorkload, WorkloadConfig, closed_loop_clients
 
 Mode = Literal["disaggregated", "colocated"]
 PERCENTILES = (50, 90, 99)
@@ -155,8 +149,8 @@ class LaunchConfig(_Spec):
     node; the next instances on it take the next ones)."""
 
     model_path: str | None = Field(None, description="--model-path (HF id or local path); "
-                                   "default: the model's name, or the directory of its "
-                                   "config.json")
+                                   "default: a preset's Hugging Face repository, the "
+                                   "directory of a config.json, else the model's name")
     transfer_backend: Literal["mooncake", "nixl"] = "mooncake"
     ib_device: str = Field("mlx5_0", description="--disaggregation-ib-device")
     base_port: int = Field(30000, ge=1, le=65535)
@@ -235,9 +229,7 @@ class PlanConfig(_Spec):
 
 
 def _is_closed_loop(workload) -> bool:
-    if isinstance(workload, SyntheticWorkload):
-        return isinstance(workload.arrival, ClosedLoopArrival)
-    return workload.closed_loop is not None
+    return closed_loop_clients(workload) is not None
 
 
 def parse_plan(data: Any, source: str = "<plan>") -> PlanConfig:

@@ -50,7 +50,7 @@ from typing import Any
 
 from pdsim.config import ConfigError
 from pdsim.deployment import SGLANG_OPTION_FLAGS
-from pdsim.specs.models import load_model_spec, model_preset_names
+from pdsim.specs.models import PRESET_REPOS, load_model_spec, model_preset_names
 
 SERVER = "sglang.launch_server"
 ROUTERS = ("sglang_router.launch_router", "sglang.srt.disaggregation.launch_lb",
@@ -356,8 +356,12 @@ def _speculative(a: argparse.Namespace, line: int, unmodelled: list[str]
 
 
 def _known_model(path: str, base_dir: str | Path | None) -> str:
-    """`--model-path` if the simulator can read it (a preset, or a checkpoint's config.json
-    on this machine); else an error that suggests the preset its name contains."""
+    """`--model-path` if the simulator can read it (a preset, a preset's Hugging Face
+    repository, or a checkpoint's config.json on this machine); else an error that suggests
+    the preset its name contains."""
+    by_repo = {repo.lower(): name for name, repo in PRESET_REPOS.items()}
+    if path.lower() in by_repo:
+        return by_repo[path.lower()]
     try:
         load_model_spec(path, base_dir)
     except ValueError:

@@ -20,6 +20,7 @@ import yaml
 from pdsim.deployment import SGLANG_OPTION_FLAGS
 from pdsim.planning.candidates import Candidate, RoleShape
 from pdsim.planning.config import PlanConfig
+from pdsim.specs.models import PRESET_REPOS
 
 # pdsim router policy -> sglang_router's (it has no least-loaded policy; power of two is the
 # load-aware one).
@@ -111,11 +112,14 @@ def _instance(plan: PlanConfig, role: str, index: int, shape: RoleShape,
 
 def _model_name(plan: PlanConfig) -> str:
     """`--model-path` unless `launch.model_path` names it: a checkpoint's directory for its
-    config.json (SGLang reads the directory), else the model as the plan names it."""
+    config.json (SGLang reads the directory), a preset's Hugging Face repository, else the
+    model as the plan names it."""
     if not isinstance(plan.model, str):
         return str(plan.model.get("name", "MODEL"))
     path = Path(plan.model)
-    return str(path.parent) if path.name.endswith(".json") else plan.model
+    if path.name.endswith(".json"):
+        return str(path.parent)
+    return PRESET_REPOS.get(plan.model, plan.model)
 
 
 def sglang_commands(dep: Candidate, plan: PlanConfig, gpus_per_node: int) -> LaunchCommands:

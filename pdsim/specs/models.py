@@ -609,6 +609,26 @@ _ALIASES: dict[str, str] = {
 }
 
 
+# The Hugging Face repository of each preset's checkpoint: what SGLang's --model-path takes.
+PRESET_REPOS: dict[str, str] = {
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "llama-3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
+    "llama-3.3-70b": "meta-llama/Llama-3.3-70B-Instruct",
+    "qwen3-32b": "Qwen/Qwen3-32B",
+    "deepseek-v3": "deepseek-ai/DeepSeek-V3",
+    "deepseek-r1": "deepseek-ai/DeepSeek-R1",
+    "deepseek-v3.1": "deepseek-ai/DeepSeek-V3.1",
+    "kimi-k2": "moonshotai/Kimi-K2-Instruct",
+    "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B",
+    "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct",
+    "gpt-oss-120b": "openai/gpt-oss-120b",
+    "gpt-oss-20b": "openai/gpt-oss-20b",
+    "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct",
+    "qwen2.5-72b": "Qwen/Qwen2.5-72B-Instruct",
+}
+
+
 def model_preset_names() -> list[str]:
     return sorted({*_PRESETS, *_ALIASES, *SERVABLE_HF_CONFIGS})
 

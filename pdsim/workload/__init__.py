@@ -116,6 +116,7 @@ __all__ = [
     "Workload",
     "WorkloadConfig",
     "WorkloadError",
+    "closed_loop_clients",
     "detect_format",
     "generate",
     "ideal_cached_blocks",
@@ -138,6 +139,12 @@ def _workload_shape(value: Any) -> Any:
 
 
 WorkloadConfig = Annotated[SyntheticWorkload | TraceWorkload, BeforeValidator(_workload_shape)]
+
+
+def closed_loop_clients(workload: SyntheticWorkload | TraceWorkload) -> int | None:
+    """The clients of a closed-loop workload config; None for an open loop."""
+    loop = workload.arrival if isinstance(workload, SyntheticWorkload) else workload.closed_loop
+    return loop.concurrency if isinstance(loop, ClosedLoopArrival) else None
 """The type of an experiment's `workload:` field: a mapping with `trace` is a replay."""
 
 _ADAPTER: TypeAdapter[SyntheticWorkload | TraceWorkload] = TypeAdapter(

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import NamedTuple
 
 from pydantic import ConfigDict, Field, ValidationError
@@ -709,10 +709,8 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
             moe_local = local  # over tp, on the instance's tokens
             moe_global_ll = moe_global
             if ep > 1:
-                roof = ops.moe_roofline(*shape, tp // ep, ep, md, fused=not hw.blackwell)
-
-                def moe_busiest(tokens: float, load: float) -> float:
-                    return float(roof(tokens, load) / roof(tokens))
+                moe_busiest = partial(_load_ratio, ops.moe_roofline(*shape, tp // ep, ep, md,
+                                                                    fused=not hw.blackwell))
         mlp_act = max(mlp_act, 3 * (model.moe_intermediate_size * model.experts_per_token // ep
                                     + shared))
 
@@ -767,6 +765,11 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
                              + (1 - linear_share) * attention_elementwise_kernels(model)
                              + linear_share * GDN_ELEMENTWISE_KERNELS) * p.kernel_floor_s,
     )
+
+
+def _load_ratio(roofline: Callable, tokens: float, load: float) -> float:
+    """A MoE roofline's time with `load` times a rank's rows over its time with its share."""
+    return float(roofline(tokens, load) / roofline(tokens))
 
 
 def _labelled(entries: list[tuple]) -> Stage:
