@@ -755,8 +755,9 @@ def main() -> None:
           "not read; the others at the token counts where the two routings reach different "
           "expert counts")
     _print_against("kernel", moves, "balanced as is")
-    print(f"\nExpert load: wide-EP uniform rows at the busiest rank's tokens (pdsim's load "
-          f"model, no EPLB) against the rows measured with power-law routing, on {args.system}")
+    print(f"\nExpert load: the busiest EP rank as pdsim prices it, no EPLB (wide-EP uniform "
+          f"rows at its tokens; fused-MoE balanced rows moved by the roofline ratio) against "
+          f"the rows measured with power-law routing, on {args.system}")
     _print_against("phase", imbalance_checks(ops), "uniform as is")
     print(f"\nMLA decode attention block on {args.system}: aiconfigurator's module table (the "
           "block under a CUDA graph, one rank, 128 heads) against pdsim's ops of it, ms")
