@@ -201,6 +201,28 @@ def test_deepep_sets_ep_and_unchunked_prefill_reads_as_zero():
     parse_experiment(imported)
 
 
+def test_online_fp8_quantization_prices_the_16_bit_blocks_per_tensor():
+    """SGLang's --quantization fp8 quantises a BF16 checkpoint's linear layers at load with
+    per-tensor scales; a checkpoint already in FP8 keeps its own (block) format."""
+    def imported_model(model: str, quantization: str) -> tuple:
+        script = "\n".join([
+            f"python -m sglang.launch_server --model-path {model} --tp 2 "
+            f"--quantization {quantization}",
+            "python -m sglang_router.launch_router --worker-urls http://127.0.0.1:30000"])
+        data, notes = import_sglang(script, BASE)
+        parse_experiment(data)
+        return data["model"], notes
+
+    model, notes = imported_model("meta-llama/Llama-3.1-8B-Instruct", "fp8")
+    assert model == {"base": "llama-3.1-8b", "precision": {
+        "attention": "fp8_tensor", "dense_mlp": "fp8_tensor"}} and notes == []
+    assert imported_model("deepseek-v3", "fp8") == ("deepseek-v3", [])  # block FP8 already
+    model, notes = imported_model("llama-3.1-8b", "awq")
+    assert model == "llama-3.1-8b"
+    assert notes == ["line 1 (colocated server): read past, not modelled: --quantization awq "
+                     "(the checkpoint's own format is priced; an online fp8 quantization is)"]
+
+
 def test_piecewise_cuda_graphs_asked_of_the_prefill_servers_are_priced():
     def imported(prefill_flags: str) -> dict:
         script = "\n".join([

@@ -21,7 +21,8 @@ SGLANG_NUM_RESERVED_DECODE_TOKENS (SGLANG_HACK_PD_DECODE_NUM_RESERVED_DECODE_TOK
 `--piecewise-cuda-graph-max-tokens` (the cost model's `piecewise_cuda_graph`) and speculative
 decoding (`--speculative-algorithm` NEXTN/EAGLE/EAGLE3 with `--speculative-num-steps`: MTP
 without `--speculative-draft-model-path`, EAGLE with one; its acceptance comes from the base
-experiment), the model (`--model-path`) and the router's
+experiment), the model (`--model-path`; `--quantization fp8` or `w8a8_fp8` makes its 16-bit
+linear blocks `fp8_tensor`) and the router's
 policy (as SGLang names it: a plan's `least_loaded`, written as `power_of_two`, comes back as
 that; `--mini-lb` pairs servers at random) and cache_aware settings. Environment variables
 count when set before a command (`VAR=value python -m ...`) or by an `export` line. Every instance of a role must have the
@@ -30,7 +31,8 @@ same shape (the simulator has one per role), and every URL the router names must
 
 Flags that do not change the simulation (addresses, ports, devices, logging, the transfer
 backend...) are read past. Flags that may change performance but that pdsim does not model
-(`--deepep-config`, `--attention-backend`, `--quantization`...) are read past too, and named in
+(`--deepep-config`, `--attention-backend`, a `--quantization` other than fp8...) are read past
+too, and named in
 the notes the import returns (`pdsim import-sglang` prints them), so nothing is dropped
 silently.
 
@@ -84,6 +86,9 @@ INERT_FLAGS = frozenset("""
 ENV_KNOBS = {"SGLANG_NUM_RESERVED_DECODE_TOKENS": "num_reserved_decode_tokens",
              "SGLANG_HACK_PD_DECODE_NUM_RESERVED_DECODE_TOKENS": "num_reserved_decode_tokens"}
 LL_TOKENS_ENV = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
+# SGLang's --quantization values that quantise a 16-bit checkpoint's weights to FP8 at load
+# (per tensor; w8a8_fp8 per channel), which pdsim prices as `fp8_tensor`.
+ONLINE_FP8 = ("fp8", "w8a8_fp8")
 SMOOTH_FACTOR_ENV = "SGLANG_DYNAMIC_CHUNKING_SMOOTH_FACTOR"
 # SGLang's --deepep-mode per role that prices as pdsim does (auto: normal for prefill batches,
 # low latency for decode batches)
@@ -151,6 +156,7 @@ def _server_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-expert-location", default="trivial")
     p.add_argument("--ep-num-redundant-experts", type=int, default=0)
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--quantization")
     p.add_argument("--disaggregation-mode", default="null")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -222,6 +228,7 @@ class _Server:
     piecewise: dict[str, Any]  # the cost params of piecewise-graphed extends it asks for
     speculative: dict[str, Any] | None  # the speculative section's method and drafts
     unmodelled: list[str]  # flags read past that may change performance
+    online_fp8: bool  # --quantization fp8: SGLang quantises 16-bit weights at load
 
 
 def _server(argv: list[str], env: dict[str, str], line: int) -> _Server | None:
@@ -235,13 +242,17 @@ def _server(argv: list[str], env: dict[str, str], line: int) -> _Server | None:
         raise ConfigError(f"line {line}: --disaggregation-mode {a.disaggregation_mode!r}; "
                           "allowed: prefill, decode, null")
     unmodelled = [flag for flag in rest if flag not in INERT_FLAGS]
+    online_fp8 = a.quantization in ONLINE_FP8
+    if a.quantization is not None and not online_fp8:
+        unmodelled.append(f"--quantization {a.quantization} (the checkpoint's own format is "
+                          "priced; an online fp8 quantization is)")
     if _deepep(a) and a.deepep_mode not in DEEPEP_MODES[role]:
         unmodelled.append(f"--deepep-mode {a.deepep_mode} (priced as SGLang's auto: normal for "
                           "prefill batches, low latency for decode batches)")
     return _Server(line, role, f"http://{a.host}:{a.port}", _shape(a, env, line, unmodelled),
                    _knobs(a, env, role, line), a.model_path,
                    1 if a.kv_cache_dtype.startswith("fp8") else 2, _graph_bs(a),
-                   _piecewise(a), _speculative(a, line, unmodelled), unmodelled)
+                   _piecewise(a), _speculative(a, line, unmodelled), unmodelled, online_fp8)
 
 
 def _deepep(a: argparse.Namespace) -> bool:
@@ -355,6 +366,22 @@ def _speculative(a: argparse.Namespace, line: int, unmodelled: list[str]
     return {"method": method, "num_draft_tokens": steps}
 
 
+def _online_fp8(model: str | dict[str, Any], base_dir: str | Path | None
+                ) -> str | dict[str, Any]:
+    """The model as SGLang's `--quantization fp8` serves it: its 16-bit linear blocks
+    quantised at load with per-tensor scales (`fp8_tensor`), the LM head and a checkpoint's
+    own FP8 (or other) blocks as they are."""
+    spec = load_model_spec(model, base_dir)
+    present = ("attention", *(("dense_mlp",) if spec.num_dense_layers else ()),
+               *(("moe_experts",) if spec.is_moe else ()))
+    blocks = {block: "fp8_tensor" for block in present
+              if getattr(spec.precision, block) in ("bf16", "fp16")}
+    if not blocks:
+        return model
+    base = model if isinstance(model, str) else dict(model)
+    return {"base": base, "precision": blocks}
+
+
 def _known_model(path: str, base_dir: str | Path | None) -> str:
     """`--model-path` if the simulator can read it (a preset, a preset's Hugging Face
     repository, or a checkpoint's config.json on this machine); else an error that suggests
@@ -460,10 +487,12 @@ def import_sglang(text: str, base: dict[str, Any], *, name: str | None = None,
                  for s in generating}, "speculative decoding")
     if spec is not None:
         data["speculative"] = _with_acceptance(dict(spec), base.get("speculative") or {})
+    model = model or _known_model(_one({s.model for s in servers}, "--model-path"), base_dir)
+    if _one({s.online_fp8 for s in servers}, "--quantization"):
+        model = _online_fp8(model, base_dir)
     return {"name": name or base.get("name", "imported"),
             "description": "imported from SGLang launch commands (pdsim import-sglang)",
-            **data, "model": model or _known_model(_one({s.model for s in servers},
-                                                        "--model-path"), base_dir),
+            **data, "model": model,
             "kv_dtype_bytes": _one({s.kv_dtype_bytes for s in servers}, "--kv-cache-dtype"),
             "cluster": cluster, "router": router}, notes
 
