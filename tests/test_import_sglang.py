@@ -220,7 +220,7 @@ def test_online_fp8_quantization_prices_the_16_bit_blocks_per_tensor():
     model, notes = imported_model("llama-3.1-8b", "awq")
     assert model == "llama-3.1-8b"
     assert notes == ["line 1 (colocated server): read past, not modelled: --quantization awq "
-                     "(the checkpoint's own format is priced; an online fp8 quantization is)"]
+                     "(priced in the checkpoint's own format; only fp8 or w8a8_fp8 changes it)"]
 
 
 def test_piecewise_cuda_graphs_asked_of_the_prefill_servers_are_priced():

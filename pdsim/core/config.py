@@ -17,8 +17,9 @@ class SchedulerConfig:
 
     num_pages × page_size is the KV pool in tokens. `max_prefill_tokens` caps the new tokens of
     one extend batch; `chunked_prefill_size` cuts longer prompts into chunks, and caps the batch
-    as well (0 disables chunking, so a prompt longer than the budget runs alone). `num_reserved_decode_tokens` is set aside per
-    running or queued request when admitting new ones, so admitted requests can keep decoding.
+    as well (0 disables chunking, so a prompt longer than the budget runs alone).
+    `num_reserved_decode_tokens` is set aside per running or queued request when admitting new
+    ones, so admitted requests can keep decoding.
     `speculation` (simulator only) makes decode steps verify draft tokens. `prefix_cache` gives
     colocated and prefill schedulers a radix cache of prompt pages (`pdsim.core.radix`); a
     request takes from it only if it carries `prefix_keys`. With `state_slots`, every request

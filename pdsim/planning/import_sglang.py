@@ -244,8 +244,8 @@ def _server(argv: list[str], env: dict[str, str], line: int) -> _Server | None:
     unmodelled = [flag for flag in rest if flag not in INERT_FLAGS]
     online_fp8 = a.quantization in ONLINE_FP8
     if a.quantization is not None and not online_fp8:
-        unmodelled.append(f"--quantization {a.quantization} (the checkpoint's own format is "
-                          "priced; an online fp8 quantization is)")
+        unmodelled.append(f"--quantization {a.quantization} (priced in the checkpoint's own "
+                          f"format; only {' or '.join(ONLINE_FP8)} changes it)")
     if _deepep(a) and a.deepep_mode not in DEEPEP_MODES[role]:
         unmodelled.append(f"--deepep-mode {a.deepep_mode} (priced as SGLang's auto: normal for "
                           "prefill batches, low latency for decode batches)")
@@ -369,8 +369,8 @@ def _speculative(a: argparse.Namespace, line: int, unmodelled: list[str]
 def _online_fp8(model: str | dict[str, Any], base_dir: str | Path | None
                 ) -> str | dict[str, Any]:
     """The model as SGLang's `--quantization fp8` serves it: its 16-bit linear blocks
-    quantised at load with per-tensor scales (`fp8_tensor`), the LM head and a checkpoint's
-    own FP8 (or other) blocks as they are."""
+    quantised at load with per-tensor (w8a8_fp8: per-channel) scales, `fp8_tensor`; the LM
+    head and a checkpoint's own FP8 (or other) blocks as they are."""
     spec = load_model_spec(model, base_dir)
     present = ("attention", *(("dense_mlp",) if spec.num_dense_layers else ()),
                *(("moe_experts",) if spec.is_moe else ()))

@@ -146,7 +146,8 @@ class _Plan:
     dense_dp: bool  # moe_dense_tp=1: dense MLP whole on each GPU, over its own tokens
     dense: Stage  # over the instance's tokens (or one GPU's, dense_dp): dense MLP GEMMs
     mlp_comm: Stage  # over the instance's tokens: the MLP collective (dense, MoE without DeepEP)
-    moe_global: Stage  # over the instance's tokens (at the busiest EP rank): routed experts
+    moe_global: Stage  # over the instance's tokens: routed experts (DeepEP's read at the
+    # busiest EP rank's tokens; the fused kernel's moved to that rank by `moe_busiest`)
     moe_global_ll: Stage  # the same under DeepEP's low-latency mode (decode kernels)
     # fused MoE under EP: (tokens, imbalance) -> the busiest rank's time over the table's
     moe_busiest: Callable[[float, float], float] | None
