@@ -117,8 +117,7 @@ def explain_step(cfg: ExperimentConfig, role: str | None = None, batch: int = 64
     dp = spec.dp_attention
     if role == "prefill":
         sched = spec.scheduler
-        chunks = prompt_chunks(prompt, sched.chunked_prefill_size, sched.max_prefill_tokens,
-                               sched.dynamic_chunking)
+        chunks = prompt_chunks(prompt, sched.chunked_prefill_size, sched.dynamic_chunking)
         steps = [[extend_shape(n, done)] * dp for done, n in chunks]
         words = f"prefill of a {prompt}-token prompt in {len(steps)} chunk(s) of <= " \
                 f"{max(n for _, n in chunks)}"

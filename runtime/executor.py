@@ -83,12 +83,11 @@ WARMUP_MAX_TOKENS, WARMUP_MAX_CHUNK = 2048, 512
 
 
 def warmup_shape(cfg: SchedulerConfig) -> tuple[int, int]:
-    """(tokens, chunk) of a scheduler's largest extend step, for `ModelExecutor`'s warm-up: its
-    `max_prefill_tokens`, and with chunking at most one chunk of `chunked_prefill_size`, in
-    segments of at most a chunk (or one prompt), within WARMUP_MAX_TOKENS and
-    WARMUP_MAX_CHUNK."""
+    """(tokens, chunk) of a scheduler's largest extend step, for `ModelExecutor`'s warm-up: one
+    chunk of `chunked_prefill_size` (without chunking its `max_prefill_tokens`), in segments
+    of at most a chunk (or one prompt), within WARMUP_MAX_TOKENS and WARMUP_MAX_CHUNK."""
     chunk = cfg.chunked_prefill_size
-    tokens = min(cfg.max_prefill_tokens, chunk or cfg.max_prefill_tokens, WARMUP_MAX_TOKENS)
+    tokens = min(chunk or cfg.max_prefill_tokens, WARMUP_MAX_TOKENS)
     return tokens, min(chunk or tokens, WARMUP_MAX_CHUNK)
 
 

@@ -207,22 +207,23 @@ def test_bootstrap_timeout():
     assert not r1.finished  # past the handshake, no bootstrap timeout applies
 
 
-def test_token_budget_caps_each_extend_batch_with_chunking():
+def test_with_chunking_the_token_budget_stops_admitting_and_the_chunk_cuts():
+    """SGLang's PrefillAdder with chunked prefill on: max_prefill_tokens stops admitting more
+    requests once spent (the request that spends it goes whole), and only the chunk cuts a
+    request; a lone request takes a whole chunk even beyond max_prefill_tokens."""
     kv = StubKV(initial=KVPoll.WaitingForInput)
     s = PrefillScheduler(cfg(max_prefill_tokens=20, chunked_prefill_size=64), kv)
-    reqs = [req(f"r{i}", 12) for i in range(3)]
-    for r in reqs:
-        s.add_request(r, 0.0)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 12), 0.0)
     plans = []
     t = 0.0
     while (b := run_batch(s, t)) is not None:
         plans.append([(g.req.rid, g.start, g.end) for g in b.segments])
-        assert b.shape.prefill_tokens <= 20
         t += 1.0
-    assert plans == [
-        [("r0", 0, 12), ("r1", 0, 8)],
-        [("r1", 8, 12), ("r2", 0, 12)],
-    ]
+    assert plans == [[("r0", 0, 12), ("r1", 0, 12)], [("r2", 0, 12)]]
+    lone = PrefillScheduler(cfg(max_prefill_tokens=16, chunked_prefill_size=32), kv)
+    lone.add_request(req("r9", 40), 0.0)
+    assert [(g.start, g.end) for g in run_batch(lone, 0.0).segments] == [(0, 32)]
 
 
 def test_one_chunk_caps_each_extend_batch_however_many_requests_it_takes():

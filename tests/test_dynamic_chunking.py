@@ -82,7 +82,7 @@ def test_the_scheduler_sizes_only_a_continuing_requests_chunks_dynamically():
         sched.on_batch_done(batch, BatchResult(1.0), now)
     # a pure quadratic: after 1024 tokens, 1024 (sqrt 2 - 1) = 424, aligned down to 64s
     assert sizes[:2] == [1024, 384] and sizes == sorted(sizes, reverse=True)
-    assert sizes == [n for _, n in prompt_chunks(3000, 1024, 4096, dyn)]
+    assert sizes == [n for _, n in prompt_chunks(3000, 1024, dyn)]
     # a new request (no earlier chunk) always starts at the base
     sched.add_request(Request("r1", 2000, 2), now)
     batch = sched.step(now)
@@ -106,8 +106,7 @@ def pipelined(smooth: float | None, chunk: int = BASE) -> dict:
 def stage_times(data: dict) -> tuple[list[int], list[float], object]:
     spec = build_cluster(parse_experiment(data)).prefill
     sched, cost = spec.scheduler, spec.cost()
-    chunks = prompt_chunks(PROMPT, sched.chunked_prefill_size, sched.max_prefill_tokens,
-                           sched.dynamic_chunking)
+    chunks = prompt_chunks(PROMPT, sched.chunked_prefill_size, sched.dynamic_chunking)
     return [n for _, n in chunks], [cost.step_time_s([extend_shape(n, c)]) for c, n in chunks], \
         sched
 

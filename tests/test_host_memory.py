@@ -115,8 +115,10 @@ def test_warmup_shape_is_the_largest_step_capped():
     def shape(**knobs):
         return warmup_shape(scheduler_config(64, **knobs))
 
-    # with chunking a step holds at most one chunk, however many requests it takes
+    # with chunking a step holds at most one chunk, however many requests it takes, and a lone
+    # request takes a whole one even beyond max_prefill_tokens
     assert shape(max_prefill_tokens=1024, chunked_prefill_size=256) == (256, 256)
+    assert shape(max_prefill_tokens=128, chunked_prefill_size=256) == (256, 256)
     assert shape(max_prefill_tokens=16384, chunked_prefill_size=8192) == (WARMUP_MAX_TOKENS,
                                                                           WARMUP_MAX_CHUNK)
     assert shape(max_prefill_tokens=300, chunked_prefill_size=0) == (300, 300)

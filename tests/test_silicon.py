@@ -462,8 +462,9 @@ def test_silicon_breakdown_adds_up_and_dense_dp_drops_the_collective():
         parts[dense_tp] = cost.step_breakdown_s(shapes)
         assert sum(parts[dense_tp].values()) == pytest.approx(cost.step_time_s(shapes), rel=1e-12)
     # Over 16 GPUs in two nodes the gathered dense MLP pays an all-gather + reduce-scatter of
-    # all 1600 tokens over the NICs; run whole per GPU it has none, and the MoE layers are alike.
-    assert parts[None]["dense_comm"] > 5 * parts[1]["dense_mlp"] and parts[1]["dense_comm"] == 0
+    # all 1600 tokens across the nodes, more than running the MLP whole on each GPU, which has
+    # no collective; the MoE layers are alike.
+    assert parts[None]["dense_comm"] > parts[1]["dense_mlp"] and parts[1]["dense_comm"] == 0
     assert parts[None]["moe_comm"] == parts[1]["moe_comm"]
 
 

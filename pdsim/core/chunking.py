@@ -60,17 +60,18 @@ def chunk_cap(chunked_prefill_size: int, dynamic: DynamicChunking | None,
     return dynamic.chunk_after(history)
 
 
-def prompt_chunks(prompt: int, chunked_prefill_size: int, max_prefill_tokens: int,
+def prompt_chunks(prompt: int, chunked_prefill_size: int,
                   dynamic: DynamicChunking | None = None) -> list[tuple[int, int]]:
     """(tokens already computed, new tokens) of each extend of a lone `prompt`-token request,
     as the scheduler runs it: chunks of at most `chunked_prefill_size` (dynamic: the later ones
-    sized by `dynamic`) and `max_prefill_tokens`; with chunking off (0), in one piece."""
+    sized by `dynamic`, which keeps them within max_prefill_tokens); with chunking off (0), in
+    one piece. A lone request's chunk is not cut to `max_prefill_tokens`: SGLang's budget
+    stops admitting more requests, never the first."""
     if not chunked_prefill_size:
         return [(0, prompt)]
     chunks, done = [], 0
     while done < prompt:
-        n = min(chunk_cap(chunked_prefill_size, dynamic, done), max_prefill_tokens,
-                prompt - done)
+        n = min(chunk_cap(chunked_prefill_size, dynamic, done), prompt - done)
         chunks.append((done, n))
         done += n
     return chunks

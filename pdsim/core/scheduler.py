@@ -152,15 +152,17 @@ class InstanceScheduler:
         segments: list[ExtendSegment] = []
         tokens = prefix = 0
         pairs = 0.0
-        # With chunking the whole batch holds at most one chunk (SGLang's PrefillAdder takes
-        # each admitted request's tokens off `rem_chunk_tokens` and stops at zero).
+        # With chunking the whole batch holds at most one chunk: SGLang's PrefillAdder takes
+        # each admitted request's tokens off `rem_chunk_tokens` (and `rem_input_tokens`, the
+        # max_prefill_tokens budget) and stops when either is spent, cutting the request that
+        # crosses the chunk there.
         while self.waiting and budget > 0 and (not chunk or tokens < chunk):
             req = self.waiting[0]
             if self.cache is not None and req.cache_node is None and req.prefix_keys and not req.pages:
                 self._match_prefix(req, now)
             take = req.fill_len - req.computed_tokens
             if chunk:
-                take = min(take, chunk - tokens, budget)
+                take = min(take, chunk - tokens)
             elif take > budget and segments:
                 break  # without chunking a long prompt runs alone
             if not self._admit_extend(req, take):

@@ -146,8 +146,7 @@ class Prefilter:
         # an extend step holds at most one chunk; unchunked, a long prompt runs alone
         chunk = sched.chunked_prefill_size
         longest = int(self.workload.input_tokens.max()) if len(self.workload.input_tokens) else 1
-        largest = (min(sched.max_prefill_tokens, chunk) if chunk
-                   else max(sched.max_prefill_tokens, longest))
+        largest = chunk or max(sched.max_prefill_tokens, longest)
         prefill = 0.0
         for n in _geometric(largest):
             t = cost.step_time_s([BatchShape(prefill_tokens=n, prefill_attn_pairs=n)] * dp)
@@ -161,8 +160,7 @@ class Prefilter:
         alone = {}
         for n in np.unique(self.workload.input_tokens):
             n = int(n)
-            steps = prompt_chunks(n, sched.chunked_prefill_size, sched.max_prefill_tokens,
-                                  sched.dynamic_chunking)
+            steps = prompt_chunks(n, sched.chunked_prefill_size, sched.dynamic_chunking)
             alone[n] = pipelined_s([cost.step_time_s([extend_shape(k, c)] + idle)
                                     for c, k in steps], shape.pp)
         return RoleCapacity(shape, kv_tokens, sched.max_running_requests, prefill, decode, floor,

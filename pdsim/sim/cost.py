@@ -175,6 +175,18 @@ class Parallelism(BaseModel):
         return self.tp // self.dp_attention
 
 
+def ring_link_gb_per_s(hardware: HardwareSpec, gpus: int) -> float:
+    """The link rate a ring collective over `gpus` GPUs moves at, per rank: NVLink inside one
+    NVLink domain. Beyond it NCCL runs one ring per NIC (rail-aligned, a NIC per GPU), each
+    carrying its share of the data across the nodes, so the crossing moves at the node's
+    `gpus_per_node` NICs together, NVLink's rate at most: H100 TP 16 over two nodes, 8 x 50 =
+    400 GB/s, not one NIC's 50 (multi-node nccl-tests on H100 SXM with NDR InfiniBand: 400-450
+    GB/s of all-reduce bus bandwidth, docs/cost_model.md)."""
+    if gpus <= hardware.gpus_per_node:
+        return hardware.nvlink_gb_per_s
+    return min(hardware.nvlink_gb_per_s, hardware.rdma_gb_per_s * hardware.gpus_per_node)
+
+
 def weight_bytes_per_gpu(model: ModelSpec, parallel: Parallelism, redundant_experts: int = 0
                          ) -> int:
     """Weight bytes on one GPU under `parallel` (shared experts replicated under DeepEP, dense
@@ -798,10 +810,9 @@ class RooflineCostModel:
         # before and a reduce-scatter after, which move the same bytes). Ring all-reduce time:
         # 2 (n - 1) / n * bytes / link bandwidth, plus a fixed latency per call. DeepEP
         # replaces the MLP collective of MoE layers. A group larger than one node's NVLink
-        # domain is bound by the RDMA NICs.
+        # domain crosses its nodes' NICs (`ring_link_gb_per_s`).
         def link(gpus: int) -> float:
-            gbps = hardware.nvlink_gb_per_s if gpus <= hardware.gpus_per_node else hardware.rdma_gb_per_s
-            return gbps * 1e9 * p.comm_efficiency
+            return ring_link_gb_per_s(hardware, gpus) * 1e9 * p.comm_efficiency
 
         self._attn_ar_s_tok = 2 * (attn_tp - 1) / attn_tp * h * ACT_BYTES / link(attn_tp)
         self._attn_ar_fixed_s = p.allreduce_latency_s if attn_tp > 1 else 0.0

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pdsim.sim.cost import experts_reached, gdn_kernel_work, mla_decode_rows, remote_row_bytes
+from pdsim.sim.cost import (
+    experts_reached,
+    gdn_kernel_work,
+    mla_decode_rows,
+    remote_row_bytes,
+    ring_link_gb_per_s,
+)
 from pdsim.sim.moe_comm import deepep_traffic
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Curve, Grid2, Reference, best_reference
@@ -643,10 +649,6 @@ class OpTables:
 
     # ----- communication -----------------------------------------------------------------------
 
-    @staticmethod
-    def _link_gb_per_s(hw: HardwareSpec, gpus: int) -> float:
-        return hw.nvlink_gb_per_s if gpus <= hw.gpus_per_node else hw.rdma_gb_per_s
-
     def _collective(self, t: pd.DataFrame, gpus: int, hidden: int) -> Curve:
         """A collective's curve over tokens of `hidden` BF16 elements on `gpus`, moved from the
         nearest measured GPU count, and from the tables' GPU's links to this GPU's, by the
@@ -658,8 +660,8 @@ class OpTables:
                    key=lambda g: (abs(math.log(g / gpus)), -g))
         g = t[t["num_gpus"] == have].groupby("message_size")["latency"].min()
         tok_bytes = hidden * ACT_BYTES
-        link = self._link_gb_per_s(self.table_hw, have) * 1e9
-        want_link = self._link_gb_per_s(self.hw, gpus) * 1e9
+        link = ring_link_gb_per_s(self.table_hw, have) * 1e9
+        want_link = ring_link_gb_per_s(self.hw, gpus) * 1e9
 
         def ring(n: int, gbps: float) -> Callable:
             return lambda tokens: 10e-6 + 2 * (n - 1) / n * tokens * tok_bytes / gbps
