@@ -104,13 +104,25 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type == "application/json":
             raise
-        message = f"{exc.status} {exc.reason}: {exc.text}" if exc.text else exc.reason
+        message = _refusal_text(request, exc)
         headers = {k: v for k, v in exc.headers.items()
                    if k.lower() not in ("content-type", "content-length")}
         return error_json(exc.status, message, headers)
     except Exception:  # noqa: BLE001 - a bug in a handler: logged, answered in JSON
         log.exception("%s %s failed", request.method, request.path)
         return error_json(500, "internal server error")
+
+
+def _refusal_text(request: web.Request, exc: web.HTTPException) -> str:
+    """What aiohttp's own refusal says, without its default "404: Not Found" body: no such
+    path, or the methods a path takes."""
+    if exc.status == 404:
+        return f"no route {request.method} {request.path}"
+    if exc.status == 405:
+        return (f"{request.method} is not allowed on {request.path}; allowed: "
+                f"{exc.headers.get('Allow', '')}")
+    default = f"{exc.status}: {exc.reason}"
+    return f"{exc.reason}: {exc.text}" if exc.text and exc.text != default else exc.reason
 
 
 def _admission(limits: HttpLimits) -> Callable:
@@ -137,9 +149,12 @@ def _admission(limits: HttpLimits) -> Callable:
     return admit
 
 
-def new_app(limits: HttpLimits, middlewares: Iterable[Callable] = ()) -> web.Application:
-    """An app with the JSON errors and the body limit; `middlewares` run inside them."""
-    return web.Application(middlewares=[json_errors, _admission(limits), *middlewares],
+def new_app(limits: HttpLimits, middlewares: Iterable[Callable] = (),
+            count: Callable | None = None) -> web.Application:
+    """An app with the JSON errors and the body limit; `middlewares` run inside them, `count`
+    outside them all (it sees every answer, refusals included)."""
+    outer = [count] if count is not None else []
+    return web.Application(middlewares=[*outer, json_errors, _admission(limits), *middlewares],
                            client_max_size=limits.max_body_bytes)
 
 
@@ -268,8 +283,9 @@ class AppServer:
         raise NotImplementedError
 
     def new_app(self) -> web.Application:
-        """An app with the JSON error format, the limits, the guards and the response counting."""
-        return new_app(self.http_limits, [*self._guards, self._count])
+        """An app with the JSON error format, the limits, the guards and the response counting
+        (outermost: refusals by the guards and the limits count too)."""
+        return new_app(self.http_limits, self._guards, count=self._count)
 
     def counted(self, path: str) -> bool:
         raise NotImplementedError
@@ -313,7 +329,14 @@ class AppServer:
 
     @web.middleware
     async def _count(self, request: web.Request, handler) -> web.StreamResponse:
-        endpoint = request.path if self.counted(request.path) else None
+        """Each counted path's answers by code; requests to no route count as one endpoint,
+        "unmatched", so that clients cannot add series at will."""
+        if self.counted(request.path):
+            endpoint = request.path
+        elif request.match_info.http_exception is not None:
+            endpoint = "unmatched"
+        else:
+            endpoint = None
         try:
             response = await handler(request)
         except web.HTTPException as exc:

@@ -10,6 +10,7 @@ runtime/sampler.py draws the tokens.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,9 @@ TOP_K_MAX = 2**31 - 1
 # top_p is compared with float32 probability sums: a smaller one rounds to 0 there and would drop
 # every token. 1e-6 keeps the top token alone already (it is float32's resolution near 1).
 MIN_TOP_P = 1e-6
+# ... and the float32 nearest to it (9.99999997e-07) passes too: routers that hold top_p as a
+# float32 (SGLang's) hand the workers that.
+_MIN_TOP_P_F32 = struct.unpack("f", struct.pack("f", MIN_TOP_P))[0]
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (the executor returns them)
 
@@ -60,7 +64,7 @@ class SamplingParams:
             raise SamplingError("temperature", f"temperature={short_repr(t)}; allowed: a "
                                 f"number in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_BELOW:g}: "
                                 "greedy)")
-        if not _is_finite(p) or not MIN_TOP_P <= p <= 1:
+        if not _is_finite(p) or not min(MIN_TOP_P, _MIN_TOP_P_F32) <= p <= 1:
             raise SamplingError("top_p", f"top_p={short_repr(p)}; allowed: a number in "
                                 f"[{MIN_TOP_P:g}, 1] (smaller: the most likely token alone, as "
                                 f"{MIN_TOP_P:g} does)")

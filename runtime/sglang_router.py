@@ -53,7 +53,9 @@ def router_args(config, prefill: Sequence[tuple[str, int]], decode: Sequence[str
     """sglang-router's arguments for `config`'s router section in front of these workers
     (`prefill`: (URL, bootstrap port) each). Its Prometheus exporter (by default on
     0.0.0.0:29000, which a second router on the machine cannot have) goes to the router's host
-    and `metrics_port`."""
+    and `metrics_port`. Its body limit is the workers' (`security.limits.max_body_bytes`): it
+    answers 413 itself, where a body it forwarded (its default allows 512 MiB) would come back
+    refused and count against the workers' circuit breakers."""
     r = config.router
     args = ["--pd-disaggregation"]
     for url, bootstrap_port in prefill:
@@ -61,7 +63,8 @@ def router_args(config, prefill: Sequence[tuple[str, int]], decode: Sequence[str
     for url in decode:
         args += ["--decode", url]
     args += ["--host", r.host, "--port", str(port), "--prometheus-host", r.host,
-             "--prometheus-port", str(metrics_port), "--policy", r.policy]
+             "--prometheus-port", str(metrics_port), "--policy", r.policy,
+             "--max-payload-size", str(config.security.limits.max_body_bytes)]
     for name, value in sorted(r.policy_options.items()):
         if name in INTEGER_OPTIONS:
             if value != int(value):

@@ -36,11 +36,14 @@ PEER_LOST = "peer restarted or gone"
 # A KV write that failed on the wire (Mooncake's error, or an injected fault): the next try
 # takes a new pair and room.
 WRITE_FAILED = "KV write failed"
+# A request its router withdrew (`POST /abort`: the other worker was lost, its client went
+# away): the router answers the client itself; the worker's own answer is no fault of its.
+ROUTER_ABORT = "aborted by the router"
 # Failures that mean "too busy right now" (a request that waited its turn too long), "a peer
 # is restarting" or "this transfer failed", not a fault of the request: 503, the client may
 # retry (and the router does, once, before any token).
 RETRYABLE_FAILURES = ("shutting down", "bootstrap timed out", "KV did not arrive within",
-                      PEER_LOST, WRITE_FAILED)
+                      PEER_LOST, WRITE_FAILED, ROUTER_ABORT)
 
 
 def failure_status(event: StreamEvent) -> int:

@@ -119,11 +119,13 @@ def test_decode_abort_reaches_prefill(cluster):
     threading.Thread(target=lambda: got.put(alone(d, b))).start()
     wait_queue(d, "transfer", 1)  # decode has told prefill where to write
     assert post_json(d.url + "/abort", {"rid": "abort-d", "reason": "client went away"})[0] == 200
+    # withdrawn by its router, not failed by this worker: 503 on both sides
     status, err = got.get(timeout=10)
-    assert status == 500 and err["error"]["message"] == "client went away"
+    assert status == 503 and err["error"]["message"] == "aborted by the router: client went away"
     status, err = alone(p, b)  # the prefill half, late: the decode side has already aborted
-    assert status == 500
-    assert err["error"]["message"] == "bootstrap failed: decode side aborted: client went away"
+    assert status == 503
+    assert err["error"]["message"] == ("bootstrap failed: decode side aborted: aborted by the "
+                                       "router: client went away")
     assert_pools_full(p, d)
 
 
@@ -136,11 +138,12 @@ def test_prefill_abort_reaches_decode(cluster):
     wait_queue(p, "bootstrap", 1)
     post_json(p.url + "/abort", {"rid": "abort-p", "reason": "router gave up"})
     status, err = got.get(timeout=10)
-    assert status == 500 and err["error"]["message"] == "router gave up"
+    assert status == 503 and err["error"]["message"] == "aborted by the router: router gave up"
     # The decode half comes after the prefill side forgot the request; it still learns why.
     status, err = alone(d, b)
-    assert status == 500
-    assert err["error"]["message"] == "KV transfer failed: prefill rank 0: router gave up"
+    assert status == 503
+    assert err["error"]["message"] == ("KV transfer failed: prefill rank 0: aborted by the "
+                                       "router: router gave up")
     assert_pools_full(p, d)
 
 

@@ -38,7 +38,7 @@ def test_a_text_that_cannot_fit_is_refused_without_tokenising_it():
         parser.completion({"prompt": "x" * 2_000_000})
     assert err.value.param == "prompt" and tok.encoded_chars == 0
     assert ("the prompt has 2000000 characters, so more than 512 tokens (a token of this "
-            "tokenizer holds at most 1 bytes); allowed: at most 512 tokens (the prefill KV pool "
+            "tokenizer holds at most 1 byte); allowed: at most 512 tokens (the prefill KV pool "
             "holds 512 tokens)") == err.value.message
     with pytest.raises(BadRequest) as err:
         parser.chat({"messages": [{"role": "user", "content": "é" * 100_000}]})

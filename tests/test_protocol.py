@@ -241,3 +241,16 @@ def test_the_fast_stream_decoder_keeps_minus_infinity_and_integer_logprobs():
                                top_logprobs=(((5, float("-inf")),), ((6, 0),)))
     back = stream.from_sse_data(stream.to_sse_data(event))
     assert back == event and type(back.logprobs[1]) is int and back.logprobs[0] == -math.inf
+
+
+def test_top_p_at_its_floor_passes_as_a_float32_router_hands_it_on():
+    """SGLang's router holds top_p as a float32: 1e-6 arrives as 9.99999997e-07."""
+    import struct
+
+    from runtime.sampling import MIN_TOP_P, SamplingError, parse_sampling
+
+    f32 = struct.unpack("f", struct.pack("f", MIN_TOP_P))[0]
+    assert f32 < MIN_TOP_P
+    assert parse_sampling({"top_p": f32}, default_temperature=1.0).top_p == f32
+    with pytest.raises(SamplingError, match="top_p"):
+        parse_sampling({"top_p": 9e-7}, default_temperature=1.0)

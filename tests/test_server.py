@@ -108,6 +108,10 @@ def post_raw(url, data: bytes):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [model_name(server)]
+    assert client.models.retrieve(model_name(server)).id == model_name(server)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4")
+    assert model_name(server) in info.value.body["message"]
     assert get(server.url + "/health")[0] == 200
 
 
@@ -212,6 +216,10 @@ def test_bad_requests_get_400_naming_the_field_and_the_server_goes_on(server, cl
         (dict(prompt=["a", "b"]), "prompt", "one prompt per request"),
         (dict(prompt=[1, 2, 9999]), "prompt", "outside the vocabulary"),
         (dict(prompt="hi", stop=["\n"]), "stop", "not supported"),
+        (dict(prompt="hi", extra_body={"response_format": {"type": "json_object"}}),
+         "response_format", "structured output is not supported"),
+        (dict(prompt="hi", extra_body={"tools": [{"type": "function"}]}), "tools",
+         "not supported"),
     ]
     for kwargs, param, reason in cases:
         with pytest.raises(openai.BadRequestError) as info:
@@ -352,6 +360,33 @@ def test_the_engine_thread_alone_runs_the_forwards_with_the_roles_threads():
             assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_made_up_paths_and_refusals_count_without_adding_series(server):
+    """Requests to no route count as one endpoint, "unmatched", however many paths a client
+    makes up; a body refused for its size counts at its endpoint."""
+    before = Scrape.of(server.url)
+    for i in range(5):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            get(f"{server.url}/v1/made-up-{i}")
+        assert info.value.code == 404
+        assert json.loads(info.value.read())["error"]["message"] == \
+            f"no route GET /v1/made-up-{i}"
+    huge = server.server.http_limits.max_body_bytes + 1
+    with socket.create_connection((server.server.host, server.server.port), timeout=30) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     f"application/json\r\nContent-Length: {huge}\r\n\r\n{{".encode())
+        assert sock.makefile("rb").readline().split()[1] == b"413"
+    after = Scrape.of(server.url)
+    endpoints = {x.labels["endpoint"] for x in after.samples("pdsim_http_responses_total")}
+    assert not any(e.startswith("/v1/made-up") for e in endpoints), endpoints
+
+    def delta(**labels):
+        return sum(x.value for x in after.samples("pdsim_http_responses_total", **labels)) - \
+            sum(x.value for x in before.samples("pdsim_http_responses_total", **labels))
+
+    assert delta(endpoint="unmatched", code="404") == 5
+    assert delta(endpoint="/v1/completions", code="413") == 1
 
 
 def test_metrics_are_sglangs_and_count_what_happened(server, client):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -42,6 +43,20 @@ def post(url: str, payload: dict, headers: dict | None = None) -> tuple[int, dic
         return status, json.loads(text)
     except ValueError:
         return status, text
+
+
+def declared_body_status(url: str, path: str, length: int) -> int:
+    """The status a server answers a POST whose headers declare a `length`-byte JSON body, of
+    which only the first bytes are sent: a server that refuses by Content-Length answers
+    before the rest would arrive (a client writing it all would meet a closed socket)."""
+    import socket
+
+    host, port = urllib.parse.urlsplit(url).hostname, urllib.parse.urlsplit(url).port
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                     f"application/json\r\nContent-Length: {length}\r\n\r\n{{".encode())
+        status_line = sock.makefile("rb").readline().decode()
+    return int(status_line.split()[1])
 
 
 def get_json(url: str, headers: dict | None = None):
@@ -125,6 +140,12 @@ def test_sglang_router_gives_pdsim_routers_tokens(tmp_path, monkeypatch):
         status, body = post(f"{sglang_url}/generate", {
             "text": PROMPT, "sampling_params": {"max_new_tokens": 8, "regex": "[a-z]+"}})
         assert status == 400 and "regex" in json.dumps(body)
+        # a body over the workers' limit: SGLang's router refuses it itself, twice, and the
+        # workers stay in its rotation (a forwarded one came back as a failure that opened
+        # their circuit breakers)
+        for _ in range(2):
+            assert declared_body_status(sglang_url, "/v1/completions", 9 << 20) == 413
+        assert post(f"{sglang_url}/generate", request)[0] == 200
 
         # Without an API key the workers' SGLang routes are open (on loopback only), their
         # internal ones are not: pdsim's versioned body and /records still need the token.
@@ -276,6 +297,7 @@ def test_router_command_line_maps_the_policy_and_its_options():
     assert "--policy cache_aware" in text and "--cache-threshold 0.5" in text
     assert "--balance-abs-threshold 16" in text and "--port 30000" in text
     assert "--prometheus-host 127.0.0.1 --prometheus-port 29001" in text
+    assert f"--max-payload-size {8 << 20}" in text  # the workers' body limit
     assert "--api-key" not in text  # it travels in the environment
     # SGLang's own parser takes every flag
     from sglang_router.launch_router import parse_router_args

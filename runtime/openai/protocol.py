@@ -175,7 +175,8 @@ class RequestParser:
         if per_token is not None and len(text) > lim.max_prompt_tokens * per_token:
             raise BadRequest(field, f"the prompt has {len(text)} characters, so more than "
                              f"{lim.max_prompt_tokens} tokens (a token of this tokenizer holds "
-                             f"at most {per_token} bytes); allowed: at most "
+                             f"at most {per_token} byte{'s' if per_token != 1 else ''}); "
+                             f"allowed: at most "
                              f"{lim.max_prompt_tokens} tokens ({lim.prompt_limit_text()})")
         return self.tokenizer.encode(text, add_bos=add_bos)
 
@@ -215,6 +216,15 @@ class RequestParser:
                 raise BadRequest(name, f"{name}={value!r} is not supported; allowed: 0 or null")
         if body.get("logit_bias"):
             raise BadRequest("logit_bias", "logit_bias is not supported; allowed: null or {}")
+        fmt = body.get("response_format")
+        if fmt not in (None, {}) and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise BadRequest("response_format", f"response_format={short_repr(fmt)}: "
+                             "structured output is not supported; allowed: null or "
+                             "{\"type\": \"text\"}")
+        for name in ("tools", "functions"):
+            if body.get(name):
+                raise BadRequest(name, f"{name} (tool calling) is not supported; allowed: null "
+                                 "or []")
         if body.get("stop"):
             raise BadRequest("stop", "stop sequences are not supported; allowed: null or [] "
                              "(stop_token_ids lists stop tokens)")

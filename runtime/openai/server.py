@@ -102,12 +102,13 @@ class OpenAIServer(AppServer):
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         return app
 
     def counted(self, path: str) -> bool:
-        return path.startswith("/v1/")
+        return path in ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
     async def close(self) -> None:
         """Stop the engine (unfinished requests end with the error "server shutting down", new
@@ -147,10 +148,21 @@ class OpenAIServer(AppServer):
 
     # ---- endpoints ----
 
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "pdsim", "max_model_len": self.limits.max_model_len}
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "pdsim", "max_model_len": self.limits.max_model_len}]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's `GET /v1/models/{model}`: the served model, or 404 naming it."""
+        name = request.match_info["model"]
+        if name != self.model_name:
+            return web.json_response(error_body(
+                f"no model {name!r:.80}; this server serves {self.model_name!r}",
+                "invalid_request_error", "model"), status=404)
+        return web.json_response(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
         problems = await self.engine.problems()

@@ -63,7 +63,7 @@ from runtime.sglang_compat import (
     worker_guard,
 )
 from runtime.streams import (
-    RETRY_AFTER_S, EngineStopped, EventQueue, failure_status, for_running_loop,
+    RETRY_AFTER_S, ROUTER_ABORT, EngineStopped, EventQueue, failure_status, for_running_loop,
 )
 
 log = logging.getLogger(__name__)
@@ -297,9 +297,10 @@ class WorkerServer(AppServer):
             return _error(exc.message, 400)
         if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
             return _error("the body must be an object with a string rid", 400, "rid")
-        reason = body.get("reason") or "aborted by the router"
-        if not isinstance(reason, str):
+        reason = body.get("reason")
+        if reason is not None and not isinstance(reason, str):
             return _error("reason must be a string", 400, "reason")
+        reason = f"{ROUTER_ABORT}: {reason}" if reason else ROUTER_ABORT
         rid = body["rid"]
         try:
             known = await asyncio.get_running_loop().run_in_executor(
