@@ -797,3 +797,23 @@ def test_prefill_overlap_prices_deepep_normal_sms_and_decode_does_not() -> None:
                                        expert_imbalance=False).step_time_s(shapes_pf)
                for hw in (H200, unknown)}
     assert silicon[132] > 1.05 * silicon[None]
+
+
+def test_kv_over_nvlink_needs_the_whole_deployment_in_one_domain() -> None:
+    """network.intra_node moves the KV between any prefill and any decode instance over NVLink:
+    2P + 2D of 8 H100s each cannot share an 8-GPU domain; on a GB200 NVL72 they can."""
+    from pdsim.config import ConfigError
+
+    def cluster(hardware: str, instances: int) -> dict:
+        return {"name": "x", "model": "llama-3.1-70b", "hardware": hardware,
+                "network": {"intra_node": True},
+                "cluster": {"prefill": {"instances": instances, "tp": 8},
+                            "decode": {"instances": instances, "tp": 8}},
+                "workload": {"num_requests": 1, "arrival": {"process": "poisson", "rate_rps": 1},
+                             "input_len": {"dist": "fixed", "value": 16},
+                             "output_len": {"dist": "fixed", "value": 4}}}
+
+    with pytest.raises(ConfigError, match="16 prefill and 16 decode GPUs do not fit h100's "
+                                          "NVLink domain of 8"):
+        build_cluster(parse_experiment(cluster("h100", 2)))
+    build_cluster(parse_experiment(cluster("gb200", 2)))

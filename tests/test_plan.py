@@ -591,3 +591,28 @@ def test_the_cheapest_first_cutoff_keeps_the_same_results_whatever_order_they_ca
     # A candidate that could not be built (its reason) neither meets nor bounds anything.
     some = {0: "no fit", 1: results[1], 3: results[3]}
     assert sorted(_kept_in_cost_order(cfg, deps, [0, 1, 2, 3], some, 1.0)) == [0, 1]
+
+
+def test_sglang_moves_a_sliding_window_models_state_only_between_equal_tp():
+    """SGLang's PD transfer refuses different attention TP sizes for a non-MLA model with
+    sliding-window layers (gpt-oss); the planner leaves such pairs out."""
+    from pdsim.config import ConfigError, parse_experiment
+    from pdsim.planning.candidates import enumerate_deployments
+    from pdsim.sim.build import build_cluster
+    from pdsim.specs import model_preset
+
+    oss = model_preset("gpt-oss-120b")
+    assert oss.pd_tp_error(4, 4) is None and model_preset("llama-3.1-8b").pd_tp_error(4, 2) is None
+    workload = {"num_requests": 1, "arrival": {"process": "poisson", "rate_rps": 1},
+                "input_len": {"dist": "fixed", "value": 16},
+                "output_len": {"dist": "fixed", "value": 4}}
+    cfg = parse_experiment({"name": "x", "model": "gpt-oss-120b", "hardware": "h100",
+                            "cluster": {"prefill": {"tp": 4}, "decode": {"tp": 2}},
+                            "workload": workload})
+    with pytest.raises(ConfigError, match="prefill 4, decode 2"):
+        build_cluster(cfg)
+    plan = parse_plan({"name": "p", "model": "gpt-oss-120b", "hardware": "h100", "max_gpus": 8,
+                       "workload": workload, "slo": {"ttft_p90_s": 1.0},
+                       "search": {"modes": ["disaggregated"], "tp": [1, 2, 4]}})
+    pairs = {(c.roles[0][2].tp, c.roles[1][2].tp) for c in enumerate_deployments(plan, oss, 8)}
+    assert pairs and all(p == d for p, d in pairs)

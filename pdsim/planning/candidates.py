@@ -219,6 +219,8 @@ def enumerate_deployments(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
             for ds in shapes:
                 if ps.tp != ds.tp and not plan.search.allow_tp_mismatch:
                     continue
+                if model.pd_tp_error(ps.tp // ps.dp_attention, ds.tp // ds.dp_attention):
+                    continue  # SGLang cannot move this model's state between them
                 for p in range(1, (gpu_limit - ds.gpus) // ps.gpus + 1):
                     for d in range(1, (gpu_limit - p * ps.gpus) // ds.gpus + 1):
                         out.append(Candidate("disaggregated",

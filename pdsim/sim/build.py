@@ -118,6 +118,28 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
                     host_demand=demand)
 
 
+def _check_one_domain(cfg: ExperimentConfig, hws: dict[str, HardwareSpec]) -> None:
+    """network.intra_node moves the KV over NVLink between any prefill and any decode
+    instance: the roles' GPUs (at their most instances, when autoscaled) must share one
+    hardware and fit its NVLink domain."""
+    c, scale = cfg.cluster, cfg.autoscaling
+    if hws["prefill"] != hws["decode"]:
+        raise ConfigError(
+            f"network.intra_node: prefill on {hws['prefill'].name} and decode on "
+            f"{hws['decode'].name} cannot share an NVLink domain; drop intra_node or give "
+            "both roles one hardware")
+    gpus = {name: (scale.prefill.max_instances if scale and name == "prefill" else
+                   scale.decode.max_instances if scale else role.instances)
+            * role.gpus_per_instance for name, role in (("prefill", c.prefill),
+                                                        ("decode", c.decode))}
+    domain = hws["prefill"].gpus_per_node
+    if sum(gpus.values()) > domain:
+        raise ConfigError(
+            f"network.intra_node: the deployment's {gpus['prefill']} prefill and "
+            f"{gpus['decode']} decode GPUs do not fit {hws['prefill'].name}'s NVLink domain of "
+            f"{domain}; drop intra_node (the KV then crosses the RDMA NICs) or use fewer GPUs")
+
+
 def cold_start(knobs: SchedulerKnobs) -> ColdStart | None:
     """The role's slower first step after idle, None where its knobs leave steps as priced."""
     if knobs.cold_step_s == 0 and knobs.cold_step_factor == 1:
@@ -228,13 +250,12 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
     proto = PROTOCOLS[net.protocol]
     c = cfg.cluster
     pd = c.mode != "colocated"
-    if pd and net.intra_node and hws["prefill"] != hws["decode"]:
-        raise ConfigError(
-            f"network.intra_node: prefill on {hws['prefill'].name} and decode on "
-            f"{hws['decode'].name} cannot share an NVLink domain; drop intra_node or give "
-            "both roles one hardware")
+    if pd and net.intra_node:
+        _check_one_domain(cfg, hws)
     src_attn = c.prefill.tp // c.prefill.dp_attention if pd else 0
     dst_attn = c.decode.tp // c.decode.dp_attention if pd else 0
+    if pd and (problem := model.pd_tp_error(src_attn, dst_attn)) is not None:
+        raise ConfigError(f"cluster: {problem}")
     per_run, per_page = (0.0, 0.0) if not pd else descriptor_counts(
         model.num_layers, 1 if model.is_mla else 2, c.prefill.scheduler.page_size,
         model.num_kv_heads, src_attn, dst_attn, model.is_mla)

@@ -432,6 +432,18 @@ class ModelSpec(BaseModel):
                 f"{heads} query heads" + ("" if self.is_mla else f" and {kv} KV heads")
                 + f" evenly, as SGLang requires; allowed: {', '.join(map(str, fits))}")
 
+    def pd_tp_error(self, prefill_attn_tp: int, decode_attn_tp: int) -> str | None:
+        """Why SGLang cannot move this model's KV from prefill ranks of `prefill_attn_tp` to
+        decode ranks of `decode_attn_tp`, or None: its transfer sends a non-MLA model's
+        sliding-window state page by page, rank to rank, and refuses another TP size
+        (`maybe_send_extra`: "PD Disaggregation does NOT support PD different TP sizes for
+        non-MLA SWA hybrid models yet")."""
+        if self.is_mla or not self.num_sliding_layers or prefill_attn_tp == decode_attn_tp:
+            return None
+        return (f"{self.name} has sliding-window layers, whose state SGLang's PD transfer sends "
+                f"only between equal attention TP sizes (prefill {prefill_attn_tp}, decode "
+                f"{decode_attn_tp}); give both roles one attention TP size")
+
     def kv_heads_per_rank(self, tp: int) -> int:
         """KV heads one attention-TP rank holds: `max(1, num_kv_heads // tp)` (heads replicate
         when tp exceeds them). MLA's latent is one "head", replicated on every rank."""
