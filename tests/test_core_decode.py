@@ -244,7 +244,7 @@ def test_a_request_too_big_for_the_pool_fails_and_tells_the_prefill_side():
     r = req("r0", 10, 7)
     s.add_request(r, 0.0)
     assert r.finished and "needs 17 KV tokens" in r.error
-    assert kv["r0"].calls == [("abort", "decode instance cannot hold the request")]
+    assert kv["r0"].calls == [("abort", f"decode instance cannot hold the request: {r.error}")]
     assert s.prealloc == [] and s.is_idle
 
 

@@ -154,9 +154,9 @@ def test_a_refusal_on_either_side_reaches_the_other_at_once():
         ("r1 D:failed", 0.0),
     ]
     assert d0.error == "request needs 138 KV tokens but the instance's pool holds 128 (32 pages of 4)"
-    assert p0.error == "bootstrap failed: decode instance cannot hold the request"
+    assert p0.error == f"bootstrap failed: decode instance cannot hold the request: {d0.error}"
     assert p1.error == "request needs 65 KV tokens but the instance's pool holds 64 (16 pages of 4)"
-    assert d1.error == "handshake failed: prefill instance cannot hold the request"
+    assert d1.error == f"handshake failed: prefill instance cannot hold the request: {p1.error}"
     p.check_pools_full()
     d.check_pools_full()
 
@@ -221,10 +221,12 @@ def test_random_pd_workload_under_small_pools_leaks_nothing():
             if dec.input_len + dec.max_new_tokens > 160:
                 assert "pool holds 160" in dec.error
             else:
-                assert dec.error == "handshake failed: prefill instance cannot hold the request"
+                assert dec.error == ("handshake failed: prefill instance cannot hold the "
+                                     f"request: {pre.error}")
         elif dec.input_len + dec.max_new_tokens > 160:
             assert "pool holds 160" in dec.error
-            assert pre.error == "bootstrap failed: decode instance cannot hold the request"
+            assert pre.error == ("bootstrap failed: decode instance cannot hold the request: "
+                                 f"{dec.error}")
         else:
             assert pre.error == dec.error == ""
             assert dec.num_output == dec.max_new_tokens == len(dec.token_times_s)

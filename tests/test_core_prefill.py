@@ -266,7 +266,8 @@ def test_a_prompt_larger_than_the_pool_fails_at_once():
     assert r.finished and s.done == [r]
     assert "needs 17 KV tokens" in r.error and "holds 16" in r.error
     assert s.bootstrap == [] and s.pending_tokens == 0 and s.is_idle
-    assert kv["r0"].calls == [("abort", "prefill instance cannot hold the request")]  # decode is told
+    # the decode side is told why, with the sizes
+    assert kv["r0"].calls == [("abort", f"prefill instance cannot hold the request: {r.error}")]
 
 
 def test_with_the_fake_backend_end_to_end():

@@ -161,14 +161,16 @@ def test_refusals_reach_the_other_side(cluster):
                                        "128 (16 pages of 8)")
     status, err = got.get(timeout=10)
     assert status == 500 and err["error"]["message"] == (
-        "KV transfer failed: prefill rank 0: prefill instance cannot hold the request")
+        "KV transfer failed: prefill rank 0: prefill instance cannot hold the request: request "
+        "needs 200 KV tokens but the instance's pool holds 128 (16 pages of 8)")
     # 20 + 600 tokens fit the prefill side (it keeps the prompt only) but not the decode pool.
     b = body("too-long-for-decode", prompt(20), 600, p)
     status, err = alone(d, b)
     assert status == 400 and "request needs 620 KV tokens" in err["error"]["message"]
     status, err = alone(p, b)
     assert status == 500 and err["error"]["message"] == (
-        "bootstrap failed: decode side aborted: decode instance cannot hold the request")
+        "bootstrap failed: decode side aborted: decode instance cannot hold the request: "
+        "request needs 620 KV tokens but the instance's pool holds 512 (64 pages of 8)")
     assert_pools_full(p, d)
 
 

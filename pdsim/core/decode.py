@@ -56,7 +56,7 @@ class DecodeScheduler(InstanceScheduler):
         req.queued_s = now
         req.receiver = self.kv.create_receiver(req)
         if self._reject_if_too_long(req, req.input_len + req.max_new_tokens, now):
-            req.receiver.abort("decode instance cannot hold the request")
+            req.receiver.abort(f"decode instance cannot hold the request: {req.error}")
             return
         self.prealloc.append(req)
         self._prealloc_seen = None

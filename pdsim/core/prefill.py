@@ -52,7 +52,8 @@ class PrefillScheduler(InstanceScheduler):
         req.queued_s = now
         req.sender = self.kv.create_sender(req)
         if self._reject_if_too_long(req, req.input_len, now):
-            req.sender.abort("prefill instance cannot hold the request")  # tell the decode side
+            # tell the decode side, with the sizes
+            req.sender.abort(f"prefill instance cannot hold the request: {req.error}")
             return
         self.pending_tokens += req.input_len
         self.bootstrap.append(req)
