@@ -41,6 +41,16 @@ def run_batch(s: PrefillScheduler, now: float, duration: float = 1.0):
     return batch
 
 
+def extend_plans(s: PrefillScheduler) -> list[list[tuple[str, int, int]]]:
+    """The extend batches `s` plans, one a second until it has none: (rid, start, end) a
+    segment."""
+    plans, t = [], 0.0
+    while (b := run_batch(s, t)) is not None:
+        plans.append([(g.req.rid, g.start, g.end) for g in b.segments])
+        t += 1.0
+    return plans
+
+
 def test_prefill_forces_one_new_token():
     s = PrefillScheduler(cfg(), StubKV())
     r = req("r0", 10, n_out=200)
@@ -215,12 +225,7 @@ def test_with_chunking_the_token_budget_stops_admitting_and_the_chunk_cuts():
     s = PrefillScheduler(cfg(max_prefill_tokens=20, chunked_prefill_size=64), kv)
     for i in range(3):
         s.add_request(req(f"r{i}", 12), 0.0)
-    plans = []
-    t = 0.0
-    while (b := run_batch(s, t)) is not None:
-        plans.append([(g.req.rid, g.start, g.end) for g in b.segments])
-        t += 1.0
-    assert plans == [[("r0", 0, 12), ("r1", 0, 12)], [("r2", 0, 12)]]
+    assert extend_plans(s) == [[("r0", 0, 12), ("r1", 0, 12)], [("r2", 0, 12)]]
     lone = PrefillScheduler(cfg(max_prefill_tokens=16, chunked_prefill_size=32), kv)
     lone.add_request(req("r9", 40), 0.0)
     assert [(g.start, g.end) for g in run_batch(lone, 0.0).segments] == [(0, 32)]
@@ -233,12 +238,7 @@ def test_one_chunk_caps_each_extend_batch_however_many_requests_it_takes():
     s = PrefillScheduler(cfg(max_prefill_tokens=64, chunked_prefill_size=16), kv)
     for i in range(4):
         s.add_request(req(f"r{i}", 10), 0.0)
-    plans = []
-    t = 0.0
-    while (b := run_batch(s, t)) is not None:
-        plans.append([(g.req.rid, g.start, g.end) for g in b.segments])
-        t += 1.0
-    assert plans == [
+    assert extend_plans(s) == [
         [("r0", 0, 10), ("r1", 0, 6)],
         [("r1", 6, 10), ("r2", 0, 10), ("r3", 0, 2)],
         [("r3", 2, 10)],
@@ -250,12 +250,8 @@ def test_token_budget_without_chunking_runs_a_long_prompt_alone():
     s = PrefillScheduler(cfg(max_prefill_tokens=20, chunked_prefill_size=0), kv)
     for rid, n in [("r0", 12), ("r1", 12), ("r2", 30), ("r3", 5)]:
         s.add_request(req(rid, n), 0.0)
-    plans = []
-    t = 0.0
-    while (b := run_batch(s, t)) is not None:
-        plans.append([(g.req.rid, g.end - g.start) for g in b.segments])
-        t += 1.0
-    assert plans == [[("r0", 12)], [("r1", 12)], [("r2", 30)], [("r3", 5)]]
+    assert extend_plans(s) == [[("r0", 0, 12)], [("r1", 0, 12)], [("r2", 0, 30)],
+                               [("r3", 0, 5)]]
 
 
 def test_a_prompt_larger_than_the_pool_fails_at_once():
