@@ -107,9 +107,10 @@ def test_an_unknown_role_hardware_names_the_field():
 
 
 def landed_s(src: Link, dst: Link, nbytes: float, descriptors: float,
-             per_descriptor_s: float) -> float:
+             per_descriptor_s: float, sender_posts: bool = True) -> float:
     env = simpy.Environment()
-    fabric = SimFabric(env, NetworkModel(transfer_floor_s=0.0, per_descriptor_s=per_descriptor_s))
+    fabric = SimFabric(env, NetworkModel(transfer_floor_s=0.0, per_descriptor_s=per_descriptor_s,
+                                         sender_posts=sender_posts))
     landed = []
     fabric.transfer(src, dst, nbytes, descriptors, lambda: landed.append(env.now))
     env.run()
@@ -122,15 +123,43 @@ def test_the_kv_moves_at_the_slower_nic_of_the_pair():
     assert landed_s(slow, fast, 1e9, 0, 0.0) == pytest.approx(0.2)
 
 
-def test_each_side_pays_its_descriptors_over_its_own_gpus():
+def test_each_side_pays_the_descriptors_it_handles_over_its_own_gpus():
     # 4 sending GPUs at 40 GB/s, 1 receiving GPU at 20 GB/s; 10^5 descriptors of 1 us.
     src, dst = Link(40e9, gpus=4), Link(20e9, gpus=1)
     sender_s = 1e9 / 40e9 + 1e5 * 1e-6 / 4
     receiver_s = 1e9 / 20e9 + 1e5 * 1e-6 / 1
-    assert landed_s(src, dst, 1e9, 1e5, 1e-6) == pytest.approx(max(sender_s, receiver_s))
+    # TCP: both sides handle every descriptor
+    assert landed_s(src, dst, 1e9, 1e5, 1e-6, sender_posts=False) == pytest.approx(
+        max(sender_s, receiver_s))
+    # RDMA: the sender's ranks post one-sided writes; the receiver only takes the bytes
+    assert landed_s(src, dst, 1e9, 1e5, 1e-6) == pytest.approx(max(sender_s, 1e9 / 20e9))
     # Equal per-GPU bandwidth on both sides: the sender's bytes and descriptors, as before.
     src, dst = Link(20e9, gpus=2), Link(20e9, gpus=2)
-    assert landed_s(src, dst, 1e9, 1e5, 1e-6) == pytest.approx(1e9 / 20e9 + 1e5 * 1e-6 / 2)
+    for posts in (True, False):
+        assert landed_s(src, dst, 1e9, 1e5, 1e-6, posts) == pytest.approx(
+            1e9 / 20e9 + 1e5 * 1e-6 / 2)
+
+
+def test_a_tp_mismatch_over_rdma_costs_the_sending_ranks_descriptors():
+    """Llama-3.1-8B, 4,000 tokens, TP 8 -> 2 and 2 -> 8 over RDMA: the same head slices, posted
+    by 8 prefill ranks in the first case and by 2 in the second."""
+    from pdsim.sim.network import descriptor_counts
+    from pdsim.specs import model_preset
+
+    model = model_preset("llama-3.1-8b")
+    per_page = {}
+    for p, d in ((8, 2), (2, 8)):
+        net = build_cluster(parse_experiment(experiment({"tp": p}, {"tp": d}))).network
+        assert net.sender_posts
+        per_page[p, d] = net.descriptors_per_page
+    assert per_page[8, 2] == per_page[2, 8] == descriptor_counts(
+        model.num_layers, 2, 16, model.num_kv_heads, 8, 2, False)[1]
+    src8, dst2 = Link(50e9 * 8, gpus=8), Link(50e9 * 2, gpus=2)
+    slices = per_page[8, 2] * 4000 / 16
+    eight_to_two = landed_s(src8, dst2, 1e9, slices, 0.1e-6)
+    two_to_eight = landed_s(dst2, src8, 1e9, slices, 0.1e-6)
+    assert eight_to_two == pytest.approx(max(1e9 / 400e9 + slices * 0.1e-6 / 8, 1e9 / 100e9))
+    assert two_to_eight > 3 * eight_to_two
 
 
 def test_a_slow_decode_nic_slows_every_kv_transfer_end_to_end():

@@ -269,6 +269,7 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
         sharing=net.sharing,
         per_descriptor_s=proto.per_descriptor_s if net.per_descriptor_s is None
         else net.per_descriptor_s,
+        sender_posts=proto.sender_posts,
         descriptors_per_run=per_run,
         descriptors_per_page=per_page,
     )

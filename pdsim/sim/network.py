@@ -9,8 +9,10 @@ share along its path (sender's link and receiver's link), recomputed whenever on
 ends (processor sharing). `sharing: fifo`: a chunk occupies both links alone from the moment both
 are free. Every transfer also costs `per_descriptor_s` of NIC time per descriptor (one per
 buffer and run of pages contiguous on both sides, or per token slot when GQA heads move as
-slices across a TP mismatch) on each side, spread over that side's GPUs; alone, a transfer
-lasts as long as the slower side needs for its bytes and descriptors (`transfer_work_bytes`),
+slices across a TP mismatch), spread over the GPUs of the sides that handle them: over RDMA the
+sender's alone (its ranks post one-sided writes, which the receiving NIC takes without its
+host), over TCP both; alone, a transfer lasts as long as the slower side needs for its bytes
+and descriptors (`transfer_work_bytes`),
 so prefill and decode on different hardware move the KV at the slower NIC. An instance of
 pipeline stages sends from all its stages' NICs at
 once, each stage its own layers' KV (`stage_kv_page_bytes`): its link is the stages' NICs
@@ -43,18 +45,21 @@ class Protocol:
     line_rate_efficiency: float  # share of the NIC's line rate a large transfer reaches
     transfer_floor_s: float  # fixed time of one transfer: posting, completion, status hand-off
     per_descriptor_s: float  # NIC time of one descriptor (one contiguous write) on one GPU's NIC
+    sender_posts: bool  # one-sided writes: only the sender handles descriptors
 
 
 PROTOCOLS = {
     # Mooncake's README: 87 GB/s over 4 x 200 Gb/s RoCE (100 GB/s); the floor is an assumption,
     # and so is the descriptor cost (~10 M work requests a second posted per GPU).
-    "rdma": Protocol(line_rate_efficiency=0.87, transfer_floor_s=1.0e-3, per_descriptor_s=0.1e-6),
+    "rdma": Protocol(line_rate_efficiency=0.87, transfer_floor_s=1.0e-3, per_descriptor_s=0.1e-6,
+                     sender_posts=True),
     # Mooncake's README: ~36 GB/s over the same NICs; the floor from benchmarks/pd_overhead.py;
     # the descriptor cost from one sender on a quiet machine: 64 MiB as 65,536 head slices of
     # 1 KiB took 0.86 s against 0.035 s as whole pages, 12.6 us a descriptor. Loopback on 2
     # shared cores costs more (benchmarks/transfer_bench.py's last line); `pdsim calibrate`
     # measures the machine's own figure into `network.per_descriptor_s`.
-    "tcp": Protocol(line_rate_efficiency=0.36, transfer_floor_s=2.7e-3, per_descriptor_s=12.6e-6),
+    "tcp": Protocol(line_rate_efficiency=0.36, transfer_floor_s=2.7e-3, per_descriptor_s=12.6e-6,
+                    sender_posts=False),
 }
 
 
@@ -67,6 +72,7 @@ class NetworkModel:
     transfer_floor_s: float = PROTOCOLS["rdma"].transfer_floor_s  # per chunk sent
     sharing: Literal["fair", "fifo"] = "fair"
     per_descriptor_s: float = PROTOCOLS["rdma"].per_descriptor_s
+    sender_posts: bool = PROTOCOLS["rdma"].sender_posts
     # Descriptors of a P -> D transfer, all ranks together (`descriptor_counts`): per run of
     # pages contiguous on both sides, and per page (GQA head slices: per token slot).
     descriptors_per_run: float = 0.0
@@ -123,19 +129,25 @@ class Link:
         self.busy_until = 0.0
 
 
-def descriptor_s(src: Link, dst: Link, descriptors: float, per_descriptor_s: float) -> float:
-    """NIC time of a transfer's descriptors: each side's NICs handle every descriptor, spread
-    over that side's GPUs in parallel; the side with fewer GPUs takes longer."""
-    return descriptors * per_descriptor_s / min(src.gpus, dst.gpus)
+def descriptor_s(src: Link, dst: Link, descriptors: float, per_descriptor_s: float,
+                 sender_posts: bool) -> float:
+    """NIC time of a transfer's descriptors, spread over each handling side's GPUs in parallel:
+    the sender's alone when it posts one-sided writes, else both sides' (the side with fewer
+    GPUs takes longer)."""
+    gpus = src.gpus if sender_posts else min(src.gpus, dst.gpus)
+    return descriptors * per_descriptor_s / gpus
 
 
 def transfer_work_bytes(src: Link, dst: Link, nbytes: float, descriptors: float,
-                        per_descriptor_s: float) -> float:
+                        per_descriptor_s: float, sender_posts: bool) -> float:
     """A transfer's work in bytes at the pair's pace, min(src, dst) bytes/s: alone on both
-    links it lasts as long as the slower side takes for the bytes and its own descriptors.
-    Sides of equal per-GPU bandwidth give the sender's bytes plus its descriptor time."""
+    links it lasts as long as the slower side takes for the bytes and the descriptors it
+    handles (the receiver none under one-sided writes). Sides of equal per-GPU bandwidth give
+    the sender's bytes plus its descriptor time."""
     rate = min(src.bytes_per_s, dst.bytes_per_s)
-    alone_s = max(nbytes / link.bytes_per_s + descriptors * per_descriptor_s / link.gpus
+    alone_s = max(nbytes / link.bytes_per_s
+                  + (0.0 if sender_posts and link is dst else
+                     descriptors * per_descriptor_s / link.gpus)
                   for link in (src, dst))
     return alone_s * rate
 
@@ -282,9 +294,11 @@ class SimFabric:
             done()
             return
         if math.isinf(min(src.bytes_per_s, dst.bytes_per_s)):  # a link without a limit
-            self.later(descriptor_s(src, dst, descriptors, self.model.per_descriptor_s), done)
+            self.later(descriptor_s(src, dst, descriptors, self.model.per_descriptor_s,
+                                    self.model.sender_posts), done)
             return
-        work = transfer_work_bytes(src, dst, nbytes, descriptors, self.model.per_descriptor_s)
+        work = transfer_work_bytes(src, dst, nbytes, descriptors, self.model.per_descriptor_s,
+                                   self.model.sender_posts)
         if self.model.sharing == "fifo":
             now = self.env.now
             start = max(now, src.busy_until, dst.busy_until)
