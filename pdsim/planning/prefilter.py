@@ -144,9 +144,8 @@ class Prefilter:
         dp = shape.dp_attention
         kv_tokens = sched.num_pages * sched.page_size
         # an extend step holds at most one chunk; unchunked, a long prompt runs alone
-        chunk = sched.chunked_prefill_size
-        longest = int(self.workload.input_tokens.max()) if len(self.workload.input_tokens) else 1
-        largest = chunk or max(sched.max_prefill_tokens, longest)
+        largest = sched.chunked_prefill_size or max(sched.max_prefill_tokens,
+                                                     self._longest_prompt)
         prefill = 0.0
         for n in _geometric(largest):
             t = cost.step_time_s([BatchShape(prefill_tokens=n, prefill_attn_pairs=n)] * dp)
