@@ -51,9 +51,10 @@ class _Spec(BaseModel):
 class CostModelConfig(_Spec):
     # "auto": silicon where the hardware has measured tables (pdsim[silicon]), else roofline.
     name: str = "auto"
-    # numbers, or paths (relative to the experiment file); or mappings of them (the
-    # profiled model's per-role `roles`)
-    params: dict[str, float | str | dict[str, float | str | dict[str, float | str]]] = {}
+    # numbers, or paths (relative to the experiment file); lists of whole numbers
+    # (cuda_graph_bs); or mappings of numbers and paths (the profiled model's per-role `roles`)
+    params: dict[str, float | str | tuple[int, ...]
+                 | dict[str, float | str | dict[str, float | str]]] = {}
 
     @field_validator("name")
     @classmethod

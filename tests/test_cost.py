@@ -184,8 +184,15 @@ def test_dp_attention_waits_for_the_slowest_rank() -> None:
     assert slow == pytest.approx(cost.step_time_s([long_ctx] * 8))
     assert slow == pytest.approx(cost.step_time_s([short_ctx] * 7 + [long_ctx]))
     assert cost.step_time_s([short_ctx] * 8) < slow
-    # Tokens from every rank pass through the shared MoE layers.
-    assert cost.step_time_s([short_ctx] * 8) > cost.step_time_s([short_ctx] + [BatchShape()] * 7)
+    # Tokens from every rank pass through the shared MoE layers. Run eagerly, a lone busy rank
+    # gathers only its own tokens (SUM_LEN); replayed as a graph, every rank runs its padded
+    # batch (MAX_LEN, pdsim.sim.forward_shape), so idle ranks cost as much as busy ones.
+    eager = roofline(model_preset("deepseek-v3"), load_hardware_spec("h200"), tp=8,
+                     dp_attention=8, ep=8, cuda_graph_max_bs=0, eager_overhead=False)
+    assert eager.step_time_s([short_ctx] * 8) > eager.step_time_s(
+        [short_ctx] + [BatchShape()] * 7)
+    assert cost.step_time_s([short_ctx] * 8) == pytest.approx(
+        cost.step_time_s([short_ctx] + [BatchShape()] * 7))
 
 
 def test_speculative_query_tokens_are_gemm_rows_and_attention_queries() -> None:
@@ -631,19 +638,19 @@ def test_breakdown_adds_up_to_the_step_time() -> None:
 
 
 def test_dense_mlp_data_parallel_has_no_collective_and_prices_one_gpus_tokens() -> None:
-    shapes = [decode(100, 1000)] * 16
+    shapes = [decode(104, 1000)] * 16
     tp_dense = deepep(16).step_breakdown_s(shapes)
     dp_dense = deepep(16, dense_tp=1).step_breakdown_s(shapes)
     assert tp_dense["dense_comm"] > 0 and dp_dense["dense_comm"] == 0
-    # Whole dense MLP on 100 tokens per GPU, at any EP size.
+    # Whole dense MLP on 104 tokens per GPU (a captured graph size), at any EP size.
     assert dp_dense["dense_mlp"] == pytest.approx(
-        deepep(72, dense_tp=1).step_breakdown_s([decode(100, 1000)] * 72)["dense_mlp"])
+        deepep(72, dense_tp=1).step_breakdown_s([decode(104, 1000)] * 72)["dense_mlp"])
     p = RooflineParams()
     inter, h = DSV3.intermediate_size, DSV3.hidden_size
     mem = H200.hbm_gb_per_s * 1e9 * p.bw_efficiency
-    one_layer = 2 * p.gemm_floor_s + 100 * 3 * inter * 2 / mem + max(
-        2 * 100 * DSV3.dense_mlp_params / (H200.fp8_tflops * 1e12 * p.fp8_gemm_mfu),
-        (DSV3.dense_mlp_params + 100 * (2 * h + 3 * inter) * 2) / mem)
+    one_layer = 2 * p.gemm_floor_s + 104 * 3 * inter * 2 / mem + max(
+        2 * 104 * DSV3.dense_mlp_params / (H200.fp8_tflops * 1e12 * p.fp8_gemm_mfu),
+        (DSV3.dense_mlp_params + 104 * (2 * h + 3 * inter) * 2) / mem)
     assert dp_dense["dense_mlp"] == pytest.approx(DSV3.num_dense_layers * one_layer)
 
 
@@ -651,8 +658,8 @@ def test_collectives_beyond_one_node_run_at_the_nodes_nics_together() -> None:
     # The dense layers' all-gather + reduce-scatter over 16 GPUs in two 8-GPU nodes: ring
     # bytes 2 (n - 1) / n per token; NCCL runs a ring per NIC, so the crossing moves at the
     # node's 8 NICs together (8 x 50 = 400 GB/s), not at one NIC's 50 nor NVLink's 450.
-    shapes, p = [decode(100, 1000)] * 16, RooflineParams()
-    tokens = 1600
+    shapes, p = [decode(104, 1000)] * 16, RooflineParams()
+    tokens = 16 * 104
     ring_bytes = tokens * 2 * 15 / 16 * DSV3.hidden_size * 2
     two_nodes = deepep(16).step_breakdown_s(shapes)["dense_comm"]
     one_domain = deepep(16, H200.model_copy(update={"gpus_per_node": 16})).step_breakdown_s(
@@ -683,8 +690,10 @@ def test_dp_lm_head_prices_the_slowest_ranks_rows_over_its_gpus() -> None:
     want = gemm_time_s(120, DSV3.vocab_size, DSV3.hidden_size, DSV3.precision.lm_head, H200,
                        RooflineParams())
     assert cost.step_breakdown_s(shapes)["lm_head"] == pytest.approx(want)
+    # Without dp_lm_head the vocabulary splits over tp and every rank's rows are gathered,
+    # each rank padded to the busiest's 120 (DP attention's MAX_LEN gather): 8 x 120 rows.
     assert deepep(8).step_breakdown_s(shapes)["lm_head"] == pytest.approx(gemm_time_s(
-        820, DSV3.vocab_size / 8, DSV3.hidden_size, DSV3.precision.lm_head, H200,
+        960, DSV3.vocab_size / 8, DSV3.hidden_size, DSV3.precision.lm_head, H200,
         RooflineParams()))
 
 

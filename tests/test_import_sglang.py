@@ -154,7 +154,8 @@ def test_a_published_style_large_ep_deployment_keeps_what_is_modelled(tmp_path):
                        "mem_fraction_static": 0.835, "num_reserved_decode_tokens": 102,
                        "page_size": 1}}}
     assert imported["router"] == {"policy": "random"}  # what mini_lb does
-    assert imported["cost_model"] == {"params": {"cuda_graph_max_bs": 256}}
+    # --cuda-graph-bs 256 captures that size alone: every decode batch replays padded to 256
+    assert imported["cost_model"] == {"params": {"cuda_graph_bs": [256]}}
     cfg = parse_experiment(imported)
     assert cfg.cluster.decode.eplb.redundant_experts == 32
     # every prefill node says the same; the note names its first node's line
@@ -243,6 +244,29 @@ def test_piecewise_cuda_graphs_asked_of_the_prefill_servers_are_priced():
     assert imported("--enable-piecewise-cuda-graph") == {"cuda_graph_max_bs": 128,
                                                           "piecewise_cuda_graph": True}
     assert imported("") == {"cuda_graph_max_bs": 128}
+
+
+def test_cuda_graph_flags_and_the_load_balance_method_are_imported():
+    script = ("python -m sglang.launch_server --model-path m --disaggregation-mode prefill "
+              "--port 30000\npython -m sglang.launch_server --model-path m "
+              "--disaggregation-mode decode --port 30001 {decode}\npython -m "
+              "sglang_router.launch_router --pd-disaggregation --prefill http://127.0.0.1:30000 "
+              "--decode http://127.0.0.1:30001")
+
+    def imported(decode: str) -> dict:
+        data, _ = import_sglang(script.format(decode=decode), BASE, model="llama-3.1-8b")
+        return data
+
+    data = imported("--cuda-graph-bs 8 4 16 --disable-cuda-graph-padding "
+                    "--load-balance-method follow_bootstrap_room")
+    assert data["cost_model"]["params"] == {"cuda_graph_bs": [4, 8, 16],
+                                            "cuda_graph_padding": False}
+    assert data["router"]["dp_assignment"] == "room"
+    assert parse_experiment(data).cost_model.params["cuda_graph_bs"] == (4, 8, 16)
+    assert "dp_assignment" not in imported("")["router"]
+    _, notes = import_sglang(script.format(decode="--load-balance-method minimum_tokens"), BASE,
+                             model="llama-3.1-8b")
+    assert any("--load-balance-method minimum_tokens" in note for note in notes)
 
 
 def test_the_pd_load_balancer_takes_several_urls_per_flag():

@@ -90,6 +90,9 @@ LL_TOKENS_ENV = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
 # (per tensor; w8a8_fp8 per channel), which pdsim prices as `fp8_tensor`.
 ONLINE_FP8 = ("fp8", "w8a8_fp8")
 SMOOTH_FACTOR_ENV = "SGLANG_DYNAMIC_CHUNKING_SMOOTH_FACTOR"
+# SGLang's --load-balance-method values that pick a DP rank as a router.dp_assignment does
+LOAD_BALANCE_METHODS = {"round_robin": "round_robin", "follow_bootstrap_room": "room",
+                        "shortest_queue": "shortest_queue"}
 # SGLang's --deepep-mode per role that prices as pdsim does (auto: normal for prefill batches,
 # low latency for decode batches)
 DEEPEP_MODES = {"prefill": ("auto", "normal"), "decode": ("auto", "low_latency"),
@@ -173,6 +176,8 @@ def _server_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph-max-bs", type=int)
     p.add_argument("--cuda-graph-bs", type=int, nargs="+")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-cuda-graph-padding", action="store_true")
+    p.add_argument("--load-balance-method", default="auto")
     p.add_argument("--enable-piecewise-cuda-graph", action="store_true")  # before v0.5.10
     p.add_argument("--piecewise-cuda-graph-max-tokens", type=int)
     p.add_argument("--speculative-algorithm")
@@ -224,7 +229,8 @@ class _Server:
     knobs: dict[str, Any]
     model: str
     kv_dtype_bytes: float
-    graph_bs: int | None  # the largest decode batch replayed as a CUDA graph, if given
+    graph: tuple[tuple[str, Any], ...]  # the cost params of its CUDA-graph flags
+    dp_assignment: str | None  # --load-balance-method as router.dp_assignment, if given
     piecewise: dict[str, Any]  # the cost params of piecewise-graphed extends it asks for
     speculative: dict[str, Any] | None  # the speculative section's method and drafts
     unmodelled: list[str]  # flags read past that may change performance
@@ -249,10 +255,17 @@ def _server(argv: list[str], env: dict[str, str], line: int) -> _Server | None:
     if _deepep(a) and a.deepep_mode not in DEEPEP_MODES[role]:
         unmodelled.append(f"--deepep-mode {a.deepep_mode} (priced as SGLang's auto: normal for "
                           "prefill batches, low latency for decode batches)")
+    dp_assignment = None
+    if a.load_balance_method != "auto":
+        dp_assignment = LOAD_BALANCE_METHODS.get(a.load_balance_method)
+        if dp_assignment is None:
+            unmodelled.append(f"--load-balance-method {a.load_balance_method} (modelled: "
+                              f"{', '.join(LOAD_BALANCE_METHODS)})")
     return _Server(line, role, f"http://{a.host}:{a.port}", _shape(a, env, line, unmodelled),
                    _knobs(a, env, role, line), a.model_path,
-                   1 if a.kv_cache_dtype.startswith("fp8") else 2, _graph_bs(a),
-                   _piecewise(a), _speculative(a, line, unmodelled), unmodelled, online_fp8)
+                   1 if a.kv_cache_dtype.startswith("fp8") else 2, _graph_params(a),
+                   dp_assignment, _piecewise(a), _speculative(a, line, unmodelled), unmodelled,
+                   online_fp8)
 
 
 def _deepep(a: argparse.Namespace) -> bool:
@@ -326,12 +339,18 @@ def _knobs(a: argparse.Namespace, env: dict[str, str], role: str, line: int
     return knobs
 
 
-def _graph_bs(a: argparse.Namespace) -> int | None:
+def _graph_params(a: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
+    """The CUDA-graph flags as the cost params that price them (pdsim.sim.forward_shape)."""
     if a.disable_cuda_graph:
-        return 0
+        return (("cuda_graph_max_bs", 0),)
+    params: dict[str, Any] = {}
     if a.cuda_graph_max_bs is not None:
-        return a.cuda_graph_max_bs
-    return max(a.cuda_graph_bs) if a.cuda_graph_bs else None
+        params["cuda_graph_max_bs"] = a.cuda_graph_max_bs
+    if a.cuda_graph_bs:
+        params["cuda_graph_bs"] = sorted(set(a.cuda_graph_bs))
+    if a.disable_cuda_graph_padding:
+        params["cuda_graph_padding"] = False
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(params.items()))
 
 
 def _piecewise(a: argparse.Namespace) -> dict[str, Any]:
@@ -475,8 +494,11 @@ def import_sglang(text: str, base: dict[str, Any], *, name: str | None = None,
     if dropped:
         notes.append(f"the base's sweep over {', '.join(dropped)} is dropped: the commands fix "
                      "the deployment it would vary")
-    graph_bs = _one({s.graph_bs for s in generating}, "CUDA graph batch sizes")
-    params = {} if graph_bs is None else {"cuda_graph_max_bs": graph_bs}
+    params = {k: list(v) if isinstance(v, tuple) else v
+              for k, v in _one({s.graph for s in generating}, "CUDA graph batch sizes")}
+    dp_assignment = _one({s.dp_assignment for s in generating}, "--load-balance-method")
+    if dp_assignment is not None:
+        router["dp_assignment"] = dp_assignment
     params.update(_one({tuple(sorted(s.piecewise.items())) for s in servers
                         if s.role != "decode"}, "piecewise CUDA graphs"))
     if params:

@@ -21,6 +21,7 @@ from pdsim.core.batch import BatchShape
 from pdsim.sim.expert_load import (
     ExpertLoad, check_redundant_experts, expert_load, routing_alpha,
 )
+from pdsim.sim.forward_shape import StepShape, StepShaper, StepTotals, step_totals
 from pdsim.sim.moe_comm import A2AMode, deepep_traffic
 from pdsim.sim.overheads import HostOverheads, host_overheads
 from pdsim.specs.hardware import HardwareSpec
@@ -36,6 +37,16 @@ ACT_BYTES = 2  # activations are bf16
 # there takes 0.60 ms for 128 requests of 4,096 keys at 16 heads and 1 to 4 queries a request
 # alike, 1.17 ms at 5 (FlashMLA issue #30).
 MLA_DECODE_ROWS = 64
+
+
+def fp8_attention_kernel(model: ModelSpec, hardware: HardwareSpec, kv_dtype_bytes: float) -> bool:
+    """Whether the attention kernels compute in FP8: the model's `attention_compute` says so,
+    or, for GQA/MHA, the KV cache is FP8 on a GPU with FP8 tensor cores (SGLang's fa3 and
+    trtllm_mha backends cast q to the cache's dtype: `q.to(self.kv_cache_dtype)`; its MLA
+    backends on Hopper cast the cache to BF16 instead)."""
+    if model.precision.attention_compute == "fp8":
+        return True
+    return not model.is_mla and kv_dtype_bytes == 1 and hardware.fp8_tflops is not None
 
 
 def mla_decode_rows(rows: float) -> int:
@@ -245,27 +256,6 @@ def make_cost_model(
 Role = Literal["prefill", "decode", "colocated"]
 
 
-def step_totals(shapes: Sequence[BatchShape]) -> tuple[int, int, int, int, bool]:
-    """What every cost model needs of a step's per-rank shapes: (tokens through the MLP,
-    the largest rank's tokens, LM-head rows, the largest rank's LM-head rows, whether any rank
-    runs prefill). A rank with prefill ends at least one sequence, so it adds an LM-head row."""
-    tokens = lm_rows = max_rank_tokens = max_rank_rows = 0
-    has_prefill = False
-    for shape in shapes:
-        n = shape.num_tokens
-        if n == 0:
-            continue
-        tokens += n
-        max_rank_tokens = max(max_rank_tokens, n)
-        rows = shape.decode_reqs * shape.decode_query_len
-        if shape.prefill_tokens:
-            has_prefill = True
-            rows += 1
-        lm_rows += rows
-        max_rank_rows = max(max_rank_rows, rows)
-    return tokens, max_rank_tokens, lm_rows, max_rank_rows, has_prefill
-
-
 class VocabCollective(NamedTuple):
     """One collective SGLang runs around its vocabulary-parallel embedding or LM head: `op`
     over `gpus` GPUs on rows of `width` BF16 elements, as many rows as `rows` names in a
@@ -278,10 +268,10 @@ class VocabCollective(NamedTuple):
     width: int
     rows: Literal["tokens", "lm_rows", "rank_rows"]
 
-    def count(self, totals: tuple) -> int:
+    def count(self, totals: StepTotals) -> int:
         """Its rows in a step of `step_totals`."""
-        tokens, _, lm_rows, max_rank_rows, _ = totals
-        return {"tokens": tokens, "lm_rows": lm_rows, "rank_rows": max_rank_rows}[self.rows]
+        return {"tokens": totals.tokens, "lm_rows": totals.lm_rows,
+                "rank_rows": totals.max_rank_rows}[self.rows]
 
 
 def vocab_collectives(model: ModelSpec, parallel: Parallelism) -> tuple[VocabCollective, ...]:
@@ -307,6 +297,26 @@ def vocab_collectives(model: ModelSpec, parallel: Parallelism) -> tuple[VocabCol
                                 "rank_rows"),)
     return (VocabCollective("LM-head rows all_gather", "all_gather", tp, h, "lm_rows"),
             VocabCollective("logits all_gather", "all_gather", tp, vocab, "lm_rows"))
+
+
+def deepep_normal(role: str, has_prefill: bool) -> bool:
+    """Whether a step's DeepEP calls run in normal mode (else low latency): a prefill
+    instance's always, a colocated one's when the step extends (SGLang's `auto` mode)."""
+    return role == "prefill" or (role == "colocated" and has_prefill)
+
+
+def tbo_splits(parallel: Parallelism, role: str, shapes: Sequence[BatchShape]) -> bool:
+    """Whether SGLang runs this step as two-batch overlap's two micro-batches
+    (`TboDPAttentionPreparer`): only when every rank with work runs the same forward mode, all
+    extend or all decode, and an extend's DeepEP calls are not low-latency ones (a decode
+    instance's); any other step runs whole."""
+    if not parallel.two_batch_overlap:
+        return False
+    modes = {(s.prefill_tokens > 0, s.decode_reqs > 0) for s in shapes if s.num_tokens}
+    if len(modes) != 1:
+        return False
+    ((extend, decode),) = modes
+    return not (extend and decode) and not (extend and not deepep_normal(role, True))
 
 
 def micro_batches(shapes: Sequence[BatchShape]) -> tuple[list[BatchShape], list[BatchShape]]:
@@ -442,9 +452,12 @@ class StepParams(BaseModel):
     prices the mean rank. eplb_redundant_experts: None without EPLB, else SGLang's
     --enable-eplb with that many --ep-num-redundant-experts. seed: the expert popularity draw.
     eager_overhead: charge eager forwards (extend, decode above cuda_graph_max_bs requests per
-    rank; None: SGLang's default for the GPU) the time their kernel launches, eager_launch_s
-    each (None: EAGER_LAUNCH_S on the hardware's host, `host_time_scale`), outlast their
-    kernels. piecewise_cuda_graph: an extend of at most
+    rank; None: SGLang's default for the GPU, or the largest of cuda_graph_bs) the time their
+    kernel launches, eager_launch_s each (None: EAGER_LAUNCH_S on the hardware's host,
+    `host_time_scale`), outlast their kernels. cuda_graph_bs: the decode batch sizes captured
+    as graphs (SGLang's --cuda-graph-bs; None: its default list); a graphed decode step runs at
+    the next of them (pdsim.sim.forward_shape), at its own size with cuda_graph_padding false
+    (SGLang's --disable-cuda-graph-padding). piecewise_cuda_graph: an extend of at most
     piecewise_cuda_graph_max_tokens tokens per rank (None: SGLang's default, 2,048 for MLA
     models, else the chunk size) runs as piecewise CUDA graphs, launching 3 per layer
     (SGLang's default from v0.5.10; off with --disable-piecewise-cuda-graph, and where
@@ -466,23 +479,43 @@ class StepParams(BaseModel):
     eager_overhead: bool = True
     eager_launch_s: float | None = Field(default=None, ge=0)
     cuda_graph_max_bs: int | None = Field(default=None, ge=0)
+    cuda_graph_bs: tuple[int, ...] | None = None
+    cuda_graph_padding: bool = True
     piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int | None = Field(default=None, ge=1)
     scheduler_overhead: bool = True
     deepep_normal_sms: int = Field(default=20, ge=0)
     chunked_prefix_cache_threshold: int | None = Field(default=None, ge=1)
 
+    @model_validator(mode="after")
+    def _check_graph_sizes(self) -> StepParams:
+        if self.cuda_graph_bs is not None and (not self.cuda_graph_bs
+                                               or min(self.cuda_graph_bs) < 1):
+            raise ValueError(f"cuda_graph_bs must list batch sizes of at least 1, got "
+                             f"{list(self.cuda_graph_bs)}")
+        return self
+
+    def graph_max_bs(self, hardware: HardwareSpec, tp: int) -> int:
+        """The largest per-rank decode batch replayed as a CUDA graph."""
+        if self.cuda_graph_max_bs is not None:
+            return self.cuda_graph_max_bs
+        if self.cuda_graph_bs is not None:
+            return max(self.cuda_graph_bs)
+        return sglang_defaults.cuda_graph_max_bs(hardware.hbm_gib, tp)
+
 
 def step_extras(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism, p: StepParams
-                ) -> tuple[ExpertLoad | None, HostOverheads | None]:
-    """The expert-load model (None: every rank at the mean) and the host overheads (None: off)
-    of one instance, as both cost models price them."""
+                ) -> tuple[ExpertLoad | None, HostOverheads | None, StepShaper]:
+    """The expert-load model (None: every rank at the mean), the host overheads (None: off)
+    and the step shaper (CUDA-graph and DP-gather padding) of one instance, as both cost models
+    price them."""
     if model.is_moe and p.eplb_redundant_experts is not None:  # a dense draft has no experts
         check_redundant_experts(p.eplb_redundant_experts, model.num_experts, parallel.ep)
     load = None
     if p.expert_imbalance and model.is_moe and parallel.ep > 1:
         load = expert_load(model.num_experts, model.experts_per_token, parallel.ep,
                            p.eplb_redundant_experts, p.seed, routing_alpha(model))
+    graph_bs = p.graph_max_bs(hardware, parallel.tp)
     host = None
     if p.eager_overhead:
         piecewise = None
@@ -490,18 +523,19 @@ def step_extras(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
             piecewise = (p.piecewise_cuda_graph_max_tokens
                          or sglang_defaults.piecewise_cuda_graph_max_tokens(
                              model.is_mla, sglang_defaults.chunked_prefill_size(hardware.hbm_gib)))
-        host = host_overheads(model, hardware, parallel, p.eager_launch_s, p.cuda_graph_max_bs,
-                              piecewise)
-    return load, host
+        host = host_overheads(model, hardware, parallel, p.eager_launch_s, graph_bs, piecewise)
+    shaper = StepShaper(parallel, graph_bs, p.cuda_graph_bs, p.cuda_graph_padding)
+    return load, host, shaper
 
 
 def with_eager_overhead(parts: tuple[float, ...], host: HostOverheads | None,
-                        has_prefill: bool, max_rank_decode_reqs: int, max_rank_tokens: int
-                        ) -> tuple[float, ...]:
+                        has_prefill: bool, max_rank_decode_reqs: int, max_rank_tokens: int,
+                        split: bool = False) -> tuple[float, ...]:
     """`parts` (BREAKDOWN_PARTS order) with the eager overhead added to the last, "overhead"
-    (host work); the parts before it are the kernels the launches run beside."""
+    (host work); the parts before it are the kernels the launches run beside. `split`: the
+    step runs as two-batch overlap's two micro-batches."""
     extra = 0.0 if host is None else host.overhead_s(has_prefill, max_rank_decode_reqs,
-                                                     max_rank_tokens, sum(parts[:-1]))
+                                                     max_rank_tokens, sum(parts[:-1]), split)
     return (*parts[:-1], parts[-1] + extra) if extra else parts
 
 
@@ -579,6 +613,21 @@ def _peak_flops(block: str, dtype: str, hardware: HardwareSpec) -> float:
         raise ValueError(f"precision.{block}: {err}") from None
 
 
+def check_formats(model: ModelSpec, hardware: HardwareSpec) -> None:
+    """Every weight format the model runs has tensor cores (or a weight-only path) on
+    `hardware`: NVFP4 before Blackwell, FP8 on an A100 are errors naming the block, whichever
+    cost model prices it (the silicon tables would otherwise move a curve to it)."""
+    prec = model.precision
+    blocks = {"attention": prec.attention, "lm_head": prec.lm_head,
+              "attention_compute": prec.attention_compute}
+    if model.num_dense_layers:
+        blocks["dense_mlp"] = prec.dense_mlp
+    if model.is_moe:
+        blocks["moe_experts"] = prec.moe_experts
+    for block, dtype in blocks.items():
+        _peak_flops(block, dtype, hardware)
+
+
 def _block_rate(block: str, dtype: str, hardware: HardwareSpec, p: RooflineParams) -> float:
     """Achieved FLOP/s of one block's GEMMs: its format's peak times that format's measured
     GEMM efficiency (docs/cost_model.md)."""
@@ -647,10 +696,11 @@ class RooflineCostModel:
             raise ValueError(f"roofline params: {problems}; allowed params: {allowed}") from None
         if parallel.ep > 1 and not model.is_moe:
             raise ValueError(f"ep={parallel.ep} needs a MoE model; {model.name} is dense")
+        check_formats(model, hardware)
         self.model, self.hardware, self.parallel, self.params = model, hardware, parallel, p
         model = stage_model(model, parallel.pp)  # with pp, one stage's layers are priced
         self._pp_send = pp_send_terms(model, hardware, parallel)
-        self._load, self._host = step_extras(model, hardware, parallel, p)
+        self._load, self._host, self._shape = step_extras(model, hardware, parallel, p)
 
         tp, attn_tp, ep = parallel.tp, parallel.attn_tp, parallel.ep
         h, nh = model.hidden_size, model.num_attention_heads
@@ -686,9 +736,9 @@ class RooflineCostModel:
             rope_elems = (heads + kv_heads) * model.head_dim
         # The attention kernel's efficiency rises with the keys each query attends to: a
         # prefill query costs as if it attended `prefill_attn_extra_keys` more keys.
-        fp8_kernel = prec.attention_compute == "fp8"
-        kernel_rate = _peak_flops("attention_compute", prec.attention_compute, hardware) * (
-            p.fp8_attn_mfu if fp8_kernel else p.attn_mfu)
+        fp8_kernel = fp8_attention_kernel(model, hardware, p.kv_dtype_bytes)
+        kernel_rate = _peak_flops("attention_compute", "fp8" if fp8_kernel else "bf16",
+                                  hardware) * (p.fp8_attn_mfu if fp8_kernel else p.attn_mfu)
         self._pf_extra_pairs_tok = p.prefill_attn_extra_keys
         # Per layer on average: a hybrid model's Gated DeltaNet layers run no softmax attention
         # kernel (their own are below) and three projection GEMMs.
@@ -856,14 +906,18 @@ class RooflineCostModel:
         fixed = sum(self.deepep_calls_s(mode, 0.0))
         return fixed, sum(self.deepep_calls_s(mode, 1.0)) - fixed
 
-    def _attention_s(self, shapes: Sequence[BatchShape]) -> float:
-        """One layer's attention block on the slowest DP rank."""
+    def _attention_s(self, shapes: Sequence[BatchShape],
+                     kernels: Sequence[BatchShape] | None = None) -> float:
+        """One layer's attention block on the slowest DP rank; `kernels`, the ranks' shapes
+        before graph padding, if padded (`StepShape`): a padded request's one-token context
+        adds next to nothing to the attention kernel, so it runs on the scheduler's batch."""
         slowest = 0.0
-        for shape in shapes:
+        for i, shape in enumerate(shapes):
             n = shape.num_tokens
             if n == 0:
                 continue
-            attn = self._attention_block_s(self._attn_proj_s(n), shape, n)
+            attn = self._attention_block_s(self._attn_proj_s(n),
+                                           shape if kernels is None else kernels[i], n)
             if attn > slowest:
                 slowest = attn
         return slowest
@@ -943,8 +997,9 @@ class RooflineCostModel:
         key = (shape.decode_reqs, shape.decode_query_len)
         fixed = self._decode_fixed.get(key)
         if fixed is None:
-            n = float(shape.decode_reqs * shape.decode_query_len)
-            rest = self._parts_but_attention((shape,), step_totals((shape,)), math.nan)
+            step = self._shape((shape,))
+            n = float(step.totals.tokens)
+            rest = self._parts_but_attention(step, math.nan)
             fixed = self._decode_fixed[key] = (self._attn_proj_s(n), n, rest)
         proj, n, rest = fixed
         attn = self._attention_block_s(proj, shape, n)
@@ -964,21 +1019,22 @@ class RooflineCostModel:
 
     def _parts(self, shapes: Sequence[BatchShape]) -> tuple[float, ...]:
         """The step's parts in `BREAKDOWN_PARTS` order."""
-        totals = step_totals(shapes)
-        if totals[0] == 0:
+        step = self._shape(shapes)
+        if step.totals.tokens == 0:
             return (0.0,) * len(BREAKDOWN_PARTS)
-        attn = self._attention_s(shapes) + self._layer_overhead_s
-        parts = (self._layers_attention_s(attn), *self._parts_but_attention(shapes, totals, attn))
-        return with_eager_overhead(parts, self._host, totals[4], max_rank_decode_reqs(shapes),
-                                   totals[1])
+        attn = self._attention_s(step.ranks, step.raw) + self._layer_overhead_s
+        parts = (self._layers_attention_s(attn), *self._parts_but_attention(step, attn))
+        return with_eager_overhead(parts, self._host, step.totals.has_prefill,
+                                   max_rank_decode_reqs(shapes), step.totals.max_rank_tokens,
+                                   tbo_splits(self.parallel, self.params.role, shapes))
 
     def _layers_attention_s(self, attn: float) -> float:
         return layers_attention_s(attn, self._dense_layers, self._moe_layers)
 
-    def _parts_but_attention(self, shapes: Sequence[BatchShape], totals: tuple, attn: float
-                             ) -> tuple[float, ...]:
+    def _parts_but_attention(self, step: StepShape, attn: float) -> tuple[float, ...]:
         """The parts after `attention` in `BREAKDOWN_PARTS` order; `attn` (one layer's attention
         block) is read only by two-batch overlap."""
+        totals = step.totals
         tokens, max_rank_tokens, lm_rows, max_rank_rows, has_prefill = totals
         mlp_comm = self._mlp_ar_fixed_s + tokens * self._mlp_ar_s_tok
         dense_mlp = dense_comm = 0.0
@@ -991,8 +1047,7 @@ class RooflineCostModel:
             dense_comm = 0.0 if self._dense_dp else layers * mlp_comm
         experts = comm = tbo = 0.0
         if self._moe_layers:
-            experts, comm, tbo = self._moe_layers_s(shapes, attn, mlp_comm, tokens,
-                                                    max_rank_tokens, has_prefill)
+            experts, comm, tbo = self._moe_layers_s(step, attn, mlp_comm)
         lm_head = self._lm_gemm.at(max_rank_rows if self._dp_lm_head else lm_rows)
         vocab_comm = 0.0
         for collective, fixed, s_row in self._vocab_comm:
@@ -1003,26 +1058,28 @@ class RooflineCostModel:
             overhead += self._step_overhead_s + (self._extend_overhead_s if has_prefill else 0.0)
         return dense_mlp, dense_comm, experts, comm, tbo, lm_head, vocab_comm, overhead
 
-    def _moe_layers_s(self, shapes: Sequence[BatchShape], attn: float, mlp_comm: float,
-                      tokens: int, max_rank_tokens: int, has_prefill: bool
+    def _moe_layers_s(self, step: StepShape, attn: float, mlp_comm: float
                       ) -> tuple[float, float, float]:
         """The MoE layers' (experts, communication, two-batch-overlap change), attention
         apart; with two-batch overlap (`overlapped_layers_s`) the change is against attention
-        + experts + communication unsplit."""
+        + experts + communication unsplit. The fused kernel runs on the padded rows; DeepEP
+        dispatches and computes the scheduler's."""
         layers = self._moe_layers
         if not self._deepep:
+            tokens = step.totals.tokens
             imbalance = self._imbalance(tokens)
             return (layers * self._moe_s(tokens, tokens * imbalance, tokens), layers * mlp_comm,
                     0.0)
-        role = self.params.role
-        normal = role == "prefill" or (role == "colocated" and has_prefill)
+        shapes = step.raw
+        tokens, max_rank_tokens, _, _, has_prefill = step.raw_totals
+        normal = deepep_normal(self.params.role, has_prefill)
         a2a = self._a2a["normal" if normal else "low_latency"]
         if self.parallel.single_batch_overlap and not normal:
             experts, comm = self._single_batch_overlap_layer_s(tokens, max_rank_tokens)
             return layers * experts, layers * comm, 0.0
         experts, comm = self._deepep_layer_s(tokens, max_rank_tokens, a2a)
         tbo = 0.0
-        if self._tbo:
+        if tbo_splits(self.parallel, self.params.role, shapes):
             halves = [self._micro_batch_s(half, a2a) for half in micro_batches(shapes)]
             tbo = (overlapped_layers_s(layers, *halves, self._tbo_sm_share[normal])
                    - layers * (attn + experts + comm))

@@ -94,15 +94,18 @@ class HostOverheads:
     piecewise_max_tokens: with piecewise CUDA graphs, the largest batch (tokens per rank) an
     extend runs piecewise-graphed; None: every extend runs eagerly;
     dense_excess, moe_excess: a (dense, MoE) layer's host work beyond its launches, in
-    launches' worth (`host_overheads`: an MLA attention block's, a DeepEP MoE core's)."""
+    launches' worth (`host_overheads`: an MLA attention block's, a DeepEP MoE core's);
+    micro_batches: how many times a step split by two-batch overlap runs each layer's ops
+    (the kernel counts and excesses above are per split step)."""
 
     def __init__(self, model: ModelSpec, dense_kernels: float, moe_kernels: float,
                  launch_s: float, cuda_graph_max_bs: int,
                  piecewise_max_tokens: int | None = None, dense_excess: float = 0.0,
-                 moe_excess: float = 0.0) -> None:
+                 moe_excess: float = 0.0, micro_batches: int = 1) -> None:
         self.launches = model.num_dense_layers * dense_kernels + model.num_moe_layers * moe_kernels
         excess = model.num_dense_layers * dense_excess + model.num_moe_layers * moe_excess
         self.eager_host_s = (self.launches + excess) * launch_s
+        self.micro_batches = micro_batches
         self.cuda_graph_max_bs = cuda_graph_max_bs
         self.piecewise_max_tokens = piecewise_max_tokens
         self.piecewise_launches = PIECEWISE_LAUNCHES_PER_LAYER * model.num_layers + 1
@@ -113,21 +116,22 @@ class HostOverheads:
         above them)."""
         return has_prefill or max_rank_decode_reqs > self.cuda_graph_max_bs
 
-    def host_s(self, has_prefill: bool, max_rank_decode_reqs: int, max_rank_tokens: int
-               ) -> float:
-        """Host seconds of launches for a step (0 for a graphed decode step)."""
+    def host_s(self, has_prefill: bool, max_rank_decode_reqs: int, max_rank_tokens: int,
+               split: bool = True) -> float:
+        """Host seconds of launches for a step (0 for a graphed decode step); `split` false:
+        a step two-batch overlap leaves whole launches its ops once."""
         if not self.eager(has_prefill, max_rank_decode_reqs):
             return 0.0
         if (has_prefill and self.piecewise_max_tokens is not None
                 and max_rank_tokens <= self.piecewise_max_tokens):
             return self.piecewise_host_s
-        return self.eager_host_s
+        return self.eager_host_s if split else self.eager_host_s / self.micro_batches
 
     def overhead_s(self, has_prefill: bool, max_rank_decode_reqs: int, max_rank_tokens: int,
-                   kernels_s: float) -> float:
+                   kernels_s: float, split: bool = True) -> float:
         """Seconds the host's launches add to a step whose kernels take `kernels_s` and whose
         busiest rank runs `max_rank_tokens` tokens: what they outlast the kernels by."""
-        return max(0.0, self.host_s(has_prefill, max_rank_decode_reqs, max_rank_tokens)
+        return max(0.0, self.host_s(has_prefill, max_rank_decode_reqs, max_rank_tokens, split)
                    - kernels_s)
 
 
@@ -149,7 +153,7 @@ def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel,
     piecewise CUDA graphs (dropped, as SGLang drops them, where `piecewise_eligible` says no).
     Two-batch overlap runs every layer's ops once per micro-batch (SGLang's
     `execute_overlapped_operations`; a lone prompt is cut in two token halves), so an eager
-    step launches each kernel twice. An MLA attention block takes MLA_EAGER_BLOCK_S at
+    step it splits launches each kernel twice. An MLA attention block takes MLA_EAGER_BLOCK_S at
     EAGER_LAUNCH_S (in proportion to `launch_s`), more than its MLA_BLOCK_LAUNCHES launches; a
     DeepEP MoE core DEEPEP_MOE_CORE_EAGER_S, more than its DEEPEP_MOE_CORE_LAUNCHES."""
     dense, moe = kernels_per_layer(model, parallel.tp, parallel.attn_tp, parallel.dp_attention,
@@ -165,4 +169,5 @@ def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel,
                if parallel.moe_a2a == "deepep" else 0.0)
     return HostOverheads(model, dense * micro_batches, moe * micro_batches, launch_s, graph_bs,
                          piecewise, dense_excess=attention * micro_batches,
-                         moe_excess=(attention + experts) * micro_batches)
+                         moe_excess=(attention + experts) * micro_batches,
+                         micro_batches=micro_batches)

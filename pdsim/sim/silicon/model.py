@@ -39,7 +39,10 @@ from pdsim.sim.cost import (
     Role,
     StepParams,
     VocabCollective,
+    check_formats,
     decode_query_scale,
+    deepep_normal,
+    fp8_attention_kernel,
     layers_attention_s,
     max_rank_decode_reqs,
     micro_batches,
@@ -50,11 +53,12 @@ from pdsim.sim.cost import (
     pp_send_terms,
     single_batch_overlap_s,
     step_extras,
-    step_totals,
+    tbo_splits,
     tbo_sm_share,
     vocab_collectives,
     with_eager_overhead,
 )
+from pdsim.sim.forward_shape import StepShape, step_totals
 from pdsim.sim.overheads import attention_elementwise_kernels
 from pdsim.sim.silicon import tables
 from pdsim.sim.silicon.interp import Grid2, Stage
@@ -186,6 +190,7 @@ class SiliconCostModel:
             raise ValueError(f"silicon params: {problems}; allowed params: {allowed}") from None
         if parallel.ep > 1 and not model.is_moe:
             raise ValueError(f"ep={parallel.ep} needs a MoE model; {model.name} is dense")
+        check_formats(model, hardware)
         tables.require_systems_dir()
         system = p.system or tables.system_for(hardware)
         if system is None:
@@ -197,7 +202,7 @@ class SiliconCostModel:
         self.system = system
         model = stage_model(model, parallel.pp)  # with pp, one stage's layers are priced
         self._pp_send = pp_send_terms(model, hardware, parallel)
-        self._load, self._host = step_extras(model, hardware, parallel, p)
+        self._load, self._host, self._shape = step_extras(model, hardware, parallel, p)
         if p.moe_distribution != "balanced":
             self._load = None
         self._plan = _build_plan(model, hardware, parallel, p, system)
@@ -217,20 +222,24 @@ class SiliconCostModel:
 
     # ----- per step ----------------------------------------------------------------------------
 
-    def _attention_s(self, shapes: Sequence[BatchShape], part: str = "attention") -> float:
+    def _attention_s(self, shapes: Sequence[BatchShape], part: str = "attention",
+                     kernels: Sequence[BatchShape] | None = None) -> float:
         """One layer's attention block on the slowest rank; `part` is what the trace counts it
-        in (tbo_overlap: a micro-batch of two-batch overlap)."""
+        in (tbo_overlap: a micro-batch of two-batch overlap); `kernels`, the ranks' shapes
+        before graph padding, if padded: the decode attention kernel runs on those (a padded
+        request's one-token context adds next to nothing to it)."""
         slowest = 0.0
         lookups = moved = extra = 0
-        for shape in shapes:
+        for i, shape in enumerate(shapes):
             if shape.num_tokens == 0:
                 continue
             t, n_lookups, n_moved, n_extra = self._rank_attention_but_generation(shape, part)
             lookups += n_lookups
             moved += n_moved
             extra += n_extra
-            if shape.decode_reqs:
-                kinds = self._generation_attention(shape, shape.decode_reqs)
+            kernel = shape if kernels is None else kernels[i]
+            if kernel.decode_reqs:
+                kinds = self._generation_attention(kernel, kernel.decode_reqs)
                 lookups += len(kinds) - 1  # the first is counted with the rank's others
                 for name, table, s, m, e, share in kinds:
                     t += s * share
@@ -355,11 +364,11 @@ class SiliconCostModel:
         fixed = self._decode_fixed.get(key)
         if fixed is None:
             before = self.lookups, self.transferred_lookups, self.extrapolated_lookups
-            t, n_lookups, n_moved, n_extra = self._rank_attention_but_generation(shape)
-            totals = step_totals((shape,))
-            rest = self._parts_but_attention((shape,), totals, math.nan)
+            step = self._shape((shape,))
+            t, n_lookups, n_moved, n_extra = self._rank_attention_but_generation(step.ranks[0])
+            rest = self._parts_but_attention(step, math.nan)
             fixed = self._decode_fixed[key] = (
-                t, self._elementwise_s(totals[1]), rest,
+                t, self._elementwise_s(step.totals.max_rank_tokens), rest,
                 n_lookups + self.lookups - before[0],
                 n_moved + self.transferred_lookups - before[1],
                 n_extra + self.extrapolated_lookups - before[2])
@@ -384,18 +393,21 @@ class SiliconCostModel:
         return dict(zip(BREAKDOWN_PARTS, self._parts(shapes)))
 
     def _parts(self, shapes: Sequence[BatchShape]) -> tuple[float, ...]:
-        totals = step_totals(shapes)
-        if totals[0] == 0:
+        step = self._shape(shapes)
+        totals = step.totals
+        if totals.tokens == 0:
             return (0.0,) * len(BREAKDOWN_PARTS)
-        attn = self._attention_s(shapes)
-        elementwise = self._elementwise_s(totals[1])
+        attn = self._attention_s(step.ranks, kernels=step.raw)
+        elementwise = self._elementwise_s(totals.max_rank_tokens)
         attn += elementwise
         if self.trace is not None:
             self.trace.append(TracedOp("attention", "elementwise", "bandwidth",
                                        elementwise, "roofline"))
-        rest = self._parts_but_attention(shapes, totals, attn)
+        rest = self._parts_but_attention(step, attn)
         return with_eager_overhead((self._layers_attention_s(attn), *rest), self._host,
-                                   totals[4], max_rank_decode_reqs(shapes), totals[1])
+                                   totals.has_prefill, max_rank_decode_reqs(shapes),
+                                   totals.max_rank_tokens,
+                                   tbo_splits(self.parallel, self.params.role, shapes))
 
     def _elementwise_s(self, max_rank_tokens: float) -> float:
         plan = self._plan
@@ -404,11 +416,11 @@ class SiliconCostModel:
     def _layers_attention_s(self, attn: float) -> float:
         return layers_attention_s(attn, self._plan.dense_layers, self._plan.moe_layers)
 
-    def _parts_but_attention(self, shapes: Sequence[BatchShape], totals: tuple, attn: float
-                             ) -> tuple[float, ...]:
+    def _parts_but_attention(self, step: StepShape, attn: float) -> tuple[float, ...]:
         """The parts after `attention` (BREAKDOWN_PARTS order); `attn`, one layer's attention
         block, is read only by two-batch overlap."""
         plan = self._plan
+        totals = step.totals
         tokens, max_rank_tokens, lm_rows, max_rank_rows, has_prefill = totals
         dense_mlp = dense_comm = 0.0
         if plan.dense_layers:
@@ -421,8 +433,7 @@ class SiliconCostModel:
                 dense_comm = layers * self._stage(plan.mlp_comm, tokens, "dense_comm")
         experts = comm = tbo = 0.0
         if plan.moe_layers:
-            experts, comm, tbo = self._moe_layers_s(shapes, attn, tokens, max_rank_tokens,
-                                                    has_prefill)
+            experts, comm, tbo = self._moe_layers_s(step, attn)
         lm_head = self._stage(plan.lm_head, max_rank_rows if plan.dp_lm_head else lm_rows,
                               "lm_head")
         vocab_comm = sum(self._stage(stage, collective.count(totals), "vocab_comm")
@@ -433,14 +444,15 @@ class SiliconCostModel:
                 self.params.extend_overhead_s if has_prefill else 0.0)
         return dense_mlp, dense_comm, experts, comm, tbo, lm_head, vocab_comm, overhead
 
-    def _moe_layers_s(self, shapes: Sequence[BatchShape], attn: float, tokens: int,
-                      max_rank_tokens: int, has_prefill: bool) -> tuple[float, float, float]:
+    def _moe_layers_s(self, step: StepShape, attn: float) -> tuple[float, float, float]:
         """The MoE layers' (experts, communication, two-batch-overlap change), attention
         apart. Two-batch overlap follows the roofline's rule (pdsim.sim.cost,
-        `overlapped_layers_s`) against attention + experts + DeepEP unsplit."""
+        `overlapped_layers_s`) against attention + experts + DeepEP unsplit. The fused kernel
+        runs on the padded rows; DeepEP dispatches and computes the scheduler's."""
         plan, par = self._plan, self.parallel
         layers = plan.moe_layers
         if par.moe_a2a != "deepep":
+            tokens = step.totals.tokens
             # The fused kernel on every rank's tokens; the busiest EP rank holds its share of
             # the rows times the imbalance over the same experts (weights), so the measured
             # curve moves by the MoE roofline's ratio. Shared experts and router on the tokens
@@ -454,15 +466,16 @@ class SiliconCostModel:
                 routed += busier
             return (layers * (routed + self._stage(plan.moe_local, tokens, "moe_experts")),
                     layers * self._stage(plan.mlp_comm, tokens, "moe_comm"), 0.0)
-        role = self.params.role
-        normal = role == "prefill" or (role == "colocated" and has_prefill)
+        shapes = step.raw
+        tokens, max_rank_tokens, _, _, has_prefill = step.raw_totals
+        normal = deepep_normal(self.params.role, has_prefill)
         if par.single_batch_overlap and not normal:
             compute, comm = self._single_batch_overlap_layer_s(tokens, max_rank_tokens)
             return layers * compute, layers * comm, 0.0
         compute, comm = self._deepep_layer_s(tokens, max_rank_tokens, normal, "moe_experts",
                                              "moe_comm")
         tbo = 0.0
-        if par.two_batch_overlap:
+        if tbo_splits(par, self.params.role, shapes):
             halves = [self._micro_batch_s(half, normal) for half in micro_batches(shapes)]
             tbo = (overlapped_layers_s(layers, *halves,
                                        tbo_sm_share(self.hardware, self.params, normal))
@@ -575,7 +588,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
     h = model.hidden_size
     heads = model.num_attention_heads // attn_tp
     kv_bytes = p.kv_dtype_bytes
-    fp8_attn = prec.attention_compute == "fp8"
+    fp8_attn = fp8_attention_kernel(model, hw, kv_bytes)
     ad = prec.attention
 
     # Each stage's ops as (name, table, curve).
