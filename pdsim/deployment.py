@@ -86,13 +86,19 @@ class SchedulerKnobs(_Spec):
         "None: SGLang's default for the GPU's memory (2048 under 35 GiB, 4096 under 60, 8192 "
         "under 160, else 16384); the real backend, which does not know its device: 8192")
     num_reserved_decode_tokens: int = Field(
-        512, ge=0, description="KV tokens set aside per running or queued request when "
-        "admitting new ones")
-    pre_alloc_size: int = Field(
-        64, ge=0, description="decode: request slots beyond max_running_requests for requests "
-        "whose KV is on its way")
+        512, ge=0, description="PD decode: KV tokens set aside per running or queued request "
+        "when preallocating or resuming one (a colocated instance reserves SGLang's "
+        "new_token_ratio of what its running requests may still generate)")
+    pre_alloc_size: int | None = Field(
+        None, ge=0, description="decode: request slots beyond max_running_requests for requests "
+        "whose KV is on its way, per DP rank. None: SGLang's, twice max_running_requests up to "
+        "32 of them, else 0 (SGLANG_DISAGGREGATION_NUM_PRE_ALLOCATE_REQS)")
     metadata_slots: int = Field(512, ge=1, description="first-token metadata slots of a "
                                 "prefill or decode rank")
+    context_length: int | None = Field(
+        None, gt=0, description="the longest prompt + output a request may ask for; a longer "
+        "one fails at once, as SGLang's --context-length refuses it. None: the model's "
+        "(config.json's max_position_embeddings)")
     bootstrap_timeout_s: float = Field(
         300.0, gt=0, description="prefill: a request whose decode side never says where to "
         "write its KV fails after this (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
@@ -172,21 +178,27 @@ class SchedulerKnobs(_Spec):
                                        "mem_fraction_static": fraction})
 
     def build(self, num_pages: int, dp_attention: int = 1, where: str = "scheduler",
-              speculation: Speculation | None = None, state_slots: int = 0) -> SchedulerConfig:
+              speculation: Speculation | None = None, state_slots: int = 0,
+              model_context_len: int | None = None) -> SchedulerConfig:
         """The core config of one DP rank of an instance with `num_pages` pages and
-        `state_slots` recurrent-state slots per rank."""
+        `state_slots` recurrent-state slots per rank, serving a model of `model_context_len`
+        tokens at most."""
+        running = self._running_per_rank(num_pages, dp_attention, where)
         return SchedulerConfig(
             state_slots=state_slots,
             num_pages=num_pages, page_size=self.page_size,
-            max_running_requests=self._running_per_rank(num_pages, dp_attention, where),
+            max_running_requests=running,
             max_prefill_tokens=self.max_prefill_tokens,
             chunked_prefill_size=self._per_dp_rank("chunked_prefill_size", dp_attention, where,
                                                    default=REAL_CHUNKED_PREFILL_SIZE),
             num_reserved_decode_tokens=self.num_reserved_decode_tokens,
-            pre_alloc_size=self.pre_alloc_size, metadata_slots=self.metadata_slots,
+            pre_alloc_size=(self.pre_alloc_size if self.pre_alloc_size is not None
+                            else sglang_defaults.pre_alloc_size(running)),
+            metadata_slots=self.metadata_slots,
             bootstrap_timeout_s=self.bootstrap_timeout_s,
             waiting_timeout_s=self.waiting_timeout_s, speculation=speculation,
-            prefix_cache=not self.disable_radix_cache, dynamic_chunking=None)
+            prefix_cache=not self.disable_radix_cache, dynamic_chunking=None,
+            context_len=self.context_length or model_context_len)
 
     def _running_per_rank(self, num_pages: int, dp: int, where: str) -> int:
         if self.max_running_requests is not None:
@@ -408,8 +420,9 @@ class RouterConfig(_Spec):
         default_factory=dict, description="both: the policy's settings, by name (cache_aware: "
         "cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size; "
         "defaults sgl-router's)")
-    dp_assignment: Literal["room", "shortest_queue"] = Field(
-        "room", description="how a request's decode DP rank is picked (a real prefill "
+    dp_assignment: Literal["auto", "room", "round_robin", "shortest_queue"] = Field(
+        "auto", description="how an instance picks a request's DP rank (SGLang's "
+        "--load-balance-method; auto: round_robin, a prefill instance room; a real prefill "
         "instance always takes room % dp_attention, where the decode side looks it up)")
     frontend_latency_s: float = Field(4.4e-3, ge=0, description="sim only: tokenizer, HTTP and "
                                       "router time of a request, both ways, counted in its TTFT "

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,7 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
     row["decode_busy_frac"] = result.decode_busy_frac
     row["kv_transfer_gb"] = result.kv_transfer_gb
     row["decode_mean_batch"] = result.decode_mean_batch
+    row["retractions"] = result.retractions
     if stop is not None:
         row["stopped"] = result.stopped
     row.update(cost_columns(cfg.cost_model.name, [inst.cost for inst in result.instances]))
@@ -121,10 +124,13 @@ class PointError(RuntimeError):
 
 
 def _run_named_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any],
-                     base_dir: str | None) -> PointResult:
-    """`run_point`, a failure raised as a PointError naming the point."""
+                     base_dir: str | None, progress: Callable | None = None) -> PointResult:
+    """`run_point`, a failure raised as a PointError naming the point. `progress`: a `stop`
+    factory that only reports the point's progress (pdsim.progress.share_stop), never stops it."""
     try:
-        return run_point(index, cfg, swept, base_dir)
+        result = run_point(index, cfg, swept, base_dir, progress)
+        result.summary.pop("stopped", None)  # "" always: the run was never to stop early
+        return result
     except Exception as exc:
         values = ", ".join(f"{k}={v}" for k, v in swept.items()) or "no sweep"
         raise PointError(f"sweep point {index} ({values}): {type(exc).__name__}: {exc}") from exc
@@ -218,11 +224,21 @@ def first_wave_note(cfg: ExperimentConfig) -> str | None:
 
 
 def _execute(pool: Pool, args: list, show: bool, name: str) -> list[PointResult]:
-    from pdsim.progress import progress_bar
+    from pdsim.progress import point_shares, progress_bar, share_stop
 
-    with progress_bar(f"simulating {name}", len(args), show) as bar:
+    with progress_bar(f"simulating {name}", len(args), show) as bar, \
+            point_shares(bar, pool) as shares:
+        if shares is not None:  # the bar moves within each point as its requests finish
+            args = [(*a, partial(share_stop, shares.reporter(a[0]), None)) for a in args]
+        running = {pool.submit(_run_named_point, *a): a[0] for a in args}
         results = []
-        for result in pool.imap_unordered(_run_named_point, args):
-            results.append(result)
-            bar.advance()
+        while running:
+            finished, _ = wait(running, timeout=None if shares is None else 0.5,
+                               return_when=FIRST_COMPLETED)
+            for fut in finished:
+                del running[fut]
+                results.append(fut.result())
+                bar.advance()
+            if shares is not None:
+                shares.refresh(running.values())
         return results

@@ -39,6 +39,14 @@ def cuda_graph_max_bs(hbm_gib: float, tp: int) -> int:
     return 512
 
 
+def pre_alloc_size(max_running_requests: int) -> int:
+    """A PD decode rank's request slots beyond its running batch for requests whose KV is on
+    its way (`init_memory_pool`'s `pre_alloc_size`): twice the running batch up to 32
+    requests, else SGLANG_DISAGGREGATION_NUM_PRE_ALLOCATE_REQS, 0 by default, so preallocated,
+    transferring and running requests share one pool of slots."""
+    return 2 * max_running_requests if max_running_requests <= 32 else 0
+
+
 def mem_fraction_static(hbm_gib: float, *, chunk: int, max_prefill_tokens: int, graph_bs: int,
                         tp: int, pp: int = 1, dp_attention: int = 1,
                         speculative: bool = False) -> float:

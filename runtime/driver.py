@@ -174,7 +174,7 @@ class Engine:
     def __init__(self, executor: ModelExecutor, config: SchedulerConfig, *, instance_id: int = 0,
                  scheduler: InstanceScheduler | None = None,
                  schedulers: Sequence[InstanceScheduler] | None = None,
-                 dp_assignment: str = "room", sync: Synchroniser | None = None,
+                 dp_assignment: str = "auto", sync: Synchroniser | None = None,
                  gauges: Callable[[Sequence[InstanceScheduler]], dict[str, float]] = merged_gauges,
                  max_records: int = 100_000, metrics: ServeMetrics | None = None) -> None:
         if (config.num_pages, config.page_size) != (executor.kv.num_pages, executor.page_size):

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from pdsim.core.batch import Batch, BatchResult, DecodeBatch, ExtendBatch
+from pdsim.core.batch import Batch, BatchResult, DecodeBatch, ExtendBatch, KVMove
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.executor import only_batch
 from pdsim.core.request import Request
@@ -140,6 +140,7 @@ class ModelExecutor:
         self.dp = getattr(model, "dp", None)  # `DPRanks` of an attention-DP instance
         self.tp_size = tp_size
         self.speculation: DecodeSpeculation | None = None
+        self._host_kv: dict[str, list[list[torch.Tensor]]] = {}  # retracted requests' KV
 
     def bind_thread(self) -> None:
         """Make the calling thread the one that runs the forwards (the engine's): give it
@@ -260,6 +261,8 @@ class ModelExecutor:
         self._failures = {}  # this batch's rows whose sampling fails
         self._new_top = {}
         self._ran_forward = True
+        if batch.kv_moves:
+            self._move_kv(batch.kv_moves)
         if batch.kind == "extend":
             token_ids, logprobs = self._extend(batch)
         elif batch.kind == "decode":
@@ -274,6 +277,20 @@ class ModelExecutor:
                                               duration))
         return BatchResult(duration_s=duration, token_ids=token_ids, logprobs=logprobs,
                            failed=self._failures or None)
+
+    def _move_kv(self, moves: Sequence[KVMove]) -> None:
+        """Copy retracted requests' KV pages to the host, or back into new pages, before the
+        forward that may reuse them (pdsim.core.batch.KVMove), in every paged cache: the
+        target's and a speculating draft's."""
+        caches = [self.kv] if self.speculation is None else [self.kv, self.speculation.kv]
+        for move in moves:
+            if move.to_host:
+                self._host_kv[move.rid] = [cache.copy_out(move.pages) for cache in caches]
+            else:
+                saved = self._host_kv.pop(move.rid)
+                if move.pages:
+                    for cache, copy in zip(caches, saved, strict=True):
+                        cache.copy_in(move.pages, copy)
 
     def _extend(self, batch: ExtendBatch) -> tuple[list[int], list[float]]:
         ids: list[int] = []

@@ -34,6 +34,7 @@ from pdsim.config import ConfigError, ExperimentConfig, read_config_file
 from pdsim.config_errors import format_validation_error
 from pdsim.core.config import SchedulerConfig
 from pdsim.deployment import RoleConfig, servable_presets
+from pdsim.specs.models import load_model_spec
 from pdsim.workload import WorkloadConfig
 
 ROLES = ("prefill", "decode")
@@ -113,7 +114,8 @@ class _ServeBase(ExperimentConfig):
         """The core config of one rank of `role` (the one builder: SchedulerKnobs.build)."""
         spec = self.role(role)
         return spec.scheduler.build(spec.scheduler.pool_pages(), spec.dp_attention,
-                                    f"cluster.{role}.scheduler")
+                                    f"cluster.{role}.scheduler",
+                                    model_context_len=load_model_spec(self.model).context_len)
 
 
 def check_served_method(spec) -> None:

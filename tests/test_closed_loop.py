@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from configs import scheduler_config
+from core_harness import StubKV
 
 from pdsim.config import ConfigError, parse_experiment
+from pdsim.core.decode import DecodeScheduler
+from pdsim.core.instance import Instance
+from pdsim.core.prefill import PrefillScheduler
 from pdsim.core.router import Router, pick_dp_rank
+from pdsim.core.scheduler import ColocatedScheduler
 from pdsim.metrics import MeasurementWindow, summarize
 from pdsim.runner import run_point
 from pdsim.sim.build import build_cluster
@@ -101,17 +107,17 @@ def test_window_throughput_is_in_window_tokens_over_its_length():
     # inside; its latencies are theirs.
     inside = frame["in_window"].to_numpy()
     arrival, finish = frame["arrival_s"], frame["finish_s"]
-    np.testing.assert_array_equal(inside, (arrival >= start) & (arrival <= end))
+    np.testing.assert_array_equal(inside, (arrival >= start) & (arrival < end))
     first_wave = arrival == 0
     assert first_wave.sum() == n and not (inside & first_wave).any()
     assert (first_wave & (finish >= start)).sum() > 0
     assert s["num_requests"] == inside.sum() < s["run_requests"] == 240
     ttft = (frame["first_token_s"] - arrival)[inside]
     assert s["ttft_p99_s"] == pytest.approx(np.percentile(ttft, 99), rel=1e-12)
-    # Its throughput is what the requests that ended in it carried.
-    ended = (finish >= start) & (finish <= end)
-    expected = frame.loc[ended, "output_tokens"].sum() / (end - start)
-    assert s["output_tok_s"] == pytest.approx(expected, rel=1e-12)
+    # Its request throughput is the requests that ended in it (its token throughput, the
+    # tokens emitted in it: tests/test_metrics_window.py).
+    ended = (finish >= start) & (finish < end)
+    assert s["request_throughput_req_s"] == pytest.approx(ended.sum() / (end - start), rel=1e-12)
     assert s["duration_s"] == pytest.approx(end - start)
     whole = run_point(0, parse_experiment(experiment(n, num_requests=240)), {}, None).summary
     assert not whole["output_tok_s"] == pytest.approx(s["output_tok_s"], rel=0.01)
@@ -247,16 +253,31 @@ def test_instance_knobs_split_over_dp_ranks_as_sglang_does():
         build_cluster(parse_experiment(data))
 
 
-def test_pick_dp_rank_follows_the_room_or_the_shortest_queue():
+def test_pick_dp_rank_follows_the_room_the_turn_or_the_shortest_queue():
     queues = [3, 1, 1, 4]
     assert pick_dp_rank("room", 10, 4, queues.__getitem__) == 2
+    assert [pick_dp_rank("round_robin", 10, 4, queues.__getitem__, turn)
+            for turn in range(6)] == [0, 1, 2, 3, 0, 1]
     assert pick_dp_rank("shortest_queue", 10, 4, queues.__getitem__) == 1  # ties: lowest rank
     assert pick_dp_rank("shortest_queue", 10, 1, queues.__getitem__) == 0
-    with pytest.raises(ValueError, match="allowed: room, shortest_queue"):
+    with pytest.raises(ValueError, match="allowed: room, round_robin, shortest_queue"):
         pick_dp_rank("random", 1, 2, queues.__getitem__)
 
 
-@pytest.mark.parametrize("assignment", ["room", "shortest_queue"])
+def test_auto_dp_assignment_is_sglangs_per_role_default():
+    """SGLang >= 0.5.10 (`_handle_load_balance_method`): a PD prefill instance follows the
+    bootstrap room, a decode or colocated one takes turns."""
+    config = scheduler_config(64)
+    decode = Instance([DecodeScheduler(config, StubKV()) for _ in range(2)], lambda req: None)
+    prefill = Instance([PrefillScheduler(config, StubKV()) for _ in range(2)], lambda req: None)
+    colocated = Instance([ColocatedScheduler(config) for _ in range(2)], lambda req: None)
+    assert (decode.dp_assignment, prefill.dp_assignment, colocated.dp_assignment) == (
+        "round_robin", "room", "round_robin")
+    assert Instance([DecodeScheduler(config, StubKV())], lambda req: None,
+                    "shortest_queue").dp_assignment == "shortest_queue"
+
+
+@pytest.mark.parametrize("assignment", ["auto", "room", "round_robin", "shortest_queue"])
 def test_dp_assignment_in_the_simulator(assignment):
     data = experiment(concurrency=16, num_requests=16, router={"dp_assignment": assignment})
     data["cluster"]["decode"] = {"tp": 4, "dp_attention": 4}
@@ -271,7 +292,7 @@ def test_dp_assignment_in_the_simulator(assignment):
         sched.add_request = counting
     result = sim.run(wl.arrival_s, wl.input_tokens, wl.output_tokens, wl.closed_loop)
     assert all(r.ok for r in result.records) and sum(taken) == 16
-    if assignment == "shortest_queue":
+    if assignment != "room":  # auto: decode takes turns
         assert taken == [4, 4, 4, 4]  # 16 arrive at once: each rank takes the next in turn
     else:  # the same seed draws the same rooms, in the same order
         router = Router(cfg.router.policy, 1, 1, cfg.seed)
@@ -314,3 +335,24 @@ def test_a_window_starting_inside_the_first_wave_is_noted(tmp_path):
     config.write_text(yaml.safe_dump(short))
     result = CliRunner().invoke(app, ["check", str(config)])
     assert result.exit_code == 0 and "give at least 16" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_request_beyond_the_models_context_fails_as_sglang_refuses_it(mode):
+    """Llama-3.1-8B serves 131,072 tokens (max_position_embeddings): a prompt + output that
+    reach it fail at once with the reason; the shorter ones are served."""
+    data = experiment(concurrency=2, num_requests=8)
+    data["workload"]["input_len"] = {"dist": "uniform", "low": 125_000, "high": 136_000}
+    data["workload"]["output_len"] = {"dist": "fixed", "value": 1000}
+    if mode == "colocated":
+        data["cluster"] = {"mode": "colocated", "colocated": {"instances": 1}}
+    cfg = parse_experiment(data)
+    wl = generate(cfg.workload)
+    result = Simulation(build_cluster(cfg), cfg.seed).run(
+        wl.arrival_s, wl.input_tokens, wl.output_tokens, wl.closed_loop)
+    too_long = {r.rid for r in result.records if r.input_tokens + 1000 >= 131_072}
+    assert too_long and len(too_long) < len(result.records)
+    for r in result.records:
+        assert r.ok == (r.rid not in too_long)
+        if not r.ok:
+            assert "beyond the model's context length of 131072 tokens" in r.error

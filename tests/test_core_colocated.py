@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from configs import scheduler_config
 from core_harness import Driver, FixedExecutor
 
@@ -163,3 +164,69 @@ def test_many_seeds_with_long_chunked_prompts_never_stall():
         d.run()
         s.check_pools_full()
         assert all(r.error or r.num_output == r.max_new_tokens for r in reqs)
+
+
+def test_a_prompt_waits_for_room_for_what_running_requests_may_still_generate():
+    """SGLang's PrefillAdder: a prompt goes in when the pool holds it and the tokens it may
+    generate beside new_token_ratio of what the running requests may still generate; the
+    ratio starts at 0.7 and loses (0.7 - 0.098) / 600 a decode step."""
+    s = ColocatedScheduler(cfg(num_pages=256, page_size=4))  # 1,024 tokens
+    a, b = Request("a", 16, 1000), Request("b", 300, 40)
+    s.add_request(a, 0.0)
+    batch = s.step(0.0)
+    s.on_batch_done(batch, BatchResult(1.0), 1.0)  # a decodes, its first token out
+    assert s._reserved_tokens() == int(999 * 0.7)
+    s.add_request(b, 1.0)
+    decay = (0.7 - 0.7 * 0.14) / 600
+
+    def admits(k: int) -> bool:  # after k decode steps of a
+        free = 1024 - 4 * -(-(16 + k) // 4)  # the pages a's KV fills
+        return 300 + 40 < free - int((1000 - (1 + k)) * (0.7 - k * decay))
+
+    want = next(k for k in range(1000) if admits(k))
+    assert want > 0  # held back at first
+    t, k = 1.0, 0
+    while True:
+        batch = s.step(t)
+        if batch.kind == "extend":
+            break
+        t += 1.0
+        s.on_batch_done(batch, BatchResult(1.0), t)
+        k += 1
+    assert k == want and [g.req.rid for g in batch.segments] == ["b"]
+    assert s.new_token_ratio == pytest.approx(0.7 - k * decay)
+
+
+def test_the_ratio_resets_when_idle_and_follows_a_retraction():
+    s = ColocatedScheduler(cfg(num_pages=64, page_size=4))
+    s.new_token_ratio = 0.2
+    assert s.step(0.0) is None and s.new_token_ratio == 0.7  # an idle step resets it
+    ratios = []
+    done = s.on_batch_done
+    s.on_batch_done = lambda *a: done(*a) or ratios.append(s.new_token_ratio)
+    d = driver(s)
+    d.submit(0.0, "C", Request("a", 8, 4))
+    d.run()
+    decay = (0.7 - 0.098) / 600
+    assert ratios == pytest.approx([0.7, 0.7 - decay, 0.7 - 2 * decay, 0.7 - 3 * decay])
+    # a retraction: what the batch has decoded, plus 20 steps a request, over its max_new_tokens
+    s = ColocatedScheduler(cfg(num_pages=12, page_size=4))
+    s._reserved_tokens = lambda: 0  # admit as if nothing would be generated: retract later
+    d = driver(s)
+    seen = []
+    retract = s._retract_one
+
+    def watched():
+        done = retract()
+        reqs = list(s.running.reqs)
+        decoded = sum(s.running.kv_len(r) - r.input_len + 1 for r in reqs)
+        seen.append((s.new_token_ratio, min(1.0, (decoded + 20 * len(reqs))
+                                            / (sum(r.max_new_tokens for r in reqs) + 1))))
+        return done
+
+    s._retract_one = watched
+    for i in range(3):
+        d.submit(0.0, "C", Request(f"r{i}", 8, 12))
+    d.run()
+    assert seen and all(got == pytest.approx(want) for got, want in seen)
+    s.check_pools_full()

@@ -310,7 +310,11 @@ def test_running_requests_take_a_page_each_time_they_fill_one():
     s.check_pools_full()
 
 
-def test_retraction_recomputes_and_still_finishes_every_request():
+def test_retraction_keeps_the_kv_on_the_host_and_still_finishes_every_request():
+    """SGLang's PD decode retracts by offloading (`offload_kv_cache`): the victim, the one
+    with the fewest tokens generated, frees its pages and request slot, its KV is copied out
+    before the next forward and copied back into new pages when the pool has room, and no
+    forward recomputes it."""
     # 12 pages of 4 tokens; three requests that each grow to 8 + 11 = 19 tokens (5 pages).
     kv = StubKV(initial=KVPoll.WaitingForInput)
     s = DecodeScheduler(cfg(num_pages=12, page_size=4, pre_alloc_size=0, max_running_requests=4), kv)
@@ -318,47 +322,77 @@ def test_retraction_recomputes_and_still_finishes_every_request():
     for r in reqs:
         s.add_request(r, 0.0)
     loop = Loop(s, kv)
-    recomputes = []
+    seen = []
 
     def check(s):
-        assert s.pool.num_used <= 12 and len(s.running) + len(s.waiting) <= 3
-        for r in s.waiting:  # retracted: no KV left, back to the waiting queue
-            assert r.pages == [] and r.computed_tokens == 0 and r.req_slot >= 0
-            recomputes.append((r.rid, r.fill_len, r.num_output))
+        assert s.pool.num_used <= 12 and len(s.running) + len(s.retracted) <= 3
+        for r in s.retracted:  # no pages, no slot, its KV kept (on the host)
+            assert r.pages == [] and r.req_slot == -1 and r.computed_tokens > r.input_len
+            seen.append(r.rid)
 
     loop.run(check)
-    extends = [(g.req.rid, g.start, g.end) for b in loop.batches if b.kind == "extend" for g in b.segments]
-    assert extends, "the pool was too small for all three, something must have been retracted"
-    # Each recompute covers the prompt and every token generated before the retraction.
-    assert extends == [(rid, 0, fill) for rid, fill, n_out in dict.fromkeys(recomputes)]
-    assert all(n_out > 0 for _, _, n_out in recomputes)
+    assert seen, "the pool was too small for all three, something must have been retracted"
+    assert all(b.kind == "decode" for b in loop.batches)  # nothing recomputed
+    moves = [m for b in loop.batches for m in b.kv_moves]
+    out = {m.rid: len(m.pages) for m in moves if m.to_host}
+    back = {m.rid: len(m.pages) for m in moves if not m.to_host}
+    assert set(out) == set(seen) and back == out  # each copied back into as many pages
+    assert s.retractions == len([m for m in moves if m.to_host])
     for r in reqs:
         assert r.error == "" and r.num_output == 12 and len(r.token_times_s) == 12
         assert r.token_times_s == sorted(r.token_times_s)
     s.check_pools_full()
 
 
-def test_retracted_requests_keep_their_places_in_the_running_batch():
-    # max_running 2, and two more requests preallocated: while a retracted request waits for its
-    # recompute, a prebuilt one takes its place; the recomputed one must then wait in line (as a
-    # prebuilt request) instead of growing the batch to 3.
+def test_nothing_new_is_taken_in_while_a_request_is_retracted():
+    # max_running 2, and two more requests preallocated: while a retracted request waits, no
+    # other is preallocated or taken from the transfer queue (SGLang's process_decode_queue
+    # returns early); a resumed one waits in the prebuilt line for room in the batch.
     kv = StubKV(initial=KVPoll.WaitingForInput)
     s = DecodeScheduler(cfg(num_pages=12, page_size=4, max_running_requests=2, pre_alloc_size=2), kv)
     reqs = [req(f"r{i}", 8, 12) for i in range(5)]
     for r in reqs:
         s.add_request(r, 0.0)
     loop = Loop(s, kv)
-    retracted = []
+    retracted, waited, blocked = [], [], []
+    step = s.step
+
+    def watched_step(now):
+        queues = (list(s.prealloc), list(s.transfer))
+        batch = step(now)
+        if s.retracted:  # still retracted after the step's resumption: nothing taken in
+            blocked.append(now)
+            assert (s.prealloc, s.transfer) == queues
+        return batch
+
+    s.step = watched_step
 
     def check(s):
         assert len(s.running) <= 2
-        retracted.extend(s.waiting)
-        waited.extend(r for r in s.prebuilt if r.num_output > 1)  # recomputed, back in line
+        retracted.extend(s.retracted)
+        waited.extend(r for r in s.prebuilt if r.num_output > 1)  # resumed, back in line
 
-    waited = []
     loop.run(check)
-    assert retracted and waited
+    assert retracted and waited and blocked
     assert [r.num_output for r in reqs] == [12] * 5
+    s.check_pools_full()
+
+
+def test_an_aborted_retracted_request_drops_its_host_copy():
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    s = DecodeScheduler(cfg(num_pages=12, page_size=4, pre_alloc_size=0, max_running_requests=4), kv)
+    reqs = [req(f"r{i}", 8, 12) for i in range(3)]
+    for r in reqs:
+        s.add_request(r, 0.0)
+    loop = Loop(s, kv)
+    while not s.retracted:
+        assert loop.once() is not None
+    victim = s.retracted[0]
+    assert s.abort(victim.rid, "client went away", loop.t)
+    loop.run()
+    moves = [m for b in loop.batches for m in b.kv_moves if m.rid == victim.rid]
+    assert [(m.to_host, len(m.pages)) for m in moves] == [(True, len(moves[0].pages)), (False, 0)]
+    assert victim.error == "client went away"
     s.check_pools_full()
 
 

@@ -28,7 +28,7 @@ from pdsim.workload import generate
 
 A, B = 6e-11, 1e-5  # a forward of l tokens: a·l² + b·l seconds (plus a constant)
 BASE = 24576
-PROMPT = 131072
+PROMPT = 130_048  # 127k: with its output, inside Llama-3.1's 131,072-token context
 
 
 def solve_by_bisection(history: int, base: int) -> tuple[float, float]:

@@ -13,9 +13,14 @@ import pandas as pd
 import pytest
 import torch
 from configs import scheduler_config
+from core_harness import StubKV
 from core_loop import drive
 
-from pdsim.core.batch import BatchResult
+from pdsim.core.batch import (
+    BatchResult, BatchShape, ExtendBatch, ExtendSegment, extend_attn_pairs,
+)
+from pdsim.core.decode import DecodeScheduler
+from pdsim.core.kvpoll import KVPoll
 from pdsim.core.request import Request
 from pdsim.core.scheduler import ColocatedScheduler
 from runtime.driver import Engine
@@ -88,6 +93,45 @@ def test_greedy_through_the_scheduler_equals_direct_generation(model):
         assert r.output_ids == reference_greedy(model, r.prompt_ids, 10), r.rid
         assert r.num_output == 10 and len(r.output_logprobs) == 10
         assert all(lp <= 0 for lp in r.output_logprobs)
+
+
+def test_a_pd_decode_retraction_copies_the_kv_out_and_back_exactly(model):
+    """A decode instance under a small pool retracts by copying requests' KV pages to the host
+    and back into other pages (KVMove): greedy outputs stay exactly the model's, with no
+    forward recomputing anything."""
+    cfg = sched_config(max_prefill_tokens=64, chunked_prefill_size=0)
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    sched = DecodeScheduler(cfg, kv)
+    executor = executor_for(model, cfg)
+    reqs = [Request(f"r{i}", 5 + 3 * i, 10, arrival_s=0.0, prompt_ids=prompt(5 + 3 * i, i))
+            for i in range(6)]
+    for r in reqs:
+        sched.add_request(r, 0.0)
+    now, delivered, kinds = 0.0, set(), []
+    while not sched.is_idle:
+        for r in sched.transfer:  # the prefill side: the prompt's KV into its pages
+            if r.rid not in delivered:
+                segment = ExtendSegment(r, 0, r.input_len)
+                shape = BatchShape(prefill_tokens=r.input_len,
+                                   prefill_attn_pairs=extend_attn_pairs(r.input_len, 0))
+                first = executor.forward(ExtendBatch(shape, now, [segment]))
+                kv.deliver(r, first_token=first.token_ids[0], logprob=first.logprobs[0])
+                delivered.add(r.rid)
+        batch = sched.step(now)
+        if batch is None:
+            continue
+        kinds.append((batch.kind, [m.to_host for m in batch.kv_moves]))
+        now += 1.0
+        sched.on_batch_done(batch, executor.forward(batch), now)
+    sched.check_pools_full()
+    assert sched.retractions > 0, "the pool was meant to be too small for all six at once"
+    assert {kind for kind, _ in kinds} == {"decode"}
+    moves = [to_host for _, m in kinds for to_host in m]
+    assert moves.count(True) == moves.count(False) == sched.retractions
+    assert not executor._host_kv  # every host copy went back
+    for r in reqs:
+        assert not r.error
+        assert r.output_ids == reference_greedy(model, r.prompt_ids, 10), r.rid
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(model):

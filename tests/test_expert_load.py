@@ -124,6 +124,13 @@ def test_low_latency_dispatch_caps_the_decode_batch_per_rank() -> None:
     assert build_cluster(experiment(DECODE)).decode.scheduler.max_running_requests == 128
     raised = {**DECODE, "num_max_dispatch_tokens_per_rank": 256}
     assert build_cluster(experiment(raised)).decode.scheduler.max_running_requests == 256
+    # Two-batch overlap dispatches each half of the batch in its own call.
+    tbo = {**DECODE, "two_batch_overlap": True}
+    assert build_cluster(experiment(tbo)).decode.scheduler.max_running_requests == 256
+    # A given max_running_requests above the cap is priced at it, and the run says so.
+    assert any("max_running_requests 4096 (256 a DP rank) is above DeepEP's low-latency cap "
+               "of 128" in note for note in build_cluster(experiment(DECODE)).notes)
+    assert not any("low-latency cap" in n for n in build_cluster(experiment(tbo)).notes)
     # Speculative decoding's verify step carries 1 + 3 tokens a request: 128 // 4.
     spec = experiment(DECODE, speculative={"method": "mtp", "num_draft_tokens": 3,
                                              "acceptance": {"mean_accept_len": 2.0}})
@@ -221,7 +228,8 @@ def test_experts_that_do_not_split_over_the_ranks_are_noted_as_sglang_refuses_th
     assert note.startswith("decode: ep=72 does not divide deepseek-v3's 256 experts")
     assert "`eplb: {redundant_experts: 32}`" in note
     assert build_cluster(experiment({**ep72, "eplb": {"redundant_experts": 32}})).notes == ()
-    assert build_cluster(experiment(DECODE)).notes == ()  # 256 over 16
+    assert not any("does not divide" in n  # 256 over 16
+                   for n in build_cluster(experiment(DECODE)).notes)
     config = tmp_path / "ep72.yaml"
     config.write_text(yaml.safe_dump({
         "name": "x", "model": "deepseek-v3", "hardware": "h200", "cost_model": {"name": "roofline"},

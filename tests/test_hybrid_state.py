@@ -48,7 +48,7 @@ def test_hybrid_presets_match_their_published_sizes(name, total, active):
 HF_CONFIGS = {
     # openai/gpt-oss-120b config.json (the fields pdsim reads)
     "gpt-oss-120b": {
-        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "head_dim": 64,
+        "max_position_embeddings": 131072, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "head_dim": 64,
         "hidden_size": 2880, "intermediate_size": 2880, "num_attention_heads": 64,
         "num_key_value_heads": 8, "num_hidden_layers": 36, "num_local_experts": 128,
         "num_experts_per_tok": 4, "sliding_window": 128, "vocab_size": 201088,
@@ -60,7 +60,7 @@ HF_CONFIGS = {
     },
     # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (no layer_types: full_attention_interval)
     "qwen3-next-80b-a3b": {
-        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "head_dim": 256,
+        "max_position_embeddings": 262144, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "head_dim": 256,
         "hidden_size": 2048, "intermediate_size": 5120, "num_attention_heads": 16,
         "num_key_value_heads": 2, "num_hidden_layers": 48, "num_experts": 512,
         "num_experts_per_tok": 10, "moe_intermediate_size": 512,

@@ -33,8 +33,8 @@ from pdsim.specs.models import load_model_spec
 from pdsim.specs.pipeline import stage_layer_ranges, stage_model
 from pdsim.workload import generate
 
-PROMPT_TOKENS = 131072
 CHUNK_TOKENS = 8192  # SGLang's default chunked_prefill_size on H100
+PROMPT_TOKENS = 15 * CHUNK_TOKENS  # 120k: with its output, inside Llama-3.1's 128k context
 
 
 def long_prefill(tp: int, pp: int, **prefill) -> dict:
@@ -94,12 +94,12 @@ def test_ttft_of_a_long_chunked_prompt_falls_with_pipeline_stages(runs):
 
 @pytest.mark.slow
 def test_a_pipelined_prefill_takes_c_plus_pp_minus_one_stage_times(runs):
-    """16 chunks through 2 stages: every chunk one stage time, plus the fill of the last stage
-    (the bubble), not 16 x 2 stage times. A later chunk attends over more keys, so stage times
+    """15 chunks through 2 stages: every chunk one stage time, plus the fill of the last stage
+    (the bubble), not 15 x 2 stage times. A later chunk attends over more keys, so stage times
     grow and the chunk that fills the pipeline last is the last one."""
     for pp in (2, 4):
         stage_s = chunk_stage_times_s(8, pp)
-        assert len(stage_s) == 16 and stage_s == sorted(stage_s)
+        assert len(stage_s) == 15 and stage_s == sorted(stage_s)
         rec, _ = runs[(8, pp)]
         expected = sum(stage_s) + (pp - 1) * stage_s[-1]
         assert rec.prefill_end_s - rec.prefill_start_s == pytest.approx(expected, rel=1e-9)
@@ -125,7 +125,7 @@ def test_chunks_back_to_back_keep_the_pipeline_full_and_an_idle_one_refills_it()
     executor = PipelineExecutor(_PerToken(), 3, lambda: clock[0])
 
     def step(tokens: int) -> float:
-        duration = executor.execute([SimpleNamespace(shape=BatchShape(prefill_tokens=tokens))])
+        duration = executor.execute([SimpleNamespace(shape=BatchShape(prefill_tokens=tokens), kv_moves=[])])
         clock[0] += duration.duration_s
         return duration.duration_s
 
@@ -137,7 +137,7 @@ def test_chunks_back_to_back_keep_the_pipeline_full_and_an_idle_one_refills_it()
     # a shorter chunk after a longer one leaves the last stage after it, not before
     assert step(500) == pytest.approx(0.5)
     assert make_executor(_PerToken(), 1, lambda: 0.0).execute(
-        [SimpleNamespace(shape=BatchShape(prefill_tokens=1000))]).duration_s == 1.0
+        [SimpleNamespace(shape=BatchShape(prefill_tokens=1000), kv_moves=[])]).duration_s == 1.0
 
 
 # ---- one stage's price ---------------------------------------------------------------------

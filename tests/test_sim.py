@@ -10,6 +10,7 @@ from pdsim.metrics import summarize
 from pdsim.runner import run_point
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cluster import Simulation
+from pdsim.specs.models import model_preset
 from pdsim.workload import generate
 
 
@@ -92,6 +93,41 @@ def test_overload_under_tiny_pools_retracts_and_still_conserves():
     for r in ok:
         assert len(r.token_times_s) == r.output_tokens
     result.check_pools_full()
+    assert result.retractions > 0
+
+
+def test_a_decode_retraction_is_priced_as_its_host_copies():
+    """The decode side retracts by copying KV pages to the host and back (no forward
+    recomputes): a step that moves pages takes their copies over the GPU's host link more."""
+    data = experiment(workload__arrival={"process": "poisson", "rate_rps": 200},
+                      workload__num_requests=200)
+    data["cluster"]["decode"]["scheduler"] = {"num_pages": 400, "page_size": 16,
+                                              "num_reserved_decode_tokens": 16}
+    cfg = parse_experiment(data)
+    cluster = build_cluster(cfg)
+    page_bytes = 16 * model_preset("llama-3.1-8b").kv_bytes_per_token_per_rank(1, 2)
+    assert cluster.decode.host_copy_s_per_page == pytest.approx(page_bytes / 64e9)
+    moved = []
+    sim = Simulation(cluster, cfg.seed)
+    decode = sim.serving[0]
+    execute = decode.executor.execute
+
+    def watched(step):
+        result = execute(step)
+        pages = sum(len(m.pages) for b in step if b is not None for m in b.kv_moves)
+        if pages:
+            plain = decode.executor.step_time_s(step)
+            moved.append((pages, result.duration_s - plain))
+            assert all(b.kind == "decode" for b in step if b is not None)
+        return result
+
+    decode.executor.execute = watched
+    wl = generate(cfg.workload)
+    result = sim.run(wl.arrival_s, wl.input_tokens, wl.output_tokens)
+    assert result.retractions > 0 and moved
+    for pages, extra in moved:
+        assert extra == pytest.approx(pages * cluster.decode.host_copy_s_per_page)
+    assert run(data).summary["retractions"] == result.retractions
 
 
 def test_requests_longer_than_the_pool_fail_clearly_and_others_go_on():

@@ -46,19 +46,19 @@ HF_CONFIGS = {
         "torch_dtype": "bfloat16", "rope_theta": 500000.0, "max_position_embeddings": 131072,
     },
     "llama-3.1-70b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+        "max_position_embeddings": 131072, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
         "intermediate_size": 28672, "num_attention_heads": 64, "num_hidden_layers": 80,
         "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     },
     "qwen3-32b": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128,
+        "max_position_embeddings": 40960, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128,
         "hidden_size": 5120, "intermediate_size": 25600, "num_attention_heads": 64,
         "num_hidden_layers": 64, "num_key_value_heads": 8, "vocab_size": 151936,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "sliding_window": None,
     },
     "deepseek-v3": {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "max_position_embeddings": 163840, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
         "num_hidden_layers": 61, "num_nextn_predict_layers": 1, "first_k_dense_replace": 3,
         "moe_layer_freq": 1, "num_attention_heads": 128, "num_key_value_heads": 128,
@@ -70,7 +70,7 @@ HF_CONFIGS = {
                                 "weight_block_size": [128, 128]},
     },
     "kimi-k2": {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+        "max_position_embeddings": 131072, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
         "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
         "num_hidden_layers": 61, "first_k_dense_replace": 1, "moe_layer_freq": 1,
         "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536,
@@ -82,7 +82,7 @@ HF_CONFIGS = {
                                 "quant_method": "fp8", "weight_block_size": [128, 128]},
     },
     "qwen3-235b-a22b": {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 128,
+        "max_position_embeddings": 40960, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 128,
         "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
         "num_attention_heads": 64, "num_key_value_heads": 4, "num_hidden_layers": 94,
         "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
@@ -90,7 +90,7 @@ HF_CONFIGS = {
         "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     },
     "qwen2.5-72b": {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 8192,
+        "max_position_embeddings": 32768, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 8192,
         "intermediate_size": 29568, "num_attention_heads": 64, "num_key_value_heads": 8,
         "num_hidden_layers": 80, "vocab_size": 152064, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "use_sliding_window": False,

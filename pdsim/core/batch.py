@@ -7,7 +7,7 @@ O(1) however many requests it holds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple
 
 from pdsim.core.request import Request
@@ -69,16 +69,28 @@ class ExtendSegment:
         return self.end == self.req.fill_len
 
 
+class KVMove(NamedTuple):
+    """A request's KV pages copied between device and host before a forward (a PD decode
+    instance's retraction offloads them, its resumption loads them into new pages, in order):
+    `to_host`, the contents of `pages` are kept under `rid`; else they are written into
+    `pages`, in the same order, and dropped from the host."""
+
+    rid: str
+    pages: tuple[int, ...]
+    to_host: bool
+
+
 @dataclass(slots=True)
 class ExtendBatch:
     """A planned extend forward (prefill, chunked prefill or recompute): each segment says which
     of its request's tokens it computes and how many are cached. A driver runs it and hands back
-    a `BatchResult`."""
+    a `BatchResult`. `kv_moves` run before it (`KVMove`)."""
 
     kind: ClassVar[str] = "extend"
     shape: BatchShape
     start_s: float
     segments: list[ExtendSegment]
+    kv_moves: list[KVMove] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -92,6 +104,7 @@ class DecodeBatch:
     start_s: float
     reqs: list[Request]
     step: int
+    kv_moves: list[KVMove] = field(default_factory=list)  # run before it, as an extend's
 
     def kv_lens(self) -> list[int]:
         """Each request's KV length before this step, in `reqs` order. O(requests), for

@@ -41,6 +41,7 @@ class SchedulerConfig:
     speculation: Speculation | None
     prefix_cache: bool
     dynamic_chunking: DynamicChunking | None
+    context_len: int | None  # the longest prompt + output a request may ask for (None: any)
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_running_requests", "max_prefill_tokens",

@@ -15,14 +15,23 @@ Queues, in the order a request passes them:
   running batch as soon as it has room (`max_running_requests`), and only then is its first
   token sent, as SGLang streams it from the prebuilt batch that takes the request out of the
   waiting queue: a wait for room counts in the request's TTFT, not in its first ITL.
-- **running**: continuous-batching decode; when the pool runs out a request is retracted and
-  later recomputed by a local extend (the shared waiting queue).
+- **running**: continuous-batching decode. When the pool runs out, a request is retracted as
+  SGLang's PD decode retracts it (`retract_decode`, `offload_kv_cache`): its KV pages are
+  copied to host memory and freed (a `KVMove` the next forward runs first) and it waits in the
+  **retracted** queue. Each step first resumes retracted requests, in order, while a request
+  slot is free and the pool holds one's KV and its `num_reserved_decode_tokens` beyond what
+  the decoding requests reserve (`resume_retracted_reqs`): new pages, its KV loaded back, then
+  the prebuilt line. While any request is retracted, nothing is preallocated, so the
+  retracted go first. (SGLang's `process_decode_queue` stops polling transfers then too;
+  pdsim polls them, since their pages are already taken: else retracted requests waiting for
+  pages that landed transfers hold would stall the instance for good.)
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from pdsim.core.batch import KVMove
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.kvpoll import KVPoll
 from pdsim.core.pages import num_pages
@@ -44,6 +53,9 @@ class DecodeScheduler(InstanceScheduler):
         self.prealloc: list[Request] = []
         self.transfer: list[Request] = []
         self.prebuilt: deque[Request] = deque()
+        self.retracted: list[Request] = []
+        self._host_pages: dict[str, int] = {}  # a retracted request's KV pages on the host
+        self._kv_moves: list[KVMove] = []  # for the next planned forward to run first
         # What the last scan of each queue saw (`_prealloc_due`); an unchanged epoch means a
         # rescan would find no endpoint changed (see KVManager.poll_epoch).
         self._prealloc_seen: tuple[int, tuple[int, ...]] | None = None
@@ -63,10 +75,13 @@ class DecodeScheduler(InstanceScheduler):
 
     def step(self, now: float):
         self.emitted.clear()  # the outbox holds the first tokens of this step only
+        if self.retracted:
+            self._resume_retracted()
+        # No new request takes pages while one is retracted, nor while a retracted one's KV
+        # is still to be copied out (a transfer could land in its freed pages).
         epoch = self.kv.poll_epoch()
-        if self.prealloc and self._prealloc_due(epoch):
-            self._pop_preallocated(now)
-            self._prealloc_seen = (epoch, self._room())
+        if not self.retracted and not any(move.to_host for move in self._kv_moves):
+            self._preallocate_ready(epoch, now)
         if self.transfer:
             overdue = now - self.transfer[0].queued_s >= self.config.waiting_timeout_s
             if epoch != self._transfer_seen or overdue:
@@ -74,35 +89,88 @@ class DecodeScheduler(InstanceScheduler):
                 self._pop_transferred(now)
         if self.prebuilt:
             self._merge_prebuilt(now)
-        # Retracted requests recompute first; decode otherwise.
-        return (self.waiting and self._plan_extend(now)) or self._plan_decode(now)
+        batch = self._plan_decode(now)  # (no extend: the KV arrives, or comes back from host)
+        if batch is not None and self._kv_moves:
+            batch.kv_moves, self._kv_moves = self._kv_moves, []
+        return batch
+
+    def _preallocate_ready(self, epoch: int, now: float) -> None:
+        if self.prealloc and self._prealloc_due(epoch):
+            self._pop_preallocated(now)
+            self._prealloc_seen = (epoch, self._room())
 
     def next_deadline_s(self, now: float) -> float | None:
         return next_deadline(self.transfer, self.config.waiting_timeout_s, now)
 
     def _num_decoding(self) -> int:
-        return len(self.running) + len(self.transfer) + len(self.prebuilt) + len(self.waiting)
+        return len(self.running) + len(self.transfer) + len(self.prebuilt)
 
     def _only_decoding(self) -> bool:
         # Prealloc stays blocked while pages only shrink; transfers move on outside events or
         # at their timeouts (the simulator ends a run of steps at the next one); prebuilt
-        # requests wait while the batch is full.
-        return not self.waiting and (not self.prebuilt
-                                     or len(self.running) >= self.config.max_running_requests)
+        # requests wait while the batch is full; a retracted one may resume at any step.
+        return not self.retracted and not self._kv_moves and (
+            not self.prebuilt or len(self.running) >= self.config.max_running_requests)
 
     def abort(self, rid: str, reason: str, now: float) -> bool:
-        """Also searches the prealloc, transfer and prebuilt queues; a request still waiting for
-        its KV aborts its receiver, so the prefill side stops sending."""
-        for queue in (self.prealloc, self.transfer, self.prebuilt):
+        """Also searches the prealloc, transfer, prebuilt and retracted queues; a request still
+        waiting for its KV aborts its receiver, so the prefill side stops sending; a retracted
+        one's KV is dropped from the host."""
+        for queue in (self.prealloc, self.transfer, self.prebuilt, self.retracted):
             for req in queue:
                 if req.rid == rid:
                     queue.remove(req)
                     self._prealloc_seen = None  # the head may have gone: scan again
-                    if queue is not self.prebuilt:
+                    if queue is self.prealloc or queue is self.transfer:
                         req.receiver.abort(reason)
+                    elif queue is self.retracted:
+                        del self._host_pages[rid]
+                        self._kv_moves.append(KVMove(rid, (), to_host=False))
                     self._fail(req, reason, now)
                     return True
         return super().abort(rid, reason, now)
+
+    # ----- retraction ------------------------------------------------------------------------
+
+    def _retract_one(self) -> bool:
+        """Retract the running batch's `_retraction_victim`, keeping its KV on the host (see the
+        module docstring); its request slot is freed too, as SGLang frees it."""
+        if not self.running.reqs:
+            return False
+        victim = self._retraction_victim()
+        self.running.leave(victim)
+        self._kv_moves.append(KVMove(victim.rid, tuple(victim.pages), to_host=True))
+        self._host_pages[victim.rid] = len(victim.pages)
+        self.pool.free_many(victim.pages)
+        victim.pages = []
+        self.req_slots.free(victim.req_slot)
+        victim.req_slot = -1
+        self.retracted.append(victim)
+        self.retractions += 1
+        return True
+
+    def _resume_retracted(self) -> None:
+        """Give retracted requests, in order, new pages and their KV back while a request slot
+        is free and the pool holds the request's prompt, its generated tokens and
+        `num_reserved_decode_tokens` beyond what the decoding requests reserve; they then wait
+        in the prebuilt line for room in the batch."""
+        allocatable = self.pool.free_tokens - self._reserved_tokens()
+        resumed = 0
+        for req in self.retracted:
+            need = req.computed_tokens + 1 + self.config.num_reserved_decode_tokens
+            if self.req_slots.num_free == 0 or need > allocatable:
+                break
+            pages = self.pool.alloc_many(self._host_pages[req.rid])
+            if pages is None:
+                break
+            del self._host_pages[req.rid]
+            req.pages = pages
+            req.req_slot = self.req_slots.alloc()
+            self._kv_moves.append(KVMove(req.rid, tuple(pages), to_host=False))
+            allocatable -= need
+            resumed += 1
+            self.prebuilt.append(req)
+        del self.retracted[:resumed]
 
     # ----- prealloc --------------------------------------------------------------------------
 
@@ -200,21 +268,11 @@ class DecodeScheduler(InstanceScheduler):
         req.landed_token = (token, meta.first_logprob)
         self.prebuilt.append(req)
 
-    def _prefilled(self, req: Request, token: int | None, logprob: float, now: float) -> None:
-        """A retracted request is recomputed: like a prebuilt one, it joins the running batch only
-        when there is room (else first in the prebuilt line), so the batch stays within
-        `max_running_requests`."""
-        self._emit(req, token, logprob, now)
-        if len(self.running) < self.config.max_running_requests or req.num_output >= req.max_new_tokens:
-            self._start_decoding(req, now)
-        else:
-            self.prebuilt.appendleft(req)
-
     def _merge_prebuilt(self, now: float) -> None:
         cap = self.config.max_running_requests
         while self.prebuilt and len(self.running) < cap:
             req = self.prebuilt.popleft()
-            if req.landed_token is not None:  # (a recomputed one has its tokens already)
+            if req.landed_token is not None:  # (a resumed one has its tokens already)
                 token, logprob = req.landed_token
                 req.landed_token = None
                 req.decode_join_s = now

@@ -54,16 +54,19 @@ class RoomInUse(ValueError):
 class Instance:
     """The schedulers of one instance, stepped as one (see the module docstring).
 
-    `dp_assignment` picks a new request's attention-DP rank (`pick_dp_rank`).
+    `dp_assignment` picks a new request's attention-DP rank (`pick_dp_rank`; `auto`: the
+    schedulers' role's default).
     """
 
     def __init__(self, schedulers: Sequence[InstanceScheduler],
-                 on_done: Callable[[Request], None], dp_assignment: str = "room"):
+                 on_done: Callable[[Request], None], dp_assignment: str = "auto"):
         if not schedulers:
             raise ValueError("an instance needs at least one scheduler")
         self.schedulers = list(schedulers)
         self.on_done = on_done
-        self.dp_assignment = dp_assignment
+        self.dp_assignment = (self.schedulers[0].auto_dp_assignment if dp_assignment == "auto"
+                              else dp_assignment)
+        self._assigned = 0  # requests handed to a DP rank so far (round_robin's turn)
         self.emitted: list[Request] = []
         self._checks_rooms = self.schedulers[0].meets_by_room
         self._rooms: dict[int, str] = {}  # bootstrap room -> rid of the live request using it
@@ -88,7 +91,8 @@ class Instance:
             self._rooms[room] = req.rid
         scheds = self.schedulers
         rank = 0 if len(scheds) == 1 else pick_dp_rank(
-            self.dp_assignment, room, len(scheds), lambda r: scheds[r].num_active)
+            self.dp_assignment, room, len(scheds), lambda r: scheds[r].num_active, self._assigned)
+        self._assigned += 1
         scheds[rank].add_request(req, now)
         self._drain()
 
@@ -187,6 +191,11 @@ class Instance:
     @property
     def num_active(self) -> int:
         return sum(s.num_active for s in self.schedulers)
+
+    @property
+    def retractions(self) -> int:
+        """Running requests its schedulers retracted for want of KV pages."""
+        return sum(s.retractions for s in self.schedulers)
 
     def restart(self, schedulers: Sequence[InstanceScheduler]) -> None:
         """Start afresh with new schedulers (a restarted process): what the old ones held is

@@ -28,6 +28,7 @@ from pdsim.core.transfer import FirstTokenMetadata, KVManager
 class PrefillScheduler(InstanceScheduler):
     caches_prefixes = True
     meets_by_room = True
+    auto_dp_assignment = "room"
 
     def __init__(self, config: SchedulerConfig, kv_manager: KVManager, instance_id: int = 0):
         super().__init__(config, instance_id)

@@ -22,18 +22,23 @@ def dp_rank_for_room(room: int, dp_size: int) -> int:
     return room % dp_size
 
 
-DP_ASSIGNMENTS = ("room", "shortest_queue")
+DP_ASSIGNMENTS = ("room", "round_robin", "shortest_queue")  # and "auto", resolved per role
 
 
-def pick_dp_rank(assignment: str, room: int, dp_size: int, queue_length: Callable[[int], int]) -> int:
+def pick_dp_rank(assignment: str, room: int, dp_size: int, queue_length: Callable[[int], int],
+                 turn: int = 0) -> int:
     """The attention-DP rank of an instance that takes a request, as SGLang's DP controller
-    picks it: `room` follows the bootstrap room (`room % dp_size`, the PD default, so both sides
-    agree without asking), `shortest_queue` the rank with the fewest requests (ties: the
-    lowest rank)."""
+    picks it (`--load-balance-method`): `room` follows the bootstrap room (`room % dp_size`, so
+    both sides of a PD pair agree without asking), `round_robin` takes turns (`turn`: the
+    instance's requests before this one), `shortest_queue` the rank with the fewest requests
+    (ties: the lowest rank). A config's `auto` is resolved per role before
+    (`InstanceScheduler.auto_dp_assignment`)."""
     if dp_size == 1:
         return 0
     if assignment == "room":
         return room % dp_size
+    if assignment == "round_robin":
+        return turn % dp_size
     if assignment == "shortest_queue":
         return min(range(dp_size), key=queue_length)
     raise ValueError(f"unknown DP assignment {assignment!r}; allowed: {', '.join(DP_ASSIGNMENTS)}")

@@ -29,6 +29,9 @@ from pdsim.core.running import RunningBatch, SpeculativeRunningBatch
 class InstanceScheduler:
     caches_prefixes = False  # whether `config.prefix_cache` gives this kind a RadixCache
     meets_by_room = False  # whether its requests meet a peer instance's by bootstrap room (PD)
+    # how its instance spreads requests over DP ranks by default (SGLang >= 0.5.10's `auto`
+    # --load-balance-method: round robin, a PD prefill instance by bootstrap room)
+    auto_dp_assignment = "round_robin"
 
     def __init__(self, config: SchedulerConfig, instance_id: int = 0, req_slots: int | None = None):
         self.config = config
@@ -50,11 +53,21 @@ class InstanceScheduler:
         self.done: list[Request] = []
         self.emitted: list[Request] = []
         self.num_active = 0  # requests added and not yet done (the router's load signal)
+        self.retractions = 0  # running requests retracted for want of KV pages
         self._decode_now = 0.0
 
     # ----- admission -------------------------------------------------------------------------
 
     def _reject_if_too_long(self, req: Request, tokens: int, now: float) -> bool:
+        """Fail `req` at once when it asks for more than the model's context (SGLang's
+        tokenizer manager refuses a prompt of context_len tokens or more, and a prompt + output
+        that reach it) or `tokens` is more than the pool holds; whether it did."""
+        context = self.config.context_len
+        if context is not None and req.input_len + req.max_new_tokens >= context:
+            self._fail(req, f"request asks for {req.input_len} prompt + {req.max_new_tokens} "
+                            f"output tokens, beyond the model's context length of {context} "
+                            "tokens", now)
+            return True
         if tokens > self.config.pool_tokens:
             self._fail(
                 req,
@@ -215,17 +228,24 @@ class InstanceScheduler:
         return running.plan(now)
 
     def _retract_one(self) -> bool:
-        """Free the KV of the running request with the most tokens left to generate; it goes
-        back to the front of the waiting queue and is recomputed (prompt + generated tokens;
-        with a cache, from its cached prompt pages on, cached as used at this decode step)."""
+        """Free the KV of the running batch's `_retraction_victim`; it goes back to the front
+        of the waiting queue and is recomputed (prompt + generated tokens; with a cache, from
+        its cached prompt pages on, cached as used at this decode step)."""
         if not self.running.reqs:
             return False
-        victim = max(self.running.reqs, key=lambda r: (r.max_new_tokens - r.out_at_join + r.join_step, r.arrival_s))
+        victim = self._retraction_victim()
         self.running.leave(victim)
         self._release_pages(victim, self._decode_now)
         victim.computed_tokens = 0
         self.waiting.appendleft(victim)
+        self.retractions += 1
         return True
+
+    def _retraction_victim(self) -> Request:
+        """The running request SGLang retracts first (`ScheduleBatch.retract_decode`): the one
+        with the fewest tokens generated, of those the longest prompt."""
+        kv_len = self.running.kv_len  # the prompt and every generated token but the last
+        return min(self.running.reqs, key=lambda r: (kv_len(r) - r.input_len, -r.input_len))
 
     def decode_run_steps(self, max_steps: int) -> int:
         """After a `step` that planned a decode: how many decode steps (at most `max_steps`)
@@ -393,10 +413,84 @@ class InstanceScheduler:
         return self.num_active == 0
 
 
+# SGLang's estimate of the tokens running requests will still generate, which a colocated
+# instance keeps free when it admits a prompt (scheduler.py, schedule_policy.py; the defaults of
+# environ.py): a share of each one's remaining max_new_tokens (at most 4,096 counted), from
+# 0.7 (SGLANG_INIT_NEW_TOKEN_RATIO x --schedule-conservativeness 1) down to 0.7 x 0.14
+# (SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR) over 600 decode steps (SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS),
+# back to 0.7 when idle; a retraction sets it to what the batch has decoded, plus 20 steps a
+# request (SGLANG_RETRACT_DECODE_STEPS), over what it may decode.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+CLIP_MAX_NEW_TOKENS = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
+RETRACT_DECODE_STEPS = 20
+
+
 class ColocatedScheduler(InstanceScheduler):
-    """Prefill and decode on the same instance: the baseline PD disaggregation is compared with."""
+    """Prefill and decode on the same instance: the baseline PD disaggregation is compared with.
+
+    A prompt is admitted when the pool holds it and the tokens it may generate (at most
+    CLIP_MAX_NEW_TOKENS) beside `new_token_ratio` of what the running requests may still
+    generate and what the batch being planned took (SGLang's `PrefillAdder`), not
+    `num_reserved_decode_tokens` a request, which is the PD decode side's rule."""
 
     caches_prefixes = True
+
+    def __init__(self, config: SchedulerConfig, instance_id: int = 0, **kw) -> None:
+        super().__init__(config, instance_id, **kw)
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self._planned_output = 0  # output tokens the extend being planned has admitted
+
+    def step(self, now: float) -> Batch | None:
+        if not self.running.reqs and not self.waiting:
+            self.new_token_ratio = INIT_NEW_TOKEN_RATIO  # idle
+        try:
+            return super().step(now)
+        finally:
+            self._planned_output = 0
+
+    def _admit_extend(self, req: Request, tokens: int) -> bool:
+        """With nothing running or admitted, a prompt that fits the pool goes in whatever it
+        may generate (admission checked that it fits with all of it): it can always finish."""
+        if req.req_slot < 0:
+            output = min(req.max_new_tokens - req.num_output, CLIP_MAX_NEW_TOKENS)
+            alone = not self.running.reqs and not self._planned_output
+            if not alone and (req.fill_len - req.computed_tokens + output
+                              >= self._free_tokens() - self._reserved_tokens()):
+                return False
+            if not super()._admit_extend(req, tokens):
+                return False
+            self._planned_output += output
+        return True
+
+    def _reserved_tokens(self) -> int:
+        kv_len = self.running.kv_len  # the prompt and every generated token but the last
+        left = sum(min(r.max_new_tokens - (kv_len(r) - r.input_len + 1), CLIP_MAX_NEW_TOKENS)
+                   for r in self.running.reqs)
+        return int(left * self.new_token_ratio) + self._planned_output
+
+    def on_batch_done(self, batch: Batch, result: BatchResult, now: float) -> None:
+        if batch.kind == "decode":
+            self._decay(1)
+        super().on_batch_done(batch, result, now)
+
+    def on_decode_run_done(self, end_times_s: list[float]) -> None:
+        self._decay(len(end_times_s))
+        super().on_decode_run_done(end_times_s)
+
+    def _decay(self, steps: int) -> None:
+        self.new_token_ratio = max(self.new_token_ratio - steps * NEW_TOKEN_RATIO_DECAY,
+                                   MIN_NEW_TOKEN_RATIO)
+
+    def _retract_one(self) -> bool:
+        if not super()._retract_one():
+            return False
+        reqs, kv_len = self.running.reqs, self.running.kv_len
+        decoded = sum(kv_len(r) - r.input_len + 1 for r in reqs)
+        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(reqs))
+                                   / (sum(r.max_new_tokens for r in reqs) + 1))
+        return True
 
     def add_request(self, req: Request, now: float) -> None:
         self.num_active += 1

@@ -78,7 +78,8 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
         raise ConfigError(f"cluster.{name}: no room for a single KV page after the weights")
     try:
         sched = knobs.build(num_pages, role.dp_attention, f"cluster.{name}.scheduler",
-                            _speculation(cfg), state_slots=sizes.state_slots)
+                            _speculation(cfg), state_slots=sizes.state_slots,
+                            model_context_len=model.context_len)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     sched = _low_latency_cap(sched, role, name, cfg)
@@ -111,11 +112,14 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     # host has cores, as a served rank does on its own).
     host = cfg.cluster.host_cores
     demand = role.gpus_per_instance * role.threads if role.threads else (host or 1)
+    # A retraction's host copy: each GPU its own share of a page, over its own host link (at
+    # the link's rate: SGLang gathers each layer's rows into pageable memory, no faster).
+    host_copy_s_per_page = kv_page_bytes / attn_tp / (hw.host_link_gb_per_s * 1e9)
     return RoleSpec(role.instances, role.dp_attention, role.gpus_per_instance, sched, cost, nic,
                     kv_page_bytes, state_bytes_per_request=state_bytes, wakeup_s=knobs.wakeup_s,
                     cold=cold_start(knobs),
                     pp=role.pp, weight_bytes_per_gpu=weight_bytes_per_gpu(model, par, redundant),
-                    host_demand=demand)
+                    host_demand=demand, host_copy_s_per_page=host_copy_s_per_page)
 
 
 def _check_one_domain(cfg: ExperimentConfig, hws: dict[str, HardwareSpec]) -> None:
@@ -175,19 +179,39 @@ def _expert_load_params(cfg: ExperimentConfig, role: RoleConfig) -> dict:
             "eplb_redundant_experts": None if role.eplb is None else role.eplb.redundant_experts}
 
 
-def _low_latency_cap(sched: SchedulerConfig, role: RoleConfig, name: str,
-                     cfg: ExperimentConfig) -> SchedulerConfig:
-    """DeepEP's low-latency dispatch (decode steps under moe_a2a deepep) takes at most
-    `num_max_dispatch_tokens_per_rank` tokens per rank, so a DP rank's running batch can't
-    exceed that over the tokens each request decodes per step."""
+def low_latency_cap(role: RoleConfig, name: str, cfg: ExperimentConfig) -> int | None:
+    """The most requests a DP rank of the role can decode at once under DeepEP's low-latency
+    dispatch (decode steps under moe_a2a deepep), None where there is no such cap: it takes at
+    most `num_max_dispatch_tokens_per_rank` tokens per rank and call, so a running batch
+    can't exceed that over the tokens each request decodes per step; under two-batch overlap
+    each micro-batch, half the batch, makes its own call."""
     if role.moe_a2a != "deepep" or name == "prefill":
-        return sched
+        return None
     spec = cfg.speculative
     step_tokens = 1 if spec.method == "none" else spec.num_draft_tokens + 1
-    cap = max(1, role.num_max_dispatch_tokens_per_rank // step_tokens)
-    if sched.max_running_requests <= cap:
+    calls = 2 if role.two_batch_overlap else 1
+    return max(1, role.num_max_dispatch_tokens_per_rank // step_tokens * calls)
+
+
+def _low_latency_cap(sched: SchedulerConfig, role: RoleConfig, name: str,
+                     cfg: ExperimentConfig) -> SchedulerConfig:
+    cap = low_latency_cap(role, name, cfg)
+    if cap is None or sched.max_running_requests <= cap:
         return sched
     return replace(sched, max_running_requests=cap)
+
+
+def low_latency_cap_note(role: RoleConfig, name: str, cfg: ExperimentConfig) -> str | None:
+    """What to say where a given max_running_requests is above the low-latency cap: SGLang's
+    dispatch asserts on a larger batch, so the run is priced at the cap."""
+    cap, given = low_latency_cap(role, name, cfg), role.scheduler.max_running_requests
+    if cap is None or given is None or given // role.dp_attention <= cap:
+        return None
+    return (f"cluster.{name}: max_running_requests {given} ({given // role.dp_attention} a DP "
+            f"rank) is above DeepEP's low-latency cap of {cap} a rank (num_max_dispatch_tokens_"
+            f"per_rank {role.num_max_dispatch_tokens_per_rank}, SGLANG_DEEPEP_NUM_MAX_DISPATCH_"
+            "TOKENS_PER_RANK), whose dispatch SGLang asserts on; priced at the cap, raise the "
+            "role's num_max_dispatch_tokens_per_rank to run more")
 
 
 def _cost_factory(cfg: ExperimentConfig, model: ModelSpec, hw: HardwareSpec, par: Parallelism,
@@ -276,6 +300,8 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
     roles = {"colocated": c.colocated} if not pd else {"prefill": c.prefill, "decode": c.decode}
     notes = tuple(note for name, role in roles.items() if model.is_moe and role.eplb is None
                   and (note := uneven_split_note(name, model.name, model.num_experts, role.ep)))
+    notes += tuple(note for name, role in roles.items()
+                   if (note := low_latency_cap_note(role, name, cfg)))
     overheads = {"notes": notes, "frontend_latency_s": cfg.router.frontend_latency_s,
                  "idle_wakeup_s": cfg.router.idle_wakeup_s,
                  "idle_after_s": cfg.router.idle_after_s,

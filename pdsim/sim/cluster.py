@@ -45,6 +45,7 @@ class SimResult:
     decode_busy_frac: float = math.nan  # the same for decode (or colocated) instances
     kv_transfer_gb: float = 0.0  # KV moved between instances, GB
     decode_mean_batch: float = math.nan  # time-average requests per decode (or colocated) instance
+    retractions: int = 0  # running requests retracted for want of KV pages, every instance
     stopped: str = ""  # why the run ended before every request finished (`stop`), or ""
     autoscaler: SimAutoscaler | None = field(default=None, repr=False)  # its spans and samples
 
@@ -114,7 +115,8 @@ class Simulation:
         on_done = self._prefill_done if kind == "prefill" else self._request_done
         inst = SimInstance(
             self.env, Instance(make_schedulers(), on_done, self.cluster.dp_assignment),
-            make_executor(role.cost(), role.pp, lambda: self.env.now), make_schedulers,
+            make_executor(role.cost(), role.pp, lambda: self.env.now,
+                          role.host_copy_s_per_page), make_schedulers,
             wakeup_s=role.wakeup_s, cold=role.cold,
             decode_runs=self.decode_runs, host=self.host, host_demand=role.host_demand,
             next_arrival_s=lambda: self.next_arrival_s)
@@ -303,6 +305,7 @@ class Simulation:
             decode_busy_frac=_mean_busy(self.serving, d_span),
             kv_transfer_gb=self.fabric.kv_bytes / 1e9,
             decode_mean_batch=sum(i.decode_req_s for i in self.serving) / d_span,
+            retractions=sum(i.instance.retractions for i in self.instances),
             stopped=self.stopped,
             autoscaler=self.autoscaler,
         )

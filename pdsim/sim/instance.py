@@ -46,8 +46,9 @@ class CostExecutor:
     went once per distinct shape after the run, off the step path. Decode-only steps are
     counted by (requests, query length, context within ~9%) and priced at their mean context."""
 
-    def __init__(self, cost: CostModel):
+    def __init__(self, cost: CostModel, host_copy_s_per_page: float = 0.0):
         self.cost = cost
+        self.host_copy_s_per_page = host_copy_s_per_page
         self._memo: dict[tuple, float] = {}
         self._counts: dict[tuple, int] = {}  # steps run per shape (several ranks: per tuple)
         # (requests, query length, context bucket) -> [steps, their summed context tokens]
@@ -72,8 +73,15 @@ class CostExecutor:
             duration = self._memo.get(key)
             if duration is None:
                 duration = self.shape_time_s(step[0].shape)
-            return BatchResult(duration)
-        return BatchResult(self.step_time_s(step))
+            return BatchResult(duration + self.kv_moves_s(step))
+        return BatchResult(self.step_time_s(step) + self.kv_moves_s(step))
+
+    def kv_moves_s(self, step: Sequence[Batch | None]) -> float:
+        """The host copies a step's batches run before their forward (a retraction's
+        `KVMove`s), each GPU its own pages over its own host link, one after another; DP
+        ranks copy at once, and the step waits for the slowest."""
+        moves = [sum(len(m.pages) for m in b.kv_moves) for b in step if b is not None]
+        return max(moves, default=0) * self.host_copy_s_per_page
 
     def step_time_s(self, step: Sequence[Batch | None]) -> float:
         if len(step) == 1:

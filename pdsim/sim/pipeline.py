@@ -60,8 +60,9 @@ class PipelineExecutor(CostExecutor):
     """`CostExecutor` of an instance with `pp` pipeline stages; `clock()` is the simulated now
     at which a step starts."""
 
-    def __init__(self, cost: CostModel, pp: int, clock: Callable[[], float]):
-        super().__init__(cost)
+    def __init__(self, cost: CostModel, pp: int, clock: Callable[[], float],
+                 host_copy_s_per_page: float = 0.0):
+        super().__init__(cost, host_copy_s_per_page)
         self.pp = pp
         self._clock = clock
         self._stage0_free_s = -math.inf  # when the last chunk left stage 0
@@ -70,15 +71,19 @@ class PipelineExecutor(CostExecutor):
     def execute(self, step: Sequence[Batch | None]) -> BatchResult:
         now = self._clock()
         self._stage0_free_s, done = next_chunk(self._stage0_free_s, self._done_s, now,
-                                               self.step_time_s(step), self.pp)
+                                               self.step_time_s(step)
+                                               + self.kv_moves_s(step), self.pp)
         duration = done - now
         self._done_s = now + duration  # the float the simulated clock will read at the end
         return BatchResult(duration)
 
 
-def make_executor(cost: CostModel, pp: int, clock: Callable[[], float]) -> CostExecutor:
+def make_executor(cost: CostModel, pp: int, clock: Callable[[], float],
+                  host_copy_s_per_page: float = 0.0) -> CostExecutor:
     """The executor of one simulated instance: pipelined with stages, plain without."""
-    return CostExecutor(cost) if pp == 1 else PipelineExecutor(cost, pp, clock)
+    if pp == 1:
+        return CostExecutor(cost, host_copy_s_per_page)
+    return PipelineExecutor(cost, pp, clock, host_copy_s_per_page)
 
 
 def profile_lengths(base: int) -> list[int]:

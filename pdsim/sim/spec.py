@@ -53,6 +53,7 @@ class RoleSpec:
     pp: int = 1  # pipeline stages per instance (pdsim/sim/pipeline.py)
     weight_bytes_per_gpu: float = 0.0  # what a new instance's GPUs load at a cold start
     host_demand: float = 1.0  # host cores one forward of an instance wants (cluster host_cores)
+    host_copy_s_per_page: float = 0.0  # a KV page copied between a GPU and its host (KVMove)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class ClusterSpec:
     idle_after_s: float = 0.025  # ... for this long or longer (nothing in flight)
     jitter_s: tuple[float, ...] = ()  # extra way-in delays, one drawn per request
     idle_jitter_s: tuple[float, ...] = ()  # drawn instead by a request that found it idle
-    dp_assignment: str = "room"  # how an instance picks the attention-DP rank of a request
+    dp_assignment: str = "auto"  # how an instance picks the attention-DP rank of a request
     faults: FaultsConfig = FaultsConfig()
     router_options: dict[str, float] = field(default_factory=dict)  # the policy's settings
     host_cores: float | None = None  # forwards share these host cores (pdsim/sim/host.py)

@@ -31,6 +31,12 @@ class HardwareSpec(BaseModel):
     rdma_gb_per_s: per-GPU NIC bandwidth typical of the platform (400 Gb/s = 50 GB/s).
     gpus_per_node: GPUs in one NVLink domain (8 in an HGX board, 72 in a GB200 NVL72 rack);
         traffic between GPUs of one domain takes NVLink, beyond it RDMA.
+    gpus_per_host: GPUs in one host, the machine one server process group runs on (8 on an
+        HGX board; 4 on a GB200/GB300 compute tray, 18 of which make the NVL72 domain): an
+        instance over more spans hosts (SGLang's --nnodes). None: the NVLink domain's.
+    host_link_gb_per_s: the GPU's link to its host's memory, one direction: PCIe Gen4 x16 32,
+        Gen5 x16 64 (the default), NVLink-C2C to a Grace CPU 450 (900 both ways). A PD
+        decode instance's retraction copies KV pages over it (pdsim.core.decode).
     sms: streaming multiprocessors (the CUDA device's multiProcessorCount); two-batch overlap's
         compute shares them with DeepEP's normal-mode kernels. None: the sharing is not priced.
     usd_per_gpu_hour: a rental price for one GPU-hour, None where no public list price was
@@ -63,6 +69,8 @@ class HardwareSpec(BaseModel):
     nvlink_gb_per_s: float = Field(gt=0)
     rdma_gb_per_s: float = Field(gt=0)
     gpus_per_node: int = Field(default=8, ge=1)
+    gpus_per_host: int | None = Field(default=None, ge=1)
+    host_link_gb_per_s: float = Field(default=64, gt=0)
     sms: int | None = Field(default=None, ge=1)
     usd_per_gpu_hour: float | None = Field(default=None, gt=0)
     silicon_base: str | None = None
@@ -89,10 +97,18 @@ class HardwareSpec(BaseModel):
         if self.roofline_share is not None and self.silicon_base is None:
             raise ValueError("roofline_share applies to ops moved from a silicon_base; give "
                              "one, or leave roofline_share out")
+        if self.gpus_per_host is not None and self.gpus_per_node % self.gpus_per_host:
+            raise ValueError(f"gpus_per_host {self.gpus_per_host} does not divide the NVLink "
+                             f"domain's gpus_per_node {self.gpus_per_node}")
         if self.silicon_base is not None and _PRESETS[self.silicon_base].get("silicon_base"):
             raise ValueError(f"silicon_base {self.silicon_base!r} has a silicon_base itself; "
                              f"name a GPU with its own tables")
         return self
+
+    @property
+    def host_gpus(self) -> int:
+        """GPUs in one host (`gpus_per_host`, else the NVLink domain)."""
+        return self.gpus_per_host or self.gpus_per_node
 
     @property
     def stream_gb_per_s(self) -> float:
@@ -134,8 +150,12 @@ GRACE_HOST_TIME_SCALE = 1.6
 # L40S 142; H100 SXM5 132, as in the H800 and H200); the H20 78 (as republished); B200 and
 # GB200 148 (their CUDA device properties, as DeepGEMM and FlashMLA report them); B300 and
 # GB300 160 (NVIDIA's "Inside NVIDIA Blackwell Ultra" technical blog).
+# Host links: PCIe Gen4 x16 (32 GB/s a direction) on the A100, A10 and L40S, Gen5 x16 (64) on
+# the Hopper and HGX Blackwell GPUs (their datasheets' "PCIe Gen5: 128GB/s", both directions);
+# GB200 and GB300 reach their Grace's memory over NVLink-C2C (900 GB/s both ways).
 _PRESETS: dict[str, dict[str, Any]] = {
     "a100": dict(
+        host_link_gb_per_s=32,
         sms=108,
         bf16_tflops=312, fp8_tflops=None, hbm_gib=80, hbm_gb_per_s=2039, nvlink_gb_per_s=300,
         rdma_gb_per_s=25, usd_per_gpu_hour=1.30,
@@ -150,6 +170,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         ),
     ),
     "a10": dict(
+        host_link_gb_per_s=32,
         sms=72,
         bf16_tflops=125, fp8_tflops=None, hbm_gib=24, hbm_gb_per_s=600, nvlink_gb_per_s=32,
         rdma_gb_per_s=3.125, usd_per_gpu_hour=0.86,
@@ -161,6 +182,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source="Lambda on-demand 1x A10 instance, $0.86/h (list price seen 2026-05-07)",
     ),
     "l40s": dict(
+        host_link_gb_per_s=32,
         sms=142,
         bf16_tflops=362, fp8_tflops=733, hbm_gib=48, hbm_gb_per_s=864, nvlink_gb_per_s=32,
         rdma_gb_per_s=50, usd_per_gpu_hour=1.95,
@@ -261,10 +283,12 @@ _PRESETS: dict[str, dict[str, Any]] = {
         price_source=_NO_PRICE,
     ),
     "gb200": dict(
+        host_link_gb_per_s=450,
         host_time_scale=GRACE_HOST_TIME_SCALE,
         sms=148,
         bf16_tflops=2500, fp8_tflops=5000, fp4_tflops=10000, hbm_gib=186, hbm_gb_per_s=8000,
-        nvlink_gb_per_s=900, rdma_gb_per_s=50, gpus_per_node=72, usd_per_gpu_hour=4.54,
+        nvlink_gb_per_s=900, rdma_gb_per_s=50, gpus_per_node=72, gpus_per_host=4,
+        usd_per_gpu_hour=4.54,
         source=(
             "NVIDIA GB200 NVL72 datasheet, per GPU (72-GPU rack totals / 72): FP4 1,440, FP8 "
             "720 and BF16 360 PFLOPS with sparsity -> 10 / 5 / 2.5 PFLOPS dense, 13.4TB "
@@ -276,10 +300,11 @@ _PRESETS: dict[str, dict[str, Any]] = {
         ),
     ),
     "gb300": dict(
+        host_link_gb_per_s=450,
         host_time_scale=GRACE_HOST_TIME_SCALE,
         sms=160,
         bf16_tflops=2500, fp8_tflops=5000, fp4_tflops=15000, hbm_gib=288, hbm_gb_per_s=8000,
-        nvlink_gb_per_s=900, rdma_gb_per_s=100, gpus_per_node=72,
+        nvlink_gb_per_s=900, rdma_gb_per_s=100, gpus_per_node=72, gpus_per_host=4,
         source=(
             "NVIDIA GB300 NVL72 datasheet, per GPU (72-GPU rack totals / 72): FP4 1,080 PFLOPS "
             "dense -> 15, FP8 720 and BF16 360 PFLOPS with sparsity -> 5 / 2.5 dense, 288GB "

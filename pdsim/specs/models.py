@@ -95,6 +95,9 @@ class ModelSpec(BaseModel):
     first_k_dense_layers: int = Field(default=0, ge=0)
     precision: Precision = Precision()
     tie_word_embeddings: bool = False
+    # the longest sequence, prompt and output, it serves: config.json's max_position_embeddings
+    # (SGLang's default --context-length); None: unbounded
+    context_len: int | None = Field(default=None, gt=0)
     # Hybrid models only
     layer_pattern: tuple[LayerType, ...] = Field(default=("full_attention",), min_length=1)
     sliding_window: int | None = Field(default=None, gt=0)
@@ -522,16 +525,19 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": dict(
         num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=8, head_dim=128,
         intermediate_size=14336, vocab_size=128256,
+        context_len=131072,
     ),
     # meta-llama/Llama-3.1-70B config.json
     "llama-3.1-70b": dict(
         num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8, head_dim=128,
         intermediate_size=28672, vocab_size=128256,
+        context_len=131072,
     ),
     # Qwen/Qwen3-32B config.json (head_dim 128 is explicit there; 64 * 128 != hidden 5120)
     "qwen3-32b": dict(
         num_layers=64, hidden_size=5120, num_attention_heads=64, num_kv_heads=8, head_dim=128,
         intermediate_size=25600, vocab_size=151936,
+        context_len=40960,
     ),
     # deepseek-ai/DeepSeek-V3 config.json; its weights are published in FP8 (block-wise
     # quantization_config, 128x128 blocks), which is how SGLang serves them; the embedding and
@@ -543,6 +549,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         q_lora_rank=1536, num_experts=256, experts_per_token=8, moe_intermediate_size=2048,
         num_shared_experts=1, first_k_dense_layers=3,
         precision=Precision(attention="fp8", dense_mlp="fp8", moe_experts="fp8"),
+        context_len=163840,
     ),
     # moonshotai/Kimi-K2-Instruct config.json: DeepSeek-V3's architecture with 384 experts,
     # 64 heads, one dense layer and a 163,840-token vocabulary; published in block FP8 like
@@ -554,6 +561,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         q_lora_rank=1536, num_experts=384, experts_per_token=8, moe_intermediate_size=2048,
         num_shared_experts=1, first_k_dense_layers=1,
         precision=Precision(attention="fp8", dense_mlp="fp8", moe_experts="fp8"),
+        context_len=131072,
     ),
     # Qwen/Qwen3-235B-A22B config.json (Qwen3MoeForCausalLM: 128 experts, top 8, no shared
     # expert, every layer MoE: decoder_sparse_step 1, mlp_only_layers []); BF16 weights.
@@ -561,17 +569,20 @@ _PRESETS: dict[str, dict[str, Any]] = {
         num_layers=94, hidden_size=4096, num_attention_heads=64, num_kv_heads=4, head_dim=128,
         intermediate_size=12288, vocab_size=151936, num_experts=128, experts_per_token=8,
         moe_intermediate_size=1536,
+        context_len=40960,
     ),
     # Qwen/Qwen3-30B-A3B config.json (the same family, smaller).
     "qwen3-30b-a3b": dict(
         num_layers=48, hidden_size=2048, num_attention_heads=32, num_kv_heads=4, head_dim=128,
         intermediate_size=6144, vocab_size=151936, num_experts=128, experts_per_token=8,
         moe_intermediate_size=768,
+        context_len=40960,
     ),
     # Qwen/Qwen2.5-7B-Instruct config.json (28 heads of 128 over hidden 3584).
     "qwen2.5-7b": dict(
         num_layers=28, hidden_size=3584, num_attention_heads=28, num_kv_heads=4, head_dim=128,
         intermediate_size=18944, vocab_size=152064,
+        context_len=32768,
     ),
     # openai/gpt-oss-120b config.json: layer_types alternate sliding_attention (window 128)
     # and full_attention, starting with sliding; 128 experts of 2880, top 4, every layer MoE;
@@ -583,6 +594,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=2880, vocab_size=201088, num_experts=128, experts_per_token=4,
         moe_intermediate_size=2880, layer_pattern=("sliding_attention", "full_attention"),
         sliding_window=128, precision=Precision(dense_mlp="mxfp4", moe_experts="mxfp4"),
+        context_len=131072,
     ),
     # openai/gpt-oss-20b config.json: the same with 24 layers and 32 experts.
     "gpt-oss-20b": dict(
@@ -590,6 +602,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=2880, vocab_size=201088, num_experts=32, experts_per_token=4,
         moe_intermediate_size=2880, layer_pattern=("sliding_attention", "full_attention"),
         sliding_window=128, precision=Precision(dense_mlp="mxfp4", moe_experts="mxfp4"),
+        context_len=131072,
     ),
     # Qwen/Qwen3-Next-80B-A3B-Instruct config.json: full_attention_interval 4 (three Gated
     # DeltaNet layers, then one full-attention layer); 512 experts of 512, top 10, one shared
@@ -603,11 +616,13 @@ _PRESETS: dict[str, dict[str, Any]] = {
         layer_pattern=("linear_attention",) * 3 + ("full_attention",),
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        context_len=262144,
     ),
     # Qwen/Qwen2.5-72B-Instruct config.json.
     "qwen2.5-72b": dict(
         num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8, head_dim=128,
         intermediate_size=29568, vocab_size=152064,
+        context_len=32768,
     ),
 }
 
@@ -708,6 +723,7 @@ def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec
         vocab_size=_req(config, "vocab_size"),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         precision=precision_from_hf_config(config),
+        context_len=config.get("max_position_embeddings"),
     )
     if arch in _MLA_ARCHS:
         nope, rope = _req(config, "qk_nope_head_dim"), _req(config, "qk_rope_head_dim")

@@ -22,6 +22,8 @@ scheduler core owns the free lists and passes page indices in.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from runtime.model.config import ModelConfig
@@ -102,6 +104,19 @@ class PagedKVCache:
             kind = "MLA" if self.mla else "GQA"
             wanted = "latent" if mla else "K/V"
             raise TypeError(f"this is a {kind} cache; it has no {wanted} buffers")
+
+    # ---- host copies (a PD decode instance's retraction) ---------------------------------
+
+    def copy_out(self, pages: Sequence[int]) -> list[torch.Tensor]:
+        """A host copy of `pages` of every buffer, in that order (SGLang's `get_cpu_copy`)."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.device)
+        return [b.index_select(0, index).to("cpu") for b in self.buffers]
+
+    def copy_in(self, pages: Sequence[int], saved: Sequence[torch.Tensor]) -> None:
+        """Write a `copy_out` into `pages`, in order (SGLang's `load_cpu_copy`)."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.device)
+        for buffer, data in zip(self.buffers, saved, strict=True):
+            buffer.index_copy_(0, index, data.to(buffer.device))
 
     # ---- addressing for transfer engines -------------------------------------------------
 

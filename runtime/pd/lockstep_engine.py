@@ -157,7 +157,7 @@ class PDEngine:
 
     def __init__(self, executor: ModelExecutor, config: SchedulerConfig, *, role: str,
                  kv_manager, group: TPGroup | None = None, instance_id: int = 0,
-                 dp: int = 1, dp_rank: int = 0, dp_assignment: str = "room",
+                 dp: int = 1, dp_rank: int = 0, dp_assignment: str = "auto",
                  max_records: int = 100_000, metrics: ServeMetrics | None = None,
                  poll_interval_s: float = 0.005, tick_s: float = 1.0) -> None:
         if role not in ROLES:
