@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,16 +32,24 @@ def _main(version: bool = typer.Option(False, "--version", callback=_print_versi
     """Simulate and run prefill/decode disaggregated LLM serving."""
 
 
+def _error(message: str) -> None:
+    """`error: message` on standard error (standard output may be a file's text), as click
+    echoes it: ending in a newline whatever came before, never folded at the console's width
+    (a log keeps it whole), red on a terminal only."""
+    typer.echo(f"{typer.style('error:', fg='red')} {message.rstrip()}", err=True)
+
+
 @contextmanager
 def _exits_on(*errors: type[Exception], status: int = 2) -> Iterator[None]:
-    """A mistake the user can fix (`errors`): its message in red, exit `status`, no traceback."""
-    from rich.markup import escape
-
+    """A mistake the user can fix (`errors`): its message (`_error`), exit `status`, no
+    traceback."""
     try:
         yield
-    except errors as exc:  # on standard error: standard output may be a file's text
-        Console(stderr=True).print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+    except errors as exc:
+        _error(str(exc))
         raise typer.Exit(status) from None
+
+
 # (header, summary column, priority: the largest numbers are dropped first on a narrow terminal)
 TABLE_COLUMNS = (
     ("point", None, 0), ("req/s", "request_rate", 1), ("GPUs", "num_gpus", 3),
@@ -51,6 +60,9 @@ TABLE_COLUMNS = (
     ("D batch", "decode_mean_batch", 4), ("$/Mtok", "usd_per_mtok", 3),
     ("goodput/$", "goodput_req_per_usd", 3),
 )
+# The caption's note on a column, when it is shown.
+_TABLE_NOTES = (("goodput/GPU", "goodput: requests/s meeting the SLO"),
+                ("$/Mtok", "$/Mtok: per million output tokens"))
 WIDE_OPTION = typer.Option(False, "--wide", help="every table column, however wide the table")
 
 EXECUTOR_OPTION = typer.Option(
@@ -106,7 +118,8 @@ def run(
 def _print_points(summary, title: str, wide: bool) -> None:
     """The run table: one row per sweep point, named after what the sweep varies there
     (pdsim.plots.sweep_labels), or p0, p1... with a legend when those names are long."""
-    from pdsim.tables import Column, print_table, short_labels, shows_prefix_hits
+    from pdsim.tables import (Column, layout, print_table, short_labels, shows_prefix_hits,
+                              target_width)
 
     names, legend = short_labels(summary["label"], "p")
     table = TABLE_COLUMNS + ((("prefix hit", "prefix_hit_rate", 1),)
@@ -115,13 +128,16 @@ def _print_points(summary, title: str, wide: bool) -> None:
     if closed.any():
         served = ("served req/s", "request_throughput_req_s", 1)
         table = (table[0], *table[1:2] * (not closed.all()), served, *table[2:])
-    columns = [Column(name, priority, justify="left" if col is None else "right")
+    failures = summary["failed"].any()  # then never dropped at a narrow width
+    columns = [Column(name, 0 if col == "failed" and failures else priority,
+                      justify="left" if col is None else "right")
                for name, col, priority in table]
     rows = [[name] + [_fmt(col, row) for _, col, _ in table[1:]]
             for name, (_, row) in zip(names, summary.iterrows())]
-    print_table(console, columns, rows, title=title, wide=wide, legend=legend,
-                caption="latencies in ms; goodput: requests/s meeting the SLO; $/Mtok: "
-                "per million output tokens")
+    shown = {columns[i].header for i in layout(columns, rows, target_width(console, wide))[0]}
+    caption = "; ".join(["latencies in ms"] + [note for header, note in _TABLE_NOTES
+                                                if header in shown])
+    print_table(console, columns, rows, title=title, wide=wide, legend=legend, caption=caption)
 
 
 @app.command()
@@ -332,8 +348,9 @@ def plan(
         _print_frontier(result, wide)
     for title, choice in (("recommended", result.recommended), ("runner-up", result.runner_up)):
         if choice is not None:
-            console.print(choice_line(title, choice), highlight=False, markup=False,
-                          soft_wrap=True)
+            console.print(textwrap.fill(choice_line(title, choice), console.width,
+                                        subsequent_indent="  ", break_on_hyphens=False),
+                          highlight=False, markup=False, soft_wrap=True)
     if result.recommended is None:
         console.print("[red]no simulated deployment meets the SLO[/red]")
     else:
@@ -485,8 +502,7 @@ def _serve_colocated(cfg) -> None:
     try:
         run_server(cfg, on_ready=ready)
     except OSError as exc:  # cannot bind
-        console.print(f"[red]error:[/red] cannot serve on {cfg.host}:{cfg.port}: {exc}",
-                      highlight=False)
+        _error(f"cannot serve on {cfg.host}:{cfg.port}: {exc}")
         raise typer.Exit(1) from None
     print("pdsim serve: stopped", flush=True)
 

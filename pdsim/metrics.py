@@ -62,12 +62,16 @@ class MeasurementWindow(BaseModel):
     The window starts `warmup_s` after the first arrival, and no earlier than the arrival of
     request number `warmup_requests` (in arrival order, from 0); it ends `cooldown_s` before the
     last finish, and no later than the finish of the request that leaves `cooldown_requests`
-    after it. A request is *in the window* when it arrived inside it, both bounds included:
-    latencies, counts and SLO attainment cover those, the load they met (a closed loop's first
-    wave, all sent at the start, stays out however late it ends). Throughputs and goodput are
-    what the requests that *ended* (completed or failed) inside the window carried, divided by
-    its length: what was served in it, at any load. All zero (the default): the whole run,
-    every request in it.
+    after it. It is half-open, [start, end): an event at `end` belongs to the next window, so
+    a closed loop's request sent at the instant another ends is counted once, not at both
+    edges. A request is *in the window* when it arrived inside it: latencies, counts, SLO
+    attainment and goodput cover those, the load they met (a closed loop's first wave, all
+    sent at the start, stays out however late it ends). Throughputs are what was served in
+    it, whichever request it was for, divided by its length: the output tokens emitted inside
+    it (each token's own emission time: a whole request counted by when it ended would credit
+    the window with tokens emitted before it and none of those in flight at its end), the
+    prompts whose first token came inside it, the completed requests that ended inside it.
+    All zero (the default): the whole run, every request and token in it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -102,16 +106,38 @@ class MeasurementWindow(BaseModel):
         return self._inside(arrival_s, arrival_s, finish_s)
 
     def ended_mask(self, arrival_s: np.ndarray, finish_s: np.ndarray) -> np.ndarray:
-        """Which requests ended inside the window (the throughputs' requests)."""
+        """Which requests ended inside the window (the request throughput's)."""
         return self._inside(finish_s, arrival_s, finish_s)
 
     def _inside(self, times_s: np.ndarray, arrival_s: np.ndarray,
                 finish_s: np.ndarray) -> np.ndarray:
         if self.whole_run:
             return np.ones(len(arrival_s), dtype=bool)
-        start, end = self.bounds(arrival_s, finish_s)
-        with np.errstate(invalid="ignore"):
-            return (times_s >= start) & (times_s <= end)
+        return _in_window(times_s, *self.bounds(arrival_s, finish_s))
+
+
+def _in_window(times_s: np.ndarray, start: float, end: float) -> np.ndarray:
+    """Which of `times_s` fall in [start, end) (NaN: none)."""
+    with np.errstate(invalid="ignore"):
+        return (times_s >= start) & (times_s < end)
+
+
+def _tokens_emitted(records: Sequence[RequestRecord], start: float, end: float) -> int:
+    """How many of `records`' token emission times (one per output token) fall in [start, end).
+    Only the requests straddling an edge are read token by token."""
+    n = len(records)
+    first = np.fromiter((r.token_times_s[0] if r.token_times_s else NAN for r in records),
+                        dtype=np.float64, count=n)
+    last = np.fromiter((r.finish_s for r in records), dtype=np.float64, count=n)  # >= every token
+    counts = np.fromiter((len(r.token_times_s) for r in records), dtype=np.int64, count=n)
+    with np.errstate(invalid="ignore"):
+        whole = (first >= start) & (last < end)
+        straddle = ~whole & (first < end) & ~(last < start)  # a NaN finish: read its times
+    total = int(counts[whole].sum())
+    for i in np.flatnonzero(straddle):
+        times = flatten_times([records[i].token_times_s], int(counts[i]))
+        total += int(np.count_nonzero(_in_window(times, start, end)))
+    return total
 
 
 class _TokenTimes(NamedTuple):
@@ -294,8 +320,8 @@ def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO,
               window: MeasurementWindow | None = None) -> dict:
     """Summary metrics of one run, as a flat dict of plain Python numbers.
 
-    With a `window` (see `MeasurementWindow`) the counts, latencies and SLO attainment cover the
-    requests that arrived in it, the throughputs and goodput those that ended in it, and
+    With a `window` (see `MeasurementWindow`) the counts, latencies, SLO attainment and goodput
+    cover the requests that arrived in it, the throughputs what was served in it, and
     ``duration_s`` is its length; ``window_start_s`` / ``window_end_s`` say where it lies and
     ``run_requests`` counts the run's requests, in the window or not. Definitions (for the whole
     run):
@@ -308,10 +334,14 @@ def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO,
       long outputs weigh more); ``tpot_mean_s`` is the mean over requests of each one's mean gap.
     - ``duration_s`` = last finish - first arrival over all requests, failed ones included.
     - ``input_tok_s`` / ``output_tok_s`` = input / output tokens of completed requests divided by
-      ``duration_s``; ``output_tok_s_per_gpu`` divides that by ``num_gpus``.
-    - ``request_throughput_req_s`` = completed requests / duration.
-    - ``goodput_req_s`` = completed requests meeting `slo` / duration (``_per_gpu``: / num_gpus).
+      ``duration_s``; ``output_tok_s_per_gpu`` divides that by ``num_gpus``. In a window: the
+      output tokens emitted in it, the input tokens of the prompts whose first token came in it.
+    - ``request_throughput_req_s`` = completed requests / duration (in a window: those that
+      ended in it).
     - ``slo_attainment`` = requests meeting `slo` / all requests; failed requests are misses.
+    - ``goodput_req_s`` = requests meeting `slo` / duration, the same requests as
+      ``slo_attainment``'s, so it is ``slo_attainment * num_requests / duration_s``: zero when
+      none met it (``_per_gpu``: / num_gpus).
 
     No records gives NaN rates and latencies; no completed request gives NaN latencies and zero
     throughputs. A zero or undefined duration gives NaN rates.
@@ -325,9 +355,19 @@ def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO,
     window = window or MeasurementWindow()
     start, end = window.bounds(arrivals, finishes)
     duration = end - start
-    served = records
-    if not window.whole_run:
-        served = [r for r, keep in zip(records, window.ended_mask(arrivals, finishes)) if keep]
+    ok = np.fromiter((r.ok for r in records), dtype=bool, count=run_requests)
+    served = int((ok & window.ended_mask(arrivals, finishes)).sum())
+    completed = [r for r in records if r.ok]  # of the whole run: what the window served
+    if window.whole_run:
+        input_tokens = sum(r.input_tokens for r in completed)
+        output_tokens = sum(r.output_tokens for r in completed)
+    else:
+        firsts = np.fromiter((r.first_token_s for r in completed), dtype=np.float64,
+                             count=len(completed))
+        inputs = np.fromiter((r.input_tokens for r in completed), dtype=np.int64,
+                             count=len(completed))
+        input_tokens = int(inputs[_in_window(firsts, start, end)].sum())
+        output_tokens = _tokens_emitted(completed, start, end)
         records = [r for r, keep in zip(records, window.mask(arrivals, finishes)) if keep]
     done = [r for r in records if r.ok]
     n, n_done = len(records), len(done)
@@ -339,17 +379,7 @@ def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO,
     ttft = np.fromiter((r.ttft_s for r in done), dtype=np.float64, count=n_done)
     e2e = np.fromiter((r.e2e_s for r in done), dtype=np.float64, count=n_done)
     tpot = times.mean_gap()
-    meets = _latencies_meet(ttft, tpot, slo)  # failed requests never meet it
-    met = int(meets.sum())
-    served_done = done
-    if served is not records:
-        served_done = [r for r in served if r.ok]
-        served_ttft = np.fromiter((r.ttft_s for r in served_done), dtype=np.float64,
-                                  count=len(served_done))
-        meets = _latencies_meet(served_ttft, _token_times(served_done).mean_gap(), slo)
-    served_met = int(meets.sum())
-    input_tokens = sum(r.input_tokens for r in served_done)
-    output_tokens = sum(r.output_tokens for r in served_done)
+    met = int(_latencies_meet(ttft, tpot, slo).sum())  # failed requests never meet it
     cached_tokens = sum(r.cached_tokens for r in done)
 
     summary: dict = {"num_requests": n, "completed": n_done, "failed": n - n_done, "num_gpus": num_gpus}
@@ -362,9 +392,9 @@ def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO,
         "input_tok_s": rate(input_tokens),
         "output_tok_s": rate(output_tokens),
         "output_tok_s_per_gpu": rate(output_tokens) / num_gpus,
-        "request_throughput_req_s": rate(len(served_done)),
-        "goodput_req_s": rate(served_met),
-        "goodput_req_s_per_gpu": rate(served_met) / num_gpus,
+        "request_throughput_req_s": rate(served),
+        "goodput_req_s": rate(met),
+        "goodput_req_s_per_gpu": rate(met) / num_gpus,
         "slo_attainment": met / n if n else NAN,
         # prompt tokens taken from a prefix cache / prompt tokens, completed requests
         "prefix_hit_rate": (cached_tokens / prompt_tokens

@@ -75,7 +75,10 @@ _SWEEP_PANELS = (
 
 
 def pd_label(prefill_instances: int, decode_instances: int) -> str:
-    """Short name of a P:D configuration, e.g. "1P:3D"."""
+    """Short name of a P:D configuration, e.g. "1P:3D"; "colocated ×4" for a colocated one,
+    whose summary rows hold no prefill instances and its instances as decode's."""
+    if not prefill_instances:
+        return f"colocated ×{int(decode_instances)}"
     return f"{int(prefill_instances)}P:{int(decode_instances)}D"
 
 
@@ -209,7 +212,8 @@ def plot_sweep(
     has_groups = group in frame and frame[group].notna().any()
     if frame[x].nunique() == 1 and has_groups and frame[group].nunique() > 1:
         # One configuration: nothing to compare across it, so plot against the group instead.
-        frame = frame.assign(_line=str(frame[x].iloc[0]))
+        only = str(frame[x].iloc[0])
+        frame = frame.assign(_line=ticks_text.get(only, only).replace("\n", ", "))
         x, group, legend_title = group, "_line", None
     elif not has_groups:
         frame = frame.assign(_line="all")
@@ -426,10 +430,7 @@ def sweep_labels(summary: pd.DataFrame) -> list[str]:
                 for _, row in summary.iterrows()]
     labels = []
     for _, row in summary.iterrows():
-        if row.get("mode") == "colocated":
-            head = f"colocated×{int(row['decode_instances'])}"
-        else:
-            head = pd_label(row["prefill_instances"], row["decode_instances"])
+        head = pd_label(row["prefill_instances"], row["decode_instances"])
         clients = row.get("concurrency", 0)
         load = _clients(clients) if clients == clients and clients else f"{row['request_rate']:g} req/s"
         labels.append(f"{head} @ {load}")
@@ -446,11 +447,16 @@ def plot_experiment(summary: pd.DataFrame, out_dir: str | Path, slo=None) -> lis
         written = plot_sweep(summary, out_dir, slo=slo,
                              group="concurrency" if concurrency_varies else "request_rate")
         frame = with_pd_ratio(summary) if "prefill_instances" in summary else summary
-        group = PD_RATIO if PD_RATIO in frame and frame[PD_RATIO].nunique() > 1 else None
+        group = None
+        if PD_RATIO in frame:  # legends: "1P:3D, 8 GPU, tp2", "colocated ×4, 4 GPU, tp1"
+            names = {k: v.replace("\n", ", ") for k, v in _pd_ticks(frame).items()}
+            frame = frame.assign(_config=frame[PD_RATIO].map(lambda k: names.get(k, k)))
+            group = "_config"
         if concurrency_varies:
-            written += plot_throughput_latency(frame, out_dir, group=group, legend_title="P:D")
+            written += plot_throughput_latency(frame, out_dir, group=group,
+                                               legend_title="configuration")
         written += plot_interactivity(frame, out_dir / INTERACTIVITY_PNG, group=group,
-                                      legend_title="P:D")
+                                      legend_title="configuration")
         return written
     x, lines = sweep_axes(summary)
     x_column = "concurrency" if x in CONCURRENCY_FIELDS else field_title(x)

@@ -223,8 +223,10 @@ def write_report(
     header.append(f"{len(frame)} runs; configurations: {', '.join(map(str, configs)) or _DASH}; "
                   f"request rates: {', '.join(_rate(r) for r in rates) or _DASH} req/s.")
     if slo is not None:
-        header.append(f"SLO: TTFT ≤ {_ms(slo.ttft_s)} ms and mean ITL per request ≤ {_ms(slo.itl_s)} ms; "
-                      "goodput counts the completed requests meeting both.")
+        header.append(f"SLO: TTFT ≤ {_ms(slo.ttft_s)} ms and mean ITL per request ≤ {_ms(slo.itl_s)} ms. "
+                      "SLO met: the share of the requests that arrived in the measurement window "
+                      "meeting both (a failed request misses); goodput: those requests meeting "
+                      "both per second of the window (zero when SLO met is 0%).")
     header.append("")
 
     sections = ["\n".join(header)]

@@ -72,9 +72,48 @@ def assert_pngs(paths, names):
 
 
 def test_pd_ratio_labels_and_prefill_share():
-    frame = with_pd_ratio(pd.DataFrame({"prefill_instances": [1, 3], "decode_instances": [3, 1]}))
-    assert frame["pd_ratio"].tolist() == ["1P:3D", "3P:1D"]
-    assert frame["prefill_share"].tolist() == [0.25, 0.75]
+    frame = with_pd_ratio(pd.DataFrame({"prefill_instances": [1, 3, 0],
+                                        "decode_instances": [3, 1, 4]}))
+    assert frame["pd_ratio"].tolist() == ["1P:3D", "3P:1D", "colocated ×4"]  # not "0P:4D"
+    assert frame["prefill_share"].tolist() == [0.25, 0.75, 0.0]
+
+
+def colocated_vs_pd(clients=(4, 16)) -> pd.DataFrame:
+    """A summary of colocated x4 (TP 2) against 1P:3D and 2P:2D (TP 1), at each client count."""
+    rows = []
+    for mode, p, d, tp in (("colocated", 0, 4, 2), ("disaggregated", 1, 3, 1),
+                           ("disaggregated", 2, 2, 1)):
+        for i, n in enumerate(clients):
+            s = summarize(run(max(p, 1), d, 1 + i), num_gpus=(p + d) * tp,
+                          slo=SLO(ttft_s=0.5, itl_s=0.05))
+            rows.append({"mode": mode, "prefill_instances": p, "decode_instances": d,
+                         "prefill_tp": tp * (p > 0), "decode_tp": tp, "prefill_dp_attention": 1,
+                         "decode_dp_attention": 1, "request_rate": float("nan"),
+                         "concurrency": n, **s, "sweep.cluster.mode": mode,
+                         "sweep.cluster.prefill.instances": max(p, 1),
+                         "sweep.cluster.decode.instances": d,
+                         "sweep.workload.arrival.concurrency": n})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.slow
+def test_legends_name_colocated_runs_and_the_gpus_of_each_configuration(tmp_path, captured):
+    summary = colocated_vs_pd()
+    assert plots.sweep_labels(summary)[:2] == ["colocated ×4 @ 4 clients",
+                                               "colocated ×4 @ 16 clients"]
+    plots.plot_experiment(summary, tmp_path)
+    ticks = [t.get_text() for t in captured["ttft.png"].axes[0].get_xticklabels()]
+    assert ticks[0] == "colocated ×4\n8 GPU, tp2"
+    names = ["colocated ×4, 8 GPU, tp2", "1P:3D, 4 GPU, tp1", "2P:2D, 4 GPU, tp1"]
+    for png in ("throughput_vs_ttft.png", plots.INTERACTIVITY_PNG):
+        legend = captured[png].axes[0].get_legend()
+        assert set(names) <= {t.get_text() for t in legend.get_texts()}, png
+    # One configuration: its one line or curve still says what it is.
+    one = summary[summary["mode"] == "colocated"]
+    plots.plot_experiment(one, tmp_path / "one")
+    for png in ("ttft.png", "throughput_vs_itl.png"):
+        texts = [t.get_text() for t in captured[png].axes[0].get_legend().get_texts()]
+        assert texts[0] == "colocated ×4, 8 GPU, tp2", png
 
 
 @pytest.mark.slow
@@ -107,7 +146,7 @@ def test_plot_sweep_single_configuration_uses_request_rate(sweep, tmp_path, capt
     ax = captured["itl.png"].axes[0]
     assert ax.get_xlabel() == "request rate (req/s)"
     np.testing.assert_allclose(ax.get_lines()[0].get_xdata(), RATES)
-    assert [t.get_text() for t in ax.get_legend().get_texts()][0] == "1P:3D"
+    assert [t.get_text() for t in ax.get_legend().get_texts()][0] == "1P:3D, 8 GPU"
 
 
 @pytest.mark.slow
