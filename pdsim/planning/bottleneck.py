@@ -12,6 +12,9 @@ The bottleneck is the resource under the most pressure; the runner-up resource i
 - network: the KV bytes per second each decode instance receives over its NIC line rate;
 - decode memory: the decode side's mean running batch over the batch its KV pools hold at the
   mean context;
+- decode request cap: the same batch over the running requests the decode side admits at most
+  (`--max-running-requests`, or under DeepEP the low-latency dispatch's tokens per rank), when
+  that cap is below what the KV pools hold: the batch then stops there with the pools part full;
 - decode compute: the ITL (or TPOT) percentile over its target, the larger.
 """
 
@@ -23,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-RESOURCES = ("prefill compute", "KV transfer", "network", "decode memory", "decode compute")
+RESOURCES = ("prefill compute", "KV transfer", "network", "decode memory", "decode request cap",
+             "decode compute")
 
 
 @dataclass(frozen=True)
@@ -41,11 +45,14 @@ def _p90(values: pd.Series) -> float:
 
 def find_bottleneck(row: dict, requests: pd.DataFrame, *, ttft_target_s: float | None,
                     latency_targets: list[tuple[str, int, float]], decode_kv_batch: float,
+                    decode_request_cap: float, request_cap_why: str,
                     decode_nic_bytes_s: float) -> Bottleneck:
     """`row`: the candidate's summary; `requests`: its per-request frame; `latency_targets`:
     the plan's (metric, percentile, bound) on ITL and TPOT; `decode_kv_batch`:
     requests the decode (or colocated) side's KV pools hold at the mean context, all instances;
-    `decode_nic_bytes_s`: the NIC line rate of all decode instances together."""
+    `decode_request_cap`: the running requests it admits at most, all instances, and
+    `request_cap_why` what sets that cap; `decode_nic_bytes_s`: the NIC line rate of all decode
+    instances together."""
     ok = requests[requests["status"] == "ok"]
     ttft = ttft_target_s or _p90(ok["ttft_s"]) or 1.0
     colocated = row["mode"] == "colocated"
@@ -55,6 +62,7 @@ def find_bottleneck(row: dict, requests: pd.DataFrame, *, ttft_target_s: float |
     busy = 0.0 if busy != busy else busy
     batch = row.get("decode_mean_batch", math.nan) * row["decode_instances"]
     kv_use = batch / decode_kv_batch if decode_kv_batch > 0 and batch == batch else 0.0
+    cap_use = batch / decode_request_cap if decode_request_cap > 0 and batch == batch else 0.0
     duration = row.get("duration_s", math.nan)
     nic_use = (row.get("kv_transfer_gb", 0.0) * 1e9 / duration / decode_nic_bytes_s
                if not colocated and duration and duration == duration and decode_nic_bytes_s else 0.0)
@@ -75,7 +83,13 @@ def find_bottleneck(row: dict, requests: pd.DataFrame, *, ttft_target_s: float |
                         f"{ttft * ms:,.0f} ms TTFT target"),
         "network": (nic_use, f"decode NICs {nic_use:.0%} used by KV traffic"),
         "decode memory": (kv_use, f"decode KV pools {kv_use:.0%} full on average (mean batch "
-                          f"{batch:,.1f} of ~{decode_kv_batch:,.0f})"),
+                          f"{batch:,.1f} of the ~{decode_kv_batch:,.0f} they hold at the mean "
+                          "context)"),
+        # Only where the cap, not memory, stops the batch: else it is the KV pools' figure.
+        "decode request cap": (cap_use if decode_request_cap < decode_kv_batch else 0.0,
+                               f"decode running requests {cap_use:.0%} of their cap on average "
+                               f"(mean batch {batch:,.1f} of {decode_request_cap:,.0f}: "
+                               f"{request_cap_why}); KV pools {kv_use:.0%} full"),
         "decode compute": (decode_use, decode_words),
     }
     first, second = sorted(options, key=lambda k: options[k][0], reverse=True)[:2]

@@ -27,6 +27,7 @@ from pdsim.config import (
 )
 from pdsim.config_errors import format_validation_error
 from pdsim.metrics import SLO, MeasurementWindow
+from pdsim.specs.hardware import hardware_preset_names, load_hardware_spec
 from pdsim.workload import ArrivalProcess, TraceWorkload, WorkloadConfig, closed_loop_clients
 
 Mode = Literal["disaggregated", "colocated"]
@@ -245,14 +246,28 @@ def parse_plan(data: Any, source: str = "<plan>") -> PlanConfig:
 
 
 def load_plan(path: str | Path) -> PlanConfig:
-    return parse_plan(read_config_file(path, "plan"), str(path))
+    """The plan at `path`, with its `hardware` loaded and priced as `pdsim plan` will (so that
+    `pdsim check`, which reads plans here, fails where the plan would). A plan's `gpu_types`
+    are priced as the search loads them (pdsim.planning.hardware_mix.gpu_options)."""
+    cfg = parse_plan(read_config_file(path, "plan"), str(path))
+    try:
+        hw = load_hardware_spec(cfg.hardware, str(Path(path).parent.resolve()))
+        price_per_gpu_hour(cfg, hw.usd_per_gpu_hour, hw.name)
+    except ConfigError as exc:  # a ValueError too: first
+        raise ConfigError(f"{path}: {exc}") from None
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"{path}: hardware: {exc}") from None
+    return cfg
 
 
 def price_per_gpu_hour(plan: PlanConfig, preset_price: float | None, hardware_name: str) -> float:
-    """The plan's price, else the hardware's; a clear error when neither has one."""
+    """The plan's price, else the hardware's; an error saying what to set when neither has one."""
     price = plan.usd_per_gpu_hour or preset_price
     if price is None or not math.isfinite(price):
+        priced = [n for n in hardware_preset_names() if load_hardware_spec(n).usd_per_gpu_hour]
         raise ConfigError(
             f"usd_per_gpu_hour: hardware {hardware_name!r} has no list price; set "
-            "usd_per_gpu_hour in the plan (USD per GPU-hour)")
+            "usd_per_gpu_hour beside it in the plan (USD per GPU-hour, e.g. "
+            "`usd_per_gpu_hour: 2.5`). "
+            f"Hardware presets with a list price: {', '.join(priced)} (`pdsim presets`)")
     return price

@@ -173,7 +173,7 @@ def plan_hardware_mix(cfg: PlanConfig, *, out_dir: str | Path | None = None,
 
     choices = [Choice(deployments[c], table[table["candidate"] == c].iloc[0], bottlenecks[c],
                       sglang_commands(deployments[c], cfg,
-                                      min(g.spec.gpus_per_node for g in deployments[c].gpus)),
+                                      min(g.spec.host_gpus for g in deployments[c].gpus)),
                       experiment_yaml(deployments[c], cfg))
                for c in rank_feasible(cfg, table)[:2]]
     result = PlanResult(cfg, options[0].usd_per_gpu_hour, table, pareto_frontier(table, cfg),
@@ -221,7 +221,8 @@ def _simulate(cfg: PlanConfig, deployments: list[PlacedCandidate], order: list[i
     stop = partial(SloWatch, cfg) if cfg.search.early_stop and cfg.metrics.whole_run else None
     results: dict = {}
     cutoff = math.inf
-    with progress_bar(f"simulating {cfg.name}", len(order), progress) as bar, \
+    with progress_bar(f"simulating {cfg.name}", len(order), progress,
+                      size=f"at most {len(order)}, cheapest first") as bar, \
             open_pool(executor, jobs, ray_address, tasks=len(order)) as pool:
         for start in range(0, len(order), WAVE):
             wave = [c for c in order[start:start + WAVE] if deployments[c].usd_per_hour <= cutoff]

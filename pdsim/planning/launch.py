@@ -5,7 +5,9 @@ and `python -m sglang_router.launch_router --help` spell them: `--disaggregation
 `--disaggregation-transfer-backend`, `--disaggregation-bootstrap-port`,
 `--disaggregation-ib-device`, `--tp-size`, `--pp-size`, `--dp-size`, `--enable-dp-attention`,
 `--ep-size`, `--moe-a2a-backend`, and the router's `--pd-disaggregation --prefill URL BOOTSTRAP_PORT
---decode URL`. Hosts are placeholders (`prefill-0`, `decode-1`, ...): one per node.
+--decode URL`. Hosts are placeholders (`prefill-0`, `decode-1`, ...): one per node, SGLang's
+word for a host (`HardwareSpec.host_gpus`: 8 GPUs on an HGX board, 4 on a GB200 compute tray),
+not the NVLink domain (a whole NVL72 rack).
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ def _model_name(plan: PlanConfig) -> str:
 
 
 def sglang_commands(dep: Candidate, plan: PlanConfig, gpus_per_node: int) -> LaunchCommands:
+    """One server command per instance and node, and the router's. `gpus_per_node`: GPUs in
+    one of SGLang's nodes, a host (`HardwareSpec.host_gpus`), not the NVLink domain
+    (`HardwareSpec.gpus_per_node`: a GB200 rack's 72 GPUs are 18 hosts of 4)."""
     servers: list[tuple[str, str]] = []
     router = ["python", "-m", "sglang_router.launch_router"]
     if dep.mode == "disaggregated":

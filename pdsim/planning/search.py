@@ -14,10 +14,11 @@ import numpy as np
 import pandas as pd
 
 from pdsim.config import ConfigError, parse_experiment
+from pdsim.deployment import RoleConfig
 from pdsim.pools import open_pool
 from pdsim.metrics import price_columns
 from pdsim.planning.bottleneck import Bottleneck, find_bottleneck
-from pdsim.planning.candidates import Candidate, enumerate_deployments, prefill_pp_sizes
+from pdsim.planning.candidates import Candidate, RoleShape, enumerate_deployments, prefill_pp_sizes
 from pdsim.planning.config import PERCENTILES, PlanConfig, price_per_gpu_hour
 from pdsim.planning.early_stop import SloWatch
 from pdsim.planning.launch import experiment_yaml, sglang_commands
@@ -73,7 +74,7 @@ def plan_one_hardware(cfg: PlanConfig, *, out_dir: str | Path | None = None,
     timings["simulated"] = len(results)
 
     choices = [Choice(deployments[c], table[table["candidate"] == c].iloc[0], bottlenecks[c],
-                      sglang_commands(deployments[c], cfg, hw.gpus_per_node),
+                      sglang_commands(deployments[c], cfg, hw.host_gpus),
                       experiment_yaml(deployments[c], cfg))
                for c in rank_feasible(cfg, table)[:2]]
     result = PlanResult(cfg, price, table, pareto_frontier(table, cfg),
@@ -175,15 +176,34 @@ def _bottleneck(cfg: PlanConfig, dep: Candidate, r: PointResult, filt: Prefilter
     role, n, shape = dep.roles[-1]
     cap = filt.capacity(role, shape)
     mean_ctx = float(np.mean(filt.workload.input_tokens + filt.workload.output_tokens / 2))
-    kv_batch = (n * shape.dp_attention * min(cap.max_running_per_rank,
-                                             cap.kv_tokens_per_rank / mean_ctx)
-                if isinstance(cap, RoleCapacity) else 0.0)
+    ranks = n * shape.dp_attention
+    kv_batch, request_cap, why = 0.0, 0.0, ""
+    if isinstance(cap, RoleCapacity):
+        kv_batch = ranks * cap.kv_tokens_per_rank / mean_ctx
+        request_cap = ranks * cap.max_running_per_rank
+        why = request_cap_words(shape, cap.max_running_per_rank, ranks)
     nic = n * shape.tp * hw.rdma_gb_per_s * 1e9
     ttft = cfg.slo.percentile_targets("ttft")
     decode = [(m, q, v) for m in ("itl", "tpot") for q, v in cfg.slo.percentile_targets(m)]
     return find_bottleneck(r.summary, r.requests, ttft_target_s=ttft[-1][1] if ttft else None,
                            latency_targets=decode, decode_kv_batch=kv_batch,
+                           decode_request_cap=request_cap, request_cap_why=why,
                            decode_nic_bytes_s=nic)
+
+
+def request_cap_words(shape: RoleShape, per_rank: int, ranks: int) -> str:
+    """What caps a decode (or colocated) rank's running requests at `per_rank`: DeepEP's
+    low-latency dispatch (its tokens per rank and call, one request a token; a call per
+    micro-batch under two-batch overlap: pdsim.sim.build), else --max-running-requests."""
+    tokens = RoleConfig.model_fields["num_max_dispatch_tokens_per_rank"].default
+    calls = 2 if shape.two_batch_overlap else 1
+    if shape.moe_a2a == "deepep" and per_rank == tokens * calls:
+        why = (f"DeepEP low-latency dispatch's {tokens} tokens per rank"
+               + (" and micro-batch" if calls > 1 else "")
+               + ", SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK")
+    else:
+        why = "--max-running-requests"
+    return f"{per_rank:,} per rank x {ranks} ranks, {why}" if ranks > 1 else why
 
 
 def _run_candidate(index: int, cfg, swept: dict, base_dir: str | None,
@@ -207,45 +227,71 @@ def _simulate(cfg: PlanConfig, deployments: list[Candidate], order: list[int], p
     candidate's result can arrive after dearer ones went out); the rule is then replayed in
     cost order over the results (`_kept_in_cost_order`), so the plan is the same whatever the
     executor, the number of workers or the timing."""
-    from pdsim.progress import progress_bar
+    from pdsim.progress import point_shares, progress_bar, share_stop
 
-    order = order[:cfg.search.max_simulations]
+    survivors, order = len(order), order[:cfg.search.max_simulations]
     results: dict[int, PointResult] = {}
     cutoff = math.inf
     # A run whose SLO is already out of reach stops there (pdsim.planning.early_stop).
-    stop = partial(SloWatch, cfg) if cfg.search.early_stop and cfg.metrics.whole_run else None
+    watch = partial(SloWatch, cfg) if cfg.search.early_stop and cfg.metrics.whole_run else None
+
+    def cost(c: int) -> float:
+        return deployments[c].num_gpus * price
 
     def args(c: int):
         data = deployments[c].experiment_data(cfg, name=f"{cfg.name}_{c}")
         where = f"plan {cfg.name}, candidate {deployments[c].label}"
+        stop = watch if shares is None else partial(share_stop, shares.reporter(c), watch)
         return c, parse_experiment(data, where), {}, base_dir, stop
 
-    def done(c: int, r: PointResult | str, bar: Callable[[], None]) -> None:
+    def done(c: int, r: PointResult | str) -> None:
         nonlocal cutoff
         results[c] = r
-        bar()
+        bar.advance()
         if isinstance(r, str):
             return
         r.summary.update(tpot_percentiles(r.requests))
         if cfg.objective == "cost" and meets(cfg, r.summary):
-            cutoff = min(cutoff, deployments[c].num_gpus * price * (1 + cfg.search.cost_slack))
+            cutoff = min(cutoff, cost(c) * (1 + cfg.search.cost_slack))
+            # the bar counts only what will still run: pending is cheapest first
+            bar.total(len(results) + len(running) + sum(cost(p) <= cutoff for p in pending))
 
-    with progress_bar(f"simulating {cfg.name}", len(order), progress) as bar, \
-            open_pool(executor, jobs, ray_address, tasks=len(order)) as pool:
+    with progress_bar(f"simulating {cfg.name}", len(order), progress,
+                      size=f"at most {len(order)}, cheapest first") as bar, \
+            open_pool(executor, jobs, ray_address, tasks=len(order)) as pool, \
+            point_shares(bar, pool) as shares:
         pending = list(order)
         running: dict = {}  # with one local worker each task runs as it is submitted
         while pending or running:
-            while pending and len(running) < pool.workers and \
-                    deployments[pending[0]].num_gpus * price <= cutoff:
+            while pending and len(running) < pool.workers and cost(pending[0]) <= cutoff:
                 c = pending.pop(0)
                 running[pool.submit(_run_candidate, *args(c))] = c
             if not running:
                 break
-            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            finished, _ = wait(running, timeout=None if shares is None else REFRESH_S,
+                               return_when=FIRST_COMPLETED)
             for fut in finished:
-                done(running.pop(fut), fut.result(), bar.advance)
-        bar.total(len(results))
+                done(running.pop(fut), fut.result())
+            if shares is not None:
+                shares.refresh(running.values())
+        bar.note(_simulated_note(len(results), survivors, len(order), cutoff))
     return _kept_in_cost_order(cfg, deployments, order, results, price)
+
+
+# How often the bar reads the share done of the candidates in flight (seconds).
+REFRESH_S = 0.5
+
+
+def _simulated_note(simulated: int, survivors: int, cap: int, cutoff: float) -> str:
+    """How many candidates ran, of those past the pre-filter, and why not the others."""
+    why = []
+    if cap - simulated:
+        why.append(f"{cap - simulated} cost over ${cutoff:,.2f}/h, (1 + search.cost_slack) x "
+                   "the cheapest that meets the SLO")
+    if survivors - cap:
+        why.append(f"{survivors - cap} past search.max_simulations ({cap})")
+    return (f"simulated {simulated} of the {survivors} candidates past the pre-filter"
+            + (f"; not simulated: {'; '.join(why)}" if why else ""))
 
 
 def _kept_in_cost_order(cfg: PlanConfig, deployments: list[Candidate], order: list[int],
