@@ -1,8 +1,9 @@
 """`pdsim explain`: one step of a config's role, priced op by op.
 
 The config's cost model for the role (as a run builds it) prices one step: a decode step of
-`batch` requests at `context` tokens each, or a prompt of `prompt` tokens prefilled in the
-chunks the role's scheduler cuts it into, every attention-DP rank running the same. Each row is
+`batch` requests at `context` tokens each, or `prompts` prompts of `prompt` tokens prefilled in
+the extend steps the role's scheduler cuts them into, every attention-DP rank running the same.
+A colocated instance runs both kinds of step: prompt options ask for its extend step. Each row is
 one op: how many times the step runs it (its layers), seconds per call and in all, its share of
 the step and how it was priced. The silicon model traces its table lookups
 (`SiliconCostModel.trace`), so its rows are kernels with the table each came from; the
@@ -17,8 +18,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from pdsim.config import ExperimentConfig
-from pdsim.core.batch import BatchShape, extend_shape
-from pdsim.core.chunking import prompt_chunks
+from pdsim.core.batch import BatchShape, extend_attn_pairs
+from pdsim.core.chunking import chunk_cap
+from pdsim.core.config import SchedulerConfig
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cost import BREAKDOWN_PARTS, PART_GROUPS, SHARE_GROUPS
 from pdsim.sim.silicon import SiliconCostModel
@@ -90,22 +92,51 @@ class Explanation:
         }
 
 
-def explain_step(cfg: ExperimentConfig, role: str | None = None, batch: int = 64,
-                 context: int = 2048, prompt: int = 4096,
-                 base_dir: str | None = None) -> Explanation:
-    """Price one step of `role` (default: decode, or colocated for a colocated cluster) of
-    `cfg` op by op. Prefill prices a prompt; decode and colocated a decode step."""
+_DEFAULTS = {"batch": 64, "context": 2048, "prompt": 4096, "prompts": 1}
+_DECODE_OPTIONS = ("batch", "context")  # the rest of _DEFAULTS set an extend step
+
+
+def explain_step(cfg: ExperimentConfig, role: str | None = None, batch: int | None = None,
+                 context: int | None = None, prompt: int | None = None,
+                 prompts: int | None = None, base_dir: str | None = None) -> Explanation:
+    """Price one step of `role` of `cfg` op by op: an extend step for prefill, a decode step
+    for decode. A colocated instance runs both: colocated is its extend step when given
+    `prompt` or `prompts`, and on a colocated cluster prefill and decode name its two steps.
+    The default role is colocated on a colocated cluster, else prefill when given `prompt` or
+    `prompts`, else decode. Options left None take _DEFAULTS; one that the step does not take
+    is refused, never ignored."""
     cluster = build_cluster(cfg, base_dir)
     roles = {"prefill": cluster.prefill, "decode": cluster.decode,
              "colocated": cluster.colocated}
     present = [name for name, spec in roles.items() if spec is not None]
-    role = role or ("colocated" if cluster.colocated is not None else "decode")
-    if role not in present:
-        raise ValueError(f"role {role!r} is not in this {cluster.mode} cluster; its roles: "
-                         f"{', '.join(present)}")
-    for name, value in (("batch", batch), ("context", context), ("prompt", prompt)):
+    asked = {name: value for name, value in (("batch", batch), ("context", context),
+                                             ("prompt", prompt), ("prompts", prompts))
+             if value is not None}
+    for name, value in asked.items():
         if value < 1:
             raise ValueError(f"--{name} must be at least 1, got {value}")
+    wants_extend = any(name not in _DECODE_OPTIONS for name in asked)
+    colocated = cluster.colocated is not None
+    role = role or ("colocated" if colocated else "prefill" if wants_extend else "decode")
+    if role not in present and not (colocated and role in ("prefill", "decode")):
+        raise ValueError(f"role {role!r} is not in this {cluster.mode} cluster; its roles: "
+                         f"{', '.join(present)}" + (" (or prefill and decode: its extend and "
+                                                    "decode steps)" if colocated else ""))
+    extend = role == "prefill" or (role == "colocated" and wants_extend)
+    wrong = [f"--{name}" for name in asked if (name in _DECODE_OPTIONS) == extend]
+    if wrong:
+        if role == "colocated":
+            given = [f"--{name}" for name in asked if name not in _DECODE_OPTIONS]
+            raise ValueError(f"{' and '.join(wrong)} cannot be honoured with "
+                             f"{' and '.join(given)}: a colocated instance runs its extend and "
+                             f"decode steps apart; explain an extend step (--prompt, --prompts) "
+                             f"or a decode step (--batch, --context)")
+        step, takes = (("an extend step", "--prompt and --prompts") if extend
+                       else ("a decode step", "--batch and --context"))
+        raise ValueError(f"{' and '.join(wrong)} cannot be honoured: the {role} role explains "
+                         f"{step}, which takes {takes}")
+    role = "colocated" if colocated else role  # its instance runs both kinds of step
+    batch, context, prompt, prompts = ({**_DEFAULTS, **asked}[name] for name in _DEFAULTS)
     spec = roles[role]
     whole = spec.cost()
     cost, draft, k = whole, None, 0
@@ -115,14 +146,15 @@ def explain_step(cfg: ExperimentConfig, role: str | None = None, batch: int = 64
         raise ValueError(f"the {cfg.cost_model.name!r} cost model has no step breakdown; "
                          f"explain prices roofline and silicon steps")
     dp = spec.dp_attention
-    if role == "prefill":
-        sched = spec.scheduler
-        chunks = prompt_chunks(prompt, sched.chunked_prefill_size, sched.dynamic_chunking)
-        steps = [[extend_shape(n, done)] * dp for done, n in chunks]
-        words = f"prefill of a {prompt}-token prompt in {len(steps)} chunk(s) of <= " \
-                f"{max(n for _, n in chunks)}"
-        if sched.dynamic_chunking is not None and len(chunks) > 1:
-            words += f" (dynamic chunking: {' → '.join(str(n) for _, n in chunks)})"
+    if extend:
+        planned = extend_steps(prompts, prompt, spec.scheduler)
+        steps = [[_extend_shape(segments)] * dp for segments in planned]
+        sizes = [shapes[0].prefill_tokens for shapes in steps]
+        words = (f"prefill of a {prompt}-token prompt in {len(steps)} chunk(s) of <= "
+                 f"{max(sizes)}" if prompts == 1 else f"prefill of {prompts} prompts of {prompt} "
+                 f"tokens in {len(steps)} step(s) of <= {max(sizes)} tokens")
+        if spec.scheduler.dynamic_chunking is not None and len(steps) > 1:
+            words += f" (dynamic chunking: {' → '.join(map(str, sizes))})"
     else:
         steps = [[BatchShape(decode_reqs=batch, decode_context_tokens=batch * context,
                              decode_query_len=k + 1)] * dp]
@@ -138,10 +170,10 @@ def explain_step(cfg: ExperimentConfig, role: str | None = None, batch: int = 64
     if dp > 1:
         words += f", on each of {dp} attention-DP ranks"
     if draft is not None:
-        words += (f"; {cfg.speculative.method} verifies {k} draft tokens a request: the "
-                  f"target's forward, then the draft's extend (\"draft\")"
-                  + ("" if role == "prefill" else f" and {k - 1} one-token steps "
-                     f"(\"draft step\")"))
+        words += (f"; {cfg.speculative.method} verifies {k} draft token{'s' * (k > 1)} a "
+                  f"request: the target's forward, then the draft's extend (\"draft\")"
+                  + ("" if extend or k == 1 else f" and {k - 1} one-token step"
+                     f"{'s' * (k > 2)} (\"draft step\")"))
     order = {part: i for i, part in enumerate(BREAKDOWN_PARTS)}
     rows: dict[tuple[str, str], OpRow] = {}
     for shapes in steps:
@@ -150,7 +182,7 @@ def explain_step(cfg: ExperimentConfig, role: str | None = None, batch: int = 64
     ordered = sorted(rows.values(), key=lambda r: order[r.part])  # stable: trace order kept
     if draft is not None:
         passes = [("draft", steps, 1)]
-        if role != "prefill" and k > 1:
+        if not extend and k > 1:
             one_each = [[s._replace(decode_query_len=1) for s in shapes] for shapes in steps]
             passes.append(("draft step", one_each, k - 1))
         for title, pass_steps, calls in passes:
@@ -169,6 +201,39 @@ def explain_step(cfg: ExperimentConfig, role: str | None = None, batch: int = 64
     return Explanation(role, "silicon" if silicon else "roofline", cost.model.name,
                        cost.hardware.name, words, steps,
                        sum(whole.step_time_s(shapes) for shapes in steps), ordered)
+
+
+def extend_steps(prompts: int, prompt: int,
+                 sched: SchedulerConfig) -> list[list[tuple[int, int]]]:
+    """(tokens already computed, new tokens) of each request's segment in each extend step that
+    prefills `prompts` `prompt`-token prompts waiting together, as
+    `InstanceScheduler._plan_extend` plans them with pages and request slots to spare: a step
+    takes the prompts in turn until it holds a chunk (the prompt crossing it is cut there; its
+    rest leads the next step, whose chunk dynamic chunking sizes by it) or max_prefill_tokens
+    (unchunked, a prompt over what is left waits for the next step). One prompt: the chunks of
+    `prompt_chunks`."""
+    steps, left, done = [], prompts, 0  # prompts not yet prefilled; the first one's tokens done
+    while left:
+        chunk = chunk_cap(sched.chunked_prefill_size, sched.dynamic_chunking, done)
+        segments, tokens, budget = [], 0, sched.max_prefill_tokens
+        while left and budget > 0 and (not chunk or tokens < chunk):
+            take = prompt - done
+            if chunk:
+                take = min(take, chunk - tokens)
+            elif take > budget and segments:
+                break
+            segments.append((done, take))
+            tokens, budget, done = tokens + take, budget - take, done + take
+            if done == prompt:
+                left, done = left - 1, 0
+        steps.append(segments)
+    return steps
+
+
+def _extend_shape(segments: list[tuple[int, int]]) -> BatchShape:
+    return BatchShape(prefill_tokens=sum(n for _, n in segments),
+                      prefill_attn_pairs=sum(extend_attn_pairs(n, done) for done, n in segments),
+                      prefill_prefix_tokens=sum(done for done, _ in segments))
 
 
 def _rows(cost, shapes: list[BatchShape]) -> list[OpRow]:

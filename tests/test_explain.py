@@ -11,7 +11,9 @@ from typer.testing import CliRunner
 
 from pdsim.cli import app
 from pdsim.config import parse_experiment
-from pdsim.core.batch import BatchShape, extend_shape
+from pdsim.core.batch import BatchResult, BatchShape, extend_shape
+from pdsim.core.request import Request
+from pdsim.core.scheduler import ColocatedScheduler
 from pdsim.runner import run_experiment
 from pdsim.sim.build import build_cluster
 from pdsim.sim.cluster import Simulation
@@ -40,10 +42,12 @@ DEEPEP = {"tp": 8, "dp_attention": 8, "ep": 8, "moe_a2a": "deepep"}
 KIMI_DEEPEP = {"tp": 16, "dp_attention": 16, "ep": 16, "moe_a2a": "deepep"}
 
 
-def explain(tmp_path, cfg: dict, *args: str) -> tuple[int, str]:
+def explain(tmp_path, cfg: dict, *args: str, columns: int = 80) -> tuple[int, str]:
+    """Exit code and output of `pdsim explain` on a `columns`-wide terminal."""
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    result = CliRunner().invoke(app, ["explain", str(path), *args])
+    result = CliRunner().invoke(app, ["explain", str(path), *args],
+                                env={"COLUMNS": str(columns)})
     return result.exit_code, result.output
 
 
@@ -102,6 +106,7 @@ def test_dense_roofline_prefill_chunks_the_prompt_as_the_scheduler_does(tmp_path
     assert got["ops"][0]["count"] == 3 * 32  # every chunk's 32 layers
     chunks = [extend_shape(n, done) for n, done in ((4096, 0), (4096, 4096), (1808, 8192))]
     check_sums(got, step_time_s(cfg, "prefill", chunks))
+    assert explain_json(tmp_path, cfg, "--prompt", "10000") == got  # a prompt: prefill's step
 
 
 @pytest.mark.slow
@@ -191,6 +196,107 @@ def test_kimi_experts_are_transferred_from_the_measured_deepseek_shape(tmp_path)
     experts = [line for line in out.splitlines() if line.startswith("routed experts")]
     assert len(experts) == 1 and "transferred" in experts[0]
     assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def colocated(scheduler: dict | None = None) -> dict:
+    cfg = config(cost="roofline")
+    cfg["cluster"] = {"mode": "colocated", "colocated": {"scheduler": scheduler or {}}}
+    return cfg
+
+
+def test_a_colocated_prompt_explains_the_colocated_extend_step(tmp_path):
+    """A colocated instance runs extend steps too: --prompt asks for one, and --role prefill
+    and decode name the colocated instance's steps."""
+    cfg = colocated({"chunked_prefill_size": 4096})
+    chunks = [extend_shape(n, done) for n, done in ((4096, 0), (4096, 4096), (1808, 8192))]
+    for args in (("--role", "colocated", "--prompt", "10000"), ("--prompt", "10000"),
+                 ("--role", "prefill", "--prompt", "10000")):
+        got = explain_json(tmp_path, cfg, *args)
+        assert got["role"] == "colocated", args
+        assert got["step"] == "prefill of a 10000-token prompt in 3 chunk(s) of <= 4096"
+        check_sums(got, step_time_s(cfg, "colocated", chunks))
+    got = explain_json(tmp_path, cfg, "--role", "prefill")  # the default prompt
+    assert got["role"] == "colocated" and got["shapes"][0]["prefill_tokens"] == 4096
+    for args in ((), ("--role", "decode"), ("--role", "colocated", "--batch", "64")):
+        got = explain_json(tmp_path, cfg, *args)
+        assert got["step"] == "decode of 64 requests at 2048 tokens of context", args
+        check_sums(got, step_time_s(cfg, "colocated", [decode(64, 2048)]))
+
+
+@pytest.mark.parametrize("cluster, args, message", [
+    ("pd", ("--role", "prefill", "--batch", "8", "--context", "100"),
+     "--batch and --context cannot be honoured: the prefill role explains an extend step, "
+     "which takes --prompt and --prompts"),
+    ("pd", ("--role", "decode", "--prompt", "100"), "--prompt cannot be honoured: the decode "
+     "role explains a decode step, which takes --batch and --context"),
+    ("pd", ("--prompts", "4", "--batch", "8"), "--batch cannot be honoured: the prefill role"),
+    ("colocated", ("--prompt", "100", "--batch", "8"), "--batch cannot be honoured with "
+     "--prompt: a colocated instance runs its extend and decode steps apart"),
+    ("colocated", ("--role", "decode", "--prompts", "2"), "--prompts cannot be honoured: the "
+     "decode role explains a decode step"),
+])
+def test_an_option_the_step_does_not_take_is_refused_by_name(tmp_path, cluster, args, message):
+    cfg = colocated() if cluster == "colocated" else config(cost="roofline")
+    code, out = explain(tmp_path, cfg, *args)
+    assert code == 2 and message in " ".join(out.split())
+
+
+def scheduled_extends(cfg: dict, prompts: int, prompt: int) -> list[BatchShape]:
+    """The extend batches the colocated scheduler of `cfg` plans for `prompts` prompts of
+    `prompt` tokens that arrive together."""
+    sched = ColocatedScheduler(build_cluster(parse_experiment(cfg)).colocated.scheduler)
+    for i in range(prompts):
+        sched.add_request(Request(f"r{i}", prompt, 4), 0.0)
+    shapes = []
+    while (batch := sched.step(0.0)).kind == "extend":
+        shapes.append(batch.shape)
+        sched.on_batch_done(batch, BatchResult(1.0), 0.0)
+    return shapes
+
+
+@pytest.mark.parametrize("chunk, prompts, prompt, sizes", [
+    (4096, 16, 1024, [4096] * 4),  # whole prompts, four to a chunk
+    (4096, 3, 3000, [4096, 4096, 808]),  # the prompt crossing a chunk is cut there
+    (4096, 5, 100, [500]),
+    (0, 5, 3000, [6000, 6000, 3000]),  # unchunked: whole prompts within max_prefill_tokens
+])
+def test_prompts_share_extend_steps_as_the_scheduler_plans_them(tmp_path, chunk, prompts,
+                                                                 prompt, sizes):
+    cfg = colocated({"chunked_prefill_size": chunk, "max_prefill_tokens": 8192})
+    got = explain_json(tmp_path, cfg, "--prompts", str(prompts), "--prompt", str(prompt))
+    planned = scheduled_extends(cfg, prompts, prompt)
+    assert [BatchShape(**shape) for shape in got["shapes"]] == planned
+    assert [shape.prefill_tokens for shape in planned] == sizes
+    assert got["step"] == (f"prefill of {prompts} prompts of {prompt} tokens in {len(sizes)} "
+                           f"step(s) of <= {max(sizes)} tokens")
+    check_sums(got, step_time_s(cfg, "colocated", planned))
+
+
+@needs_tables
+def test_the_op_table_keeps_each_op_on_one_line_at_80_columns(tmp_path):
+    """At 80 columns the table drops its least needed columns, and says which, rather than
+    fold a row; a wide terminal (or --wide) shows them all."""
+    cfg = config("deepseek-v3", "h200", role={**DEEPEP, "single_batch_overlap": True},
+                 speculative={"method": "mtp", "num_draft_tokens": 3,
+                              "acceptance": {"mean_accept_len": 2.5}})
+    names = [op["name"] for op in explain_json(tmp_path, cfg)["ops"]]
+    assert "draft step: MoE experts" in names
+    code, out = explain(tmp_path, cfg)
+    assert code == 0, out
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    head = next(i for i, line in enumerate(lines) if line.startswith("op "))
+    assert lines[head].split() == ["op", "n", "total", "ms", "share", "how"]
+    rows = lines[head + 1:head + 1 + len(names)]
+    assert [row[:len(name) + 1] for row, name in zip(rows, names)] == [f"{name} "
+                                                                       for name in names]
+    assert lines[head + 1 + len(names)] == ("not shown at 80 columns: each µs, table (--wide "
+                                            "shows them)")
+    for args, columns in (((), 200), (("--wide",), 80)):
+        code, out = explain(tmp_path, cfg, *args, columns=columns)
+        assert code == 0 and "not shown" not in out
+        assert ["op", "n", "each", "µs", "total", "ms", "share", "table", "how"] in [
+            line.split() for line in out.splitlines()]
 
 
 def test_explain_rejects_a_role_the_cluster_lacks(tmp_path):
