@@ -74,10 +74,10 @@ RAY_ADDRESS_OPTION = typer.Option(
 
 def _fmt(col: str, row) -> str:
     v = row[col]
+    if v != v:  # NaN: the column does not apply (no prefill instances, a skipped point)
+        return "–"
     if col.startswith(("ttft_", "itl_", "e2e_", "tpot_")):  # latencies, in seconds
         return f"{v * 1e3:.1f}"
-    if v != v:  # NaN: the column does not apply (no prefill instances, say)
-        return "–"
     if col in ("slo_attainment", "prefix_hit_rate"):
         return f"{v:.1%}"
     if col == "prefill_busy_frac":
@@ -108,7 +108,13 @@ def run(
     if not quiet:
         from pdsim.tables import counted
 
-        _print_points(summary, f"{experiment.stem}: {counted(len(summary), 'point')}", wide)
+        title, table = f"{experiment.stem}: {counted(len(summary), 'point')}", summary
+        if "skipped" in summary:  # points that cannot run: named so in the table (why: below)
+            skipped = summary["skipped"].notna()
+            title += f", {skipped.sum()} skipped"
+            table = summary.assign(label=summary["label"].where(~skipped,
+                                                                summary["label"] + " (skipped)"))
+        _print_points(table, title, wide)
     warning = roofline_reliance_warning(summary.to_dict("records"))
     for note in [warning] * bool(warning) + summary.attrs.get("notes", []):
         console.print(note, style="yellow", markup=False, highlight=False, soft_wrap=True)
@@ -538,13 +544,21 @@ def _serve_disaggregated(cfg, role, instance, port, bootstrap_port, prefill_url,
 @app.command()
 def explain(
     config: Path = typer.Argument(..., help="experiment YAML (its base config; sweeps ignored)"),
-    role: Optional[str] = typer.Option(None, help="prefill, decode or colocated (default: "
-                                       "decode, or colocated for a colocated cluster)"),
-    batch: int = typer.Option(64, help="decode: requests in the step, per attention-DP rank"),
-    context: int = typer.Option(2048, help="decode: context tokens of each request"),
-    prompt: int = typer.Option(4096, help="prefill: prompt tokens, chunked as the role's "
-                               "scheduler chunks them"),
+    role: Optional[str] = typer.Option(
+        None, help="prefill, decode or colocated (default: colocated for a colocated cluster, "
+        "else prefill given --prompt or --prompts, else decode); on a colocated cluster prefill "
+        "and decode explain its instance's extend and decode steps"),
+    batch: Optional[int] = typer.Option(
+        None, help="decode step: requests in the step, per attention-DP rank (default 64)"),
+    context: Optional[int] = typer.Option(
+        None, help="decode step: context tokens of each request (default 2048)"),
+    prompt: Optional[int] = typer.Option(
+        None, help="extend step (prefill, or colocated): tokens of each prompt (default 4096)"),
+    prompts: Optional[int] = typer.Option(
+        None, help="extend step: prompts waiting together, per attention-DP rank, cut into "
+        "steps at the role's chunk as its scheduler cuts them (default 1)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    wide: bool = WIDE_OPTION,
 ) -> None:
     """Price one step of a role op by op: calls, time, share and how each op was priced."""
     import json
@@ -554,27 +568,63 @@ def explain(
 
     with _exits_on(ConfigError, ValueError):
         cfg, _ = load_experiment(config)
-        e = explain_step(cfg, role, batch, context, prompt, str(config.parent.resolve()))
+        e = explain_step(cfg, role, batch, context, prompt, prompts,
+                         str(config.parent.resolve()))
     if json_out:
         print(json.dumps(e.to_json(), indent=2))
         return
     from rich.table import Table
 
-    out = console  # the terminal's width (COLUMNS when piped, else 80): a wide one folds nothing
-    out.print(f"{e.model} on {e.hardware}, {e.role}, {e.cost_model} cost model:\n{e.step}",
-              highlight=False)
+    from pdsim.tables import target_width
+
+    # The prose folds at the terminal's width (COLUMNS when piped, else 80); the table's rows
+    # never do: where they would, its least needed columns go, as `pdsim run`'s do.
+    console.print(f"{e.model} on {e.hardware}, {e.role}, {e.cost_model} cost model:\n{e.step}",
+                  highlight=False)
+    rows = [[r.name, str(r.count), f"{r.each_s * 1e6:.1f}", f"{r.total_s * 1e3:.2f}",
+             f"{e.share(r):.1%}", r.table, r.how] for r in e.rows]
+    width = target_width(console, wide)
+    shown = _explain_columns(rows, width)
     table = Table(box=None, padding=(0, 1, 0, 0), pad_edge=False, header_style="bold")
-    for name, justify in (("op", "left"), ("n", "right"), ("each µs", "right"),
-                          ("total ms", "right"), ("share", "right"), ("table", "left"),
-                          ("how", "left")):
+    for i in shown:
+        name, justify, _ = _EXPLAIN_COLUMNS[i]
         table.add_column(name, justify=justify, overflow="fold")
-    for r in e.rows:
-        table.add_row(r.name, str(r.count), f"{r.each_s * 1e6:.1f}", f"{r.total_s * 1e3:.2f}",
-                      f"{e.share(r):.1%}", r.table, r.how)
-    out.print(table)
+    for row in rows:
+        table.add_row(*(row[i] for i in shown))
+    fits = _explain_width(rows, shown)
+    Console(width=fits if width is None else min(fits, width), file=console.file,
+            force_terminal=console.is_terminal).print(table)
+    hidden = [name for i, (name, _, _) in enumerate(_EXPLAIN_COLUMNS) if i not in shown]
+    if hidden:
+        console.print(f"not shown at {width} columns: {', '.join(hidden)} (--wide shows them)",
+                      highlight=False, markup=False)
     groups = ", ".join(f"{g} {v:.1%}" for g, v in e.group_shares().items())
-    out.print(f"step {e.total_s * 1e3:.3f} ms (step_time_s {e.step_s * 1e3:.3f} ms); {groups}",
-              highlight=False)
+    console.print(f"step {e.total_s * 1e3:.3f} ms (step_time_s {e.step_s * 1e3:.3f} ms); "
+                  f"{groups}", highlight=False)
+
+
+# `pdsim explain`'s table: (header, justify, priority: the largest dropped first when the rows
+# would fold; each µs is total ms / n, a silicon table's name is the widest cell)
+_EXPLAIN_COLUMNS = (("op", "left", 0), ("n", "right", 1), ("each µs", "right", 3),
+                    ("total ms", "right", 0), ("share", "right", 0), ("table", "left", 2),
+                    ("how", "left", 1))
+
+
+def _explain_width(rows: list[list[str]], shown: list[int]) -> int:
+    """The width of explain's table of the `shown` columns, unfolded: one space between them."""
+    return sum(max([len(_EXPLAIN_COLUMNS[i][0])] + [len(row[i]) for row in rows])
+               for i in shown) + len(shown) - 1
+
+
+def _explain_columns(rows: list[list[str]], width: int | None) -> list[int]:
+    """The columns of explain's table that fit `width` (None: all)."""
+    shown = list(range(len(_EXPLAIN_COLUMNS)))
+    while width is not None and _explain_width(rows, shown) > width:
+        droppable = [i for i in shown if _EXPLAIN_COLUMNS[i][2]]
+        if not droppable:
+            break
+        shown.remove(max(droppable, key=lambda i: (_EXPLAIN_COLUMNS[i][2], i)))
+    return shown
 
 
 def _count(n: float) -> str:

@@ -169,7 +169,10 @@ def _results_section(frame: pd.DataFrame) -> str:
     rows = [[fmt(row[c]) for c, _, fmt in columns] for _, row in frame.iterrows()]
     numeric = [c not in (PD_RATIO,) for c, _, _ in columns]
     table = _markdown_table([h for _, h, _ in columns], rows, numeric)
-    return f"## Results\n\n{table}\n"
+    skipped = ("" if "skipped" not in frame else "".join(
+        f"\n- {frame.at[i, PD_RATIO] if PD_RATIO in frame else f'point {i}'}: skipped, {reason}"
+        for i, reason in frame["skipped"].items() if isinstance(reason, str) and reason))
+    return f"## Results\n\n{table}\n{skipped}\n" if skipped else f"## Results\n\n{table}\n"
 
 
 def _plots_section(plots: Sequence[Path], out_dir: Path) -> str:

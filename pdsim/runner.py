@@ -1,8 +1,9 @@
 """Run an experiment: every sweep point simulated, then tables, plots and a report written.
+A point whose deployment cannot run is skipped (`screen_points`), its summary row saying why.
 
 Outputs in `results/<experiment>/`: summary.csv (one row per point), requests.parquet (one row
-per request of every point), timeline.csv (with autoscaling: one row per point and policy
-interval), PNG plots, report.md and the config that produced them.
+per request of every point simulated), timeline.csv (with autoscaling: one row per point and
+policy interval), PNG plots, report.md and the config that produced them.
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from pdsim.config import ExperimentConfig, check_files, expand_sweep, load_experiment
+from pdsim.config import ConfigError, ExperimentConfig, check_files, expand_sweep, load_experiment
+from pdsim.deployment import servable_presets
 from pdsim.pools import Pool, open_pool
 from pdsim.faults import fault_summary, first_kill_s
 from pdsim.metrics import price_columns, records_frame, summarize
 from pdsim.sim.autoscaler import AutoscaleSetup, timeline_frame
-from pdsim.sim.build import build_cluster, usd_per_gpu_hour
+from pdsim.sim.build import build_cluster, role_hardware, usd_per_gpu_hour
 from pdsim.sim.cluster import simulate
 from pdsim.sim.cost import PART_GROUPS, SHARE_GROUPS
 from pdsim.sim.silicon import cost_columns
 from pdsim.core.request import Request
-from pdsim.workload import ClosedLoop, Workload, closed_loop_clients, generate
+from pdsim.specs.models import load_model_spec, model_preset_names
+from pdsim.workload import ClosedLoop, Workload, WorkloadError, closed_loop_clients, generate
 
 
 @dataclass
@@ -78,7 +81,7 @@ def run_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any], base_dir
     )
     if all(r.ok for r in result.records):
         result.check_pools_full()  # an idle cluster must have every page and slot back
-    rate = getattr(getattr(cfg.workload, "arrival", None), "rate_rps", None)
+    rate = offered_rate(cfg)
     if rate is None:
         rate = round(workload.mean_rate_rps, 3)  # NaN for a closed loop
     row = {"point": index, **point_columns(cfg, rate, workload.closed_loop),
@@ -132,8 +135,7 @@ def _run_named_point(index: int, cfg: ExperimentConfig, swept: dict[str, Any],
         result.summary.pop("stopped", None)  # "" always: the run was never to stop early
         return result
     except Exception as exc:
-        values = ", ".join(f"{k}={v}" for k, v in swept.items()) or "no sweep"
-        raise PointError(f"sweep point {index} ({values}): {type(exc).__name__}: {exc}") from exc
+        raise PointError(f"{point_name(index, swept)}: {type(exc).__name__}: {exc}") from exc
 
 
 def share_columns(instances: list) -> dict[str, float]:
@@ -172,14 +174,17 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
     cfg, raw = load_experiment(path)
     points = expand_sweep(cfg, raw, str(path))
     base_dir = str(path.parent.resolve())
-    notes = check_points(points, base_dir, str(path))
+    notes, skipped = screen_points(points, base_dir, str(path))
     out = Path(out_dir) if out_dir else Path("results") / cfg.name
     out.mkdir(parents=True, exist_ok=True)
-    args = [(i, pcfg, swept, base_dir) for i, (swept, pcfg) in enumerate(points)]
+    args = [(i, pcfg, swept, base_dir) for i, (swept, pcfg) in enumerate(points)
+            if i not in skipped]
     with open_pool(executor, jobs, ray_address, tasks=len(args)) as pool:
         results = _execute(pool, args, progress, cfg.name)
     results.sort(key=lambda r: r.index)
-    summary = pd.DataFrame([r.summary for r in results])
+    rows = [r.summary for r in results] + [
+        skipped_row(i, points[i][1], points[i][0], why, base_dir) for i, why in skipped.items()]
+    summary = pd.DataFrame(rows).sort_values("point", kind="stable", ignore_index=True)
     summary.insert(1, "label", sweep_labels(summary))
     summary.attrs["notes"] = notes
     requests = pd.concat([r.requests for r in results], ignore_index=True)
@@ -199,16 +204,118 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
 
 
 def check_points(points: list, base_dir: str, source: str) -> list[str]:
-    """Build every sweep point's cluster and check the files it names, so that a bad point
-    fails before any is simulated; return the notes on what SGLang would not run as
-    configured (`ClusterSpec.notes`), each once."""
+    """Check every sweep point before any is simulated; return the notes (`screen_points`)."""
+    return screen_points(points, base_dir, source)[0]
+
+
+def screen_points(points: list, base_dir: str, source: str) -> tuple[list[str], dict[int, str]]:
+    """Sort the sweep's points into those to simulate and those that cannot run; return the
+    notes, each once, on what SGLang would not run as configured (`ClusterSpec.notes`,
+    `first_wave_note`) and on each point to be skipped, and why each of those cannot run, by
+    point index.
+
+    A mistake in the config raises a ConfigError here, whichever point has it: a model, draft
+    or hardware that does not load (a typo), a missing file, a trace window without the
+    requests asked for (typos, unknown keys and invalid values already failed validation).
+    A point whose deployment cannot run as configured is skipped instead, so that the rest
+    of the sweep still runs: whatever the cluster build refuses (the weights or a KV page do
+    not fit, the heads do not split over tp, SGLang's derived memory fraction is not
+    positive, a combination pdsim does not model) and `mtp_error`. When no point can run
+    there is nothing to simulate: that is a ConfigError too, one point's reason as it is."""
     notes: dict[str, None] = {}
-    for _, point_cfg in points:
-        notes.update(dict.fromkeys(build_cluster(point_cfg, base_dir).notes))
+    skipped: dict[int, str] = {}
+    checked: set[str] = set()  # the workloads already checked: sweep points share them
+    for index, (swept, point_cfg) in enumerate(points):
+        check_names(point_cfg, base_dir)
+        check_files(point_cfg.workload, base_dir, source)
+        if (key := point_cfg.workload.model_dump_json()) not in checked:
+            try:
+                point_cfg.workload.check(base_dir)
+            except WorkloadError as exc:  # named by the point where the sweep varies it
+                where = [point_name(index, swept)] * any(k.startswith("workload.") for k in swept)
+                raise ConfigError(": ".join([source, *where, str(exc)])) from None
+            checked.add(key)
+        try:
+            cluster = build_cluster(point_cfg, base_dir)
+        except ConfigError as exc:
+            skipped[index] = str(exc)
+            continue
+        if (why := mtp_error(point_cfg)) is not None:
+            skipped[index] = why
+            continue
+        notes.update(dict.fromkeys(cluster.notes))
         if (note := first_wave_note(point_cfg)) is not None:
             notes[note] = None
-        check_files(point_cfg.workload, base_dir, source)
-    return list(notes)
+    notes.update({f"{point_name(i, points[i][0])} cannot run, skipped: {why}": None
+                  for i, why in skipped.items()})
+    if len(skipped) == len(points):
+        reasons = list(dict.fromkeys(skipped.values()))
+        if len(reasons) == 1:  # one point, or every point alike: its error as it is
+            raise ConfigError(reasons[0])
+        raise ConfigError("\n".join([f"{source}: no sweep point can run"] + [
+            f"  {point_name(i, points[i][0])}: {why}" for i, why in skipped.items()]))
+    return list(notes), skipped
+
+
+def check_names(cfg: ExperimentConfig, base_dir: str | None) -> None:
+    """A ConfigError for a model, draft model or hardware of the config that does not load:
+    a typo or a missing file, wrong at every point, never a deployment that cannot run."""
+    # the draft as pdsim.sim.speculative loads it: no base_dir
+    for field, model, where in (("model", cfg.model, base_dir),
+                                ("speculative.draft_model", cfg.speculative.draft_model, None)):
+        if model is None:
+            continue
+        try:
+            load_model_spec(model, where)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(f"{field}: {exc}") from None
+    role_hardware(cfg, base_dir)
+
+
+# Presets whose checkpoints ship MTP layers (config.json's `num_nextn_predict_layers`, Qwen3-Next's
+# `mtp_num_hidden_layers`): the draft of SGLang's NEXTN. Kimi-K2's has none (0).
+MTP_PRESETS = ("deepseek-r1", "deepseek-v3", "deepseek-v3.1", "qwen3-next-80b-a3b")
+
+
+def mtp_error(cfg: ExperimentConfig) -> str | None:
+    """Why `speculative.method: mtp` cannot run on the config's model, or None. SGLang's MTP
+    drafts with the checkpoint's own MTP layers; a preset whose checkpoint has none would be
+    priced with a made-up layer of its own kind, as EAGLE's default draft for a dense model.
+    A ModelSpec does not record MTP layers, so a model given as a file or mapping is taken
+    as configured, and the real backend's presets have an MTP head of their own
+    (runtime/model/draft.py)."""
+    model = cfg.model
+    if (cfg.speculative.method != "mtp" or not isinstance(model, str) or model in MTP_PRESETS
+            or model not in model_preset_names() or model in servable_presets()):
+        return None
+    return (f"speculative.method mtp: {model}'s checkpoint has no MTP layers for SGLang's "
+            f"MTP (NEXTN) draft; presets with them: {', '.join(MTP_PRESETS)}. Use method eagle "
+            "with its draft_model (a preset or config.json), or without one for draft_layers "
+            "layers of the target's attention with a dense MLP")
+
+
+def point_name(index: int, swept: dict[str, Any]) -> str:
+    values = ", ".join(f"{k}={v}" for k, v in swept.items()) or "no sweep"
+    return f"sweep point {index} ({values})"
+
+
+def skipped_row(index: int, cfg: ExperimentConfig, swept: dict[str, Any], why: str,
+                base_dir: str | None) -> dict[str, Any]:
+    """The summary row of a point that cannot run: its configuration columns and GPUs, its
+    request rate as `run_point` gives it, `skipped` saying why; every metric NaN."""
+    rate, closed_loop = offered_rate(cfg), None
+    if rate is None:
+        workload = generate(cfg.workload, base_dir=base_dir)
+        rate, closed_loop = round(workload.mean_rate_rps, 3), workload.closed_loop
+    return {"point": index, **point_columns(cfg, rate, closed_loop),
+            **{f"sweep.{k}": v for k, v in swept.items()},
+            "num_gpus": cfg.cluster.num_gpus, "skipped": why}
+
+
+def offered_rate(cfg: ExperimentConfig) -> float | None:
+    """The arrival process's `rate_rps`; None where the rate comes from the workload drawn (a
+    trace, a changing rate: its mean; a closed loop: NaN)."""
+    return getattr(getattr(cfg.workload, "arrival", None), "rate_rps", None)
 
 
 def first_wave_note(cfg: ExperimentConfig) -> str | None:

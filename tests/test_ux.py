@@ -215,7 +215,7 @@ def test_check_and_run_name_a_missing_trace_before_simulating(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_point_failing_in_a_worker_process_is_one_line(tmp_path):
+def test_a_point_whose_trace_cannot_serve_it_is_named_in_one_line_before_any_runs(tmp_path):
     write_trace(tmp_path / "t12.jsonl", 12)
     config = tiny(sweep={"workload.num_requests": [10, 50]})
     config["workload"] = {"trace": "t12.jsonl", "seed": 0}
@@ -223,7 +223,7 @@ def test_a_point_failing_in_a_worker_process_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pdsim.cli", "run", "few.yaml", "--jobs", "2"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "COLUMNS": "200"})
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr  # checked up front, as by `check`
     error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "sweep point 1 (workload.num_requests=50)" in error[0]
     assert "50 requested" in error[0] and "holds 12" in error[0]

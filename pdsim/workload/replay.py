@@ -48,6 +48,11 @@ class TraceWorkload(Spec):
                              "and target_rate_rps")
         return self
 
+    def check(self, base_dir: str | Path | None = None) -> None:
+        """Raise the WorkloadError `build` would (an empty window, too few requests in it):
+        the replay is cut as a run cuts it, reading the file being most of the time it takes."""
+        self.build(base_dir)
+
     def build(self, base_dir: str | Path | None = None) -> Workload:
         """Read the trace (a relative path is tried under `base_dir`, then here) and cut it."""
         try:

@@ -232,6 +232,13 @@ class SyntheticWorkload(Spec):
                              "constant), not process: closed")
         return self
 
+    def check(self, base_dir: str | Path | None = None) -> None:
+        """Raise the WorkloadError `build` would, without drawing the whole workload: only the
+        lengths read files (an empirical distribution's trace); the shared prefixes or
+        conversations of many requests take seconds to draw and cannot fail once validated."""
+        for field in ("input_len", "output_len"):
+            self._lengths(field, np.random.default_rng(), base_dir)
+
     def build(self, base_dir: str | Path | None = None) -> Workload:
         """Draw the workload; `base_dir` resolves an empirical distribution's relative path."""
         seeds = np.random.SeedSequence(self.seed).spawn(len(self.COMPONENTS))
