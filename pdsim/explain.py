@@ -22,7 +22,7 @@ from pdsim.core.batch import BatchShape, extend_attn_pairs
 from pdsim.core.chunking import chunk_cap
 from pdsim.core.config import SchedulerConfig
 from pdsim.sim.build import build_cluster
-from pdsim.sim.cost import BREAKDOWN_PARTS, PART_GROUPS, SHARE_GROUPS
+from pdsim.sim.cost import BREAKDOWN_PARTS, SHARE_GROUPS, part_group
 from pdsim.sim.silicon import SiliconCostModel
 from pdsim.sim.speculative import SpeculativeCostModel
 
@@ -267,8 +267,7 @@ def _layers(cost, part: str) -> int:
 
 def _row(cost, part: str, name: str, count: int, total_s: float, table: str,
          how: str) -> OpRow:
-    return OpRow(name, part, PART_GROUPS[part], count, total_s, table,
-                 how)
+    return OpRow(name, part, part_group(part, total_s), count, total_s, table, how)
 
 
 def _roofline_rows(cost, shapes: list[BatchShape]) -> list[OpRow]:

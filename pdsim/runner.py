@@ -27,7 +27,7 @@ from pdsim.metrics import price_columns, records_frame, summarize
 from pdsim.sim.autoscaler import AutoscaleSetup, timeline_frame
 from pdsim.sim.build import build_cluster, role_hardware, usd_per_gpu_hour
 from pdsim.sim.cluster import simulate
-from pdsim.sim.cost import PART_GROUPS, SHARE_GROUPS
+from pdsim.sim.cost import SHARE_GROUPS, part_group
 from pdsim.sim.silicon import cost_columns
 from pdsim.core.request import Request
 from pdsim.specs.models import load_model_spec, model_preset_names
@@ -150,7 +150,7 @@ def share_columns(instances: list) -> dict[str, float]:
             continue
         groups = seconds.setdefault(role, dict.fromkeys(SHARE_GROUPS, 0.0))
         for part, part_s in parts.items():
-            groups[PART_GROUPS[part]] += part_s
+            groups[part_group(part, part_s)] += part_s
     row = {}
     for role, groups in seconds.items():
         total = sum(groups.values())

@@ -103,14 +103,21 @@ BREAKDOWN_PARTS = ("attention", "dense_mlp", "dense_comm", "moe_experts", "moe_c
 # and the group each BREAKDOWN_PARTS part counts in. attention: its block whole (projections,
 # kernels, attention-TP all-reduce, norms); gemm: dense MLP and LM head; moe: the experts
 # (router and shared experts included); communication: the MLP's collectives or DeepEP's
-# dispatch/combine with what an overlap changes (it hides at most all of them; the SMs DeepEP
-# holds may slow the compute beside it more), the embedding's and LM head's collectives;
-# overhead: scheduler and eager launches.
+# dispatch/combine, less what an overlap hides of them, the embedding's and LM head's
+# collectives; overhead: scheduler and eager launches. Two-batch overlap's change counts in
+# communication where it hides some, in moe where splitting costs more than it hides (each
+# micro-batch reads the experts' weights and pays the kernels' floors: `part_group`).
 SHARE_GROUPS = ("attention", "gemm", "moe", "communication", "overhead")
 PART_GROUPS = {"attention": "attention", "dense_mlp": "gemm", "dense_comm": "communication",
                "moe_experts": "moe", "moe_comm": "communication",
                "tbo_overlap": "communication", "lm_head": "gemm",
                "vocab_comm": "communication", "overhead": "overhead"}
+
+
+def part_group(part: str, seconds: float) -> str:
+    """The share group `seconds` of a BREAKDOWN_PARTS part count in (PART_GROUPS; a positive
+    two-batch-overlap change is the split's extra compute)."""
+    return "moe" if part == "tbo_overlap" and seconds > 0 else PART_GROUPS[part]
 
 
 def experts_reached(experts: int, topk: int, tokens):
