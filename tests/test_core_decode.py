@@ -310,18 +310,23 @@ def test_running_requests_take_a_page_each_time_they_fill_one():
     s.check_pools_full()
 
 
-def test_retraction_keeps_the_kv_on_the_host_and_still_finishes_every_request():
-    """SGLang's PD decode retracts by offloading (`offload_kv_cache`): the victim, the one
-    with the fewest tokens generated, frees its pages and request slot, its KV is copied out
-    before the next forward and copied back into new pages when the pool has room, and no
-    forward recomputes it."""
-    # 12 pages of 4 tokens; three requests that each grow to 8 + 11 = 19 tokens (5 pages).
+def outgrowing_three() -> tuple[DecodeScheduler, list, Loop]:
+    """12 pages of 4 tokens; three requests that each grow to 8 + 11 = 19 tokens (5 pages):
+    the pool cannot hold them all to the end."""
     kv = StubKV(initial=KVPoll.WaitingForInput)
     s = DecodeScheduler(cfg(num_pages=12, page_size=4, pre_alloc_size=0, max_running_requests=4), kv)
     reqs = [req(f"r{i}", 8, 12) for i in range(3)]
     for r in reqs:
         s.add_request(r, 0.0)
-    loop = Loop(s, kv)
+    return s, reqs, Loop(s, kv)
+
+
+def test_retraction_keeps_the_kv_on_the_host_and_still_finishes_every_request():
+    """SGLang's PD decode retracts by offloading (`offload_kv_cache`): the victim, the one
+    with the fewest tokens generated, frees its pages and request slot, its KV is copied out
+    before the next forward and copied back into new pages when the pool has room, and no
+    forward recomputes it."""
+    s, reqs, loop = outgrowing_three()
     seen = []
 
     def check(s):
@@ -379,12 +384,7 @@ def test_nothing_new_is_taken_in_while_a_request_is_retracted():
 
 
 def test_an_aborted_retracted_request_drops_its_host_copy():
-    kv = StubKV(initial=KVPoll.WaitingForInput)
-    s = DecodeScheduler(cfg(num_pages=12, page_size=4, pre_alloc_size=0, max_running_requests=4), kv)
-    reqs = [req(f"r{i}", 8, 12) for i in range(3)]
-    for r in reqs:
-        s.add_request(r, 0.0)
-    loop = Loop(s, kv)
+    s, _, loop = outgrowing_three()
     while not s.retracted:
         assert loop.once() is not None
     victim = s.retracted[0]
