@@ -49,7 +49,7 @@ from runtime.security import (
 from runtime.faults import Killer
 from runtime.serve_config import ROLES, PDServeConfig
 from runtime.transfer.bindshim import preload_env
-from runtime.worker_process import WorkerProcess
+from runtime.worker_process import PORT_TAKEN_EXIT, WorkerProcess
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,15 @@ def spawn_worker(config: PDServeConfig, role: str, instance: int,
     return WorkerProcess(role, instance, f"http://{spec.host}:{port}", proc, command, env)
 
 
+def respawn_on_new_ports(config: PDServeConfig, worker: WorkerProcess,
+                         secret: str | None) -> WorkerProcess | None:
+    """`worker` started again on freshly picked ports, or None where the config fixes its
+    ports (then another process holds one of them: an error for the user)."""
+    fixed = config.worker_port(worker.role, worker.instance) or (
+        worker.role == "prefill" and config.bootstrap_port(worker.instance))
+    return None if fixed else spawn_worker(config, worker.role, worker.instance, secret)
+
+
 def router_key_env(config: PDServeConfig) -> dict[str, str]:
     """Behind SGLang's router, the API key it sends the workers (they accept it on their SGLang
     routes), in their environment."""
@@ -115,34 +124,54 @@ def fetch_health(url: str, timeout_s: float = 2.0) -> dict | None:
         return None
 
 
-async def wait_healthy(workers: Sequence[WorkerProcess], stop: asyncio.Event,
-                       timeout_s: float) -> dict[str, dict] | None:
+async def wait_healthy(workers: list[WorkerProcess], stop: asyncio.Event,
+                       timeout_s: float,
+                       respawn: Callable[[WorkerProcess], WorkerProcess | None] | None = None,
+                       ) -> dict[str, dict] | None:
     """Every worker's `/health` once all answer (by URL); None if `stop` was set first.
-    Raises `LaunchError` when a worker exits or `timeout_s` passes. A spinner names the
-    workers still starting (pdsim.progress)."""
+    Raises `LaunchError` when a worker exits or `timeout_s` passes. A worker that exits
+    because a port it was given was taken (PORT_TAKEN_EXIT) is replaced in `workers` (a list)
+    by `respawn(worker)`, up to PORT_RETRIES times, where that gives one (the launcher picked
+    its ports). A spinner names the workers still starting (pdsim.progress)."""
     from pdsim.progress import phase
 
     with phase(_waiting_for(workers)) as show:
-        return await _wait_healthy(workers, stop, timeout_s, show)
+        return await _wait_healthy(workers, stop, timeout_s, show, respawn)
+
+
+PORT_RETRIES = 3  # new ports a worker whose port was taken gets
 
 
 def _waiting_for(workers: Sequence[WorkerProcess]) -> str:
     return f"waiting for {', '.join(w.name for w in workers)} to be healthy"
 
 
-async def _wait_healthy(workers: Sequence[WorkerProcess], stop: asyncio.Event, timeout_s: float,
-                        show: Callable[[str], None]) -> dict[str, dict] | None:
+async def _wait_healthy(workers: list[WorkerProcess], stop: asyncio.Event, timeout_s: float,
+                        show: Callable[[str], None],
+                        respawn: Callable[[WorkerProcess], WorkerProcess | None] | None
+                        ) -> dict[str, dict] | None:
     loop = asyncio.get_running_loop()
     deadline = time.monotonic() + timeout_s
     health: dict[str, dict] = {}
+    retries: dict[str, int] = {}  # by worker name
     while len(health) < len(workers):
         show(_waiting_for([w for w in workers if w.url not in health]))
-        for w in workers:
+        for i, w in enumerate(workers):
             if w.url in health:
                 continue
             if w.proc is not None and w.proc.poll() is not None:
-                raise LaunchError(f"{w.name} exited with status {w.proc.returncode} while "
-                                  "starting (see its output above)")
+                again = None
+                if (w.proc.returncode == PORT_TAKEN_EXIT and respawn is not None
+                        and retries.get(w.name, 0) < PORT_RETRIES):
+                    again = respawn(w)
+                if again is None:
+                    raise LaunchError(f"{w.name} exited with status {w.proc.returncode} while "
+                                      "starting (see its output above)")
+                retries[w.name] = retries.get(w.name, 0) + 1
+                log.warning("%s: a port it was given was taken; starting it on others",
+                            w.name)
+                workers[i] = w = again
+                continue
             info = await loop.run_in_executor(None, fetch_health, w.url)
             if info is not None:
                 health[w.url] = info
@@ -243,7 +272,8 @@ async def _launch(config: PDServeConfig, on_ready, startup_timeout_s: float,
     killer = Killer(config.faults)  # fault injection: kills and restarts
     tasks: list[asyncio.Task] = []  # the kills, the autoscaler
     try:
-        health = await wait_healthy(workers, stop, startup_timeout_s)
+        health = await wait_healthy(workers, stop, startup_timeout_s,
+                                    respawn=lambda w: respawn_on_new_ports(config, w, secret))
         if health is None:
             return 0
         prefill = [w.url for w in workers if w.role == "prefill"]

@@ -5,6 +5,11 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass
 
+# A worker's exit status when a port it was given (HTTP or bootstrap) was taken before it could
+# bind it: the launcher picked a free one a moment earlier, and another process got there
+# first. The launcher then starts it again on other ports, where it picked them.
+PORT_TAKEN_EXIT = 98
+
 
 @dataclass
 class WorkerProcess:

@@ -154,3 +154,23 @@ def test_one_role_alone_and_cli_errors(tmp_path, monkeypatch):
                              capture_output=True, text=True, timeout=60)
         assert out.returncode in (1, 2) and message in " ".join(out.stderr.split()), out.stderr
 
+
+
+def test_a_configured_port_another_process_holds_ends_the_launch_naming_it(tmp_path,
+                                                                          monkeypatch):
+    """The worker exits PORT_TAKEN_EXIT, saying which address; its port is the config's, so the
+    launcher does not pick another but stops, naming the worker."""
+    monkeypatch.setenv(SECRET_ENV, new_secret())
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        cfg = tmp_path / "pd.yaml"
+        cfg.write_text(tiny_pd_yaml().replace("decode: {threads: 1,",
+                                              f"decode: {{threads: 1, port: {port},"))
+        out = subprocess.run([sys.executable, "-m", "pdsim.cli", "serve", str(cfg)], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "decode worker 0: [Errno 98]" in out.stderr and "address already in use" in out.stderr
+    assert "decode worker 0 exited with status 98 while starting" in " ".join(out.stderr.split())
+    assert "Traceback" not in out.stderr

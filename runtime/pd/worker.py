@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import errno
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from runtime.serve_config import PDServeConfig
+from runtime.worker_process import PORT_TAKEN_EXIT
 
 log = logging.getLogger(__name__)
 
@@ -384,9 +386,16 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(payload["parent_pid"])
     config = PDServeConfig.model_validate(payload["config"])
     role, instance = payload["role"], payload["instance"]
-    return serve_instance(
-        config, role, instance, port=payload["port"], bootstrap_port=payload.get("bootstrap_port"),
-        on_ready=lambda a: print(ready_line(config, role, instance, a), flush=True))
+    try:
+        return serve_instance(
+            config, role, instance, port=payload["port"],
+            bootstrap_port=payload.get("bootstrap_port"),
+            on_ready=lambda a: print(ready_line(config, role, instance, a), flush=True))
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        print(f"{role} worker {instance}: {exc}", file=sys.stderr, flush=True)
+        return PORT_TAKEN_EXIT
 
 
 def exit_now(status: int) -> None:
