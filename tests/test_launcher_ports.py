@@ -11,6 +11,8 @@ from runtime import launcher
 from runtime.launcher import LaunchError, PORT_RETRIES, wait_healthy
 from runtime.worker_process import PORT_TAKEN_EXIT, WorkerProcess
 
+pytestmark = pytest.mark.real  # the launcher's module, though nothing here starts a process
+
 
 class Exited:
     """A worker process that has already exited with `returncode`."""
