@@ -129,10 +129,6 @@ class StepShaper:
                               else capture_batch_sizes(cuda_graph_max_bs, spec, alignment))
                        for spec in (False, True)}
 
-    def graphed(self, max_rank_decode_reqs: int, has_prefill: bool) -> bool:
-        """Whether the step replays a decode graph."""
-        return not has_prefill and 0 < max_rank_decode_reqs <= self.graph_max_bs
-
     def padded_reqs(self, reqs: int, query_len: int) -> int:
         """The captured size a rank of `reqs` decode requests replays at."""
         if not self.padding:
@@ -148,7 +144,7 @@ class StepShaper:
             return StepShape(raw, totals, raw, totals)
         max_reqs = max(s.decode_reqs for s in raw)
         query_len = max(s.decode_query_len for s in raw)
-        if self.graphed(max_reqs, False):
+        if max_reqs <= self.graph_max_bs:  # a decode step its graphs replay
             if self.gathers:
                 target = self.padded_reqs(max_reqs, query_len)
                 ranks = tuple(_padded(s, target, query_len) for s in raw)
