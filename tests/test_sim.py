@@ -122,9 +122,18 @@ def test_a_decode_retraction_is_priced_as_its_host_copies():
         return result
 
     decode.executor.execute = watched
+    planned = []  # pages every planned step moves (a step priced apart must carry them all)
+    for sched in decode.instance.schedulers:
+        def step(now, plan=sched.step):
+            batch = plan(now)
+            if batch is not None and batch.kv_moves:
+                planned.append(sum(len(m.pages) for m in batch.kv_moves))
+            return batch
+        sched.step = step
     wl = generate(cfg.workload)
     result = sim.run(wl.arrival_s, wl.input_tokens, wl.output_tokens)
     assert result.retractions > 0 and moved
+    assert sorted(pages for pages, _ in moved) == sorted(planned)
     for pages, extra in moved:
         assert extra == pytest.approx(pages * cluster.decode.host_copy_s_per_page)
     assert run(data).summary["retractions"] == result.retractions

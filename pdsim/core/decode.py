@@ -56,6 +56,7 @@ class DecodeScheduler(InstanceScheduler):
         self.retracted: list[Request] = []
         self._host_pages: dict[str, int] = {}  # a retracted request's KV pages on the host
         self._kv_moves: list[KVMove] = []  # for the next planned forward to run first
+        self._moving = False  # whether the last planned forward carries KV moves
         # What the last scan of each queue saw (`_prealloc_due`); an unchanged epoch means a
         # rescan would find no endpoint changed (see KVManager.poll_epoch).
         self._prealloc_seen: tuple[int, tuple[int, ...]] | None = None
@@ -90,7 +91,8 @@ class DecodeScheduler(InstanceScheduler):
         if self.prebuilt:
             self._merge_prebuilt(now)
         batch = self._plan_decode(now)  # (no extend: the KV arrives, or comes back from host)
-        if batch is not None and self._kv_moves:
+        self._moving = batch is not None and bool(self._kv_moves)
+        if self._moving:
             batch.kv_moves, self._kv_moves = self._kv_moves, []
         return batch
 
@@ -108,8 +110,9 @@ class DecodeScheduler(InstanceScheduler):
     def _only_decoding(self) -> bool:
         # Prealloc stays blocked while pages only shrink; transfers move on outside events or
         # at their timeouts (the simulator ends a run of steps at the next one); prebuilt
-        # requests wait while the batch is full; a retracted one may resume at any step.
-        return not self.retracted and not self._kv_moves and (
+        # requests wait while the batch is full; a retracted one may resume at any step; a
+        # step that copies KV is priced on its own.
+        return not self.retracted and not self._kv_moves and not self._moving and (
             not self.prebuilt or len(self.running) >= self.config.max_running_requests)
 
     def abort(self, rid: str, reason: str, now: float) -> bool:
