@@ -66,6 +66,10 @@ def model_presets() -> dict[str, tuple[str, ...]]:
 # ---- scheduler ----------------------------------------------------------------------------
 
 
+# SGLang's `_handle_data_parallelism`: DP attention scales --schedule-conservativeness by 0.3.
+DP_CONSERVATIVENESS = 0.3
+
+
 class SchedulerKnobs(_Spec):
     """One instance's scheduler flags, SGLang's names, defaults and meanings (module docstring).
 
@@ -95,6 +99,10 @@ class SchedulerKnobs(_Spec):
         "32 of them, else 0 (SGLANG_DISAGGREGATION_NUM_PRE_ALLOCATE_REQS)")
     metadata_slots: int = Field(512, ge=1, description="first-token metadata slots of a "
                                 "prefill or decode rank")
+    schedule_conservativeness: float = Field(
+        1.0, ge=0, description="colocated: SGLang's --schedule-conservativeness, the scale on the "
+        "share of what running requests may still generate that admission keeps free (0.7 x it "
+        "at first); SGLang takes 0.3 x it under DP attention")
     context_length: int | None = Field(
         None, gt=0, description="the longest prompt + output a request may ask for; a longer "
         "one fails at once, as SGLang's --context-length refuses it. None: the model's "
@@ -198,7 +206,9 @@ class SchedulerKnobs(_Spec):
             bootstrap_timeout_s=self.bootstrap_timeout_s,
             waiting_timeout_s=self.waiting_timeout_s, speculation=speculation,
             prefix_cache=not self.disable_radix_cache, dynamic_chunking=None,
-            context_len=self.context_length or model_context_len)
+            context_len=self.context_length or model_context_len,
+            schedule_conservativeness=(self.schedule_conservativeness
+                                       * (DP_CONSERVATIVENESS if dp_attention > 1 else 1.0)))
 
     def _running_per_rank(self, num_pages: int, dp: int, where: str) -> int:
         if self.max_running_requests is not None:

@@ -12,6 +12,7 @@ from pdsim.core.batch import BatchResult
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.request import Request
 from pdsim.core.scheduler import ColocatedScheduler
+from pdsim.deployment import SchedulerKnobs
 
 
 def cfg(**kw) -> SchedulerConfig:
@@ -230,3 +231,18 @@ def test_the_ratio_resets_when_idle_and_follows_a_retraction():
     d.run()
     assert seen and all(got == pytest.approx(want) for got, want in seen)
     s.check_pools_full()
+
+
+def test_schedule_conservativeness_scales_the_ratio_and_dp_attention_lowers_it():
+    """SGLang's --schedule-conservativeness multiplies the starting ratio (capped at 1), and DP
+    attention multiplies the conservativeness by 0.3 (`_handle_data_parallelism`)."""
+    knobs = SchedulerKnobs(disable_radix_cache=True, max_running_requests=8)
+    plain = ColocatedScheduler(knobs.build(64))
+    dp = ColocatedScheduler(knobs.build(64, dp_attention=2))
+    assert (plain.init_ratio, plain.min_ratio) == pytest.approx((0.7, 0.098))
+    assert (dp.init_ratio, dp.min_ratio) == pytest.approx((0.21, 0.21 * 0.14))
+    assert dp.new_token_ratio == dp.init_ratio
+    bold = ColocatedScheduler(knobs.model_copy(update={"schedule_conservativeness": 2.0}).build(64))
+    assert bold.init_ratio == 1.0
+    with pytest.raises(ValueError, match="schedule_conservativeness"):
+        SchedulerKnobs(schedule_conservativeness=-1)

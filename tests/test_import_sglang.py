@@ -246,7 +246,7 @@ def test_piecewise_cuda_graphs_asked_of_the_prefill_servers_are_priced():
     assert imported("") == {"cuda_graph_max_bs": 128}
 
 
-def test_cuda_graph_flags_and_the_load_balance_method_are_imported():
+def test_cuda_graph_flags_the_load_balance_method_and_conservativeness_are_imported():
     script = ("python -m sglang.launch_server --model-path m --disaggregation-mode prefill "
               "--port 30000\npython -m sglang.launch_server --model-path m "
               "--disaggregation-mode decode --port 30001 {decode}\npython -m "
@@ -258,7 +258,8 @@ def test_cuda_graph_flags_and_the_load_balance_method_are_imported():
         return data
 
     data = imported("--cuda-graph-bs 8 4 16 --disable-cuda-graph-padding "
-                    "--load-balance-method follow_bootstrap_room")
+                    "--load-balance-method follow_bootstrap_room --schedule-conservativeness 0.5")
+    assert data["cluster"]["decode"]["scheduler"]["schedule_conservativeness"] == 0.5
     assert data["cost_model"]["params"] == {"cuda_graph_bs": [4, 8, 16],
                                             "cuda_graph_padding": False}
     assert data["router"]["dp_assignment"] == "room"

@@ -42,6 +42,7 @@ class SchedulerConfig:
     prefix_cache: bool
     dynamic_chunking: DynamicChunking | None
     context_len: int | None  # the longest prompt + output a request may ask for (None: any)
+    schedule_conservativeness: float  # colocated: scales new_token_ratio (SGLang's, DP-adjusted)
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_running_requests", "max_prefill_tokens",

@@ -416,13 +416,14 @@ class InstanceScheduler:
 # SGLang's estimate of the tokens running requests will still generate, which a colocated
 # instance keeps free when it admits a prompt (scheduler.py, schedule_policy.py; the defaults of
 # environ.py): a share of each one's remaining max_new_tokens (at most 4,096 counted), from
-# 0.7 (SGLANG_INIT_NEW_TOKEN_RATIO x --schedule-conservativeness 1) down to 0.7 x 0.14
-# (SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR) over 600 decode steps (SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS),
-# back to 0.7 when idle; a retraction sets it to what the batch has decoded, plus 20 steps a
-# request (SGLANG_RETRACT_DECODE_STEPS), over what it may decode.
+# 0.7 x --schedule-conservativeness (SGLANG_INIT_NEW_TOKEN_RATIO; at most 1) down to 0.14 of
+# that (SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR) over 600 decode steps
+# (SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS), back to the start when idle; a retraction sets it to
+# what the batch has decoded, plus 20 steps a request (SGLANG_RETRACT_DECODE_STEPS), over what
+# it may decode.
 INIT_NEW_TOKEN_RATIO = 0.7
-MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
-NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
 CLIP_MAX_NEW_TOKENS = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
 RETRACT_DECODE_STEPS = 20
 
@@ -439,12 +440,14 @@ class ColocatedScheduler(InstanceScheduler):
 
     def __init__(self, config: SchedulerConfig, instance_id: int = 0, **kw) -> None:
         super().__init__(config, instance_id, **kw)
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.init_ratio = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
+        self.min_ratio = min(self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
+        self.new_token_ratio = self.init_ratio
         self._planned_output = 0  # output tokens the extend being planned has admitted
 
     def step(self, now: float) -> Batch | None:
         if not self.running.reqs and not self.waiting:
-            self.new_token_ratio = INIT_NEW_TOKEN_RATIO  # idle
+            self.new_token_ratio = self.init_ratio  # idle
         try:
             return super().step(now)
         finally:
@@ -480,8 +483,8 @@ class ColocatedScheduler(InstanceScheduler):
         super().on_decode_run_done(end_times_s)
 
     def _decay(self, steps: int) -> None:
-        self.new_token_ratio = max(self.new_token_ratio - steps * NEW_TOKEN_RATIO_DECAY,
-                                   MIN_NEW_TOKEN_RATIO)
+        decay = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = max(self.new_token_ratio - steps * decay, self.min_ratio)
 
     def _retract_one(self) -> bool:
         if not super()._retract_one():

@@ -63,6 +63,7 @@ KNOB_FLAGS = {"mem_fraction_static": "--mem-fraction-static",
               "chunked_prefill_size": "--chunked-prefill-size",
               "max_prefill_tokens": "--max-prefill-tokens", "page_size": "--page-size",
               "max_total_tokens": "--max-total-tokens",
+              "schedule_conservativeness": "--schedule-conservativeness",
               "num_reserved_decode_tokens": "--num-reserved-decode-tokens"}
 # The base experiment's sections the commands replace.
 REPLACED = ("model", "kv_dtype_bytes", "cluster", "router")
@@ -171,6 +172,7 @@ def _server_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=int)
     p.add_argument("--page-size", type=int)
     p.add_argument("--max-total-tokens", type=int)
+    p.add_argument("--schedule-conservativeness", type=float)
     p.add_argument("--num-reserved-decode-tokens", type=int)
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int)
