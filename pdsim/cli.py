@@ -201,6 +201,8 @@ def _check_serve(path: Path) -> None:
 
     cfg = load_serve_config(path)
     console.print(f"{path}: valid serve config, {cfg.model_name} ({cfg.mode})", highlight=False)
+    for note in cfg.notes():
+        console.print(note, style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
 TOLERANCE_OPTION = typer.Option(0.15, help="largest relative error of mean TTFT, mean ITL and "
@@ -518,6 +520,8 @@ def _serve_disaggregated(cfg, role, instance, port, bootstrap_port, prefill_url,
     from runtime.launcher import LaunchError, launch, serve_router
 
     name = cfg.model_name
+    for note in cfg.notes():
+        typer.echo(f"warning: {note}", err=True)
     with _exits_on(LaunchError, ValueError, OSError, status=1):
         if role in ("prefill", "decode"):
             from runtime.pd.worker import ready_line, serve_instance

@@ -98,6 +98,10 @@ class _ServeBase(ExperimentConfig):
             return self.served_model_name
         return self.model if self.is_preset else Path(self.model).expanduser().resolve().name
 
+    def notes(self) -> list[str]:
+        """What to know before serving this config (`pdsim check` and `pdsim serve` print it)."""
+        return []
+
     def role(self, name: str) -> RoleConfig:
         roles = self.cluster.roles
         if name not in roles:
@@ -215,6 +219,29 @@ class PDServeConfig(_ServeBase):
     def bootstrap_port(self, instance: int) -> int:
         port = self.prefill.bootstrap_port
         return port + instance if port else 0
+
+    def notes(self) -> list[str]:
+        """GQA KV over a TP mismatch moves as one head slice per token slot per buffer (the
+        simulator counts the same, pdsim.sim.network.descriptor_counts), and over TCP each
+        costs tens of microseconds, so the transfer, not the forward, sets TTFT."""
+        from pdsim.sim.network import PROTOCOLS, descriptor_counts
+
+        p, d = self.prefill, self.decode
+        src, dst = p.tp // p.dp_attention, d.tp // d.dp_attention
+        if self.transfer.protocol != "tcp" or src == dst:
+            return []
+        spec = load_model_spec(self.model)
+        _, per_page = descriptor_counts(spec.num_layers, 1 if spec.is_mla else 2, 1,
+                                        spec.num_kv_heads, src, dst, spec.is_mla)
+        if not per_page:
+            return []
+        per_s = PROTOCOLS["tcp"].per_descriptor_s
+        return [f"attention TP {src} (prefill) -> {dst} (decode) splits {spec.name}'s "
+                f"{spec.num_kv_heads} KV heads differently: every prompt token's KV moves as "
+                f"{per_page:g} head slices, one transfer descriptor each; over transfer.protocol "
+                f"tcp at ~{per_s * 1e6:.1f} us a descriptor (`pdsim calibrate` measures this "
+                f"machine's) a 1,000-token prompt's KV takes ~{1000 * per_page * per_s:.2f} s "
+                "to send. Equal attention TP on both roles, or rdma, sends whole pages."]
 
     def request_limits(self, model_vocab: int, max_position: int):
         """What one request may ask for (`runtime.openai.protocol.Limits`): its prompt must fit

@@ -176,6 +176,33 @@ def test_serving_refuses_attention_dp_and_ep_together_on_one_role():
     one = {**data, "cluster": {"prefill": pages, "decode": {**pages, "tp": 2, "ep": 2}}}
     assert parse_serve_config(one).role("decode").ep == 2
 
+def test_serving_warns_of_head_slices_over_tcp_and_check_prints_it(tmp_path):
+    """GQA KV over an attention-TP mismatch moves one descriptor per token slot per buffer: over
+    TCP the note says so with the descriptor count the simulator prices (tiny-llama: 2 layers x
+    K, V x 2 rank pairs = 8 a token); equal TP, MLA (a replicated latent) and rdma send whole
+    pages and get none. `pdsim check` prints it."""
+    from typer.testing import CliRunner
+
+    from pdsim.cli import app
+    from runtime.serve_config import parse_serve_config
+
+    pages = {"scheduler": {"num_pages": 64}}
+    mismatch = {"model": "tiny-llama", "cluster": {"mode": "disaggregated",
+                "prefill": {**pages, "tp": 2}, "decode": pages}}
+    (note,) = parse_serve_config(mismatch).notes()
+    assert "attention TP 2 (prefill) -> 1 (decode)" in note and "8 head slices" in note
+    assert "1,000-token prompt's KV takes ~0.10 s" in note
+    equal = {**mismatch, "cluster": {"mode": "disaggregated", "prefill": pages, "decode": pages}}
+    mla = {**mismatch, "model": "tiny-mla"}
+    rdma = {**mismatch, "transfer": {"protocol": "rdma", "device_name": "mlx5_0"}}
+    for data in (equal, mla, rdma):
+        assert parse_serve_config(data).notes() == []
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(mismatch))
+    result = CliRunner().invoke(app, ["check", str(path)])
+    assert result.exit_code == 0 and "8 head slices" in result.output
+
+
 # Spellings `pdsim run` rejects (the earlier flat serve layout's among them), each with the
 # field path and message of its error.
 REJECTED = [
