@@ -19,7 +19,7 @@ from pdsim.specs import (
     model_preset_names,
     model_spec_from_hf_config,
 )
-from pdsim.specs.precision import Precision, gemm_peak_tflops
+from pdsim.specs.precision import DTYPES, Precision, gemm_peak_tflops
 
 # Published total sizes: the HF model cards (8.03B, 70.6B, 32.8B), DeepSeek-V3's README
 # (671B main model, 37B activated; 36.6B of them outside the input embedding),
@@ -515,6 +515,32 @@ def test_gptq_and_awq_int4_are_w4a16_not_fp8() -> None:
         _with_quant("qwen2.5-72b", {"quant_method": "gptq", "bits": 8})
 
 
+def test_int4_group_32_carries_a_bf16_scale_per_32_weights() -> None:
+    # Kimi-K2-Thinking: compressed-tensors int4, group 32, symmetric -> one BF16 scale a group
+    group = {"targets": ["Linear"], "input_activations": None,
+             "weights": {"num_bits": 4, "type": "int", "group_size": 32, "strategy": "group",
+                         "symmetric": True}}
+    g32 = _with_quant("kimi-k2", {"quant_method": "compressed-tensors",
+                                  "config_groups": {"group_0": group}})
+    assert g32.precision.moe_experts == "w4a16_g32"
+    assert DTYPES["w4a16_g32"].weight_bytes == pytest.approx(0.5625)
+    g128 = _with_quant("kimi-k2", {"quant_method": "compressed-tensors", "config_groups": {
+        "group_0": {**group, "weights": {**group["weights"], "group_size": 128}}}})
+    assert g128.precision.moe_experts == "w4a16"
+    # 1.01 T routed-expert weights: group 32's scales hold 47 GB more than group 128's
+    extra = g32.weight_bytes - g128.weight_bytes
+    assert 45e9 < extra < 50e9
+    gptq = _with_quant("qwen2.5-72b", {"quant_method": "gptq", "bits": 4, "group_size": 32})
+    assert gptq.precision.dense_mlp == "w4a16_g32"
+    # Blackwell's int4_wo MoE rows are SGLang's trtllm-gen MxInt4 kernel: group 32 only
+    from pdsim.sim.silicon.ops import _moe_table_format
+    assert _moe_table_format("int4_wo", load_hardware_spec("gb200")) == "w4a16_g32"
+    assert _moe_table_format("int4_wo", load_hardware_spec("h200")) == "w4a16"  # Marlin
+    thinking = model_preset("kimi-k2-thinking")
+    assert thinking.precision == Precision(moe_experts="w4a16_g32")
+    assert (thinking.num_experts, thinking.num_attention_heads) == (384, 64)
+
+
 def test_ignored_modules_keep_their_blocks_in_the_checkpoint_dtype() -> None:
     # Kimi-K2-Thinking style: int4 routed experts; attention, shared experts, dense MLP BF16.
     spec = _with_quant("kimi-k2", {
@@ -527,7 +553,7 @@ def test_ignored_modules_keep_their_blocks_in_the_checkpoint_dtype() -> None:
                    "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
     })
     assert spec.precision == Precision(
-        attention="bf16", dense_mlp="bf16", moe_experts="w4a16", lm_head="bf16"
+        attention="bf16", dense_mlp="bf16", moe_experts="w4a16_g32", lm_head="bf16"
     )
     fp8 = _with_quant("qwen2.5-72b", {
         "quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"],

@@ -563,6 +563,19 @@ _PRESETS: dict[str, dict[str, Any]] = {
         precision=Precision(attention="fp8", dense_mlp="fp8", moe_experts="fp8"),
         context_len=131072,
     ),
+    # moonshotai/Kimi-K2-Thinking config.json: Kimi-K2's shapes, a 262,144-token context, and
+    # compressed-tensors int4 routed experts (W4A16, group 32, symmetric: BF16 scales); its
+    # `ignore` keeps attention, the dense MLP, the shared expert and the LM head BF16 (the
+    # shared expert is priced with the routed ones: one `moe_experts` block, < 0.3 % of them).
+    "kimi-k2-thinking": dict(
+        num_layers=61, hidden_size=7168, num_attention_heads=64, num_kv_heads=64,
+        head_dim=192, intermediate_size=18432, vocab_size=163840, attention="mla",
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        q_lora_rank=1536, num_experts=384, experts_per_token=8, moe_intermediate_size=2048,
+        num_shared_experts=1, first_k_dense_layers=1,
+        precision=Precision(moe_experts="w4a16_g32"),
+        context_len=262144,
+    ),
     # Qwen/Qwen3-235B-A22B config.json (Qwen3MoeForCausalLM: 128 experts, top 8, no shared
     # expert, every layer MoE: decoder_sparse_step 1, mlp_only_layers []); BF16 weights.
     "qwen3-235b-a22b": dict(
@@ -646,6 +659,7 @@ PRESET_REPOS: dict[str, str] = {
     "deepseek-r1": "deepseek-ai/DeepSeek-R1",
     "deepseek-v3.1": "deepseek-ai/DeepSeek-V3.1",
     "kimi-k2": "moonshotai/Kimi-K2-Instruct",
+    "kimi-k2-thinking": "moonshotai/Kimi-K2-Thinking",
     "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B",
     "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
     "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct",

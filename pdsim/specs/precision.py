@@ -16,7 +16,9 @@ from pydantic import BaseModel, ConfigDict
 if TYPE_CHECKING:
     from pdsim.specs.hardware import HardwareSpec
 
-DTypeName = Literal["bf16", "fp16", "fp8", "fp8_tensor", "int8", "w4a16", "nvfp4", "mxfp4"]
+DTypeName = Literal[
+    "bf16", "fp16", "fp8", "fp8_tensor", "int8", "w4a16", "w4a16_g32", "nvfp4", "mxfp4"
+]
 ComputeName = Literal["bf16", "fp8"]
 
 
@@ -40,6 +42,10 @@ DTYPES: dict[str, DType] = {
     "fp8_tensor": DType("fp8_tensor", 1.0, "fp8"),
     "int8": DType("int8", 1.0, "fp8"),  # W8A8 runs on the int8 peak, equal to FP8's on Hopper+
     "w4a16": DType("w4a16", 0.5 + 1 / 64, "bf16"),  # GPTQ/AWQ int4, group 128: scale + zero
+    # int4, group 32, symmetric (compressed-tensors pack-quantized, Kimi-K2-Thinking's experts):
+    # one BF16 scale per 32 weights, no zero point -- SGLang's CompressedTensorsWNA16MoE
+    # (Marlin) and CompressedTensorsMxInt4MoE (trtllm-gen, Blackwell) both keep BF16 scales
+    "w4a16_g32": DType("w4a16_g32", 0.5 + 2 / 32, "bf16"),
     "nvfp4": DType("nvfp4", 0.5 + 1 / 16, "fp4"),  # E2M1, one FP8 scale per 16 elements
     "mxfp4": DType("mxfp4", 0.5 + 1 / 32, "fp4"),  # E2M1, one E8M0 scale per 32 elements
 }

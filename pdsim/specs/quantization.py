@@ -22,7 +22,7 @@ CHECKPOINT_DTYPES: dict[str, DTypeName] = {
 PRICEABLE_METHODS = (
     "fp8 (block or per-tensor)",
     "modelopt, modelopt_fp8, modelopt_fp4 (quant_algo FP8, NVFP4)",
-    "compressed-tensors (fp8, int8 W8A8, int4 W4A16, nvfp4, mxfp4)",
+    "compressed-tensors (fp8, int8 W8A8, int4 W4A16 group 128 or 32, nvfp4, mxfp4)",
     "gptq / awq (4-bit, W4A16)",
     "mxfp4",
 )
@@ -69,7 +69,7 @@ def _quantised_dtype(quant: Mapping[str, Any]) -> DTypeName:
     if method in ("gptq", "awq"):
         bits = quant.get("bits", quant.get("w_bit"))
         if bits == 4:
-            return "w4a16"
+            return _int4_format(quant.get("group_size", quant.get("q_group_size")))
         raise _unpriceable(f"{method} with {bits} bits")
     if method in _MODELOPT_METHODS:
         implied = _MODELOPT_METHODS[method]
@@ -106,11 +106,20 @@ def _scheme_dtype(group: Mapping[str, Any]) -> DTypeName:
     if kind == "float" and bits == 4:
         return "mxfp4" if weights.get("group_size") == 32 else "nvfp4"
     if kind == "int" and bits == 4 and act_bits in (None, 16):
-        return "w4a16"
+        return _int4_format(weights.get("group_size"))
     if kind == "int" and bits == 8 and act_bits == 8:
         return "int8"
     act = f"A{act_bits}" if act_bits else "A16"
     raise _unpriceable(f"compressed-tensors {kind} W{bits}{act}")
+
+
+def _int4_format(group_size: Any) -> DTypeName:
+    """int4 weight-only weights by their scale group: group 32 or finer carries one 16-bit
+    scale per 32 weights (`w4a16_g32`, 0.5625 B a weight: Kimi-K2-Thinking's experts); coarser
+    groups (128, the GPTQ/AWQ default; 64; per channel) are priced as group 128 (`w4a16`)."""
+    if isinstance(group_size, int) and 0 < group_size <= 32:
+        return "w4a16_g32"
+    return "w4a16"
 
 
 def _in_block(name: str, block: str) -> bool:

@@ -65,12 +65,14 @@ GDN_TABLE_TAPS = 4
 GEMM_DTYPES = {
     "bf16": ("bfloat16",), "fp16": ("bfloat16",), "fp8": ("fp8_block", "fp8"),
     "fp8_tensor": ("fp8", "fp8_block"),
-    "int8": ("int8_wo",), "w4a16": ("int4_wo",), "nvfp4": ("nvfp4",), "mxfp4": ("nvfp4",),
+    "int8": ("int8_wo",), "w4a16": ("int4_wo",), "w4a16_g32": ("int4_wo",), "nvfp4": ("nvfp4",),
+    "mxfp4": ("nvfp4",),
 }
 MOE_DTYPES = {
     "bf16": ("bfloat16",), "fp16": ("bfloat16",), "fp8": ("fp8_block",),
     "fp8_tensor": ("fp8_block",), "int8": ("fp8_block",),
-    "w4a16": ("int4_wo",), "nvfp4": ("nvfp4",), "mxfp4": ("w4a16_mxfp4", "w4a8_mxfp4_mxfp8"),
+    "w4a16": ("int4_wo",), "w4a16_g32": ("int4_wo",), "nvfp4": ("nvfp4",),
+    "mxfp4": ("w4a16_mxfp4", "w4a8_mxfp4_mxfp8"),
 }
 # MXFP4 experts on FP4 tensor cores (Blackwell): SGLang's trtllm-gen MoE quantises the
 # activations to MXFP8 unless --flashinfer-mxfp4-moe-precision bf16 (its default is
@@ -88,6 +90,16 @@ def moe_dtypes(dtype: str, hw: HardwareSpec) -> tuple[str, ...]:
 _TABLE_TO_PDSIM = {"bfloat16": "bf16", "fp8": "fp8", "fp8_block": "fp8", "int8_wo": "int8",
                    "int4_wo": "w4a16", "nvfp4": "nvfp4", "w4a16_mxfp4": "w4a16",
                    "w4a8_mxfp4_mxfp8": "mxfp4"}
+
+
+def _moe_table_format(used: str, hw: HardwareSpec) -> str:
+    """The pdsim format the MoE table's `used` rows were measured in. `int4_wo` experts on
+    Blackwell are SGLang's flashinfer_trtllm rows, CompressedTensorsMxInt4MoE, which takes
+    group-32 symmetric int4 only (its __init__ asserts it): `w4a16_g32`; on Hopper they are
+    Marlin rows (aiconfigurator's collector: group 128 unless the model's config says else)."""
+    if used == "int4_wo" and hw.blackwell:
+        return "w4a16_g32"
+    return _TABLE_TO_PDSIM[used]
 
 
 def _fallbacks(dtype: str, hw: HardwareSpec) -> tuple[str, ...]:
@@ -576,7 +588,7 @@ class OpTables:
         if used not in self._unread:
             self._unread[used] = (
                 unshared_ep_shapes(t),
-                underread_shapes(t, DTYPES[_TABLE_TO_PDSIM[used]].weight_bytes,
+                underread_shapes(t, DTYPES[_moe_table_format(used, self.table_hw)].weight_bytes,
                                  self.table_hw.hbm_gb_per_s))
         unshared, underread = self._unread[used]
         if (t["distribution"] == distribution).any():
@@ -594,7 +606,8 @@ class OpTables:
         sel = t[(t[key] == pd.Series(have, index=key)).all(axis=1)]
         g = sel.groupby("num_tokens")["latency"].min()
         fused = all(map(keeps_all_rows, sel["kernel_source"].unique()))
-        have_roof = self.moe_roofline(*have, _TABLE_TO_PDSIM[used], fused=fused)
+        have_roof = self.moe_roofline(*have, _moe_table_format(used, self.table_hw),
+                                      fused=fused)
         if have == want and used in wanted:
             curve = Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
         else:
@@ -656,7 +669,7 @@ class OpTables:
         if phase == "context":
             g = without_idle_rows(g, t[(t[key[:4]] == pd.Series(shape, index=key[:4])).all(
                 axis=1)], have_ep, shape[2])
-        have_roof = self.moe_roofline(*shape, 1, have_ep, _TABLE_TO_PDSIM[used])
+        have_roof = self.moe_roofline(*shape, 1, have_ep, _moe_table_format(used, self.table_hw))
         if have == want and used in moe_dtypes(dtype, self.hw):
             return Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
         return moved_expert_curve(g, have, have_roof, want,
