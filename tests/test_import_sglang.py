@@ -218,10 +218,37 @@ def test_online_fp8_quantization_prices_the_16_bit_blocks_per_tensor():
     assert model == {"base": "llama-3.1-8b", "precision": {
         "attention": "fp8_tensor", "dense_mlp": "fp8_tensor"}} and notes == []
     assert imported_model("deepseek-v3", "fp8") == ("deepseek-v3", [])  # block FP8 already
-    model, notes = imported_model("llama-3.1-8b", "awq")
-    assert model == "llama-3.1-8b"
-    assert notes == ["line 1 (colocated server): read past, not modelled: --quantization awq "
-                     "(priced in the checkpoint's own format; only fp8 or w8a8_fp8 changes it)"]
+    model, notes = imported_model("llama-3.1-8b", "modelopt_fp8")
+    assert model == {"base": "llama-3.1-8b", "precision": {
+        "attention": "fp8_tensor", "dense_mlp": "fp8_tensor"}} and notes == []
+
+
+def test_quantization_reads_as_the_format_sglang_serves():
+    """--quantization modelopt_fp4 is ModelOpt's NVFP4 checkpoint (MLA attention kept BF16),
+    never the FP8 preset's format; values that read the checkpoint's own format check the
+    model holds it; values pdsim cannot price are an error naming the allowed ones."""
+    def imported_model(model: str, quantization: str) -> dict | str:
+        script = "\n".join([
+            f"python -m sglang.launch_server --model-path {model} --tp 8 "
+            f"--quantization {quantization}",
+            "python -m sglang_router.launch_router --worker-urls http://127.0.0.1:30000"])
+        data, notes = import_sglang(script, BASE)
+        assert notes == []
+        parse_experiment(data)
+        return data["model"]
+
+    assert imported_model("deepseek-r1", "modelopt_fp4") == {"base": "deepseek-r1", "precision": {
+        "attention": "bf16", "dense_mlp": "nvfp4", "moe_experts": "nvfp4"}}
+    assert imported_model("llama-3.1-70b", "modelopt_fp4") == {
+        "base": "llama-3.1-70b", "precision": {"attention": "nvfp4", "dense_mlp": "nvfp4"}}
+    assert imported_model("gpt-oss-120b", "mxfp4") == "gpt-oss-120b"
+    assert imported_model("kimi-k2-thinking", "compressed-tensors") == "kimi-k2-thinking"
+    assert imported_model("kimi-k2-thinking", "moe_wna16") == "kimi-k2-thinking"
+    with pytest.raises(ConfigError, match="--quantization awq reads a checkpoint in w4a16"):
+        imported_model("llama-3.1-8b", "awq")
+    with pytest.raises(ConfigError, match="--quantization w4afp8 is not a format pdsim can "
+                                          "price; allowed: fp8, w8a8_fp8, modelopt_fp8"):
+        imported_model("deepseek-r1", "w4afp8")
 
 
 def test_piecewise_cuda_graphs_asked_of_the_prefill_servers_are_priced():

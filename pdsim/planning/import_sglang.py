@@ -21,8 +21,10 @@ SGLANG_NUM_RESERVED_DECODE_TOKENS (SGLANG_HACK_PD_DECODE_NUM_RESERVED_DECODE_TOK
 `--piecewise-cuda-graph-max-tokens` (the cost model's `piecewise_cuda_graph`) and speculative
 decoding (`--speculative-algorithm` NEXTN/EAGLE/EAGLE3 with `--speculative-num-steps`: MTP
 without `--speculative-draft-model-path`, EAGLE with one; its acceptance comes from the base
-experiment), the model (`--model-path`; `--quantization fp8` or `w8a8_fp8` makes its 16-bit
-linear blocks `fp8_tensor`) and the router's
+experiment), the model (`--model-path`; `--quantization fp8`, `w8a8_fp8` or `modelopt_fp8`
+makes its 16-bit linear blocks `fp8_tensor`, `modelopt_fp4` puts it in ModelOpt's NVFP4 layout,
+a value that reads the checkpoint's own format (awq, gptq, compressed-tensors, mxfp4, ...)
+checks the model holds it, any other is an error: QUANTIZATIONS) and the router's
 policy (as SGLang names it: a plan's `least_loaded`, written as `power_of_two`, comes back as
 that; `--mini-lb` pairs servers at random) and cache_aware settings. Environment variables
 count when set before a command (`VAR=value python -m ...`) or by an `export` line. Every instance of a role must have the
@@ -31,7 +33,7 @@ same shape (the simulator has one per role), and every URL the router names must
 
 Flags that do not change the simulation (addresses, ports, devices, logging, the transfer
 backend...) are read past. Flags that may change performance but that pdsim does not model
-(`--deepep-config`, `--attention-backend`, a `--quantization` other than fp8...) are read past
+(`--deepep-config`, `--attention-backend`, ...) are read past
 too, and named in
 the notes the import returns (`pdsim import-sglang` prints them), so nothing is dropped
 silently.
@@ -87,9 +89,25 @@ INERT_FLAGS = frozenset("""
 ENV_KNOBS = {"SGLANG_NUM_RESERVED_DECODE_TOKENS": "num_reserved_decode_tokens",
              "SGLANG_HACK_PD_DECODE_NUM_RESERVED_DECODE_TOKENS": "num_reserved_decode_tokens"}
 LL_TOKENS_ENV = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
-# SGLang's --quantization values that quantise a 16-bit checkpoint's weights to FP8 at load
-# (per tensor; w8a8_fp8 per channel), which pdsim prices as `fp8_tensor`.
-ONLINE_FP8 = ("fp8", "w8a8_fp8")
+# SGLang's --quantization values (server_args.py QUANTIZATION_CHOICES) as pdsim reads them.
+# Values that set a format on the model's linear blocks: fp8 and w8a8_fp8 quantise a 16-bit
+# checkpoint at load (per tensor; w8a8_fp8 per channel) and modelopt_fp8 names a ModelOpt FP8
+# checkpoint (per-tensor scales): its 16-bit blocks `fp8_tensor`; modelopt_fp4 names a ModelOpt
+# NVFP4 checkpoint (nvidia/DeepSeek-R1-0528-FP4 and kin): experts and dense MLPs `nvfp4`, MLA
+# attention BF16 (those checkpoints' exclude_modules keep `self_attn`), GQA attention `nvfp4`.
+ONLINE_FP8 = ("fp8", "w8a8_fp8", "modelopt_fp8")
+MODELOPT_FP4 = "modelopt_fp4"
+# Values that read the checkpoint's own quantization_config: the model must hold that format
+# (a preset of another checkpoint does not; give the checkpoint's config.json instead).
+CHECKPOINT_FORMATS: dict[str, tuple[str, ...]] = {
+    "modelopt": ("fp8_tensor", "nvfp4"),
+    "compressed-tensors": ("fp8", "fp8_tensor", "int8", "w4a16", "w4a16_g32", "nvfp4", "mxfp4"),
+    **{q: ("w4a16", "w4a16_g32")
+       for q in ("awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "moe_wna16")},
+    "mxfp4": ("mxfp4",),
+    "w8a8_int8": ("int8",),
+}
+QUANTIZATIONS = (*ONLINE_FP8, MODELOPT_FP4, *CHECKPOINT_FORMATS)
 SMOOTH_FACTOR_ENV = "SGLANG_DYNAMIC_CHUNKING_SMOOTH_FACTOR"
 # SGLang's --load-balance-method values that pick a DP rank as a router.dp_assignment does
 LOAD_BALANCE_METHODS = {"round_robin": "round_robin", "follow_bootstrap_room": "room",
@@ -236,7 +254,7 @@ class _Server:
     piecewise: dict[str, Any]  # the cost params of piecewise-graphed extends it asks for
     speculative: dict[str, Any] | None  # the speculative section's method and drafts
     unmodelled: list[str]  # flags read past that may change performance
-    online_fp8: bool  # --quantization fp8: SGLang quantises 16-bit weights at load
+    quantization: str | None  # --quantization, one of QUANTIZATIONS
 
 
 def _server(argv: list[str], env: dict[str, str], line: int) -> _Server | None:
@@ -250,10 +268,10 @@ def _server(argv: list[str], env: dict[str, str], line: int) -> _Server | None:
         raise ConfigError(f"line {line}: --disaggregation-mode {a.disaggregation_mode!r}; "
                           "allowed: prefill, decode, null")
     unmodelled = [flag for flag in rest if flag not in INERT_FLAGS]
-    online_fp8 = a.quantization in ONLINE_FP8
-    if a.quantization is not None and not online_fp8:
-        unmodelled.append(f"--quantization {a.quantization} (priced in the checkpoint's own "
-                          f"format; only {' or '.join(ONLINE_FP8)} changes it)")
+    if a.quantization is not None and a.quantization not in QUANTIZATIONS:
+        raise ConfigError(f"line {line}: --quantization {a.quantization} is not a format pdsim "
+                          f"can price; allowed: {', '.join(QUANTIZATIONS)} (or leave it out "
+                          "and give the model's precision)")
     if _deepep(a) and a.deepep_mode not in DEEPEP_MODES[role]:
         unmodelled.append(f"--deepep-mode {a.deepep_mode} (priced as SGLang's auto: normal for "
                           "prefill batches, low latency for decode batches)")
@@ -267,7 +285,7 @@ def _server(argv: list[str], env: dict[str, str], line: int) -> _Server | None:
                    _knobs(a, env, role, line), a.model_path,
                    1 if a.kv_cache_dtype.startswith("fp8") else 2, _graph_params(a),
                    dp_assignment, _piecewise(a), _speculative(a, line, unmodelled), unmodelled,
-                   online_fp8)
+                   a.quantization)
 
 
 def _deepep(a: argparse.Namespace) -> bool:
@@ -387,16 +405,33 @@ def _speculative(a: argparse.Namespace, line: int, unmodelled: list[str]
     return {"method": method, "num_draft_tokens": steps}
 
 
-def _online_fp8(model: str | dict[str, Any], base_dir: str | Path | None
-                ) -> str | dict[str, Any]:
-    """The model as SGLang's `--quantization fp8` serves it: its 16-bit linear blocks
-    quantised at load with per-tensor (w8a8_fp8: per-channel) scales, `fp8_tensor`; the LM
-    head and a checkpoint's own FP8 (or other) blocks as they are."""
+def _quantized(model: str | dict[str, Any], quantization: str,
+               base_dir: str | Path | None) -> str | dict[str, Any]:
+    """The model as SGLang serves it with `--quantization` (QUANTIZATIONS): fp8, w8a8_fp8 and
+    modelopt_fp8 make its 16-bit linear blocks `fp8_tensor` (the LM head and a checkpoint's
+    own FP8 or other blocks as they are); modelopt_fp4 puts a model with no NVFP4 block in
+    ModelOpt's NVFP4 layout; the others need the model to hold their format already."""
     spec = load_model_spec(model, base_dir)
     present = ("attention", *(("dense_mlp",) if spec.num_dense_layers else ()),
                *(("moe_experts",) if spec.is_moe else ()))
-    blocks = {block: "fp8_tensor" for block in present
-              if getattr(spec.precision, block) in ("bf16", "fp16")}
+    formats = {getattr(spec.precision, block) for block in present}
+    if quantization in CHECKPOINT_FORMATS:
+        if not formats & set(CHECKPOINT_FORMATS[quantization]):
+            raise ConfigError(
+                f"--quantization {quantization} reads a checkpoint in "
+                f"{' or '.join(CHECKPOINT_FORMATS[quantization])}, but the model "
+                f"({spec.name}) holds {', '.join(sorted(formats))}; give the checkpoint's "
+                "config.json as --model-path (or --model), or a model with that precision")
+        return model
+    if quantization == MODELOPT_FP4:
+        if "nvfp4" in formats:
+            return model
+        blocks = {block: "nvfp4" for block in present}
+        if spec.is_mla:
+            blocks["attention"] = "bf16"
+    else:
+        blocks = {block: "fp8_tensor" for block in present
+                  if getattr(spec.precision, block) in ("bf16", "fp16")}
     if not blocks:
         return model
     base = model if isinstance(model, str) else dict(model)
@@ -512,8 +547,9 @@ def import_sglang(text: str, base: dict[str, Any], *, name: str | None = None,
     if spec is not None:
         data["speculative"] = _with_acceptance(dict(spec), base.get("speculative") or {})
     model = model or _known_model(_one({s.model for s in servers}, "--model-path"), base_dir)
-    if _one({s.online_fp8 for s in servers}, "--quantization"):
-        model = _online_fp8(model, base_dir)
+    quantization = _one({s.quantization for s in servers}, "--quantization")
+    if quantization is not None:
+        model = _quantized(model, quantization, base_dir)
     return {"name": name or base.get("name", "imported"),
             "description": "imported from SGLang launch commands (pdsim import-sglang)",
             **data, "model": model,
