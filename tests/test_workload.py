@@ -143,6 +143,26 @@ def test_uniform_bounds_hold_and_include_both_ends():
     assert w.input_tokens.mean() == pytest.approx(6.0, rel=0.02)
 
 
+@pytest.mark.parametrize(("ratio", "low"), [(None, 1), (0.0, 1), (0.5, 512), (0.25, 256), (1.0, 1024)])
+def test_sglang_random_lengths_are_bench_servings(ratio, low):
+    """bench_serving --dataset-name random: uniform integers in [max(int(len * ratio), 1), len];
+    its default ratio, 0, gives 1..len (mean ~len/2), not len."""
+    spec = {"dist": "sglang_random", "len": 1024} | ({} if ratio is None else {"range_ratio": ratio})
+    w = generate(synthetic(num_requests=20_000, input_len=spec, output_len=spec))
+    for lengths in (w.input_tokens, w.output_tokens):
+        assert lengths.min() == low and lengths.max() == 1024
+        assert lengths.mean() == pytest.approx((low + 1024) / 2, rel=0.02)
+    # the same numbers as `uniform` over the bounds bench_serving derives
+    same = generate(synthetic(num_requests=20_000, input_len={"dist": "uniform", "low": low, "high": 1024}))
+    assert np.array_equal(same.input_tokens, w.input_tokens)
+
+
+@pytest.mark.parametrize("bad", [{"range_ratio": 1.5}, {"range_ratio": -0.1}, {"len": 0}])
+def test_sglang_random_refuses_what_bench_serving_cannot_draw(bad):
+    with pytest.raises(ValidationError):
+        generate(synthetic(input_len={"dist": "sglang_random", "len": 1024} | bad))
+
+
 @pytest.mark.parametrize("spread", [{"cv": 1.0}, {"cv": 0.5}, {"sigma": 0.8}])
 def test_lognormal_mean_is_the_distribution_mean(spread):
     dist = {"dist": "lognormal", "mean": 2000, **spread}
@@ -392,7 +412,8 @@ def test_registering_a_name_twice_raises():
     with pytest.raises(ValueError, match="'poisson' is already registered"):
         ARRIVAL_PROCESSES.register(AnotherPoisson)
     assert ARRIVAL_PROCESSES["poisson"] is PoissonArrival
-    assert LENGTH_DISTRIBUTIONS.names() == ("empirical", "fixed", "lognormal", "uniform")
+    assert LENGTH_DISTRIBUTIONS.names() == ("empirical", "fixed", "lognormal", "sglang_random",
+                                            "uniform")
 
 
 def test_a_registry_parses_what_was_registered_in_it():

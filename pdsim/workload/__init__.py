@@ -17,6 +17,7 @@ workload:                     # synthetic
   input_len: {dist: lognormal, mean: 2048, cv: 1.0, min: 16, max: 32768}
   output_len: {dist: empirical, path: ../shared/traces/conversation_trace.jsonl, column: output}
   # also {dist: fixed, value: 128} and {dist: uniform, low: 16, high: 512} (both ends included)
+  # and {dist: sglang_random, len: 1024, range_ratio: 0.0}: bench_serving's --dataset-name random
   # prefix: {system_prompts: 8, system_prompt_len: 2000, share: 0.8}  # shared system prompts
   # conversation: {turns: 4, think_time_s: 30}   # prompt = last prompt + its answer + new text
   # prefix_block_tokens: 64                      # granularity of the prefix blocks (default 64)
@@ -73,6 +74,7 @@ from pdsim.workload.synthetic import (
     LengthDistribution,
     LognormalLength,
     PoissonArrival,
+    SGLangRandomLength,
     SyntheticWorkload,
     UniformLength,
 )
@@ -104,6 +106,7 @@ __all__ = [
     "PoissonArrival",
     "PrefixBlocks",
     "Registry",
+    "SGLangRandomLength",
     "ScheduledArrival",
     "SharedPrefix",
     "Spec",

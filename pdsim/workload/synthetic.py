@@ -139,6 +139,28 @@ class UniformLength(LengthDistribution):
 
 
 @LENGTH_DISTRIBUTIONS.register
+class SGLangRandomLength(LengthDistribution):
+    """SGLang bench_serving's `--dataset-name random` lengths: `--random-input-len` (or
+    `--random-output-len`) as `len` and `--random-range-ratio` as `range_ratio`. Integers drawn
+    uniformly from max(floor(len x range_ratio), 1) to `len`, both included. The default ratio,
+    0, is bench_serving's (v0.5.10 and v0.5.23 alike): lengths from 1 to `len`, mean about
+    len / 2, not `len`; a ratio of 1 gives `len` every time. (vLLM's benchmark reads its
+    range ratio differently, as len x (1 +- ratio); this is SGLang's.)"""
+
+    dist: Literal["sglang_random"] = "sglang_random"
+    len: int = Field(ge=1, description="--random-input-len or --random-output-len")
+    range_ratio: float = Field(0.0, ge=0, le=1, allow_inf_nan=False,
+                               description="--random-range-ratio (bench_serving's default: 0)")
+
+    @property
+    def low(self) -> int:
+        return max(int(self.len * self.range_ratio), 1)
+
+    def sample(self, n: int, rng: np.random.Generator, base_dir: str | Path | None = None) -> np.ndarray:
+        return rng.integers(self.low, self.len, size=n, endpoint=True, dtype=np.int64)
+
+
+@LENGTH_DISTRIBUTIONS.register
 class LognormalLength(LengthDistribution):
     """Lognormal with the given `mean` and spread, rounded to integers, clipped to [min, max].
 
