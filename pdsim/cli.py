@@ -115,6 +115,8 @@ def run(
             table = summary.assign(label=summary["label"].where(~skipped,
                                                                 summary["label"] + " (skipped)"))
         _print_points(table, title, wide)
+        console.print(summary.attrs.get("measurement", ""), style="dim", markup=False,
+                      highlight=False, soft_wrap=True)
     warning = roofline_reliance_warning(summary.to_dict("records"))
     for note in [warning] * bool(warning) + summary.attrs.get("notes", []):
         console.print(note, style="yellow", markup=False, highlight=False, soft_wrap=True)

@@ -71,7 +71,8 @@ class MeasurementWindow(BaseModel):
     it (each token's own emission time: a whole request counted by when it ended would credit
     the window with tokens emitted before it and none of those in flight at its end), the
     prompts whose first token came inside it, the completed requests that ended inside it.
-    All zero (the default): the whole run, every request and token in it.
+    All zero (the default): the whole run, every request and token in it, from the first
+    arrival to the last finish, which is what SGLang's bench_serving and aiperf summarise.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -84,6 +85,17 @@ class MeasurementWindow(BaseModel):
     @property
     def whole_run(self) -> bool:
         return not (self.warmup_s or self.cooldown_s or self.warmup_requests or self.cooldown_requests)
+
+    def describe(self) -> str:
+        """One sentence saying what the summary figures cover, for a table's reader."""
+        if self.whole_run:
+            return ("Measured over the whole run, first request sent to last response, as SGLang's "
+                    "bench_serving and aiperf measure it: throughputs divide by that span (ramp-up "
+                    "and drain included), latencies cover every completed request.")
+        given = ", ".join(f"{k}={v:g}" for k, v in self.model_dump().items() if v)
+        return (f"Measured over a steady-state window (metrics: {given}): latencies cover the "
+                "requests sent in it, throughputs what it served per second of it. SGLang's "
+                "bench_serving and aiperf report the whole run (leave `metrics:` out to match).")
 
     def bounds(self, arrival_s: np.ndarray, finish_s: np.ndarray) -> tuple[float, float]:
         """(start, end) of the window over a run's arrival and finish times (NaN: never)."""
@@ -114,6 +126,14 @@ class MeasurementWindow(BaseModel):
         if self.whole_run:
             return np.ones(len(arrival_s), dtype=bool)
         return _in_window(times_s, *self.bounds(arrival_s, finish_s))
+
+
+COLUMN_DEFINITIONS = (
+    "TTFT: first token - request sent. ITL: every inter-token gap of every completed request "
+    "pooled (bench_serving's ITL, aiperf's inter-chunk latency). TPOT: each request's "
+    "(last token - first token) / (output tokens - 1), then over requests (bench_serving's "
+    "TPOT, aiperf's inter-token latency). E2E: last token - request sent. Output tok/s: output "
+    "tokens / the measured span (per GPU: / GPUs).")
 
 
 def _in_window(times_s: np.ndarray, start: float, end: float) -> np.ndarray:
@@ -331,13 +351,19 @@ def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO,
       Percentiles use NumPy's default linear interpolation. TTFT = first token - arrival;
       E2E = finish - arrival.
     - ``itl_*`` are over every inter-token gap of every completed request pooled together (so
-      long outputs weigh more); ``tpot_mean_s`` is the mean over requests of each one's mean gap.
+      long outputs weigh more): SGLang bench_serving's ITL, aiperf's inter-chunk latency.
+      ``tpot_*`` are over requests, each one's mean gap ((last token - first token) /
+      (tokens - 1); requests of one token have none): bench_serving's TPOT, aiperf's
+      inter-token latency.
     - ``duration_s`` = last finish - first arrival over all requests, failed ones included.
     - ``input_tok_s`` / ``output_tok_s`` = input / output tokens of completed requests divided by
       ``duration_s``; ``output_tok_s_per_gpu`` divides that by ``num_gpus``. In a window: the
       output tokens emitted in it, the input tokens of the prompts whose first token came in it.
     - ``request_throughput_req_s`` = completed requests / duration (in a window: those that
       ended in it).
+    - ``mean_concurrency`` = the E2E latencies of the completed requests summed / duration:
+      bench_serving's "Concurrency", the mean requests in flight (Little's law). A closed loop
+      of N clients reads below N by the ramp-up and the drain, which a short run makes large.
     - ``slo_attainment`` = requests meeting `slo` / all requests; failed requests are misses.
     - ``goodput_req_s`` = requests meeting `slo` / duration, the same requests as
       ``slo_attainment``'s, so it is ``slo_attainment * num_requests / duration_s``: zero when
@@ -385,14 +411,16 @@ def summarize(records: Iterable[RequestRecord], *, num_gpus: int, slo: SLO,
     summary: dict = {"num_requests": n, "completed": n_done, "failed": n - n_done, "num_gpus": num_gpus}
     summary |= _percentiles(ttft, "ttft", (50, 90, 99))
     summary |= times.pooled_percentiles("itl", (50, 90, 99))
-    tpot = tpot[~np.isnan(tpot)]
-    summary["tpot_mean_s"] = float(tpot.mean()) if len(tpot) else NAN
+    summary |= _percentiles(tpot[~np.isnan(tpot)], "tpot", (50, 90, 99))
     summary |= _percentiles(e2e, "e2e", (50, 90, 99))
     summary |= {
         "input_tok_s": rate(input_tokens),
         "output_tok_s": rate(output_tokens),
         "output_tok_s_per_gpu": rate(output_tokens) / num_gpus,
         "request_throughput_req_s": rate(served),
+        # bench_serving's "Concurrency": Little's L from the E2Es; a closed loop's client count
+        # less what its ramp-up and drain leave idle
+        "mean_concurrency": rate(float(e2e.sum())) if n_done else NAN,
         "goodput_req_s": rate(met),
         "goodput_req_s_per_gpu": rate(met) / num_gpus,
         "slo_attainment": met / n if n else NAN,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from pdsim.metrics import SLO
+from pdsim.metrics import COLUMN_DEFINITIONS, SLO, MeasurementWindow
 from pdsim.plots import PD_RATIO, is_pd_sweep, short_field, sweep_labels, varying_fields, with_pd_ratio
 from pdsim.tables import shows_prefix_hits
 
@@ -71,6 +71,7 @@ _TABLE: tuple[tuple[str, str, Callable], ...] = (
     ("ttft_p99_s", "TTFT p99 (ms)", _ms),
     ("itl_p50_s", "ITL p50 (ms)", _ms),
     ("itl_p99_s", "ITL p99 (ms)", _ms),
+    ("tpot_p50_s", "TPOT p50 (ms)", _ms),
     ("e2e_p99_s", "E2E p99 (ms)", _ms),
     ("output_tok_s_per_gpu", "out tok/s/GPU", _num),
     ("goodput_req_s_per_gpu", "goodput/GPU (req/s)", _num),
@@ -207,6 +208,7 @@ def write_report(
     config_text: str | None,
     plots: Sequence[Path],
     slo: SLO | None = None,
+    window: MeasurementWindow | None = None,
 ) -> Path:
     """Write `out_dir/report.md` for a sweep summary and return its path.
 
@@ -230,6 +232,7 @@ def write_report(
                       "SLO met: the share of the requests that arrived in the measurement window "
                       "meeting both (a failed request misses); goodput: those requests meeting "
                       "both per second of the window (zero when SLO met is 0%).")
+    header.append((window or MeasurementWindow()).describe() + " " + COLUMN_DEFINITIONS)
     header.append("")
 
     sections = ["\n".join(header)]

@@ -199,7 +199,9 @@ def run_experiment(path: str | Path, out_dir: str | Path | None = None, jobs: in
         timeline.insert(1, "label", timeline["point"].map(dict(zip(summary["point"], summary["label"]))))
         timeline.to_csv(out / "timeline.csv", index=False)
         plots.append(plot_timeline(timeline, out / "timeline.png", slo=cfg.slo))
-    write_report(summary, out, title=cfg.name, config_text=path.read_text(), plots=plots, slo=cfg.slo)
+    write_report(summary, out, title=cfg.name, config_text=path.read_text(), plots=plots, slo=cfg.slo,
+                 window=cfg.metrics)
+    summary.attrs["measurement"] = cfg.metrics.describe()
     return summary, out
 
 

@@ -63,6 +63,7 @@ def test_summarize_hand_computed(records):
     assert s["output_tok_s_per_gpu"] == pytest.approx(9 / 14)
     assert s["request_throughput_req_s"] == pytest.approx(3 / 7)
     # "a" meets; "b" sits exactly on both bounds and meets; "c" misses TTFT; "d" failed.
+    assert s["mean_concurrency"] == pytest.approx(6.5 / 7)  # E2Es summed / duration
     assert s["goodput_req_s"] == pytest.approx(2 / 7)
     assert s["goodput_req_s_per_gpu"] == pytest.approx(1 / 7)
     assert s["slo_attainment"] == pytest.approx(0.5)
@@ -73,6 +74,21 @@ def test_summarize_percentiles_match_numpy_linear(records):
     gaps = np.concatenate([np.diff(r.token_times_s) for r in records if r.ok])
     for q in (50, 90, 99):
         assert s[f"itl_p{q}_s"] == pytest.approx(np.percentile(gaps, q, method="linear"), abs=1e-15)
+
+
+def test_tpot_percentiles_are_over_requests_not_gaps(records):
+    """bench_serving's TPOT (and aiperf's ITL) percentiles are over each request's
+    (latency - ttft) / (output - 1); the pooled gaps (bench_serving's ITL) weigh long outputs more.
+    TPOTs 0.25, 0.5, 2/3: p50 0.5, p90 0.25 + ... at rank 1.8, p99 at rank 1.98."""
+    s = summarize(records, num_gpus=1, slo=SLO())
+    tpot = np.array([(r.finish_s - r.first_token_s) / (r.output_tokens - 1) for r in records if r.ok])
+    assert s["tpot_mean_s"] == pytest.approx(tpot.mean())
+    for q in (50, 90, 99):
+        assert s[f"tpot_p{q}_s"] == pytest.approx(np.percentile(tpot, q))
+    assert s["tpot_p90_s"] == pytest.approx(0.5 + 0.8 * (2 / 3 - 0.5))
+    assert s["tpot_p99_s"] != pytest.approx(s["itl_p99_s"])  # 0.65 against the gaps' 0.975
+    one = summarize([ok("one", 0.0, [0.25], input_tokens=5)], num_gpus=1, slo=SLO())
+    assert math.isnan(one["tpot_p50_s"]) and math.isnan(one["tpot_p99_s"])
 
 
 def test_slo_bounds_are_inclusive(records):

@@ -110,3 +110,31 @@ def test_simulated_window_throughput_is_the_tokens_emitted_in_it():
     assert 0 < s["slo_attainment"] < 1
     assert s["goodput_req_s"] == pytest.approx(
         s["slo_attainment"] * s["num_requests"] / s["duration_s"], rel=1e-12)
+
+
+def test_mean_concurrency_is_bench_servings_and_shows_a_short_runs_ramp_and_drain():
+    """bench_serving's "Concurrency" (E2Es summed / duration): a closed loop of 16 clients
+    over the whole run reads below 16, the more so the fewer requests a client sends (4 each:
+    the ramp-up and drain weigh more than at 15 each); its steady window reads close to 16."""
+    n = 16
+
+    def run(requests: int, window: MeasurementWindow) -> dict:
+        cfg = parse_experiment({
+            "name": "closed", "model": "llama-3.1-8b", "hardware": "h100",
+            "cluster": {"mode": "colocated", "colocated": {"instances": 1}},
+            "workload": {"num_requests": requests, "seed": 5,
+                         "arrival": {"process": "closed", "concurrency": n},
+                         "input_len": {"dist": "sglang_random", "len": 1024},
+                         "output_len": {"dist": "sglang_random", "len": 64}}})
+        wl = generate(cfg.workload)
+        records = Simulation(build_cluster(cfg), cfg.seed, cfg.max_duration_s).run(
+            wl.arrival_s, wl.input_tokens, wl.output_tokens, wl.closed_loop).records
+        return summarize(records, num_gpus=1, slo=cfg.slo, window=window)
+
+    short, long = run(4 * n, MeasurementWindow()), run(15 * n, MeasurementWindow())
+    for s in (short, long):
+        assert s["mean_concurrency"] == pytest.approx(
+            s["request_throughput_req_s"] * s["e2e_mean_s"] * s["num_requests"] / s["completed"])
+    assert short["mean_concurrency"] < long["mean_concurrency"] < n
+    steady = run(15 * n, MeasurementWindow(warmup_requests=n, cooldown_requests=n))
+    assert steady["mean_concurrency"] == pytest.approx(n, rel=0.1)

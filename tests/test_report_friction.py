@@ -87,3 +87,23 @@ def test_an_error_is_one_line_ending_in_a_newline(tmp_path, args):
     assert len(lines) == 2 and lines[0] == lines[1]
     assert lines[0].startswith("error: cluster.prefill: attention tp=3")
     assert lines[0].endswith("allowed: 1, 2, 4, 8, 16, 32\n") and len(lines[0]) > 80
+
+
+def test_the_report_says_what_span_and_which_tool_definition_each_figure_uses(tmp_path):
+    """A user comparing against a bench_serving or aiperf table must see whether the figures
+    cover the whole run (the tools' span) or a steady-state window, and which of the tools'
+    latencies each column is."""
+    from pdsim.metrics import MeasurementWindow
+
+    summary = pd.DataFrame([{**point("a", 0), "prefill_instances": 1, "decode_instances": 1}])
+    whole = write_report(summary, tmp_path, title="t", config_text=None, plots=[]).read_text()
+    header = whole.split("## ")[0]
+    assert "whole run, first request sent to last response" in header
+    assert "bench_serving's ITL, aiperf's inter-chunk latency" in header
+    assert "bench_serving's TPOT, aiperf's inter-token latency" in header
+    assert "TPOT p50 (ms)" in whole
+    window = MeasurementWindow(warmup_requests=16, cooldown_requests=16)
+    steady = write_report(summary, tmp_path, title="t", config_text=None, plots=[],
+                          window=window).read_text().split("## ")[0]
+    assert "steady-state window (metrics: warmup_requests=16, cooldown_requests=16)" in steady
+    assert "leave `metrics:` out to match" in steady
