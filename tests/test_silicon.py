@@ -266,6 +266,38 @@ def test_a_layers_untabled_kernels_are_each_priced_at_least_one_kernel_floor():
 
 
 @needs_tables
+def test_a_moe_layers_routed_activation_is_priced_once_inside_the_expert_table():
+    """The fused-MoE and DeepEP MoE tables time the routed experts' SiLU-and-mul (and the
+    Triton path its top-k), so the elementwise kernels outside them are the two add+RMSNorms
+    (and the attention block's): a Qwen3-235B prefill at TP 8 on H20 moves over its norms,
+    RoPE and KV store, not 8 x 1536 x 3 routed activation elements a token; under DeepEP the
+    top-k kernel, outside the table, is one kernel more."""
+    from pdsim.sim.overheads import attention_elementwise_kernels
+
+    model, hw = load_model_spec("qwen3-235b-a22b"), load_hardware_spec("h20")
+    h = model.hidden_size
+    attn_kernels = attention_elementwise_kernels(model)
+    for par, kernels in ((Parallelism(tp=8), 2 + attn_kernels),
+                         (Parallelism(tp=8, ep=8, moe_a2a="deepep"), 3 + attn_kernels)):
+        cost = make_cost_model("silicon", model, hw, par)
+        cost.trace = []
+        cost.step_breakdown_s([BatchShape(decode_reqs=1, decode_context_tokens=1024)])
+        (op,) = [op for op in cost.trace if op.name == "elementwise"]
+        assert op.seconds == pytest.approx(kernels * cost.params.kernel_floor_s)
+    cost = make_cost_model("silicon", model, hw, Parallelism(tp=8))
+    cost.trace = []
+    tokens = 8192
+    cost.step_breakdown_s([BatchShape(prefill_tokens=tokens, prefill_attn_pairs=
+                                      extend_attn_pairs(0, tokens))])
+    (op,) = [op for op in cost.trace if op.name == "elementwise"]
+    heads, kvh = model.num_attention_heads // 8, model.kv_heads_per_rank(8)
+    # two add+RMSNorms (read x and residual, write both), RoPE and the qk-norm on q and k
+    elements = 8 * h + 4 * (heads + kvh) * model.head_dim
+    rate = hw.stream_gb_per_s * 1e9 * cost.params.bw_efficiency
+    assert op.seconds <= tokens * elements * 2 / rate * 1.01
+
+
+@needs_tables
 def test_extrapolated_lookups_are_counted():
     model, hw = load_model_spec("llama-3.1-8b"), load_hardware_spec("h100")
     cost = make_cost_model("silicon", model, hw, Parallelism())

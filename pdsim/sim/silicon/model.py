@@ -68,9 +68,15 @@ from pdsim.specs.models import ModelSpec
 from pdsim.specs.pipeline import stage_model
 
 # Per layer, besides the attention block's own (`attention_elementwise_kernels`): two fused
-# add+RMSNorms and the MLP activation; a Gated DeltaNet block's: the fused q/k/v/z split, the
-# gates and the gated RMSNorm.
+# add+RMSNorms and, in a dense layer, the MLP activation; a Gated DeltaNet block's: the fused
+# q/k/v/z split, the gates and the gated RMSNorm. A MoE layer's routed-expert activation runs
+# inside the kernels its table times (aiconfigurator's collect_moe.py times SGLang's
+# select_experts + fused_moe, whose fused_experts runs the align/sort, both expert GEMMs, the
+# SiLU-and-mul and the sum over top-k; collect_wideep_deepep_moe.py times DeepEPMoE's
+# run_moe_core, grouped GEMMs and the activation between them), so it adds the shared experts'
+# activation kernel if any, and under DeepEP the top-k kernel its table leaves out.
 LAYER_ELEMENTWISE_KERNELS = 3
+MOE_LAYER_NORM_KERNELS = 2
 GDN_ELEMENTWISE_KERNELS = 3
 
 
@@ -682,7 +688,11 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
     moe_global, moe_global_ll, moe_local, a2a_ll, a2a_normal = [], [], [], None, None
     moe_busiest = None
     a2a_ll_calls = None
-    mlp_act = 3 * (model.intermediate_size // tp)
+    # Elements a layer's MLP activation reads and writes per token of a rank, and its
+    # elementwise kernels besides the attention block's: a dense layer's SiLU-and-mul on its
+    # gate_up output; a MoE layer's routed activation is inside the expert tables (above).
+    dense_act = 3 * (model.intermediate_size // (par.moe_dense_tp or tp))
+    moe_act, moe_kernels = 0, LAYER_ELEMENTWISE_KERNELS
     if model.is_moe:
         md = prec.moe_experts
         deepep = par.moe_a2a == "deepep"
@@ -725,8 +735,11 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
             if ep > 1:
                 moe_busiest = partial(_load_ratio, ops.moe_roofline(*shape, tp // ep, ep, md,
                                                                     fused=not hw.blackwell))
-        mlp_act = max(mlp_act, 3 * (model.moe_intermediate_size * model.experts_per_token // ep
-                                    + shared))
+        moe_act = 3 * shared
+        moe_kernels = MOE_LAYER_NORM_KERNELS + (shared > 0) + deepep
+    dense_share = model.num_dense_layers / model.num_layers
+    mlp_act = dense_share * dense_act + (1 - dense_share) * moe_act
+    mlp_kernels = dense_share * LAYER_ELEMENTWISE_KERNELS + (1 - dense_share) * moe_kernels
 
     lm = [("lm_head", gemm,
            ops.gemm(model.vocab_size // (attn_tp if par.dp_lm_head else tp), h, prec.lm_head))]
@@ -775,7 +788,7 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
         dp_lm_head=par.dp_lm_head,
         vocab_comm=vocab_comm,
         elementwise_s_tok=(8 * h + 2 * rope_elems + mlp_act) * ACT_BYTES / mem,
-        elementwise_floor_s=(LAYER_ELEMENTWISE_KERNELS
+        elementwise_floor_s=(mlp_kernels
                              + (1 - linear_share) * attention_elementwise_kernels(model)
                              + linear_share * GDN_ELEMENTWISE_KERNELS) * p.kernel_floor_s,
     )
