@@ -50,6 +50,37 @@ def test_sglang_graph_sizes_and_kernel_counts() -> None:
     assert moe > dense > 10  # MLA + FP8 quantisation; DeepEP's dispatch and grouped GEMMs
 
 
+def test_qwen3_normalises_q_and_k_per_head_in_one_kernel_more_a_layer() -> None:
+    """SGLang's Qwen3 attention (models/utils.py apply_qk_norm) runs the fused in-place q/k
+    RMSNorm before RoPE: one launch more a layer than a Llama-shaped block, known from the
+    architecture of a config.json, and GLM-4.5's from its use_qk_norm; its q and k are read
+    and written once more in both cost models."""
+    from pdsim.sim.overheads import attention_elementwise_kernels
+    from pdsim.specs.models import model_spec_from_hf_config
+
+    qwen = model_preset("qwen3-235b-a22b")
+    assert qwen.qk_norm and not LLAMA_8B.qk_norm and not DSV3.qk_norm
+    assert attention_elementwise_kernels(qwen) == attention_elementwise_kernels(LLAMA_8B) + 1
+    config = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
+                  num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                  num_hidden_layers=48, intermediate_size=6144, vocab_size=151936,
+                  num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
+    assert model_spec_from_hf_config(config, "q").qk_norm
+    llama = dict(config, architectures=["LlamaForCausalLM"])
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        llama.pop(key)
+    assert not model_spec_from_hf_config(llama, "l").qk_norm
+    assert model_spec_from_hf_config(dict(llama, use_qk_norm=True), "g").qk_norm
+    without = qwen.model_copy(update={"qk_norm": False})
+    one = kernels_per_layer(qwen, 8, 8, 1, False, False)
+    assert one[1] == kernels_per_layer(without, 8, 8, 1, False, False)[1] + 1
+    shape = prefill(4096)
+    for name in ("roofline",) + (("silicon",) if tables.systems_dir() else ()):
+        a = make_cost_model(name, qwen, H200, Parallelism(tp=8))
+        b = make_cost_model(name, without, H200, Parallelism(tp=8))
+        assert a.step_time_s([shape]) > b.step_time_s([shape])
+
+
 def test_two_batch_overlap_launches_every_kernel_once_per_micro_batch() -> None:
     par = dict(tp=8, dp_attention=8, ep=8, moe_a2a="deepep", moe_dense_tp=1, dp_lm_head=True)
     one = host_overheads(DSV3, H200, Parallelism(**par), EAGER_LAUNCH_S, None)

@@ -740,7 +740,8 @@ class RooflineCostModel:
             proj_io = h + qkv_out + heads * model.head_dim + h
             pf_flops_pair = 4 * heads * model.head_dim
             dec_flops_ctx = 4 * heads * model.head_dim
-            rope_elems = (heads + kv_heads) * model.head_dim
+            # RoPE on q and k, and a second pass over them for the per-head q/k RMSNorm
+            rope_elems = (1 + model.qk_norm) * (heads + kv_heads) * model.head_dim
         # The attention kernel's efficiency rises with the keys each query attends to: a
         # prefill query costs as if it attended `prefill_attn_extra_keys` more keys.
         fp8_kernel = fp8_attention_kernel(model, hardware, p.kv_dtype_bytes)

@@ -39,8 +39,9 @@ DEEPEP_MOE_CORE_LAUNCHES = 3
 def attention_elementwise_kernels(model: ModelSpec) -> int:
     """Kernels of a full-attention layer's attention block that are neither GEMMs nor the
     attention kernel nor the layer's add+RMSNorm, from SGLang's layer code: RoPE and the
-    KV-cache store; MLA adds the q_a and kv_a latent RMSNorms and the q/k concat."""
-    return 5 if model.is_mla else 2
+    KV-cache store; MLA adds the q_a and kv_a latent RMSNorms and the q/k concat; a GQA
+    model with `qk_norm` (Qwen3) the fused per-head q/k RMSNorm."""
+    return 5 if model.is_mla else 2 + model.qk_norm
 
 
 def kernels_per_layer(model: ModelSpec, tp: int, attn_tp: int, dp_attention: int, deepep: bool,

@@ -93,6 +93,11 @@ class ModelSpec(BaseModel):
     moe_intermediate_size: int | None = Field(default=None, gt=0)
     num_shared_experts: int = Field(default=0, ge=0)
     first_k_dense_layers: int = Field(default=0, ge=0)
+    # GQA models that RMS-normalise each head of q and k before RoPE (Qwen3's q_norm/k_norm;
+    # GLM-4.5's use_qk_norm): SGLang runs one more kernel a layer (models/utils.py
+    # apply_qk_norm: fused_inplace_qknorm on q and k, then RoPE apart unless
+    # --enable-fused-qk-norm-rope, off by default)
+    qk_norm: bool = False
     precision: Precision = Precision()
     tie_word_embeddings: bool = False
     # the longest sequence, prompt and output, it serves: config.json's max_position_embeddings
@@ -537,7 +542,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-32b": dict(
         num_layers=64, hidden_size=5120, num_attention_heads=64, num_kv_heads=8, head_dim=128,
         intermediate_size=25600, vocab_size=151936,
-        context_len=40960,
+        qk_norm=True, context_len=40960,
     ),
     # deepseek-ai/DeepSeek-V3 config.json; its weights are published in FP8 (block-wise
     # quantization_config, 128x128 blocks), which is how SGLang serves them; the embedding and
@@ -582,14 +587,14 @@ _PRESETS: dict[str, dict[str, Any]] = {
         num_layers=94, hidden_size=4096, num_attention_heads=64, num_kv_heads=4, head_dim=128,
         intermediate_size=12288, vocab_size=151936, num_experts=128, experts_per_token=8,
         moe_intermediate_size=1536,
-        context_len=40960,
+        qk_norm=True, context_len=40960,
     ),
     # Qwen/Qwen3-30B-A3B config.json (the same family, smaller).
     "qwen3-30b-a3b": dict(
         num_layers=48, hidden_size=2048, num_attention_heads=32, num_kv_heads=4, head_dim=128,
         intermediate_size=6144, vocab_size=151936, num_experts=128, experts_per_token=8,
         moe_intermediate_size=768,
-        context_len=40960,
+        qk_norm=True, context_len=40960,
     ),
     # Qwen/Qwen2.5-7B-Instruct config.json (28 heads of 128 over hidden 3584).
     "qwen2.5-7b": dict(
@@ -629,7 +634,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         layer_pattern=("linear_attention",) * 3 + ("full_attention",),
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_conv_kernel_dim=4,
-        context_len=262144,
+        qk_norm=True, context_len=262144,
     ),
     # Qwen/Qwen2.5-72B-Instruct config.json.
     "qwen2.5-72b": dict(
@@ -702,6 +707,9 @@ _GQA_ARCHS = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
 }
+# Whose SGLang attention normalises q and k per head (q_norm/k_norm) with no config key for it;
+# GLM-4.5 and after say so in `use_qk_norm`.
+_QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"})
 # Kimi-K2 checkpoints name DeepseekV3ForCausalLM (model_type "kimi_k2"): the same shapes.
 _MLA_ARCHS = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
@@ -764,6 +772,7 @@ def model_spec_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec
                           experts_per_token=_req(config, "num_experts_per_tok"),
                           moe_intermediate_size=fields["intermediate_size"])
         fields.update(_hybrid_fields(config, fields["num_layers"]))
+        fields["qk_norm"] = bool(config.get("use_qk_norm", arch in _QK_NORM_ARCHS))
     return ModelSpec(**fields)
 
 

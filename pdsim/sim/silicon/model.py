@@ -643,7 +643,8 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
             generation_swa = ops.generation_attention(heads, kvh, hd, kv_bytes, window)
         gen_flops = 4.0 * heads * hd / ops.peak_flops("bf16")
         gen_bytes = 2 * kvh * hd * kv_bytes / ops.mem_rate
-        rope_elems = (heads + kvh) * hd
+        # RoPE on q and k, and a second pass over them for the per-head q/k RMSNorm
+        rope_elems = (1 + model.qk_norm) * (heads + kvh) * hd
     # A hybrid model's Gated DeltaNet layers (`linear_share` of them) project in and out
     # with their own GEMMs and run their own kernels; the attention projections above are
     # the other layers'.
