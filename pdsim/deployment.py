@@ -145,6 +145,12 @@ class SchedulerKnobs(_Spec):
     swa_full_tokens_ratio: float = Field(
         0.8, gt=0, description="sim only, models with sliding-window layers: their pool's tokens "
         "over the full-attention pool's (SGLang's --swa-full-tokens-ratio)")
+    disable_overlap_schedule: bool = Field(
+        False, description="sim only, PD prefill: SGLang's --disable-overlap-schedule. Else "
+        "its overlap event loop plans each prefill batch while the one before it runs, so a "
+        "request that arrives during a forward waits for the batch after the next (not with "
+        "DeepEP, whose normal-mode dispatch holds the host until the GPU reaches it, nor with "
+        "pipeline stages or speculative decoding, where SGLang runs without it)")
     disable_radix_cache: bool = Field(
         False, description="SGLang's --disable-radix-cache: the prefill and colocated "
         "schedulers keep a radix prefix cache unless true (decode has none)")
@@ -187,10 +193,13 @@ class SchedulerKnobs(_Spec):
 
     def build(self, num_pages: int, dp_attention: int = 1, where: str = "scheduler",
               speculation: Speculation | None = None, state_slots: int = 0,
-              model_context_len: int | None = None) -> SchedulerConfig:
+              model_context_len: int | None = None,
+              overlap_schedule: str = "off") -> SchedulerConfig:
         """The core config of one DP rank of an instance with `num_pages` pages and
         `state_slots` recurrent-state slots per rank, serving a model of `model_context_len`
-        tokens at most."""
+        tokens at most; `overlap_schedule`: how SGLang's overlap loop shifts its prefill batches
+        (`pdsim.core.config.OVERLAP_SCHEDULES`; the simulator's prefill role:
+        `prefill_overlap_schedule`), "off" under --disable-overlap-schedule."""
         running = self._running_per_rank(num_pages, dp_attention, where)
         return SchedulerConfig(
             state_slots=state_slots,
@@ -207,6 +216,7 @@ class SchedulerKnobs(_Spec):
             waiting_timeout_s=self.waiting_timeout_s, speculation=speculation,
             prefix_cache=not self.disable_radix_cache, dynamic_chunking=None,
             context_len=self.context_length or model_context_len,
+            overlap_schedule="off" if self.disable_overlap_schedule else overlap_schedule,
             schedule_conservativeness=(self.schedule_conservativeness
                                        * (DP_CONSERVATIVENESS if dp_attention > 1 else 1.0)))
 
@@ -367,6 +377,20 @@ class RoleConfig(_Spec):
     def kv_bytes(self, default_bytes: float) -> float:
         """Bytes per KV-cache element: this role's kv_dtype, else the experiment's."""
         return KV_DTYPE_BYTES[self.kv_dtype] if self.kv_dtype else default_bytes
+
+
+def prefill_overlap_schedule(role: RoleConfig, speculative_method: str) -> str:
+    """How SGLang's overlap event loop shifts this prefill role's batches
+    (`pdsim.core.config.OVERLAP_SCHEDULES`), for both backends: "plans_ahead" unless it is
+    off. SGLang turns the overlap schedule off with pipeline stages (`_handle_pipeline_parallelism`, which also picks
+    `event_loop_pp_disagg_prefill`) and with speculative decoding (`_handle_speculative_
+    decoding`, before its opt-in v2). With DeepEP the loop cannot run ahead: an extend's
+    normal-mode dispatch returns its per-expert token counts to the host
+    (`num_recv_tokens_per_expert`, a list), so the host waits in every MoE layer until the GPU
+    gets there and the next batch is planned only as the forward ends (not yet modelled: "off")."""
+    if role.pp > 1 or speculative_method != "none" or role.moe_a2a == "deepep":
+        return "off"
+    return "plans_ahead"
 
 
 class ClusterConfig(_Spec):

@@ -253,6 +253,22 @@ def test_instance_knobs_split_over_dp_ranks_as_sglang_does():
         build_cluster(parse_experiment(data))
 
 
+def test_prefill_batches_follow_sglangs_overlap_loop_unless_it_is_off():
+    """SGLang's prefill runs its overlap event loop by default: a TP prefill plans each batch
+    a forward ahead; DeepEP (whose dispatch holds the host), pipeline stages and
+    --disable-overlap-schedule do not; decode is not shifted here."""
+    data = experiment()
+    cluster = build_cluster(parse_experiment(data))
+    assert cluster.prefill.scheduler.overlap_schedule == "plans_ahead"
+    assert cluster.decode.scheduler.overlap_schedule == "off"
+    data["cluster"]["prefill"]["scheduler"] = {"disable_overlap_schedule": True}
+    assert build_cluster(parse_experiment(data)).prefill.scheduler.overlap_schedule == "off"
+    data["model"], data["hardware"] = "deepseek-v3", "h200"
+    data["cluster"] = {"prefill": {"tp": 8, "dp_attention": 8, "ep": 8, "moe_a2a": "deepep"},
+                       "decode": {"tp": 8, "dp_attention": 8, "ep": 8}}
+    assert build_cluster(parse_experiment(data)).prefill.scheduler.overlap_schedule != "plans_ahead"
+
+
 def test_pick_dp_rank_follows_the_room_the_turn_or_the_shortest_queue():
     queues = [3, 1, 1, 4]
     assert pick_dp_rank("room", 10, 4, queues.__getitem__) == 2

@@ -314,3 +314,67 @@ def test_half_prefilled_requests_cannot_deadlock_the_pool():
     assert plans == [[("r0", 0, 16)], [("r0", 16, 30)], [("r1", 0, 16)], [("r1", 16, 30)]]
     assert r0.error == r1.error == "" and s.is_idle
     s.check_pools_full()
+
+
+# ----- SGLang's overlap event loop: a batch is planned as the forward before it begins ---------
+
+def _overlap_instance(ranks: int = 1, overlap: bool = True):
+    from pdsim.core.instance import Instance
+    kv = StubKV(KVPoll.WaitingForInput)  # every decode side has said where to write at once
+    config = scheduler_config(64, page_size=4, max_running_requests=8, metadata_slots=8,
+                              chunked_prefill_size=8, max_prefill_tokens=8)
+    config = replace(config, overlap_schedule="plans_ahead" if overlap else "off")
+    return Instance([PrefillScheduler(config, kv, i) for i in range(ranks)], lambda r: None)
+
+
+def _planned(step) -> list[list[str]]:
+    return [[] if b is None else [g.req.rid for g in b.segments] for b in step]
+
+
+def _run(inst, step, now: float) -> None:
+    inst.finish(step, BatchResult(1.0), now)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_schedule_plans_a_request_that_came_during_a_forward_one_batch_later(overlap):
+    """SGLang's event_loop_overlap_disagg_prefill plans batch k+1 while batch k runs. r1, r2
+    and r3 come while r0's forward runs; when r0's forward began nobody else waited, so no
+    batch was planned then and they go at once. r4 comes during theirs, when the batch after
+    it was already planned (r3's second chunk), so it waits one more forward."""
+    from pdsim.core.instance import Add
+    inst = _overlap_instance(overlap=overlap)
+    step = inst.begin(0.0, [Add(req("r0", 8))])
+    assert _planned(step) == [["r0"]]
+    _run(inst, step, 1.0)
+    step = inst.begin(1.0, [Add(req("r1", 2)), Add(req("r2", 2)), Add(req("r3", 8))])
+    assert _planned(step) == [["r1", "r2", "r3"]]  # r3 cut at the 8-token chunk
+    _run(inst, step, 2.0)
+    step = inst.begin(2.0, [Add(req("r4", 4))])
+    assert _planned(step) == ([["r3"]] if overlap else [["r3", "r4"]])
+    _run(inst, step, 3.0)
+    if overlap:
+        step = inst.begin(3.0)
+        assert _planned(step) == [["r4"]]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_schedule_holds_a_request_back_on_a_rank_while_another_rank_runs(overlap):
+    """Attention-DP ranks run in lockstep: a rank that planned nothing as a forward began runs
+    an idle batch beside the others' next one, so its request that came meanwhile waits too."""
+    from pdsim.core.instance import Add
+    inst = _overlap_instance(ranks=2, overlap=overlap)
+    a = [req("r0", 8), req("r1", 8)]
+    for i, r in enumerate(a):
+        r.bootstrap_room = 2 * i  # even rooms: rank 0 (follow_bootstrap_room)
+    step = inst.begin(0.0, [Add(a[0]), Add(a[1])])
+    assert _planned(step) == [["r0"], []]
+    _run(inst, step, 1.0)
+    b = req("r9", 4)
+    b.bootstrap_room = 1  # rank 1
+    step = inst.begin(1.0, [Add(b)])
+    if not overlap:
+        assert _planned(step) == [["r1"], ["r9"]]
+        return
+    assert _planned(step) == [["r1"], []]  # r9 came after r1's batch was planned
+    _run(inst, step, 2.0)
+    assert _planned(inst.begin(2.0)) == [[], ["r9"]]

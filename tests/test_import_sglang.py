@@ -292,6 +292,11 @@ def test_cuda_graph_flags_the_load_balance_method_and_conservativeness_are_impor
     assert data["router"]["dp_assignment"] == "room"
     assert parse_experiment(data).cost_model.params["cuda_graph_bs"] == (4, 8, 16)
     assert "dp_assignment" not in imported("")["router"]
+    assert "disable_overlap_schedule" not in imported("")["cluster"]["prefill"].get("scheduler", {})
+    prefill_off, _ = import_sglang(script.replace("prefill --port", "prefill "
+                                                  "--disable-overlap-schedule --port")
+                                   .format(decode=""), BASE, model="llama-3.1-8b")
+    assert prefill_off["cluster"]["prefill"]["scheduler"]["disable_overlap_schedule"] is True
     _, notes = import_sglang(script.format(decode="--load-balance-method minimum_tokens"), BASE,
                              model="llama-3.1-8b")
     assert any("--load-balance-method minimum_tokens" in note for note in notes)

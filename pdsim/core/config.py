@@ -8,6 +8,13 @@ from pdsim.core.chunking import DynamicChunking
 from pdsim.core.running import Speculation
 
 
+# How SGLang's overlap event loop (`event_loop_overlap_disagg_prefill`) moves a prefill
+# instance's batches: "off" (its normal loop, or a driver that runs each forward to its end
+# before planning the next); "plans_ahead": the host launches a forward and plans the next while
+# the GPU runs it, so a batch is planned as the forward before it begins.
+OVERLAP_SCHEDULES = ("off", "plans_ahead")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
     """Sizes and limits of one scheduler (one attention-DP rank of one instance), as
@@ -22,7 +29,9 @@ class SchedulerConfig:
     ones, so admitted requests can keep decoding.
     `speculation` (simulator only) makes decode steps verify draft tokens. `prefix_cache` gives
     colocated and prefill schedulers a radix cache of prompt pages (`pdsim.core.radix`); a
-    request takes from it only if it carries `prefix_keys`. With `state_slots`, every request
+    request takes from it only if it carries `prefix_keys`. `overlap_schedule` (PD prefill) is
+    how SGLang's overlap event loop shifts a prefill instance's batches (`OVERLAP_SCHEDULES`;
+    `pdsim.core.instance.Instance` applies it). With `state_slots`, every request
     also holds one slot of the recurrent-state pool from admission to its end (SGLang's mamba
     pool), so the slots cap how many run or wait for their KV at once.
     """
@@ -43,12 +52,16 @@ class SchedulerConfig:
     dynamic_chunking: DynamicChunking | None
     context_len: int | None  # the longest prompt + output a request may ask for (None: any)
     schedule_conservativeness: float  # colocated: scales new_token_ratio (SGLang's, DP-adjusted)
+    overlap_schedule: str  # PD prefill: one of OVERLAP_SCHEDULES
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_running_requests", "max_prefill_tokens",
                      "metadata_slots"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.overlap_schedule not in OVERLAP_SCHEDULES:
+            raise ValueError(f"SchedulerConfig.overlap_schedule must be one of {OVERLAP_SCHEDULES}, "
+                             f"got {self.overlap_schedule!r}")
         for name in ("chunked_prefill_size", "num_reserved_decode_tokens", "pre_alloc_size",
                      "state_slots"):
             if getattr(self, name) < 0:

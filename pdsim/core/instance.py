@@ -70,6 +70,8 @@ class Instance:
         self.emitted: list[Request] = []
         self._checks_rooms = self.schedulers[0].meets_by_room
         self._rooms: dict[int, str] = {}  # bootstrap room -> rid of the live request using it
+        self._plans_ahead = self.schedulers[0].config.overlap_schedule == "plans_ahead"
+        self._forward_began_s: float | None = None  # overlap: when the last planned step began
 
     # ----- the inbox -------------------------------------------------------------------------
 
@@ -109,6 +111,11 @@ class Instance:
         Returns the step to run, or None when no rank has anything to run."""
         for op in ops:
             self.apply(op, now)
+        if self._plans_ahead:
+            return self._begin_planned_ahead(now)
+        return self._plan(now)
+
+    def _plan(self, now: float) -> Step | None:
         scheds = self.schedulers
         if len(scheds) == 1:
             sched = scheds[0]
@@ -121,6 +128,26 @@ class Instance:
         self.emitted = [r for s in scheds for r in s.emitted]
         self._drain()
         return step if any(b is not None for b in step) else None
+
+    def _begin_planned_ahead(self, now: float) -> Step | None:
+        """SGLang's overlap event loop (`event_loop_overlap_disagg_prefill`) plans batch k+1
+        when it has launched batch k, while batch k-1 still runs, and waits for batch k-1's
+        result only after that: so the batch that follows a forward was planned when that
+        forward began, from the requests then waiting. Here it is planned as the forward ends,
+        leaving out requests that reached the waiting queue after the forward began
+        (`plan_cutoff_s`). If that leaves every rank without a batch while some were held back,
+        SGLang had planned nothing then, and its next iteration plans from every waiting
+        request and launches at once: so does this. An idle instance plans from all."""
+        scheds = self.schedulers
+        for sched in scheds:
+            sched.plan_cutoff_s = self._forward_began_s
+        step = self._plan(now)
+        if step is None and self._forward_began_s is not None and any(s.held_back for s in scheds):
+            for sched in scheds:
+                sched.plan_cutoff_s = None
+            step = self._plan(now)
+        self._forward_began_s = None if step is None else now
+        return step
 
     def finish(self, step: Step, result: BatchResult | Sequence[BatchResult | None],
                now: float) -> None:
@@ -203,6 +230,7 @@ class Instance:
         self.schedulers = list(schedulers)
         self.emitted = []
         self._rooms.clear()
+        self._forward_began_s = None
 
     def check_pools_full(self) -> None:
         for sched in self.schedulers:

@@ -55,6 +55,11 @@ class InstanceScheduler:
         self.num_active = 0  # requests added and not yet done (the router's load signal)
         self.retractions = 0  # running requests retracted for want of KV pages
         self._decode_now = 0.0
+        # Set by the instance under overlap_schedule "plans_ahead": an extend takes no request that
+        # reached the waiting queue after this time (None: any), and `held_back` says whether
+        # the last plan left one out for it.
+        self.plan_cutoff_s: float | None = None
+        self.held_back = False
 
     # ----- admission -------------------------------------------------------------------------
 
@@ -165,12 +170,17 @@ class InstanceScheduler:
         segments: list[ExtendSegment] = []
         tokens = prefix = 0
         pairs = 0.0
+        cutoff = self.plan_cutoff_s
+        self.held_back = False
         # With chunking the whole batch holds at most one chunk: SGLang's PrefillAdder takes
         # each admitted request's tokens off `rem_chunk_tokens` (and `rem_input_tokens`, the
         # max_prefill_tokens budget) and stops when either is spent, cutting the request that
         # crosses the chunk there.
         while self.waiting and budget > 0 and (not chunk or tokens < chunk):
             req = self.waiting[0]
+            if cutoff is not None and req.bootstrap_done_s > cutoff:
+                self.held_back = True  # it came after this batch was due to be planned
+                break
             if self.cache is not None and req.cache_node is None and req.prefix_keys and not req.pages:
                 self._match_prefix(req, now)
             take = req.fill_len - req.computed_tokens

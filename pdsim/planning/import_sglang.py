@@ -15,7 +15,7 @@ SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK), a pipelined prefill's
 `--max-running-requests`, `--chunked-prefill-size` (-1: unchunked), `--max-prefill-tokens`,
 `--page-size`, `--max-total-tokens`, `--num-reserved-decode-tokens` or
 SGLANG_NUM_RESERVED_DECODE_TOKENS (SGLANG_HACK_PD_DECODE_NUM_RESERVED_DECODE_TOKENS before),
-`--disable-radix-cache`), `--kv-cache-dtype`, the decode servers' CUDA graphs
+`--disable-radix-cache`, a prefill server's `--disable-overlap-schedule`), `--kv-cache-dtype`, the decode servers' CUDA graphs
 (`--cuda-graph-max-bs`, `--cuda-graph-bs`, `--disable-cuda-graph`: the cost model's
 `cuda_graph_max_bs`), the extending servers' `--enable-piecewise-cuda-graph` with
 `--piecewise-cuda-graph-max-tokens` (the cost model's `piecewise_cuda_graph`) and speculative
@@ -193,6 +193,7 @@ def _server_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule-conservativeness", type=float)
     p.add_argument("--num-reserved-decode-tokens", type=int)
     p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int)
     p.add_argument("--cuda-graph-bs", type=int, nargs="+")
     p.add_argument("--disable-cuda-graph", action="store_true")
@@ -354,6 +355,8 @@ def _knobs(a: argparse.Namespace, env: dict[str, str], role: str, line: int
         knobs["chunked_prefill_size"] = 0  # SGLang's -1: no chunking
     if a.disable_radix_cache:
         knobs["disable_radix_cache"] = True
+    if a.disable_overlap_schedule and role == "prefill":
+        knobs["disable_overlap_schedule"] = True
     if role != "decode":
         knobs.pop("num_reserved_decode_tokens", None)  # a decode server's flag
     return knobs
