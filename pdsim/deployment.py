@@ -387,10 +387,12 @@ def prefill_overlap_schedule(role: RoleConfig, speculative_method: str) -> str:
     decoding`, before its opt-in v2). With DeepEP the loop cannot run ahead: an extend's
     normal-mode dispatch returns its per-expert token counts to the host
     (`num_recv_tokens_per_expert`, a list), so the host waits in every MoE layer until the GPU
-    gets there and the next batch is planned only as the forward ends (not yet modelled: "off")."""
-    if role.pp > 1 or speculative_method != "none" or role.moe_a2a == "deepep":
+    gets there: the next batch is planned only as the forward ends, and the loop takes up a
+    batch's results (`process_batch_result_disagg_prefill`: its first tokens and KV sends) only
+    after launching the next batch, which returns as that batch ends ("late_results")."""
+    if role.pp > 1 or speculative_method != "none":
         return "off"
-    return "plans_ahead"
+    return "late_results" if role.moe_a2a == "deepep" else "plans_ahead"
 
 
 class ClusterConfig(_Spec):

@@ -266,7 +266,7 @@ def test_prefill_batches_follow_sglangs_overlap_loop_unless_it_is_off():
     data["model"], data["hardware"] = "deepseek-v3", "h200"
     data["cluster"] = {"prefill": {"tp": 8, "dp_attention": 8, "ep": 8, "moe_a2a": "deepep"},
                        "decode": {"tp": 8, "dp_attention": 8, "ep": 8}}
-    assert build_cluster(parse_experiment(data)).prefill.scheduler.overlap_schedule != "plans_ahead"
+    assert build_cluster(parse_experiment(data)).prefill.scheduler.overlap_schedule == "late_results"
 
 
 def test_pick_dp_rank_follows_the_room_the_turn_or_the_shortest_queue():

@@ -378,3 +378,28 @@ def test_overlap_schedule_holds_a_request_back_on_a_rank_while_another_rank_runs
     assert _planned(step) == [["r1"], []]  # r9 came after r1's batch was planned
     _run(inst, step, 2.0)
     assert _planned(inst.begin(2.0)) == [[], ["r9"]]
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_late_results_send_a_batchs_kv_when_the_next_forward_ends(late):
+    """With DeepEP the host waits inside each forward, and SGLang's overlap loop takes up a
+    batch's results only after launching the next batch: r0's first token and KV go when r1's
+    forward ends (or at once when nothing follows, as r1's do)."""
+    from pdsim.core.instance import Add, Instance
+    kv = StubKV(KVPoll.WaitingForInput)
+    config = replace(scheduler_config(64, page_size=4, max_running_requests=8, metadata_slots=8,
+                                      chunked_prefill_size=8, max_prefill_tokens=8),
+                     overlap_schedule="late_results" if late else "off")
+    inst = Instance([PrefillScheduler(config, kv)], lambda r: None)
+    r0, r1 = req("r0", 8), req("r1", 4)
+    step = inst.begin(0.0, [Add(r0)])
+    inst.finish(step, BatchResult(1.0), 1.0)
+    step = inst.begin(1.0, [Add(r1)])
+    assert _planned(step) == [["r1"]]
+    sent = [c for c in kv["r0"].calls if c[0] == "send"]
+    assert sent == ([] if late else [("send", r0.pages, True)])
+    inst.finish(step, BatchResult(1.0), 2.0)
+    assert r0.prefill_end_s == 1.0 and r0.transfer_start_s == (2.0 if late else 1.0)
+    assert [c for c in kv["r0"].calls if c[0] == "send"] == [("send", r0.pages, True)]
+    assert inst.begin(2.0) is None
+    assert r1.prefill_end_s == 2.0 and r1.transfer_start_s == 2.0

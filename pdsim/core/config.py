@@ -11,8 +11,11 @@ from pdsim.core.running import Speculation
 # How SGLang's overlap event loop (`event_loop_overlap_disagg_prefill`) moves a prefill
 # instance's batches: "off" (its normal loop, or a driver that runs each forward to its end
 # before planning the next); "plans_ahead": the host launches a forward and plans the next while
-# the GPU runs it, so a batch is planned as the forward before it begins.
-OVERLAP_SCHEDULES = ("off", "plans_ahead")
+# the GPU runs it, so a batch is planned as the forward before it begins; "late_results": the
+# host waits for the GPU inside each forward (DeepEP's normal-mode dispatch), so it takes up a
+# batch's results (first tokens, KV sends) only once it has launched the next batch, as that one
+# ends, or at once when there is none.
+OVERLAP_SCHEDULES = ("off", "plans_ahead", "late_results")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

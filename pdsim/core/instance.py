@@ -71,6 +71,7 @@ class Instance:
         self._checks_rooms = self.schedulers[0].meets_by_room
         self._rooms: dict[int, str] = {}  # bootstrap room -> rid of the live request using it
         self._plans_ahead = self.schedulers[0].config.overlap_schedule == "plans_ahead"
+        self._late_results = self.schedulers[0].config.overlap_schedule == "late_results"
         self._forward_began_s: float | None = None  # overlap: when the last planned step began
 
     # ----- the inbox -------------------------------------------------------------------------
@@ -113,7 +114,13 @@ class Instance:
             self.apply(op, now)
         if self._plans_ahead:
             return self._begin_planned_ahead(now)
-        return self._plan(now)
+        step = self._plan(now)
+        if step is None and self._late_results:
+            # SGLang's overlap loop, with nothing to launch, takes up the last batch's results
+            for sched in self.schedulers:
+                sched.take_up_results(now)
+            self._drain()
+        return step
 
     def _plan(self, now: float) -> Step | None:
         scheds = self.schedulers
@@ -163,6 +170,9 @@ class Instance:
             results = list(result)
             if len(results) != len(step):
                 raise ValueError(f"{len(results)} results for a step of {len(step)} ranks")
+        if self._late_results:  # the batch before this one's, held since it ended
+            for sched in self.schedulers:
+                sched.take_up_results(now)
         for sched, batch, res in zip(self.schedulers, step, results):
             if batch is not None:
                 sched.on_batch_done(batch, res, now)

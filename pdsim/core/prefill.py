@@ -45,6 +45,11 @@ class PrefillScheduler(InstanceScheduler):
         self._bootstrap_seen: tuple | int | None = None
         self._bootstrap_blocked = False
         self._inflight_seen = -1
+        # overlap_schedule "late_results": finished extends' results not yet taken up, as
+        # (request, whether its last chunk, token, logprob, when its forward ended)
+        self._late = config.overlap_schedule == "late_results"
+        self._held: list[tuple[Request, bool, int | None, float, float]] = []
+        self._taking_up = False
 
     def add_request(self, req: Request, now: float) -> None:
         self.num_active += 1
@@ -123,6 +128,11 @@ class PrefillScheduler(InstanceScheduler):
                 req.sender.abort(reason)
                 self._fail(req, reason, now)
                 return True
+        for req, last, *_ in self._held:
+            if last and req.rid == rid and not req.finished:  # prefilled, results held
+                req.sender.abort(reason)
+                self._fail(req, reason, now)
+                return True
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
@@ -167,7 +177,30 @@ class PrefillScheduler(InstanceScheduler):
         self.pending_tokens -= batch.shape.prefill_tokens
         super().on_batch_done(batch, result, now)
 
+    def take_up_results(self, now: float) -> None:
+        """Send the KV of chunks and first tokens whose forward ended earlier (SGLang's
+        `process_batch_result_disagg_prefill` for the last batch, which its overlap loop runs
+        after launching the next one); a request aborted meanwhile is skipped."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        self._taking_up = True
+        try:
+            for req, last, token, logprob, end_s in held:
+                if req.finished:
+                    continue
+                if last:
+                    self._prefilled(req, token, logprob, now)
+                    req.prefill_end_s = end_s  # its first token was computed then
+                else:
+                    self._chunk_done(req, now)
+        finally:
+            self._taking_up = False
+
     def _chunk_done(self, req: Request, now: float) -> None:
+        if self._late and not self._taking_up:
+            self._held.append((req, False, None, float("nan"), now))
+            return
         full = req.computed_tokens // self.config.page_size
         if full > req.sent_pages:
             self._send(req, req.pages[req.sent_pages : full], False, now)
@@ -180,6 +213,9 @@ class PrefillScheduler(InstanceScheduler):
         req.sender.send(pages, last=last, state_indices=req.state_indices if last else ())
 
     def _prefilled(self, req: Request, token: int | None, logprob: float, now: float) -> None:
+        if self._late and not self._taking_up:
+            self._held.append((req, True, token, logprob, now))
+            return
         req.prefill_end_s = now
         req.first_logprob = logprob
         self._emit(req, token, logprob, now)

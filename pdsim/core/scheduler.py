@@ -319,6 +319,10 @@ class InstanceScheduler:
                 unfinished.append(req)
         self.waiting.extendleft(reversed(unfinished))
 
+    def take_up_results(self, now: float) -> None:
+        """Under overlap_schedule "late_results": act now on the results of extends held back
+        since their forward ended (the prefill scheduler's; nothing elsewhere)."""
+
     def _chunk_done(self, req: Request, now: float) -> None:
         """A non-final chunk of `req` has its KV (the prefill side starts sending it)."""
 
