@@ -396,8 +396,8 @@ def test_roofline_decode_reads_and_writes_each_recurrent_state():
 
 def test_eager_launches_count_gated_deltanet_blocks():
     """SGLang's Gated DeltaNet block launches 17 kernels (docs/cost_model.md, "Host
-    overheads"), a GQA block 6: Qwen3-Next's 36 linear and 12 full layers at tp 1 launch
-    (36 * 17 + 12 * 6) / 48 attention kernels a layer."""
+    overheads"), Qwen3-Next's GQA block 7 (6, and its per-head q/k RMSNorm): its 36 linear and
+    12 full layers at tp 1 launch (36 * 17 + 12 * 7) / 48 attention kernels a layer."""
     from pdsim.sim.overheads import kernels_per_layer
 
     qn = model_preset("qwen3-next-80b-a3b")
@@ -407,7 +407,7 @@ def test_eager_launches_count_gated_deltanet_blocks():
                                              "linear_conv_kernel_dim")}})
     hybrid_moe = kernels_per_layer(qn, 1, 1, 1, False, False)[1]
     full_moe = kernels_per_layer(full, 1, 1, 1, False, False)[1]
-    assert hybrid_moe - full_moe == pytest.approx(36 / 48 * (17 - 6))
+    assert hybrid_moe - full_moe == pytest.approx(36 / 48 * (17 - 7))
 
 
 @pytest.mark.skipif(tables.systems_dir() is None, reason="aiconfigurator-core not installed")
