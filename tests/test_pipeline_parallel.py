@@ -322,3 +322,46 @@ def test_a_plan_for_long_prompts_recommends_and_launches_a_pipelined_prefill():
     prefill = [shlex.split(c) for what, c in best.launch.servers if what.startswith("prefill")]
     assert [argv[argv.index("--pp-size") + 1] for argv in prefill] == ["2", "2"]
     assert "pp: 2" in best.experiment_yaml
+
+
+def test_a_chunk_never_enters_stage_0_before_its_request_is_ready():
+    """A step planned back to back enters stage 0 when the previous chunk left it, but not
+    before its new request finished its bootstrap (its sender's ready_s)."""
+    clock = [0.0]
+    executor = PipelineExecutor(_PerToken(), 3, lambda: clock[0])
+
+    def step(tokens: int, ready_s: float | None = None) -> float:
+        segments = [] if ready_s is None else [
+            SimpleNamespace(req=SimpleNamespace(sender=SimpleNamespace(ready_s=ready_s)))]
+        batch = SimpleNamespace(shape=BatchShape(prefill_tokens=tokens), kv_moves=[],
+                                segments=segments)
+        duration = executor.execute([batch]).duration_s
+        clock[0] += duration
+        return duration
+
+    assert step(1000) == pytest.approx(3.0)  # left stage 0 at 1 s, the last stage at 3 s
+    # ready at 0.5 s, before stage 0 freed: it entered at 1 s and leaves one stage time later
+    assert step(1000, ready_s=0.5) == pytest.approx(1.0)
+    # ready at 3.9 s, after stage 0 freed at 2 s: it enters then and crosses all 3 stages
+    assert step(1000, ready_s=3.9) == pytest.approx(3.9 + 3.0 - 4.0)
+
+
+def test_a_prompt_arriving_behind_a_long_one_takes_its_own_pipeline_fill():
+    """Llama-3.1-70B, TP 8 x PP 4: a one-chunk prompt that arrives as a 64k prompt's last chunk
+    is about to leave the last stage enters stage 0 on arrival and takes its pp stage times from
+    there; it cannot come out one stage time behind the long prompt, faster than it would
+    alone."""
+    cfg = parse_experiment(long_prefill(8, 4))
+
+    def run(arrivals, lens):
+        result = Simulation(build_cluster(cfg), cfg.seed).run(
+            np.array(arrivals), np.array(lens), np.array([2] * len(lens)))
+        assert all(r.status == "ok" for r in result.records)
+        return sorted(result.records, key=lambda r: int(r.rid))
+
+    (alone,) = run([0.0], [CHUNK_TOKENS])
+    lone_s = alone.prefill_end_s - alone.prefill_start_s  # pp stage times
+    (long,) = run([0.0], [8 * CHUNK_TOKENS])
+    _, short = run([0.0, long.prefill_end_s - 0.05], [8 * CHUNK_TOKENS, CHUNK_TOKENS])
+    assert short.prefill_end_s - short.arrival_s >= lone_s
+    assert short.prefill_end_s - short.arrival_s == pytest.approx(lone_s, rel=0.02)

@@ -201,7 +201,7 @@ class _Room:
     __slots__ = (
         "sender_state", "receiver_state", "dst_manager", "dst_slot", "reason", "chunks_pending",
         "last_sent", "src_manager", "expected_pages", "sent_pages", "metadata_sent", "dst_pages",
-        "dst_states",
+        "dst_states", "ready_s",
     )
 
     def __init__(self) -> None:
@@ -218,6 +218,7 @@ class _Room:
         self.metadata_sent = None
         self.dst_pages: Sequence[int] = ()
         self.dst_states: Sequence[int] = ()
+        self.ready_s = math.inf  # when the sender learnt the decode side's pages (WaitingForInput)
 
 
 class SimFabric:
@@ -406,6 +407,12 @@ class SimKVSender(_Endpoint):
     def poll(self) -> KVPoll:
         return self.room.sender_state
 
+    @property
+    def ready_s(self) -> float:
+        """When the bootstrap finished (the decode side's pages reached the sender): the
+        earliest its request can enter a forward (inf until then)."""
+        return self.room.ready_s
+
     def init(self, num_pages: int, metadata_slot: int) -> None:
         room = self.room
         room.expected_pages = num_pages
@@ -493,5 +500,6 @@ class SimKVReceiver(_Endpoint):
     def _metadata_arrived(self) -> None:
         room = self.room
         room.sender_state = advance(room.sender_state, KVPoll.WaitingForInput)
+        room.ready_s = self.fabric.env.now
         if room.src_manager is not None:
             room.src_manager.changed()

@@ -12,7 +12,11 @@ last stage:
   times later (the pipeline fills: the bubble);
 - back to back (the step is planned the moment the previous one finished) it entered stage 0
   when the previous chunk left it, so it leaves the last stage one stage time after the
-  previous chunk did, or pp stage times after it entered, whichever is later.
+  previous chunk did, or pp stage times after it entered, whichever is later;
+- but never before its requests could be scheduled: a request that finished its bootstrap after
+  the previous chunk had left stage 0 enters stage 0 then (SGLang's stage 0 schedules it in the
+  loop iteration after it is ready), and so takes pp stage times from its readiness, however
+  the pipeline was filled before it.
 
 The stage priced is the slowest (pdsim.specs.pipeline), as if every stage took its time.
 """
@@ -36,13 +40,24 @@ PROFILE_SAMPLES = 128
 PROFILE_SPAN = 1.25
 
 
-def next_chunk(stage0_free_s: float, done_s: float, now: float, stage_s: float, pp: int
-               ) -> tuple[float, float]:
+def next_chunk(stage0_free_s: float, done_s: float, now: float, stage_s: float, pp: int,
+               ready_s: float = -math.inf) -> tuple[float, float]:
     """(when a chunk of `stage_s` per stage, planned at `now`, leaves stage 0, when it leaves
-    the last stage), the previous chunk having left them at `stage0_free_s` and `done_s`
-    (module docstring)."""
-    entry = now if now > done_s else min(stage0_free_s, now)
+    the last stage), the previous chunk having left them at `stage0_free_s` and `done_s`, its
+    requests schedulable since `ready_s` (<= now; module docstring)."""
+    entry = now if now > done_s else max(min(stage0_free_s, now), ready_s)
     return entry + stage_s, max(entry + pp * stage_s, max(done_s, now) + stage_s)
+
+
+def step_ready_s(step: Sequence[Batch | None]) -> float:
+    """The latest time a request of `step` became schedulable: its KV sender's bootstrap end
+    (`SimKVSender.ready_s`); -inf where no sender says (a continuing chunk's request was ready
+    long before, so only a step's new requests bind)."""
+    ready = -math.inf
+    for batch in step:
+        for seg in getattr(batch, "segments", ()):  # a decode batch has none
+            ready = max(ready, getattr(seg.req.sender, "ready_s", -math.inf))
+    return ready
 
 
 def pipelined_s(stage_times_s: Sequence[float], pp: int) -> float:
@@ -70,9 +85,11 @@ class PipelineExecutor(CostExecutor):
 
     def execute(self, step: Sequence[Batch | None]) -> BatchResult:
         now = self._clock()
+        ready = step_ready_s(step) if now <= self._done_s else -math.inf
         self._stage0_free_s, done = next_chunk(self._stage0_free_s, self._done_s, now,
                                                self.step_time_s(step)
-                                               + self.kv_moves_s(step), self.pp)
+                                               + self.kv_moves_s(step), self.pp,
+                                               min(ready, now))
         duration = done - now
         self._done_s = now + duration  # the float the simulated clock will read at the end
         return BatchResult(duration)
