@@ -82,7 +82,8 @@ class SchedulerKnobs(_Spec):
     max_running_requests: int | None = Field(
         None, ge=1, description="requests in a batch at most, per instance (split over DP "
         "ranks). None: SGLang's derivation per rank, min(pool tokens // 2, request pool), the "
-        "request pool being pool tokens * 512 / context length clamped to 2048..4096")
+        "request pool being pool tokens * 512 / context length clamped to 2048..4096; with "
+        "speculative decoding SGLang's 48 per instance (split over DP ranks)")
     max_prefill_tokens: int = Field(16384, ge=1, description="new tokens of one extend batch, "
                                     "per DP rank")
     chunked_prefill_size: int | None = Field(
@@ -200,7 +201,7 @@ class SchedulerKnobs(_Spec):
         tokens at most; `overlap_schedule`: how SGLang's overlap loop shifts its prefill batches
         (`pdsim.core.config.OVERLAP_SCHEDULES`; the simulator's prefill role:
         `prefill_overlap_schedule`), "off" under --disable-overlap-schedule."""
-        running = self._running_per_rank(num_pages, dp_attention, where)
+        running = self._running_per_rank(num_pages, dp_attention, where, speculation is not None)
         return SchedulerConfig(
             state_slots=state_slots,
             num_pages=num_pages, page_size=self.page_size,
@@ -220,14 +221,23 @@ class SchedulerKnobs(_Spec):
             schedule_conservativeness=(self.schedule_conservativeness
                                        * (DP_CONSERVATIVENESS if dp_attention > 1 else 1.0)))
 
-    def _running_per_rank(self, num_pages: int, dp: int, where: str) -> int:
-        if self.max_running_requests is not None:
-            return self._per_dp_rank("max_running_requests", dp, where)
+    def _running_per_rank(self, num_pages: int, dp: int, where: str,
+                          speculative: bool = False) -> int:
         # sglang/srt/model_executor/model_runner.py (init_memory_pool) sizes the request pool
         # from the KV pool of the rank; the scheduler then caps running requests at half the
         # pool's tokens. Only the 2048..4096 clamp depends on the context length.
         pool_tokens = num_pages * self.page_size
         req_pool = min(max(pool_tokens * 512 // SGLANG_CONTEXT_LEN, 2048), 4096)
+        if self.max_running_requests is not None:
+            return self._per_dp_rank("max_running_requests", dp, where)
+        if speculative:  # SGLang sets 48 per instance when speculating (sglang_defaults)
+            per_rank = sglang_defaults.SPECULATIVE_MAX_RUNNING_REQUESTS // dp
+            if per_rank < 1:
+                raise ValueError(
+                    f"{where}.max_running_requests: unset, a speculating SGLang server runs "
+                    f"{sglang_defaults.SPECULATIVE_MAX_RUNNING_REQUESTS} requests, less than one "
+                    f"per each of dp_attention={dp} ranks (SGLang would not start); set it")
+            return min(per_rank, req_pool)
         return max(1, min(pool_tokens // 2, req_pool))
 
     def _per_dp_rank(self, knob: str, dp: int, where: str, default: int | None = None) -> int:

@@ -39,6 +39,13 @@ def cuda_graph_max_bs(hbm_gib: float, tp: int) -> int:
     return 512
 
 
+# `_handle_speculative_decoding` (server_args.py, v0.5.10; arg_groups/speculative_hook.py
+# `_handle_eagle_family`, v0.5.23): an EAGLE/NEXTN/MTP server launched without
+# --max-running-requests runs at most 48 requests, split over the DP ranks
+# (`_resolve_max_num_reqs`: max_running_requests // dp_size, capped by the request-pool estimate).
+SPECULATIVE_MAX_RUNNING_REQUESTS = 48
+
+
 def pre_alloc_size(max_running_requests: int) -> int:
     """A PD decode rank's request slots beyond its running batch for requests whose KV is on
     its way (`init_memory_pool`'s `pre_alloc_size`): twice the running batch up to 32

@@ -355,3 +355,31 @@ def test_the_shipped_experiment_runs_end_to_end_with_its_plots(tmp_path):
         plain = summary[at & (method == "none")]["itl_mean_s"].item()
         best = summary[at & (method == "mtp") & (k == 3) & high]["itl_mean_s"].item()
         assert best < 0.9 * plain
+
+
+# ----- SGLang's defaults under speculation ---------------------------------------------------
+
+
+def test_an_unset_max_running_requests_is_sglangs_48_when_speculating():
+    """SGLang's `_handle_speculative_decoding` sets --max-running-requests 48 for EAGLE/MTP
+    when it is not given, split over the DP ranks; a given value or no speculation keep theirs."""
+    def running(speculative: dict, **decode) -> int:
+        data = experiment(speculative)
+        data["cluster"]["decode"].update(decode)
+        return build_cluster(parse_experiment(data)).decode.scheduler.max_running_requests
+
+    assert running(MTP3) == 48
+    assert running({"method": "none"}) > 48  # the pool's derivation
+    assert running(MTP3, scheduler={"max_running_requests": 200}) == 200
+    knobs = scheduler_knobs()
+    spec = Speculation(3, accept_len_probs([0.8, 0.7, 0.6]), 0)
+    assert knobs.build(10_000, dp_attention=8, speculation=spec).max_running_requests == 6
+    with pytest.raises(ValueError, match="48 requests, less than one per each of "
+                                         "dp_attention=64 ranks"):
+        knobs.build(10_000, dp_attention=64, speculation=spec)
+
+
+def scheduler_knobs():
+    from pdsim.deployment import SchedulerKnobs
+
+    return SchedulerKnobs()
