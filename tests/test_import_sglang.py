@@ -371,3 +371,14 @@ def test_the_first_published_instructions_spellings_and_a_sweeping_base():
                              model="deepseek-v3")
     assert any("--dp-size 72 without --enable-dp-attention (SGLang runs 72 replicas of tp 72"
                in n for n in notes)
+
+
+def test_speculation_without_num_steps_takes_sglangs_auto_choice():
+    """SGLang's auto_choose_speculative_params: --speculative-algorithm alone drafts 3 steps
+    with top-k 1 for DeepSeek-V3 (4 draft tokens), not 1."""
+    base = dict(BASE, speculative={"acceptance": {"mean_accept_len": 2.1}})
+    imported, notes = import_sglang(large_ep_commands("--speculative-algorithm NEXTN"), base,
+                                    model="deepseek-v3")
+    assert imported["speculative"]["num_draft_tokens"] == 3
+    assert not any("speculative" in note for note in notes)
+    parse_experiment(imported)

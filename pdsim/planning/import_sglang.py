@@ -203,7 +203,7 @@ def _server_parser() -> argparse.ArgumentParser:
     p.add_argument("--piecewise-cuda-graph-max-tokens", type=int)
     p.add_argument("--speculative-algorithm")
     p.add_argument("--speculative-num-steps", type=int)
-    p.add_argument("--speculative-eagle-topk", type=int, default=1)
+    p.add_argument("--speculative-eagle-topk", type=int)
     p.add_argument("--speculative-num-draft-tokens", type=int)
     p.add_argument("--speculative-draft-model-path")
     return p
@@ -387,6 +387,15 @@ def _piecewise(a: argparse.Namespace) -> dict[str, Any]:
     return params
 
 
+# SGLang's `auto_choose_speculative_params` (server_args.py, v0.5.10): a server given
+# --speculative-algorithm without --speculative-num-steps drafts 3 steps with top-k 1 (4 draft
+# tokens) for DeepSeek-V3/R1, GLM-4.5, gpt-oss and every architecture it does not list; Llama
+# and Grok get 5 steps of a top-4 tree (8 tokens), which pdsim prices as a chain.
+AUTO_SPECULATIVE_STEPS = 3
+AUTO_TREE_MODELS = ("llama", "grok")
+AUTO_TREE_TOPK = 4
+
+
 def _speculative(a: argparse.Namespace, line: int, unmodelled: list[str]
                  ) -> dict[str, Any] | None:
     if a.speculative_algorithm is None:
@@ -395,10 +404,12 @@ def _speculative(a: argparse.Namespace, line: int, unmodelled: list[str]
     if algorithm not in ("NEXTN", "EAGLE", "EAGLE3"):
         raise ConfigError(f"line {line}: --speculative-algorithm {a.speculative_algorithm}; "
                           "allowed: NEXTN, EAGLE, EAGLE3")
-    if a.speculative_eagle_topk != 1:
-        unmodelled.append(f"--speculative-eagle-topk {a.speculative_eagle_topk} (pdsim "
-                          "drafts a chain: top-k 1)")
-    steps = a.speculative_num_steps or 1
+    steps, topk = a.speculative_num_steps, a.speculative_eagle_topk
+    if steps is None:  # SGLang's auto_choose_speculative_params (server_args.py)
+        tree = any(name in (a.model_path or "").lower() for name in AUTO_TREE_MODELS)
+        steps, topk = AUTO_SPECULATIVE_STEPS, (AUTO_TREE_TOPK if tree else 1)
+    if topk not in (None, 1):
+        unmodelled.append(f"--speculative-eagle-topk {topk} (pdsim drafts a chain: top-k 1)")
     if a.speculative_num_draft_tokens not in (None, steps + 1):
         # a chain of `steps` drafts verifies steps + 1 tokens; more come from a tree (top-k > 1)
         unmodelled.append(f"--speculative-num-draft-tokens {a.speculative_num_draft_tokens} "
