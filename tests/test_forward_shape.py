@@ -160,3 +160,33 @@ def test_step_totals_count_an_extends_lm_row():
     totals = step_totals([BatchShape(prefill_tokens=100, prefill_attn_pairs=5050),
                           decode(3), BatchShape()])
     assert totals == (103, 100, 4, 3, True)
+
+
+def test_a_speculating_instance_replays_every_graph_at_sglangs_speculative_sizes():
+    """SGLang captures a speculating server's graphs at the speculative list (1..8 each):
+    the draft's one-token forwards too, not at the plain list's 1, 2, 4, 8. The verify's
+    graphs keep the sizes whose bs * num_draft_tokens tokens are a multiple of mul_base, the
+    draft's those whose bs is (get_batch_sizes_to_capture's num_tokens_per_bs)."""
+    plain = StepShaper(Parallelism(tp=8), 256)
+    target, draft = plain.speculating(verify=True), plain.speculating(verify=False)
+    assert [plain.padded_reqs(n, 1) for n in (3, 5, 9)] == [4, 8, 12]
+    assert [draft.padded_reqs(n, 1) for n in (3, 5, 9)] == [3, 5, 10]
+    assert [target.padded_reqs(n, 4) for n in (3, 5, 9)] == [3, 5, 10]
+    # TP 8 with DeepEP, no DP attention: the input sits in a buffer gathered over 8 GPUs
+    deepep = StepShaper(Parallelism(tp=8, ep=8, moe_a2a="deepep"), 256)
+    assert graph_alignment(Parallelism(tp=8, ep=8, moe_a2a="deepep")) == 8
+    assert deepep.speculating(verify=True).padded_reqs(3, 4) == 4  # 3 * 4 tokens: 4 * 4 = 16
+    assert deepep.speculating(verify=True).padded_reqs(3, 3) == 8  # 8 * 3 = 24
+    assert deepep.speculating(verify=False).padded_reqs(3, 4) == 8  # the draft extend's graph
+
+
+def test_the_speculative_cost_model_prices_both_models_at_the_speculative_sizes():
+    from pdsim.sim.speculative import draft_spec, make_speculative_cost_model
+    from pdsim.specs import load_hardware_spec, load_model_spec
+
+    v3 = load_model_spec("deepseek-v3")
+    cost = make_speculative_cost_model("roofline", v3, load_hardware_spec("h200"),
+                                       Parallelism(tp=8), draft_spec("mtp", v3), 3)
+    assert (cost.target._shape.verify, cost.draft._shape.verify) == (True, False)
+    one_each = BatchShape(decode_reqs=5, decode_context_tokens=5 * 1000)
+    assert cost.draft._shape([one_each]).ranks[0].decode_reqs == 5  # not the plain list's 8

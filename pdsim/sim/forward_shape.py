@@ -21,6 +21,7 @@ Under DeepEP the routed experts and the dispatch skip padded rows (SGLang masks 
 from __future__ import annotations
 
 from bisect import bisect_left
+from copy import copy
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -59,10 +60,12 @@ def step_totals(shapes: Sequence[BatchShape]) -> StepTotals:
     return StepTotals(tokens, max_rank_tokens, lm_rows, max_rank_rows, has_prefill)
 
 
-def capture_batch_sizes(max_bs: int, speculative: bool, alignment: int = 1) -> tuple[int, ...]:
+def capture_batch_sizes(max_bs: int, speculative: bool, alignment: int = 1,
+                        tokens_per_req: int = 1) -> tuple[int, ...]:
     """The decode batch sizes SGLang captures as CUDA graphs by default up to `max_bs`, max_bs
     itself included (`_generate_cuda_graph_batch_sizes`; finer with speculative decoding),
-    keeping the multiples of `alignment` (`get_batch_sizes_to_capture`)."""
+    keeping those whose `tokens_per_req` tokens a request make a multiple of `alignment`
+    (`get_batch_sizes_to_capture`'s `bs * num_tokens_per_bs % mul_base`)."""
     if max_bs < 1:
         return ()
     if speculative:
@@ -72,7 +75,7 @@ def capture_batch_sizes(max_bs: int, speculative: bool, alignment: int = 1) -> t
         sizes = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16),
                  *range(512, max_bs + 1, 32)]
     sizes = [s for s in sizes if s <= max_bs] + [max_bs]
-    return tuple(sorted({s for s in sizes if s % alignment == 0}))
+    return tuple(sorted({s for s in sizes if s * tokens_per_req % alignment == 0}))
 
 
 def mlp_gathers(dp_attention: int, moe_a2a: str, moe_dense_tp: int | None,
@@ -124,16 +127,40 @@ class StepShaper:
         self.gathers = mlp_gathers(parallel.dp_attention, parallel.moe_a2a,
                                    parallel.moe_dense_tp, parallel.dp_lm_head)
         self.padding = padding
-        alignment = graph_alignment(parallel)
-        self._sizes = {spec: (tuple(sorted(capture_bs)) if capture_bs is not None
-                              else capture_batch_sizes(cuda_graph_max_bs, spec, alignment))
-                       for spec in (False, True)}
+        self._alignment = graph_alignment(parallel)
+        self._tbo = parallel.two_batch_overlap
+        self._given = None if capture_bs is None else tuple(sorted(capture_bs))
+        self.speculative = False  # the instance speculates: every graph at the finer sizes
+        self.verify = False  # its query_len > 1 steps are target verifies (else draft extends)
+        self._sizes: dict[tuple[bool, int], tuple[int, ...]] = {}
+
+    def speculating(self, verify: bool) -> StepShaper:
+        """This shaper for a speculating instance's target (`verify`) or draft model. SGLang
+        captures every graph of such a server at the speculative sizes (server_args's
+        `cuda_graph_bs`), the draft's one-token forwards too; the target's verify graphs keep
+        the sizes whose `bs * num_draft_tokens` tokens are a multiple of `mul_base`
+        (`CudaGraphRunner`'s `num_tokens_per_bs`, 1 under two-batch overlap), the draft's
+        graphs those whose `bs` is (`EAGLEDraftCudaGraphRunner`,
+        `EAGLEDraftExtendCudaGraphRunner` call `get_batch_sizes_to_capture` with its default)."""
+        shaper = copy(self)
+        shaper.speculative, shaper.verify, shaper._sizes = True, verify, {}
+        return shaper
+
+    def capture_sizes(self, query_len: int) -> tuple[int, ...]:
+        """The captured batch sizes a decode step of `query_len` tokens a request replays."""
+        spec = self.speculative or query_len > 1
+        tokens = query_len if self.verify and query_len > 1 and not self._tbo else 1
+        key = (spec, tokens)
+        if key not in self._sizes:
+            self._sizes[key] = (self._given if self._given is not None else capture_batch_sizes(
+                self.graph_max_bs, spec, self._alignment, tokens))
+        return self._sizes[key]
 
     def padded_reqs(self, reqs: int, query_len: int) -> int:
         """The captured size a rank of `reqs` decode requests replays at."""
         if not self.padding:
             return reqs
-        sizes = self._sizes[query_len > 1]
+        sizes = self.capture_sizes(query_len)
         i = bisect_left(sizes, reqs)
         return sizes[i] if i < len(sizes) else reqs
 

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 from pdsim.core.batch import BatchShape
 from pdsim.sim.cost import ACT_BYTES, CostModel, Parallelism, StepParams, make_cost_model
+from pdsim.sim.forward_shape import StepShaper
 from pdsim.specs.hardware import HardwareSpec
 from pdsim.specs.models import LINEAR_FIELDS, ModelSpec, load_model_spec
 
@@ -131,6 +132,10 @@ class SpeculativeCostModel:
         self.target = target
         self.draft = draft
         self.num_draft_tokens = num_draft_tokens
+        # Both models replay SGLang's speculative graph sizes (StepShaper.speculating).
+        for model, verify in ((target, True), (draft, False)):
+            if isinstance(shaper := getattr(model, "_shape", None), StepShaper):
+                model._shape = shaper.speculating(verify)
         params = getattr(draft, "params", None)
         self.graph_fixed_s = (params.step_overhead_s if isinstance(params, StepParams)
                               and params.scheduler_overhead else 0.0)
