@@ -195,13 +195,16 @@ class SchedulerKnobs(_Spec):
     def build(self, num_pages: int, dp_attention: int = 1, where: str = "scheduler",
               speculation: Speculation | None = None, state_slots: int = 0,
               model_context_len: int | None = None,
-              overlap_schedule: str = "off") -> SchedulerConfig:
+              overlap_schedule: str = "off", speculating: bool = False) -> SchedulerConfig:
         """The core config of one DP rank of an instance with `num_pages` pages and
         `state_slots` recurrent-state slots per rank, serving a model of `model_context_len`
         tokens at most; `overlap_schedule`: how SGLang's overlap loop shifts its prefill batches
         (`pdsim.core.config.OVERLAP_SCHEDULES`; the simulator's prefill role:
-        `prefill_overlap_schedule`), "off" under --disable-overlap-schedule."""
-        running = self._running_per_rank(num_pages, dp_attention, where, speculation is not None)
+        `prefill_overlap_schedule`), "off" under --disable-overlap-schedule. `speculating`: the
+        instance drafts (implied by `speculation`, which only the simulator passes), so its
+        running requests default as a speculating SGLang server's do."""
+        running = self._running_per_rank(num_pages, dp_attention, where,
+                                         speculating or speculation is not None)
         return SchedulerConfig(
             state_slots=state_slots,
             num_pages=num_pages, page_size=self.page_size,

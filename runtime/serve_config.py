@@ -122,7 +122,8 @@ class _ServeBase(ExperimentConfig):
         return spec.scheduler.build(spec.scheduler.pool_pages(), spec.dp_attention,
                                     f"cluster.{role}.scheduler",
                                     model_context_len=load_model_spec(self.model).context_len,
-                                    overlap_schedule=overlap)
+                                    overlap_schedule=overlap,
+                                    speculating=self.speculative.method != "none")
 
 
 def check_served_method(spec) -> None:

@@ -145,6 +145,25 @@ def test_the_same_yaml_builds_equal_schedulers_for_both_backends():
     assert (decode.num_pages, decode.max_running_requests) == (300, 64)
 
 
+def test_a_speculating_deployment_runs_sglangs_48_requests_on_both_backends():
+    """Unset, max_running_requests is SGLang's 48 per speculating instance on the simulator's
+    and the real workers' schedulers alike (not the pool's derived limit); given, it is kept."""
+    from runtime.serve_config import parse_serve_config
+
+    spec = {"method": "mtp", "num_draft_tokens": 2, "acceptance": {"mean_accept_len": 1.5}}
+    pages = {"scheduler": {"num_pages": 300}}
+    data = {**BASE, "model": "tiny-llama", "speculative": spec,
+            "cluster": {"prefill": pages, "decode": pages}}
+    real = parse_serve_config(data)
+    assert [real.scheduler_config(r).max_running_requests for r in ("prefill", "decode")] == [48, 48]
+    plain = parse_serve_config({**data, "speculative": {"method": "none"}})
+    assert plain.scheduler_config("decode").max_running_requests == 2048  # the pool-derived
+    big = {"tp": 8, "scheduler": {"num_pages": 300}}
+    sim = build_cluster(parse_experiment({**data, "model": "deepseek-v3", "hardware": "h200",
+                                          "cluster": {"prefill": big, "decode": big}}))
+    assert sim.decode.scheduler.max_running_requests == 48
+
+
 def test_num_pages_means_the_same_and_serving_needs_it_given():
     """num_pages is pages per rank in both backends; left out, the simulator sizes the pool
     from the hardware's memory and serving refuses, naming the field (no hidden default)."""
