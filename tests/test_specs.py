@@ -272,6 +272,11 @@ def test_new_hardware_presets_match_their_datasheets() -> None:
     assert hw["h800"].bf16_tflops == hw["h100"].bf16_tflops and hw["h800"].nvlink_gb_per_s == 200
     # H20 in two memory sizes, the same compute.
     assert (hw["h20"].hbm_gib, hw["h20-141g"].hbm_gib) == (96, 141)
+    # Memory is the driver's total, which SGLang's mem_fraction_static is a share of: GDDR6
+    # with ECC on keeps 1/16 (A10 23,028 MiB, L40S 46,068 MiB), and Blackwell Ultra's "288GB"
+    # is 275,040 MiB (B300) and 284,208 MiB (GB300) in nvidia-smi (aiconfigurator-core 0.12).
+    assert {n: hw[n].hbm_gib for n in ("a10", "l40s", "b300", "gb300")} == {
+        "a10": 22.49, "l40s": 44.99, "b300": 268.6, "gb300": 277.5}
     assert hw["h20-141g"].fp8_tflops == hw["h20"].fp8_tflops
     # Blackwell: FP4 peaks; the NVL72 racks are one 72-GPU NVLink domain, HGX boards 8.
     assert {n for n, h in hw.items() if h.fp4_tflops} == {"b200", "b300", "gb200", "gb300"}

@@ -146,6 +146,15 @@ H20_STREAM_GB_PER_S = 2800
 # x86's: 1.58 (MLA), 1.61 (MoE); over the same die's x86 systems (B200, B300): 1.66-1.77.
 GRACE_HOST_TIME_SCALE = 1.6
 
+# Memory (`hbm_gib`): what SGLang multiplies by --mem-fraction-static is the driver's total
+# (torch's total_memory, nvidia-smi's), so a preset keeps that, in GiB. Where the datasheet's
+# "GB" is within 0.5 % of it the datasheet figure stays (A100 80 = 81,920 MiB; H100/H800
+# 80 against 81,559 MiB; H200 and H20-141G 141 against 143,771; B200 180 against 183,359;
+# GB200 186 against 189,471 MiB, aiconfigurator-core 0.12's gb200 file; the H20's 96 is six
+# 16 GiB HBM3 stacks, as the H100's 80 is five).
+# Where it is not: the A10's and L40S's GDDR6 with ECC on (the default) keep 1/16 for ECC
+# (23,028 and 46,068 MiB), and Blackwell Ultra's "288GB" is 275,040 MiB on the B300 and 284,208
+# MiB on the GB300 (aiconfigurator-core 0.12's b300_sxm and gb300 files, from nvidia-smi).
 # SM counts: NVIDIA's architecture whitepapers (A100 108; GA102 in the A10 72; AD102 in the
 # L40S 142; H100 SXM5 132, as in the H800 and H200); the H20 78 (as republished); B200 and
 # GB200 148 (their CUDA device properties, as DeepGEMM and FlashMLA report them); B300 and
@@ -172,25 +181,28 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "a10": dict(
         host_link_gb_per_s=32,
         sms=72,
-        bf16_tflops=125, fp8_tflops=None, hbm_gib=24, hbm_gb_per_s=600, nvlink_gb_per_s=32,
+        bf16_tflops=125, fp8_tflops=None, hbm_gib=22.49, hbm_gb_per_s=600, nvlink_gb_per_s=32,
         rdma_gb_per_s=3.125, usd_per_gpu_hour=0.86,
         source=(
             "NVIDIA A10 Tensor Core GPU datasheet: BF16 125 TFLOPS dense (250 with sparsity), "
             "no FP8, 24GB GDDR6, 600 GB/s, no NVLink: PCIe Gen4 x16 64 GB/s (both directions) "
-            "-> 32 one way; the NIC is not in the datasheet: 25 Gb/s Ethernet per GPU assumed"
+            "-> 32 one way; memory as the driver reports it with ECC on (the default): "
+            "23,028 MiB (GDDR6's inline ECC keeps 1/16 of the 24 GiB); the NIC is not in the "
+            "datasheet: 25 Gb/s Ethernet per GPU assumed"
         ),
         price_source="Lambda on-demand 1x A10 instance, $0.86/h (list price seen 2026-05-07)",
     ),
     "l40s": dict(
         host_link_gb_per_s=32,
         sms=142,
-        bf16_tflops=362, fp8_tflops=733, hbm_gib=48, hbm_gb_per_s=864, nvlink_gb_per_s=32,
+        bf16_tflops=362, fp8_tflops=733, hbm_gib=44.99, hbm_gb_per_s=864, nvlink_gb_per_s=32,
         rdma_gb_per_s=50, usd_per_gpu_hour=1.95,
         source=(
             "NVIDIA L40S datasheet: BF16 362 TFLOPS and FP8 733 TFLOPS dense (733 / 1,466 "
             "with sparsity), 48GB GDDR6, 864 GB/s, no NVLink: PCIe Gen4 x16 64 GB/s (both "
-            "directions) -> 32 one way; NIC 400 Gb/s per GPU as in aiconfigurator-core 0.12's "
-            "l40s system file"
+            "directions) -> 32 one way; memory as the driver reports it with ECC on (the "
+            "default): 46,068 MiB (aiconfigurator-core 0.12's l40s system file; GDDR6's inline "
+            "ECC keeps 1/16 of the 48 GiB); NIC 400 Gb/s per GPU as in that system file"
         ),
         price_source="Modal on-demand L40S, $1.9512/h (list price seen 2026-05-07)",
     ),
@@ -272,13 +284,15 @@ _PRESETS: dict[str, dict[str, Any]] = {
     ),
     "b300": dict(
         sms=160,
-        bf16_tflops=2250, fp8_tflops=4500, fp4_tflops=13500, hbm_gib=288, hbm_gb_per_s=8000,
+        bf16_tflops=2250, fp8_tflops=4500, fp4_tflops=13500, hbm_gib=268.6, hbm_gb_per_s=8000,
         nvlink_gb_per_s=900, rdma_gb_per_s=100,
         source=(
             "NVIDIA HGX B300 datasheet, per GPU (8-GPU totals / 8): FP4 144 PFLOPS with "
             "sparsity / 108 dense -> 13.5 PFLOPS dense, FP8 72 and BF16 36 PFLOPS with "
-            "sparsity -> 4.5 / 2.25 dense, 288GB HBM3e at up to 8 TB/s, NVLink 5 1.8 TB/s "
-            "(both directions); one 800 Gb/s ConnectX-8 port per GPU"
+            "sparsity -> 4.5 / 2.25 dense, \"288GB\" HBM3e at up to 8 TB/s, NVLink 5 1.8 TB/s "
+            "(both directions); one 800 Gb/s ConnectX-8 port per GPU. Memory as the driver "
+            "reports it: 275,040 MiB = 268.6 GiB (aiconfigurator-core 0.12's b300_sxm system "
+            "file, from nvidia-smi; the HGX B300 page's 2.1 TB for 8 GPUs agrees), not 288 GiB"
         ),
         price_source=_NO_PRICE,
     ),
@@ -303,13 +317,15 @@ _PRESETS: dict[str, dict[str, Any]] = {
         host_link_gb_per_s=450,
         host_time_scale=GRACE_HOST_TIME_SCALE,
         sms=160,
-        bf16_tflops=2500, fp8_tflops=5000, fp4_tflops=15000, hbm_gib=288, hbm_gb_per_s=8000,
+        bf16_tflops=2500, fp8_tflops=5000, fp4_tflops=15000, hbm_gib=277.5, hbm_gb_per_s=8000,
         nvlink_gb_per_s=900, rdma_gb_per_s=100, gpus_per_node=72, gpus_per_host=4,
         source=(
             "NVIDIA GB300 NVL72 datasheet, per GPU (72-GPU rack totals / 72): FP4 1,080 PFLOPS "
-            "dense -> 15, FP8 720 and BF16 360 PFLOPS with sparsity -> 5 / 2.5 dense, 288GB "
+            "dense -> 15, FP8 720 and BF16 360 PFLOPS with sparsity -> 5 / 2.5 dense, \"288GB\" "
             "HBM3e per GPU, 576 TB/s -> 8 TB/s, NVLink 5 130 TB/s -> 1.8 TB/s (both "
-            "directions) across all 72 GPUs; one 800 Gb/s ConnectX-8 SuperNIC per GPU"
+            "directions) across all 72 GPUs; one 800 Gb/s ConnectX-8 SuperNIC per GPU. Memory "
+            "as the driver reports it: 284,208 MiB = 277.5 GiB (aiconfigurator-core 0.12's "
+            "gb300 system file, from nvidia-smi), not 288 GiB"
         ),
         price_source=_NO_PRICE,
     ),
