@@ -287,6 +287,13 @@ def test_new_hardware_presets_match_their_datasheets() -> None:
     with pytest.raises(ValueError, match="a10 lacks"):
         gemm_peak_tflops("fp8", hw["a10"])
     assert gemm_peak_tflops("nvfp4", hw["gb200"]) == 10000
+    # W8A8 int8 runs on the INT8 peak: FP8's on Hopper, Ada and B200/GB200, its own on Ampere
+    # (which has no FP8) and on Blackwell Ultra, which cut INT8 (B300 307, GB300 ~330 TOPS with
+    # sparsity; aiconfigurator-core 0.12's system files).
+    assert {n: gemm_peak_tflops("int8", hw[n]) for n in
+            ("a10", "a100", "l40s", "h100", "b200", "b300", "gb300")} == {
+        "a10": 250, "a100": 624, "l40s": 733, "h100": 1979, "b200": 4500, "b300": 153.5,
+        "gb300": 165}
 
 
 def test_unknown_hardware_lists_presets() -> None:

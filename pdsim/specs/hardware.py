@@ -25,7 +25,10 @@ class HardwareSpec(BaseModel):
     bf16_tflops: dense BF16 tensor-core peak (no 2:4 sparsity).
     fp8_tflops: dense FP8 peak, None where the GPU has no FP8 tensor cores.
     fp4_tflops: dense FP4 (NVFP4/MXFP4) peak, None before Blackwell.
-    hbm_gib: memory capacity (the datasheet's figure; the driver keeps ~1 % of it).
+    int8_tflops: dense INT8 tensor-core peak (TOPS) for W8A8 int8 GEMMs; None: FP8's (equal
+        on Hopper, Ada and Blackwell B200/GB200). Set where they differ: Ampere has INT8 but no
+        FP8; Blackwell Ultra (B300, GB300) cut INT8 to a few percent of FP8.
+    hbm_gib: memory capacity as the driver reports it (the datasheet's where within 0.5 %).
     hbm_gb_per_s: peak memory bandwidth (GB/s: gigabytes, as every *_gb_per_s).
     nvlink_gb_per_s: NVLink bandwidth per GPU, one direction (PCIe cards: their PCIe link).
     rdma_gb_per_s: per-GPU NIC bandwidth typical of the platform (400 Gb/s = 50 GB/s).
@@ -64,6 +67,7 @@ class HardwareSpec(BaseModel):
     bf16_tflops: float = Field(gt=0)
     fp8_tflops: float | None = Field(default=None, gt=0)
     fp4_tflops: float | None = Field(default=None, gt=0)
+    int8_tflops: float | None = Field(default=None, gt=0)
     hbm_gib: float = Field(gt=0)
     hbm_gb_per_s: float = Field(gt=0)
     nvlink_gb_per_s: float = Field(gt=0)
@@ -166,11 +170,11 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "a100": dict(
         host_link_gb_per_s=32,
         sms=108,
-        bf16_tflops=312, fp8_tflops=None, hbm_gib=80, hbm_gb_per_s=2039, nvlink_gb_per_s=300,
+        bf16_tflops=312, fp8_tflops=None, int8_tflops=624, hbm_gib=80, hbm_gb_per_s=2039, nvlink_gb_per_s=300,
         rdma_gb_per_s=25, usd_per_gpu_hour=1.30,
         source=(
             "NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column: BF16 312 TFLOPS dense "
-            "(624 with sparsity), 80GB HBM2e, 2,039 GB/s, NVLink 600 GB/s (both directions); "
+            "(624 with sparsity), INT8 624 TOPS dense (1,248 with sparsity), 80GB HBM2e, 2,039 GB/s, NVLink 600 GB/s (both directions); "
             "DGX A100 datasheet: one 200 Gb/s ConnectX-6 HDR InfiniBand port per GPU"
         ),
         price_source=(
@@ -181,11 +185,11 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "a10": dict(
         host_link_gb_per_s=32,
         sms=72,
-        bf16_tflops=125, fp8_tflops=None, hbm_gib=22.49, hbm_gb_per_s=600, nvlink_gb_per_s=32,
+        bf16_tflops=125, fp8_tflops=None, int8_tflops=250, hbm_gib=22.49, hbm_gb_per_s=600, nvlink_gb_per_s=32,
         rdma_gb_per_s=3.125, usd_per_gpu_hour=0.86,
         source=(
             "NVIDIA A10 Tensor Core GPU datasheet: BF16 125 TFLOPS dense (250 with sparsity), "
-            "no FP8, 24GB GDDR6, 600 GB/s, no NVLink: PCIe Gen4 x16 64 GB/s (both directions) "
+            "INT8 250 TOPS dense (500 with sparsity), no FP8, 24GB GDDR6, 600 GB/s, no NVLink: PCIe Gen4 x16 64 GB/s (both directions) "
             "-> 32 one way; memory as the driver reports it with ECC on (the default): "
             "23,028 MiB (GDDR6's inline ECC keeps 1/16 of the 24 GiB); the NIC is not in the "
             "datasheet: 25 Gb/s Ethernet per GPU assumed"
@@ -284,13 +288,16 @@ _PRESETS: dict[str, dict[str, Any]] = {
     ),
     "b300": dict(
         sms=160,
-        bf16_tflops=2250, fp8_tflops=4500, fp4_tflops=13500, hbm_gib=268.6, hbm_gb_per_s=8000,
+        bf16_tflops=2250, fp8_tflops=4500, fp4_tflops=13500, int8_tflops=153.5,
+        hbm_gib=268.6, hbm_gb_per_s=8000,
         nvlink_gb_per_s=900, rdma_gb_per_s=100,
         source=(
             "NVIDIA HGX B300 datasheet, per GPU (8-GPU totals / 8): FP4 144 PFLOPS with "
             "sparsity / 108 dense -> 13.5 PFLOPS dense, FP8 72 and BF16 36 PFLOPS with "
             "sparsity -> 4.5 / 2.25 dense, \"288GB\" HBM3e at up to 8 TB/s, NVLink 5 1.8 TB/s "
-            "(both directions); one 800 Gb/s ConnectX-8 port per GPU. Memory as the driver "
+            "(both directions); one 800 Gb/s ConnectX-8 port per GPU. INT8 153.5 TOPS dense "
+            "(307 with sparsity; Blackwell Ultra cut INT8; aiconfigurator-core 0.12's b300_sxm "
+            "int8_tc_flops). Memory as the driver "
             "reports it: 275,040 MiB = 268.6 GiB (aiconfigurator-core 0.12's b300_sxm system "
             "file, from nvidia-smi; the HGX B300 page's 2.1 TB for 8 GPUs agrees), not 288 GiB"
         ),
@@ -317,13 +324,16 @@ _PRESETS: dict[str, dict[str, Any]] = {
         host_link_gb_per_s=450,
         host_time_scale=GRACE_HOST_TIME_SCALE,
         sms=160,
-        bf16_tflops=2500, fp8_tflops=5000, fp4_tflops=15000, hbm_gib=277.5, hbm_gb_per_s=8000,
+        bf16_tflops=2500, fp8_tflops=5000, fp4_tflops=15000, int8_tflops=165,
+        hbm_gib=277.5, hbm_gb_per_s=8000,
         nvlink_gb_per_s=900, rdma_gb_per_s=100, gpus_per_node=72, gpus_per_host=4,
         source=(
             "NVIDIA GB300 NVL72 datasheet, per GPU (72-GPU rack totals / 72): FP4 1,080 PFLOPS "
             "dense -> 15, FP8 720 and BF16 360 PFLOPS with sparsity -> 5 / 2.5 dense, \"288GB\" "
             "HBM3e per GPU, 576 TB/s -> 8 TB/s, NVLink 5 130 TB/s -> 1.8 TB/s (both "
-            "directions) across all 72 GPUs; one 800 Gb/s ConnectX-8 SuperNIC per GPU. Memory "
+            "directions) across all 72 GPUs; one 800 Gb/s ConnectX-8 SuperNIC per GPU. INT8 "
+            "165 TOPS dense (the datasheet's 23 POPS with sparsity / 72 / 2 ~ 0.16; "
+            "aiconfigurator-core 0.12's gb300 int8_tc_flops). Memory "
             "as the driver reports it: 284,208 MiB = 277.5 GiB (aiconfigurator-core 0.12's "
             "gb300 system file, from nvidia-smi), not 288 GiB"
         ),

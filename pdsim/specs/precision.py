@@ -40,7 +40,9 @@ DTYPES: dict[str, DType] = {
     # per-tensor or per-channel scales (ModelOpt FP8, FP8-dynamic, --quantization fp8 online):
     # SGLang's CUTLASS fp8_scaled_mm, which the kernel tables time apart
     "fp8_tensor": DType("fp8_tensor", 1.0, "fp8"),
-    "int8": DType("int8", 1.0, "fp8"),  # W8A8 runs on the int8 peak, equal to FP8's on Hopper+
+    # W8A8 runs on the INT8 peak (`HardwareSpec.int8_tflops`: FP8's on Hopper, Ada, B200/GB200;
+    # its own on Ampere, which has no FP8, and on Blackwell Ultra, which cut INT8)
+    "int8": DType("int8", 1.0, "fp8"),
     "w4a16": DType("w4a16", 0.5 + 1 / 64, "bf16"),  # GPTQ/AWQ int4, group 128: scale + zero
     # int4, group 32, symmetric (compressed-tensors pack-quantized, Kimi-K2-Thinking's experts):
     # one BF16 scale per 32 weights, no zero point -- SGLang's CompressedTensorsWNA16MoE
@@ -109,12 +111,15 @@ def gemm_peak_tflops(dtype: str, hardware: HardwareSpec) -> float:
     compute = compute_on(dtype, hardware)
     if compute == "bf16":
         return hardware.bf16_tflops
+    if dtype == "int8" and hardware.int8_tflops is not None:
+        return hardware.int8_tflops
     peak = hardware.fp8_tflops if compute == "fp8" else hardware.fp4_tflops
     if peak is None:
         raise ValueError(
             f"{dtype} weights need {compute.upper()} tensor cores, which {hardware.name} lacks; "
             f"use a format it supports (bf16, fp16, w4a16, mxfp4"
-            + (", fp8, int8" if hardware.fp8_tflops else "")
+            + (", fp8" if hardware.fp8_tflops else "")
+            + (", int8" if hardware.fp8_tflops or hardware.int8_tflops else "")
             + ")"
         )
     return peak
