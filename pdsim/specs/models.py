@@ -525,6 +525,15 @@ def _check_divides(label: str, part: int, tp: int) -> None:
 # ----- presets ---------------------------------------------------------------------------------
 # Numbers from each model's public Hugging Face config.json (the repo named in the comment).
 
+# Kimi-K2's shapes (moonshotai/Kimi-K2-Instruct config.json), shared by its checkpoints
+_KIMI_K2_SHAPE = dict(
+    num_layers=61, hidden_size=7168, num_attention_heads=64, num_kv_heads=64,
+    head_dim=192, intermediate_size=18432, vocab_size=163840, attention="mla",
+    kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+    q_lora_rank=1536, num_experts=384, experts_per_token=8, moe_intermediate_size=2048,
+    num_shared_experts=1, first_k_dense_layers=1,
+)
+
 _PRESETS: dict[str, dict[str, Any]] = {
     # meta-llama/Llama-3.1-8B config.json
     "llama-3.1-8b": dict(
@@ -560,11 +569,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
     # 64 heads, one dense layer and a 163,840-token vocabulary; published in block FP8 like
     # DeepSeek-V3 (BF16 embedding and LM head).
     "kimi-k2": dict(
-        num_layers=61, hidden_size=7168, num_attention_heads=64, num_kv_heads=64,
-        head_dim=192, intermediate_size=18432, vocab_size=163840, attention="mla",
-        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-        q_lora_rank=1536, num_experts=384, experts_per_token=8, moe_intermediate_size=2048,
-        num_shared_experts=1, first_k_dense_layers=1,
+        **_KIMI_K2_SHAPE,
         precision=Precision(attention="fp8", dense_mlp="fp8", moe_experts="fp8"),
         context_len=131072,
     ),
@@ -573,11 +578,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
     # `ignore` keeps attention, the dense MLP, the shared expert and the LM head BF16 (the
     # shared expert is priced with the routed ones: one `moe_experts` block, < 0.3 % of them).
     "kimi-k2-thinking": dict(
-        num_layers=61, hidden_size=7168, num_attention_heads=64, num_kv_heads=64,
-        head_dim=192, intermediate_size=18432, vocab_size=163840, attention="mla",
-        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-        q_lora_rank=1536, num_experts=384, experts_per_token=8, moe_intermediate_size=2048,
-        num_shared_experts=1, first_k_dense_layers=1,
+        **_KIMI_K2_SHAPE,
         precision=Precision(moe_experts="w4a16_g32"),
         context_len=262144,
     ),
