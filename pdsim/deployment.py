@@ -147,11 +147,12 @@ class SchedulerKnobs(_Spec):
         0.8, gt=0, description="sim only, models with sliding-window layers: their pool's tokens "
         "over the full-attention pool's (SGLang's --swa-full-tokens-ratio)")
     disable_overlap_schedule: bool = Field(
-        False, description="sim only, PD prefill: SGLang's --disable-overlap-schedule. Else "
-        "its overlap event loop plans each prefill batch while the one before it runs, so a "
-        "request that arrives during a forward waits for the batch after the next (not with "
-        "DeepEP, whose normal-mode dispatch holds the host until the GPU reaches it, nor with "
-        "pipeline stages or speculative decoding, where SGLang runs without it)")
+        False, description="SGLang's --disable-overlap-schedule. Else its overlap event loop "
+        "plans each batch while the one before it runs, so a prefill or colocated request that "
+        "arrives during a forward waits for the batch after the next, and a PD decode request "
+        "whose KV lands during a step decodes from the step after the next (a DeepEP prefill "
+        "takes up its results a forward late instead; nothing with pipeline stages or "
+        "speculative decoding, where SGLang runs without it)")
     disable_radix_cache: bool = Field(
         False, description="SGLang's --disable-radix-cache: the prefill and colocated "
         "schedulers keep a radix prefix cache unless true (decode has none)")
@@ -198,9 +199,9 @@ class SchedulerKnobs(_Spec):
               overlap_schedule: str = "off", speculating: bool = False) -> SchedulerConfig:
         """The core config of one DP rank of an instance with `num_pages` pages and
         `state_slots` recurrent-state slots per rank, serving a model of `model_context_len`
-        tokens at most; `overlap_schedule`: how SGLang's overlap loop shifts its prefill batches
-        (`pdsim.core.config.OVERLAP_SCHEDULES`; the simulator's prefill role:
-        `prefill_overlap_schedule`), "off" under --disable-overlap-schedule. `speculating`: the
+        tokens at most; `overlap_schedule`: how SGLang's overlap loop shifts its batches
+        (`pdsim.core.config.OVERLAP_SCHEDULES`; both backends' roles: `overlap_schedule`),
+        "off" under --disable-overlap-schedule. `speculating`: the
         instance drafts (implied by `speculation`, which only the simulator passes), so its
         running requests default as a speculating SGLang server's do."""
         running = self._running_per_rank(num_pages, dp_attention, where,
@@ -406,6 +407,24 @@ def prefill_overlap_schedule(role: RoleConfig, speculative_method: str) -> str:
     if role.pp > 1 or speculative_method != "none":
         return "off"
     return "late_results" if role.moe_a2a == "deepep" else "plans_ahead"
+
+
+def overlap_schedule(role_name: str, role: RoleConfig, speculative_method: str) -> str:
+    """How SGLang's overlap event loop shifts the batches of `role_name`'s instances
+    (`pdsim.core.config.OVERLAP_SCHEDULES`), for both backends. A prefill role: see
+    `prefill_overlap_schedule`. A decode or colocated role runs `event_loop_overlap_disagg_decode`
+    or `event_loop_overlap`, which plan step k+1 while step k runs ("plans_ahead"): a request
+    whose KV lands, or that arrives, while a step runs decodes, or is prefilled, a step later
+    than a loop that plans at the step's end. Off with pipeline stages or speculative decoding,
+    as for prefill; off on a colocated DeepEP instance too, whose extends' normal-mode dispatch
+    holds the host (not modelled there)."""
+    if role_name == "prefill":
+        return prefill_overlap_schedule(role, speculative_method)
+    if role.pp > 1 or speculative_method != "none":
+        return "off"
+    if role_name == "colocated" and role.moe_a2a == "deepep":
+        return "off"
+    return "plans_ahead"
 
 
 class ClusterConfig(_Spec):

@@ -33,7 +33,7 @@ from pydantic import Field, ValidationError, model_validator
 from pdsim.config import ConfigError, ExperimentConfig, read_config_file
 from pdsim.config_errors import format_validation_error
 from pdsim.core.config import SchedulerConfig
-from pdsim.deployment import RoleConfig, prefill_overlap_schedule, servable_presets
+from pdsim.deployment import RoleConfig, overlap_schedule, servable_presets
 from pdsim.specs.models import load_model_spec
 from pdsim.workload import WorkloadConfig
 
@@ -117,8 +117,7 @@ class _ServeBase(ExperimentConfig):
     def scheduler_config(self, role: str) -> SchedulerConfig:
         """The core config of one rank of `role` (the one builder: SchedulerKnobs.build)."""
         spec = self.role(role)
-        overlap = (prefill_overlap_schedule(spec, self.speculative.method) if role == "prefill"
-                   else "off")
+        overlap = overlap_schedule(role, spec, self.speculative.method)
         return spec.scheduler.build(spec.scheduler.pool_pages(), spec.dp_attention,
                                     f"cluster.{role}.scheduler",
                                     model_context_len=load_model_spec(self.model).context_len,

@@ -253,16 +253,21 @@ def test_instance_knobs_split_over_dp_ranks_as_sglang_does():
         build_cluster(parse_experiment(data))
 
 
-def test_prefill_batches_follow_sglangs_overlap_loop_unless_it_is_off():
-    """SGLang's prefill runs its overlap event loop by default: a TP prefill plans each batch
-    a forward ahead; DeepEP (whose dispatch holds the host), pipeline stages and
-    --disable-overlap-schedule do not; decode is not shifted here."""
+def test_batches_follow_sglangs_overlap_loop_unless_it_is_off():
+    """SGLang runs its overlap event loops by default: a TP prefill, a PD decode and a
+    colocated instance plan each batch a forward ahead; DeepEP prefill (whose dispatch holds
+    the host), pipeline stages, speculation and --disable-overlap-schedule do not."""
     data = experiment()
     cluster = build_cluster(parse_experiment(data))
     assert cluster.prefill.scheduler.overlap_schedule == "plans_ahead"
-    assert cluster.decode.scheduler.overlap_schedule == "off"
+    assert cluster.decode.scheduler.overlap_schedule == "plans_ahead"
     data["cluster"]["prefill"]["scheduler"] = {"disable_overlap_schedule": True}
-    assert build_cluster(parse_experiment(data)).prefill.scheduler.overlap_schedule == "off"
+    data["cluster"]["decode"]["scheduler"] = {"disable_overlap_schedule": True}
+    off = build_cluster(parse_experiment(data))
+    assert off.prefill.scheduler.overlap_schedule == off.decode.scheduler.overlap_schedule == "off"
+    coloc = experiment()
+    coloc["cluster"]["mode"] = "colocated"
+    assert build_cluster(parse_experiment(coloc)).colocated.scheduler.overlap_schedule == "plans_ahead"
     data["model"], data["hardware"] = "deepseek-v3", "h200"
     data["cluster"] = {"prefill": {"tp": 8, "dp_attention": 8, "ep": 8, "moe_a2a": "deepep"},
                        "decode": {"tp": 8, "dp_attention": 8, "ep": 8}}

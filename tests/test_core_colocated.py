@@ -246,3 +246,34 @@ def test_schedule_conservativeness_scales_the_ratio_and_dp_attention_lowers_it()
     assert bold.init_ratio == 1.0
     with pytest.raises(ValueError, match="schedule_conservativeness"):
         SchedulerKnobs(schedule_conservativeness=-1)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_schedule_a_request_that_comes_during_a_step_is_prefilled_a_step_later(overlap):
+    """SGLang's event_loop_overlap plans step k+1 while step k runs: r1, which comes during
+    r0's first decode step, finds the next step (r0's second decode) already planned, and is
+    prefilled only after it; TTFT one step longer. r2 comes while the instance idles and is
+    prefilled at once."""
+    from dataclasses import replace
+
+    from pdsim.core.instance import Add, Instance
+    config = replace(cfg(), overlap_schedule="plans_ahead" if overlap else "off")
+    inst = Instance([ColocatedScheduler(config)], lambda r: None)
+    r0, r1, r2 = Request("r0", 8, 4), Request("r1", 8, 2), Request("r2", 8, 2)
+    step = inst.begin(0.0, [Add(r0)])
+    kinds, t = [], 0.0
+    while step is not None:
+        t += 1.0
+        inst.finish(step, BatchResult(1.0), t)
+        step = inst.begin(t, [Add(r1)] if t == 2.0 else [])
+        kinds.append(None if step is None else
+                     (step[0].kind, sorted(r.rid for r in (step[0].reqs if step[0].kind == "decode"
+                                                          else [g.req for g in step[0].segments]))))
+    if overlap:
+        assert kinds[:3] == [("decode", ["r0"]), ("decode", ["r0"]), ("extend", ["r1"])]
+        assert r1.token_times_s[0] == 4.0
+    else:
+        assert kinds[:2] == [("decode", ["r0"]), ("extend", ["r1"])]
+        assert r1.token_times_s[0] == 3.0
+    step = inst.begin(t + 5.0, [Add(r2)])  # idle: planned at once
+    assert step[0].kind == "extend" and r2.prefill_start_s == t + 5.0

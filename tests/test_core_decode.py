@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from configs import scheduler_config
 from core_harness import StubKV
 
@@ -438,3 +439,64 @@ def test_aborting_the_blocked_head_lets_the_next_request_in():
     assert s.abort("r1", "client went away", 1.0)
     s.step(1.0)  # nothing grew and no endpoint changed, but the head is gone
     assert s.transfer == [r0, r2] and s.prealloc == []
+
+
+# ----- SGLang's overlap event loop: a step is planned as the step before it begins ------------
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_schedule_a_request_that_lands_during_a_step_decodes_a_step_later(overlap):
+    """SGLang's event_loop_overlap_disagg_decode polls transfers, merges the prebuilt batch
+    (streaming its first tokens) and plans step k+1 while step k runs. r1's KV lands during
+    r0's first step: its first token goes at that step's end either way, but the step that
+    follows was planned when r0's step began, so under the overlap loop r1 decodes from the
+    step after it and its first inter-token gap is two steps."""
+    from dataclasses import replace
+
+    from pdsim.core.instance import Instance
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    config = replace(cfg(), overlap_schedule="plans_ahead" if overlap else "off")
+    inst = Instance([DecodeScheduler(config, kv)], lambda r: None)
+    r0, r1 = req("r0", 4, 4), req("r1", 4, 3)
+    inst.add_request(r0, 0.0)
+    inst.add_request(r1, 0.0)
+    assert inst.begin(0.0) is None  # both preallocated; no KV yet
+    kv.deliver(r0)
+    step = inst.begin(0.0)  # idle: r0 runs at once
+    assert step[0].reqs == [r0] and r0.token_times_s == [0.0]
+    kv.deliver(r1)  # lands during r0's step
+    t = 0.0
+    planned = []
+    while not (r0.finished and r1.finished):
+        t += 1.0
+        inst.finish(step, BatchResult(1.0), t)
+        step = inst.begin(t)
+        planned.append(sorted(r.rid for r in step[0].reqs) if step else [])
+    assert r1.token_times_s[0] == 1.0 and inst.emitted == [] and r1.decode_join_s == 1.0
+    if overlap:
+        assert planned == [["r0"], ["r0", "r1"], ["r1"], []]
+        assert r1.token_times_s == [1.0, 3.0, 4.0]
+    else:
+        assert planned == [["r0", "r1"], ["r0", "r1"], []]
+        assert r1.token_times_s == [1.0, 2.0, 3.0]
+    assert r0.token_times_s == [0.0, 1.0, 2.0, 3.0]
+    inst.schedulers[0].check_pools_full()
+
+
+def test_overlap_schedule_an_idle_decode_instance_runs_what_lands_at_once():
+    """With nothing running (no step was planned ahead), SGLang's loop merges and launches in
+    the same iteration: a request staged with nobody to run beside it is planned at once, and
+    its first token is still streamed once."""
+    from dataclasses import replace
+
+    from pdsim.core.instance import Instance
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    config = replace(cfg(), overlap_schedule="plans_ahead")
+    inst = Instance([DecodeScheduler(config, kv)], lambda r: None)
+    r0, r1 = req("r0", 4, 1), req("r1", 4, 3)
+    inst.add_request(r0, 0.0)
+    inst.add_request(r1, 0.0)
+    inst.begin(0.0)
+    kv.deliver(r0)
+    kv.deliver(r1)
+    step = inst.begin(0.0)  # r0 wants one token only: it ends at its merge
+    assert r0.finished and step[0].reqs == [r1] and inst.emitted == [r0, r1]

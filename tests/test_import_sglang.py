@@ -297,6 +297,9 @@ def test_cuda_graph_flags_the_load_balance_method_and_conservativeness_are_impor
                                                   "--disable-overlap-schedule --port")
                                    .format(decode=""), BASE, model="llama-3.1-8b")
     assert prefill_off["cluster"]["prefill"]["scheduler"]["disable_overlap_schedule"] is True
+    assert "disable_overlap_schedule" not in prefill_off["cluster"]["decode"].get("scheduler", {})
+    decode_off = imported("--disable-overlap-schedule")["cluster"]["decode"]["scheduler"]
+    assert decode_off["disable_overlap_schedule"] is True  # the decode loop's overlap too
     _, notes = import_sglang(script.format(decode="--load-balance-method minimum_tokens"), BASE,
                              model="llama-3.1-8b")
     assert any("--load-balance-method minimum_tokens" in note for note in notes)

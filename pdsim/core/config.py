@@ -8,10 +8,12 @@ from pdsim.core.chunking import DynamicChunking
 from pdsim.core.running import Speculation
 
 
-# How SGLang's overlap event loop (`event_loop_overlap_disagg_prefill`) moves a prefill
-# instance's batches: "off" (its normal loop, or a driver that runs each forward to its end
-# before planning the next); "plans_ahead": the host launches a forward and plans the next while
-# the GPU runs it, so a batch is planned as the forward before it begins; "late_results": the
+# How SGLang's overlap event loop (`event_loop_overlap_disagg_prefill`, `..._disagg_decode`,
+# `event_loop_overlap`) moves an instance's batches: "off" (its normal loop, or a driver that runs
+# each forward to its end before planning the next); "plans_ahead": the host launches a forward
+# and plans the next while the GPU runs it, so a batch is planned as the forward before it
+# begins (a request that arrives, or whose KV lands, meanwhile runs a batch later); prefill
+# only, "late_results": the
 # host waits for the GPU inside each forward (DeepEP's normal-mode dispatch), so it takes up a
 # batch's results (first tokens, KV sends) only once it has launched the next batch, as that one
 # ends, or at once when there is none.
@@ -32,8 +34,8 @@ class SchedulerConfig:
     ones, so admitted requests can keep decoding.
     `speculation` (simulator only) makes decode steps verify draft tokens. `prefix_cache` gives
     colocated and prefill schedulers a radix cache of prompt pages (`pdsim.core.radix`); a
-    request takes from it only if it carries `prefix_keys`. `overlap_schedule` (PD prefill) is
-    how SGLang's overlap event loop shifts a prefill instance's batches (`OVERLAP_SCHEDULES`;
+    request takes from it only if it carries `prefix_keys`. `overlap_schedule` is how SGLang's
+    overlap event loop shifts an instance's batches (`OVERLAP_SCHEDULES`;
     `pdsim.core.instance.Instance` applies it). With `state_slots`, every request
     also holds one slot of the recurrent-state pool from admission to its end (SGLang's mamba
     pool), so the slots cap how many run or wait for their KV at once.
@@ -55,7 +57,7 @@ class SchedulerConfig:
     dynamic_chunking: DynamicChunking | None
     context_len: int | None  # the longest prompt + output a request may ask for (None: any)
     schedule_conservativeness: float  # colocated: scales new_token_ratio (SGLang's, DP-adjusted)
-    overlap_schedule: str  # PD prefill: one of OVERLAP_SCHEDULES
+    overlap_schedule: str  # one of OVERLAP_SCHEDULES ("late_results": PD prefill only)
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_running_requests", "max_prefill_tokens",

@@ -14,7 +14,10 @@ Queues, in the order a request passes them:
 - **prebuilt**: the KV is in place, so no prefill forward runs; the request merges into the
   running batch as soon as it has room (`max_running_requests`), and only then is its first
   token sent, as SGLang streams it from the prebuilt batch that takes the request out of the
-  waiting queue: a wait for room counts in the request's TTFT, not in its first ITL.
+  waiting queue: a wait for room counts in the request's TTFT, not in its first ITL. Under
+  overlap_schedule "plans_ahead" (SGLang's overlap event loop, `event_loop_overlap_disagg_decode`)
+  a request merged while a forward ran is **staged**: its first token goes now, but the step
+  that follows was planned when the forward before it began, so it decodes from the step after.
 - **running**: continuous-batching decode. When the pool runs out, a request is retracted as
   SGLang's PD decode retracts it (`retract_decode`, `offload_kv_cache`): its KV pages are
   copied to host memory and freed (a `KVMove` the next forward runs first) and it waits in the
@@ -54,6 +57,7 @@ class DecodeScheduler(InstanceScheduler):
         self.transfer: list[Request] = []
         self.prebuilt: deque[Request] = deque()
         self.retracted: list[Request] = []
+        self.staged: list[Request] = []  # merged under "plans_ahead": they decode from the next step
         self._host_pages: dict[str, int] = {}  # a retracted request's KV pages on the host
         self._kv_moves: list[KVMove] = []  # for the next planned forward to run first
         self._moving = False  # whether the last planned forward carries KV moves
@@ -76,6 +80,11 @@ class DecodeScheduler(InstanceScheduler):
 
     def step(self, now: float):
         self.emitted.clear()  # the outbox holds the first tokens of this step only
+        self.held_back = False
+        if self.staged:  # merged at the last step boundary: SGLang's plan of this step has them
+            for req in self.staged:
+                self.running.join(req)
+            self.staged.clear()
         if self.retracted:
             self._resume_retracted()
         # No new request takes pages while one is retracted, nor while a retracted one's KV
@@ -105,21 +114,21 @@ class DecodeScheduler(InstanceScheduler):
         return next_deadline(self.transfer, self.config.waiting_timeout_s, now)
 
     def _num_decoding(self) -> int:
-        return len(self.running) + len(self.transfer) + len(self.prebuilt)
+        return len(self.running) + len(self.staged) + len(self.transfer) + len(self.prebuilt)
 
     def _only_decoding(self) -> bool:
         # Prealloc stays blocked while pages only shrink; transfers move on outside events or
         # at their timeouts (the simulator ends a run of steps at the next one); prebuilt
         # requests wait while the batch is full; a retracted one may resume at any step; a
         # step that copies KV is priced on its own.
-        return not self.retracted and not self._kv_moves and not self._moving and (
+        return not self.retracted and not self.staged and not self._kv_moves and not self._moving and (
             not self.prebuilt or len(self.running) >= self.config.max_running_requests)
 
     def abort(self, rid: str, reason: str, now: float) -> bool:
         """Also searches the prealloc, transfer, prebuilt and retracted queues; a request still
         waiting for its KV aborts its receiver, so the prefill side stops sending; a retracted
         one's KV is dropped from the host."""
-        for queue in (self.prealloc, self.transfer, self.prebuilt, self.retracted):
+        for queue in (self.prealloc, self.transfer, self.prebuilt, self.staged, self.retracted):
             for req in queue:
                 if req.rid == rid:
                     queue.remove(req)
@@ -272,8 +281,13 @@ class DecodeScheduler(InstanceScheduler):
         self.prebuilt.append(req)
 
     def _merge_prebuilt(self, now: float) -> None:
+        """Take prebuilt requests into the batch while it has room, sending first tokens
+        (SGLang's `get_new_prebuilt_batch` and `process_batch_result_prebuilt`). Under
+        "plans_ahead" with a forward in progress (`plan_cutoff_s` set), SGLang's iteration that
+        merges them plans the step after the one already launched: they are staged."""
         cap = self.config.max_running_requests
-        while self.prebuilt and len(self.running) < cap:
+        staging = self.plan_cutoff_s is not None
+        while self.prebuilt and len(self.running) + len(self.staged) < cap:
             req = self.prebuilt.popleft()
             if req.landed_token is not None:  # (a resumed one has its tokens already)
                 token, logprob = req.landed_token
@@ -281,4 +295,9 @@ class DecodeScheduler(InstanceScheduler):
                 req.decode_join_s = now
                 self._emit(req, token, logprob, now)
                 self.emitted.append(req)
-            self._start_decoding(req, now)
+            stopped = req.output_ids and req.output_ids[-1] in req.stop_token_ids
+            if staging and req.num_output < req.max_new_tokens and not stopped:
+                self.staged.append(req)
+                self.held_back = True
+            else:
+                self._start_decoding(req, now)

@@ -137,22 +137,27 @@ class Instance:
         return step if any(b is not None for b in step) else None
 
     def _begin_planned_ahead(self, now: float) -> Step | None:
-        """SGLang's overlap event loop (`event_loop_overlap_disagg_prefill`) plans batch k+1
-        when it has launched batch k, while batch k-1 still runs, and waits for batch k-1's
-        result only after that: so the batch that follows a forward was planned when that
-        forward began, from the requests then waiting. Here it is planned as the forward ends,
-        leaving out requests that reached the waiting queue after the forward began
-        (`plan_cutoff_s`). If that leaves every rank without a batch while some were held back,
-        SGLang had planned nothing then, and its next iteration plans from every waiting
-        request and launches at once: so does this. An idle instance plans from all."""
+        """SGLang's overlap event loops (`event_loop_overlap_disagg_prefill`,
+        `event_loop_overlap_disagg_decode`, `event_loop_overlap`) plan batch k+1 when they have
+        launched batch k, while batch k-1 still runs, and wait for batch k-1's result only after
+        that: so the batch that follows a forward was planned when that forward began, from
+        the requests then waiting or merged. Here it is planned as the forward ends, leaving
+        out requests that reached the waiting queue after the forward began (`plan_cutoff_s`;
+        a decode instance's requests merged now decode from the step after: `staged`). If that
+        leaves every rank without a batch while some were held back, SGLang had planned nothing
+        then, and its next iteration plans from every waiting request and launches at once: so
+        does this. An idle instance plans from all."""
         scheds = self.schedulers
         for sched in scheds:
             sched.plan_cutoff_s = self._forward_began_s
+            sched.held_back = False
         step = self._plan(now)
         if step is None and self._forward_began_s is not None and any(s.held_back for s in scheds):
+            emitted = list(self.emitted)  # first tokens already sent by the plan just made
             for sched in scheds:
                 sched.plan_cutoff_s = None
             step = self._plan(now)
+            self.emitted = emitted + self.emitted
         self._forward_began_s = None if step is None else now
         return step
 
@@ -199,6 +204,8 @@ class Instance:
 
     def finish_decode_run(self, end_times_s: list[float]) -> None:
         """Settle a run of decode steps (`decode_run_steps`) that ended at `end_times_s`."""
+        if self._plans_ahead and len(end_times_s) > 1:
+            self._forward_began_s = end_times_s[-2]  # the run's last step began then
         self.schedulers[0].on_decode_run_done(end_times_s)
         self._drain()
 

@@ -161,6 +161,9 @@ class PrefillScheduler(InstanceScheduler):
         req.metadata_slot, req.req_slot = meta, slot
         return True
 
+    def _entered_waiting_s(self, req: Request) -> float:
+        return req.bootstrap_done_s  # it left the bootstrap queue
+
     def _admit_extend(self, req: Request, tokens: int) -> bool:
         return True  # slots were taken when it left the bootstrap queue; pages are per chunk
 

@@ -56,8 +56,8 @@ class InstanceScheduler:
         self.retractions = 0  # running requests retracted for want of KV pages
         self._decode_now = 0.0
         # Set by the instance under overlap_schedule "plans_ahead": an extend takes no request that
-        # reached the waiting queue after this time (None: any), and `held_back` says whether
-        # the last plan left one out for it.
+        # reached the waiting queue after this time, nor does a decode take a request whose KV
+        # landed after it (None: any); `held_back` says whether the last plan left one out.
         self.plan_cutoff_s: float | None = None
         self.held_back = False
 
@@ -178,7 +178,7 @@ class InstanceScheduler:
         # crosses the chunk there.
         while self.waiting and budget > 0 and (not chunk or tokens < chunk):
             req = self.waiting[0]
-            if cutoff is not None and req.bootstrap_done_s > cutoff:
+            if cutoff is not None and self._entered_waiting_s(req) > cutoff:
                 self.held_back = True  # it came after this batch was due to be planned
                 break
             if self.cache is not None and req.cache_node is None and req.prefix_keys and not req.pages:
@@ -210,6 +210,12 @@ class InstanceScheduler:
         shape = BatchShape(prefill_tokens=tokens, prefill_attn_pairs=pairs,
                            prefill_prefix_tokens=prefix)
         return ExtendBatch(shape, now, segments)
+
+    def _entered_waiting_s(self, req: Request) -> float:
+        """When `req` became eligible for an extend here (overlap_schedule "plans_ahead" holds
+        back one that came after the forward in progress began): a colocated request's
+        arrival (a retracted one's is earlier still)."""
+        return req.queued_s
 
     def _plan_decode(self, now: float) -> Batch | None:
         running = self.running

@@ -355,7 +355,7 @@ def _knobs(a: argparse.Namespace, env: dict[str, str], role: str, line: int
         knobs["chunked_prefill_size"] = 0  # SGLang's -1: no chunking
     if a.disable_radix_cache:
         knobs["disable_radix_cache"] = True
-    if a.disable_overlap_schedule and role == "prefill":
+    if a.disable_overlap_schedule:
         knobs["disable_overlap_schedule"] = True
     if role != "decode":
         knobs.pop("num_reserved_decode_tokens", None)  # a decode server's flag

@@ -10,7 +10,7 @@ from pdsim import sglang_defaults
 from pdsim.config import ConfigError, ExperimentConfig, RoleConfig
 from pdsim.core.config import SchedulerConfig
 from pdsim.core.running import Speculation
-from pdsim.deployment import SchedulerKnobs, prefill_overlap_schedule
+from pdsim.deployment import SchedulerKnobs, overlap_schedule
 from pdsim.sim.spec import ClusterSpec, ColdStart, RoleSpec
 from pdsim.sim.cost import Parallelism, make_cost_model, pool_sizes, weight_bytes_per_gpu
 from pdsim.sim.expert_load import uneven_split_note
@@ -80,8 +80,7 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
         sched = knobs.build(num_pages, role.dp_attention, f"cluster.{name}.scheduler",
                             _speculation(cfg), state_slots=sizes.state_slots,
                             model_context_len=model.context_len,
-                            overlap_schedule=(prefill_overlap_schedule(role, cfg.speculative.method)
-                                              if name == "prefill" else "off"))
+                            overlap_schedule=overlap_schedule(name, role, cfg.speculative.method))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     sched = _low_latency_cap(sched, role, name, cfg)
