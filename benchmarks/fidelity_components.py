@@ -429,9 +429,11 @@ def imbalance_checks(ops: OpTables) -> dict[str, tuple[np.ndarray, np.ndarray]]:
             uniform, skewed = by["uniform"].dropna(), by["power_law_1.01"]
             curve = Curve(uniform.index.to_numpy(float), uniform.to_numpy(float),
                           ops.moe_roofline(h, i, k, e, 1, ep, "fp8"))
+            to_random = ops.random_routing(h, i, k, e, 1, ep, "fp8", False)
             load = ExpertLoad(int(e), int(k), int(ep))
             for x in uniform.index.intersection(skewed.dropna().index):
-                got.append(abs(curve(x * load.imbalance(x)) / skewed[x] - 1))
+                busiest = math.ceil(x * load.imbalance(x))  # as the model reads it
+                got.append(abs(curve(busiest) * to_random(busiest) / skewed[x] - 1))
                 plain.append(abs(uniform[x] / skewed[x] - 1))
         if got:
             out[phase] = (np.array(got), np.array(plain))
@@ -463,8 +465,14 @@ def fused_imbalance_checks(ops: OpTables) -> tuple[np.ndarray, np.ndarray] | Non
         if len(balanced) < 4:
             continue
         roof = ops.moe_roofline(h, i, k, e, tp, ep, _TABLE_TO_PDSIM[dtype],
+                                fused=not ops.hw.blackwell, random=True)
+        rows = ops.moe_roofline(h, i, k, e, tp, ep, _TABLE_TO_PDSIM[dtype],
                                 fused=not ops.hw.blackwell)
-        curve = Curve(balanced.index.to_numpy(float), balanced.to_numpy(float), roof)
+        to_random = ops.random_routing(h, i, k, e, tp, ep, _TABLE_TO_PDSIM[dtype],
+                                       not ops.hw.blackwell)
+        curve = Curve(balanced.index.to_numpy(float),
+                      balanced.to_numpy(float) * to_random(balanced.index.to_numpy(float)),
+                      roof)
         for alpha in (1.01, 1.2):
             column = f"power_law_{alpha}"
             if column not in by.columns:
@@ -474,7 +482,10 @@ def fused_imbalance_checks(ops: OpTables) -> tuple[np.ndarray, np.ndarray] | Non
             for x in balanced.index.intersection(skewed.index):
                 if x > balanced.index[-1] / 3:
                     continue
-                busiest = curve(x) * roof(x, load.imbalance(x)) / roof(x)
+                f = load.imbalance(x)
+                more = math.ceil(x * f)  # as the silicon model prices the busiest rank
+                busiest = max(curve(more) * roof(x, f) / roof(more),
+                              curve(x) * rows(x, f) / rows(x))
                 got.append(abs(busiest / skewed[x] - 1))
                 plain.append(abs(balanced[x] / skewed[x] - 1))
     return (np.array(got), np.array(plain)) if got else None

@@ -184,10 +184,12 @@ def test_redundant_experts_take_memory_and_are_read() -> None:
 
 def test_fused_moe_under_ep_matches_the_tables_skewed_rows() -> None:
     """Without DeepEP every rank runs the fused kernel over all tokens; the busiest rank holds
-    more rows over the same experts. At a few tokens the kernel reads weights, so the skew
-    costs little: aiconfigurator's rows measured with power-law routing (alpha 1.2, the
-    busiest rank) at 8 tokens are 108 us for Qwen3-235B at EP 8 on H100, below the balanced
-    rows' 126 us."""
+    more rows, and at a few tokens reaches more of its experts than the mean rank (randomly
+    routed copies: 9.7 of Qwen3-235B's 16 a rank at EP 8 and 8 tokens, against 6.5). Its
+    weight reads are what the skew costs there: aiconfigurator's rows measured with power-law
+    routing (alpha 1.2, the busiest rank) at 8 tokens are 114 us on H100, the balanced rows
+    126 us; their synthetic routing (rounded expected counts) reaches fewer experts than
+    random copies do, so pdsim's busiest rank sits above them there (147 us)."""
     if tables.systems_dir() is None:
         pytest.skip("aiconfigurator-core not installed")
     qwen = model_preset("qwen3-235b-a22b")
@@ -201,9 +203,10 @@ def test_fused_moe_under_ep_matches_the_tables_skewed_rows() -> None:
 
     for tokens in (8, 128, 1024):  # against the table's own busiest rank
         skewed = routed(tokens, moe_distribution="power_law_1.2")
-        assert routed(tokens) == pytest.approx(skewed, rel=0.2), tokens
+        assert routed(tokens) == pytest.approx(skewed, rel=0.2 if tokens > 8 else 0.35), tokens
         assert routed(tokens) >= routed(tokens, expert_imbalance=False)
-    assert routed(8) < 1.1 * routed(8, expert_imbalance=False)
+    # the mean rank's 6.5 experts against the busiest rank's 9.7: less than 1.5x
+    assert routed(8) < 1.5 * routed(8, expert_imbalance=False)
 
 
 def test_each_model_family_routes_with_aiconfigurators_exponent() -> None:

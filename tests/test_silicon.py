@@ -189,7 +189,8 @@ def test_wide_ep_context_experts_drop_the_rows_a_dispatch_never_delivers():
     gen = gen[(gen.moe_ep_size == 32) & (gen.moe_dtype == "fp8_block")
               & (gen.distribution == "uniform") & (gen.moe_tp_size == 1)]
     x = float(gen.num_tokens.iloc[len(gen) // 2])
-    assert decode(x) == pytest.approx(gen[gen.num_tokens == x].latency.min() * 1e-3, rel=1e-9)
+    # (moved to random routing, which reaches every expert there)
+    assert decode(x) == pytest.approx(gen[gen.num_tokens == x].latency.min() * 1e-3, rel=1e-6)
 
 
 @needs_tables

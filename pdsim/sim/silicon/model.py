@@ -159,8 +159,10 @@ class _Plan:
     moe_global: Stage  # over the instance's tokens: routed experts (DeepEP's read at the
     # busiest EP rank's tokens; the fused kernel's moved to that rank by `moe_busiest`)
     moe_global_ll: Stage  # the same under DeepEP's low-latency mode (decode kernels)
-    # fused MoE under EP: (tokens, imbalance) -> the busiest rank's time over the table's
-    moe_busiest: Callable[[float, float], float] | None
+    # fused MoE under EP: (tokens, imbalance f) -> the busiest rank's time over the curve's
+    # at ceil(tokens x f) (its experts reached; the step's rows), and over the curve's at the
+    # tokens with f times a rank's copies over the same experts (`_load_ratios`)
+    moe_busiest: Callable[[float, float], tuple[float, float]] | None
     moe_local: Stage  # shared experts, router: over one GPU's tokens (DeepEP), else over tp
     a2a_low_latency: Stage | None  # over one GPU's tokens
     a2a_ll_calls: tuple[Stage, Stage] | None  # its dispatch and combine apart (single-batch overlap)
@@ -460,12 +462,17 @@ class SiliconCostModel:
         if par.moe_a2a != "deepep":
             tokens = step.totals.tokens
             # The fused kernel on every rank's tokens; the busiest EP rank holds its share of
-            # the rows times the imbalance over the same experts (weights), so the measured
-            # curve moves by the MoE roofline's ratio. Shared experts and router on the tokens
-            # they run on.
+            # the routed copies times the imbalance f (`moe_busiest`). Those reach as many of
+            # its experts as f times the tokens would: at least the curve there, moved by the
+            # MoE roofline's ratio back to the step's rows of other ranks' experts; and they
+            # take at least f times the mean rank's rows over its experts. Shared experts and
+            # router on the tokens they run on.
             routed = self._stage(plan.moe_global, tokens, "moe_experts")
             if self._load is not None and plan.moe_busiest is not None:
-                busier = routed * (plan.moe_busiest(tokens, self._load.imbalance(tokens)) - 1)
+                load = self._load.imbalance(tokens)
+                more = math.ceil(tokens * load)
+                reached, rows = plan.moe_busiest(tokens, load)
+                busier = max(plan.moe_global.at(more)[0] * reached, routed * rows) - routed
                 if self.trace is not None:
                     self.trace.append(TracedOp("moe_experts", "routed experts: busiest EP rank",
                                                "-", busier, "derived"))
@@ -734,8 +741,9 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
             moe_local = local  # over tp, on the instance's tokens
             moe_global_ll = moe_global
             if ep > 1:
-                moe_busiest = partial(_load_ratio, ops.moe_roofline(*shape, tp // ep, ep, md,
-                                                                    fused=not hw.blackwell))
+                moe_busiest = partial(_load_ratios, ops.moe_roofline(
+                    *shape, tp // ep, ep, md, fused=not hw.blackwell, random=True),
+                    ops.moe_roofline(*shape, tp // ep, ep, md, fused=not hw.blackwell))
         moe_act = 3 * shared
         moe_kernels = MOE_LAYER_NORM_KERNELS + (shared > 0) + deepep
     dense_share = model.num_dense_layers / model.num_layers
@@ -795,9 +803,14 @@ def _build_plan(model: ModelSpec, hw: HardwareSpec, par: Parallelism, p: Silicon
     )
 
 
-def _load_ratio(roofline: Callable, tokens: float, load: float) -> float:
-    """A MoE roofline's time with `load` times a rank's rows over its time with its share."""
-    return float(roofline(tokens, load) / roofline(tokens))
+def _load_ratios(random: Callable, balanced: Callable, tokens: float, load: float
+                 ) -> tuple[float, float]:
+    """The busiest EP rank's fused-MoE roofline, `load` times a rank's routed copies among
+    `tokens`: over the randomly routed roofline at `load` times the tokens (the same copies and
+    experts reached, more rows of other ranks' experts), and over the balanced roofline at the
+    tokens (the same experts: the rows alone)."""
+    return (float(random(tokens, load) / random(math.ceil(tokens * load))),
+            float(balanced(tokens, load) / balanced(tokens)))
 
 
 def _labelled(entries: list[tuple]) -> Stage:

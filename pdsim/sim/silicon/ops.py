@@ -554,7 +554,10 @@ class OpTables:
         SGLang's Triton and Marlin MoE, `ALL_ROW_KERNELS`); DeepEP, and FlashInfer's kernels,
         which route inside, give a rank its own rows only. The callable's `load` prices a rank
         holding that many times its share of the routed rows (FLOPs, activations) over the
-        same experts (weights), as the busiest EP rank does."""
+        same experts (weights), as the busiest EP rank does; with `random`, its routed copies
+        land at random on its experts too, so it reaches as many as `load` times the tokens
+        would (`experts_reached(experts, topk, load * tokens) / moe_ep`: a rank's share of the
+        copies spread over its `experts / moe_ep` experts)."""
         wbytes = DTYPES[dtype].weight_bytes
         peak, mem = self.peak_flops(dtype), self.mem_rate
         slice_ = inter / moe_tp
@@ -562,7 +565,7 @@ class OpTables:
 
         def roofline(tokens, load=1.0):
             pairs = load * tokens * topk / moe_ep
-            hit = (experts_reached(experts, topk, np.asarray(tokens, float)) if random
+            hit = (experts_reached(experts, topk, load * np.asarray(tokens, float)) if random
                    else np.minimum(experts, tokens * topk)) / moe_ep
             return np.maximum(6.0 * hidden * slice_ * pairs / peak,
                               (hit * 3 * hidden * slice_ * wbytes
@@ -575,8 +578,9 @@ class OpTables:
     def moe(self, hidden: int, inter: int, topk: int, experts: int, moe_tp: int, moe_ep: int,
             dtype: str, distribution: str) -> Curve:
         """Routed experts of one MoE layer (fused MoE kernel) over the layer's total tokens;
-        at EP 1 the balanced rows moved to random routing (docs/cost_model.md, "Random
-        routing")."""
+        the balanced rows moved to random routing (docs/cost_model.md, "Random routing"): at
+        EP > 1 the mean rank's, which `moe_roofline(..., random=True)`'s `load` moves to the
+        busiest rank."""
         import pandas as pd  # here, not at import: the roofline-only simulator never reads a table
         t = self._need("moe", "moe_perf.parquet")
         wanted = moe_dtypes(dtype, self.hw)
@@ -613,9 +617,7 @@ class OpTables:
         else:
             curve = moved_expert_curve(g, have, have_roof, want,
                                        self.moe_roofline(*want, dtype, fused=fused))
-        if distribution != "balanced" or moe_ep > 1:
-            # power-law rows are routed as measured; under EP the layer waits for the busiest
-            # rank, which holds the hot experts and reaches them all as balanced routing does
+        if distribution != "balanced":  # power-law rows are routed as measured
             return curve
         return curve.scaled(self.random_routing(*want, dtype, fused),
                             transferred=curve.transferred)
@@ -639,7 +641,10 @@ class OpTables:
         another expert shape, dtype or EP size is moved from the nearest measured one by the
         ratio of the two MoE rooflines (`moe_roofline`), and counted as transferred. The context
         table's rows carry the time of rows a real dispatch never delivers (`idle_rows`); it
-        is taken out first."""
+        is taken out first. Their "uniform" rows route balanced (every local expert the same
+        tokens, `min(experts, tokens * topk) / ep` of them busy); the curve is moved to random
+        routing by the MoE rooflines' ratio, as the fused-MoE one is (`random_routing`): read at
+        the busiest rank's tokens it then reaches that rank's experts, not more."""
         import pandas as pd
         t = self._table("moe", f"wideep_{phase}_moe_perf.parquet")
         if t is None:
@@ -671,9 +676,15 @@ class OpTables:
                 axis=1)], have_ep, shape[2])
         have_roof = self.moe_roofline(*shape, 1, have_ep, _moe_table_format(used, self.table_hw))
         if have == want and used in moe_dtypes(dtype, self.hw):
-            return Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
-        return moved_expert_curve(g, have, have_roof, want,
-                              self.moe_roofline(hidden, inter, topk, experts, 1, ep, dtype))
+            curve = Curve(g.index.to_numpy(float), g.to_numpy(float) * 1e-3, have_roof)
+        else:
+            curve = moved_expert_curve(g, have, have_roof, want,
+                                       self.moe_roofline(hidden, inter, topk, experts, 1, ep,
+                                                         dtype))
+        if wanted != "uniform":  # power-law rows: the busiest rank as measured
+            return curve
+        return curve.scaled(self.random_routing(hidden, inter, topk, experts, 1, ep, dtype,
+                                                False), transferred=curve.transferred)
 
     # ----- communication -----------------------------------------------------------------------
 
