@@ -495,6 +495,36 @@ def test_attention_that_does_not_split_evenly_is_refused_as_sglang_refuses_it(tp
         mla.split_error(3) or "")
 
 
+def test_block_fp8_weights_that_split_into_partial_scale_blocks_are_refused_and_not_planned():
+    """SGLang loads block-FP8 MLP weights only when each GPU's slice holds whole 128-wide scale
+    blocks: DeepSeek-V3's dense MLP (18,432) over 32 GPUs leaves 576 a GPU, its experts (2,048)
+    over 32 leave 64; moe_dense_tp 1 and ep lift the splits. A BF16 model splits freely."""
+    from pdsim.planning import PlanConfig
+    from pdsim.planning.candidates import role_shapes
+
+    ds = model_preset("deepseek-v3")
+    assert "leave 576 a GPU" in ds.block_fp8_error(32, 32)
+    assert ds.block_fp8_error(32, 32, dense_tp=1) is None
+    assert "leave 64 a GPU" in ds.block_fp8_error(32, 1, dense_tp=1)
+    assert model_preset("qwen3-235b-a22b").block_fp8_error(8, 1) is None  # BF16 experts
+    big = {"tp": 32, "dp_attention": 32, "ep": 32, "moe_a2a": "deepep",
+           "scheduler": {"mem_fraction_static": 0.85}}
+    cfg = {"name": "x", "model": "deepseek-v3", "hardware": "h200", "workload": WORKLOAD,
+           "cluster": {"prefill": big, "decode": {**big, "moe_dense_tp": 1}}}
+    with pytest.raises(ValueError, match=r"cluster.prefill: deepseek-v3's block-FP8 dense MLP "
+                                         r"weights \(18432 wide\) split over 32 GPUs leave 576"):
+        build_cluster(parse_experiment(cfg))
+    ok = {**cfg, "cluster": {"prefill": {**big, "moe_dense_tp": 1}, "decode": cfg["cluster"]["decode"]}}
+    assert build_cluster(parse_experiment(ok)).prefill.scheduler.num_pages > 0
+    plan = PlanConfig.model_validate({
+        "name": "p", "model": "deepseek-v3", "hardware": "h200", "max_gpus": 32,
+        "slo": {"ttft_p90_s": 2.0},
+        "workload": WORKLOAD, "search": {"tp": [32], "dp_attention": [32], "ep": [32],
+                                         "moe_a2a": ["deepep"], "moe_dense_tp": [None, 1]}})
+    shapes = role_shapes(plan, ds, 32)
+    assert shapes and all(shape.dense_dp for shape in shapes)
+
+
 # ----- precisions ------------------------------------------------------------------------------
 
 

@@ -171,7 +171,8 @@ def _overlaps(s: SearchSpace, prefill: bool) -> list[tuple[bool, bool]]:
 
 def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
                 pp_sizes: Sequence[int] = (1,), prefill: bool = False) -> list[RoleShape]:
-    """Every parallelism of one instance the search space allows and SGLang accepts, with
+    """Every parallelism of one instance the search space allows and SGLang accepts (heads
+    split evenly, block-FP8 weights split into whole scale blocks), with
     each of `pp_sizes` pipeline stages (a stage needs a layer; more than one: with each
     dynamic-chunking setting) and, with DP attention on a MoE model with dense layers, each
     `moe_dense_tp` setting; a `prefill` role's without single-batch overlap (a decode-step
@@ -191,6 +192,8 @@ def role_shapes(plan: PlanConfig, model: ModelSpec, gpu_limit: int,
                     dense_dp = ({m == 1 for m in s.moe_dense_tp}
                                 if dp > 1 and model.is_moe and model.num_dense_layers
                                 else {False})
+                    dense_dp = {dense for dense in dense_dp
+                                if model.block_fp8_error(tp, ep, 1 if dense else None) is None}
                     for pp in pp_sizes:
                         if tp * pp <= gpu_limit and pp <= model.num_layers:
                             chunking = s.dynamic_chunking if pp > 1 else (False,)

@@ -44,7 +44,8 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
             and knobs.chunked_prefill_size > 0):  # SGLang's default, from this role's chunk
         params["piecewise_cuda_graph_max_tokens"] = sglang_defaults.piecewise_cuda_graph_max_tokens(
             model.is_mla, knobs.chunked_prefill_size)
-    if (problem := model.split_error(par.attn_tp, role.ep)) is not None:
+    if (problem := model.split_error(par.attn_tp, role.ep)
+            or model.block_fp8_error(role.tp, role.ep, role.moe_dense_tp)) is not None:
         raise ConfigError(f"cluster.{name}: {problem}")
     if role.pp > 1 and spec.method != "none":
         raise ConfigError(f"cluster.{name}.pp={role.pp}: pipeline stages are not modelled "

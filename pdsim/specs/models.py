@@ -440,6 +440,26 @@ class ModelSpec(BaseModel):
                 f"{heads} query heads" + ("" if self.is_mla else f" and {kv} KV heads")
                 + f" evenly, as SGLang requires; allowed: {', '.join(map(str, fits))}")
 
+    def block_fp8_error(self, tp: int, ep: int, dense_tp: int | None = None) -> str | None:
+        """Why SGLang cannot load this model's block-FP8 MLP weights split this way, or None:
+        each GPU's slice of an expert's (or a dense MLP's) intermediate dimension must hold
+        whole 128-wide scale blocks (`Fp8MoEMethod.create_weights`, `Fp8LinearMethod`'s
+        partition check in layers/quantization/fp8.py). Experts split over tp / ep GPUs, the
+        dense MLP over `dense_tp` (None: tp)."""
+        parts = []
+        if self.is_moe and self.precision.moe_experts == "fp8":
+            parts.append(("expert", self.moe_intermediate_size, tp // ep, "ep"))
+        if self.num_dense_layers and self.precision.dense_mlp == "fp8":
+            parts.append(("dense MLP", self.intermediate_size, dense_tp or tp, "moe_dense_tp"))
+        for what, size, split, remedy in parts:
+            if split > 1 and size % (split * FP8_BLOCK):
+                fits = [n for n in (1, 2, 4, 8, 16) if not size % (n * FP8_BLOCK)]
+                return (f"{self.name}'s block-FP8 {what} weights ({size} wide) split over "
+                        f"{split} GPUs leave {size // split} a GPU, not a multiple of the "
+                        f"{FP8_BLOCK}-wide scale block, so SGLang refuses to load them; split "
+                        f"them over {', '.join(map(str, fits))} (raise {remedy})")
+        return None
+
     def pd_tp_error(self, prefill_attn_tp: int, decode_attn_tp: int) -> str | None:
         """Why SGLang cannot move this model's KV from prefill ranks of `prefill_attn_tp` to
         decode ranks of `decode_attn_tp`, or None: its transfer sends a non-MLA model's
@@ -524,6 +544,9 @@ def _check_divides(label: str, part: int, tp: int) -> None:
 
 # ----- presets ---------------------------------------------------------------------------------
 # Numbers from each model's public Hugging Face config.json (the repo named in the comment).
+
+# Block-FP8 checkpoints' scale blocks (weight_block_size [128, 128]: DeepSeek-V3, Qwen3-FP8)
+FP8_BLOCK = 128
 
 # Kimi-K2's shapes (moonshotai/Kimi-K2-Instruct config.json), shared by its checkpoints
 _KIMI_K2_SHAPE = dict(
