@@ -20,10 +20,15 @@ def chunked_prefill_size(hbm_gib: float) -> int:
     return 8192 if hbm_gib < 160 else 16384
 
 
-def piecewise_cuda_graph_max_tokens(mla: bool, chunked_prefill_size: int) -> int:
-    """`--piecewise-cuda-graph-max-tokens`: the chunk size, or 2,048 with an MLA backend (whose
-    kernel choice changes under the graphs)."""
-    return 2048 if mla else chunked_prefill_size
+def piecewise_cuda_graph_max_tokens(mla: bool, chunked_prefill_size: int,
+                                    rules: str = "v0.5.23") -> int:
+    """The most tokens an extend replays as prefill CUDA graphs: the chunk size, or with an MLA
+    backend (whose kernel choice changes under the graphs) 2,048 under v0.5.10's
+    `--piecewise-cuda-graph-max-tokens` (`_handle_gpu_memory_settings`), at most 8,192 under
+    v0.5.23's prefill `max_bs` (`arg_groups/memory_hook.py`)."""
+    if not mla:
+        return chunked_prefill_size
+    return 2048 if rules == "v0.5.10" else min(8192, chunked_prefill_size)
 
 
 def cuda_graph_max_bs(hbm_gib: float, tp: int) -> int:

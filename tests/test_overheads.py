@@ -294,18 +294,44 @@ def test_a_piecewise_graphed_extend_launches_three_kernels_a_layer(name: str) ->
 
 def test_piecewise_graphs_default_to_sglangs_max_tokens_and_drop_where_sglang_drops_them(
         ) -> None:
-    def host(model, **par):
-        return cost("roofline", model, H200, Parallelism(**par), role="prefill",
-                    piecewise_cuda_graph=True)._host
-    # MLA models 2,048 tokens, the others SGLang's chunk for the GPU (an experiment passes its
-    # role's chunked_prefill_size: pdsim.sim.build)
+    def host(model, rules="v0.5.10", role="colocated", **par):
+        return cost("roofline", model, H200, Parallelism(**par), role=role,
+                    piecewise_cuda_graph=True, piecewise_cuda_graph_rules=rules)._host
+    # MLA models 2,048 tokens under v0.5.10, the chunk up to 8,192 under v0.5.23; the others
+    # SGLang's chunk for the GPU (an experiment passes its role's chunked_prefill_size)
     assert host(DSV3, tp=8).piecewise_max_tokens == 2048
+    assert host(DSV3, "v0.5.23", tp=8).piecewise_max_tokens == 8192
+    assert sglang_defaults.piecewise_cuda_graph_max_tokens(True, 16384, "v0.5.23") == 8192
     assert host(LLAMA_8B).piecewise_max_tokens == sglang_defaults.chunked_prefill_size(
         H200.hbm_gib) == 8192
     for par in (dict(tp=8, dp_attention=8, ep=8), dict(tp=8, dp_attention=8, ep=8,
                                                          moe_a2a="deepep"), dict(tp=8, pp=2)):
         assert host(DSV3, **par).piecewise_max_tokens is None, par
-    assert host(model_preset("qwen3-next-80b-a3b"), tp=4).piecewise_max_tokens is None
+    for rules in ("v0.5.10", "v0.5.23"):
+        assert host(model_preset("qwen3-next-80b-a3b"), rules, tp=4).piecewise_max_tokens is None
+        assert host(DSV3, rules, tp=8, pp=2).piecewise_max_tokens is None
+
+
+def test_a_pd_server_graphs_extends_under_v0523_rules_only() -> None:
+    """v0.5.10's `_handle_piecewise_cuda_graph` turns the piecewise graphs off on any PD server
+    (`disaggregation_mode` not "null"); v0.5.23's breakable prefill graphs (the default on
+    CUDA) stay on for a PD prefill server, with DP attention and with DeepEP, whose MoE forward
+    runs eagerly between graph segments, and are off with two-batch overlap."""
+    def host(rules, role="prefill", **par):
+        return cost("roofline", DSV3, H200, Parallelism(**par), role=role,
+                    piecewise_cuda_graph=True, piecewise_cuda_graph_rules=rules)._host
+    assert host("v0.5.10", tp=8).piecewise_max_tokens is None
+    assert host("v0.5.10", "colocated", tp=8).piecewise_max_tokens == 2048
+    assert host("v0.5.23", tp=8).piecewise_max_tokens == 8192
+    dp = host("v0.5.23", tp=8, dp_attention=8, ep=8)
+    assert dp.piecewise_max_tokens == 8192 and dp.piecewise_launches == 3 * 61 + 1
+    deepep = host("v0.5.23", tp=8, dp_attention=8, ep=8, moe_a2a="deepep", moe_dense_tp=1)
+    assert deepep.piecewise_max_tokens == 8192
+    core_excess = DEEPEP_MOE_CORE_EAGER_S / EAGER_LAUNCH_S - DEEPEP_MOE_CORE_LAUNCHES
+    assert deepep.piecewise_launches == pytest.approx(3 * 61 + 1 + 58 * (7 + core_excess + 1))
+    assert deepep.piecewise_host_s < 0.5 * deepep.eager_host_s
+    assert host("v0.5.23", tp=8, dp_attention=8, ep=8, moe_a2a="deepep", moe_dense_tp=1,
+                two_batch_overlap=True).piecewise_max_tokens is None
 
 
 def test_an_experiment_graphs_extends_up_to_its_roles_chunk() -> None:

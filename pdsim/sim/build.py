@@ -43,7 +43,8 @@ def build_role(cfg: ExperimentConfig, role: RoleConfig, name: str, model: ModelS
     if (params.get("piecewise_cuda_graph") and params.get("piecewise_cuda_graph_max_tokens") is None
             and knobs.chunked_prefill_size > 0):  # SGLang's default, from this role's chunk
         params["piecewise_cuda_graph_max_tokens"] = sglang_defaults.piecewise_cuda_graph_max_tokens(
-            model.is_mla, knobs.chunked_prefill_size)
+            model.is_mla, knobs.chunked_prefill_size,
+            params.get("piecewise_cuda_graph_rules", "v0.5.23"))
     if (problem := model.split_error(par.attn_tp, role.ep)
             or model.block_fp8_error(role.tp, role.ep, role.moe_dense_tp)) is not None:
         raise ConfigError(f"cluster.{name}: {problem}")

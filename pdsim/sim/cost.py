@@ -490,6 +490,7 @@ class StepParams(BaseModel):
     cuda_graph_padding: bool = True
     piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int | None = Field(default=None, ge=1)
+    piecewise_cuda_graph_rules: Literal["v0.5.10", "v0.5.23"] = "v0.5.23"
     scheduler_overhead: bool = True
     deepep_normal_sms: int = Field(default=20, ge=0)
     chunked_prefix_cache_threshold: int | None = Field(default=None, ge=1)
@@ -529,8 +530,10 @@ def step_extras(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
         if p.piecewise_cuda_graph:
             piecewise = (p.piecewise_cuda_graph_max_tokens
                          or sglang_defaults.piecewise_cuda_graph_max_tokens(
-                             model.is_mla, sglang_defaults.chunked_prefill_size(hardware.hbm_gib)))
-        host = host_overheads(model, hardware, parallel, p.eager_launch_s, graph_bs, piecewise)
+                             model.is_mla, sglang_defaults.chunked_prefill_size(hardware.hbm_gib),
+                             p.piecewise_cuda_graph_rules))
+        host = host_overheads(model, hardware, parallel, p.eager_launch_s, graph_bs, piecewise,
+                              p.piecewise_cuda_graph_rules, getattr(p, "role", "colocated"))
     shaper = StepShaper(parallel, graph_bs, p.cuda_graph_bs, p.cuda_graph_padding)
     return load, host, shaper
 

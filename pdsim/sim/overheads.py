@@ -94,6 +94,8 @@ class HostOverheads:
     cuda_graph_max_bs: the largest per-rank decode batch replayed as a graph;
     piecewise_max_tokens: with piecewise CUDA graphs, the largest batch (tokens per rank) an
     extend runs piecewise-graphed; None: every extend runs eagerly;
+    piecewise_moe_eager: a MoE layer's eager work inside a piecewise-graphed extend beyond its
+    attention call, in launches' worth (v0.5.23's DeepEP MoE forward);
     dense_excess, moe_excess: a (dense, MoE) layer's host work beyond its launches, in
     launches' worth (`host_overheads`: an MLA attention block's, a DeepEP MoE core's);
     micro_batches: how many times a step split by two-batch overlap runs each layer's ops
@@ -102,7 +104,8 @@ class HostOverheads:
     def __init__(self, model: ModelSpec, dense_kernels: float, moe_kernels: float,
                  launch_s: float, cuda_graph_max_bs: int,
                  piecewise_max_tokens: int | None = None, dense_excess: float = 0.0,
-                 moe_excess: float = 0.0, micro_batches: int = 1) -> None:
+                 moe_excess: float = 0.0, micro_batches: int = 1,
+                 piecewise_moe_eager: float = 0.0) -> None:
         self.launches = model.num_dense_layers * dense_kernels + model.num_moe_layers * moe_kernels
         excess = model.num_dense_layers * dense_excess + model.num_moe_layers * moe_excess
         self.eager_host_s = (self.launches + excess) * launch_s
@@ -110,6 +113,9 @@ class HostOverheads:
         self.cuda_graph_max_bs = cuda_graph_max_bs
         self.piecewise_max_tokens = piecewise_max_tokens
         self.piecewise_launches = PIECEWISE_LAUNCHES_PER_LAYER * model.num_layers + 1
+        # what a graphed extend runs eagerly beyond its attention calls, in launches' worth a MoE
+        # layer (v0.5.23's DeepEP MoE forward between two graph segments)
+        self.piecewise_launches += model.num_moe_layers * piecewise_moe_eager
         self.piecewise_host_s = self.piecewise_launches * launch_s
 
     def eager(self, has_prefill: bool, max_rank_decode_reqs: int) -> bool:
@@ -136,22 +142,44 @@ class HostOverheads:
                    - kernels_s)
 
 
-def piecewise_eligible(model: ModelSpec, parallel) -> bool:
-    """Whether SGLang would run this instance's extends as piecewise CUDA graphs when asked
-    (`_handle_piecewise_cuda_graph` in its `server_args.py` turns them off with DP attention, an
-    all-to-all MoE backend, pipeline stages, and for hybrid linear-attention models)."""
-    return (parallel.dp_attention == 1 and parallel.moe_a2a == "none" and parallel.pp == 1
-            and not model.num_linear_layers)
+PIECEWISE_RULES = ("v0.5.10", "v0.5.23")
+
+
+def piecewise_eligible(model: ModelSpec, parallel, rules: str = "v0.5.23",
+                       role: str = "colocated") -> bool:
+    """Whether SGLang runs this instance's extends as piecewise CUDA graphs when asked.
+
+    v0.5.10 (`_handle_piecewise_cuda_graph`, `server_args.py`): its torch.compile piecewise
+    graphs are off with DP attention, an all-to-all MoE backend, pipeline stages, hybrid
+    linear-attention models and PD disaggregation (`disaggregation_mode` not "null"), so only
+    a colocated instance runs them.
+    v0.5.23 (`arg_groups/cuda_graph_hook.py`, `disable_breakable_cudagraph_if_incompatible`,
+    `apply_cuda_graph_compatibility`, `apply_cuda_graph_disaggregation_roles`): its breakable
+    prefill graphs, the default on CUDA, stay on for PD prefill servers, DP attention and
+    DeepEP, and are off with two-batch overlap and pipeline stages (opt-in). pdsim keeps them
+    off for hybrid linear-attention models, whose graphed launches it does not count."""
+    if rules not in PIECEWISE_RULES:
+        raise ValueError(f"piecewise CUDA graph rules {rules!r}; one of {PIECEWISE_RULES}")
+    if parallel.pp != 1 or model.num_linear_layers:
+        return False
+    if rules == "v0.5.10":
+        return (parallel.dp_attention == 1 and parallel.moe_a2a == "none"
+                and role == "colocated")
+    return parallel.moe_a2a in ("none", "deepep") and not parallel.two_batch_overlap
 
 
 def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel,
                    launch_s: float | None, cuda_graph_max_bs: int | None,
-                   piecewise_max_tokens: int | None = None) -> HostOverheads:
+                   piecewise_max_tokens: int | None = None, piecewise_rules: str = "v0.5.23",
+                   role: str = "colocated") -> HostOverheads:
     """The eager overhead of an instance of `model` on `parallel` (a cost model's
     `Parallelism`: tp, attn_tp, dp_attention, moe_a2a, moe_dense_tp, two_batch_overlap, pp);
     launch_s None is EAGER_LAUNCH_S on the system's host (`host_time_scale`);
     cuda_graph_max_bs None is SGLang's default for the GPU; piecewise_max_tokens None: no
-    piecewise CUDA graphs (dropped, as SGLang drops them, where `piecewise_eligible` says no).
+    piecewise CUDA graphs (dropped, as SGLang drops them, where `piecewise_eligible` says no
+    under `piecewise_rules` for the instance's `role`). Under v0.5.23 a DeepEP MoE layer's
+    `a2a_forward_with_output` (dispatch, expert core, combine) runs eagerly between two graph
+    segments: its DeepEP launches, the core's excess and one more segment a layer.
     Two-batch overlap runs every layer's ops once per micro-batch (SGLang's
     `execute_overlapped_operations`; a lone prompt is cut in two token halves), so an eager
     step it splits launches each kernel twice. An MLA attention block takes MLA_EAGER_BLOCK_S at
@@ -164,11 +192,18 @@ def host_overheads(model: ModelSpec, hardware: HardwareSpec, parallel,
         launch_s = EAGER_LAUNCH_S * hardware.host_time_scale
     graph_bs = (sglang_defaults.cuda_graph_max_bs(hardware.hbm_gib, parallel.tp)
                 if cuda_graph_max_bs is None else cuda_graph_max_bs)
-    piecewise = piecewise_max_tokens if piecewise_eligible(model, parallel) else None
+    piecewise = (piecewise_max_tokens
+                 if piecewise_eligible(model, parallel, piecewise_rules, role) else None)
     attention = MLA_EAGER_BLOCK_S / EAGER_LAUNCH_S - MLA_BLOCK_LAUNCHES if model.is_mla else 0.0
     experts = (DEEPEP_MOE_CORE_EAGER_S / EAGER_LAUNCH_S - DEEPEP_MOE_CORE_LAUNCHES
                if parallel.moe_a2a == "deepep" else 0.0)
+    moe_eager = 0.0
+    if parallel.moe_a2a == "deepep":
+        fp8_moe = DTYPES[model.precision.moe_experts].compute == "fp8"
+        # layout, dispatch, grouped gate_up, SiLU-and-mul(+quant), grouped down, combine; the
+        # core's host work beyond its launches; the graph segment after it
+        moe_eager = 6 + fp8_moe + experts + 1
     return HostOverheads(model, dense * micro_batches, moe * micro_batches, launch_s, graph_bs,
                          piecewise, dense_excess=attention * micro_batches,
                          moe_excess=(attention + experts) * micro_batches,
-                         micro_batches=micro_batches)
+                         micro_batches=micro_batches, piecewise_moe_eager=moe_eager)
