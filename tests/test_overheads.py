@@ -270,7 +270,7 @@ def test_scheduler_overhead_switch(name: str) -> None:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_a_piecewise_graphed_extend_launches_three_kernels_a_layer(name: str) -> None:
-    """SGLang's piecewise CUDA graphs (its default from v0.5.10): per layer one graph up to
+    """SGLang's piecewise CUDA graphs (a colocated server's default from v0.5.10): per layer one graph up to
     the next attention call and that call's KV store and kernel, eager; above the max tokens
     the extend runs eagerly as before."""
     llama_70b = model_preset("llama-3.1-70b")

@@ -465,10 +465,13 @@ class StepParams(BaseModel):
     as graphs (SGLang's --cuda-graph-bs; None: its default list); a graphed decode step runs at
     the next of them (pdsim.sim.forward_shape), at its own size with cuda_graph_padding false
     (SGLang's --disable-cuda-graph-padding). piecewise_cuda_graph: an extend of at most
-    piecewise_cuda_graph_max_tokens tokens per rank (None: SGLang's default, 2,048 for MLA
-    models, else the chunk size) runs as piecewise CUDA graphs, launching 3 per layer
-    (SGLang's default from v0.5.10; off with --disable-piecewise-cuda-graph, and where
-    `piecewise_eligible` says SGLang drops it).
+    piecewise_cuda_graph_max_tokens tokens per rank (None: SGLang's default for the rules, the
+    chunk size, for MLA models 2,048 under v0.5.10 and up to 8,192 under v0.5.23) runs as
+    piecewise CUDA graphs, launching 3 per layer, where `piecewise_eligible` says SGLang keeps
+    them under piecewise_cuda_graph_rules ("v0.5.10": colocated servers only; "v0.5.23", its
+    breakable prefill graphs: PD prefill too, with DP attention and DeepEP, not with TBO).
+    role: which role the instance plays ("prefill", "decode" or "colocated"): it picks
+    DeepEP's mode and whether SGLang keeps piecewise graphs.
     scheduler_overhead: charge step_overhead_s per step and extend_overhead_s per extend step
     (the scheduler loop's host work).
     deepep_normal_sms: the SMs DeepEP's normal-mode kernels run on (DeepEP's `Buffer.num_sms`,
@@ -491,6 +494,7 @@ class StepParams(BaseModel):
     piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int | None = Field(default=None, ge=1)
     piecewise_cuda_graph_rules: Literal["v0.5.10", "v0.5.23"] = "v0.5.23"
+    role: Role = "colocated"
     scheduler_overhead: bool = True
     deepep_normal_sms: int = Field(default=20, ge=0)
     chunked_prefix_cache_threshold: int | None = Field(default=None, ge=1)
@@ -533,7 +537,7 @@ def step_extras(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
                              model.is_mla, sglang_defaults.chunked_prefill_size(hardware.hbm_gib),
                              p.piecewise_cuda_graph_rules))
         host = host_overheads(model, hardware, parallel, p.eager_launch_s, graph_bs, piecewise,
-                              p.piecewise_cuda_graph_rules, getattr(p, "role", "colocated"))
+                              p.piecewise_cuda_graph_rules, p.role)
     shaper = StepShaper(parallel, graph_bs, p.cuda_graph_bs, p.cuda_graph_padding)
     return load, host, shaper
 
@@ -582,9 +586,8 @@ def max_rank_decode_reqs(shapes: Sequence[BatchShape]) -> int:
 
 class RooflineParams(StepParams):
     """Efficiency factors and fixed costs of the roofline model (see docs/cost_model.md).
-
-    role: which role the instance plays; it picks DeepEP's mode (prefill: normal, decode:
-    low latency, colocated: normal for steps with prefill tokens, low latency otherwise)."""
+    DeepEP's mode follows the role (prefill: normal, decode: low latency, colocated: normal for
+    steps with prefill tokens, low latency otherwise)."""
 
     gemm_mfu: float = Field(default=0.7, gt=0, le=1)
     fp8_gemm_mfu: float = Field(default=0.6, gt=0, le=1)
@@ -605,7 +608,6 @@ class RooflineParams(StepParams):
     step_overhead_s: float = Field(default=0.5e-3, ge=0)
     extend_overhead_s: float = Field(default=2e-3, ge=0)
     kv_dtype_bytes: float = Field(default=2, gt=0)
-    role: Role = "colocated"
     deepep_ll_latency_s: float = Field(default=12e-6, ge=0)
     deepep_normal_latency_s: float = Field(default=37e-6, ge=0)
     deepep_rdma_latency_s: float = Field(default=12e-6, ge=0)

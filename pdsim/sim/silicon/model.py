@@ -36,7 +36,6 @@ from pdsim.core.batch import BatchShape
 from pdsim.sim.cost import (
     BREAKDOWN_PARTS,
     Parallelism,
-    Role,
     StepParams,
     VocabCollective,
     check_formats,
@@ -116,7 +115,6 @@ class SiliconParams(StepParams):
     version: str = "current"
     system: str | None = None
     kv_dtype_bytes: float = Field(default=2, gt=0)
-    role: Role = "colocated"
     moe_distribution: str = "balanced"
     step_overhead_s: float = Field(default=0.5e-3, ge=0)
     extend_overhead_s: float = Field(default=2e-3, ge=0)
