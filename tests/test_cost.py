@@ -504,8 +504,14 @@ def test_block_fp8_weights_that_split_into_partial_scale_blocks_are_refused_and_
 
     ds = model_preset("deepseek-v3")
     assert "leave 576 a GPU" in ds.block_fp8_error(32, 32)
+    # the fix named is one the config takes: moe_dense_tp only takes 1 (SGLang's flag too)
+    assert ds.block_fp8_error(32, 32).endswith(
+        "set moe_dense_tp: 1 (SGLang's --moe-dense-tp-size 1: each GPU runs the dense MLP whole "
+        "on its own tokens; needs dp_attention > 1), or use a tp of 1, 2, 4, 8 or 16")
     assert ds.block_fp8_error(32, 32, dense_tp=1) is None
     assert "leave 64 a GPU" in ds.block_fp8_error(32, 1, dense_tp=1)
+    assert ds.block_fp8_error(32, 1, dense_tp=1).endswith(
+        "raise ep (SGLang's --ep-size) so that tp / ep is 1, 2, 4, 8 or 16 (now 32 / 1)")
     assert model_preset("qwen3-235b-a22b").block_fp8_error(8, 1) is None  # BF16 experts
     big = {"tp": 32, "dp_attention": 32, "ep": 32, "moe_a2a": "deepep",
            "scheduler": {"mem_fraction_static": 0.85}}

@@ -448,16 +448,25 @@ class ModelSpec(BaseModel):
         dense MLP over `dense_tp` (None: tp)."""
         parts = []
         if self.is_moe and self.precision.moe_experts == "fp8":
-            parts.append(("expert", self.moe_intermediate_size, tp // ep, "ep"))
+            parts.append(("expert", self.moe_intermediate_size, tp // ep))
         if self.num_dense_layers and self.precision.dense_mlp == "fp8":
-            parts.append(("dense MLP", self.intermediate_size, dense_tp or tp, "moe_dense_tp"))
-        for what, size, split, remedy in parts:
+            parts.append(("dense MLP", self.intermediate_size, dense_tp or tp))
+        for what, size, split in parts:
             if split > 1 and size % (split * FP8_BLOCK):
-                fits = [n for n in (1, 2, 4, 8, 16) if not size % (n * FP8_BLOCK)]
+                fits = [2**i for i in range(split.bit_length())
+                        if 2**i < split and not size % (2**i * FP8_BLOCK)]
+                fits_words = f"{', '.join(map(str, fits[:-1]))} or {fits[-1]}" \
+                    if len(fits) > 1 else str(fits[0])
+                if what == "expert":  # experts split over tp / ep GPUs: more ep, fewer GPUs
+                    fix = (f"raise ep (SGLang's --ep-size) so that tp / ep is {fits_words} "
+                           f"(now {tp} / {ep})")
+                else:  # the dense MLP splits over tp unless moe_dense_tp is 1
+                    fix = (f"set moe_dense_tp: 1 (SGLang's --moe-dense-tp-size 1: each GPU "
+                           "runs the dense MLP whole on its own tokens; needs dp_attention > 1)"
+                           f", or use a tp of {fits_words}")
                 return (f"{self.name}'s block-FP8 {what} weights ({size} wide) split over "
                         f"{split} GPUs leave {size // split} a GPU, not a multiple of the "
-                        f"{FP8_BLOCK}-wide scale block, so SGLang refuses to load them; split "
-                        f"them over {', '.join(map(str, fits))} (raise {remedy})")
+                        f"{FP8_BLOCK}-wide scale block, so SGLang refuses to load them; {fix}")
         return None
 
     def pd_tp_error(self, prefill_attn_tp: int, decode_attn_tp: int) -> str | None:
