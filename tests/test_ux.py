@@ -334,6 +334,17 @@ def test_planning_docs_list_every_slo_key():
     assert [key for key in PlanSLO.model_fields if f"`{key}`" not in row] == []
 
 
+def test_experiments_docs_describe_every_scheduler_knob():
+    """Every `cluster.<role>.scheduler` field is in docs/experiments.md's paragraph of scheduler
+    flags (disable_overlap_schedule was documented only in cost_model.md's prose)."""
+    from pdsim.deployment import SchedulerKnobs
+
+    docs = (Path(__file__).parents[1] / "docs" / "experiments.md").read_text()
+    start = docs.index("Scheduler flags (`cluster.<role>.scheduler`")
+    section = docs[start:docs.index("## One deployment, two backends")]
+    assert [key for key in SchedulerKnobs.model_fields if f"`{key}`" not in section] == []
+
+
 def test_layout_drops_the_least_important_columns_first_and_never_cuts_a_cell():
     from pdsim.tables import Column, layout
 

@@ -15,7 +15,7 @@ SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK), a pipelined prefill's
 `--max-running-requests`, `--chunked-prefill-size` (-1: unchunked), `--max-prefill-tokens`,
 `--page-size`, `--max-total-tokens`, `--num-reserved-decode-tokens` or
 SGLANG_NUM_RESERVED_DECODE_TOKENS (SGLANG_HACK_PD_DECODE_NUM_RESERVED_DECODE_TOKENS before),
-`--disable-radix-cache`, a prefill server's `--disable-overlap-schedule`), `--kv-cache-dtype`, the decode servers' CUDA graphs
+`--disable-radix-cache`, `--disable-overlap-schedule`), `--kv-cache-dtype`, the decode servers' CUDA graphs
 (`--cuda-graph-max-bs`, `--cuda-graph-bs`, `--disable-cuda-graph`: the cost model's
 `cuda_graph_max_bs`), the extending servers' `--enable-piecewise-cuda-graph` with
 `--piecewise-cuda-graph-max-tokens` (the cost model's `piecewise_cuda_graph`) and speculative
