@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from pdsim import sglang_defaults
 from pdsim.config import ExperimentConfig
 from pdsim.core.batch import BatchShape, extend_attn_pairs
 from pdsim.core.chunking import chunk_cap
@@ -163,9 +164,14 @@ def explain_step(cfg: ExperimentConfig, role: str | None = None, batch: int | No
         if batch > most:
             role_cfg = getattr(cfg.cluster, role)
             tokens = role_cfg.num_max_dispatch_tokens_per_rank
-            why = (f"DeepEP's low-latency dispatch takes {tokens} tokens a rank"
-                   if role_cfg.moe_a2a == "deepep" and most == tokens // (k + 1)
-                   else "its max_running_requests")
+            if role_cfg.moe_a2a == "deepep" and most == tokens // (k + 1):
+                why = f"DeepEP's low-latency dispatch takes {tokens} tokens a rank"
+            elif draft is not None and role_cfg.scheduler.max_running_requests is None:
+                why = (f"SGLang's default of {sglang_defaults.SPECULATIVE_MAX_RUNNING_REQUESTS} "
+                       "running requests an instance under speculation; set "
+                       "scheduler.max_running_requests for more")
+            else:
+                why = "its max_running_requests"
             words += f" (a run holds at most {most} a rank: {why})"
     if dp > 1:
         words += f", on each of {dp} attention-DP ranks"

@@ -212,8 +212,8 @@ def check_points(points: list, base_dir: str, source: str) -> list[str]:
 
 def screen_points(points: list, base_dir: str, source: str) -> tuple[list[str], dict[int, str]]:
     """Sort the sweep's points into those to simulate and those that cannot run; return the
-    notes, each once, on what SGLang would not run as configured (`ClusterSpec.notes`,
-    `first_wave_note`) and on each point to be skipped, and why each of those cannot run, by
+    notes, each once, on what SGLang would not run as configured or runs by a default the
+    config does not show (`ClusterSpec.notes`, `first_wave_note`) and on each point to be skipped, and why each of those cannot run, by
     point index.
 
     A mistake in the config raises a ConfigError here, whichever point has it: a model, draft

@@ -189,6 +189,28 @@ def test_a_batch_above_what_a_run_holds_says_so(tmp_path):
 
 @pytest.mark.slow
 @needs_tables
+def test_a_speculating_batch_above_sglangs_default_says_where_48_comes_from(tmp_path):
+    """A speculating role without max_running_requests runs SGLang's 48 requests: explain
+    names that default and the knob, pdsim check notes it; a given limit is just the knob."""
+    from pdsim.runner import check_points
+
+    spec = {"method": "mtp", "num_draft_tokens": 3, "acceptance": {"mean_accept_len": 2.5}}
+    cfg = config("deepseek-v3", "h200", cost="roofline", role={"tp": 8}, speculative=spec)
+    code, out = explain(tmp_path, cfg, "--batch", "64")
+    assert code == 0 and ("a run holds at most 48 a rank: SGLang's default of 48 running "
+                          "requests an instance under speculation; set "
+                          "scheduler.max_running_requests for more") in " ".join(out.split())
+    (note,) = check_points([({}, parse_experiment(cfg))], str(tmp_path), "cfg.yaml")
+    assert note.startswith("cluster.decode: speculative decoding (mtp) without "
+                           "scheduler.max_running_requests runs at most 48 requests an instance")
+    given = {"tp": 8, "scheduler": {"max_running_requests": 32}}
+    cfg = config("deepseek-v3", "h200", cost="roofline", role=given, speculative=spec)
+    code, out = explain(tmp_path, cfg, "--batch", "64")
+    assert code == 0 and "a run holds at most 32 a rank: its max_running_requests" in " ".join(
+        out.split())
+    assert check_points([({}, parse_experiment(cfg))], str(tmp_path), "cfg.yaml") == []
+
+
 def test_single_batch_overlap_shows_what_it_hides(tmp_path):
     """The overlap's change is a row of each part it touches, so the rows still add up."""
     cfg = config("deepseek-v3", "h200", role={**DEEPEP, "single_batch_overlap": True})

@@ -217,6 +217,22 @@ def low_latency_cap_note(role: RoleConfig, name: str, cfg: ExperimentConfig) -> 
             "role's num_max_dispatch_tokens_per_rank to run more")
 
 
+def speculative_running_note(role: RoleConfig, name: str, cfg: ExperimentConfig) -> str | None:
+    """What to say where a speculating role that generates tokens leaves max_running_requests
+    to SGLang: its default under speculation is 48 requests an instance, not the pool's
+    derived limit, so a batch that stops at 48 has a reason the config does not show."""
+    if (cfg.speculative.method == "none" or name == "prefill"
+            or role.scheduler.max_running_requests is not None):
+        return None
+    most = sglang_defaults.SPECULATIVE_MAX_RUNNING_REQUESTS
+    per_rank = (f" ({most // role.dp_attention} a DP rank over dp_attention {role.dp_attention})"
+                if role.dp_attention > 1 else "")
+    return (f"cluster.{name}: speculative decoding ({cfg.speculative.method}) without "
+            f"scheduler.max_running_requests runs at most {most} requests an instance{per_rank}, "
+            "SGLang's default under speculation (it sets --max-running-requests so); set "
+            "max_running_requests to run more, as speculating deployments do")
+
+
 def _cost_factory(cfg: ExperimentConfig, model: ModelSpec, hw: HardwareSpec, par: Parallelism,
                   params: dict, draft: ModelSpec | None):
     """Builds one instance's cost model: the named one, wrapped for speculative decoding."""
@@ -305,6 +321,8 @@ def build_cluster(cfg: ExperimentConfig, base_dir: str | None = None) -> Cluster
                   and (note := uneven_split_note(name, model.name, model.num_experts, role.ep)))
     notes += tuple(note for name, role in roles.items()
                    if (note := low_latency_cap_note(role, name, cfg)))
+    notes += tuple(note for name, role in roles.items()
+                   if (note := speculative_running_note(role, name, cfg)))
     overheads = {"notes": notes, "frontend_latency_s": cfg.router.frontend_latency_s,
                  "idle_wakeup_s": cfg.router.idle_wakeup_s,
                  "idle_after_s": cfg.router.idle_after_s,

@@ -73,7 +73,8 @@ class ClusterSpec:
     faults: FaultsConfig = FaultsConfig()
     router_options: dict[str, float] = field(default_factory=dict)  # the policy's settings
     host_cores: float | None = None  # forwards share these host cores (pdsim/sim/host.py)
-    notes: tuple[str, ...] = ()  # what SGLang would not run as configured, priced anyway
+    notes: tuple[str, ...] = ()  # what SGLang would not run as configured (priced anyway) or
+    # runs by a default the config does not show (a speculating instance's 48 requests)
 
     @property
     def num_gpus(self) -> int:
