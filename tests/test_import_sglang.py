@@ -385,3 +385,20 @@ def test_speculation_without_num_steps_takes_sglangs_auto_choice():
     assert imported["speculative"]["num_draft_tokens"] == 3
     assert not any("speculative" in note for note in notes)
     parse_experiment(imported)
+
+
+def test_a_single_colocated_server_needs_no_router():
+    """The most common SGLang launch, one `launch_server` its clients reach directly (on one
+    node or over --nnodes), imports as one colocated instance; several servers still need the
+    router that shares requests among them, and a PD pair always does."""
+    server = ("python -m sglang.launch_server --model-path meta-llama/Llama-3.1-8B-Instruct "
+              "--tp 2 --port 30000")
+    data, notes = import_sglang(server, BASE)
+    cfg = parse_experiment(data)
+    assert (cfg.cluster.mode, cfg.cluster.colocated.instances, cfg.cluster.colocated.tp) == (
+        "colocated", 1, 2) and notes == []
+    nodes = "\n".join(f"{server} --nnodes 2 --node-rank {rank}" for rank in (0, 1))
+    assert import_sglang(nodes, BASE)[0]["cluster"] == data["cluster"]
+    with pytest.raises(ConfigError, match=r"0 router commands .*; allowed: one \(none only for "
+                                          r"a single server without --disaggregation-mode\)"):
+        import_sglang(f"{server}\n{server.replace('30000', '30001')}", BASE)

@@ -4,6 +4,7 @@ The reverse of pdsim/planning/launch.py: a set of `python -m sglang.launch_serve
 (one per server, or per node of a server that spans `--nnodes` nodes) and one router (`python -m
 sglang_router.launch_router ...`, or SGLang's PD load balancer, `python -m
 sglang.srt.disaggregation.launch_lb` or `... .mini_lb`)
+(none for a single server without `--disaggregation-mode`, which its clients reach directly)
 become the deployment they start: the roles (`--disaggregation-mode`; none: colocated) with
 their instances (servers whose `--node-rank` is 0), parallelism (`--tp-size`, `--pp-size`,
 `--dp-size` with `--enable-dp-attention`, `--ep-size`, `--moe-a2a-backend` or the older
@@ -509,13 +510,15 @@ def import_sglang(text: str, base: dict[str, Any], *, name: str | None = None,
                               f"{SERVER}` nor a router (`python -m {ROUTERS[0]}`)")
     if not servers:
         raise ConfigError(f"no `python -m {SERVER}` command")
-    if len(routers) != 1:
-        raise ConfigError(f"{len(routers)} router commands (`python -m {ROUTERS[0]}`); "
-                          "allowed: one")
     roles = sorted({s.role for s in servers}, key=("prefill", "decode", "colocated").index)
     if roles not in (["prefill", "decode"], ["colocated"]):
         raise ConfigError(f"servers of roles {roles}; allowed: prefill and decode servers, or "
                           "servers without --disaggregation-mode")
+    alone = not routers and roles == ["colocated"] and len(servers) == 1
+    if len(routers) != 1 and not alone:  # one server serves its clients itself
+        raise ConfigError(f"{len(routers)} router commands (`python -m {ROUTERS[0]}`); "
+                          "allowed: one (none only for a single server without "
+                          "--disaggregation-mode)")
     cluster: dict[str, Any] = {"mode": "colocated" if roles == ["colocated"] else
                                "disaggregated"}
     notes = []
@@ -535,7 +538,7 @@ def import_sglang(text: str, base: dict[str, Any], *, name: str | None = None,
         notes += [f"line {s.line} ({role} server): read past, not modelled: "
                   f"{', '.join(dict.fromkeys(s.unmodelled))}" for s in mine if s.unmodelled]
     generating = [s for s in servers if s.role != "prefill"]
-    router = _router(routers[0], servers, cluster["mode"])
+    router = {"policy": "round_robin"} if alone else _router(routers[0], servers, cluster["mode"])
     data = {k: v for k, v in base.items() if k not in (*REPLACED, "name", "description")}
     sweep, dropped = _sweep_kept(base.get("sweep") or {})
     if sweep:
