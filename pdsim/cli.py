@@ -169,6 +169,13 @@ def _check_experiment(path: Path) -> None:
     console.print(f"{path}: valid experiment, {len(points)} point(s)")
     for swept, _ in points:
         console.print("  " + (", ".join(f"{k}={v}" for k, v in swept.items()) or "(no sweep)"))
+    if "transfer" in raw:  # served too (real_pd.yaml): what `pdsim serve` would say of it
+        from runtime.serve_config import load_serve_config
+
+        try:
+            notes = [*notes, *load_serve_config(path).notes()]
+        except ConfigError:  # not servable as it stands: `pdsim serve` says why
+            pass
     for note in notes:
         console.print(note, style="yellow", markup=False, highlight=False, soft_wrap=True)
 

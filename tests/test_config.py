@@ -220,6 +220,17 @@ def test_serving_warns_of_head_slices_over_tcp_and_check_prints_it(tmp_path):
     path.write_text(yaml.safe_dump(mismatch))
     result = CliRunner().invoke(app, ["check", str(path)])
     assert result.exit_code == 0 and "8 head slices" in result.output
+    # a file both simulated and served (a workload and a transfer section, as real_pd.yaml)
+    # is checked as an experiment, and still gets the note serving it would print
+    both = {**mismatch, "name": "both", "transfer": {"protocol": "tcp"},
+            "cost_model": {"name": "roofline"},
+            "workload": {"num_requests": 10, "arrival": {"process": "poisson", "rate_rps": 1},
+                         "input_len": {"dist": "fixed", "value": 64},
+                         "output_len": {"dist": "fixed", "value": 8}}}
+    path.write_text(yaml.safe_dump(both))
+    result = CliRunner().invoke(app, ["check", str(path)])
+    assert result.exit_code == 0 and "valid experiment" in " ".join(result.output.split())
+    assert "8 head slices" in result.output
 
 
 # Spellings `pdsim run` rejects (the earlier flat serve layout's among them), each with the
