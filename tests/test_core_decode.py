@@ -176,6 +176,42 @@ def test_prebuilt_waits_for_room_and_sends_its_first_token_when_it_joins():
     s.check_pools_full()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_full_batch_lets_a_landed_request_in_one_plan_after_a_request_ends(overlap):
+    """SGLang sizes the prebuilt merge by the running batch before it filters out the requests
+    that ended in the step just taken up (`get_next_disagg_decode_batch_to_run`:
+    `get_new_prebuilt_batch`, then `update_running_batch`): r0 ends at 2.0 in a batch of two
+    (max_running_requests 2), so r2, landed long before, joins (and streams its first token)
+    at the plan after, 3.0, while r1 decodes alone in between."""
+    from dataclasses import replace
+
+    from pdsim.core.instance import Instance
+    kv = StubKV(initial=KVPoll.WaitingForInput)
+    config = replace(cfg(max_running_requests=2, pre_alloc_size=2),
+                     overlap_schedule="plans_ahead" if overlap else "off")
+    inst = Instance([DecodeScheduler(config, kv)], lambda r: None)
+    r0, r1, r2 = req("r0", 4, 3), req("r1", 4, 8), req("r2", 4, 3)
+    for r in (r0, r1, r2):
+        inst.add_request(r, 0.0)
+    inst.begin(0.0)
+    for r in (r0, r1, r2):
+        kv.deliver(r)
+    step = inst.begin(0.0)
+    assert step[0].reqs == [r0, r1] and list(inst.schedulers[0].prebuilt) == [r2]
+    t = 0.0
+    while not r2.token_times_s:
+        t += 1.0
+        inst.finish(step, BatchResult(1.0), t)
+        step = inst.begin(t)
+    assert r0.token_times_s == [0.0, 1.0, 2.0]
+    assert r2.token_times_s == [3.0] and r2.decode_join_s == 3.0
+    while not r2.finished:
+        t += 1.0
+        inst.finish(step, BatchResult(1.0), t)
+        step = inst.begin(t)
+    assert r2.token_times_s == ([3.0, 5.0, 6.0] if overlap else [3.0, 4.0, 5.0])
+
+
 def test_crossed_metadata_fails_the_request_and_frees_everything():
     kv = StubKV(initial=KVPoll.WaitingForInput)
     s = DecodeScheduler(cfg(), kv)

@@ -18,6 +18,9 @@ Queues, in the order a request passes them:
   overlap_schedule "plans_ahead" (SGLang's overlap event loop, `event_loop_overlap_disagg_decode`)
   a request merged while a forward ran is **staged**: its first token goes now, but the step
   that follows was planned when the forward before it began, so it decodes from the step after.
+  The room counts the running requests that ended in the step just taken up (`_just_finished`,
+  as SGLang sizes the merge before it filters them out), so at a full batch a landed request
+  joins a plan after a finish.
 - **running**: continuous-batching decode. When the pool runs out, a request is retracted as
   SGLang's PD decode retracts it (`retract_decode`, `offload_kv_cache`): its KV pages are
   copied to host memory and freed (a `KVMove` the next forward runs first) and it waits in the
@@ -61,6 +64,10 @@ class DecodeScheduler(InstanceScheduler):
         self._host_pages: dict[str, int] = {}  # a retracted request's KV pages on the host
         self._kv_moves: list[KVMove] = []  # for the next planned forward to run first
         self._moving = False  # whether the last planned forward carries KV moves
+        # Running requests that ended in the decode step just taken up: SGLang's next plan
+        # still counts them in the running batch when it sizes the prebuilt merge (see
+        # `_merge_prebuilt`); the plan after it has filtered them out.
+        self._just_finished = 0
         # What the last scan of each queue saw (`_prealloc_due`); an unchanged epoch means a
         # rescan would find no endpoint changed (see KVManager.poll_epoch).
         self._prealloc_seen: tuple[int, tuple[int, ...]] | None = None
@@ -99,6 +106,7 @@ class DecodeScheduler(InstanceScheduler):
                 self._pop_transferred(now)
         if self.prebuilt:
             self._merge_prebuilt(now)
+        self._just_finished = 0
         batch = self._plan_decode(now)  # (no extend: the KV arrives, or comes back from host)
         self._moving = batch is not None and bool(self._kv_moves)
         if self._moving:
@@ -123,6 +131,17 @@ class DecodeScheduler(InstanceScheduler):
         # step that copies KV is priced on its own.
         return not self.retracted and not self.staged and not self._kv_moves and not self._moving and (
             not self.prebuilt or len(self.running) >= self.config.max_running_requests)
+
+    def on_batch_done(self, batch, result, now: float) -> None:
+        before = self.num_active
+        super().on_batch_done(batch, result, now)
+        if batch.kind == "decode":
+            self._just_finished = before - self.num_active
+
+    def on_decode_run_done(self, end_times_s: list[float]) -> None:
+        before = self.num_active
+        super().on_decode_run_done(end_times_s)
+        self._just_finished = before - self.num_active  # (a run's finishes end its last step)
 
     def abort(self, rid: str, reason: str, now: float) -> bool:
         """Also searches the prealloc, transfer, prebuilt and retracted queues; a request still
@@ -284,8 +303,16 @@ class DecodeScheduler(InstanceScheduler):
         """Take prebuilt requests into the batch while it has room, sending first tokens
         (SGLang's `get_new_prebuilt_batch` and `process_batch_result_prebuilt`). Under
         "plans_ahead" with a forward in progress (`plan_cutoff_s` set), SGLang's iteration that
-        merges them plans the step after the one already launched: they are staged."""
+        merges them plans the step after the one already launched: they are staged.
+
+        The room counts the requests that ended in the step just taken up: SGLang's
+        `get_next_disagg_decode_batch_to_run` sizes the merge by `running_batch.batch_size()`
+        before `update_running_batch` filters the finished out (v0.5.10 and v0.5.23, either
+        event loop), so a full batch lets a landed request in one plan later. With nothing
+        left running, SGLang's next iteration merges at once (no forward between): no lag."""
         cap = self.config.max_running_requests
+        if self.running.reqs:
+            cap -= self._just_finished
         staging = self.plan_cutoff_s is not None
         while self.prebuilt and len(self.running) + len(self.staged) < cap:
             req = self.prebuilt.popleft()
