@@ -43,7 +43,7 @@ from pdsim.core.kvpoll import KVPoll
 from pdsim.core.pages import num_pages
 from pdsim.core.pool import IndexPool
 from pdsim.core.request import Request
-from pdsim.core.scheduler import InstanceScheduler, next_deadline
+from pdsim.core.scheduler import CLIP_MAX_NEW_TOKENS, InstanceScheduler, next_deadline
 from pdsim.core.transfer import KVManager
 
 
@@ -72,6 +72,7 @@ class DecodeScheduler(InstanceScheduler):
         # rescan would find no endpoint changed (see KVManager.poll_epoch).
         self._prealloc_seen: tuple[int, tuple[int, ...]] | None = None
         self._prealloc_blocked = False
+        self._prealloc_by_output = False  # blocked by what the running batch may still need
         self._transfer_seen = -1
 
     def add_request(self, req: Request, now: float) -> None:
@@ -129,7 +130,8 @@ class DecodeScheduler(InstanceScheduler):
         # at their timeouts (the simulator ends a run of steps at the next one); prebuilt
         # requests wait while the batch is full; a retracted one may resume at any step; a
         # step that copies KV is priced on its own.
-        return not self.retracted and not self.staged and not self._kv_moves and not self._moving and (
+        return (not self.retracted and not self.staged and not self._kv_moves and not self._moving
+                and not self._prealloc_by_output) and (
             not self.prebuilt or len(self.running) >= self.config.max_running_requests)
 
     def on_batch_done(self, batch, result, now: float) -> None:
@@ -218,20 +220,22 @@ class DecodeScheduler(InstanceScheduler):
         monotonically. So the long queue of an overloaded instance, whose decoding requests
         take pages step by step, is not re-read every step."""
         seen = self._prealloc_seen
-        if seen is None or epoch != seen[0]:
+        if seen is None or epoch != seen[0] or self._prealloc_by_output:
             return True
         return self._prealloc_blocked and any(a > b for a, b in zip(self._room(), seen[1]))
 
     def _pop_preallocated(self, now: float) -> None:
         still = []
         blocked = False
+        self._prealloc_by_output = False
+        headroom = self._admission_headroom()
         for req in self.prealloc:
             poll = req.receiver.poll()
             if poll is KVPoll.Failed:
                 self._fail(req, f"handshake failed: {req.receiver.failure_reason()}", now)
             elif blocked or poll is KVPoll.Bootstrapping:
                 still.append(req)
-            elif not self._preallocate(req):
+            elif not self._preallocate(req, headroom):
                 blocked = True  # first come, first served: later requests wait behind it
                 still.append(req)
             else:
@@ -241,11 +245,39 @@ class DecodeScheduler(InstanceScheduler):
         self.prealloc = still
         self._prealloc_blocked = blocked
 
-    def _preallocate(self, req: Request) -> bool:
+    def _admission_headroom(self) -> list[int]:
+        """What `pop_preallocated` (SGLang's `DecodePreallocQueue`, v0.5.10 and v0.5.23) reads
+        once per scan: the running batch's KV ("retractable" tokens: prompt and output so far,
+        the staged included, as they are in SGLang's running batch), and the allocatable
+        tokens: free tokens less the larger of `num_reserved_decode_tokens` per decoding
+        request and what the largest running request still needs to finish were all the others
+        retracted (its prompt + min(max_new_tokens, 4,096) less the retractable tokens,
+        `_allocatable_tokens`' need_space_for_single_req). [retractable, allocatable]."""
+        reqs = list(self.running.reqs) + self.staged
+        kv_len = self.running.kv_len
+        retractable = (sum(kv_len(r) + 1 for r in self.running.reqs)
+                       + sum(r.input_len + r.num_output for r in self.staged))
+        single = (max(r.input_len + min(r.max_new_tokens, CLIP_MAX_NEW_TOKENS) for r in reqs)
+                  - retractable) if reqs else 0
+        reserve = max(self._reserved_tokens(), single)
+        return [retractable, self.pool.free_tokens - reserve]
+
+    def _preallocate(self, req: Request, headroom: list[int]) -> bool:
+        """SGLang's test in `pop_preallocated`: the prompt + `num_reserved_decode_tokens`, and
+        the prompt + min(max_new_tokens, 4,096) less the running batch's KV, must both fit in
+        the allocatable tokens, which each admitted request then takes its prompt and reserve
+        from. The first request with nothing else decoding goes regardless (SGLang would wait
+        for good on one whose prompt and reserve outgrow the whole pool)."""
         cfg = self.config
         pages_needed = num_pages(req.input_len, cfg.page_size)
-        budget = self.pool.free_tokens - self._reserved_tokens()
-        if pages_needed * cfg.page_size + cfg.num_reserved_decode_tokens > budget and self._num_decoding():
+        retractable, allocatable = headroom
+        required = pages_needed * cfg.page_size + cfg.num_reserved_decode_tokens
+        to_finish = req.input_len + min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS) - retractable
+        if max(required, to_finish) > allocatable and self._num_decoding():
+            # Only the reserve refuses monotonically in `_room()`; the rest eases as the
+            # running batch's KV grows (see `_prealloc_due`).
+            self._prealloc_by_output = (
+                required <= self.pool.free_tokens - self._reserved_tokens())
             return False
         if (self.req_slots.num_free == 0 or self.metadata_slots.num_free == 0
                 or self._state_slots_free() == 0):
@@ -253,6 +285,7 @@ class DecodeScheduler(InstanceScheduler):
         pages = self.pool.alloc_many(pages_needed)
         if pages is None:
             return False
+        headroom[1] -= required
         req.pages = pages
         req.req_slot = self.req_slots.alloc()
         req.metadata_slot = self.metadata_slots.alloc()
