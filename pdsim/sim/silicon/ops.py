@@ -752,12 +752,11 @@ class OpTables:
         runs). A shape, group size or node count the tables lack is scaled from the nearest
         measured one by the ratio of DeepEP's link-time roofline (pdsim.sim.moe_comm) and
         counted; but normal mode keeps its measured group size inside one NVLink domain."""
-        import pandas as pd
         file = f"wideep_deepep_{'ll' if mode == 'low_latency' else 'normal'}_perf.parquet"
         paths = tables.table_paths(self.system, "comm", self.framework, self.version, file)
         if not paths:
             return None
-        system, table_hw = self.system, self.table_hw
+        args = (mode, hidden, topk, experts, calls)
         if ep > self.hw.gpus_per_node and not _multi_node(paths):
             # Beyond one NVLink domain the NICs carry the traffic: a curve measured over
             # several nodes (another GPU's, on the same kind of NIC) moves there far better
@@ -765,8 +764,29 @@ class OpTables:
             # limits (silicon)").
             donor = multi_node_donor(self.framework, file)
             if donor is not None:
-                system, paths = donor
-                table_hw = load_hardware_spec(tables.preset_for(system))
+                system, donor_paths = donor
+                donor_hw = load_hardware_spec(tables.preset_for(system))
+                node = self.hw.gpus_per_node
+                moved = self._deepep_curve(system, donor_paths, donor_hw, *args, ep)
+                # The donor GPU's per-call floor is its own: keep the destination's. The
+                # donor's curve over several nodes moves by the difference between the two
+                # GPUs' one-node curves at one token (kernel launch, barrier, the GPU's own
+                # pace; the link roofline already moved the bytes), and never undercuts the
+                # destination's own one node: more peers over RDMA cannot be faster than
+                # fewer over NVLink (docs/cost_model.md, "DeepEP across GPU families").
+                own = self._deepep_curve(self.system, paths, self.table_hw, *args, node)
+                donor_one = self._deepep_curve(system, donor_paths, donor_hw, *args, node)
+                shift = own(1.0) - donor_one(1.0)
+                return moved.moved(lambda t, x: np.maximum(t + shift, own.values(x)),
+                                   lambda x: np.maximum(moved.roofline(x) + shift,
+                                                        own.roofline(x)))
+        return self._deepep_curve(self.system, paths, self.table_hw, *args, ep)
+
+    def _deepep_curve(self, system: str, paths: tuple[Path, ...], table_hw: HardwareSpec,
+                      mode: str, hidden: int, topk: int, experts: int, calls: tuple[str, ...],
+                      ep: int) -> Curve:
+        """`deepep` from one system's tables (`paths`, measured on `table_hw`)."""
+        import pandas as pd
         node_gpus = tables.gpus_per_node(system)
         nodes = 1 if ep <= self.hw.gpus_per_node else math.ceil(ep / node_gpus)
         frames, seen = [], set()
