@@ -30,7 +30,8 @@ from pdsim.metrics import SLO, summarize  # noqa: E402
 from pdsim.validation.compare import Tolerance, side_by_side  # noqa: E402
 from pdsim.validation.phases import PHASES  # noqa: E402
 from pdsim.validation.validate import validate  # noqa: E402
-from runtime.calibration import IDLE_PROBE_GAP_S, IDLE_PROBES, LONE_PROBES, calibrate  # noqa: E402
+from runtime.calibration import (  # noqa: E402
+    DESCRIPTOR_FITS, IDLE_PROBE_GAP_S, IDLE_PROBES, LONE_PROBES, calibrate)
 
 MATRIX = REPO / "experiments" / "validation"
 CALIBRATION = MATRIX / "calibration"
@@ -233,7 +234,9 @@ def render(measured: dict, frame: pd.DataFrame, repeat: pd.DataFrame, runs_s: fl
         "  - the Mooncake backend over TCP on loopback for 1–256 pages of this model's KV (a line:",
         "    per-transfer floor and GB/s) and the receiver's bootstrap lookup (handshake); two",
         "    ranks writing head slices into one at once, one descriptor per token slot, as a",
-        "    TP 2 → 1 transfer does (`network.per_descriptor_s`);",
+        "    TP 2 → 1 transfer does (`network.per_descriptor_s`; the median of "
+        f"{DESCRIPTOR_FITS} fits,",
+        "    one alone spreads 31–44 µs from one run to the next);",
         f"  - the served deployment: {LONE_PROBES} lone requests (16 prompt, 32 output tokens, one",
         "    at a time), then rounds of 8 sent together (64 output tokens each, 4x more while",
         "    their decodes do not overlap). Each lone request's client TTFT over the fastest",

@@ -177,7 +177,8 @@ def test_profile_forwards_and_transfer_measure_real_components():
     assert [b for b, _ in fit.rows] == [n * fit.page_bytes for n in (1, 8, 64)]
     assert fit.floor_s >= 0 and fit.gb_per_s > 0 and 0 < fit.handshake_s < 1
     items = page_bytes_per_buffer(config)
-    slices = profile_descriptors(items, config.page_size, fit.gb_per_s, repeats=2, pages=(2, 16))
+    slices = profile_descriptors(items, config.page_size, fit.gb_per_s, repeats=2, pages=(2, 16),
+                                 fits=3)
     # two ranks, one descriptor per token slot per buffer each (the probe checks the bytes landed)
     assert [d for d, _ in slices.rows] == [2 * n * config.page_size * len(items) for n in (2, 16)]
     assert slices.rows[1][1] > slices.rows[0][1] and slices.per_descriptor_s > 0
