@@ -393,37 +393,24 @@ class RoleConfig(_Spec):
         return KV_DTYPE_BYTES[self.kv_dtype] if self.kv_dtype else default_bytes
 
 
-def prefill_overlap_schedule(role: RoleConfig, speculative_method: str) -> str:
-    """How SGLang's overlap event loop shifts this prefill role's batches
-    (`pdsim.core.config.OVERLAP_SCHEDULES`), for both backends: "plans_ahead" unless it is
-    off. SGLang turns the overlap schedule off with pipeline stages (`_handle_pipeline_parallelism`, which also picks
-    `event_loop_pp_disagg_prefill`) and with speculative decoding (`_handle_speculative_
-    decoding`, before its opt-in v2). With DeepEP the loop cannot run ahead: an extend's
-    normal-mode dispatch returns its per-expert token counts to the host
-    (`num_recv_tokens_per_expert`, a list), so the host waits in every MoE layer until the GPU
-    gets there: the next batch is planned only as the forward ends, and the loop takes up a
-    batch's results (`process_batch_result_disagg_prefill`: its first tokens and KV sends) only
-    after launching the next batch, which returns as that batch ends ("late_results")."""
-    if role.pp > 1 or speculative_method != "none":
-        return "off"
-    return "late_results" if role.moe_a2a == "deepep" else "plans_ahead"
-
-
 def overlap_schedule(role_name: str, role: RoleConfig, speculative_method: str) -> str:
     """How SGLang's overlap event loop shifts the batches of `role_name`'s instances
-    (`pdsim.core.config.OVERLAP_SCHEDULES`), for both backends. A prefill role: see
-    `prefill_overlap_schedule`. A decode or colocated role runs `event_loop_overlap_disagg_decode`
-    or `event_loop_overlap`, which plan step k+1 while step k runs ("plans_ahead"): a request
-    whose KV lands, or that arrives, while a step runs decodes, or is prefilled, a step later
-    than a loop that plans at the step's end. Off with pipeline stages or speculative decoding,
-    as for prefill; off on a colocated DeepEP instance too, whose extends' normal-mode dispatch
-    holds the host (not modelled there)."""
-    if role_name == "prefill":
-        return prefill_overlap_schedule(role, speculative_method)
+    (`pdsim.core.config.OVERLAP_SCHEDULES`), for both backends: each loop plans step k+1 while
+    step k runs ("plans_ahead"), so a request that arrives (or, on a decode instance, whose KV
+    lands) while a step runs is prefilled (decodes) a step later than a loop that plans at the
+    step's end. SGLang runs without it with pipeline stages (`_handle_pipeline_parallelism`,
+    which also picks `event_loop_pp_disagg_prefill`) and with speculative decoding
+    (`_handle_speculative_decoding`, before its opt-in v2). DeepEP's normal-mode dispatch
+    returns its per-expert token counts to the host (`num_recv_tokens_per_expert`, a list), so
+    the host waits in every MoE layer of an extend until the GPU gets there: a prefill instance
+    plans the next batch only as the forward ends, and takes up a batch's results
+    (`process_batch_result_disagg_prefill`: its first tokens and KV sends) only after
+    launching the next batch, which returns as that batch ends ("late_results"); a colocated
+    DeepEP instance runs without it (not modelled there)."""
     if role.pp > 1 or speculative_method != "none":
         return "off"
-    if role_name == "colocated" and role.moe_a2a == "deepep":
-        return "off"
+    if role.moe_a2a == "deepep" and role_name != "decode":
+        return "late_results" if role_name == "prefill" else "off"
     return "plans_ahead"
 
 
