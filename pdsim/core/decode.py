@@ -35,6 +35,8 @@ Queues, in the order a request passes them:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import deque
 
 from pdsim.core.batch import KVMove
@@ -68,6 +70,11 @@ class DecodeScheduler(InstanceScheduler):
         # still counts them in the running batch when it sizes the prebuilt merge (see
         # `_merge_prebuilt`); the plan after it has filtered them out.
         self._just_finished = 0
+        # What each request joining the batch (or staged for it) may need to finish, a
+        # max-heap of (-(prompt + min(max_new_tokens, 4,096)), push order, request) read by
+        # `_admission_headroom`; entries of requests that left are dropped as they surface.
+        self._needs: list[tuple[int, int, Request]] = []
+        self._pushes = itertools.count()
         # What the last scan of each queue saw (`_prealloc_due`); an unchanged epoch means a
         # rescan would find no endpoint changed (see KVManager.poll_epoch).
         self._prealloc_seen: tuple[int, tuple[int, ...]] | None = None
@@ -133,6 +140,15 @@ class DecodeScheduler(InstanceScheduler):
         return (not self.retracted and not self.staged and not self._kv_moves and not self._moving
                 and not self._prealloc_by_output) and (
             not self.prebuilt or len(self.running) >= self.config.max_running_requests)
+
+    def _start_decoding(self, req: Request, now: float) -> None:
+        super()._start_decoding(req, now)
+        if req in self.running.reqs:
+            self._note_need(req)
+
+    def _note_need(self, req: Request) -> None:
+        need = req.input_len + min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+        heapq.heappush(self._needs, (-need, next(self._pushes), req))
 
     def on_batch_done(self, batch, result, now: float) -> None:
         before = self.num_active
@@ -228,14 +244,14 @@ class DecodeScheduler(InstanceScheduler):
         still = []
         blocked = False
         self._prealloc_by_output = False
-        headroom = self._admission_headroom()
+        headroom = None  # read once a scan, when a request first reaches the test
         for req in self.prealloc:
             poll = req.receiver.poll()
             if poll is KVPoll.Failed:
                 self._fail(req, f"handshake failed: {req.receiver.failure_reason()}", now)
             elif blocked or poll is KVPoll.Bootstrapping:
                 still.append(req)
-            elif not self._preallocate(req, headroom):
+            elif not self._preallocate(req, headroom := headroom or self._admission_headroom()):
                 blocked = True  # first come, first served: later requests wait behind it
                 still.append(req)
             else:
@@ -253,12 +269,12 @@ class DecodeScheduler(InstanceScheduler):
         request and what the largest running request still needs to finish were all the others
         retracted (its prompt + min(max_new_tokens, 4,096) less the retractable tokens,
         `_allocatable_tokens`' need_space_for_single_req). [retractable, allocatable]."""
-        reqs = list(self.running.reqs) + self.staged
-        kv_len = self.running.kv_len
-        retractable = (sum(kv_len(r) + 1 for r in self.running.reqs)
+        needs, running = self._needs, self.running.reqs
+        while needs and needs[0][2] not in running and needs[0][2] not in self.staged:
+            heapq.heappop(needs)
+        retractable = (self.running.context_tokens + len(self.running)  # sum of kv_len + 1
                        + sum(r.input_len + r.num_output for r in self.staged))
-        single = (max(r.input_len + min(r.max_new_tokens, CLIP_MAX_NEW_TOKENS) for r in reqs)
-                  - retractable) if reqs else 0
+        single = -needs[0][0] - retractable if needs else 0
         reserve = max(self._reserved_tokens(), single)
         return [retractable, self.pool.free_tokens - reserve]
 
@@ -358,6 +374,7 @@ class DecodeScheduler(InstanceScheduler):
             stopped = req.output_ids and req.output_ids[-1] in req.stop_token_ids
             if staging and req.num_output < req.max_new_tokens and not stopped:
                 self.staged.append(req)
+                self._note_need(req)
                 self.held_back = True
             else:
                 self._start_decoding(req, now)
